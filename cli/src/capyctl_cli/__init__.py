@@ -1,0 +1,1 @@
+"""capyctl: the CapyCTL command line, and the launcher of its roles."""

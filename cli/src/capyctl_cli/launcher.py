@@ -1,0 +1,257 @@
+"""`capyctl start <role>`: run a role's processes under supervisord, in the foreground.
+
+The launcher holds the state dir's lock (and hands it to supervisord, so the lock lives as
+long as either does), writes the configurations, runs supervisord, echoes every process's
+log to its own output, and on SIGTERM or Ctrl-C stops everything within 30 s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO
+
+from capycommon.errors import StateDirInUse, ToolchainMissing
+from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
+from capycommon.service import bind
+from capycommon.settings import ENV_VARS, FLAGS, HostSettings, Role
+from capycommon.version import __version__
+from capyctl_cli import redisconf, supervisor
+from capyctl_cli.roles import PROCESSES, Prepared, service_command
+
+log = logging.getLogger("capyctl.launcher")
+
+STOP_DEADLINE_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+def acquire_lock(paths: StatePaths) -> int:
+    """Hold the state dir's role lock, or refuse naming the role that holds it."""
+    ensure_private_dir(paths.root)
+    ensure_private_dir(paths.run_dir)
+    fd = os.open(paths.role_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = _describe_holder(paths)
+        raise StateDirInUse(
+            f"{holder} already runs on the state dir {paths.root}; stop it first, or start "
+            "this one with another --state-dir"
+        ) from None
+    return fd
+
+
+def lock_is_held(paths: StatePaths) -> bool:
+    """Whether a role holds the state dir's lock right now (checked without keeping it)."""
+    try:
+        fd = os.open(paths.role_lock, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _describe_holder(paths: StatePaths) -> str:
+    try:
+        record = json.loads(paths.role_record.read_text())
+        return f"the {record['role']} role (pid {record['pid']})"
+    except (OSError, ValueError, KeyError):
+        return "another role"
+
+
+def child_environment(prepared: Prepared, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of supervisord and its processes: the caller's, plus every flag as
+    the variable of the same setting, so each service resolves exactly what the role did."""
+    child = dict(env)
+    by_path = {path: name for name, path in ENV_VARS.items()}
+    flagged = set(FLAGS.values())
+    for row in prepared.loaded.rows:
+        if row.source == "flag" and row.path in flagged:
+            child[by_path[row.path]] = str(row.value)
+    if prepared.loaded.settings.log.format == "auto":
+        child["CAPYCTL_LOG_FORMAT"] = "text" if sys.stdout.isatty() else "json"
+    child["PYTHONUNBUFFERED"] = "1"
+    return child
+
+
+def programs(role: Role, prepared: Prepared) -> list[supervisor.Program]:
+    result = []
+    for name in PROCESSES[role]:
+        if name == "redis":
+            server = shutil.which("redis-server")
+            if server is None:
+                raise ToolchainMissing(
+                    "redis-server is not installed; run `sudo apt-get install -y redis-server` "
+                    "(or scripts/setup as root)"
+                )
+            write_atomic(prepared.paths.redis_conf, redisconf.render(prepared.paths))
+            result.append(
+                supervisor.Program("redis", [server, str(prepared.paths.redis_conf)], 10, 10)
+            )
+        else:
+            result.append(supervisor.Program(name, service_command(name, role, prepared), 20, 8))
+    return result
+
+
+def check_listeners(prepared: Prepared) -> list[str]:
+    """Refuse to start when a listener's port is taken; returns the listen addresses."""
+    settings = prepared.loaded.settings
+    if isinstance(settings, HostSettings):
+        return []
+    addresses = [
+        settings.server.listeners.inference.bind,
+        settings.server.listeners.management.bind,
+    ]
+    for address in addresses:
+        bind(address).close()
+    return addresses
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) -> int:
+    """Run the role until SIGTERM or Ctrl-C; returns the exit code."""
+    paths = prepared.paths
+    check_listeners(prepared)
+    progs = programs(role, prepared)
+    write_atomic(paths.supervisord_conf, supervisor.render(role, paths, progs))
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop.set())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.supervisord", "-c", str(paths.supervisord_conf)],
+        env=child_environment(prepared, env),
+        stdin=subprocess.DEVNULL,
+        pass_fds=(lock_fd,),
+        start_new_session=True,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run yet
+    )
+    _write_record(role, prepared, proc.pid)
+    follower = LogFollower([supervisor.log_file(paths, p.name) for p in progs], sys.stdout)
+    follower.start()
+    log.info(
+        "%s role running", role, extra={"state_dir": str(paths.root), "supervisord_pid": proc.pid}
+    )
+    try:
+        while proc.poll() is None and not stop.is_set():
+            stop.wait(0.2)
+        if proc.poll() is not None:
+            log.error("supervisord exited with code %s; see %s", proc.returncode, paths.logs_dir)
+            return 13
+        log.info("stopping the %s role", role)
+        return _stop(proc)
+    finally:
+        follower.stop()
+        paths.role_record.unlink(missing_ok=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_DEADLINE_S - 2)
+    except subprocess.TimeoutExpired:
+        log.error("supervisord did not stop within %.0f s; killing it", STOP_DEADLINE_S)
+        proc.kill()
+        proc.wait()
+        return 13
+    log.info("stopped")
+    return 0
+
+
+def _write_record(role: Role, prepared: Prepared, supervisord_pid: int) -> None:
+    settings = prepared.loaded.settings
+    record: dict[str, object] = {
+        "role": role,
+        "version": __version__,
+        "pid": os.getpid(),
+        "supervisord_pid": supervisord_pid,
+        "started_at": time.time(),
+        "state_dir": str(prepared.paths.root),
+        "document": str(prepared.loaded.document) if prepared.loaded.document else None,
+        "processes": list(PROCESSES[role]),
+        "redis_url": settings.redis.url or prepared.paths.redis_url,
+        "host": getattr(getattr(settings, "host", None), "name", None),
+        "listeners": {},
+    }
+    if not isinstance(settings, HostSettings):
+        record["listeners"] = {
+            "inference": settings.server.listeners.inference.bind,
+            "management": settings.server.listeners.management.bind,
+        }
+    write_atomic(prepared.paths.role_record, json.dumps(record, indent=2))
+
+
+class LogFollower:
+    """Echo the lines appended to each process's log file onto one stream."""
+
+    def __init__(self, files: list[Path], out: IO[str]) -> None:
+        self.files = files
+        self.out = out
+        self.offsets = {path: path.stat().st_size if path.exists() else 0 for path in files}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="log-follower", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._poll()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._poll()
+
+    def _poll(self) -> None:
+        for path in self.files:
+            try:
+                size = path.stat().st_size
+                if size < self.offsets[path]:  # rotated
+                    self.offsets[path] = 0
+                if size == self.offsets[path]:
+                    continue
+                with path.open("rb") as handle:
+                    handle.seek(self.offsets[path])
+                    chunk = handle.read(size - self.offsets[path])
+            except OSError:
+                continue
+            complete = chunk.rfind(b"\n") + 1
+            self.offsets[path] += complete
+            if complete:
+                try:
+                    self.out.write(chunk[:complete].decode("utf-8", "replace"))
+                    self.out.flush()
+                except (OSError, ValueError):
+                    return
+
+
+def start(
+    role: Role, prepare: Callable[[], Prepared], env: Mapping[str, str], paths: StatePaths
+) -> int:
+    """Lock the state dir, then prepare it and run the role while holding the lock."""
+    lock_fd = acquire_lock(paths)
+    try:
+        return run(role, prepare(), lock_fd, env)
+    finally:
+        os.close(lock_fd)

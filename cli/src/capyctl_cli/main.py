@@ -1,0 +1,314 @@
+"""The `capyctl` command line."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from capycommon import logs
+from capycommon.errors import CapyError, InvalidConfig
+from capycommon.paths import StatePaths, resolve_state_dir
+from capycommon.settings import Role, load_settings, locate_document
+from capycommon.version import __version__
+from capyctl_cli import launcher, output, roles
+from capyctl_cli import status as status_cmd
+
+app = typer.Typer(
+    name="capyctl",
+    help="CapyCTL: your models on your GPUs, behind one OpenAI-compatible endpoint.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+start_app = typer.Typer(help="Run a role in the foreground.", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect settings.", no_args_is_help=True)
+app.add_typer(start_app, name="start")
+app.add_typer(config_app, name="config")
+
+StateDirOpt = Annotated[
+    str | None,
+    typer.Option("--state-dir", help="State dir (CAPYCTL_STATE_DIR).", show_default=False),
+]
+ConfigOpt = Annotated[
+    str | None, typer.Option("--config", help="Role document (CAPYCTL_CONFIG).", show_default=False)
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")]
+ListenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--listen",
+        help="Inference listener ADDR:PORT (CAPYCTL_INFERENCE_ADDR).",
+        show_default=False,
+    ),
+]
+ManagementOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--management-listen",
+        help="Management listener, loopback ADDR:PORT (CAPYCTL_MANAGEMENT_ADDR).",
+        show_default=False,
+    ),
+]
+HostNameOpt = Annotated[
+    str | None,
+    typer.Option("--host-name", help="This host's name (CAPYCTL_HOST_NAME).", show_default=False),
+]
+ModelsRootOpt = Annotated[
+    str | None,
+    typer.Option("--models-root", help="Models folder (CAPYCTL_MODELS_ROOT).", show_default=False),
+]
+EnginePortsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--engine-ports",
+        help="Engine port range START-END (CAPYCTL_ENGINE_PORTS).",
+        show_default=False,
+    ),
+]
+LogLevelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--log-level", help="debug|info|warning|error (CAPYCTL_LOG_LEVEL).", show_default=False
+    ),
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def expected_errors(fn: F) -> F:
+    """Print a CapyError as one line (or JSON) and exit with its code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CapyError as exc:
+            output.error(
+                exc, as_json=kwargs.get("as_json", False), debug=kwargs.get("debug", False)
+            )
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"capyctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """CapyCTL: your models on your GPUs, behind one OpenAI-compatible endpoint."""
+
+
+def _role_flags(**values: str | None) -> dict[str, str | None]:
+    return {f"--{name.replace('_', '-')}": value for name, value in values.items()}
+
+
+def _start(
+    role: Role, state_dir: str | None, config: str | None, flags: dict[str, str | None]
+) -> None:
+    env = dict(os.environ)
+    root_dir, _ = resolve_state_dir(state_dir, env)
+    paths = StatePaths(root_dir)
+    logs.configure("capyctl", stream=sys.stdout)
+    code = launcher.start(
+        role, lambda: roles.prepare(role, root_dir, config, env, flags), env, paths
+    )
+    raise typer.Exit(code)
+
+
+@start_app.command("standalone")
+@expected_errors
+def start_standalone(
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    listen: ListenOpt = None,
+    management_listen: ManagementOpt = None,
+    host_name: HostNameOpt = None,
+    models_root: ModelsRootOpt = None,
+    engine_ports: EnginePortsOpt = None,
+    log_level: LogLevelOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Run everything on this machine: redis, router, scheduler, hostd and memwatch."""
+    flags = _role_flags(
+        listen=listen,
+        management_listen=management_listen,
+        host_name=host_name,
+        models_root=models_root,
+        engine_ports=engine_ports,
+        log_level=log_level,
+    )
+    _start("standalone", state_dir, config, flags)
+
+
+@start_app.command("server")
+@expected_errors
+def start_server(
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    listen: ListenOpt = None,
+    management_listen: ManagementOpt = None,
+    log_level: LogLevelOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Run the control plane: redis, router and scheduler."""
+    flags = _role_flags(listen=listen, management_listen=management_listen, log_level=log_level)
+    _start("server", state_dir, config, flags)
+
+
+@start_app.command("host")
+@expected_errors
+def start_host(
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    host_name: HostNameOpt = None,
+    models_root: ModelsRootOpt = None,
+    engine_ports: EnginePortsOpt = None,
+    log_level: LogLevelOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Run a GPU host's agents: hostd and memwatch, joined to a server's Redis."""
+    flags = _role_flags(
+        host_name=host_name, models_root=models_root, engine_ports=engine_ports, log_level=log_level
+    )
+    _start("host", state_dir, config, flags)
+
+
+RoleArg = Annotated[str, typer.Argument(help="standalone, server or host.")]
+
+
+def _role(value: str) -> Role:
+    if value not in ("standalone", "server", "host"):
+        raise InvalidConfig(f"unknown role {value!r}; use standalone, server or host")
+    return value  # type: ignore[return-value]
+
+
+@app.command("init")
+@expected_errors
+def init(
+    role: RoleArg,
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Prepare a state dir for a role: folders, the role document and credentials."""
+    env = dict(os.environ)
+    root_dir, _ = resolve_state_dir(state_dir, env)
+    prepared = roles.prepare(_role(role), root_dir, config, env, {})
+    result = {
+        "role": role,
+        "state_dir": str(prepared.paths.root),
+        "document": str(prepared.loaded.document) if prepared.loaded.document else None,
+        "credentials": str(prepared.paths.credentials) if prepared.credentials else None,
+    }
+    if as_json:
+        output.emit_json(result)
+    else:
+        print(f"Prepared the {role} role.")
+        print(output.pairs(list(result.items())))
+
+
+@app.command("run", hidden=True)
+@expected_errors
+def run_process(
+    process: Annotated[str, typer.Argument(help="redis, router, scheduler, hostd or memwatch.")],
+    role: Annotated[str, typer.Option("--role", help="standalone, server or host.")] = "standalone",
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Run one process of a role in the foreground (for systemd units and containers)."""
+    env = dict(os.environ)
+    root_dir, _ = resolve_state_dir(state_dir, env)
+    chosen = _role(role)
+    if process not in roles.PROCESSES[chosen]:
+        choices = ", ".join(roles.PROCESSES[chosen])
+        raise InvalidConfig(f"the {role} role has no process {process!r}; use one of {choices}")
+    prepared = roles.prepare(chosen, root_dir, config, env, {})
+    argv = launcher.programs(chosen, prepared)
+    program = next(p for p in argv if p.name == process)
+    sys.stdout.flush()
+    os.execv(program.argv[0], program.argv)  # noqa: S606 - a fixed argv, no shell
+
+
+@config_app.command("show")
+@expected_errors
+def config_show(
+    role: Annotated[str, typer.Option("--role", help="standalone, server or host.")] = "standalone",
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    listen: ListenOpt = None,
+    management_listen: ManagementOpt = None,
+    host_name: HostNameOpt = None,
+    models_root: ModelsRootOpt = None,
+    engine_ports: EnginePortsOpt = None,
+    log_level: LogLevelOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Print every setting, its value and where it came from; never asks a running role."""
+    env = dict(os.environ)
+    chosen = _role(role)
+    root_dir, state_source = resolve_state_dir(state_dir, env)
+    document = locate_document(config, env, StatePaths(root_dir).role_document(chosen))
+    flags = _role_flags(
+        listen=listen,
+        management_listen=management_listen,
+        host_name=host_name,
+        models_root=models_root,
+        engine_ports=engine_ports,
+        log_level=log_level,
+    )
+    loaded = load_settings(chosen, document=document, env=env, flags=flags)
+    rows = [("state_dir", str(root_dir), state_source)]
+    rows += [(row.path, row.value, row.source) for row in loaded.rows]
+    if as_json:
+        output.emit_json(
+            {
+                "role": chosen,
+                "document": str(document) if document else None,
+                "settings": [{"path": p, "value": v, "source": s} for p, v, s in rows],
+            }
+        )
+        return
+    print(f"role {chosen}; document {document or '(none)'}")
+    print(output.table(["SETTING", "VALUE", "SOURCE"], rows))
+
+
+@app.command("status")
+@expected_errors
+def status(
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Show the role running on the state dir: its processes, listeners and state dir."""
+    env = dict(os.environ)
+    root_dir, _ = resolve_state_dir(state_dir, env)
+    report = status_cmd.collect(StatePaths(root_dir))
+    if as_json:
+        output.emit_json(report.model_dump(mode="json"))
+    else:
+        print(status_cmd.render(report))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The inference API key and the management admin token of a role.
+
+They live in `<state>/identity/credentials`, a YAML file with `api_key` and `admin_token`,
+owner-only. A file that cannot be trusted refuses the start: there is no fallback key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from capycommon.errors import CredentialsUnusable
+from capycommon.paths import ensure_private_dir, write_atomic
+
+TOKEN_PATTERN = re.compile(r"[A-Za-z0-9._~+/=-]{32,256}")
+FIELDS = ("api_key", "admin_token")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    api_key: str = field(repr=False)
+    admin_token: str = field(repr=False)
+
+
+def generate() -> Credentials:
+    """Two distinct random 256-bit values."""
+    return Credentials(api_key=secrets.token_urlsafe(32), admin_token=secrets.token_urlsafe(32))
+
+
+def ensure(path: Path) -> Credentials:
+    """Load the credentials at `path`, generating them on first start."""
+    ensure_private_dir(path.parent)
+    if not path.exists() and not path.is_symlink():
+        created = generate()
+        text = "".join(f"{name}: {getattr(created, name)}\n" for name in FIELDS)
+        write_atomic(path, text, mode=0o600)
+    return load(path)
+
+
+def load(path: Path) -> Credentials:
+    """Read and check the credentials file; any doubt refuses."""
+    fix_mode = f"run `chmod 600 {path}`"
+    regenerate = f"delete {path} to generate new credentials, or restore a good copy"
+    try:
+        info = path.stat()
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CredentialsUnusable(
+            f"{path} does not exist; start the role once to create it"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise CredentialsUnusable(f"cannot read {path}: {reason}; {regenerate}") from None
+    if info.st_uid != os.getuid():
+        raise CredentialsUnusable(
+            f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}); "
+            f"run `chown {os.getuid()} {path}`"
+        )
+    mode = info.st_mode & 0o777
+    if mode & 0o077:
+        raise CredentialsUnusable(
+            f"{path} is readable or writable by group or others (mode {mode:04o}); {fix_mode}"
+        )
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if not isinstance(data, dict) or set(data) != set(FIELDS):
+        raise CredentialsUnusable(
+            f"{path} must hold exactly the keys api_key and admin_token; {regenerate}"
+        )
+    for name in FIELDS:
+        value = data[name]
+        if not isinstance(value, str) or not TOKEN_PATTERN.fullmatch(value):
+            raise CredentialsUnusable(
+                f"{name} in {path} must be 32-256 characters of [A-Za-z0-9._~+/=-]; {regenerate}"
+            )
+    if data["api_key"] == data["admin_token"]:
+        raise CredentialsUnusable(f"api_key and admin_token in {path} are equal; {regenerate}")
+    return Credentials(api_key=data["api_key"], admin_token=data["admin_token"])

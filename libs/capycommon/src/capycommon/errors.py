@@ -1,0 +1,129 @@
+"""One error tree for CapyCTL.
+
+Every expected failure is a `CapyError` with a stable string code. Codes map to CLI exit
+codes and HTTP statuses here, and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class CapyError(Exception):
+    """An expected failure with a stable code and a message that names the fix."""
+
+    code: ClassVar[str] = "internal"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code  # type: ignore[misc]
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code_for(self.code)
+
+    @property
+    def http_status(self) -> int:
+        return http_status_for(self.code)
+
+
+class InvalidConfig(CapyError):
+    code = "invalid_config"
+
+
+class CredentialsUnusable(CapyError):
+    code = "credentials_unusable"
+
+
+class Unauthenticated(CapyError):
+    code = "unauthenticated"
+
+
+class NotFound(CapyError):
+    code = "not_found"
+
+
+class ToolchainMissing(CapyError):
+    code = "toolchain_missing"
+
+
+class ServicePortInUse(CapyError):
+    code = "service_port_in_use"
+
+
+class StateDirInUse(CapyError):
+    code = "state_dir_in_use"
+
+
+class RoleNotRunning(CapyError):
+    code = "role_not_running"
+
+
+class RedisUnreachable(CapyError):
+    code = "redis_unreachable"
+
+
+# CLI exit codes. A code carrying a suffix (`engine_env_reserved:<name>`) maps by its stem.
+_EXIT_CODES: dict[str, int] = {
+    "invalid_config": 2,
+    "credentials_unusable": 2,
+    "not_found": 2,
+    "engine_env_reserved": 2,
+    "unauthenticated": 3,
+    "unauthorized": 3,
+    "insufficient_resources": 4,
+    "device_unobserved": 4,
+    "service_port_in_use": 4,
+    "capacity_blocked": 4,
+    "unsupported": 5,
+    "capability_missing": 5,
+    "host_backed_unavailable": 5,
+    "activation_timeout": 10,
+    "internal": 13,
+    "launch_failed": 13,
+    "host_revoked": 14,
+    "host_ineligible": 15,
+    "engine_not_found": 16,
+    "engine_unsupported": 17,
+    "engine_version_failed": 18,
+    "profile_exists": 19,
+    "profile_in_use": 20,
+    "agent_unreachable": 22,
+    "redis_unreachable": 22,
+    "still_stopping": 25,
+    "toolchain_missing": 26,
+    "role_not_running": 27,
+    "state_dir_in_use": 28,
+}
+
+_HTTP_STATUSES: dict[str, int] = {
+    "invalid_config": 400,
+    "invalid_request": 400,
+    "unauthenticated": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "unknown_model": 404,
+    "deployment_stopped": 409,
+    "body_too_large": 413,
+    "queue_full": 429,
+    "internal": 500,
+    "engine_error": 500,
+    "unavailable": 503,
+    "redis_unreachable": 503,
+}
+
+
+def _stem(code: str) -> str:
+    return code.split(":", 1)[0]
+
+
+def exit_code_for(code: str) -> int:
+    """The CLI exit code of an error code; unknown codes are internal errors (13)."""
+    return _EXIT_CODES.get(_stem(code), 13)
+
+
+def http_status_for(code: str) -> int:
+    """The HTTP status of an error code; unknown codes are internal errors (500)."""
+    return _HTTP_STATUSES.get(_stem(code), 500)

@@ -1,0 +1,128 @@
+"""Where a role keeps its state, and the file-system helpers that keep it private."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from capycommon.errors import InvalidConfig
+
+# A unix socket path longer than this does not fit in sockaddr_un on Linux.
+MAX_SOCKET_PATH = 107
+
+
+def default_state_dir(env: Mapping[str, str]) -> Path:
+    """`$XDG_STATE_HOME/capyctl`, else `~/.local/state/capyctl`."""
+    xdg = env.get("XDG_STATE_HOME", "")
+    if xdg:
+        return Path(xdg) / "capyctl"
+    return Path.home() / ".local" / "state" / "capyctl"
+
+
+def resolve_state_dir(flag: str | None, env: Mapping[str, str]) -> tuple[Path, str]:
+    """The state dir and who chose it: `flag`, `env` or `default`."""
+    if flag:
+        return Path(flag).expanduser().absolute(), "flag"
+    if env.get("CAPYCTL_STATE_DIR"):
+        return Path(env["CAPYCTL_STATE_DIR"]).expanduser().absolute(), "env"
+    return default_state_dir(env), "default"
+
+
+@dataclass(frozen=True)
+class StatePaths:
+    """Every path under a role's state dir. Nothing else spells these names."""
+
+    root: Path
+
+    @property
+    def config_dir(self) -> Path:
+        return self.root / "config"
+
+    def role_document(self, role: str) -> Path:
+        return self.config_dir / f"{role}.yaml"
+
+    @property
+    def identity_dir(self) -> Path:
+        return self.root / "identity"
+
+    @property
+    def credentials(self) -> Path:
+        return self.identity_dir / "credentials"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def role_lock(self) -> Path:
+        return self.run_dir / "role.lock"
+
+    @property
+    def role_record(self) -> Path:
+        return self.run_dir / "role.json"
+
+    @property
+    def supervisord_conf(self) -> Path:
+        return self.run_dir / "supervisord.conf"
+
+    @property
+    def supervisor_socket(self) -> Path:
+        return self.run_dir / "supervisor.sock"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.root / "redis"
+
+    @property
+    def redis_conf(self) -> Path:
+        return self.redis_dir / "redis.conf"
+
+    @property
+    def redis_socket(self) -> Path:
+        return self.redis_dir / "redis.sock"
+
+    @property
+    def redis_url(self) -> str:
+        return f"unix://{self.redis_socket}"
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create `path` (and parents) owner-only; refuse one that others may write to."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o022:
+        raise InvalidConfig(
+            f"{path} is writable by group or others (mode {mode:04o}); "
+            f"run `chmod 700 {path}` and start again"
+        )
+
+
+def write_atomic(path: Path, data: str, mode: int = 0o600) -> None:
+    """Write `data` to `path` through a temporary file and a rename, with `mode`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_socket_path(path: Path) -> None:
+    """Refuse a unix socket path the kernel cannot bind."""
+    if len(str(path)) > MAX_SOCKET_PATH:
+        raise InvalidConfig(
+            f"the socket path {path} is {len(str(path))} characters, over the limit of "
+            f"{MAX_SOCKET_PATH}; choose a shorter state dir (--state-dir)"
+        )

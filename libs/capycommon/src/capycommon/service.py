@@ -1,0 +1,232 @@
+"""The life of one CapyCTL service process.
+
+Each service's main() calls `run`: parse the common arguments, build the settings once,
+configure logging, reach Redis (or exit non-zero saying why), keep a heartbeat, run the
+service's own work, and stop cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import uvicorn
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from capycommon import heartbeats, logs
+from capycommon.errors import CapyError, RedisUnreachable, ServicePortInUse
+from capycommon.heartbeats import Heartbeat
+from capycommon.paths import StatePaths, resolve_state_dir
+from capycommon.settings import (
+    ROLES,
+    AnySettings,
+    Role,
+    host_name,
+    load_settings,
+    locate_document,
+    redis_url,
+    split_address,
+)
+from capycommon.version import __version__
+
+log = logging.getLogger(__name__)
+
+# How long a service keeps trying to reach Redis before it exits non-zero.
+REDIS_DEADLINE_S = 10.0
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class ServiceContext:
+    name: str
+    role: Role
+    settings: AnySettings
+    paths: StatePaths
+    host: str | None
+    redis: aioredis.Redis
+    stop: asyncio.Event
+
+
+Body = Callable[[ServiceContext], Coroutine[Any, Any, None]]
+
+
+def parse_args(name: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"capyctl-{name}", description=f"CapyCTL {name}")
+    parser.add_argument("--role", choices=ROLES, required=True)
+    parser.add_argument("--state-dir", help="the role's state dir (CAPYCTL_STATE_DIR)")
+    parser.add_argument("--config", help="the role document (CAPYCTL_CONFIG)")
+    return parser.parse_args(argv)
+
+
+def run(name: str, body: Body | None, argv: Sequence[str] | None = None) -> int:
+    """Run service `name` until it is told to stop; returns the process exit code."""
+    args = parse_args(name, argv)
+    env = dict(os.environ)
+    try:
+        state_dir, _ = resolve_state_dir(args.state_dir, env)
+        paths = StatePaths(state_dir)
+        document = locate_document(args.config, env, paths.role_document(args.role))
+        settings = load_settings(args.role, document=document, env=env).settings
+    except CapyError as exc:
+        logs.configure(name)
+        log.error("error [%s]: %s", exc.code, exc.message)
+        return exc.exit_code
+    logs.configure(name, settings.log.level, settings.log.format)
+    try:
+        return asyncio.run(_serve(name, args.role, settings, paths, body))
+    except CapyError as exc:
+        log.error("error [%s]: %s", exc.code, exc.message)
+        return exc.exit_code
+
+
+async def _serve(
+    name: str, role: Role, settings: AnySettings, paths: StatePaths, body: Body | None
+) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    url = redis_url(settings, paths.redis_url)
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        await _reach_redis(client, url, stop)
+        if stop.is_set():
+            return 0
+        ctx = ServiceContext(name, role, settings, paths, host_name(settings), client, stop)
+        log.info("started", extra={"pid": os.getpid(), "version": __version__, "redis": url})
+        return await _supervise(ctx, body)
+    finally:
+        await client.aclose()
+
+
+async def _reach_redis(client: aioredis.Redis, url: str, stop: asyncio.Event) -> None:
+    deadline = time.monotonic() + REDIS_DEADLINE_S
+    while True:
+        try:
+            await client.ping()
+            return
+        except REDIS_ERRORS as exc:
+            if time.monotonic() >= deadline:
+                raise RedisUnreachable(
+                    f"cannot reach Redis at {url} after {REDIS_DEADLINE_S:.0f} s ({exc}); "
+                    "is the role's redis-server running?"
+                ) from None
+        if await _wait(stop, 0.25):
+            return
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for `event`; True if it is set."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+async def _supervise(ctx: ServiceContext, body: Body | None) -> int:
+    tasks = [asyncio.create_task(_keep_heartbeat(ctx), name="heartbeat")]
+    if body is not None:
+        tasks.append(asyncio.create_task(body(ctx), name=ctx.name))
+    stopper = asyncio.create_task(ctx.stop.wait(), name="stop")
+    done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    ctx.stop.set()
+    failure: BaseException | None = None
+    for task in done:
+        if task is not stopper and task.exception() is not None:
+            failure = task.exception()
+    for task in tasks:
+        if not task.done():
+            try:
+                await asyncio.wait_for(task, 10)
+            except TimeoutError:
+                log.warning("task %s did not stop within 10 s", task.get_name())
+    with suppress(*REDIS_ERRORS):
+        await heartbeats.clear(ctx.redis, ctx.host or "", ctx.name, os.getpid())
+    if failure is not None:
+        raise failure
+    log.info("stopped")
+    return 0
+
+
+async def _keep_heartbeat(ctx: ServiceContext) -> None:
+    started_at = time.time()
+    lost_since: float | None = None
+    while not ctx.stop.is_set():
+        beat = Heartbeat(
+            service=ctx.name,
+            pid=os.getpid(),
+            version=__version__,
+            started_at=started_at,
+            last_seen=time.time(),
+        )
+        try:
+            await heartbeats.beat(ctx.redis, ctx.host or "", beat)
+            if lost_since is not None:
+                log.info(
+                    "reconnected to Redis", extra={"after_s": round(time.time() - lost_since, 1)}
+                )
+                lost_since = None
+        except REDIS_ERRORS as exc:
+            if lost_since is None:
+                lost_since = time.time()
+                log.warning("lost Redis; reconnecting", extra={"error": str(exc)})
+            elif time.time() - lost_since > REDIS_DEADLINE_S:
+                raise RedisUnreachable(
+                    f"Redis unreachable for {REDIS_DEADLINE_S:.0f} s ({exc}); exiting so the "
+                    "supervisor restarts this service"
+                ) from None
+        await _wait(ctx.stop, heartbeats.INTERVAL_S if lost_since is None else 0.5)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the service decides when to stop."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind(address: str) -> socket.socket:
+    """A listening TCP socket on `address`, or a clear error naming the port."""
+    host, port = split_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServicePortInUse(
+            f"cannot listen on {address}: {exc.strerror}; free the port or choose another",
+            code=f"service_port_in_use:{port}",
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve_http(app: Any, address: str, stop: asyncio.Event) -> None:
+    """Serve an ASGI app on `address` until `stop` is set."""
+    sock = bind(address)
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+    server = _Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    log.info("listening", extra={"address": address})
+    await asyncio.wait(
+        [serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED
+    )
+    server.should_exit = True
+    await serving
+    sock.close()

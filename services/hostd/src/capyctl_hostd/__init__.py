@@ -1,0 +1,1 @@
+"""CapyCTL hostd: the only component that starts, parks, wakes and stops engines on its host."""

@@ -1,0 +1,1 @@
+"""CapyCTL memwatch: the only component that measures memory on its host."""

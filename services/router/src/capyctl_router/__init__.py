@@ -1,0 +1,1 @@
+"""CapyCTL router: the OpenAI-compatible endpoint in front of every deployment."""

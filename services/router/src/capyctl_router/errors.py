@@ -1,0 +1,22 @@
+"""Errors on the inference API, in the OpenAI error envelope."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from capycommon.errors import CapyError
+
+_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def envelope(status: int, code: str, message: str) -> JSONResponse:
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def capy_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, CapyError)
+    return envelope(exc.http_status, exc.code, exc.message)

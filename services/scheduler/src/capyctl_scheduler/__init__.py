@@ -1,0 +1,1 @@
+"""CapyCTL scheduler: the one place that decides, and the management API."""
