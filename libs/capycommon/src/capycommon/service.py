@@ -42,8 +42,6 @@ from capycommon.version import __version__
 
 log = logging.getLogger(__name__)
 
-# How long a service keeps trying to reach Redis before it exits non-zero.
-REDIS_DEADLINE_S = 10.0
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
@@ -100,7 +98,7 @@ async def _serve(
     url = redis_url(settings, paths.redis_url)
     client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
     try:
-        await _reach_redis(client, url, stop)
+        await _reach_redis(client, url, settings.redis.unreachable_after, stop)
         if stop.is_set():
             return 0
         ctx = ServiceContext(name, role, settings, paths, host_name(settings), client, stop)
@@ -110,8 +108,10 @@ async def _serve(
         await client.aclose()
 
 
-async def _reach_redis(client: aioredis.Redis, url: str, stop: asyncio.Event) -> None:
-    deadline = time.monotonic() + REDIS_DEADLINE_S
+async def _reach_redis(
+    client: aioredis.Redis, url: str, patience: float, stop: asyncio.Event
+) -> None:
+    deadline = time.monotonic() + patience
     while True:
         try:
             await client.ping()
@@ -119,7 +119,7 @@ async def _reach_redis(client: aioredis.Redis, url: str, stop: asyncio.Event) ->
         except REDIS_ERRORS as exc:
             if time.monotonic() >= deadline:
                 raise RedisUnreachable(
-                    f"cannot reach Redis at {url} after {REDIS_DEADLINE_S:.0f} s ({exc}); "
+                    f"cannot reach Redis at {url} after {patience:g} s ({exc}); "
                     "is the role's redis-server running?"
                 ) from None
         if await _wait(stop, 0.25):
@@ -162,6 +162,7 @@ async def _supervise(ctx: ServiceContext, body: Body | None) -> int:
 
 async def _keep_heartbeat(ctx: ServiceContext) -> None:
     started_at = time.time()
+    patience = ctx.settings.redis.unreachable_after
     lost_since: float | None = None
     while not ctx.stop.is_set():
         beat = Heartbeat(
@@ -182,9 +183,9 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
             if lost_since is None:
                 lost_since = time.time()
                 log.warning("lost Redis; reconnecting", extra={"error": str(exc)})
-            elif time.time() - lost_since > REDIS_DEADLINE_S:
+            elif time.time() - lost_since > patience:
                 raise RedisUnreachable(
-                    f"Redis unreachable for {REDIS_DEADLINE_S:.0f} s ({exc}); exiting so the "
+                    f"Redis unreachable for {patience:g} s ({exc}); exiting so the "
                     "supervisor restarts this service"
                 ) from None
         await _wait(ctx.stop, heartbeats.INTERVAL_S if lost_since is None else 0.5)

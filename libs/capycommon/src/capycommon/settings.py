@@ -118,7 +118,9 @@ class ServerSection(Strict):
 
 class HostSection(Strict):
     name: HostName = "local"
-    models_root: Path = Field(default_factory=lambda: Path.home() / "models")
+    models_root: Annotated[Path, AfterValidator(lambda p: p.expanduser())] = Field(
+        default_factory=lambda: Path.home() / "models"
+    )
     engine_ports: PortRange = "8100-8199"
 
 
@@ -130,6 +132,8 @@ class LogSection(Strict):
 class RedisSection(Strict):
     # None: the role's own redis-server on a unix socket in the state dir.
     url: RedisUrl = None
+    # Seconds a service keeps trying to reach Redis before it exits non-zero.
+    unreachable_after: float = Field(default=10.0, gt=0, le=300)
 
 
 class RoleSettings(BaseSettings):
@@ -218,13 +222,14 @@ class Layer:
         self.origins[path] = origin
 
     def origin_of(self, path: str) -> str | None:
-        """Who stated `path`, or the nearest enclosing path that was stated."""
+        """Who stated `path`, a path enclosing it, or a path inside it."""
         parts = path.split(".")
         for end in range(len(parts), 0, -1):
             origin = self.origins.get(".".join(parts[:end]))
             if origin is not None:
                 return origin
-        return None
+        inside = f"{path}."
+        return next((o for p, o in self.origins.items() if p.startswith(inside)), None)
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,8 @@ class LoadedSettings:
 
 
 def role_paths(role: Role) -> frozenset[str]:
-    return frozenset(path for path, _ in _leaves(MODELS[role]().model_dump(mode="json")))
+    defaults = MODELS[role]().model_dump(mode="json", exclude={"kind"})
+    return frozenset(path for path, _ in _leaves(defaults))
 
 
 def flag_layer(role: Role, flags: Mapping[str, str | None]) -> Layer:
@@ -320,7 +326,7 @@ def yaml_layer(role: Role, path: Path | None) -> Layer:
     if kind != role:
         raise InvalidConfig(f"{path} is a {kind!r} document; the {role} role needs kind: {role}")
     for dotted, value in _leaves(document):
-        layer.put(dotted, value, f"{path}: {dotted}")
+        layer.put(dotted, value, str(path))
     return layer
 
 
@@ -360,7 +366,7 @@ def load_settings(
     except ValidationError as exc:
         raise InvalidConfig(_explain(exc, layers)) from None
     rows = []
-    for path, value in _leaves(settings.model_dump(mode="json")):
+    for path, value in _leaves(settings.model_dump(mode="json", exclude={"kind"})):
         source = next((layer.source for layer in layers if path in layer.origins), "default")
         rows.append(SettingRow(path, value, source))
     return LoadedSettings(role, settings, document, tuple(rows))
@@ -370,14 +376,16 @@ def _explain(exc: ValidationError, layers: list[Layer]) -> str:
     problems = []
     for error in exc.errors():
         path = ".".join(str(part) for part in error["loc"])
-        origin = next(
-            (found for layer in layers if (found := layer.origin_of(path)) is not None),
-            "the defaults",
+        layer, origin = next(
+            ((layer, found) for layer in layers if (found := layer.origin_of(path)) is not None),
+            (None, "a default"),
         )
+        reason = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             problems.append(f"{origin}: unknown key {path!r}; remove it or correct its spelling")
+        elif layer is not None and layer.source == "yaml":
+            problems.append(f"{origin}: {path} = {error['input']!r}: {reason}")
         else:
-            reason = error["msg"].removeprefix("Value error, ")
             problems.append(f"{origin} sets {path} to {error['input']!r}: {reason}")
     return "; ".join(problems)
 

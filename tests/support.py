@@ -1,0 +1,186 @@
+"""Helpers for tests that run real processes: waiting on conditions, running roles."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+BIN = Path(sys.executable).parent
+CAPYCTL = str(BIN / "capyctl")
+SERVICES = ("router", "scheduler", "hostd", "memwatch")
+
+
+def wait_for(
+    condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1
+) -> T:
+    """Poll `condition` until it returns something truthy; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def short_dir(prefix: str = "capy") -> Path:
+    """A short temporary folder: unix socket paths must stay under 108 bytes."""
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The caller's environment without any CAPYCTL_* variable, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    env.update(extra)
+    return env
+
+
+def capyctl(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CAPYCTL, *args],
+        capture_output=True,
+        text=True,
+        env=env if env is not None else clean_env(),
+        timeout=timeout,
+        check=False,
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; it only waits to be reaped.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions `text` (used to prove nothing was left behind)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and pid_alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class Role:
+    """A `capyctl start <role>` process under test."""
+
+    role: str
+    state_dir: Path
+    inference: str
+    management: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def capyctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return capyctl(*args, "--state-dir", str(self.state_dir), env=self.env)
+
+    def status(self) -> dict[str, Any]:
+        result = self.capyctl("status", "--json")
+        assert result.returncode == 0, result.stderr
+        data: dict[str, Any] = json.loads(result.stdout)
+        return data
+
+    def processes(self) -> dict[str, dict[str, Any]]:
+        return {p["name"]: p for p in self.status()["processes"]}
+
+    def credentials(self) -> dict[str, str]:
+        data: dict[str, str] = yaml.safe_load(
+            (self.state_dir / "identity" / "credentials").read_text()
+        )
+        return data
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def healthy(self) -> bool:
+        """Every process RUNNING and every service's heartbeat written by its current pid."""
+        try:
+            procs = self.processes()
+        except AssertionError:
+            return False
+        expected = {"standalone": ("redis", *SERVICES), "server": ("redis", "router", "scheduler")}
+        for name in expected[self.role]:
+            proc = procs.get(name)
+            if proc is None or proc["state"] != "RUNNING":
+                return False
+            if name != "redis" and proc["heartbeat_pid"] != proc["pid"]:
+                return False
+        return True
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_role(
+    role: str = "standalone", state_dir: Path | None = None, extra: Sequence[str] = ()
+) -> Role:
+    state = state_dir or short_dir() / "state"
+    inference = f"127.0.0.1:{free_port()}"
+    management = f"127.0.0.1:{free_port()}"
+    log_path = state.parent / f"{role}.out"
+    env = clean_env()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                CAPYCTL, "start", role, "--state-dir", str(state),
+                "--listen", inference, "--management-listen", management, *extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )  # fmt: skip
+    handle = Role(role, state, inference, management, proc, log_path, env)
+    try:
+        wait_for(
+            lambda: handle.healthy() or (proc.poll() is not None and _failed(handle)),
+            timeout=30,
+            what=f"the {role} role to be healthy",
+        )
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
+def _failed(handle: Role) -> bool:
+    raise AssertionError(f"the role exited with {handle.proc.returncode}:\n{handle.output()}")
