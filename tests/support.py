@@ -136,7 +136,11 @@ class Role:
             procs = self.processes()
         except AssertionError:
             return False
-        expected = {"standalone": ("redis", *SERVICES), "server": ("redis", "router", "scheduler")}
+        expected = {
+            "standalone": ("redis", *SERVICES),
+            "server": ("redis", "router", "scheduler"),
+            "host": ("hostd", "memwatch"),
+        }
         for name in expected[self.role]:
             proc = procs.get(name)
             if proc is None or proc["state"] != "RUNNING":

@@ -17,7 +17,8 @@ from capyctl_router.errors import capy_error_handler, envelope
 def create_app(credentials: Credentials) -> FastAPI:
     """The router's ASGI app. Only the API key opens it; the admin token is refused."""
 
-    def require_api_key(authorization: Annotated[str | None, Header()] = None) -> None:
+    # async: a sync dependency would cost a thread-pool hop on every request (bench/).
+    async def require_api_key(authorization: Annotated[str | None, Header()] = None) -> None:
         httpauth.require(authorization, credentials.api_key, "API key")
 
     app = FastAPI(title="CapyCTL", version=__version__, docs_url=None, redoc_url=None)

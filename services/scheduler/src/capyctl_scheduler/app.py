@@ -28,7 +28,8 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
 def create_app(credentials: Credentials) -> FastAPI:
     """The scheduler's management app. Only the admin token opens it."""
 
-    def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
+    # async: a sync dependency would cost a thread-pool hop on every request (bench/).
+    async def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
         httpauth.require(authorization, credentials.admin_token, "admin token")
 
     app = FastAPI(
