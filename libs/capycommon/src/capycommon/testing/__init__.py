@@ -1,0 +1,1 @@
+"""Test support that ships with CapyCTL: the engine simulator and simulated GPUs."""
