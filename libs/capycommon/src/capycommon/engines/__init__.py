@@ -1,0 +1,1 @@
+"""Engines: the families CapyCTL drives, their registration, and one adapter per family."""

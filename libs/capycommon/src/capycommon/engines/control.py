@@ -1,0 +1,169 @@
+"""HTTP control of a running engine: readiness, the canary, park and wake, abort, load.
+
+Each family subclasses `EngineControl`; every call has a named timeout, and httpx failures
+become CapyCTL errors here, at the adapter boundary.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from capycommon.engines.launch import Capabilities, LaunchSpec, Residency
+from capycommon.errors import CapyError
+
+CANARY_PROMPT = "Reply with the single word: ready"
+
+
+class EngineUnreachable(CapyError):
+    code = "engine_unreachable"
+
+
+class EngineTimeout(CapyError):
+    code = "engine_timeout"
+
+
+class EngineError(CapyError):
+    code = "engine_error"
+
+
+class CapabilityMissing(CapyError):
+    code = "capability_missing"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds per kind of call."""
+
+    health: float = 5.0
+    canary: float = 60.0
+    park: float = 120.0
+    wake: float = 300.0
+    abort: float = 5.0
+    metrics: float = 5.0
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int
+    waiting: int
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_metric(text: str, name: str) -> float:
+    """The sum of a metric's samples (over labels) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match[1] == name:
+            total += float(match[3])
+    return total
+
+
+class EngineControl:
+    """Talks to one engine on loopback with its per-launch key."""
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        capabilities: Capabilities,
+        timeouts: Timeouts | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.spec = spec
+        self.capabilities = capabilities
+        self.timeouts = timeouts or Timeouts()
+        self.base_url = f"http://127.0.0.1:{spec.port}"
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {spec.api_key}"},
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        timeout: float,
+        *,
+        expect: tuple[int, ...] = (200,),
+        **kwargs: Any,
+    ) -> httpx.Response:
+        try:
+            response = await self._client.request(method, path, timeout=timeout, **kwargs)
+        except httpx.TimeoutException:
+            raise EngineTimeout(
+                f"{self.spec.profile.family} on port {self.spec.port} did not answer "
+                f"{method} {path} within {timeout:g} s"
+            ) from None
+        except httpx.TransportError as exc:
+            raise EngineUnreachable(
+                f"{self.spec.profile.family} on port {self.spec.port} is unreachable ({exc})"
+            ) from None
+        if response.status_code not in expect:
+            raise EngineError(
+                f"{self.spec.profile.family} answered {method} {path} with "
+                f"{response.status_code}: {response.text[:200]}"
+            )
+        return response
+
+    async def ready(self) -> bool:
+        """Whether the engine reports itself ready (health as the engine defines it)."""
+        try:
+            response = await self._client.get("/health", timeout=self.timeouts.health)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def canary(self) -> str:
+        """A one-token chat request; its answer proves the engine generates."""
+        body = {
+            "model": self.spec.served_name,
+            "messages": [{"role": "user", "content": CANARY_PROMPT}],
+            "max_tokens": 1,
+            "temperature": 0,
+        }
+        response = await self._call("POST", "/v1/chat/completions", self.timeouts.canary, json=body)
+        message = response.json()["choices"][0]["message"]
+        return str(message.get("content") or "")
+
+    async def load(self) -> Load:
+        """Running and waiting requests, from the engine's own metrics."""
+        text = (await self._call("GET", "/metrics", self.timeouts.metrics)).text
+        return Load(
+            running=int(parse_metric(text, self.capabilities.metrics_running)),
+            waiting=int(parse_metric(text, self.capabilities.metrics_waiting)),
+        )
+
+    async def park(self, residency: Residency) -> None:
+        raise CapabilityMissing(
+            f"{self.spec.profile.family} cannot park; deploy it restart_only",
+            code="capability_missing:deep_park",
+        )
+
+    async def wake(self, residency: Residency) -> None:
+        raise CapabilityMissing(
+            f"{self.spec.profile.family} cannot wake a parked model",
+            code="capability_missing:deep_park",
+        )
+
+    async def abort(self, request_id: str) -> None:
+        raise CapabilityMissing(
+            f"{self.spec.profile.family} has no abort by request id; close the connection",
+            code="capability_missing:abort_by_id",
+        )
+
+    def check_parks(self, residency: Residency) -> None:
+        if residency not in self.capabilities.residencies or residency == Residency.RESTART_ONLY:
+            raise CapabilityMissing(
+                f"{self.spec.profile.family} cannot park {residency}",
+                code="capability_missing:deep_park",
+            )

@@ -1,0 +1,198 @@
+"""Find engine installations by asking them, in a bounded subprocess, what they are.
+
+vLLM and SGLang: the target environment's own python reads the package metadata (never
+importing the engine). llama.cpp: `llama-server --version`. Nothing here imports an engine
+into CapyCTL's process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from capycommon.engines.families import PYTHON_FAMILIES, Family
+from capycommon.errors import CapyError
+
+PROBE_TIMEOUT_S = 60
+OUTPUT_LIMIT = 4096
+# A cleared environment: the probe sees nothing of ours.
+PROBE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
+
+# Runs inside the target environment: package metadata only, never `import vllm`.
+_METADATA_PROBE = """
+import hashlib, importlib.metadata as md, json, os
+found = {}
+for name in ("vllm", "sglang"):
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        continue
+    digest = hashlib.sha256(f"{name}=={dist.version}\\n".encode())
+    for item in sorted(dist.files or [], key=str):
+        try:
+            size = os.stat(dist.locate_file(item)).st_size
+        except OSError:
+            size = -1
+        recorded = item.hash.value if item.hash else ""
+        digest.update(f"{item}\\0{size}\\0{recorded}\\n".encode())
+    found[name] = {"version": dist.version, "digest": digest.hexdigest()}
+print(json.dumps(found))
+"""
+
+_LLAMA_VERSION = re.compile(r"version:\s*(\d+)\s*\(([0-9a-f]+)\)")
+
+
+class EngineNotFound(CapyError):
+    code = "engine_not_found"
+
+
+class EngineVersionFailed(CapyError):
+    code = "engine_version_failed"
+
+
+@dataclass(frozen=True)
+class Found:
+    """One engine installation, as it described itself."""
+
+    family: Family
+    version: str
+    executable: Path
+    install_path: Path
+    digest: str
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.version}+sha256:{self.digest}"
+
+
+def _run(argv: list[str], what: str) -> str:
+    try:
+        done = subprocess.run(
+            argv,
+            env=PROBE_ENV,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise EngineVersionFailed(
+            f"{what} did not answer within {PROBE_TIMEOUT_S} s; check the installation"
+        ) from None
+    except OSError as exc:
+        raise EngineVersionFailed(f"cannot run {what}: {exc.strerror}") from None
+    output = (done.stdout[:OUTPUT_LIMIT] + b"\n" + done.stderr[:OUTPUT_LIMIT]).decode(
+        "utf-8", "replace"
+    )
+    if done.returncode != 0:
+        tail = output.strip().splitlines()[-1:] or ["no output"]
+        raise EngineVersionFailed(f"{what} exited with {done.returncode}: {tail[0]}")
+    return output
+
+
+def venv_python(path: Path) -> Path | None:
+    python = path / "bin" / "python"
+    return python if (path / "pyvenv.cfg").is_file() and os.access(python, os.X_OK) else None
+
+
+def probe_venv(path: Path) -> list[Found]:
+    """The vLLM and SGLang distributions installed in the virtual environment `path`."""
+    python = venv_python(path)
+    if python is None:
+        raise EngineNotFound(f"{path} is not a virtual environment (no pyvenv.cfg and bin/python)")
+    output = _run([str(python), "-I", "-c", _METADATA_PROBE], f"{python}")
+    try:
+        found = json.loads(output.strip().splitlines()[0])
+    except (ValueError, IndexError):
+        raise EngineVersionFailed(f"{python} answered the metadata probe with {output!r}") from None
+    return [
+        Found(Family(name), info["version"], python, path, info["digest"])
+        for name, info in sorted(found.items())
+        if Family(name) in PYTHON_FAMILIES
+    ]
+
+
+def _digest_files(paths: Iterable[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(f"{path.name}\0".encode())
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def probe_llama_server(path: Path) -> Found:
+    """A llama-server binary: its build number, and a digest of it and its libraries."""
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise EngineNotFound(f"{path} is not an executable llama-server")
+    output = _run([str(path), "--version"], f"{path} --version")
+    match = _LLAMA_VERSION.search(output)
+    if match is None:
+        raise EngineNotFound(
+            f"{path} --version does not print a llama.cpp build: {output.strip()[:200]!r}"
+        )
+    libraries = [p for p in path.parent.glob("lib*.so*") if p.is_file()]
+    return Found(Family.LLAMACPP, match[1], path, path, _digest_files([path, *libraries]))
+
+
+def llama_server_in(folder: Path) -> Path | None:
+    for candidate in (folder / "llama-server", folder / "bin" / "llama-server",
+                      folder / "build" / "bin" / "llama-server"):  # fmt: skip
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def probe(path: Path) -> list[Found]:
+    """Whatever engine lives at `path`: a venv, a llama-server binary, or a llama.cpp folder."""
+    path = path.expanduser().absolute()
+    if not path.exists():
+        raise EngineNotFound(f"{path} does not exist")
+    if path.is_dir() and venv_python(path) is not None:
+        found = probe_venv(path)
+        if not found:
+            raise EngineNotFound(f"{path} is a virtual environment without vllm or sglang")
+        return found
+    server = path if path.is_file() else llama_server_in(path)
+    if server is None:
+        raise EngineNotFound(
+            f"{path} is neither a virtual environment with vllm or sglang nor a llama-server"
+        )
+    return [probe_llama_server(server)]
+
+
+def candidates(home: Path, extra: Iterable[Path], search_path: str) -> list[Path]:
+    """Where engines are usually installed, most specific first, without duplicates."""
+    places: list[Path] = [p.expanduser().absolute() for p in extra]
+    for pattern in ("venvs/*", ".virtualenvs/*", "*"):
+        places += sorted(p for p in home.glob(pattern) if p.is_dir() and venv_python(p))
+    places += [home / ".venv"]
+    places += sorted(p for p in Path("/opt").glob("*") if p.is_dir())
+    places += [Path(d) for d in search_path.split(os.pathsep) if d]
+    places += [*sorted(home.glob("llama.cpp/build*/bin")), Path("/usr/local/bin")]
+    unique: list[Path] = []
+    for place in places:
+        if place.exists() and place not in unique:
+            unique.append(place)
+    return unique
+
+
+def detect(places: Iterable[Path]) -> list[Found]:
+    """Every engine found in `places`; places that hold none are skipped."""
+    found: list[Found] = []
+    for place in places:
+        try:
+            if place.is_dir() and venv_python(place) is None and llama_server_in(place) is None:
+                continue
+            found += probe(place)
+        except (EngineNotFound, EngineVersionFailed):
+            continue
+    unique = {(f.family, f.executable): f for f in found}
+    return list(unique.values())

@@ -1,0 +1,99 @@
+"""What every adapter shares: the launch request, the plan it becomes, the capabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal
+
+from capycommon.engines.registry import EngineProfile
+from capycommon.errors import InvalidConfig
+
+ENGINE_HOST = "127.0.0.1"
+
+
+class Residency(StrEnum):
+    """Where a parked model's weights wait (the park tier)."""
+
+    HOST_BACKED = "host_backed"  # weights in host RAM; KV cache dropped
+    DEEP = "deep"  # weights and KV cache dropped; reloaded from disk on wake
+    RESTART_ONLY = "restart_only"  # never parks: stopped, later cold-started
+
+
+PARKING = (Residency.HOST_BACKED, Residency.DEEP)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything an adapter needs to start one engine."""
+
+    profile: EngineProfile
+    model_path: Path
+    served_name: str
+    port: int
+    api_key: str = field(repr=False)
+    residency: Residency
+    # Where CapyCTL's helper modules (the vLLM key guard) are written for this launch.
+    runtime_dir: Path
+    # The share of the device's total memory the engine may take (vLLM, SGLang).
+    memory_fraction: float | None = None
+    kv_cache_bytes: int | None = None
+    context_length: int | None = None
+    max_concurrent_requests: int | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A fixed argv (no shell) and the engine-specific variables of its environment."""
+
+    argv: list[str]
+    env: dict[str, str] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family (at a version) can do, and how CapyCTL must treat it."""
+
+    residencies: tuple[Residency, ...]
+    abort_by_id: bool
+    request_id: Literal["header", "body", "none"]
+    reasoning_field: str
+    # Parking while requests run is unsafe: drain first (SGLang asserts idle and can crash).
+    park_needs_idle: bool
+    # What happens to a request that reaches a parked engine.
+    requests_while_parked: Literal["held", "crash", "fail", "not_applicable"]
+    # How long the engine takes to notice a client hang-up by itself.
+    disconnect_abort_lag_s: float
+    metrics_running: str
+    metrics_waiting: str
+
+
+def check_extra_args(family: str, args: Iterable[str], reserved: frozenset[str]) -> tuple[str, ...]:
+    """Pass the user's extra arguments only when none touches what CapyCTL controls.
+
+    Refused: short options, reserved flags, and any prefix of one (argparse accepts
+    abbreviations, so `--serv` would set `--served-model-name`).
+    """
+    checked = tuple(args)
+    for arg in checked:
+        if not arg.startswith("-"):
+            continue  # the value of the option before it
+        if not arg.startswith("--") or arg == "--":
+            raise InvalidConfig(
+                f"engine_config.extra_args: {arg!r} is a short option; {family} extra "
+                "arguments must be long options (--name or --name=value)"
+            )
+        name = arg.split("=", 1)[0]
+        clash = next((flag for flag in sorted(reserved) if flag.startswith(name)), None)
+        if clash is not None:
+            why = "is reserved" if clash == name else f"abbreviates the reserved {clash}"
+            raise InvalidConfig(
+                f"engine_config.extra_args: {name} {why}: CapyCTL sets it for {family}; "
+                "use the deployment's typed fields instead"
+            )
+    return checked

@@ -1,0 +1,88 @@
+"""llama.cpp: the user's `llama-server`. It cannot park: it is always restart-only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from capycommon.engines.control import EngineControl
+from capycommon.engines.launch import (
+    ENGINE_HOST,
+    Capabilities,
+    LaunchPlan,
+    LaunchSpec,
+    Residency,
+    check_extra_args,
+)
+from capycommon.errors import InvalidConfig
+
+DEFAULT_SLOTS = 4
+
+RESERVED = frozenset(
+    {
+        "--model", "--host", "--port", "--api-key", "--api-key-file", "--alias",
+        "--ctx-size", "--parallel", "--metrics", "--no-webui", "--webui", "--n-gpu-layers",
+        "--sleep-idle-seconds", "--slots", "--no-slots", "--ssl-key-file", "--ssl-cert-file",
+        "--props", "--models-dir", "--models-preset", "--path", "--log-file", "--jinja",
+        "--no-jinja", "--reasoning-format", "--hf-repo", "--model-url",
+    }
+)  # fmt: skip
+
+
+def capabilities(version: str) -> Capabilities:
+    return Capabilities(
+        residencies=(Residency.RESTART_ONLY,),
+        abort_by_id=False,
+        request_id="none",
+        reasoning_field="reasoning_content",
+        park_needs_idle=False,
+        requests_while_parked="not_applicable",
+        disconnect_abort_lag_s=0.0,
+        metrics_running="llamacpp:requests_processing",
+        metrics_waiting="llamacpp:requests_deferred",
+    )
+
+
+def model_file(path: Path) -> Path:
+    """The GGUF to load: the file itself, or the first (part of the) one in a folder."""
+    if path.is_file():
+        return path
+    files = sorted(path.glob("*.gguf"))
+    first_parts = [f for f in files if "-00001-of-" in f.name]
+    chosen = first_parts or files
+    if not chosen:
+        raise InvalidConfig(f"model: {path} holds no .gguf file for llama.cpp")
+    return chosen[0]
+
+
+def plan(spec: LaunchSpec) -> LaunchPlan:
+    if spec.residency != Residency.RESTART_ONLY:
+        raise InvalidConfig(
+            f"residency: llama.cpp cannot park {spec.residency}; use restart_only",
+            code="capability_missing:deep_park",
+        )
+    if spec.context_length is None:
+        raise InvalidConfig(
+            "engine_config.context_length is required for llama.cpp; set it, e.g. 8192"
+        )
+    argv = [
+        str(spec.profile.executable),
+        "-m", str(model_file(spec.model_path)),
+        "--host", ENGINE_HOST,
+        "--port", str(spec.port),
+        "--alias", spec.served_name,
+        "-c", str(spec.context_length),
+        "-np", str(spec.max_concurrent_requests or DEFAULT_SLOTS),
+        "-ngl", "999",
+        "--metrics",
+        "--no-webui",
+        "--jinja",
+    ]  # fmt: skip
+    if spec.reasoning_parser:
+        argv += ["--reasoning-format", "deepseek"]
+    argv += check_extra_args("llamacpp", spec.extra_args, RESERVED)
+    # llama-server reads its key from LLAMA_API_KEY: it stays out of the process list.
+    return LaunchPlan(argv, {"LLAMA_API_KEY": spec.api_key})
+
+
+class LlamacppControl(EngineControl):
+    """Park, wake and abort by id are not available: the base refuses them."""

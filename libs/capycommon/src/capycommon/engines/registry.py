@@ -1,0 +1,147 @@
+"""engines.yaml: the engines registered on this machine.
+
+Written only by `capyctl engine add|remove`, atomically and under a lock. It lives beside the
+role document, else in ~/.config/capyctl/; the first line carries the document revision.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from capycommon.engines.families import Family
+from capycommon.errors import CapyError, InvalidConfig
+from capycommon.paths import write_atomic
+
+FILE_NAME = "engines.yaml"
+REVISION_PREFIX = "# capyctl-document-revision: "
+
+ProfileName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
+
+
+class ProfileExists(CapyError):
+    code = "profile_exists"
+
+
+class ProfileNotFound(CapyError):
+    code = "not_found"
+
+
+class EngineProfile(BaseModel):
+    """One registered engine installation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: ProfileName
+    family: Family
+    version: str
+    # The program that starts the engine: the venv's python for vLLM and SGLang,
+    # the llama-server binary for llama.cpp.
+    executable: Path
+    # The virtual environment, or the llama-server binary.
+    install_path: Path
+    # The version plus a digest of the installed files: `0.29.0+sha256:<hex>`.
+    fingerprint: str
+    verified: bool
+    added_at: datetime
+
+
+class EnginesDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = 1
+    kind: Literal["engines"] = "engines"
+    profiles: dict[str, EngineProfile] = Field(default_factory=dict)
+
+
+class Registry(BaseModel):
+    """The document and its revision, as read from one file."""
+
+    path: Path
+    revision: int
+    document: EnginesDocument
+
+
+def locate(document: Path | None, home: Path) -> Path:
+    """Where engines.yaml is: beside the role document, else ~/.config/capyctl/.
+
+    An existing file wins, so registering before and after the first start of a role finds
+    the same file.
+    """
+    beside = document.parent / FILE_NAME if document is not None else None
+    fallback = home / ".config" / "capyctl" / FILE_NAME
+    if beside is not None and beside.exists():
+        return beside
+    if fallback.exists() or beside is None:
+        return fallback
+    return beside
+
+
+def read(path: Path) -> Registry:
+    if not path.exists():
+        return Registry(path=path, revision=0, document=EnginesDocument())
+    text = path.read_text(encoding="utf-8")
+    match = re.match(rf"{re.escape(REVISION_PREFIX)}(\d+)\n", text)
+    revision = int(match[1]) if match else 0
+    try:
+        data = yaml.safe_load(text) or {}
+        document = EnginesDocument.model_validate(data)
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise InvalidConfig(
+            f"{path} is not a valid engines document ({exc}); fix it or remove the entry"
+        ) from None
+    for key, profile in document.profiles.items():
+        if key != profile.name:
+            raise InvalidConfig(
+                f"{path}: profile {key!r} is named {profile.name!r}; make them equal"
+            )
+    return Registry(path=path, revision=revision, document=document)
+
+
+def _write(registry: Registry) -> None:
+    data = registry.document.model_dump(mode="json")
+    body = yaml.safe_dump(data, sort_keys=False)
+    write_atomic(registry.path, f"{REVISION_PREFIX}{registry.revision}\n{body}", mode=0o600)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[Registry]:
+    """Read the registry under its lock; write it back (revision + 1) if the block changed it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        registry = read(path)
+        before = registry.document.model_dump()
+        yield registry
+        if registry.document.model_dump() != before:
+            registry.revision += 1
+            _write(registry)
+
+
+def add(path: Path, profile: EngineProfile) -> Registry:
+    with locked(path) as registry:
+        if profile.name in registry.document.profiles:
+            taken = registry.document.profiles[profile.name]
+            raise ProfileExists(
+                f"an engine named {profile.name!r} is already registered ({taken.family} "
+                f"{taken.version} at {taken.install_path}); choose another with --name"
+            )
+        registry.document.profiles[profile.name] = profile
+    return registry
+
+
+def remove(path: Path, name: str) -> Registry:
+    with locked(path) as registry:
+        if name not in registry.document.profiles:
+            known = ", ".join(sorted(registry.document.profiles)) or "none"
+            raise ProfileNotFound(f"no engine named {name!r} is registered (registered: {known})")
+        del registry.document.profiles[name]
+    return registry

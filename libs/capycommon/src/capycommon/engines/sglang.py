@@ -1,0 +1,89 @@
+"""SGLang: `python -m sglang.launch_server`, parked by releasing its memory occupation."""
+
+from __future__ import annotations
+
+from capycommon.engines.control import EngineControl
+from capycommon.engines.launch import (
+    ENGINE_HOST,
+    PARKING,
+    Capabilities,
+    LaunchPlan,
+    LaunchSpec,
+    Residency,
+    check_extra_args,
+)
+
+RESERVED = frozenset(
+    {
+        "--model-path", "--model", "--host", "--port", "--api-key", "--admin-api-key",
+        "--served-model-name", "--mem-fraction-static", "--context-length",
+        "--max-running-requests", "--enable-memory-saver", "--enable-weights-cpu-backup",
+        "--enable-metrics", "--tp", "--tp-size", "--dp", "--dp-size", "--config",
+        "--tool-call-parser", "--reasoning-parser", "--log-requests", "--ssl-keyfile",
+        "--ssl-certfile", "--tokenizer-worker-num",
+    }
+)  # fmt: skip
+
+
+def capabilities(version: str) -> Capabilities:
+    return Capabilities(
+        residencies=(*PARKING, Residency.RESTART_ONLY),
+        abort_by_id=True,
+        request_id="body",
+        reasoning_field="reasoning_content",
+        park_needs_idle=True,  # the scheduler asserts idle; a busy release can kill it
+        requests_while_parked="fail",
+        disconnect_abort_lag_s=4.0,  # non-streamed requests notice a hang-up every ~4 s
+        metrics_running="sglang:num_running_reqs",
+        metrics_waiting="sglang:num_queue_reqs",
+    )
+
+
+def plan(spec: LaunchSpec) -> LaunchPlan:
+    argv = [
+        str(spec.profile.executable), "-m", "sglang.launch_server",
+        "--model-path", str(spec.model_path),
+        "--host", ENGINE_HOST,
+        "--port", str(spec.port),
+        "--served-model-name", spec.served_name,
+        "--api-key", spec.api_key,
+        "--enable-metrics",
+    ]  # fmt: skip
+    if spec.memory_fraction is not None:
+        argv += ["--mem-fraction-static", f"{spec.memory_fraction:.4f}"]
+    if spec.context_length is not None:
+        argv += ["--context-length", str(spec.context_length)]
+    if spec.max_concurrent_requests is not None:
+        argv += ["--max-running-requests", str(spec.max_concurrent_requests)]
+    if spec.residency in PARKING:
+        argv += ["--enable-memory-saver"]
+    if spec.residency == Residency.HOST_BACKED:
+        argv += ["--enable-weights-cpu-backup"]
+    if spec.tool_call_parser:
+        argv += ["--tool-call-parser", spec.tool_call_parser]
+    if spec.reasoning_parser:
+        argv += ["--reasoning-parser", spec.reasoning_parser]
+    argv += check_extra_args("sglang", spec.extra_args, RESERVED)
+    return LaunchPlan(argv, {})
+
+
+class SglangControl(EngineControl):
+    async def park(self, residency: Residency) -> None:
+        self.check_parks(residency)
+        await self._call("POST", "/release_memory_occupation", self.timeouts.park, json={})
+
+    async def wake(self, residency: Residency) -> None:
+        self.check_parks(residency)
+        wake = self.timeouts.wake
+        if residency == Residency.HOST_BACKED:
+            await self._call("POST", "/resume_memory_occupation", wake, json={})
+        else:
+            await self._call("POST", "/resume_memory_occupation", wake, json={"tags": ["weights"]})
+            reload = {"model_path": str(self.spec.model_path)}
+            await self._call("POST", "/update_weights_from_disk", wake, json=reload)
+            rest = {"tags": ["kv_cache", "cuda_graph"]}
+            await self._call("POST", "/resume_memory_occupation", wake, json=rest)
+        await self._call("POST", "/flush_cache", wake)
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("POST", "/abort_request", self.timeouts.abort, json={"rid": request_id})

@@ -1,0 +1,109 @@
+"""vLLM: `python -m vllm.entrypoints.openai.api_server`, parked with its sleep mode."""
+
+from __future__ import annotations
+
+from packaging.version import Version
+
+from capycommon.engines.control import EngineControl
+from capycommon.engines.families import Family, parse_version
+from capycommon.engines.launch import (
+    ENGINE_HOST,
+    PARKING,
+    Capabilities,
+    LaunchPlan,
+    LaunchSpec,
+    Residency,
+    check_extra_args,
+)
+
+GUARD = "capyctl_vllm_guard.KeyGuard"
+RELOAD_WEIGHTS = {"method": "reload_weights", "args": [], "kwargs": {}, "timeout": None}
+
+RESERVED = frozenset(
+    {
+        "--model", "--host", "--port", "--uds", "--api-key", "--served-model-name",
+        "--gpu-memory-utilization", "--max-model-len", "--max-num-seqs",
+        "--kv-cache-memory-bytes", "--enable-sleep-mode", "--middleware",
+        "--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
+        "--config", "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
+        "--disable-uvicorn-access-log", "--uvicorn-log-level", "--ssl-keyfile",
+        "--ssl-certfile", "--ssl-ca-certs", "--root-path", "--allowed-origins", "--headless",
+        "--api-server-count", "--enable-log-requests", "--disable-log-requests",
+        "--enable-request-id-headers", "--shutdown-timeout",
+    }
+)  # fmt: skip
+
+
+def capabilities(version: str) -> Capabilities:
+    parsed = parse_version(Family.VLLM, version)
+    # 0.11.1-0.15 send both names; 0.16 dropped reasoning_content.
+    reasoning = "reasoning_content" if parsed <= Version("0.11.0") else "reasoning"
+    return Capabilities(
+        residencies=(*PARKING, Residency.RESTART_ONLY),
+        abort_by_id=False,
+        request_id="header",
+        reasoning_field=reasoning,
+        park_needs_idle=False,  # /sleep aborts what runs (mode=abort, 0.17+)
+        requests_while_parked="held" if parsed >= Version("0.17") else "crash",
+        disconnect_abort_lag_s=0.0,
+        metrics_running="vllm:num_requests_running",
+        metrics_waiting="vllm:num_requests_waiting",
+    )
+
+
+def plan(spec: LaunchSpec) -> LaunchPlan:
+    argv = [
+        str(spec.profile.executable), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(spec.model_path),
+        "--host", ENGINE_HOST,
+        "--port", str(spec.port),
+        "--served-model-name", spec.served_name,
+        "--middleware", GUARD,
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if spec.memory_fraction is not None:
+        argv += ["--gpu-memory-utilization", f"{spec.memory_fraction:.4f}"]
+    if spec.context_length is not None:
+        argv += ["--max-model-len", str(spec.context_length)]
+    if spec.max_concurrent_requests is not None:
+        argv += ["--max-num-seqs", str(spec.max_concurrent_requests)]
+    if spec.kv_cache_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
+    if spec.residency in PARKING:
+        argv += ["--enable-sleep-mode"]
+    if spec.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
+    if spec.reasoning_parser:
+        argv += ["--reasoning-parser", spec.reasoning_parser]
+    argv += check_extra_args("vllm", spec.extra_args, RESERVED)
+    env = {
+        # vLLM's own check on /v1, and the guard on every other path, dev controls included.
+        "VLLM_API_KEY": spec.api_key,
+        "CAPYCTL_ENGINE_API_KEY": spec.api_key,
+        "PYTHONPATH": str(spec.runtime_dir),
+    }
+    if spec.residency in PARKING:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up, /collective_rpc
+    return LaunchPlan(argv, env)
+
+
+class VllmControl(EngineControl):
+    async def park(self, residency: Residency) -> None:
+        self.check_parks(residency)
+        level = "1" if residency == Residency.HOST_BACKED else "2"
+        await self._call("POST", "/sleep", self.timeouts.park, params={"level": level})
+
+    async def wake(self, residency: Residency) -> None:
+        self.check_parks(residency)
+        wake = self.timeouts.wake
+        await self._call("POST", "/wake_up", wake, params={"tags": "weights"})
+        if residency == Residency.DEEP:
+            rpc: dict[str, object] = {
+                "method": "reload_weights",
+                "args": [],
+                "kwargs": {},
+                "timeout": None,
+            }
+            await self._call("POST", "/collective_rpc", wake, json=rpc)
+        await self._call("POST", "/wake_up", wake, params={"tags": "kv_cache"})
+        await self._call("POST", "/reset_prefix_cache", wake)
