@@ -17,7 +17,12 @@ from capycommon.engines.launch import (
 )
 
 GUARD = "capyctl_vllm_guard.KeyGuard"
-RELOAD_WEIGHTS = {"method": "reload_weights", "args": [], "kwargs": {}, "timeout": None}
+RELOAD_WEIGHTS: dict[str, object] = {
+    "method": "reload_weights",
+    "args": [],
+    "kwargs": {},
+    "timeout": None,
+}
 
 RESERVED = frozenset(
     {
