@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 import typer
 
 from capycommon import logs
-from capycommon.errors import CapyError, InvalidConfig
+from capycommon.errors import InvalidConfig
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import Role, load_settings, locate_document
 from capycommon.version import __version__
-from capyctl_cli import launcher, output, roles
+from capyctl_cli import engines, launcher, output, roles
 from capyctl_cli import status as status_cmd
+from capyctl_cli.options import (
+    ConfigOpt,
+    DebugOpt,
+    EnginePortsOpt,
+    HostNameOpt,
+    JsonOpt,
+    ListenOpt,
+    LogLevelOpt,
+    ManagementOpt,
+    ModelsRootOpt,
+    StateDirOpt,
+    expected_errors,
+    role_of,
+)
 
 app = typer.Typer(
     name="capyctl",
@@ -29,72 +41,7 @@ start_app = typer.Typer(help="Run a role in the foreground.", no_args_is_help=Tr
 config_app = typer.Typer(help="Inspect settings.", no_args_is_help=True)
 app.add_typer(start_app, name="start")
 app.add_typer(config_app, name="config")
-
-StateDirOpt = Annotated[
-    str | None,
-    typer.Option("--state-dir", help="State dir (CAPYCTL_STATE_DIR).", show_default=False),
-]
-ConfigOpt = Annotated[
-    str | None, typer.Option("--config", help="Role document (CAPYCTL_CONFIG).", show_default=False)
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")]
-ListenOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--listen",
-        help="Inference listener ADDR:PORT (CAPYCTL_INFERENCE_ADDR).",
-        show_default=False,
-    ),
-]
-ManagementOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--management-listen",
-        help="Management listener, loopback ADDR:PORT (CAPYCTL_MANAGEMENT_ADDR).",
-        show_default=False,
-    ),
-]
-HostNameOpt = Annotated[
-    str | None,
-    typer.Option("--host-name", help="This host's name (CAPYCTL_HOST_NAME).", show_default=False),
-]
-ModelsRootOpt = Annotated[
-    str | None,
-    typer.Option("--models-root", help="Models folder (CAPYCTL_MODELS_ROOT).", show_default=False),
-]
-EnginePortsOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--engine-ports",
-        help="Engine port range START-END (CAPYCTL_ENGINE_PORTS).",
-        show_default=False,
-    ),
-]
-LogLevelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--log-level", help="debug|info|warning|error (CAPYCTL_LOG_LEVEL).", show_default=False
-    ),
-]
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def expected_errors(fn: F) -> F:
-    """Print a CapyError as one line (or JSON) and exit with its code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except CapyError as exc:
-            output.error(
-                exc, as_json=kwargs.get("as_json", False), debug=kwargs.get("debug", False)
-            )
-            raise typer.Exit(exc.exit_code) from None
-
-    return wrapper  # type: ignore[return-value]
+app.add_typer(engines.app, name="engine")
 
 
 def _version(value: bool) -> None:
@@ -190,12 +137,6 @@ def start_host(
 RoleArg = Annotated[str, typer.Argument(help="standalone, server or host.")]
 
 
-def _role(value: str) -> Role:
-    if value not in ("standalone", "server", "host"):
-        raise InvalidConfig(f"unknown role {value!r}; use standalone, server or host")
-    return value  # type: ignore[return-value]
-
-
 @app.command("init")
 @expected_errors
 def init(
@@ -208,7 +149,7 @@ def init(
     """Prepare a state dir for a role: folders, the role document and credentials."""
     env = dict(os.environ)
     root_dir, _ = resolve_state_dir(state_dir, env)
-    prepared = roles.prepare(_role(role), root_dir, config, env, {})
+    prepared = roles.prepare(role_of(role), root_dir, config, env, {})
     result = {
         "role": role,
         "state_dir": str(prepared.paths.root),
@@ -234,7 +175,7 @@ def run_process(
     """Run one process of a role in the foreground (for systemd units and containers)."""
     env = dict(os.environ)
     root_dir, _ = resolve_state_dir(state_dir, env)
-    chosen = _role(role)
+    chosen = role_of(role)
     if process not in roles.PROCESSES[chosen]:
         choices = ", ".join(roles.PROCESSES[chosen])
         raise InvalidConfig(f"the {role} role has no process {process!r}; use one of {choices}")
@@ -262,7 +203,7 @@ def config_show(
 ) -> None:
     """Print every setting, its value and where it came from; never asks a running role."""
     env = dict(os.environ)
-    chosen = _role(role)
+    chosen = role_of(role)
     root_dir, state_source = resolve_state_dir(state_dir, env)
     document = locate_document(config, env, StatePaths(root_dir).role_document(chosen))
     flags = _role_flags(

@@ -91,6 +91,9 @@ _EXIT_CODES: dict[str, int] = {
     "profile_exists": 19,
     "profile_in_use": 20,
     "agent_unreachable": 22,
+    "engine_unreachable": 22,
+    "engine_timeout": 10,
+    "engine_error": 13,
     "redis_unreachable": 22,
     "still_stopping": 25,
     "toolchain_missing": 26,
@@ -111,6 +114,8 @@ _HTTP_STATUSES: dict[str, int] = {
     "internal": 500,
     "engine_error": 500,
     "unavailable": 503,
+    "engine_unreachable": 503,
+    "engine_timeout": 504,
     "redis_unreachable": 503,
 }
 

@@ -24,3 +24,13 @@ def heartbeat(service: str, host: str) -> str:
     if service in CONTROL_SERVICES:
         return f"{PREFIX}:heartbeat:{service}"
     raise ValueError(f"unknown service {service!r}")
+
+
+def engines(host: str) -> str:
+    """The engine registry a host publishes (JSON of `PublishedEngines`)."""
+    return f"{host_prefix(host)}:engines"
+
+
+def host_notifications(host: str) -> str:
+    """The pub/sub channel on which a host's state changes are announced ({kind, id, version})."""
+    return f"{host_prefix(host)}:notify"

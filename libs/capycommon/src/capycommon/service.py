@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -51,6 +52,7 @@ class ServiceContext:
     role: Role
     settings: AnySettings
     paths: StatePaths
+    document: Path | None
     host: str | None
     redis: aioredis.Redis
     stop: asyncio.Event
@@ -82,14 +84,19 @@ def run(name: str, body: Body | None, argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     logs.configure(name, settings.log.level, settings.log.format)
     try:
-        return asyncio.run(_serve(name, args.role, settings, paths, body))
+        return asyncio.run(_serve(name, args.role, settings, paths, document, body))
     except CapyError as exc:
         log.error("error [%s]: %s", exc.code, exc.message)
         return exc.exit_code
 
 
 async def _serve(
-    name: str, role: Role, settings: AnySettings, paths: StatePaths, body: Body | None
+    name: str,
+    role: Role,
+    settings: AnySettings,
+    paths: StatePaths,
+    document: Path | None,
+    body: Body | None,
 ) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -101,7 +108,8 @@ async def _serve(
         await _reach_redis(client, url, settings.redis.unreachable_after, stop)
         if stop.is_set():
             return 0
-        ctx = ServiceContext(name, role, settings, paths, host_name(settings), client, stop)
+        host = host_name(settings)
+        ctx = ServiceContext(name, role, settings, paths, document, host, client, stop)
         log.info("started", extra={"pid": os.getpid(), "version": __version__, "redis": url})
         return await _supervise(ctx, body)
     finally:

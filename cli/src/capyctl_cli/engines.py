@@ -1,0 +1,224 @@
+"""`capyctl engine detect|add|list|remove`: the engines installed on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import redis
+import typer
+
+from capycommon.engines import detect, publish, registry
+from capycommon.engines.families import EngineUnsupported, Family, check_supported, is_verified
+from capycommon.engines.registry import EngineProfile, Registry
+from capycommon.paths import StatePaths, resolve_state_dir
+from capycommon.settings import Role, locate_document
+from capyctl_cli import output
+from capyctl_cli.launcher import lock_is_held
+from capyctl_cli.options import (
+    ConfigOpt,
+    DebugOpt,
+    JsonOpt,
+    RoleOpt,
+    StateDirOpt,
+    expected_errors,
+    role_of,
+)
+
+app = typer.Typer(help="Register the engines installed on this machine.", no_args_is_help=True)
+
+
+def engines_file(role: Role, state_dir: str | None, config: str | None) -> tuple[Path, StatePaths]:
+    env = dict(os.environ)
+    root, _ = resolve_state_dir(state_dir, env)
+    paths = StatePaths(root)
+    document = locate_document(config, env, paths.role_document(role))
+    return registry.locate(document, Path.home()), paths
+
+
+def profile_from(found: detect.Found, name: str | None) -> EngineProfile:
+    check_supported(found.family, found.version)
+    return EngineProfile(
+        name=name or found.family.value,
+        family=found.family,
+        version=found.version,
+        executable=found.executable,
+        install_path=found.install_path,
+        fingerprint=found.fingerprint,
+        verified=is_verified(found.family, found.version),
+        added_at=datetime.now(UTC),
+    )
+
+
+def choose(found: list[detect.Found], family: Family | None, path: Path) -> detect.Found:
+    if family is not None:
+        matching = [f for f in found if f.family == family]
+        if not matching:
+            raise detect.EngineNotFound(f"{path} holds no {family} installation")
+        return matching[0]
+    if len(found) > 1:
+        families = " and ".join(f.family.value for f in found)
+        raise EngineUnsupported(f"{path} holds {families}; choose one with --family")
+    return found[0]
+
+
+def publish_if_running(paths: StatePaths, engines: Registry) -> str:
+    """Publish to the role running on the state dir; say where the registry went."""
+    if not lock_is_held(paths):
+        return "published when capyctl starts"
+    record = json.loads(paths.role_record.read_text())
+    if not record.get("host"):
+        return f"not published: the running {record['role']} role has no host"
+    client = redis.Redis.from_url(record["redis_url"], socket_timeout=5, socket_connect_timeout=5)
+    try:
+        publish.publish_sync(client, record["host"], engines)
+    except (redis.RedisError, OSError) as exc:
+        return f"not published ({exc}); it will be when capyctl starts"
+    finally:
+        client.close()
+    return f"published to the running {record['role']} role (revision {engines.revision})"
+
+
+def published_revision(paths: StatePaths) -> int | None:
+    """The registry revision the running role holds, or None when no role runs."""
+    if not lock_is_held(paths):
+        return None
+    record = json.loads(paths.role_record.read_text())
+    if not record.get("host"):
+        return None
+    client = redis.Redis.from_url(record["redis_url"], socket_timeout=5, socket_connect_timeout=5)
+    try:
+        found = publish.read_published(client, record["host"])
+    except (redis.RedisError, OSError):
+        return None
+    finally:
+        client.close()
+    return None if found is None else found.revision
+
+
+@app.command("detect")
+@expected_errors
+def engine_detect(
+    path: Annotated[
+        list[Path] | None, typer.Option("--path", help="Also look here (repeatable).")
+    ] = None,
+    role: RoleOpt = "standalone",
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Find vLLM and SGLang environments and llama-server binaries (executes only probes)."""
+    places = detect.candidates(Path.home(), path or [], os.environ.get("PATH", ""))
+    found = detect.detect(places)
+    file, _ = engines_file(role_of(role), state_dir, config)
+    known = {p.executable: p.name for p in registry.read(file).document.profiles.values()}
+    rows = [
+        {
+            "path": str(f.install_path),
+            "family": f.family.value,
+            "version": f.version,
+            "verified": is_verified(f.family, f.version),
+            "registered": known.get(f.executable),
+        }
+        for f in found
+    ]
+    if as_json:
+        output.emit_json(rows)
+        return
+    if not rows:
+        print(
+            "No engine found. Name a folder with --path, or register one with `capyctl engine add`."
+        )
+        return
+    print(
+        output.table(
+            ["PATH", "ENGINE", "VERSION", "VERIFIED", "REGISTERED"],
+            [list(r.values()) for r in rows],
+        )
+    )
+
+
+@app.command("add")
+@expected_errors
+def engine_add(
+    path: Annotated[Path, typer.Argument(help="A vLLM or SGLang virtualenv, or a llama-server.")],
+    name: Annotated[
+        str | None, typer.Option("--name", help="Profile name (default: the family).")
+    ] = None,
+    family: Annotated[
+        Family | None, typer.Option("--family", help="When a venv holds several.")
+    ] = None,
+    role: RoleOpt = "standalone",
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Register an engine: its family, version, executable and fingerprint."""
+    found = choose(detect.probe(path), family, path)
+    profile = profile_from(found, name)
+    file, paths = engines_file(role_of(role), state_dir, config)
+    saved = registry.add(file, profile)
+    published = publish_if_running(paths, saved)
+    if as_json:
+        output.emit_json({"profile": profile.model_dump(mode="json"), "file": str(file),
+                          "revision": saved.revision, "published": published})  # fmt: skip
+        return
+    print(f"Registered {profile.family} {profile.version} as {profile.name!r}.")
+    print(output.pairs([
+        ("executable", profile.executable),
+        ("fingerprint", profile.fingerprint),
+        ("verified", "yes" if profile.verified else "no (custom)"),
+        ("file", f"{file} (revision {saved.revision})"),
+        ("registry", published),
+    ]))  # fmt: skip
+
+
+@app.command("list")
+@expected_errors
+def engine_list(
+    role: RoleOpt = "standalone",
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """The registered engines."""
+    file, paths = engines_file(role_of(role), state_dir, config)
+    current = registry.read(file)
+    live = published_revision(paths)
+    published = live is not None and live == current.revision
+    profiles = sorted(current.document.profiles.values(), key=lambda p: p.name)
+    if as_json:
+        output.emit_json({"file": str(file), "revision": current.revision, "published": published,
+                          "profiles": [p.model_dump(mode="json") for p in profiles]})  # fmt: skip
+        return
+    rows = [
+        [p.name, p.family, p.version, "no" if p.verified else "yes", published, p.install_path]
+        for p in profiles
+    ]
+    print(output.table(["PROFILE", "ENGINE", "VERSION", "CUSTOM", "PUBLISHED", "PATH"], rows))
+
+
+@app.command("remove")
+@expected_errors
+def engine_remove(
+    name: Annotated[str, typer.Argument(help="The profile to remove.")],
+    role: RoleOpt = "standalone",
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Remove a registered engine (its installation is left alone)."""
+    file, paths = engines_file(role_of(role), state_dir, config)
+    saved = registry.remove(file, name)
+    published = publish_if_running(paths, saved)
+    if as_json:
+        output.emit_json({"removed": name, "revision": saved.revision, "published": published})
+        return
+    print(f"Removed {name!r} ({file}, revision {saved.revision}); {published}.")

@@ -1,0 +1,172 @@
+"""The adapters: golden argv per family and residency, extra-argument checks, capabilities."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from capycommon.engines.adapters import adapter_for
+from capycommon.engines.families import Family
+from capycommon.engines.launch import LaunchSpec, Residency
+from capycommon.engines.registry import EngineProfile
+from capycommon.errors import InvalidConfig
+
+GOLDEN = Path(__file__).parent / "golden"
+KEY = "per-launch-key-0123456789abcdef0123456789"
+
+EXECUTABLES = {
+    Family.VLLM: Path("/opt/engines/vllm/bin/python"),
+    Family.SGLANG: Path("/opt/engines/sglang/bin/python"),
+    Family.LLAMACPP: Path("/opt/llama.cpp/build/bin/llama-server"),
+}
+CASES = [
+    (Family.VLLM, Residency.HOST_BACKED),
+    (Family.VLLM, Residency.DEEP),
+    (Family.VLLM, Residency.RESTART_ONLY),
+    (Family.SGLANG, Residency.HOST_BACKED),
+    (Family.SGLANG, Residency.DEEP),
+    (Family.SGLANG, Residency.RESTART_ONLY),
+    (Family.LLAMACPP, Residency.RESTART_ONLY),
+]
+
+
+def profile(family: Family, version: str = "0.29.0") -> EngineProfile:
+    executable = EXECUTABLES[family]
+    return EngineProfile(
+        name=family.value,
+        family=family,
+        version="6500" if family == Family.LLAMACPP else version,
+        executable=executable,
+        install_path=executable.parents[1],
+        fingerprint="0.29.0+sha256:" + "0" * 64,
+        verified=False,
+        added_at=datetime(2026, 11, 30, tzinfo=UTC),
+    )
+
+
+def spec(family: Family, residency: Residency, models: Path, **changes: object) -> LaunchSpec:
+    model = models / "qwen3-4b"
+    model.mkdir(exist_ok=True)
+    (model / "qwen3-4b-q4.gguf").touch()
+    values: dict[str, object] = {
+        "profile": profile(family),
+        "model_path": model,
+        "served_name": "qwen3-4b",
+        "port": 8123,
+        "api_key": KEY,
+        "residency": residency,
+        "runtime_dir": Path("/state/runtime"),
+        "memory_fraction": 0.4512345,
+        "context_length": 8192,
+        "max_concurrent_requests": 16,
+        "tool_call_parser": "hermes",
+        "reasoning_parser": "qwen3",
+        "extra_args": ("--enable-prefix-caching",)
+        if family != Family.LLAMACPP
+        else ("--temp", "0.7"),
+    }
+    values.update(changes)
+    return LaunchSpec(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("family", "residency"), CASES, ids=lambda v: str(v))
+def test_argv_matches_the_golden_file(tmp_path: Path, family: Family, residency: Residency) -> None:
+    plan = adapter_for(family).plan(spec(family, residency, tmp_path))
+    rendered = json.dumps(
+        {"argv": [arg.replace(str(tmp_path), "<models>") for arg in plan.argv], "env": plan.env},
+        indent=2,
+    )
+    golden = GOLDEN / f"{family}-{residency}.json"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        golden.write_text(rendered + "\n")
+    assert golden.read_text() == rendered + "\n", f"regenerate with UPDATE_GOLDEN=1 ({golden})"
+
+
+@pytest.mark.parametrize("family", list(Family))
+def test_the_key_stays_out_of_argv_where_the_engine_allows(tmp_path: Path, family: Family) -> None:
+    residency = Residency.RESTART_ONLY
+    plan = adapter_for(family).plan(spec(family, residency, tmp_path))
+    if family == Family.SGLANG:
+        assert KEY in plan.argv, "SGLang reads its key from --api-key only"
+    else:
+        assert KEY not in " ".join(plan.argv)
+        assert KEY in plan.env.values()
+
+
+@pytest.mark.parametrize(
+    ("family", "arg", "reason"),
+    [
+        (Family.VLLM, "--port", "--port is reserved"),
+        (Family.VLLM, "--port=9000", "--port is reserved"),
+        (Family.VLLM, "--serv", "--serv abbreviates the reserved --served-model-name"),
+        (Family.VLLM, "-tp", "is a short option"),
+        (Family.SGLANG, "--mem-fraction-static", "is reserved"),
+        (Family.SGLANG, "--enable-weights", "abbreviates the reserved --enable-weights-cpu-backup"),
+        (Family.LLAMACPP, "--api-key-file", "is reserved"),
+        (Family.LLAMACPP, "-c", "is a short option"),
+    ],
+)
+def test_reserved_extra_args_are_refused(
+    tmp_path: Path, family: Family, arg: str, reason: str
+) -> None:
+    residency = Residency.RESTART_ONLY
+    with pytest.raises(InvalidConfig, match=reason):
+        adapter_for(family).plan(spec(family, residency, tmp_path, extra_args=(arg, "1")))
+
+
+def test_option_values_may_look_like_anything(tmp_path: Path) -> None:
+    extra = ("--override-generation-config", '{"temperature": 0.5}', "--seed", "7")
+    plan = adapter_for(Family.VLLM).plan(
+        spec(Family.VLLM, Residency.DEEP, tmp_path, extra_args=extra)
+    )
+    assert plan.argv[-4:] == list(extra)
+
+
+def test_llamacpp_cannot_park_and_needs_a_context_length(tmp_path: Path) -> None:
+    adapter = adapter_for(Family.LLAMACPP)
+    with pytest.raises(InvalidConfig) as caught:
+        adapter.plan(spec(Family.LLAMACPP, Residency.DEEP, tmp_path))
+    assert caught.value.code == "capability_missing:deep_park"
+    with pytest.raises(InvalidConfig, match="context_length is required"):
+        adapter.plan(spec(Family.LLAMACPP, Residency.RESTART_ONLY, tmp_path, context_length=None))
+
+
+def test_llamacpp_picks_the_first_part_of_a_split_model(tmp_path: Path) -> None:
+    model = tmp_path / "big"
+    model.mkdir()
+    for name in ("big-00002-of-00002.gguf", "big-00001-of-00002.gguf", "mmproj.gguf"):
+        (model / name).touch()
+    plan = adapter_for(Family.LLAMACPP).plan(
+        spec(Family.LLAMACPP, Residency.RESTART_ONLY, tmp_path, model_path=model)
+    )
+    assert plan.argv[plan.argv.index("-m") + 1] == str(model / "big-00001-of-00002.gguf")
+
+
+@pytest.mark.parametrize(
+    ("version", "field", "parked"),
+    [
+        ("0.11.0", "reasoning_content", "crash"),
+        ("0.16.0", "reasoning", "crash"),
+        ("0.29.0", "reasoning", "held"),
+    ],
+)
+def test_vllm_capabilities_follow_the_version(version: str, field: str, parked: str) -> None:
+    caps = adapter_for(Family.VLLM).capabilities(version)
+    assert caps.reasoning_field == field
+    assert caps.requests_while_parked == parked
+    assert caps.request_id == "header"
+    assert not caps.abort_by_id
+
+
+def test_family_capabilities() -> None:
+    sglang = adapter_for(Family.SGLANG).capabilities("0.5.16")
+    assert sglang.abort_by_id
+    assert sglang.park_needs_idle
+    assert sglang.request_id == "body"
+    llama = adapter_for(Family.LLAMACPP).capabilities("6500")
+    assert llama.residencies == (Residency.RESTART_ONLY,)
+    assert llama.metrics_running == "llamacpp:requests_processing"
