@@ -73,7 +73,7 @@ def spec(family: Family, residency: Residency, models: Path, **changes: object) 
     return LaunchSpec(**values)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("family", "residency"), CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize(("family", "residency"), CASES, ids=str)
 def test_argv_matches_the_golden_file(tmp_path: Path, family: Family, residency: Residency) -> None:
     plan = adapter_for(family).plan(spec(family, residency, tmp_path))
     rendered = json.dumps(

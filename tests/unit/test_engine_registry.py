@@ -76,7 +76,7 @@ def test_location_prefers_an_existing_file(tmp_path: Path) -> None:
 def test_supported_and_verified_versions() -> None:
     check_supported(Family.VLLM, "0.29.0")
     check_supported(Family.LLAMACPP, "6500")
-    with pytest.raises(EngineUnsupported, match="older than 0.11.0") as caught:
+    with pytest.raises(EngineUnsupported, match=r"older than 0\.11\.0") as caught:
         check_supported(Family.VLLM, "0.8.5")
     assert caught.value.exit_code == 17
     with pytest.raises(EngineUnsupported, match="not a version number"):
