@@ -156,13 +156,16 @@ class Role:
 
 
 def start_role(
-    role: str = "standalone", state_dir: Path | None = None, extra: Sequence[str] = ()
+    role: str = "standalone",
+    state_dir: Path | None = None,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Role:
     state = state_dir or short_dir() / "state"
     inference = f"127.0.0.1:{free_port()}"
     management = f"127.0.0.1:{free_port()}"
     log_path = state.parent / f"{role}.out"
-    env = clean_env()
+    env = env if env is not None else clean_env()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -12,8 +11,8 @@ import redis
 import typer
 
 from capycommon.engines import detect, publish, registry
-from capycommon.engines.families import EngineUnsupported, Family, check_supported, is_verified
-from capycommon.engines.registry import EngineProfile, Registry
+from capycommon.engines.families import EngineUnsupported, Family, is_verified
+from capycommon.engines.registry import Registry
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import Role, locate_document
 from capyctl_cli import output
@@ -37,20 +36,6 @@ def engines_file(role: Role, state_dir: str | None, config: str | None) -> tuple
     paths = StatePaths(root)
     document = locate_document(config, env, paths.role_document(role))
     return registry.locate(document, Path.home()), paths
-
-
-def profile_from(found: detect.Found, name: str | None) -> EngineProfile:
-    check_supported(found.family, found.version)
-    return EngineProfile(
-        name=name or found.family.value,
-        family=found.family,
-        version=found.version,
-        executable=found.executable,
-        install_path=found.install_path,
-        fingerprint=found.fingerprint,
-        verified=is_verified(found.family, found.version),
-        added_at=datetime.now(UTC),
-    )
 
 
 def choose(found: list[detect.Found], family: Family | None, path: Path) -> detect.Found:
@@ -160,7 +145,7 @@ def engine_add(
 ) -> None:
     """Register an engine: its family, version, executable and fingerprint."""
     found = choose(detect.probe(path), family, path)
-    profile = profile_from(found, name)
+    profile = found.profile(name)
     file, paths = engines_file(role_of(role), state_dir, config)
     saved = registry.add(file, profile)
     published = publish_if_running(paths, saved)

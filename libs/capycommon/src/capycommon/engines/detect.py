@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capycommon.engines.families import PYTHON_FAMILIES, Family
+from capycommon.engines.registry import EngineProfile, profile_from
 from capycommon.errors import CapyError
 
 PROBE_TIMEOUT_S = 60
@@ -45,7 +46,7 @@ for name in ("vllm", "sglang"):
 print(json.dumps(found))
 """
 
-_LLAMA_VERSION = re.compile(r"version:\s*(\d+)\s*\(([0-9a-f]+)\)")
+_LLAMA_VERSION = re.compile(r"version:\s*(\d+)\s*\(([^)]*)\)")
 
 
 class EngineNotFound(CapyError):
@@ -69,6 +70,11 @@ class Found:
     @property
     def fingerprint(self) -> str:
         return f"{self.version}+sha256:{self.digest}"
+
+    def profile(self, name: str | None = None) -> EngineProfile:
+        return profile_from(
+            self.family, self.version, self.executable, self.install_path, self.fingerprint, name
+        )
 
 
 def _run(argv: list[str], what: str) -> str:

@@ -10,14 +10,14 @@ import fcntl
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from capycommon.engines.families import Family
+from capycommon.engines.families import Family, check_supported, is_verified
 from capycommon.errors import CapyError, InvalidConfig
 from capycommon.paths import write_atomic
 
@@ -145,3 +145,26 @@ def remove(path: Path, name: str) -> Registry:
             raise ProfileNotFound(f"no engine named {name!r} is registered (registered: {known})")
         del registry.document.profiles[name]
     return registry
+
+
+def profile_from(
+    family: Family,
+    version: str,
+    executable: Path,
+    install_path: Path,
+    fingerprint: str,
+    name: str | None = None,
+    now: datetime | None = None,
+) -> EngineProfile:
+    """A profile for an installation that described itself; refuses unsupported versions."""
+    check_supported(family, version)
+    return EngineProfile(
+        name=name or family.value,
+        family=family,
+        version=version,
+        executable=executable,
+        install_path=install_path,
+        fingerprint=fingerprint,
+        verified=is_verified(family, version),
+        added_at=now or datetime.now(UTC),
+    )

@@ -1,0 +1,50 @@
+"""The closed environment an engine starts with: nothing of the caller's leaks in."""
+
+from __future__ import annotations
+
+import shutil
+from importlib import resources
+from pathlib import Path
+
+from capycommon.engines.families import PYTHON_FAMILIES
+from capycommon.engines.launch import LaunchPlan, LaunchSpec
+
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+TELEMETRY_OFF = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+GUARD_MODULE = "capyctl_vllm_guard.py"
+
+
+def engine_environment(
+    spec: LaunchSpec,
+    plan: LaunchPlan,
+    *,
+    gpu_uuid: str,
+    home: Path,
+    simgpu_dir: Path | None = None,
+) -> dict[str, str]:
+    """The engine's environment: its own bin first, telemetry off, one GPU by UUID."""
+    profile = spec.profile
+    own_bin = profile.install_path / "bin" if profile.family in PYTHON_FAMILIES else None
+    path = f"{own_bin}:{SYSTEM_PATH}" if own_bin else SYSTEM_PATH
+    env = {
+        "PATH": path,
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": gpu_uuid,
+        **TELEMETRY_OFF,
+    }
+    if simgpu_dir is not None:
+        env["CAPYCTL_SIMGPU_DIR"] = str(simgpu_dir)
+    env.update(plan.env)
+    return env
+
+
+def install_runtime(runtime_dir: Path) -> None:
+    """Write CapyCTL's helper modules (the vLLM key guard) owner-only into `runtime_dir`."""
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    source = resources.files("capycommon.engines.runtime").joinpath(GUARD_MODULE)
+    target = runtime_dir / GUARD_MODULE
+    with source.open("rb") as reader, target.open("wb") as writer:
+        shutil.copyfileobj(reader, writer)
+    target.chmod(0o600)

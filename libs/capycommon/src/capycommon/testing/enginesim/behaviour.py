@@ -1,0 +1,117 @@
+"""How one simulated engine behaves: timings, the answer it gives, and the faults it shows.
+
+The behaviour is a JSON document inside the installation (engines start with a closed
+environment, so it cannot come from a variable): `<site-packages>/vllm/_capyctl_sim.json`,
+`<site-packages>/sglang/_capyctl_sim.json`, or `llama-server.sim.json` next to a simulated
+`llama-server`. A missing file means every default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MIB = 1 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ToolCall(_Strict):
+    """The call the simulated model makes when a request offers tools."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class CrashAtStart(_Strict):
+    """Print `message` on stderr at the end of loading and exit with `exit_code`."""
+
+    exit_code: int = 1
+    message: str = "RuntimeError: simulated crash at start-up"
+
+
+class DisconnectLag(_Strict):
+    """SGLang notices a hang-up late: a non-streamed request every ~4 s, a stream ~2 s after."""
+
+    non_stream: float = Field(default=4.0, ge=0)
+    stream: float = Field(default=2.0, ge=0)
+
+
+class Faults(_Strict):
+    crash_at_start: CrashAtStart | None = None
+    # Requests are accepted and counted as running, but no token ever comes; health stays 200.
+    hang: bool = False
+    # After this many generated tokens (over the process's life) the engine dies.
+    die_mid_stream: int | None = Field(default=None, ge=1)
+    # This long after it is ready the engine dies: /health 503 (vLLM), then a non-zero exit.
+    die_after_seconds: float | None = Field(default=None, ge=0)
+    # Sleep, release and idle sleep report success but the bytes stay on the device.
+    sleep_keeps_memory: bool = False
+    # Every answer after a wake is garbage (what CapyCTL's wake canary must catch).
+    garbage_after_wake: bool = False
+    # vLLM: SIGKILL of the API server leaves its EngineCore child alive, holding the memory.
+    leave_child_on_sigkill: bool = True
+    # A client hang-up does not stop the work: the request runs on to its end (a leak).
+    keep_generating_on_disconnect: bool = False
+    # SGLang: /release_memory_occupation while requests run kills the scheduler ("crash",
+    # the process exits non-zero) or answers 400 ("error").
+    release_while_busy: Literal["crash", "error"] = "crash"
+    # vLLM: a request while asleep is held without tokens until /wake_up ("hold") or kills the
+    # engine ("crash"); None follows the version (hold from 0.17 on).
+    request_while_asleep: Literal["hold", "crash"] | None = None
+    # SGLang: a request while the weights are released waits ("hang") or fails with 500 ("error").
+    generate_while_released: Literal["hang", "error"] = "hang"
+    disconnect_abort_lag: DisconnectLag = DisconnectLag()
+
+
+class Behaviour(_Strict):
+    load_seconds: float = Field(default=1.0, ge=0)
+    warmup_seconds: float = Field(default=0.5, ge=0)  # SGLang: /health 503 while warming up
+    sleep_seconds: float = Field(default=0.1, ge=0)
+    wake_seconds: float = Field(default=0.2, ge=0)
+    tokens_per_second: float = Field(default=50.0, gt=0)
+    answer: str = "Hello from the engine simulator."
+    # Emitted before the answer when the engine parses reasoning; "" turns it off.
+    reasoning: str = "The user wants a short greeting."
+    tool_call: ToolCall | None = None
+    # What a sleeping engine keeps on the device (CUDA context, allocator pools).
+    residue_bytes: int = Field(default=512 * MIB, ge=0)
+    memory_lag_seconds: float = Field(default=0.2, ge=0)
+    faults: Faults = Faults()
+
+
+GARBAGE_ANSWER = "!!!!!!!! !!!!!!!! !!!!!!!! !!!!!!!!"
+
+
+def load_behaviour(path: Path | None) -> Behaviour:
+    """The behaviour in `path`; every default when there is no such file."""
+    if path is None or not path.is_file():
+        return Behaviour()
+    return Behaviour.model_validate_json(path.read_bytes())
+
+
+def save_behaviour(path: Path, behaviour: Behaviour) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(behaviour.model_dump_json(indent=2) + "\n")
+    tmp.replace(path)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """`0.11.1rc2` -> (0, 11, 1); `6500` -> (6500,). Only the leading numbers count."""
+    numbers: list[int] = []
+    for part in version.split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(numbers)
