@@ -60,7 +60,10 @@ class RunningEngine:
         """(device, host) bytes the engine's processes claim on the simulated GPU."""
         assert self.simgpu_dir is not None
         used = simgpu.usage(self.simgpu_dir).get(self.gpu_uuid)
-        return (used.used_bytes, used.host_bytes) if used else (0, 0)
+        if used is None:
+            return (0, 0)
+        mine = [c for pid, c in used.by_pid.items() if pid in group_alive(self.proc.pid)]
+        return (sum(c.bytes for c in mine), sum(c.host_bytes for c in mine))
 
     def stop(self, timeout: float = 15) -> int | None:
         """SIGTERM to the whole process group, then SIGKILL, as hostd does."""

@@ -1,0 +1,61 @@
+"""Run a simulated engine, or install one.
+
+python -m capycommon.testing.enginesim --family vllm --version 0.17.0 -- --model M ...
+python -m capycommon.testing.enginesim --family vllm --version 0.17.0 -- serve M ...
+python -m capycommon.testing.enginesim --family sglang --version 0.5.10 -- --model-path M
+python -m capycommon.testing.enginesim --family llamacpp --version 6500 -- -m model.gguf
+python -m capycommon.testing.enginesim install vllm|sglang VENV --version V [--behaviour F]
+python -m capycommon.testing.enginesim install llamacpp FOLDER --version BUILD
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from capycommon.testing.enginesim.behaviour import load_behaviour
+from capycommon.testing.enginesim.install import install_llama_server, install_python_engine
+from capycommon.testing.enginesim.launch import Form, run
+
+
+def _install(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m capycommon.testing.enginesim install")
+    parser.add_argument("family", choices=("vllm", "sglang", "llamacpp"))
+    parser.add_argument("target", type=Path, help="the venv to create, or the llama-server folder")
+    parser.add_argument("--version", required=True, help="the version, or the llama.cpp build")
+    parser.add_argument("--behaviour", type=Path, help="a behaviour JSON document")
+    args = parser.parse_args(argv)
+    behaviour = load_behaviour(args.behaviour) if args.behaviour else None
+    if args.family == "llamacpp":
+        print(install_llama_server(args.target, int(args.version), behaviour))
+    else:
+        print(install_python_engine(args.target, args.family, args.version, behaviour))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["install"]:
+        return _install(given[1:])
+    ours, engine = (
+        (given[: given.index("--")], given[given.index("--") + 1 :])
+        if ("--" in given)
+        else (given, [])
+    )
+    parser = argparse.ArgumentParser(prog="python -m capycommon.testing.enginesim")
+    parser.add_argument("--family", choices=("vllm", "sglang", "llamacpp"), required=True)
+    parser.add_argument("--version", required=True)
+    parser.add_argument("--behaviour", type=Path)
+    args = parser.parse_args(ours)
+    form: Form = "llama-server"
+    if args.family == "vllm":
+        form = "vllm-cli" if engine[:1] == ["serve"] else "vllm-api-server"
+    elif args.family == "sglang":
+        form = "sglang-cli" if engine[:1] == ["serve"] else "sglang-launch-server"
+    return run(form, args.version, engine, args.behaviour)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

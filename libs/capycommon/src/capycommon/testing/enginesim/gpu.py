@@ -1,0 +1,172 @@
+"""Simulated GPU memory held by one engine, per the contract in ARCHITECTURE.md.
+
+When `CAPYCTL_SIMGPU_DIR` is set the engine reads `<dir>/devices.json`, takes the device that
+`CUDA_VISIBLE_DEVICES` names (a UUID, or an index), and claims memory by writing
+`<dir>/<pid>.json` (`capycommon.simgpu`). Each change lands `lag` seconds after it was asked
+for, as freed CUDA memory shows up late in NVML. Without the variable nothing is accounted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from capycommon import simgpu
+
+SIMGPU_DIR = "CAPYCTL_SIMGPU_DIR"
+GIB = 1 << 30
+
+
+class NoDevice(Exception):
+    """CUDA_VISIBLE_DEVICES names no simulated device."""
+
+
+@dataclass(frozen=True)
+class SimDevice:
+    folder: Path
+    device: simgpu.Device
+
+    @property
+    def total(self) -> int:
+        return self.device.total_bytes
+
+    def free_bytes(self, exclude: Collection[int] = ()) -> int:
+        """Total minus what live processes (other than `exclude`) claim on this device."""
+        found = simgpu.usage(self.folder).get(self.device.uuid)
+        claimed = 0
+        if found is not None:
+            claimed = sum(c.bytes for pid, c in found.by_pid.items() if pid not in exclude)
+        return self.device.total_bytes - claimed
+
+
+def find_device(env: Mapping[str, str]) -> SimDevice | None:
+    """The simulated device this process sees; None when simulation is off."""
+    folder = env.get(SIMGPU_DIR)
+    if not folder:
+        return None
+    try:
+        devices = simgpu.read_devices(Path(folder))
+    except (OSError, ValueError):
+        raise NoDevice(f"no readable devices.json in {folder}") from None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        if not devices:
+            raise NoDevice("devices.json lists no device")
+        return SimDevice(Path(folder), devices[0])
+    wanted = visible.split(",")[0].strip()
+    for device in devices:
+        if wanted in (device.uuid, str(device.index)):
+            return SimDevice(Path(folder), device)
+    raise NoDevice(f"CUDA_VISIBLE_DEVICES={visible!r} names no simulated device")
+
+
+def gib(size: int) -> str:
+    return f"{size / GIB:.2f}"
+
+
+class Holder(Protocol):
+    """Who holds the engine's device memory: `set` applies after the lag, in order."""
+
+    def set(self, gpu_bytes: int, host_bytes: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoHolder:
+    """Simulation is off: nothing to account."""
+
+    def set(self, gpu_bytes: int, host_bytes: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class LocalHolder:
+    """This process's claim file, written by a thread so that a change can land late."""
+
+    def __init__(self, device: SimDevice, lag: float, pid: int | None = None) -> None:
+        self._device = device
+        self._pid = os.getpid() if pid is None else pid
+        self._lag = lag
+        self._changes: queue.Queue[tuple[float, int, int] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._apply, name="simgpu", daemon=True).start()
+
+    def set(self, gpu_bytes: int, host_bytes: int) -> None:
+        self._changes.put((time.monotonic() + self._lag, gpu_bytes, host_bytes))
+
+    def _apply(self) -> None:
+        while (change := self._changes.get()) is not None:
+            due, gpu_bytes, host_bytes = change
+            if self._closed.wait(max(0.0, due - time.monotonic())):
+                return
+            claim = simgpu.Claim(uuid=self._device.device.uuid, bytes=gpu_bytes,
+                                 host_bytes=host_bytes)  # fmt: skip
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                simgpu.write_claim(self._device.folder, self._pid, claim)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed.set()
+            simgpu.remove_claim(self._device.folder, self._pid)
+        self._changes.put(None)
+
+
+class ChildHolder:
+    """vLLM's `EngineCore`: a child process that holds the memory, told what to hold on stdin.
+
+    SIGTERM of the API server stops it (`close`). SIGKILL of the API server leaves it running
+    and holding, as vLLM's EngineCore is left (it shares the process group, so a group kill
+    ends it), unless `stay_when_orphaned` is False.
+    """
+
+    def __init__(self, device: SimDevice | None, lag: float, stay_when_orphaned: bool) -> None:
+        argv = ["VLLM::EngineCore", "-m", "capycommon.testing.enginesim.enginecore"]
+        argv += ["--lag", str(lag), "--orphan", "stay" if stay_when_orphaned else "exit"]
+        if device is not None:
+            argv += ["--dir", str(device.folder), "--uuid", device.device.uuid]
+        # argv[0] is the process title; PYTHONPATH lets that interpreter find our packages.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen(
+            argv, executable=sys.executable, stdin=subprocess.PIPE, env=env, close_fds=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def set(self, gpu_bytes: int, host_bytes: int) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(f"{gpu_bytes} {host_bytes}\n".encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the child is gone; the API server notices through `exited`
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()

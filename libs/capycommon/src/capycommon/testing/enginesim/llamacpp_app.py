@@ -1,0 +1,301 @@
+"""llama-server's HTTP API: loading state, slots, props, metrics, idle sleep, chat.
+
+Requests beyond the -np slots wait (`llamacpp:requests_deferred`). With
+--sleep-idle-seconds N the server unloads after N idle seconds (`/props` is_sleeping) and the
+next completion reloads it (the load time again); /health, /props, /slots and /metrics do not
+wake it. A client hang-up cancels its slot (or not: keep_generating_on_disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from capycommon.testing.enginesim.auth import BearerAuth
+from capycommon.testing.enginesim.behaviour import Behaviour
+from capycommon.testing.enginesim.engine import Engine
+from capycommon.testing.enginesim.gpu import LocalHolder, NoDevice, NoHolder, find_device
+from capycommon.testing.enginesim.memory import Regions, weight_bytes
+from capycommon.testing.enginesim.metrics import Exposition
+from capycommon.testing.enginesim.openai_chat import (
+    ChatRequest,
+    CompletionRequest,
+    Dialect,
+    random_id,
+)
+from capycommon.testing.enginesim.process import Process
+from capycommon.testing.enginesim.serving import Frontend
+
+if TYPE_CHECKING:
+    from capycommon.testing.enginesim.llamacpp import LlamaArgs
+
+log = logging.getLogger("llama-server")
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/api/tags", "/"})
+KV_PER_TOKEN = 128 << 10  # f16 K and V: 32 layers x 8 KV heads x 128 dims x 2 x 2 bytes
+COMPUTE_PER_SLOT = 8 << 20
+LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+
+def commit_of(build: int) -> str:
+    return hashlib.sha256(f"llama.cpp b{build}".encode()).hexdigest()[:8]
+
+
+def _not_supported(what: str, flag: str) -> Response:
+    message = f"This server does not support {what}. Start it with `{flag}`"
+    body = {"error": {"code": 501, "message": message, "type": "not_supported_error"}}
+    return JSONResponse(body, status_code=501)
+
+
+class LlamaFrontend(Frontend):
+    def __init__(self, args: LlamaArgs, build: int, behaviour: Behaviour, process: Process) -> None:
+        super().__init__(Engine(behaviour, args.parallel, self.fatal), behaviour, process)
+        self.args = args
+        self.build = build
+        self.fingerprint = f"b{build}-{commit_of(build)}"
+        self.ready = False
+        self.sleeping = False
+        self.model_size = 0
+        self.regions: Regions | None = None
+        self._waking: asyncio.Task[Any] | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self.started = int(time.time())
+        self.dialect = Dialect(
+            reasoning_fields=("reasoning_content",),
+            new_tool_call_id=lambda: random_id(32),
+            usage_null_in_chunks=False,
+            timings=True,
+            system_fingerprint=self.fingerprint,
+        )
+
+    def say(self, line: str) -> None:
+        log.info(line)
+
+    # Frontend hooks ---------------------------------------------------------------------
+
+    def error(self, status: int, message: str, kind: str = "invalid_request_error") -> Response:
+        return JSONResponse({"error": {"code": status, "message": message, "type": kind}},
+                            status_code=status)  # fmt: skip
+
+    def request_ids(
+        self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
+    ) -> tuple[str, str]:
+        rid = f"{prefix}{random_id(32)}"
+        return rid, rid
+
+    def model_name(self, body: ChatRequest | CompletionRequest) -> str:
+        return body.model or self.args.alias or self.args.model
+
+    def reasoning_on(self) -> bool:
+        return self.args.reasoning_format != "none"
+
+    def tools_on(self) -> bool:
+        return self.args.jinja
+
+    async def admit(self) -> Response | None:
+        if self.sleeping and self._waking is None:
+            self._waking = self.process.spawn(self._wake())
+        return None
+
+    # Load, sleep, wake, death -----------------------------------------------------------
+
+    async def load(self) -> None:
+        model = Path(self.args.model)
+        self.say(f"srv    load_model: loading model '{model}'")
+        if not model.is_file():
+            self.process.die(
+                f"gguf_init_from_file: failed to open GGUF file '{model}'\n"
+                f"srv    load_model: failed to load model, '{model}'\n"
+                "main: exiting due to model loading error"
+            )
+        self.model_size = weight_bytes(model)
+        self.regions = self._plan_memory()
+        self.regions.loading(self.regions.sizes["weights"])
+        if await self.process.pause(self.behaviour.load_seconds):
+            return
+        crash = self.behaviour.faults.crash_at_start
+        if crash is not None:
+            self.process.die(crash.message, crash.exit_code)
+        self.regions.publish()
+        self.ready = True
+        self.say("main: model loaded")
+        self.say(f"main: server is listening on http://{self.args.host}:{self.args.port} - "
+                 "starting the main loop")  # fmt: skip
+        self.say("srv  update_slots: all slots are idle")
+        self._arm_idle()
+        if self.behaviour.faults.die_after_seconds is not None:
+            self.process.later(self.behaviour.faults.die_after_seconds, lambda: self.fatal("died"))
+
+    def _plan_memory(self) -> Regions:
+        try:
+            device = find_device(os.environ)
+        except NoDevice:
+            self.process.die("ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device "
+                             "is detected\nmain: exiting due to model loading error")  # fmt: skip
+        kv = self.args.ctx_size * KV_PER_TOKEN + self.args.parallel * COMPUTE_PER_SLOT
+        sizes = {"weights": self.model_size, "kv_cache": kv}
+        keeps = self.behaviour.faults.sleep_keeps_memory
+        if device is None:
+            return Regions(NoHolder(), sizes, self.behaviour.residue_bytes, keeps)
+        holder = LocalHolder(device, self.behaviour.memory_lag_seconds)
+        self.process.at_exit(holder.close)
+        if self.args.n_gpu_layers == "0":
+            holder.set(0, self.model_size + kv)
+            return Regions(NoHolder(), sizes, 0, keeps)
+        need = self.model_size + kv
+        if device.free_bytes(exclude={os.getpid()}) < need:
+            mib = need / (1 << 20)
+            self.process.die(
+                f"ggml_backend_cuda_buffer_type_alloc_buffer: allocating {mib:.2f} MiB on device "
+                "0: cudaMalloc failed: out of memory\n"
+                "llama_model_load: error loading model: unable to allocate CUDA0 buffer\n"
+                f"srv    load_model: failed to load model, '{self.args.model}'\n"
+                "main: exiting due to model loading error"
+            )
+        return Regions(holder, sizes, self.behaviour.residue_bytes, keeps)
+
+    def _arm_idle(self) -> None:
+        if self.args.sleep_idle_seconds <= 0:
+            return
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._idle_timer = loop.call_later(self.args.sleep_idle_seconds, self._idle_check)
+        self.engine.on_idle = self._arm_idle
+
+    def _idle_check(self) -> None:
+        if self.engine.busy or self.sleeping or self.regions is None:
+            return
+        self.say("srv  handle_sleep: entering sleeping state")
+        self.sleeping = True
+        self.engine.set_admitting(False)
+        self.regions.release(list(self.regions.sizes))
+
+    async def _wake(self) -> None:
+        self.say("srv  handle_sleep: exiting sleeping state, reloading the model")
+        await asyncio.sleep(self.behaviour.load_seconds)
+        assert self.regions is not None
+        self.regions.restore(list(self.regions.sizes))
+        self.sleeping = False
+        self._waking = None
+        self.engine.woken()
+        self.engine.set_admitting(True)
+
+    def fatal(self, reason: str) -> None:
+        self.process.die(f"GGML_ASSERT failed: {reason}\nAborted (core dumped)", 134)
+
+    async def shutdown(self) -> None:
+        self.say("srv    operator(): operator(): cleaning up before exit...")
+        self.engine.abort_all()
+
+    # Routes -----------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def props(self, request: Request) -> Response:
+        n_ctx = self.args.ctx_size // self.args.parallel
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": n_ctx, "params": {"n_predict": -1}},
+            "total_slots": self.args.parallel, "model_path": self.args.model,
+            "chat_template": "{{ messages }}", "modalities": {"vision": False, "audio": False},
+            "build_info": self.fingerprint, "is_sleeping": self.sleeping,
+        })  # fmt: skip
+
+    async def slots(self, request: Request) -> Response:
+        if not self.args.slots:
+            return _not_supported("slots endpoint", "--slots")
+        running = list(self.engine.running.values())
+        if request.query_params.get("fail_on_no_slot") == "1" and len(running) >= self.engine.slots:
+            return self.error(503, "no slot available", "unavailable_error")
+        n_ctx = self.args.ctx_size // self.args.parallel
+        return JSONResponse([
+            {"id": i, "id_task": running[i].key if i < len(running) else -1, "n_ctx": n_ctx,
+             "speculative": False, "is_processing": i < len(running), "params": {},
+             "next_token": {"has_next_token": i < len(running), "n_decoded":
+                            running[i].completion_tokens if i < len(running) else 0}}
+            for i in range(self.engine.slots)
+        ])  # fmt: skip
+
+    async def metrics(self, request: Request) -> Response:
+        if not self.args.metrics:
+            return _not_supported("metrics endpoint", "--metrics")
+        stats, engine, out = self.engine.stats, self.engine, Exposition()
+        counters = {"prompt_tokens_total": stats.prompt_tokens, "prompt_seconds_total": 0.0,
+                    "tokens_predicted_total": stats.generation_tokens,
+                    "tokens_predicted_seconds_total": stats.e2e.total,
+                    "n_decode_total": stats.generation_tokens}  # fmt: skip
+        for name, value in counters.items():
+            out.counter(f"llamacpp:{name}", name.replace("_", " ") + ".", [({}, value)], "")
+        gauges = {"prompt_tokens_seconds": 0.0, "predicted_tokens_seconds":
+                  self.behaviour.tokens_per_second, "requests_processing": len(engine.running),
+                  "requests_deferred": len(engine.waiting), "n_tokens_max": self.args.ctx_size,
+                  "n_busy_slots_per_decode": float(len(engine.running))}  # fmt: skip
+        for name, value in gauges.items():
+            out.gauge(f"llamacpp:{name}", name.replace("_", " ") + ".", [({}, value)])
+        return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: Request) -> Response:
+        meta = None
+        if self.ready:
+            meta = {"vocab_type": 2, "n_vocab": 151936, "n_ctx_train": 40960, "n_embd": 4096,
+                    "n_params": self.model_size * 2, "size": self.model_size}  # fmt: skip
+        card = {"id": self.args.alias or self.args.model, "object": "model",
+                "created": self.started, "owned_by": "llamacpp", "meta": meta}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def webui(self, request: Request) -> Response:
+        if self.args.no_webui:
+            return self.error(404, "File Not Found", "not_found_error")
+        return HTMLResponse("<!doctype html><title>llama.cpp (simulated)</title>")
+
+
+class LoadingGate:
+    """While the model loads every path but /models answers 503 `Loading model`."""
+
+    def __init__(self, app: ASGIApp, front: LlamaFrontend) -> None:
+        self.app = app
+        self.front = front
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loading = scope["type"] == "http" and not self.front.ready
+        if loading and scope["path"] not in ("/models", "/v1/models"):
+            await JSONResponse(LOADING, status_code=503)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def build_app(front: LlamaFrontend) -> FastAPI:
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    add = app.add_api_route
+    for path in ("/health", "/v1/health"):
+        add(path, front.health, methods=["GET"])
+    add("/props", front.props, methods=["GET"])
+    add("/slots", front.slots, methods=["GET"])
+    add("/metrics", front.metrics, methods=["GET"])
+    for path in ("/models", "/v1/models"):
+        add(path, front.models, methods=["GET"])
+    for path in ("/v1/chat/completions", "/chat/completions"):
+        add(path, front.chat, methods=["POST"])
+    for path in ("/v1/completions", "/completions"):
+        add(path, front.completions, methods=["POST"])
+    add("/", front.webui, methods=["GET"])
+    if front.args.api_keys:
+        body = {"error": {"code": 401, "message": "Invalid API Key",
+                          "type": "authentication_error"}}  # fmt: skip
+        app.add_middleware(
+            BearerAuth, keys=front.args.api_keys, also_x_api_key=True,
+            guarded=lambda path: path not in PUBLIC_PATHS,
+            refusal=lambda: JSONResponse(body, status_code=401),
+        )  # fmt: skip
+    app.add_middleware(LoadingGate, front=front)
+    return app

@@ -1,0 +1,280 @@
+"""OpenAI chat and text completions as the engines answer them: one JSON body or SSE chunks.
+
+What differs by family (the reasoning field, tool-call ids, extra fields such as vLLM's
+`stop_reason` or llama.cpp's `timings`) is a `Dialect`. Token counts are deterministic: the
+prompt counts one token per 4 characters of its text (at least 1), and each generated piece
+(a word with its leading space, a fragment of tool arguments) is one token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import string
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from capycommon.testing.enginesim.engine import Finish, Token, Work
+
+JsonDict = dict[str, Any]
+_PIECES = re.compile(r"\s*\S+")
+
+
+class _Tolerant(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Tolerant):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ChatRequest(_Tolerant):
+    model: str | None = None
+    messages: list[JsonDict] = Field(min_length=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    n: int | None = Field(default=1, ge=1, le=1)
+    tools: list[JsonDict] | None = None
+    tool_choice: str | JsonDict | None = None
+    request_id: str | None = None  # vLLM
+    rid: str | None = None  # SGLang
+
+    @property
+    def limit(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+    def named_tool(self) -> str | None:
+        if isinstance(self.tool_choice, dict):
+            function = self.tool_choice.get("function") or {}
+            name = function.get("name") if isinstance(function, dict) else None
+            return str(name) if name else None
+        return None
+
+    def prompt_text(self) -> str:
+        return "".join(_text_of(message.get("content")) for message in self.messages)
+
+
+class CompletionRequest(_Tolerant):
+    model: str | None = None
+    prompt: str | list[str] | list[int]
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=16, ge=0)
+    request_id: str | None = None
+    rid: str | None = None
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return " ".join(str(part) for part in self.prompt)
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def count_prompt_tokens(text: str) -> int:
+    return max(1, math.ceil(len(text) / 4))
+
+
+def pieces(text: str) -> list[str]:
+    return _PIECES.findall(text)
+
+
+def plan(
+    answer: str,
+    reasoning: str,
+    tool: tuple[str, str] | None,
+    limit: int | None,
+) -> tuple[list[Token], Finish]:
+    """The tokens a request will get, and how it finishes if nothing stops it."""
+    tokens = [Token("reasoning", piece) for piece in pieces(reasoning)]
+    if tool is None:
+        tokens += [Token("content", piece) for piece in pieces(answer)]
+        finish: Finish = "stop"
+    else:
+        name, arguments = tool
+        tokens.append(Token("tool_name", name))
+        tokens += [Token("tool_args", piece) for piece in pieces(arguments)]
+        finish = "tool_calls"
+    if limit is not None and len(tokens) > limit:
+        return tokens[:limit], "length"
+    return tokens, finish
+
+
+def random_id(length: int, alphabet: str = string.ascii_letters + string.digits) -> str:
+    return "".join(secrets.choice(alphabet) for _ in range(length))
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What one family puts in its chat answers."""
+
+    reasoning_fields: tuple[str, ...]
+    new_tool_call_id: Callable[[], str]
+    choice_extras: JsonDict = field(default_factory=dict)  # vLLM: stop_reason
+    usage_null_in_chunks: bool = True
+    tool_calls_always_listed: bool = False  # vLLM: message.tool_calls is [] when there are none
+    timings: bool = False  # llama.cpp: `timings` on every chunk
+    system_fingerprint: str | None = None
+
+
+@dataclass
+class Answer:
+    """One request's identity, as its responses name it."""
+
+    work: Work
+    response_id: str
+    model: str
+    dialect: Dialect
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    tool_call_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.tool_call_id = self.dialect.new_tool_call_id()
+
+    def usage(self) -> JsonDict:
+        prompt, completion = self.work.prompt_tokens, self.work.completion_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def timings(self) -> JsonDict:
+        work = self.work
+        first = work.first_token_at or work.created
+        last = work.finished_at or time.monotonic()
+        predicted_ms = max(0.001, (last - first) * 1000)
+        prompt_ms = max(0.001, (first - work.created) * 1000)
+        return {
+            "cache_n": 0,
+            "prompt_n": work.prompt_tokens,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / work.prompt_tokens,
+            "prompt_per_second": work.prompt_tokens * 1000 / prompt_ms,
+            "predicted_n": work.completion_tokens,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / max(1, work.completion_tokens),
+            "predicted_per_second": work.completion_tokens * 1000 / predicted_ms,
+        }
+
+    # One JSON body ----------------------------------------------------------------------
+
+    def message(self) -> JsonDict:
+        produced = self.work.produced
+        content = "".join(t.text for t in produced if t.kind == "content")
+        reasoning = "".join(t.text for t in produced if t.kind == "reasoning")
+        name = "".join(t.text for t in produced if t.kind == "tool_name")
+        arguments = "".join(t.text for t in produced if t.kind == "tool_args")
+        message: JsonDict = {"role": "assistant", "content": content or (None if name else "")}
+        for field_name in self.dialect.reasoning_fields:
+            message[field_name] = reasoning or None
+        calls = []
+        if name:
+            function = {"name": name, "arguments": arguments}
+            calls.append({"id": self.tool_call_id, "type": "function", "function": function})
+        if calls or self.dialect.tool_calls_always_listed:
+            message["tool_calls"] = calls
+        return message
+
+    def chat_body(self) -> JsonDict:
+        choice = {"index": 0, "message": self.message(), "logprobs": None,
+                  "finish_reason": self.work.finish, **self.dialect.choice_extras}  # fmt: skip
+        body = self._envelope("chat.completion", [choice])
+        body["usage"] = self.usage()
+        if self.dialect.timings:
+            body["timings"] = self.timings()
+        return body
+
+    def text_body(self) -> JsonDict:
+        text = "".join(t.text for t in self.work.produced)
+        choice = {"index": 0, "text": text, "logprobs": None,
+                  "finish_reason": self.work.finish, **self.dialect.choice_extras}  # fmt: skip
+        body = self._envelope("text_completion", [choice])
+        body["usage"] = self.usage()
+        return body
+
+    def _envelope(self, kind: str, choices: list[JsonDict]) -> JsonDict:
+        body: JsonDict = {"id": self.response_id, "object": kind, "created": self.created,
+                          "model": self.model, "choices": choices}  # fmt: skip
+        if self.dialect.system_fingerprint is not None:
+            body["system_fingerprint"] = self.dialect.system_fingerprint
+        return body
+
+    # SSE ----------------------------------------------------------------------------------
+
+    def _event(self, kind: str, choices: list[JsonDict], usage: JsonDict | None = None) -> str:
+        body = self._envelope(kind, choices)
+        if usage is not None:
+            body["usage"] = usage
+        elif self.include_usage and self.dialect.usage_null_in_chunks:
+            body["usage"] = None
+        if self.dialect.timings:
+            body["timings"] = self.timings()
+        return f"data: {json.dumps(body)}\n\n"
+
+    def _delta(self, token: Token) -> JsonDict:
+        if token.kind == "reasoning":
+            return dict.fromkeys(self.dialect.reasoning_fields, token.text)
+        if token.kind == "content":
+            return {"content": token.text}
+        if token.kind == "tool_name":
+            call = {"index": 0, "id": self.tool_call_id, "type": "function",
+                    "function": {"name": token.text}}  # fmt: skip
+            return {"tool_calls": [call]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": token.text}}]}
+
+    def _chat_choice(self, delta: JsonDict, finish: str | None = None) -> JsonDict:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice.update(self.dialect.choice_extras)
+        return choice
+
+    async def chat_events(self) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk"
+        yield self._event(kind, [self._chat_choice({"role": "assistant", "content": ""})])
+        async for token in self.work.tokens():
+            yield self._event(kind, [self._chat_choice(self._delta(token))])
+        yield self._event(kind, [self._chat_choice({}, self.work.finish or "abort")])
+        async for tail in self._tail("chat.completion.chunk"):
+            yield tail
+
+    async def text_events(self) -> AsyncIterator[str]:
+        kind = "text_completion"
+        async for token in self.work.tokens():
+            yield self._event(kind, [{"index": 0, "text": token.text, "logprobs": None,
+                                      "finish_reason": None}])  # fmt: skip
+        last = {
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": self.work.finish or "abort",
+            **self.dialect.choice_extras,
+        }
+        yield self._event(kind, [last])
+        async for tail in self._tail(kind):
+            yield tail
+
+    async def _tail(self, kind: str) -> AsyncIterator[str]:
+        if self.include_usage:
+            yield self._event(kind, [], usage=self.usage())
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,201 @@
+"""The HTTP front every family shares: chat and text completions, and client hang-ups.
+
+A family subclasses `Frontend` and fills in its hooks (error shape, ids, checks, what happens
+before a request is admitted). A client that goes away, streamed or not, aborts its work at
+once, after the family's lag (SGLang), or never (the `keep_generating_on_disconnect` fault).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from capycommon.testing.enginesim.behaviour import Behaviour
+from capycommon.testing.enginesim.engine import Engine, Work
+from capycommon.testing.enginesim.openai_chat import (
+    Answer,
+    ChatRequest,
+    CompletionRequest,
+    Dialect,
+    JsonDict,
+    count_prompt_tokens,
+    plan,
+)
+from capycommon.testing.enginesim.process import Process
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+def explain(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    return f"{where}: {first['msg']}"
+
+
+class Frontend:
+    dialect: Dialect
+    force_usage = False  # vLLM --enable-force-include-usage
+
+    def __init__(self, engine: Engine, behaviour: Behaviour, process: Process) -> None:
+        self.engine = engine
+        self.behaviour = behaviour
+        self.process = process
+
+    # Hooks ------------------------------------------------------------------------------
+
+    def error(self, status: int, message: str, kind: str = "BadRequestError") -> Response:
+        raise NotImplementedError
+
+    def precheck(self, request: Request) -> Response | None:
+        return None
+
+    def check(self, body: ChatRequest | CompletionRequest) -> Response | None:
+        return None
+
+    def request_ids(
+        self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
+    ) -> tuple[str, str]:
+        """(the engine's request id, the response `id`)."""
+        raise NotImplementedError
+
+    def response_headers(self, request: Request) -> dict[str, str]:
+        return {}
+
+    def model_name(self, body: ChatRequest | CompletionRequest) -> str:
+        raise NotImplementedError
+
+    def reasoning_on(self) -> bool:
+        return False
+
+    def tools_on(self) -> bool:
+        return True
+
+    def disconnect_lag(self, stream: bool) -> float:
+        return 0.0
+
+    async def admit(self) -> Response | None:
+        """Before a request enters the engine: a refusal, or None to go on."""
+        return None
+
+    # Handlers ---------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._parse(request, ChatRequest)
+        if isinstance(body, Response):
+            return body
+        refusal = self.check(body) or await self.admit()
+        if refusal is not None:
+            return refusal
+        reasoning = self.behaviour.reasoning if self.reasoning_on() else ""
+        tokens, finish = plan(self.engine.answer(), reasoning, self._tool(body), body.limit)
+        rid, response_id = self.request_ids(request, body, "chatcmpl-")
+        work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
+        answer = Answer(work, response_id, self.model_name(body), self.dialect,
+                        self._include_usage(body))  # fmt: skip
+        self.engine.submit(work)
+        return await self._respond(
+            request, work, bool(body.stream), answer.chat_events, answer.chat_body
+        )
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        if isinstance(body, Response):
+            return body
+        refusal = self.check(body) or await self.admit()
+        if refusal is not None:
+            return refusal
+        tokens, finish = plan(self.engine.answer(), "", None, body.max_tokens)
+        rid, response_id = self.request_ids(request, body, "cmpl-")
+        work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
+        answer = Answer(work, response_id, self.model_name(body), self.dialect,
+                        self._include_usage(body))  # fmt: skip
+        self.engine.submit(work)
+        return await self._respond(
+            request, work, bool(body.stream), answer.text_events, answer.text_body
+        )
+
+    # Plumbing ---------------------------------------------------------------------------
+
+    async def _parse(self, request: Request, model: type[RequestModel]) -> RequestModel | Response:
+        refusal = self.precheck(request)
+        if refusal is not None:
+            return refusal
+        try:
+            data = json.loads(await request.body())
+        except ValueError as exc:
+            return self.error(400, f"The request body is not valid JSON: {exc}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            return self.error(400, explain(exc))
+
+    def _include_usage(self, body: ChatRequest | CompletionRequest) -> bool:
+        options = body.stream_options
+        return self.force_usage or bool(options and options.include_usage)
+
+    def _tool(self, body: ChatRequest) -> tuple[str, str] | None:
+        if not body.tools or body.tool_choice == "none" or not self.tools_on():
+            return None
+        call = self.behaviour.tool_call
+        forced = body.tool_choice == "required" or body.named_tool() is not None
+        if call is None and not forced:
+            return None
+        first: JsonDict = body.tools[0].get("function") or {}
+        name = body.named_tool() or (call.name if call else str(first.get("name", "tool")))
+        return name, json.dumps(call.arguments if call else {})
+
+    async def _respond(
+        self,
+        request: Request,
+        work: Work,
+        stream: bool,
+        events: Callable[[], AsyncIterator[str]],
+        body: Callable[[], JsonDict],
+    ) -> Response:
+        watcher = self._watch(request, work, stream)
+        headers = self.response_headers(request)
+        if not stream:
+            try:
+                await work.done.wait()
+            finally:
+                watcher.cancel()
+            return JSONResponse(body(), headers=headers)
+        return StreamingResponse(
+            self._stream(events(), work, watcher),
+            media_type="text/event-stream",
+            headers=headers,
+        )
+
+    async def _stream(
+        self, events: AsyncIterator[str], work: Work, watcher: asyncio.Task[None]
+    ) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            watcher.cancel()
+            if work.finish is None:
+                self.client_gone(work, stream=True)
+
+    def _watch(self, request: Request, work: Work, stream: bool) -> asyncio.Task[None]:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.client_gone(work, stream)
+
+        return self.process.spawn(watch())
+
+    def client_gone(self, work: Work, stream: bool) -> None:
+        if work.finish is not None or self.behaviour.faults.keep_generating_on_disconnect:
+            return
+        lag = self.disconnect_lag(stream)
+        if lag <= 0:
+            self.engine.abort(work)
+        else:
+            self.process.later(lag, lambda: self.engine.abort(work))

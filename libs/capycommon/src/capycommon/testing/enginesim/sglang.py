@@ -1,0 +1,205 @@
+"""SGLang's launch: `python -m sglang.launch_server --model-path M` or `sglang serve ...`.
+
+Start-up as SGLang does it: no socket while the weights load (clients are refused), then
+uvicorn listens while a warm-up runs (`/health` 503), then `The server is fired up and ready
+to roll!`. Memory: the budget is --mem-fraction-static x the device's total; the weights are
+the model folder's weight files; CUDA graphs take min(256 MiB, a quarter of the rest); the
+KV cache takes what remains. With --tokenizer-worker-num > 1 the process creates
+/dev/shm/multi_tokenizer_args_<pid>, unlinked on a clean exit and left behind on SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from capycommon.testing.enginesim import process as proc
+from capycommon.testing.enginesim.behaviour import Behaviour
+from capycommon.testing.enginesim.gpu import (
+    Holder,
+    LocalHolder,
+    NoDevice,
+    NoHolder,
+    SimDevice,
+    find_device,
+)
+from capycommon.testing.enginesim.memory import Regions, weight_bytes
+from capycommon.testing.enginesim.process import Process
+from capycommon.testing.enginesim.sglang_app import SglangFrontend, build_app
+
+log = logging.getLogger("sglang.srt.entrypoints.http_server")
+
+MIB = 1 << 20
+SHM_DIR = Path("/dev/shm")  # noqa: S108 - SGLang names its segment there
+REASONING_PARSERS = (
+    "deepseek-r1", "deepseek-v3", "glm45", "gpt-oss", "kimi", "kimi_k2", "qwen3",
+    "qwen3-thinking", "step3", "minimax", "minimax-append-think", "mistral", "interns1",
+    "nano_v3",
+)  # fmt: skip
+IGNORED_VALUES = (
+    "--dtype", "--quantization", "--tokenizer-path", "--revision", "--log-level",
+    "--log-level-http", "--config", "--warmups", "--detokenizer-worker-num", "--dp|--dp-size",
+    "--attention-backend", "--random-seed", "--kv-cache-dtype", "--chat-template",
+    "--max-total-tokens", "--max-prefill-tokens", "--chunked-prefill-size", "--schedule-policy",
+    "--load-format", "--download-dir", "--device", "--cuda-graph-max-bs", "--dist-init-addr",
+    "--nnodes", "--node-rank", "--ssl-keyfile", "--ssl-certfile", "--lora-paths",
+)  # fmt: skip
+IGNORED_SWITCHES = (
+    "--trust-remote-code", "--enable-cache-report", "--disable-cuda-graph", "--enable-lmcache",
+    "--enable-torch-compile", "--disable-overlap-schedule", "--enable-mixed-chunk",
+    "--enable-p2p-check", "--enable-deterministic-inference",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SglangArgs:
+    model_path: str
+    host: str
+    port: int
+    api_key: str | None
+    admin_api_key: str | None
+    served_model_name: str
+    context_length: int
+    mem_fraction_static: float
+    max_running_requests: int
+    enable_memory_saver: bool
+    enable_weights_cpu_backup: bool
+    enable_metrics: bool
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    tokenizer_worker_num: int
+    disable_radix_cache: bool
+    skip_server_warmup: bool
+    log_requests: bool
+    tp_size: int
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    add = parser.add_argument
+    add("--model-path", "--model", dest="model_path", required=True)
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=30000)
+    add("--api-key")
+    add("--admin-api-key")
+    add("--served-model-name")
+    add("--context-length", type=int)
+    add("--mem-fraction-static", type=float, default=0.88)
+    add("--max-running-requests", type=int, default=128)
+    add("--tool-call-parser")
+    add("--reasoning-parser", choices=REASONING_PARSERS)
+    add("--tokenizer-worker-num", type=int, default=1)
+    add("--tp", "--tp-size", dest="tp_size", type=int, default=1)
+    for switch in ("--enable-memory-saver", "--enable-weights-cpu-backup", "--enable-metrics",
+                   "--disable-radix-cache", "--skip-server-warmup", "--log-requests",
+                   *IGNORED_SWITCHES):  # fmt: skip
+        add(switch, action="store_true")
+    for flag in IGNORED_VALUES:
+        add(*flag.split("|"))
+    return parser
+
+
+def parse(argv: Sequence[str], prog: str) -> SglangArgs:
+    ns = build_parser(prog).parse_args(argv)
+    return SglangArgs(
+        model_path=ns.model_path, host=ns.host, port=ns.port, api_key=ns.api_key,
+        admin_api_key=ns.admin_api_key, served_model_name=ns.served_model_name or ns.model_path,
+        context_length=ns.context_length or 4096, mem_fraction_static=ns.mem_fraction_static,
+        max_running_requests=ns.max_running_requests, enable_memory_saver=ns.enable_memory_saver,
+        enable_weights_cpu_backup=ns.enable_weights_cpu_backup, enable_metrics=ns.enable_metrics,
+        tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+        tokenizer_worker_num=ns.tokenizer_worker_num, disable_radix_cache=ns.disable_radix_cache,
+        skip_server_warmup=ns.skip_server_warmup, log_requests=ns.log_requests,
+        tp_size=ns.tp_size,
+    )  # fmt: skip
+
+
+def cli_main(argv: Sequence[str], version: str, behaviour: Behaviour) -> int:
+    """The `sglang` console script: `sglang serve --model-path M [options]`, `sglang version`."""
+    if argv[:1] in (["version"], ["--version"]):
+        print(f"sglang {version}")
+        return 0
+    top = argparse.ArgumentParser(prog="sglang")
+    top.add_argument("subcommand", choices=["serve"])
+    top.parse_args(argv[:1])
+    return main(argv[1:], version, behaviour, prog="sglang serve")
+
+
+def main(
+    argv: Sequence[str], version: str, behaviour: Behaviour, prog: str = "launch_server.py"
+) -> int:
+    args = parse(argv, prog)
+    proc.configure_logging("[%(asctime)s] %(message)s", sys.stderr, "%Y-%m-%d %H:%M:%S")
+    return proc.run(lambda process: _start(process, args, version, behaviour))
+
+
+def _shared_memory(process: Process, args: SglangArgs) -> None:
+    """With several tokenizer workers the launch args go to them through /dev/shm."""
+    if args.tokenizer_worker_num <= 1:
+        return
+    segment = SHM_DIR / f"multi_tokenizer_args_{os.getpid()}"
+    segment.write_bytes(repr(args).encode())
+    process.at_exit(lambda: segment.unlink(missing_ok=True))
+
+
+def plan_memory(
+    process: Process,
+    args: SglangArgs,
+    holder: Holder,
+    behaviour: Behaviour,
+    device: SimDevice | None,
+) -> Regions:
+    weights = weight_bytes(Path(args.model_path))
+    keeps = behaviour.faults.sleep_keeps_memory
+    if device is None:
+        sizes = {"weights": weights, "kv_cache": 0, "cuda_graph": 0}
+        return Regions(holder, sizes, behaviour.residue_bytes, keeps)
+    budget = int(args.mem_fraction_static * device.total)
+    rest = budget - weights
+    if rest <= 0 or device.free_bytes(exclude={os.getpid()}) < budget:
+        process.die(
+            "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
+        )
+    graphs = min(256 * MIB, rest // 4)
+    sizes = {"weights": weights, "kv_cache": rest - graphs, "cuda_graph": graphs}
+    return Regions(holder, sizes, behaviour.residue_bytes, keeps)
+
+
+async def _start(process: Process, args: SglangArgs, version: str, behaviour: Behaviour) -> int:
+    log.info("server_args=%s", args)
+    _shared_memory(process, args)
+    try:
+        device = find_device(os.environ)
+    except NoDevice as exc:
+        process.die(f"RuntimeError: No CUDA GPUs are available ({exc})")
+    holder: Holder = NoHolder()
+    if device is not None:
+        holder = LocalHolder(device, behaviour.memory_lag_seconds)
+    process.at_exit(holder.close)
+    regions = plan_memory(process, args, holder, behaviour, device)
+    regions.loading(regions.sizes["weights"])
+    log.info("Load weight begin.")
+    if await process.pause(behaviour.load_seconds):
+        return 0
+    crash = behaviour.faults.crash_at_start
+    if crash is not None:
+        process.die(crash.message, crash.exit_code)
+    regions.publish()
+    log.info("Load weight end.")
+    try:
+        sock = proc.open_socket(args.host, args.port, reuse_port=False)
+    except OSError as exc:
+        process.die(f"ERROR:    [Errno {exc.errno}] error while attempting to bind: {exc}")
+    process.at_exit(sock.close)
+    frontend = SglangFrontend(args, version, behaviour, process, regions)
+    app = build_app(frontend)
+    process.spawn(frontend.warm_up())
+    if behaviour.faults.die_after_seconds is not None:
+        process.later(behaviour.faults.die_after_seconds, lambda: frontend.fatal("died"))
+    await proc.serve(app, sock, process, frontend.shutdown, access_log=True)
+    return 0

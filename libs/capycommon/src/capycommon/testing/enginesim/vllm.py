@@ -1,0 +1,252 @@
+"""vLLM's launch: `vllm serve M` or `python -m vllm.entrypoints.openai.api_server --model M`.
+
+Start-up as vLLM does it: the socket is bound (SO_REUSEPORT) but not listening while the
+EngineCore child loads, so clients are refused; the child holds the device memory. Then
+`Starting vLLM server on http://HOST:PORT`, and uvicorn's `Application startup complete.`.
+Memory: the budget is --gpu-memory-utilization x the device's total; the weights are the
+model folder's weight files; the KV cache is the rest of the budget, or exactly
+--kv-cache-memory-bytes when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from capycommon.testing.enginesim import process as proc
+from capycommon.testing.enginesim.behaviour import Behaviour
+from capycommon.testing.enginesim.gpu import ChildHolder, NoDevice, SimDevice, find_device, gib
+from capycommon.testing.enginesim.memory import Regions, weight_bytes
+from capycommon.testing.enginesim.process import Process
+from capycommon.testing.enginesim.vllm_app import VllmFrontend, build_app
+
+log = logging.getLogger("vllm.entrypoints.openai.api_server")
+
+LOG_FORMAT = "%(levelname)s %(asctime)s [api_server.py] %(message)s"
+REASONING_PARSERS = frozenset(
+    {
+        "deepseek_r1", "deepseek_v3", "qwen3", "glm45", "openai_gptoss", "kimi_k2",
+        "minimax_m2", "minimax_m2_append_think", "granite", "hunyuan_a13b", "mistral",
+        "step3", "seed_oss", "ernie45", "olmo3", "gptoss", "holo2",
+    }
+)  # fmt: skip
+# Accepted and ignored: flags that change nothing the simulator shows ("|" joins aliases).
+IGNORED_VALUES = (
+    "--dtype", "--tensor-parallel-size|-tp", "--pipeline-parallel-size|-pp",
+    "--data-parallel-size|-dp", "--uvicorn-log-level", "--root-path", "--allowed-origins",
+    "--kv-transfer-config", "--quantization|-q", "--tokenizer", "--revision",
+    "--download-dir", "--load-format", "--chat-template", "--generation-config", "--seed",
+    "--max-num-batched-tokens", "--show-hidden-metrics-for-version", "--api-server-count|-asc",
+    "--config", "--tool-parser-plugin", "--swap-space", "--block-size",
+    "--compilation-config", "--limit-mm-per-prompt", "--hf-overrides",
+    "--override-generation-config",
+)  # fmt: skip
+IGNORED_SWITCHES = (
+    "--trust-remote-code", "--enforce-eager", "--enable-log-requests", "--disable-log-requests",
+    "--disable-log-stats", "--enable-prompt-tokens-details", "--disable-fastapi-docs",
+    "--headless", "--enable-chunked-prefill", "--disable-custom-all-reduce",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VllmArgs:
+    model: str
+    host: str | None
+    port: int
+    served_names: list[str]
+    api_keys: list[str]
+    gpu_memory_utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    enable_sleep_mode: bool
+    kv_cache_memory_bytes: int | None
+    enable_auto_tool_choice: bool
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    enable_request_id_headers: bool
+    disable_uvicorn_access_log: bool
+    middleware: list[str]
+    shutdown_timeout: float
+    enable_force_include_usage: bool
+    enable_server_load_tracking: bool
+
+
+def human_int(text: str) -> int:
+    """vLLM's human-readable ints: 1k = 1000, 1K = 1024 (likewise m/M, g/G)."""
+    factors = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text and text[-1] in factors:
+        return int(float(text[:-1]) * factors[text[-1]])
+    return int(text)
+
+
+def build_parser(prog: str, positional_model: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    add = parser.add_argument
+    if positional_model:
+        add("model_tag", nargs="?")
+    add("--model", default="Qwen/Qwen3-0.6B")
+    add("--host")
+    add("--port", type=int, default=8000)
+    add("--served-model-name", nargs="+", action="extend")
+    add("--api-key", nargs="+", action="extend")
+    add("--gpu-memory-utilization", type=float, default=0.9)
+    add("--max-model-len", type=human_int, default=4096)
+    add("--max-num-seqs", type=int, default=256)
+    add("--kv-cache-memory-bytes", type=human_int)
+    add("--tool-call-parser")
+    add("--reasoning-parser")
+    add("--middleware", action="append", default=[])
+    add("--shutdown-timeout", type=float, default=0.0)
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    for switch in ("--enable-sleep-mode", "--enable-auto-tool-choice",
+                   "--enable-request-id-headers", "--disable-uvicorn-access-log",
+                   "--enable-force-include-usage", "--enable-server-load-tracking",
+                   *IGNORED_SWITCHES):  # fmt: skip
+        add(switch, action="store_true")
+    for flag in IGNORED_VALUES:
+        add(*flag.split("|"))
+    return parser
+
+
+def parse(argv: Sequence[str], prog: str, positional_model: bool) -> VllmArgs:
+    ns = build_parser(prog, positional_model).parse_args(argv)
+    model: str = getattr(ns, "model_tag", None) or ns.model
+    keys = ns.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
+    return VllmArgs(
+        model=model, host=ns.host, port=ns.port, served_names=ns.served_model_name or [model],
+        api_keys=keys, gpu_memory_utilization=ns.gpu_memory_utilization,
+        max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+        enable_sleep_mode=ns.enable_sleep_mode, kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
+        enable_request_id_headers=ns.enable_request_id_headers,
+        disable_uvicorn_access_log=ns.disable_uvicorn_access_log, middleware=ns.middleware,
+        shutdown_timeout=ns.shutdown_timeout,
+        enable_force_include_usage=ns.enable_force_include_usage,
+        enable_server_load_tracking=ns.enable_server_load_tracking,
+    )  # fmt: skip
+
+
+def cli_main(argv: Sequence[str], version: str, behaviour: Behaviour) -> int:
+    """The `vllm` console script: `vllm serve [MODEL] [options]`, `vllm --version`."""
+    if argv[:1] in (["--version"], ["-v"]):
+        print(version)
+        return 0
+    top = argparse.ArgumentParser(prog="vllm")
+    top.add_argument("subcommand", choices=["serve"])
+    top.parse_args(argv[:1])
+    return main(argv[1:], version, behaviour, prog="vllm serve", positional_model=True)
+
+
+def main(
+    argv: Sequence[str],
+    version: str,
+    behaviour: Behaviour,
+    prog: str = "api_server.py",
+    positional_model: bool = False,
+) -> int:
+    args = parse(argv, prog, positional_model)
+    proc.configure_logging(LOG_FORMAT, sys.stdout)
+    return proc.run(lambda process: _start(process, args, version, behaviour))
+
+
+def _check(process: Process, args: VllmArgs) -> bool:
+    """vLLM's start-up refusals; returns dev mode (VLLM_SERVER_DEV_MODE as bool(int(v)))."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        process.die("TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser")
+    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+        process.die(
+            f"KeyError: \"reasoning helper: '{args.reasoning_parser}' not found in "
+            'reasoning_parser"'
+        )
+    try:
+        return bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
+    except ValueError as exc:
+        process.die(f"ValueError: {exc}")
+
+
+def plan_memory(
+    process: Process, args: VllmArgs, device: SimDevice | None, child: ChildHolder,
+    behaviour: Behaviour,
+) -> Regions:  # fmt: skip
+    weights = weight_bytes(Path(args.model))
+    keeps = behaviour.faults.sleep_keeps_memory
+    if device is None:
+        sizes = {"weights": weights, "kv_cache": args.kv_cache_memory_bytes or 0}
+        return Regions(child, sizes, behaviour.residue_bytes, keeps)
+    budget = int(args.gpu_memory_utilization * device.total)
+    free = device.free_bytes(exclude={os.getpid(), child.pid})
+    if free < budget:
+        process.die(
+            f"ValueError: Free memory on device ({gib(free)}/{gib(device.total)} GiB) on startup "
+            f"is less than desired GPU memory utilization ({args.gpu_memory_utilization}, "
+            f"{gib(budget)} GiB). Decrease GPU memory utilization or reduce GPU memory used by "
+            "other processes."
+        )
+    kv = args.kv_cache_memory_bytes or budget - weights
+    if kv <= 0 or weights + kv > free:
+        process.die(
+            "ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine."
+        )
+    return Regions(child, {"weights": weights, "kv_cache": kv}, behaviour.residue_bytes, keeps)
+
+
+async def _start(process: Process, args: VllmArgs, version: str, behaviour: Behaviour) -> int:
+    log.info("vLLM API server version %s", version)
+    log.info("args: %s", args)
+    dev_mode = _check(process, args)
+    host = args.host or "0.0.0.0"
+    try:
+        sock = proc.open_socket(host, args.port, reuse_port=True)
+    except OSError as exc:
+        process.die(f"OSError: {exc}")
+    process.at_exit(sock.close)
+    try:
+        device = find_device(os.environ)
+    except NoDevice as exc:
+        process.die(f"RuntimeError: No CUDA GPUs are available ({exc})")
+    child = ChildHolder(device, behaviour.memory_lag_seconds,
+                        behaviour.faults.leave_child_on_sigkill)  # fmt: skip
+    process.at_exit(child.close)
+    regions = plan_memory(process, args, device, child, behaviour)
+    regions.loading(regions.sizes["weights"])
+    if await process.pause(behaviour.load_seconds):
+        return 0
+    crash = behaviour.faults.crash_at_start
+    if crash is not None:
+        process.die(crash.message, crash.exit_code)
+    regions.publish()
+    frontend = VllmFrontend(args, version, behaviour, process, regions, dev_mode)
+    app = build_app(frontend)
+    _watch_child(process, child, frontend)
+    if behaviour.faults.die_after_seconds is not None:
+        process.later(behaviour.faults.die_after_seconds, lambda: frontend.fatal("died"))
+    log.info("Starting vLLM server on http://%s:%d", host, args.port)
+    log.info("Available routes are: %s", ", ".join(sorted(frontend.paths(app))))
+    await proc.serve(app, sock, process, frontend.shutdown, not args.disable_uvicorn_access_log)
+    return 0
+
+
+def _watch_child(process: Process, child: ChildHolder, frontend: VllmFrontend) -> None:
+    """The EngineCore dying on its own kills the engine, as vLLM's API server notices."""
+    loop = asyncio.get_running_loop()
+    fd = os.pidfd_open(child.pid)
+
+    def forget() -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+    def gone() -> None:
+        loop.remove_reader(fd)
+        if not process.stopping:
+            frontend.fatal("Engine core proc EngineCore_DP0 died unexpectedly, shutting down.")
+
+    loop.add_reader(fd, gone)
+    process.at_exit(forget)

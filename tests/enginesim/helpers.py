@@ -1,0 +1,248 @@
+"""Helpers for the engine simulator's tests: simulated GPUs, launched engines, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from capycommon import simgpu
+from capycommon.testing.enginesim import Behaviour, install_llama_server, install_python_engine
+from capycommon.testing.enginesim.install import PythonFamily
+from support import free_port, pid_alive, wait_for
+
+GIB = 1 << 30
+MIB = 1 << 20
+# Short timings keep the whole folder fast.
+FAST = Behaviour(
+    load_seconds=0.3,
+    warmup_seconds=0.2,
+    sleep_seconds=0.05,
+    wake_seconds=0.05,
+    tokens_per_second=200,
+    memory_lag_seconds=0.05,
+)
+# Slow generation, so a request is still running while the test acts on it.
+SLOW = FAST.model_copy(update={"tokens_per_second": 5, "answer": " ".join(["word"] * 60)})
+
+
+def parse_metric(text: str, name: str) -> float:
+    """The sum over labels of one metric's samples in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample == name or sample.startswith(name + "{"):
+            total += float(value)
+    return total
+
+
+class Installs:
+    """Simulated engine installs, made on first use and shared by the session."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._made: dict[str, Path] = {}
+
+    def python(self, family: PythonFamily, version: str) -> Path:
+        name = f"{family}-{version}"
+        if name not in self._made:
+            venv = self.folder / name
+            self._made[name] = install_python_engine(venv, family, version, FAST)
+        return self._made[name]
+
+    def llama(self, build: int) -> Path:
+        name = f"llama-{build}"
+        if name not in self._made:
+            self._made[name] = install_llama_server(self.folder / name, build, FAST)
+        return self._made[name]
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    folder: Path
+    uuid: str
+    total: int
+
+    def env(self) -> dict[str, str]:
+        return {"CAPYCTL_SIMGPU_DIR": str(self.folder), "CUDA_VISIBLE_DEVICES": self.uuid}
+
+    def claims(self) -> dict[int, simgpu.Claim]:
+        """The claims of live processes on this device, by pid."""
+        found = simgpu.usage(self.folder).get(self.uuid)
+        return dict(found.by_pid) if found else {}
+
+    def claim_file(self, pid: int) -> Path:
+        return self.folder / f"{pid}.json"
+
+    def occupy(self, size: int) -> None:
+        """Claim `size` bytes for this (live) test process, as another engine would."""
+        simgpu.write_claim(self.folder, os.getpid(), simgpu.Claim(uuid=self.uuid, bytes=size))
+
+
+def make_simgpu(folder: Path, total: int = 24 * GIB) -> SimGpu:
+    device = simgpu.parse_devices(f"gpu0:{total // GIB}GiB")[0]
+    simgpu.write_devices(folder, [device])
+    return SimGpu(folder, device.uuid, device.total_bytes)
+
+
+def sparse_file(path: Path, size: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as handle:
+        handle.truncate(size)
+    return path
+
+
+def closed_env(bin_dir: Path | None, home: Path, **extra: str) -> dict[str, str]:
+    """The closed environment CapyCTL starts engines with."""
+    path = f"{bin_dir}:/usr/bin:/bin" if bin_dir else "/usr/bin:/bin"
+    return {"PATH": path, "HOME": str(home), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
+            "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", **extra}  # fmt: skip
+
+
+@dataclass
+class Engine:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    key: str | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(self.base + path, headers=self.headers, timeout=10, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.post(self.base + path, headers=self.headers, timeout=30, **kwargs)
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.key or "none", max_retries=0)
+
+    def status(self, path: str = "/health") -> int | None:
+        """The HTTP status of `path`, or None while the port refuses connections."""
+        try:
+            return httpx.get(self.base + path, headers=self.headers, timeout=5).status_code
+        except httpx.TransportError:
+            return None
+
+    def wait_status(self, status: int, path: str = "/health", timeout: float = 20) -> None:
+        def reached() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the engine exited {self.proc.returncode}:\n{self.output()}")
+            return self.status(path) == status
+
+        wait_for(reached, timeout, f"{path} to answer {status}")
+
+    def metric(self, name: str) -> float:
+        return parse_metric(self.get("/metrics").text, name)
+
+    def wait_exit(self, timeout: float = 20) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait_exit()
+
+
+@dataclass
+class Launcher:
+    """Starts engines in their own process group; kills every group left at teardown."""
+
+    folder: Path
+    started: list[Engine] = field(default_factory=list)
+
+    def start(self, argv: list[str], env: dict[str, str], port: int | None = None,
+              key: str | None = None) -> Engine:  # fmt: skip
+        port = port or free_port()
+        log = self.folder / f"engine-{len(self.started)}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [part.replace("{port}", str(port)) for part in argv],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        engine = Engine(proc, port, log, key)
+        self.started.append(engine)
+        return engine
+
+    def run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30,
+                              check=False)  # fmt: skip
+
+    def cleanup(self) -> None:
+        for engine in self.started:
+            with_group_killed(engine.proc.pid)
+            if engine.proc.poll() is None:
+                engine.proc.wait(timeout=10)
+
+
+def with_group_killed(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    wait_for(lambda: not group_alive(pgid), 10, f"process group {pgid} to end")
+
+
+def group_alive(pgid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and pid_alive(int(entry.name)):
+            return True
+    return False
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and pid_alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
+    """Decoded `data:` payloads of an SSE body; `[DONE]` stays a string."""
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def send_and_hang_up(
+    port: int, path: str, body: dict[str, object], key: str | None
+) -> socket.socket:
+    """Send one request on a raw socket (kept open); the caller closes it to hang up."""
+    data = json.dumps(body).encode()
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"{auth}Content-Length: {len(data)}\r\n\r\n")  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(head.encode() + data)
+    return sock
