@@ -126,11 +126,17 @@ class Engine:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def get(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.get(self.base + path, headers=self.headers, timeout=10, **kwargs)
+    def get(
+        self, path: str, headers: dict[str, str] | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        return httpx.get(self.base + path, headers={**self.headers, **(headers or {})},
+                         timeout=10, **kwargs)  # fmt: skip
 
-    def post(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.post(self.base + path, headers=self.headers, timeout=30, **kwargs)
+    def post(
+        self, path: str, headers: dict[str, str] | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        return httpx.post(self.base + path, headers={**self.headers, **(headers or {})},
+                          timeout=30, **kwargs)  # fmt: skip
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.key or "none", max_retries=0)

@@ -133,7 +133,9 @@ class EngineControl:
         }
         response = await self._call("POST", "/v1/chat/completions", self.timeouts.canary, json=body)
         message = response.json()["choices"][0]["message"]
-        return str(message.get("content") or "")
+        # A thinking model spends its first token on reasoning; that counts as an answer.
+        reasoning = message.get(self.capabilities.reasoning_field)
+        return str(message.get("content") or reasoning or "")
 
     async def load(self) -> Load:
         """Running and waiting requests, from the engine's own metrics."""

@@ -41,6 +41,7 @@ class Work:
     planned_finish: Finish
     produced: list[Token] = field(default_factory=list)
     finish: Finish | None = None
+    error: str | None = None  # why it finished with "error"
     key: int = field(default_factory=lambda: next(_serial))
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -185,6 +186,15 @@ class Engine:
         self._finish(work, "abort")
         work.aborted.set()
         return True
+
+    def fail_all(self, message: str) -> None:
+        """The engine died: nothing more is scheduled or produced; everything fails."""
+        self.admitting = False
+        self.producing.clear()
+        for work in self.all_work():
+            work.error = message
+            self._finish(work, "error")
+            work.aborted.set()
 
     def abort_rid(self, rid: str) -> int:
         return sum(self.abort(w) for w in self.all_work() if w.rid == rid)

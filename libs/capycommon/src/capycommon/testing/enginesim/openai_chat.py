@@ -254,7 +254,10 @@ class Answer:
         yield self._event(kind, [self._chat_choice({"role": "assistant", "content": ""})])
         async for token in self.work.tokens():
             yield self._event(kind, [self._chat_choice(self._delta(token))])
-        yield self._event(kind, [self._chat_choice({}, self.work.finish or "abort")])
+        if self.work.finish == "error":
+            yield self._error_event()
+        else:
+            yield self._event(kind, [self._chat_choice({}, self.work.finish or "abort")])
         async for tail in self._tail("chat.completion.chunk"):
             yield tail
 
@@ -270,9 +273,14 @@ class Answer:
             "finish_reason": self.work.finish or "abort",
             **self.dialect.choice_extras,
         }
-        yield self._event(kind, [last])
+        yield self._error_event() if self.work.finish == "error" else self._event(kind, [last])
         async for tail in self._tail(kind):
             yield tail
+
+    def _error_event(self) -> str:
+        error = {"message": self.work.error or "internal error", "type": "InternalServerError",
+                 "param": None, "code": 500}  # fmt: skip
+        return f"data: {json.dumps({'error': error})}\n\n"
 
     async def _tail(self, kind: str) -> AsyncIterator[str]:
         if self.include_usage:

@@ -165,6 +165,8 @@ class Frontend:
                 await work.done.wait()
             finally:
                 watcher.cancel()
+            if work.finish == "error":
+                return self.error(500, work.error or "internal error", "InternalServerError")
             return JSONResponse(body(), headers=headers)
         return StreamingResponse(
             self._stream(events(), work, watcher),

@@ -237,7 +237,10 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
 def _watch_child(process: Process, child: ChildHolder, frontend: VllmFrontend) -> None:
     """The EngineCore dying on its own kills the engine, as vLLM's API server notices."""
     loop = asyncio.get_running_loop()
-    fd = os.pidfd_open(child.pid)
+    try:
+        fd = os.pidfd_open(child.pid)
+    except OSError:  # a kernel without pidfd (before 5.3): the death goes unnoticed
+        return
 
     def forget() -> None:
         loop.remove_reader(fd)

@@ -39,7 +39,7 @@ GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 HOLD_MODES = ("abort", "wait", "keep")
 
 
-def _reasoning_fields(version: tuple[int, ...]) -> tuple[str, ...]:
+def reasoning_fields(version: tuple[int, ...]) -> tuple[str, ...]:
     if version <= (0, 11, 0):
         return ("reasoning_content",)
     if version < (0, 16):
@@ -69,7 +69,7 @@ class VllmFrontend(Frontend):
         self.started = int(time.time())
         self.force_usage = args.enable_force_include_usage
         self.dialect = Dialect(
-            reasoning_fields=_reasoning_fields(self.v),
+            reasoning_fields=reasoning_fields(self.v),
             new_tool_call_id=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}",
             choice_extras={"stop_reason": None},
             tool_calls_always_listed=True,
@@ -138,6 +138,7 @@ class VllmFrontend(Frontend):
             return
         self.dead = True
         log.error("EngineCore encountered a fatal error. %s", reason)
+        self.engine.fail_all("EngineCore encountered an issue. See stack trace for the root cause.")
         self.regions.holder.close()
         self.process.later(
             0.5, lambda: self.process.die("vllm.v1.engine.exceptions.EngineDeadError: " + reason)
