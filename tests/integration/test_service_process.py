@@ -58,7 +58,8 @@ def test_heartbeat_while_running_and_cleared_on_sigterm(state: Path, redis_socke
         _, stderr = proc.communicate(timeout=10)
         assert proc.returncode == 0
         assert client.get(HEARTBEAT) is None
-        assert [line["message"] for line in _lines(stderr)] == ["started", "stopped"]
+        messages = [line["message"] for line in _lines(stderr)]
+        assert messages == ["started", "published engines", "stopped"]
     finally:
         proc.kill()
         client.close()
