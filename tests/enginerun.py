@@ -20,7 +20,7 @@ from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec, Residency
-from support import free_port, pid_alive, wait_for
+from support import free_port, group_members, wait_for
 
 T = TypeVar("T")
 KEY = "conformance-key-0123456789abcdef0123456789"
@@ -62,7 +62,7 @@ class RunningEngine:
         used = simgpu.usage(self.simgpu_dir).get(self.gpu_uuid)
         if used is None:
             return (0, 0)
-        mine = [c for pid, c in used.by_pid.items() if pid in group_alive(self.proc.pid)]
+        mine = [c for pid, c in used.by_pid.items() if pid in group_members(self.proc.pid)]
         return (sum(c.bytes for c in mine), sum(c.host_bytes for c in mine))
 
     def stop(self, timeout: float = 15) -> int | None:
@@ -152,18 +152,3 @@ def _ready_or_dead(engine: RunningEngine) -> bool:
     if engine.proc.poll() is not None:
         raise AssertionError(f"the engine exited with {engine.proc.returncode}:\n{engine.output()}")
     return engine.control(lambda c: c.ready())
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Live processes of a process group."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and pid_alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found

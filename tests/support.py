@@ -82,19 +82,42 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line mentions `text` (used to prove nothing was left behind)."""
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    ppid: int
+    pgid: int
+    cmdline: str
+
+
+def live_processes() -> list[ProcessInfo]:
+    """Every live (non-zombie) process but this one, from /proc."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
+        except (OSError, IndexError):
             continue
-        if text in cmdline and pid_alive(int(entry.name)):
-            found.append(int(entry.name))
+        if fields[0] != "Z":
+            found.append(ProcessInfo(int(entry.name), int(fields[1]), int(fields[2]), cmdline))
     return found
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions `text` (used to prove nothing was left behind)."""
+    return [p.pid for p in live_processes() if text in p.cmdline]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group."""
+    return [p.pid for p in live_processes() if p.pgid == pgid]
+
+
+def children_of(pid: int) -> list[int]:
+    return [p.pid for p in live_processes() if p.ppid == pid]
 
 
 @dataclass

@@ -18,7 +18,7 @@ import openai
 from capycommon import simgpu
 from capycommon.testing.enginesim import Behaviour, install_llama_server, install_python_engine
 from capycommon.testing.enginesim.install import PythonFamily
-from support import free_port, pid_alive, wait_for
+from support import free_port, group_members, wait_for
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -207,30 +207,7 @@ def with_group_killed(pgid: int) -> None:
 
 
 def group_alive(pgid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and pid_alive(int(entry.name)):
-            return True
-    return False
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and pid_alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+    return bool(group_members(pgid))
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:

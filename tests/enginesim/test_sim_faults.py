@@ -16,12 +16,11 @@ from enginesim.helpers import (
     Installs,
     Launcher,
     SimGpu,
-    children_of,
     closed_env,
     send_and_hang_up,
     sse_events,
 )
-from support import wait_for
+from support import children_of, wait_for
 
 HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
 

@@ -26,7 +26,6 @@ from enginesim.helpers import (
     Installs,
     Launcher,
     SimGpu,
-    children_of,
     closed_env,
     group_alive,
     make_simgpu,
@@ -34,7 +33,7 @@ from enginesim.helpers import (
     sse_events,
     with_group_killed,
 )
-from support import pid_alive, wait_for
+from support import children_of, pid_alive, wait_for
 
 VERSION = "0.17.0"
 KEY = "sim-key"
