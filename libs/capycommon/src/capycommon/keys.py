@@ -34,3 +34,38 @@ def engines(host: str) -> str:
 def host_notifications(host: str) -> str:
     """The pub/sub channel on which a host's state changes are announced ({kind, id, version})."""
     return f"{host_prefix(host)}:notify"
+
+
+def host_commands(host: str) -> str:
+    """The stream of commands the scheduler sends to a host's hostd."""
+    return f"{host_prefix(host)}:commands"
+
+
+def host_events(host: str) -> str:
+    """The stream of what happened on a host: transitions, refusals, with durations."""
+    return f"{host_prefix(host)}:events"
+
+
+def instance(host: str, deployment: str, index: int) -> str:
+    """The observed state of one instance, written by the host's hostd only."""
+    return f"{host_prefix(host)}:instance:{deployment}:{index}"
+
+
+def instances(host: str) -> str:
+    """The set of `<deployment>:<index>` members with an instance record on the host."""
+    return f"{host_prefix(host)}:instances"
+
+
+def instance_log(host: str, deployment: str, index: int) -> str:
+    """The last lines of an instance's engine log (redacted)."""
+    return f"{host_prefix(host)}:instance-log:{deployment}:{index}"
+
+
+def memory(host: str) -> str:
+    """The host's latest memory reading (memwatch)."""
+    return f"{host_prefix(host)}:memory"
+
+
+def startup_peak(host: str, deployment: str, revision: int, fingerprint: str) -> str:
+    """The measured startup peak of a deployment revision on a host with one engine build."""
+    return f"{host_prefix(host)}:startup-peak:{deployment}:{revision}:{fingerprint}"

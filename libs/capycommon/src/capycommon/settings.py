@@ -19,6 +19,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from capycommon.errors import InvalidConfig
+from capycommon.simgpu import parse_devices
+from capycommon.units import parse_size
 
 Role = Literal["standalone", "server", "host"]
 ROLES: tuple[Role, ...] = ("standalone", "server", "host")
@@ -116,12 +118,33 @@ class ServerSection(Strict):
     listeners: Listeners = Listeners()
 
 
+def _check_simulated_gpus(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            parse_devices(value)
+        except InvalidConfig as exc:
+            raise ValueError(exc.message.removeprefix("CAPYCTL_SIMULATED_GPUS: ")) from None
+    return value
+
+
+def _check_size(value: str | None) -> str | None:
+    if value is not None:
+        parse_size(value)
+    return value
+
+
 class HostSection(Strict):
     name: HostName = "local"
     models_root: Annotated[Path, AfterValidator(lambda p: p.expanduser())] = Field(
         default_factory=lambda: Path.home() / "models"
     )
     engine_ports: PortRange = "8100-8199"
+    # Simulated GPUs instead of NVML: `gpu0:24GiB,gpu1:24GiB` or `unified:128GiB`.
+    simulated_gpus: Annotated[str | None, AfterValidator(_check_simulated_gpus)] = None
+    # Simulated host RAM, e.g. `64GiB` (with simulated GPUs only).
+    simulated_host_ram: Annotated[str | None, AfterValidator(_check_size)] = None
+    # Where simulated GPUs keep devices.json and the claims; None: <state>/simgpu.
+    simgpu_dir: Path | None = None
 
 
 class LogSection(Strict):
@@ -189,6 +212,9 @@ ENV_VARS: dict[str, str] = {
     "CAPYCTL_HOST_NAME": "host.name",
     "CAPYCTL_MODELS_ROOT": "host.models_root",
     "CAPYCTL_ENGINE_PORTS": "host.engine_ports",
+    "CAPYCTL_SIMULATED_GPUS": "host.simulated_gpus",
+    "CAPYCTL_SIMULATED_HOST_RAM": "host.simulated_host_ram",
+    "CAPYCTL_SIMGPU_DIR": "host.simgpu_dir",
     "CAPYCTL_LOG_LEVEL": "log.level",
     "CAPYCTL_LOG_FORMAT": "log.format",
     "CAPYCTL_REDIS_URL": "redis.url",
