@@ -269,7 +269,10 @@ def test_a_server_and_a_host_share_the_servers_redis() -> None:
             if result.returncode != 0:
                 return False
             procs = {p["name"]: p for p in json.loads(result.stdout)["processes"]}
-            return all(procs[s]["heartbeat_pid"] == procs[s]["pid"] for s in ("hostd", "memwatch"))
+            return all(
+                procs[s]["state"] == "RUNNING" and procs[s]["heartbeat_pid"] == procs[s]["pid"]
+                for s in ("hostd", "memwatch")
+            )
 
         wait_for(joined, timeout=30, what="the host's agents to beat in the server's Redis")
         client = redis.Redis(unix_socket_path=str(sock))
