@@ -83,12 +83,15 @@ class InstanceRecord(BaseModel):
     family: str | None = None
     fingerprint: str | None = None
     served_name: str | None = None
+    model_path: str | None = None
     residency: str | None = None
     gpu_uuid: str | None = None
     port: int | None = None
     process: ProcessIdentity | None = None
     log_path: str | None = None
     shm_segments: tuple[str, ...] = ()
+    # The canary's answer at first readiness; a wake must answer the same.
+    canary: str | None = None
     error: str | None = None
 
     @property

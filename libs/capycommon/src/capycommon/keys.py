@@ -56,6 +56,11 @@ def instances(host: str) -> str:
     return f"{host_prefix(host)}:instances"
 
 
+def instance_secret(host: str, deployment: str, index: int) -> str:
+    """The per-launch key of an instance's engine (read by hostd and the router only)."""
+    return f"{host_prefix(host)}:instance-secret:{deployment}:{index}"
+
+
 def instance_log(host: str, deployment: str, index: int) -> str:
     """The last lines of an instance's engine log (redacted)."""
     return f"{host_prefix(host)}:instance-log:{deployment}:{index}"

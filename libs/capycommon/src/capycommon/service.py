@@ -130,11 +130,11 @@ async def _reach_redis(
                     f"cannot reach Redis at {url} after {patience:g} s ({exc}); "
                     "is the role's redis-server running?"
                 ) from None
-        if await _wait(stop, 0.25):
+        if await wait_event(stop, 0.25):
             return
 
 
-async def _wait(event: asyncio.Event, timeout: float) -> bool:
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     """Wait up to `timeout` seconds for `event`; True if it is set."""
     try:
         await asyncio.wait_for(event.wait(), timeout)
@@ -196,7 +196,7 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
                     f"Redis unreachable for {patience:g} s ({exc}); exiting so the "
                     "supervisor restarts this service"
                 ) from None
-        await _wait(ctx.stop, heartbeats.INTERVAL_S if lost_since is None else 0.5)
+        await wait_event(ctx.stop, heartbeats.INTERVAL_S if lost_since is None else 0.5)
 
 
 class _Server(uvicorn.Server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -9,18 +10,36 @@ from pathlib import Path
 from capycommon.engines import publish, registry
 from capycommon.errors import CapyError
 from capycommon.service import ServiceContext, run
+from capycommon.settings import HostSettings, StandaloneSettings, parse_port_range
+from capycommon.store import InstanceStore
+from capyctl_hostd import adopt, consumer
+from capyctl_hostd.ports import PortLeaser
+from capyctl_hostd.runner import HostPaths, Runner
 
 log = logging.getLogger(__name__)
 
 
-async def serve(ctx: ServiceContext) -> None:
-    """Publish the engines registered on this machine, then keep the host's heartbeat."""
+def host_paths(ctx: ServiceContext) -> HostPaths:
+    assert isinstance(ctx.settings, StandaloneSettings | HostSettings)
+    host = ctx.settings.host
+    simgpu = None
+    if host.simulated_gpus is not None:
+        simgpu = host.simgpu_dir or ctx.paths.root / "simgpu"
+    return HostPaths(
+        engines_file=registry.locate(ctx.document, Path.home()),
+        runtime_dir=ctx.paths.root / "runtime",
+        logs_dir=ctx.paths.logs_dir / "engines",
+        home=Path.home(),
+        simgpu_dir=simgpu,
+    )
+
+
+async def publish_engines(ctx: ServiceContext, paths: HostPaths) -> None:
     assert ctx.host is not None
     try:
-        engines = registry.read(registry.locate(ctx.document, Path.home()))
+        engines = registry.read(paths.engines_file)
     except CapyError as exc:
         log.error("no engines published: error [%s]: %s", exc.code, exc.message)
-        await ctx.stop.wait()
         return
     await publish.publish(ctx.redis, ctx.host, engines)
     log.info(
@@ -28,7 +47,21 @@ async def serve(ctx: ServiceContext) -> None:
         extra={"source": str(engines.path), "revision": engines.revision,
                "profiles": sorted(engines.document.profiles)},
     )  # fmt: skip
-    await ctx.stop.wait()
+
+
+async def serve(ctx: ServiceContext) -> None:
+    """Publish the engines, re-adopt what runs, then carry out commands until stopped.
+
+    Stopping hostd leaves the engines running: the next hostd re-adopts them.
+    """
+    assert ctx.host is not None
+    assert isinstance(ctx.settings, StandaloneSettings | HostSettings)
+    paths = host_paths(ctx)
+    await publish_engines(ctx, paths)
+    ports = PortLeaser(*parse_port_range(ctx.settings.host.engine_ports))
+    runner = Runner(ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths)
+    await adopt.adopt_all(runner)
+    await asyncio.gather(consumer.consume(runner, ctx.stop), adopt.watch(runner, ctx.stop))
 
 
 def main() -> None:

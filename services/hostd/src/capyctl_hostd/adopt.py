@@ -1,0 +1,99 @@
+"""After a restart of hostd: re-adopt the engines that still run, reap the dead ones, and keep
+watching for engines that die."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from capycommon import keys
+from capycommon.engines import registry
+from capycommon.engines.launch import LaunchSpec, Residency
+from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
+from capycommon.service import wait_event
+from capycommon.store import Conflict
+from capyctl_hostd import procs
+from capyctl_hostd.engines import Engine, tail
+from capyctl_hostd.runner import Runner
+
+log = logging.getLogger(__name__)
+S = InstanceState
+STABLE = (S.READY, S.DRAINING, S.PARKED)
+
+
+async def adopt_all(runner: Runner) -> None:
+    for record in await runner.store.all():
+        if record.state not in LIVE_STATES:
+            continue
+        try:
+            await adopt(runner, record)
+        except Conflict:
+            continue  # the record moved on while we looked
+
+
+async def adopt(runner: Runner, record: InstanceRecord) -> None:
+    alive = record.process is not None and procs.is_alive(record.process)
+    engine = await _rebuild(runner, record) if alive else None
+    if engine is not None and record.state in STABLE:
+        runner.engines[record.member] = engine
+        runner.ports.hold(record.port or 0)
+        log.info("re-adopted", extra={"member": record.member, "pid": engine.pgid})
+        return
+    if engine is not None:
+        # A start, park or wake was cut by the restart: its outcome is unknown, so stop it.
+        runner.engines[record.member] = engine
+        await runner.stop(record, f"interrupted by a restart of hostd while {record.state}")
+        return
+    await _reap(runner, record, "its engine is gone (found after a restart of hostd)")
+
+
+async def _rebuild(runner: Runner, record: InstanceRecord) -> Engine | None:
+    profile = registry.read(runner.paths.engines_file).document.profiles.get(record.profile or "")
+    secret = await runner.client.get(
+        keys.instance_secret(runner.host, record.deployment, record.instance)
+    )
+    if profile is None or secret is None or record.port is None or record.process is None:
+        return None
+    assert record.launch_id is not None
+    spec = LaunchSpec(
+        profile=profile,
+        model_path=Path(record.model_path or ""),
+        served_name=record.served_name or record.deployment,
+        port=record.port,
+        api_key=secret.decode() if isinstance(secret, bytes) else str(secret),
+        residency=Residency(record.residency or Residency.RESTART_ONLY),
+        runtime_dir=runner.paths.runtime_dir / record.launch_id,
+    )
+    return Engine(spec, record.process.pgid, Path(record.log_path or "/dev/null"))
+
+
+async def _reap(runner: Runner, record: InstanceRecord, why: str) -> None:
+    """The engine's leader is gone: clean what it left, then record the failure."""
+    log.warning("%s: %s", record.member, why)
+    if record.state == S.STOPPING:
+        await runner.stop_finish(record, why)
+        return
+    lines = " | ".join(tail(Path(record.log_path), 8)) if record.log_path else ""
+    await runner.fail(record, f"{why}; last log lines: {lines or 'none'}")
+
+
+async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+    """Notice engines that die on their own and record the failure."""
+    while not stop.is_set():
+        for member, engine in list(runner.engines.items()):
+            if engine.exit_code() is None and (
+                engine.process is not None or procs.group_members(engine.pgid)
+            ):
+                continue
+            deployment, _, index = member.rpartition(":")
+            record = await runner.store.get(deployment, int(index))
+            if record is None or record.state not in STABLE:
+                continue
+            async with runner.lock_for(member):
+                code = engine.exit_code()
+                try:
+                    await runner.fail(record, f"the engine exited on its own (code {code})")
+                except Conflict:
+                    continue
+        await wait_event(stop, interval_s)

@@ -1,0 +1,67 @@
+"""Reading the host's command stream: at least once, acknowledged after each command ran.
+
+A fixed consumer name means a restarted hostd gets the commands its predecessor had taken
+but not finished; the generation checks make a repeat harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import cast
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.exceptions import ResponseError
+
+from capycommon import hostcommands, keys
+from capyctl_hostd.runner import Runner
+
+log = logging.getLogger(__name__)
+GROUP = "hostd"
+CONSUMER = "hostd"
+
+Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+
+
+async def ensure_group(client: aioredis.Redis, stream: str) -> None:
+    try:
+        await client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+async def consume(runner: Runner, stop: asyncio.Event) -> None:
+    stream = keys.host_commands(runner.host)
+    await ensure_group(runner.client, stream)
+    tasks: set[asyncio.Task[None]] = set()
+    cursor = "0"  # first what was delivered but never acknowledged, then new entries
+    try:
+        while not stop.is_set():
+            read = await runner.client.xreadgroup(
+                GROUP, CONSUMER, {stream: cursor}, count=16, block=500
+            )
+            entries = cast(Entries, read)[0][1] if read else []
+            if cursor == "0" and not entries:
+                cursor = ">"
+            for entry_id, fields in entries:
+                task = asyncio.create_task(_run(runner, stream, entry_id, fields))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if cursor == "0" and entries:
+                cursor = entries[-1][0].decode()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run(runner: Runner, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    try:
+        command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
+    except (KeyError, ValidationError) as exc:
+        log.error("dropping a malformed command %s: %s", entry_id.decode(), exc)
+    else:
+        await runner.handle(command)
+    await runner.client.xack(stream, GROUP, entry_id)

@@ -1,0 +1,77 @@
+"""`python -m capyctl_hostd.logwriter FILE`: an engine's log, redacted and rotated.
+
+The engine writes to this process's stdin. It runs in a session of its own, so it outlives a
+restart of hostd, and ends when the engine closes its output. Secrets to redact come in the
+CAPYCTL_REDACT variable, one per line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+MAX_BYTES = 16 << 20
+BACKUPS = 3
+REDACTED = "<redacted>"
+
+_PATTERNS = [
+    re.compile(r"(?i)(authorization:\s*bearer\s+)\S+"),
+    re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"),
+    re.compile(
+        r"(?i)((?:api_key|admin_api_key|token|password|secret)['\"]?\s*[=:]\s*['\"]?)[^\s'\",)]+"
+    ),
+    re.compile(r"()hf_[A-Za-z0-9]{20,}"),
+    re.compile(r"(://[^/\s:@]+:)[^@\s/]+(?=@)"),
+]
+
+
+def redact(line: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        line = line.replace(secret, REDACTED)
+    for pattern in _PATTERNS:
+        line = pattern.sub(lambda m: f"{m[1]}{REDACTED}", line)
+    return line
+
+
+class RotatingLog:
+    """`path`, rotated to `path.1` .. `path.<BACKUPS>` past MAX_BYTES; owner-only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handle = self._open()
+
+    def _open(self) -> BinaryIO:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return os.fdopen(fd, "ab")
+
+    def write(self, data: bytes) -> None:
+        self.handle.write(data)
+        self.handle.flush()
+        if self.handle.tell() >= MAX_BYTES:
+            self.rotate()
+
+    def rotate(self) -> None:
+        self.handle.close()
+        for index in range(BACKUPS - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{index}")
+            if older.exists():
+                older.replace(self.path.with_name(f"{self.path.name}.{index + 1}"))
+        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+        self.handle = self._open()
+
+
+def main() -> None:
+    path = Path(sys.argv[1])
+    secrets = [s for s in os.environ.get("CAPYCTL_REDACT", "").splitlines() if s]
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log = RotatingLog(path)
+    for raw in sys.stdin.buffer:
+        text = raw.decode("utf-8", "replace").rstrip("\n")
+        log.write((redact(text, secrets) + "\n").encode())
+
+
+if __name__ == "__main__":
+    main()

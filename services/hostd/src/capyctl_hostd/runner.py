@@ -1,0 +1,327 @@
+"""Carrying out the scheduler's commands on this host, one at a time per instance.
+
+Every change of state goes through the instance store's compare-and-set, so a command for a
+stale generation, or one that arrives after the instance moved on, is refused and recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from capycommon import hostcommands as hc
+from capycommon import keys
+from capycommon.engines import registry
+from capycommon.engines.adapters import adapter_for
+from capycommon.engines.environment import engine_environment, install_runtime
+from capycommon.engines.launch import LaunchSpec, Residency
+from capycommon.errors import CapyError
+from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
+from capycommon.store import Conflict, InstanceStore
+from capyctl_hostd import engines, procs
+from capyctl_hostd.engines import Engine, LaunchFailed
+from capyctl_hostd.ports import PortLeaser
+
+log = logging.getLogger(__name__)
+S = InstanceState
+LOG_LINES_IN_REDIS = 50
+
+
+@dataclass
+class HostPaths:
+    engines_file: Path
+    runtime_dir: Path
+    logs_dir: Path
+    home: Path
+    simgpu_dir: Path | None
+
+
+@dataclass
+class Runner:
+    host: str
+    client: aioredis.Redis
+    store: InstanceStore
+    ports: PortLeaser
+    paths: HostPaths
+    engines: dict[str, Engine] = field(default_factory=dict)
+    _member_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    _gpu_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    def lock_for(self, member: str) -> asyncio.Lock:
+        return self._member_locks.setdefault(member, asyncio.Lock())
+
+    async def handle(self, command: hc.Launch | hc.Park | hc.Wake | hc.Stop | hc.Abort) -> None:
+        member = f"{command.deployment}:{command.instance}"
+        async with self.lock_for(member):
+            try:
+                await self._dispatch(command)
+            except Conflict as exc:
+                now = exc.current.state if exc.current else "absent"
+                await self._refuse(command, f"the instance moved on (now {now})")
+
+    async def _dispatch(self, command: hc.Launch | hc.Park | hc.Wake | hc.Stop | hc.Abort) -> None:
+        if isinstance(command, hc.Launch):
+            await self.launch(command)
+            return
+        record = await self._current(command)
+        if record is None:
+            return
+        if isinstance(command, hc.Park):
+            await self.park(record)
+        elif isinstance(command, hc.Wake):
+            await self.wake(record, command.wake_deadline_s)
+        elif isinstance(command, hc.Stop):
+            await self.stop(record, command.reason)
+        else:
+            await self.abort(record, command.request_id)
+
+    async def _refuse(
+        self, command: hc.Launch | hc.Park | hc.Wake | hc.Stop | hc.Abort, why: str
+    ) -> None:
+        log.warning(
+            "refused %s of %s:%s: %s", command.kind, command.deployment, command.instance, why
+        )
+        await self.store.refused(command.deployment, command.instance, command.generation,
+                                 f"{command.kind} refused: {why}")  # fmt: skip
+
+    async def _current(
+        self, command: hc.Park | hc.Wake | hc.Stop | hc.Abort
+    ) -> InstanceRecord | None:
+        record = await self.store.get(command.deployment, command.instance)
+        if record is None:
+            await self._refuse(command, "no such instance on this host")
+        elif record.generation != command.generation:
+            await self._refuse(
+                command,
+                f"stale generation {command.generation}; the instance is at {record.generation}",
+            )
+        else:
+            return record
+        return None
+
+    # Launch ------------------------------------------------------------------------------
+
+    async def launch(self, command: hc.Launch) -> None:
+        current = await self.store.get(command.deployment, command.instance)
+        if current is not None and command.generation <= current.generation:
+            await self._refuse(
+                command,
+                f"stale generation {command.generation}; the instance is at {current.generation}",
+            )
+            return
+        if current is not None and current.state in LIVE_STATES:
+            await self._refuse(command, f"the instance is {current.state}; stop it first")
+            return
+        async with self._gpu_locks.setdefault(command.gpu_uuid, asyncio.Lock()):
+            await self._launch(command, current)
+
+    async def _launch(self, command: hc.Launch, current: InstanceRecord | None) -> None:
+        launch_id = f"{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
+        port = self.ports.lease()
+        log_path = self.paths.logs_dir / command.deployment / f"{launch_id}.log"
+        record = InstanceRecord(
+            deployment=command.deployment, instance=command.instance, revision=command.revision,
+            generation=command.generation, state=S.STARTING, since=time.time(), host=self.host,
+            launch_id=launch_id, profile=command.profile, served_name=command.served_name,
+            model_path=command.model_path, residency=command.residency,
+            gpu_uuid=command.gpu_uuid, port=port, log_path=str(log_path),
+        )  # fmt: skip
+        try:
+            record = await self.store.transition(
+                record,
+                allowed=[current.state if current else "absent"],
+                generation=current.generation if current else None,
+                reason="launch",
+                previous=current,
+            )
+        except Conflict:
+            self.ports.release(port)
+            raise
+        try:
+            engine = await self._start_engine(command, record, log_path)
+            record = await self.store.transition(
+                record.model_copy(update={"process": procs.identity(engine.pgid),
+                                          "fingerprint": engine.spec.profile.fingerprint,
+                                          "family": engine.spec.profile.family.value}),
+                allowed=[S.STARTING], generation=record.generation, reason="engine process started",
+                previous=record,
+            )  # fmt: skip
+            await engines.wait_ready(engine, command.start_deadline_s)
+            answer = await engines.canary(engine)
+        except (CapyError, OSError) as exc:
+            await self.fail(record, f"launch failed: {_message(exc)}")
+            return
+        await self._to(record, S.READY, "ready: health and canary passed", canary=answer)
+
+    async def _start_engine(
+        self, command: hc.Launch, record: InstanceRecord, log_path: Path
+    ) -> Engine:
+        profiles = registry.read(self.paths.engines_file).document.profiles
+        profile = profiles.get(command.profile)
+        if profile is None:
+            raise LaunchFailed(
+                f"no engine named {command.profile!r} is registered on host {self.host} "
+                f"(registered: {', '.join(sorted(profiles)) or 'none'})"
+            )
+        secret = secrets.token_urlsafe(32)
+        assert record.launch_id is not None
+        assert record.port is not None
+        runtime = self.paths.runtime_dir / record.launch_id
+        install_runtime(runtime)
+        spec = LaunchSpec(
+            profile=profile, model_path=Path(command.model_path), served_name=command.served_name,
+            port=record.port, api_key=secret, residency=Residency(command.residency),
+            runtime_dir=runtime, memory_fraction=command.memory_fraction,
+            kv_cache_bytes=command.kv_cache_bytes, context_length=command.context_length,
+            max_concurrent_requests=command.max_concurrent_requests,
+            tool_call_parser=command.tool_call_parser, reasoning_parser=command.reasoning_parser,
+            extra_args=command.extra_args,
+        )  # fmt: skip
+        plan = adapter_for(profile.family).plan(spec)
+        env = {**command.env, **engine_environment(
+            spec, plan, gpu_uuid=command.gpu_uuid, home=self.paths.home,
+            simgpu_dir=self.paths.simgpu_dir,
+        )}  # fmt: skip
+        await self.client.set(
+            keys.instance_secret(self.host, command.deployment, command.instance), secret
+        )
+        process = engines.spawn(plan, env, log_path, secret, runtime)
+        engine = Engine(spec, process.pid, log_path, process)
+        self.engines[record.member] = engine
+        log.info(
+            "launched", extra={"member": record.member, "pid": process.pid, "port": record.port}
+        )
+        return engine
+
+    # Park, wake, stop, abort ---------------------------------------------------------------
+
+    async def park(self, record: InstanceRecord) -> None:
+        if record.state not in (S.READY, S.DRAINING):
+            await self._refuse_record(record, "park", f"the instance is {record.state}")
+            return
+        engine = self.engines.get(record.member)
+        if engine is None:
+            await self._refuse_record(record, "park", "hostd does not hold this engine")
+            return
+        record = await self._to(record, S.PARKING, "park")
+        residency = Residency(record.residency or Residency.RESTART_ONLY)
+        control = engine.control()
+        try:
+            await control.park(residency)
+        except CapyError as exc:
+            await self.fail(record, f"park failed: {exc.message}")
+            return
+        finally:
+            await control.aclose()
+        await self._to(record, S.PARKED, f"parked ({residency})")
+
+    async def wake(self, record: InstanceRecord, deadline_s: float) -> None:
+        engine = self.engines.get(record.member)
+        if record.state != S.PARKED or engine is None:
+            await self._refuse_record(record, "wake", f"the instance is {record.state}")
+            return
+        record = await self._to(record, S.WAKING, "wake")
+        residency = Residency(record.residency or Residency.RESTART_ONLY)
+        control = engine.control()
+        try:
+            await control.wake(residency)
+            await engines.wait_ready(engine, deadline_s)
+            answer = await engines.canary(engine)
+        except CapyError as exc:
+            await self.fail(record, f"wake failed: {exc.message}")
+            return
+        finally:
+            await control.aclose()
+        if record.canary is not None and answer != record.canary:
+            await self.fail(
+                record, f"wake_mismatch: the canary answered {answer!r}, not {record.canary!r}"
+            )
+            return
+        await self._to(record, S.READY, "ready after wake: health and canary passed")
+
+    async def stop(self, record: InstanceRecord, reason: str) -> None:
+        if record.state not in LIVE_STATES:
+            await self._refuse_record(record, "stop", f"the instance is already {record.state}")
+            return
+        record = await self._to(record, S.STOPPING, f"stop: {reason}")
+        await self.stop_finish(record, reason)
+
+    async def stop_finish(self, record: InstanceRecord, reason: str) -> None:
+        """From stopping: processes gone, port and key released, then stopped."""
+        segments = await self._tear_down(record)
+        await self._to(record, S.STOPPED, f"stopped: {reason}", shm_segments=tuple(segments))
+
+    async def abort(self, record: InstanceRecord, request_id: str) -> None:
+        engine = self.engines.get(record.member)
+        if engine is None:
+            await self._refuse_record(record, "abort", "hostd does not hold this engine")
+            return
+        control = engine.control()
+        try:
+            await control.abort(request_id)
+        except CapyError as exc:
+            await self._refuse_record(record, "abort", exc.message)
+        finally:
+            await control.aclose()
+
+    # Shared steps ----------------------------------------------------------------------------
+
+    async def _to(
+        self, record: InstanceRecord, state: InstanceState, reason: str, **changes: object
+    ) -> InstanceRecord:
+        new = record.model_copy(update={"state": state, "since": time.time(), **changes})
+        written = await self.store.transition(
+            new,
+            allowed=[record.state],
+            generation=record.generation,
+            reason=reason,
+            previous=record,
+        )
+        await self._publish_log(written)
+        return written
+
+    async def fail(self, record: InstanceRecord, error: str) -> None:
+        """Tear the launch down, then record the failure: memory is released only once the
+        processes are proven gone."""
+        log.error("%s: %s", record.member, error)
+        await self._tear_down(record)
+        await self._to(record, S.FAILED, error.split(";", 1)[0], error=error)
+
+    async def _tear_down(self, record: InstanceRecord) -> list[str]:
+        engine = self.engines.pop(record.member, None)
+        removed: list[str] = []
+        if engine is not None:
+            removed = await engines.tear_down(engine)
+        elif record.process is not None and procs.group_members(record.process.pgid):
+            await procs.stop_group(record.process.pgid)
+        self.ports.release(record.port)
+        await self.client.delete(
+            keys.instance_secret(self.host, record.deployment, record.instance)
+        )
+        return removed
+
+    async def _refuse_record(self, record: InstanceRecord, kind: str, why: str) -> None:
+        await self.store.refused(
+            record.deployment, record.instance, record.generation, f"{kind} refused: {why}"
+        )
+
+    async def _publish_log(self, record: InstanceRecord) -> None:
+        if record.log_path is None:
+            return
+        lines = engines.tail(Path(record.log_path), LOG_LINES_IN_REDIS)
+        key = keys.instance_log(self.host, record.deployment, record.instance)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            if lines:
+                pipe.rpush(key, *lines)
+            await pipe.execute()
+
+
+def _message(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, CapyError) else str(exc)
