@@ -104,6 +104,9 @@ class Hostd:
         raw = cast(bytes, self.client.get(keys.instance_secret(HOST, deployment, 0)))
         return raw.decode()
 
+    def secret_or_none(self, deployment: str) -> bytes | None:
+        return cast(bytes | None, self.client.get(keys.instance_secret(HOST, deployment, 0)))
+
     def events(self) -> list[dict[str, Any]]:
         entries = cast(
             list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(keys.host_events(HOST))

@@ -268,3 +268,38 @@ def test_engine_logs_are_redacted_owner_only_and_in_redis(
     lines = [line.decode() for line in raw]
     assert lines
     assert all(secret not in line for line in lines)
+
+
+def test_a_wake_that_answers_differently_is_a_mismatch(
+    hostd: tuple[Hostd, str], model: Path, installs: dict[str, Path]
+) -> None:
+    harness, gpu = hostd
+    write_behaviour(
+        installs["vllm"], FAST.model_copy(update={"faults": Faults(garbage_after_wake=True)})
+    )
+    harness.send(launch("a", 1, gpu, model))
+    harness.wait_state("a", "ready")
+    harness.send(Park(deployment="a", generation=1))
+    harness.wait_state("a", "parked")
+    harness.send(Wake(deployment="a", generation=1))
+    failed = harness.wait_state("a", "failed")
+    assert (failed.error or "").startswith("wake_mismatch: the canary answered")
+    assert failed.process is not None
+    assert group_members(failed.process.pgid) == []
+
+
+def test_an_engine_that_died_while_hostd_was_down_is_reaped(
+    hostd: tuple[Hostd, str], model: Path
+) -> None:
+    harness, gpu = hostd
+    harness.send(launch("a", 1, gpu, model))
+    ready = harness.wait_state("a", "ready")
+    assert ready.process is not None
+    pgid = ready.process.pgid
+    harness.kill9()
+    os.killpg(pgid, signal.SIGKILL)
+    wait_for(lambda: not group_members(pgid), timeout=5, what="the engine to die")
+    harness.start()
+    failed = harness.wait_state("a", "failed")
+    assert "its engine is gone" in (failed.error or "")
+    assert harness.secret_or_none("a") is None, "the per-launch key is dropped"

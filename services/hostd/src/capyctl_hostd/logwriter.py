@@ -39,8 +39,9 @@ def redact(line: str, secrets: list[str]) -> str:
 class RotatingLog:
     """`path`, rotated to `path.1` .. `path.<BACKUPS>` past MAX_BYTES; owner-only."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, max_bytes: int = MAX_BYTES) -> None:
         self.path = path
+        self.max_bytes = max_bytes
         self.handle = self._open()
 
     def _open(self) -> BinaryIO:
@@ -50,7 +51,7 @@ class RotatingLog:
     def write(self, data: bytes) -> None:
         self.handle.write(data)
         self.handle.flush()
-        if self.handle.tell() >= MAX_BYTES:
+        if self.handle.tell() >= self.max_bytes:
             self.rotate()
 
     def rotate(self) -> None:
@@ -62,6 +63,9 @@ class RotatingLog:
         self.path.replace(self.path.with_name(f"{self.path.name}.1"))
         self.handle = self._open()
 
+    def close(self) -> None:
+        self.handle.close()
+
 
 def main() -> None:
     path = Path(sys.argv[1])
@@ -71,6 +75,7 @@ def main() -> None:
     for raw in sys.stdin.buffer:
         text = raw.decode("utf-8", "replace").rstrip("\n")
         log.write((redact(text, secrets) + "\n").encode())
+    log.close()
 
 
 if __name__ == "__main__":
