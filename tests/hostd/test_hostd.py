@@ -303,3 +303,17 @@ def test_an_engine_that_died_while_hostd_was_down_is_reaped(
     failed = harness.wait_state("a", "failed")
     assert "its engine is gone" in (failed.error or "")
     assert harness.secret_or_none("a") is None, "the per-launch key is dropped"
+
+
+def test_one_engine_starts_at_a_time_per_gpu(hostd: tuple[Hostd, str], model: Path) -> None:
+    harness, gpu = hostd
+    harness.send(launch("a", 1, gpu, model))
+    harness.send(launch("b", 1, gpu, model))
+    harness.wait_state("a", "ready")
+    harness.wait_state("b", "ready")
+    order = [
+        (e["deployment"], e["to_state"])
+        for e in harness.events()
+        if e["kind"] == "transition" and e["from_state"] != e["to_state"]
+    ]
+    assert order.index(("a", "ready")) < order.index(("b", "starting")), order
