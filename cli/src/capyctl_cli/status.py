@@ -1,16 +1,20 @@
-"""`capyctl status`: the role running on a state dir, from supervisord and the heartbeats."""
+"""`capyctl status`: the role running on a state dir, from supervisord and the heartbeats,
+and its host's memory from memwatch's latest reading."""
 
 from __future__ import annotations
 
 import json
 import time
+from typing import Literal
 
 import redis
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from capycommon import heartbeats
+from capycommon import heartbeats, memory
 from capycommon.errors import RoleNotRunning
+from capycommon.memory import MemoryReading
 from capycommon.paths import StatePaths
+from capycommon.units import format_size
 from capyctl_cli import output, supervisor
 from capyctl_cli.launcher import lock_is_held
 
@@ -25,6 +29,34 @@ class ProcessStatus(BaseModel):
     version: str | None
 
 
+class GpuStatus(BaseModel):
+    index: int
+    uuid: str
+    name: str
+    unified: bool
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+
+
+class RamStatus(BaseModel):
+    source: str
+    total_bytes: int
+    used_bytes: int
+    available_bytes: int
+
+
+class HostMemory(BaseModel):
+    """A host's memory as its latest reading says; stale or missing: unobserved, no figures."""
+
+    host: str
+    state: Literal["observed", "unobserved"]
+    reading_age_s: float | None
+    backend: str | None
+    gpus: list[GpuStatus]
+    ram: RamStatus | None
+
+
 class StatusReport(BaseModel):
     role: str
     version: str
@@ -35,6 +67,7 @@ class StatusReport(BaseModel):
     listeners: dict[str, str]
     redis: str
     processes: list[ProcessStatus]
+    hosts: list[HostMemory]
 
 
 def collect(paths: StatePaths) -> StatusReport:
@@ -48,7 +81,7 @@ def collect(paths: StatePaths) -> StatusReport:
         infos = {info.name: info for info in supervisor.processes(paths.supervisor_socket)}
     except OSError:
         infos = {}
-    beats = _heartbeats(record)
+    beats, hosts = _observe(record)
     processes = []
     for name in record["processes"]:
         info = infos.get(name)
@@ -74,21 +107,55 @@ def collect(paths: StatePaths) -> StatusReport:
         listeners=record["listeners"],
         redis=record["redis_url"],
         processes=processes,
+        hosts=hosts,
     )
 
 
-def _heartbeats(record: dict[str, object]) -> dict[str, heartbeats.Heartbeat]:
+def _observe(
+    record: dict[str, object],
+) -> tuple[dict[str, heartbeats.Heartbeat], list[HostMemory]]:
+    """The services' heartbeats and the role's host's memory, read from the role's Redis."""
     client = redis.Redis.from_url(
         str(record["redis_url"]), socket_timeout=2, socket_connect_timeout=2
     )
     services = [str(name) for name in record["processes"]]  # type: ignore[attr-defined]
-    host = record.get("host")
+    host = str(record["host"]) if record.get("host") else None
+    readings: dict[str, MemoryReading | None] = {host: None} if host else {}
+    beats: dict[str, heartbeats.Heartbeat] = {}
     try:
-        return heartbeats.read_all(client, str(host) if host else None, services)
-    except (redis.RedisError, OSError):
-        return {}
+        beats = heartbeats.read_all(client, host, services)
+        readings = {name: memory.read_reading(client, name) for name in readings}
+    except (redis.RedisError, OSError, ValidationError):
+        pass  # what could not be read shows as missing or unobserved
     finally:
         client.close()
+    now = time.time()
+    return beats, [host_memory(name, found, now) for name, found in readings.items()]
+
+
+def host_memory(host: str, reading: MemoryReading | None, now: float) -> HostMemory:
+    """What status shows of a host's memory; a stale or missing reading is unobserved."""
+    age = round(now - reading.taken_at, 1) if reading is not None else None
+    if reading is None or not reading.is_fresh(now):
+        return HostMemory(
+            host=host, state="unobserved", reading_age_s=age, backend=None, gpus=[], ram=None
+        )
+    gpus = [
+        GpuStatus(
+            index=g.index, uuid=g.uuid, name=g.name, unified=g.unified,
+            total_bytes=g.total_bytes, used_bytes=g.used_bytes, free_bytes=g.free_bytes,
+        )
+        for g in reading.gpus
+    ]  # fmt: skip
+    ram = RamStatus(
+        source=reading.ram.source,
+        total_bytes=reading.ram.total_bytes,
+        used_bytes=reading.ram.total_bytes - reading.ram.available_bytes,
+        available_bytes=reading.ram.available_bytes,
+    )
+    return HostMemory(
+        host=host, state="observed", reading_age_s=age, backend=reading.backend, gpus=gpus, ram=ram
+    )
 
 
 def render(report: StatusReport) -> str:
@@ -112,8 +179,37 @@ def render(report: StatusReport) -> str:
         )
         for p in report.processes
     ]
-    return (
+    text = (
         output.pairs(summary)
         + "\n\n"
         + output.table(["PROCESS", "STATE", "PID", "UPTIME", "HEARTBEAT"], rows)
     )
+    if report.hosts:
+        text += "\n\n" + render_memory(report.hosts)
+    return text
+
+
+MEMORY_HEADERS = ["HOST", "MEMORY", "UUID", "TOTAL", "USED", "FREE", "SOURCE"]
+
+
+def render_memory(hosts: list[HostMemory]) -> str:
+    """One row per GPU and one for host RAM, per host; an unobserved host says so."""
+    rows: list[tuple[object, ...]] = []
+    for host in hosts:
+        if host.state == "unobserved":
+            seen = "no reading" if host.reading_age_s is None else (
+                f"last reading {output.duration(host.reading_age_s)} ago"
+            )  # fmt: skip
+            rows.append((host.host, "unobserved", None, None, None, None, seen))
+            continue
+        for gpu in host.gpus:
+            label = f"gpu {gpu.index} {gpu.name}" + (" (unified)" if gpu.unified else "")
+            rows.append((host.host, label, gpu.uuid, format_size(gpu.total_bytes),
+                         format_size(gpu.used_bytes), format_size(gpu.free_bytes),
+                         host.backend))  # fmt: skip
+        if host.ram is not None:
+            ram = host.ram
+            rows.append((host.host, "host RAM", None, format_size(ram.total_bytes),
+                         format_size(ram.used_bytes), format_size(ram.available_bytes),
+                         ram.source))  # fmt: skip
+    return output.table(MEMORY_HEADERS, rows)

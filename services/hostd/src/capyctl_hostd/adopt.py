@@ -4,6 +4,7 @@ watching for engines that die."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from capycommon import keys
 from capycommon.engines import registry
 from capycommon.engines.launch import LaunchSpec, Residency
 from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
-from capycommon.service import wait_event
+from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.store import Conflict
 from capyctl_hostd import procs
 from capyctl_hostd.engines import Engine, tail
@@ -81,19 +82,24 @@ async def _reap(runner: Runner, record: InstanceRecord, why: str) -> None:
 async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = 1.0) -> None:
     """Notice engines that die on their own and record the failure."""
     while not stop.is_set():
-        for member, engine in list(runner.engines.items()):
-            if engine.exit_code() is None and (
-                engine.process is not None or procs.group_members(engine.pgid)
-            ):
-                continue
-            deployment, _, index = member.rpartition(":")
-            record = await runner.store.get(deployment, int(index))
-            if record is None or record.state not in STABLE:
-                continue
-            async with runner.lock_for(member):
-                code = engine.exit_code()
-                try:
-                    await runner.fail(record, f"the engine exited on its own (code {code})")
-                except Conflict:
-                    continue
+        with contextlib.suppress(*REDIS_ERRORS):  # Redis is back at the next turn, or hostd exits
+            await _check(runner)
         await wait_event(stop, interval_s)
+
+
+async def _check(runner: Runner) -> None:
+    for member, engine in list(runner.engines.items()):
+        if engine.exit_code() is None and (
+            engine.process is not None or procs.group_members(engine.pgid)
+        ):
+            continue
+        deployment, _, index = member.rpartition(":")
+        record = await runner.store.get(deployment, int(index))
+        if record is None or record.state not in STABLE:
+            continue
+        async with runner.lock_for(member):
+            code = engine.exit_code()
+            try:
+                await runner.fail(record, f"the engine exited on its own (code {code})")
+            except Conflict:
+                continue

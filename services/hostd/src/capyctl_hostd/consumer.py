@@ -7,6 +7,7 @@ but not finished; the generation checks make a repeat harmless.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import cast
 
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
 from capycommon import hostcommands, keys
+from capycommon.service import REDIS_ERRORS, wait_event
 from capyctl_hostd.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -39,9 +41,7 @@ async def consume(runner: Runner, stop: asyncio.Event) -> None:
     cursor = "0"  # first what was delivered but never acknowledged, then new entries
     try:
         while not stop.is_set():
-            read = await runner.client.xreadgroup(
-                GROUP, CONSUMER, {stream: cursor}, count=16, block=500
-            )
+            read = await _read(runner, stream, cursor, stop)
             entries = cast(Entries, read)[0][1] if read else []
             if cursor == "0" and not entries:
                 cursor = ">"
@@ -57,11 +57,31 @@ async def consume(runner: Runner, stop: asyncio.Event) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _read(runner: Runner, stream: str, cursor: str, stop: asyncio.Event) -> object:
+    try:
+        return await runner.client.xreadgroup(
+            GROUP, CONSUMER, {stream: cursor}, count=16, block=500
+        )
+    except ResponseError as exc:
+        if "NOGROUP" not in str(exc):
+            raise
+        await ensure_group(runner.client, stream)  # Redis lost the group: recreate it
+    except REDIS_ERRORS:
+        await wait_event(stop, 0.5)  # the heartbeat decides when Redis was gone too long
+    return None
+
+
 async def _run(runner: Runner, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
     try:
         command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
     except (KeyError, ValidationError) as exc:
         log.error("dropping a malformed command %s: %s", entry_id.decode(), exc)
     else:
-        await runner.handle(command)
-    await runner.client.xack(stream, GROUP, entry_id)
+        try:
+            await runner.handle(command)
+        except REDIS_ERRORS as exc:
+            # Left unacknowledged: a restarted hostd reads it again.
+            log.warning("command %s interrupted by Redis: %s", entry_id.decode(), exc)
+            return
+    with contextlib.suppress(*REDIS_ERRORS):
+        await runner.client.xack(stream, GROUP, entry_id)

@@ -1,14 +1,37 @@
-"""`capyctl-memwatch --role ROLE`: keep this host's memwatch alive and its heartbeat fresh."""
+"""`capyctl-memwatch --role ROLE`: measure this host's memory and write it to Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
-from capycommon.service import run
+from capycommon.errors import InvalidConfig
+from capycommon.service import ServiceContext, run
+from capycommon.settings import HostSection, HostSettings, StandaloneSettings
+from capyctl_memwatch.choose import open_backend
+from capyctl_memwatch.hostram import HostRamReader
+from capyctl_memwatch.watch import watch
+
+
+def _host_section(ctx: ServiceContext) -> HostSection:
+    if ctx.host is None or not isinstance(ctx.settings, StandaloneSettings | HostSettings):
+        raise InvalidConfig(f"memwatch runs on a GPU host; the {ctx.role} role has none")
+    return ctx.settings.host
+
+
+async def serve(ctx: ServiceContext) -> None:
+    """Choose the backend once, then write readings and startup peaks until told to stop."""
+    section = _host_section(ctx)
+    assert ctx.host is not None
+    backend = await asyncio.to_thread(open_backend, section, ctx.paths.root, HostRamReader())
+    try:
+        await watch(ctx.redis, ctx.host, backend, ctx.stop)
+    finally:
+        backend.close()
 
 
 def main() -> None:
-    sys.exit(run("memwatch", None))
+    sys.exit(run("memwatch", serve))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""Process groups from /proc: who belongs to a group, and what the group holds.
+
+Members are found by scanning `/proc/<pid>/stat` for the process group id (field 5), never
+by name. The root is injectable, so the parsing is tested on fixture trees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from capyctl_memwatch.backends import DeviceUnobserved, Observation
+from capyctl_memwatch.hostram import PROC
+from capyctl_memwatch.peaks import GroupUse
+
+
+@dataclass(frozen=True)
+class StatFields:
+    state: str
+    ppid: int
+    pgid: int
+
+
+def parse_stat(text: str) -> StatFields:
+    """The fields after `pid (comm)`; comm may hold spaces and parentheses."""
+    fields = text.rsplit(") ", 1)[1].split()
+    return StatFields(state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]))
+
+
+def parse_vmrss(text: str) -> int:
+    """VmRSS of /proc/<pid>/status in bytes; 0 when absent (a zombie, a kernel thread)."""
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def group_members(pgids: Collection[int], proc_root: Path = PROC) -> dict[int, list[int]]:
+    """For each wanted process group, its live (non-zombie) members."""
+    found: dict[int, list[int]] = {pgid: [] for pgid in pgids}
+    if not found:
+        return found
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = parse_stat((entry / "stat").read_text())
+        except (OSError, IndexError, ValueError):
+            continue  # gone while we looked
+        if stat.pgid in found and stat.state != "Z":
+            found[stat.pgid].append(int(entry.name))
+    return {pgid: sorted(pids) for pgid, pids in found.items()}
+
+
+def rss_bytes(pid: int, proc_root: Path = PROC) -> int:
+    try:
+        return parse_vmrss((proc_root / str(pid) / "status").read_text())
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+@dataclass(frozen=True)
+class GroupMeter:
+    """What each process group holds: device bytes from the backend, host bytes from RSS
+    (or from the simulated claims when host RAM is simulated)."""
+
+    observe: Callable[[], Observation]
+    proc_root: Path = PROC
+
+    def measure(self, pgids: Collection[int]) -> dict[int, GroupUse]:
+        if not pgids:
+            return {}
+        try:
+            observation = self.observe()
+        except DeviceUnobserved:
+            return {}  # no sample this step; the readings loop reports the failure
+        device = observation.device_by_pid()
+        members = group_members(pgids, self.proc_root)
+        return {
+            pgid: GroupUse(
+                device_bytes=sum(device.get(pid, 0) for pid in pids),
+                host_bytes=sum(self._host(pid, observation.host_by_pid) for pid in pids),
+                pids=len(pids),
+            )
+            for pgid, pids in members.items()
+        }
+
+    def _host(self, pid: int, simulated: dict[int, int] | None) -> int:
+        return rss_bytes(pid, self.proc_root) if simulated is None else simulated.get(pid, 0)
