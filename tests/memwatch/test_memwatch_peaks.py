@@ -157,3 +157,11 @@ def test_several_launches_are_sampled_in_one_measure(
     done = [record(READY, ENGINE, since=100.2), record(READY, RELAUNCH, since=100.2, instance=1)]
     peaks = sampler.tick(done, 100.5)
     assert sorted(p.device_bytes for p in peaks) == [GIB, 3 * GIB]
+
+
+def test_a_launch_that_parks_before_the_next_step_still_counts(
+    sampler: PeakSampler, meter: ScriptedMeter
+) -> None:
+    now = run(sampler, meter, [(2 * GIB, 100 * MIB), (6 * GIB, 200 * MIB)])
+    peaks = sampler.tick([record(InstanceState.PARKING, ENGINE, since=now)], now)
+    assert [(p.device_bytes, p.host_bytes) for p in peaks] == [(6 * GIB, 200 * MIB)]

@@ -75,3 +75,6 @@ def configure(
         logger.handlers[:] = []
         logger.propagate = True
     logging.getLogger("uvicorn.access").disabled = True
+    # A line per engine call is noise (and would name every URL): keep their warnings only.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(root.level, logging.WARNING))

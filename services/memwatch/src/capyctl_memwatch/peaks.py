@@ -70,6 +70,19 @@ def _state_of(record: InstanceRecord | None, launch: Launch) -> InstanceState | 
     return record.state
 
 
+# A launch seen in any of these (with the same process) became ready since the last step,
+# even if it has already moved on, e.g. straight to a park.
+BECAME_READY = frozenset(
+    {
+        InstanceState.READY,
+        InstanceState.DRAINING,
+        InstanceState.PARKING,
+        InstanceState.PARKED,
+        InstanceState.WAKING,
+    }
+)
+
+
 class PeakSampler:
     def __init__(self, host: str, meter: Meter, blind_after_s: float = BLIND_AFTER_S) -> None:
         self.host = host
@@ -101,7 +114,7 @@ class PeakSampler:
             if state is InstanceState.STARTING:
                 continue
             del self.launches[member]
-            if state is InstanceState.READY and (peak := self._peak(launch, now)) is not None:
+            if state in BECAME_READY and (peak := self._peak(launch, now)) is not None:
                 peaks.append(peak)
         return peaks
 

@@ -98,13 +98,18 @@ class LocalHolder:
         self._device = device
         self._pid = os.getpid() if pid is None else pid
         self._lag = lag
+        self._requested = 0
         self._changes: queue.Queue[tuple[float, int, int] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         threading.Thread(target=self._apply, name="simgpu", daemon=True).start()
 
     def set(self, gpu_bytes: int, host_bytes: int) -> None:
-        self._changes.put((time.monotonic() + self._lag, gpu_bytes, host_bytes))
+        # An allocation is there when the call returns; a release shows up late, as freed
+        # memory does in NVML.
+        lag = self._lag if gpu_bytes < self._requested else 0.0
+        self._requested = gpu_bytes
+        self._changes.put((time.monotonic() + lag, gpu_bytes, host_bytes))
 
     def _apply(self) -> None:
         while (change := self._changes.get()) is not None:
