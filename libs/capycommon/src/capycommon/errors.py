@@ -65,12 +65,39 @@ class RedisUnreachable(CapyError):
     code = "redis_unreachable"
 
 
+class EngineEnvReserved(InvalidConfig):
+    """A deployment sets an engine variable CapyCTL owns; the code names it (`:<NAME>`)."""
+
+    code = "engine_env_reserved"
+
+
+class RouteConflict(CapyError):
+    code = "route_conflict"
+
+
+class MultiGpuUnsupported(CapyError):
+    code = "multi_gpu_unsupported"
+
+
+class HostBackedUnavailable(CapyError):
+    code = "host_backed_unavailable"
+
+
+class ProfileNotPublished(CapyError):
+    code = "profile_not_published"
+
+
+class ModelSourcePending(CapyError):
+    code = "model_source_pending"
+
+
 # CLI exit codes. A code carrying a suffix (`engine_env_reserved:<name>`) maps by its stem.
 _EXIT_CODES: dict[str, int] = {
     "invalid_config": 2,
     "credentials_unusable": 2,
     "not_found": 2,
     "engine_env_reserved": 2,
+    "route_conflict": 2,
     "unauthenticated": 3,
     "unauthorized": 3,
     "insufficient_resources": 4,
@@ -80,6 +107,9 @@ _EXIT_CODES: dict[str, int] = {
     "unsupported": 5,
     "capability_missing": 5,
     "host_backed_unavailable": 5,
+    "multi_gpu_unsupported": 5,
+    # This release downloads no models: the document must name a local folder instead.
+    "model_source_pending": 5,
     "activation_timeout": 10,
     "internal": 13,
     "launch_failed": 13,
@@ -95,6 +125,7 @@ _EXIT_CODES: dict[str, int] = {
     "engine_timeout": 10,
     "engine_error": 13,
     "redis_unreachable": 22,
+    "profile_not_published": 24,
     "still_stopping": 25,
     "toolchain_missing": 26,
     "role_not_running": 27,
@@ -104,11 +135,14 @@ _EXIT_CODES: dict[str, int] = {
 _HTTP_STATUSES: dict[str, int] = {
     "invalid_config": 400,
     "invalid_request": 400,
+    "engine_env_reserved": 400,
     "unauthenticated": 401,
     "forbidden": 403,
     "not_found": 404,
     "unknown_model": 404,
     "deployment_stopped": 409,
+    "route_conflict": 409,
+    "profile_not_published": 409,
     "body_too_large": 413,
     "queue_full": 429,
     "internal": 500,

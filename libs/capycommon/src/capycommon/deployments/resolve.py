@@ -1,0 +1,222 @@
+"""Binding a deployment to one host: its engine, its model folder and weights, its park tier.
+
+The host's facts come in as values (`HostFacts`); the only I/O is looking at the model
+folder. Each refusal names the field to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from capycommon.deployments.schema import Deployment, ModelSource
+from capycommon.engines.adapters import adapter_for
+from capycommon.engines.control import CapabilityMissing
+from capycommon.engines.families import Family
+from capycommon.engines.launch import PARKING, Capabilities, Residency, check_extra_args
+from capycommon.engines.registry import EngineProfile
+from capycommon.errors import (
+    CapyError,
+    HostBackedUnavailable,
+    InvalidConfig,
+    ModelSourcePending,
+    NotFound,
+    ProfileNotPublished,
+)
+from capycommon.units import format_size
+
+# A host_backed copy is charged 1.5 x the weights in the parked room, beside the engine's
+# 4 GiB host overhead (reference §1 "Residency defaults", §6 "Memory accounting").
+HOST_COPY_FACTOR = 1.5
+ENGINE_HOST_OVERHEAD = 4 << 30
+# The weights an engine loads, by format, in order of preference: a checkpoint that ships
+# both safetensors and .bin loads only the safetensors, so only one format counts.
+WEIGHT_FORMATS = (("*.safetensors",), ("*.gguf",), ("*.bin", "*.pt"))
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What resolution needs to know of the host, gathered by the caller."""
+
+    unified: bool
+    # Bytes the system domain may hold parked (the smaller of its parked and managed
+    # limits); None while unknown.
+    parked_room: int | None
+    # The GPUs present: gpu0, gpu1, ...
+    gpus: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A deployment as it would run on one host."""
+
+    deployment: Deployment
+    profile: EngineProfile
+    model_path: Path
+    # Bytes of weights on disk; None when the folder holds none CapyCTL can measure.
+    weights_bytes: int | None
+    residency: Residency
+    # Why this tier: "declared", or the rule that chose it.
+    residency_reason: str
+    # The pinned GPU; None lets placement pick the one with the most headroom.
+    device: str | None
+    extra_args: tuple[str, ...]
+
+
+def resolve(
+    deployment: Deployment,
+    *,
+    profiles: Mapping[str, EngineProfile],
+    models_root: Path,
+    host: HostFacts,
+) -> Resolved:
+    """Bind `deployment` to a host, or refuse naming the deployment, the field and the fix."""
+    try:
+        return _resolve(deployment, profiles, models_root, host)
+    except CapyError as exc:
+        message = f"deployment {deployment.name!r}: {exc.message}"
+        raise type(exc)(message, code=exc.code) from None
+
+
+def _resolve(
+    deployment: Deployment,
+    profiles: Mapping[str, EngineProfile],
+    models_root: Path,
+    host: HostFacts,
+) -> Resolved:
+    profile = resolve_engine(deployment.engine, profiles)
+    adapter = adapter_for(profile.family)
+    config = deployment.engine_config
+    extra_args = check_extra_args(profile.family.value, config.extra_args, adapter.reserved)
+    if profile.family == Family.LLAMACPP and config.context_length is None:
+        raise InvalidConfig(
+            "engine_config.context_length is required for llama.cpp; set it, e.g. 8192"
+        )
+    device = deployment.device
+    if device is not None and device not in host.gpus:
+        present = ", ".join(host.gpus) or "none"
+        raise InvalidConfig(
+            f"devices[0].id: {device} is not on this host (GPUs: {present}); pin one of them, "
+            "or drop devices"
+        )
+    model_path = model_folder(deployment.model, models_root)
+    weights = weights_bytes(model_path)
+    residency, reason = choose_residency(
+        deployment.residency, profile, adapter.capabilities(profile.version), host, weights
+    )
+    return Resolved(
+        deployment=deployment,
+        profile=profile,
+        model_path=model_path,
+        weights_bytes=weights,
+        residency=residency,
+        residency_reason=reason,
+        device=device,
+        extra_args=extra_args,
+    )
+
+
+def resolve_engine(engine: str, profiles: Mapping[str, EngineProfile]) -> EngineProfile:
+    """A registered profile by name; a family name means the host's one profile of it."""
+    if engine in profiles:
+        return profiles[engine]
+    registered = ", ".join(sorted(profiles)) or "none"
+    if engine in {family.value for family in Family}:
+        matches = sorted(name for name, profile in profiles.items() if profile.family == engine)
+        if len(matches) == 1:
+            return profiles[matches[0]]
+        if matches:
+            raise ProfileNotPublished(
+                f"engine: {engine} names a family with several registered engines "
+                f"({', '.join(matches)}); name one of them"
+            )
+        raise ProfileNotPublished(
+            f"engine: no {engine} engine is registered on this host (registered: {registered}); "
+            "register one with capyctl engine add"
+        )
+    raise ProfileNotPublished(
+        f"engine: {engine!r} is not a registered engine (registered: {registered}); name one "
+        "of them or a family (vllm, sglang, llamacpp), or register it with capyctl engine add"
+    )
+
+
+def model_folder(source: ModelSource, models_root: Path) -> Path:
+    """The model's folder (or file): a name under `models_root`, `~/...`, or absolute."""
+    if source.path is None:
+        raise ModelSourcePending(
+            f"model: {{hf: {source.hf}}} is not downloaded, and this release downloads no "
+            f"models: put the files in a folder under {models_root} and name that folder "
+            "(model: <folder>)"
+        )
+    try:
+        named = Path(source.path).expanduser()
+    except RuntimeError:
+        raise InvalidConfig(
+            f"model: {source.path!r} names a home folder that does not exist; write the path"
+        ) from None
+    path = named if named.is_absolute() else models_root.expanduser() / named
+    if not path.exists():
+        hint = ""
+        if not named.is_absolute() and source.path.count("/") == 1:
+            hint = f" (a Hugging Face repository is written {{hf: {source.path}}})"
+        raise NotFound(f"model: {path} does not exist; put the model there or fix model{hint}")
+    return path
+
+
+def weights_bytes(path: Path) -> int | None:
+    """Bytes of weights at `path`, counting one format (WEIGHT_FORMATS); None if none."""
+    if path.is_file():
+        suffixes = {pattern[1:] for patterns in WEIGHT_FORMATS for pattern in patterns}
+        return path.stat().st_size if path.suffix in suffixes else None
+    for patterns in WEIGHT_FORMATS:
+        files = [file for pattern in patterns for file in path.glob(pattern) if file.is_file()]
+        if files:
+            return sum(file.stat().st_size for file in files)
+    return None
+
+
+def choose_residency(
+    declared: Residency | None,
+    profile: EngineProfile,
+    capabilities: Capabilities,
+    host: HostFacts,
+    weights: int | None,
+) -> tuple[Residency, str]:
+    """The park tier and why: the declared one if the engine and host can do it, else the
+    reference's default (restart_only if the engine cannot park; deep on unified memory; on
+    a discrete card host_backed when the host copy fits the parked room, else deep)."""
+    if declared is not None:
+        if declared == Residency.HOST_BACKED and host.unified:
+            raise HostBackedUnavailable(
+                "residency: host_backed keeps the weights in host RAM, which on unified memory "
+                "is the GPU's own memory; use deep, or drop residency"
+            )
+        if declared not in capabilities.residencies:
+            raise CapabilityMissing(
+                f"residency: {profile.family} {profile.version} cannot park ({declared}); "
+                "use restart_only, or drop residency",
+                code="capability_missing:deep_park",
+            )
+        return declared, "declared"
+    if not any(tier in capabilities.residencies for tier in PARKING):
+        return Residency.RESTART_ONLY, f"{profile.family} cannot park"
+    tier, reason = _default_tier(host, weights)
+    if tier not in capabilities.residencies:
+        tier = next(t for t in (*PARKING, Residency.RESTART_ONLY) if t in capabilities.residencies)
+        reason = f"{reason}, but {profile.family} parks only {tier}"
+    return tier, reason
+
+
+def _default_tier(host: HostFacts, weights: int | None) -> tuple[Residency, str]:
+    if host.unified:
+        return Residency.DEEP, "unified memory: a host copy would take the GPU's own memory"
+    if weights is None:
+        return Residency.DEEP, "the size of the weights is unknown"
+    if host.parked_room is None:
+        return Residency.DEEP, "the host's parked room is unknown"
+    need = int(HOST_COPY_FACTOR * weights) + ENGINE_HOST_OVERHEAD
+    sums = f"1.5 x {format_size(weights)} of weights + 4 GiB = {format_size(need)}"
+    if need <= host.parked_room:
+        return Residency.HOST_BACKED, f"{sums} fits the {format_size(host.parked_room)} parked room"
+    return Residency.DEEP, f"{sums} exceeds the {format_size(host.parked_room)} parked room"
