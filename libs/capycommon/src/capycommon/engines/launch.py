@@ -73,6 +73,17 @@ class Capabilities:
     metrics_waiting: str
 
 
+def options(*pairs: tuple[str, object | None]) -> list[str]:
+    """`--flag value` for each pair whose value is set; a True value is a bare `--flag`."""
+    argv: list[str] = []
+    for flag, value in pairs:
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, f"{value:.4f}" if isinstance(value, float) else str(value)]
+    return argv
+
+
 def check_extra_args(family: str, args: Iterable[str], reserved: frozenset[str]) -> tuple[str, ...]:
     """Pass the user's extra arguments only when none touches what CapyCTL controls.
 

@@ -11,6 +11,7 @@ from capycommon.engines.launch import (
     LaunchSpec,
     Residency,
     check_extra_args,
+    options,
 )
 
 RESERVED = frozenset(
@@ -49,20 +50,15 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         "--api-key", spec.api_key,
         "--enable-metrics",
     ]  # fmt: skip
-    if spec.memory_fraction is not None:
-        argv += ["--mem-fraction-static", f"{spec.memory_fraction:.4f}"]
-    if spec.context_length is not None:
-        argv += ["--context-length", str(spec.context_length)]
-    if spec.max_concurrent_requests is not None:
-        argv += ["--max-running-requests", str(spec.max_concurrent_requests)]
-    if spec.residency in PARKING:
-        argv += ["--enable-memory-saver"]
-    if spec.residency == Residency.HOST_BACKED:
-        argv += ["--enable-weights-cpu-backup"]
-    if spec.tool_call_parser:
-        argv += ["--tool-call-parser", spec.tool_call_parser]
-    if spec.reasoning_parser:
-        argv += ["--reasoning-parser", spec.reasoning_parser]
+    argv += options(
+        ("--mem-fraction-static", spec.memory_fraction),
+        ("--context-length", spec.context_length),
+        ("--max-running-requests", spec.max_concurrent_requests),
+        ("--enable-memory-saver", spec.residency in PARKING),
+        ("--enable-weights-cpu-backup", spec.residency == Residency.HOST_BACKED),
+        ("--tool-call-parser", spec.tool_call_parser),
+        ("--reasoning-parser", spec.reasoning_parser),
+    )
     argv += check_extra_args("sglang", spec.extra_args, RESERVED)
     return LaunchPlan(argv, {})
 

@@ -14,6 +14,7 @@ from capycommon.engines.launch import (
     LaunchSpec,
     Residency,
     check_extra_args,
+    options,
 )
 
 GUARD = "capyctl_vllm_guard.KeyGuard"
@@ -66,20 +67,16 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         "--middleware", GUARD,
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    if spec.memory_fraction is not None:
-        argv += ["--gpu-memory-utilization", f"{spec.memory_fraction:.4f}"]
-    if spec.context_length is not None:
-        argv += ["--max-model-len", str(spec.context_length)]
-    if spec.max_concurrent_requests is not None:
-        argv += ["--max-num-seqs", str(spec.max_concurrent_requests)]
-    if spec.kv_cache_bytes is not None:
-        argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
-    if spec.residency in PARKING:
-        argv += ["--enable-sleep-mode"]
-    if spec.tool_call_parser:
-        argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
-    if spec.reasoning_parser:
-        argv += ["--reasoning-parser", spec.reasoning_parser]
+    argv += options(
+        ("--gpu-memory-utilization", spec.memory_fraction),
+        ("--max-model-len", spec.context_length),
+        ("--max-num-seqs", spec.max_concurrent_requests),
+        ("--kv-cache-memory-bytes", spec.kv_cache_bytes),
+        ("--enable-sleep-mode", spec.residency in PARKING),
+        ("--enable-auto-tool-choice", bool(spec.tool_call_parser)),
+        ("--tool-call-parser", spec.tool_call_parser),
+        ("--reasoning-parser", spec.reasoning_parser),
+    )
     argv += check_extra_args("vllm", spec.extra_args, RESERVED)
     env = {
         # vLLM's own check on /v1, and the guard on every other path, dev controls included.
