@@ -1,0 +1,113 @@
+"""The memory ledger: derived domains, footprints, admission with its figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from capycommon.memory import GpuReading, HostRam, MemoryReading
+from capyctl_scheduler.ledger import (
+    DeviceUnobserved,
+    Domain,
+    GiB,
+    InsufficientResources,
+    Ledger,
+    derive_discrete,
+    derive_domains,
+)
+
+
+def _gpu(index: int, size: int, unified: bool) -> GpuReading:
+    return GpuReading(
+        index=index,
+        uuid=f"GPU-{index}",
+        name=f"gpu{index}",
+        total_bytes=size,
+        used_bytes=0,
+        free_bytes=size,
+        unified=unified,
+    )
+
+
+def reading(*gpus: tuple[int, bool], ram: int = 64 * GiB) -> MemoryReading:
+    return MemoryReading(
+        host="local",
+        taken_at=0.0,
+        backend="simulated",
+        gpus=[
+            GpuReading(
+                index=i,
+                uuid=f"GPU-{i}",
+                name=f"gpu{i}",
+                total_bytes=size,
+                used_bytes=0,
+                free_bytes=size,
+                unified=unified,
+            )  # fmt: skip
+            for i, (size, unified) in enumerate(gpus)
+        ],
+        ram=HostRam(total_bytes=ram, available_bytes=ram, source="simulated"),
+    )
+
+
+def test_discrete_domains_follow_the_standalone_policy() -> None:
+    system, gpu0 = derive_domains(reading((24 * GiB, False)))
+    assert system == Domain("system", 64 * GiB, 32 * GiB, 64 * GiB // 5, 16 * GiB)
+    reserve = 24 * GiB * 8 // 100  # 8% beats the 1 GiB floor
+    assert gpu0 == Domain("gpu0", 24 * GiB, 24 * GiB - reserve, reserve, 6 * GiB)
+    _, small = derive_domains(reading((8 * GiB, False)))
+    assert small.free_reserve == GiB, "a small card keeps at least 1 GiB"
+
+
+def test_a_unified_machine_has_one_domain() -> None:
+    (domain,) = derive_domains(reading((128 * GiB, True), ram=128 * GiB))
+    assert domain == Domain("unified", 128 * GiB, 64 * GiB, 128 * GiB // 5, 32 * GiB)
+
+
+def test_three_models_of_14_gib_take_turns_on_one_24_gib_card() -> None:
+    ledger = Ledger({d.name: d for d in derive_domains(reading((24 * GiB, False)))})
+    charge = {"gpu0": 14 * GiB, "system": 4 * GiB}
+    ledger = ledger.admit("a:0", charge)
+    with pytest.raises(InsufficientResources) as caught:
+        ledger.admit("b:0", charge)
+    free = 24 * GiB - 24 * GiB * 8 // 100 - 14 * GiB
+    assert caught.value.message == (
+        f"needs 14.0 GiB on gpu0, {free / GiB:.1f} GiB free, 1.9 GiB reserve"
+    )
+    assert caught.value.exit_code == 4
+    parked = ledger.admit("a:0", {"gpu0": GiB, "system": 4 * GiB})  # a's charge is replaced
+    assert parked.total("gpu0") == GiB
+    both = parked.admit("b:0", charge)
+    assert both.total("gpu0") == 15 * GiB
+    third = both.release("a:0").release("b:0").admit("c:0", charge)
+    assert third.total("gpu0") == 14 * GiB
+
+
+def test_every_domain_must_fit() -> None:
+    ledger = Ledger({d.name: d for d in derive_domains(reading((80 * GiB, False), ram=16 * GiB))})
+    with pytest.raises(InsufficientResources, match="on system"):
+        ledger.admit("a:0", {"gpu0": 10 * GiB, "system": 12 * GiB})
+
+
+def test_an_unobserved_domain_admits_nothing() -> None:
+    ledger = Ledger({d.name: d for d in derive_domains(reading((24 * GiB, False)))})
+    with pytest.raises(DeviceUnobserved):
+        ledger.admit("a:0", {"gpu1": GiB})
+
+
+def test_derived_footprint_of_a_discrete_deployment() -> None:
+    weights = 8 * GiB
+    footprint = derive_discrete(
+        gpu="gpu0", weights=weights, device_limit=22 * GiB, host_backed=True
+    )
+    ready = footprint.charge("ready")
+    assert ready["gpu0"] == weights * 110 // 100 + 4 * GiB + 5 * GiB // 4
+    assert ready["system"] == 4 * GiB + 12 * GiB, "host overhead plus 1.5 x weights parked copy"
+    assert footprint.charge("parked")["gpu0"] == GiB
+    assert footprint.charge("starting")["gpu0"] == weights * 9 // 4 + 8 * GiB
+    assert footprint.startup_provenance == "derived"
+    assert footprint.charge("cold") == {}
+    declared = derive_discrete(gpu="gpu0", weights=weights, device_limit=22 * GiB,
+                               host_backed=False, startup=(30 * GiB, "declared"))  # fmt: skip
+    assert declared.charge("starting")["gpu0"] == 30 * GiB
+    assert declared.charge("ready")["system"] == 4 * GiB
+    assert declared.startup_provenance == "declared"
