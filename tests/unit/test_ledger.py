@@ -33,18 +33,7 @@ def reading(*gpus: tuple[int, bool], ram: int = 64 * GiB) -> MemoryReading:
         host="local",
         taken_at=0.0,
         backend="simulated",
-        gpus=[
-            GpuReading(
-                index=i,
-                uuid=f"GPU-{i}",
-                name=f"gpu{i}",
-                total_bytes=size,
-                used_bytes=0,
-                free_bytes=size,
-                unified=unified,
-            )  # fmt: skip
-            for i, (size, unified) in enumerate(gpus)
-        ],
+        gpus=[_gpu(i, size, unified) for i, (size, unified) in enumerate(gpus)],
         ram=HostRam(total_bytes=ram, available_bytes=ram, source="simulated"),
     )
 
