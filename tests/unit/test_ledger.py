@@ -14,6 +14,7 @@ from capyctl_scheduler.ledger import (
     derive_discrete,
     derive_domains,
 )
+from capyctl_scheduler.placement import place
 
 
 def _gpu(index: int, size: int, unified: bool) -> GpuReading:
@@ -100,3 +101,16 @@ def test_derived_footprint_of_a_discrete_deployment() -> None:
     assert declared.charge("starting")["gpu0"] == 30 * GiB
     assert declared.charge("ready")["system"] == 4 * GiB
     assert declared.startup_provenance == "declared"
+
+
+def test_placement() -> None:
+    two = Ledger({d.name: d for d in derive_domains(reading((24 * GiB, False), (24 * GiB, False)))})
+    assert place(two, ["gpu0", "gpu1"]) == "gpu0", "a tie goes to the lowest index"
+    busy = two.admit("a:0", {"gpu0": 10 * GiB})
+    assert place(busy, ["gpu0", "gpu1"]) == "gpu1", "the most headroom"
+    assert place(busy, ["gpu0", "gpu1"], pinned="gpu0") == "gpu0"
+    assert place(busy, ["gpu0", "gpu1"], parked_on="gpu0") == "gpu0", "wake where it parked"
+    with pytest.raises(DeviceUnobserved, match="gpu7"):
+        place(busy, ["gpu0", "gpu1"], pinned="gpu7")
+    with pytest.raises(DeviceUnobserved):
+        place(busy, ["gpu3"])
