@@ -91,7 +91,7 @@ def test_the_key_stays_out_of_argv_where_the_engine_allows(tmp_path: Path, famil
     residency = Residency.RESTART_ONLY
     plan = adapter_for(family).plan(spec(family, residency, tmp_path))
     if family == Family.SGLANG:
-        assert KEY in plan.argv, "SGLang reads its key from --api-key only"
+        assert f"--api-key={KEY}" in plan.argv, "SGLang reads its key from --api-key only"
     else:
         assert KEY not in " ".join(plan.argv)
         assert KEY in plan.env.values()
@@ -116,6 +116,11 @@ def test_reserved_extra_args_are_refused(
     residency = Residency.RESTART_ONLY
     with pytest.raises(InvalidConfig, match=reason):
         adapter_for(family).plan(spec(family, residency, tmp_path, extra_args=(arg, "1")))
+
+
+def test_a_key_with_a_leading_dash_stays_one_argument(tmp_path: Path) -> None:
+    dashed = spec(Family.SGLANG, Residency.DEEP, tmp_path, api_key="-" + KEY)
+    assert f"--api-key=-{KEY}" in adapter_for(Family.SGLANG).plan(dashed).argv
 
 
 def test_option_values_may_look_like_anything(tmp_path: Path) -> None:

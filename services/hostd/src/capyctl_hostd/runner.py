@@ -169,7 +169,7 @@ class Runner:
                 f"no engine named {command.profile!r} is registered on host {self.host} "
                 f"(registered: {', '.join(sorted(profiles)) or 'none'})"
             )
-        secret = secrets.token_urlsafe(32)
+        secret = secrets.token_hex(32)  # 256 bits, and never a leading "-" on a command line
         assert record.launch_id is not None
         assert record.port is not None
         runtime = self.paths.runtime_dir / record.launch_id

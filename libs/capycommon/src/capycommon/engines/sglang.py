@@ -47,7 +47,7 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         "--host", ENGINE_HOST,
         "--port", str(spec.port),
         "--served-model-name", spec.served_name,
-        "--api-key", spec.api_key,
+        f"--api-key={spec.api_key}",  # one token, even if the key were to begin with "-"
         "--enable-metrics",
     ]  # fmt: skip
     argv += options(
