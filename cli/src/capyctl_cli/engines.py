@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -15,7 +14,7 @@ from capycommon.engines.families import EngineUnsupported, Family, is_verified
 from capycommon.engines.registry import Registry
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import Role, locate_document
-from capyctl_cli import output
+from capyctl_cli import output, record
 from capyctl_cli.launcher import lock_is_held
 from capyctl_cli.options import (
     ConfigOpt,
@@ -26,6 +25,7 @@ from capyctl_cli.options import (
     expected_errors,
     role_of,
 )
+from capyctl_cli.record import RoleRecord
 
 app = typer.Typer(help="Register the engines installed on this machine.", no_args_is_help=True)
 
@@ -50,37 +50,38 @@ def choose(found: list[detect.Found], family: Family | None, path: Path) -> dete
     return found[0]
 
 
+def _running_host(paths: StatePaths) -> RoleRecord | None:
+    """The role running on the state dir, when it has a host to publish to."""
+    found = record.read(paths) if lock_is_held(paths) else None
+    return found if found is not None and found.host else None
+
+
 def publish_if_running(paths: StatePaths, engines: Registry) -> str:
     """Publish to the role running on the state dir; say where the registry went."""
     if not lock_is_held(paths):
         return "published when capyctl starts"
-    record = json.loads(paths.role_record.read_text())
-    if not record.get("host"):
-        return f"not published: the running {record['role']} role has no host"
-    client = redis.Redis.from_url(record["redis_url"], socket_timeout=5, socket_connect_timeout=5)
+    running = _running_host(paths)
+    if running is None or running.host is None:
+        role = getattr(record.read(paths), "role", "running")
+        return f"not published: the {role} role has no host"
     try:
-        publish.publish_sync(client, record["host"], engines)
+        with record.redis_of(running) as client:
+            publish.publish_sync(client, running.host, engines)
     except (redis.RedisError, OSError) as exc:
         return f"not published ({exc}); it will be when capyctl starts"
-    finally:
-        client.close()
-    return f"published to the running {record['role']} role (revision {engines.revision})"
+    return f"published to the running {running.role} role (revision {engines.revision})"
 
 
 def published_revision(paths: StatePaths) -> int | None:
     """The registry revision the running role holds, or None when no role runs."""
-    if not lock_is_held(paths):
+    running = _running_host(paths)
+    if running is None or running.host is None:
         return None
-    record = json.loads(paths.role_record.read_text())
-    if not record.get("host"):
-        return None
-    client = redis.Redis.from_url(record["redis_url"], socket_timeout=5, socket_connect_timeout=5)
     try:
-        found = publish.read_published(client, record["host"])
+        with record.redis_of(running) as client:
+            found = publish.read_published(client, running.host)
     except (redis.RedisError, OSError):
         return None
-    finally:
-        client.close()
     return None if found is None else found.revision
 
 

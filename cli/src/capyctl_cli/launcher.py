@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -25,9 +24,9 @@ from typing import IO
 from capycommon.errors import StateDirInUse, ToolchainMissing
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import bind
-from capycommon.settings import ENV_VARS, FLAGS, HostSettings, Role
+from capycommon.settings import ENV_VARS, FLAGS, HostSettings, Role, host_name
 from capycommon.version import __version__
-from capyctl_cli import redisconf, supervisor
+from capyctl_cli import record, redisconf, supervisor
 from capyctl_cli.roles import PROCESSES, Prepared, service_command
 
 log = logging.getLogger("capyctl.launcher")
@@ -69,11 +68,8 @@ def lock_is_held(paths: StatePaths) -> bool:
 
 
 def _describe_holder(paths: StatePaths) -> str:
-    try:
-        record = json.loads(paths.role_record.read_text())
-        return f"the {record['role']} role (pid {record['pid']})"
-    except (OSError, ValueError, KeyError):
-        return "another role"
+    found = record.read(paths)
+    return "another role" if found is None else f"the {found.role} role (pid {found.pid})"
 
 
 def child_environment(prepared: Prepared, env: Mapping[str, str]) -> dict[str, str]:
@@ -180,25 +176,28 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
 
 def _write_record(role: Role, prepared: Prepared, supervisord_pid: int) -> None:
     settings = prepared.loaded.settings
-    record: dict[str, object] = {
-        "role": role,
-        "version": __version__,
-        "pid": os.getpid(),
-        "supervisord_pid": supervisord_pid,
-        "started_at": time.time(),
-        "state_dir": str(prepared.paths.root),
-        "document": str(prepared.loaded.document) if prepared.loaded.document else None,
-        "processes": list(PROCESSES[role]),
-        "redis_url": settings.redis.url or prepared.paths.redis_url,
-        "host": getattr(getattr(settings, "host", None), "name", None),
-        "listeners": {},
-    }
+    listeners: dict[str, str] = {}
     if not isinstance(settings, HostSettings):
-        record["listeners"] = {
+        listeners = {
             "inference": settings.server.listeners.inference.bind,
             "management": settings.server.listeners.management.bind,
         }
-    write_atomic(prepared.paths.role_record, json.dumps(record, indent=2))
+    record.write(
+        prepared.paths,
+        record.RoleRecord(
+            role=role,
+            version=__version__,
+            pid=os.getpid(),
+            supervisord_pid=supervisord_pid,
+            started_at=time.time(),
+            state_dir=str(prepared.paths.root),
+            document=str(prepared.loaded.document) if prepared.loaded.document else None,
+            processes=list(PROCESSES[role]),
+            redis_url=settings.redis.url or prepared.paths.redis_url,
+            host=host_name(settings),
+            listeners=listeners,
+        ),
+    )
 
 
 class LogFollower:

@@ -3,7 +3,6 @@ and its host's memory from memwatch's latest reading."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Literal
 
@@ -15,8 +14,9 @@ from capycommon.errors import RoleNotRunning
 from capycommon.memory import MemoryReading
 from capycommon.paths import StatePaths
 from capycommon.units import format_size
-from capyctl_cli import output, supervisor
+from capyctl_cli import output, record, supervisor
 from capyctl_cli.launcher import lock_is_held
+from capyctl_cli.record import RoleRecord
 
 
 class ProcessStatus(BaseModel):
@@ -76,14 +76,16 @@ def collect(paths: StatePaths) -> StatusReport:
             f"no role is running on the state dir {paths.root}; start one with "
             "`capyctl start standalone`"
         )
-    record = json.loads(paths.role_record.read_text())
+    found = record.read(paths)
+    if found is None:
+        raise RoleNotRunning(f"the role on {paths.root} left no readable {paths.role_record}")
     try:
         infos = {info.name: info for info in supervisor.processes(paths.supervisor_socket)}
     except OSError:
         infos = {}
-    beats, hosts = _observe(record)
+    beats, hosts = _observe(found)
     processes = []
-    for name in record["processes"]:
+    for name in found.processes:
         info = infos.get(name)
         beat = beats.get(name)
         processes.append(
@@ -98,37 +100,32 @@ def collect(paths: StatePaths) -> StatusReport:
             )
         )
     return StatusReport(
-        role=record["role"],
-        version=record["version"],
-        pid=record["pid"],
-        uptime_s=time.time() - record["started_at"],
-        state_dir=record["state_dir"],
-        document=record["document"],
-        listeners=record["listeners"],
-        redis=record["redis_url"],
+        role=found.role,
+        version=found.version,
+        pid=found.pid,
+        uptime_s=time.time() - found.started_at,
+        state_dir=found.state_dir,
+        document=found.document,
+        listeners=found.listeners,
+        redis=found.redis_url,
         processes=processes,
         hosts=hosts,
     )
 
 
 def _observe(
-    record: dict[str, object],
+    running: RoleRecord,
 ) -> tuple[dict[str, heartbeats.Heartbeat], list[HostMemory]]:
     """The services' heartbeats and the role's host's memory, read from the role's Redis."""
-    client = redis.Redis.from_url(
-        str(record["redis_url"]), socket_timeout=2, socket_connect_timeout=2
-    )
-    services = [str(name) for name in record["processes"]]  # type: ignore[attr-defined]
-    host = str(record["host"]) if record.get("host") else None
+    host = running.host
     readings: dict[str, MemoryReading | None] = {host: None} if host else {}
     beats: dict[str, heartbeats.Heartbeat] = {}
     try:
-        beats = heartbeats.read_all(client, host, services)
-        readings = {name: memory.read_reading(client, name) for name in readings}
+        with record.redis_of(running, timeout=2) as client:
+            beats = heartbeats.read_all(client, host, running.processes)
+            readings = {name: memory.read_reading(client, name) for name in readings}
     except (redis.RedisError, OSError, ValidationError):
         pass  # what could not be read shows as missing or unobserved
-    finally:
-        client.close()
     now = time.time()
     return beats, [host_memory(name, found, now) for name, found in readings.items()]
 

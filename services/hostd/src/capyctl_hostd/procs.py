@@ -12,43 +12,30 @@ import os
 import signal
 from pathlib import Path
 
+from capycommon import procfs
 from capycommon.instances import ProcessIdentity
 
-PROC = Path("/proc")
+PROC = procfs.PROC
 SHM = Path("/dev/shm")  # noqa: S108 - the POSIX shared-memory folder, not a temp file
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        return (PROC / str(pid) / "stat").read_text().rsplit(") ", 1)[1].split()
-    except (OSError, IndexError):
-        return None
 
 
 def identity(pid: int) -> ProcessIdentity | None:
     """The process as it is now: PID, process group, start time."""
-    fields = _stat_fields(pid)
-    if fields is None:
+    fields = procfs.stat(pid)
+    if fields is None or fields.start_ticks is None:
         return None
-    # After the ") ": state(0) ppid(1) pgrp(2) ... starttime is field 22 overall, index 19 here.
-    return ProcessIdentity(pid=pid, pgid=int(fields[2]), start_ticks=int(fields[19]))
+    return ProcessIdentity(pid=pid, pgid=fields.pgid, start_ticks=fields.start_ticks)
 
 
 def is_alive(recorded: ProcessIdentity) -> bool:
     """The recorded process still runs (same PID *and* start time; a zombie has ended)."""
-    fields = _stat_fields(recorded.pid)
-    return fields is not None and fields[0] != "Z" and int(fields[19]) == recorded.start_ticks
+    fields = procfs.stat(recorded.pid)
+    return fields is not None and fields.state != "Z" and fields.start_ticks == recorded.start_ticks
 
 
 def group_members(pgid: int) -> list[int]:
     """Live processes of a process group (the group outlives its leader)."""
-    members = []
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            fields = _stat_fields(int(entry.name))
-            if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
-                members.append(int(entry.name))
-    return members
+    return procfs.group_members([pgid])[pgid]
 
 
 def _signal_group(pgid: int, signum: int) -> None:

@@ -1,4 +1,4 @@
-"""Process groups from /proc: who belongs to a group, and what the group holds.
+"""Process groups from /proc: what a group holds (its members come from capycommon.procfs).
 
 Members are found by scanning `/proc/<pid>/stat` for the process group id (field 5), never
 by name. The root is injectable, so the parsing is tested on fixture trees.
@@ -10,22 +10,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from capycommon.procfs import StatFields, group_members, parse_stat
 from capyctl_memwatch.backends import DeviceUnobserved, Observation
 from capyctl_memwatch.hostram import PROC
 from capyctl_memwatch.peaks import GroupUse
-
-
-@dataclass(frozen=True)
-class StatFields:
-    state: str
-    ppid: int
-    pgid: int
-
-
-def parse_stat(text: str) -> StatFields:
-    """The fields after `pid (comm)`; comm may hold spaces and parentheses."""
-    fields = text.rsplit(") ", 1)[1].split()
-    return StatFields(state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]))
 
 
 def parse_vmrss(text: str) -> int:
@@ -34,23 +22,6 @@ def parse_vmrss(text: str) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def group_members(pgids: Collection[int], proc_root: Path = PROC) -> dict[int, list[int]]:
-    """For each wanted process group, its live (non-zombie) members."""
-    found: dict[int, list[int]] = {pgid: [] for pgid in pgids}
-    if not found:
-        return found
-    for entry in proc_root.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = parse_stat((entry / "stat").read_text())
-        except (OSError, IndexError, ValueError):
-            continue  # gone while we looked
-        if stat.pgid in found and stat.state != "Z":
-            found[stat.pgid].append(int(entry.name))
-    return {pgid: sorted(pids) for pgid, pids in found.items()}
 
 
 def rss_bytes(pid: int, proc_root: Path = PROC) -> int:
@@ -88,3 +59,6 @@ class GroupMeter:
 
     def _host(self, pid: int, simulated: dict[int, int] | None) -> int:
         return rss_bytes(pid, self.proc_root) if simulated is None else simulated.get(pid, 0)
+
+
+__all__ = ["GroupMeter", "StatFields", "group_members", "parse_stat", "parse_vmrss", "rss_bytes"]

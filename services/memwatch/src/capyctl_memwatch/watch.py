@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from capycommon import keys, memory
 from capycommon.instances import InstanceRecord
 from capycommon.memory import MemoryReading, StartupPeak
-from capycommon.service import REDIS_ERRORS
+from capycommon.service import REDIS_ERRORS, wait_event
 from capyctl_memwatch import peaks
 from capyctl_memwatch.backends import Backend, DeviceUnobserved
 from capyctl_memwatch.peaks import PeakSampler
@@ -30,15 +30,6 @@ log = logging.getLogger(__name__)
 READING_INTERVAL_S = 1.0
 
 
-async def _wait(event: asyncio.Event, timeout: float) -> bool:
-    """Wait up to `timeout` seconds for `event`; True if it is set."""
-    try:
-        await asyncio.wait_for(event.wait(), timeout)
-    except TimeoutError:
-        return False
-    return True
-
-
 async def every(interval: float, stop: asyncio.Event, step: Callable[[], Awaitable[None]]) -> None:
     """Run `step` every `interval` seconds on a steady schedule until `stop` is set."""
     next_at = time.monotonic()
@@ -47,7 +38,7 @@ async def every(interval: float, stop: asyncio.Event, step: Callable[[], Awaitab
         next_at += interval
         now = time.monotonic()
         next_at = max(next_at, now)  # fell behind: carry on from now, without a burst
-        if await _wait(stop, next_at - now):
+        if await wait_event(stop, next_at - now):
             return
 
 

@@ -1,0 +1,51 @@
+"""The record a running role leaves in `<state>/run/role.json`, so commands find it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from capycommon.paths import StatePaths, write_atomic
+
+
+class RoleRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: str
+    version: str
+    pid: int
+    supervisord_pid: int
+    started_at: float
+    state_dir: str
+    document: str | None
+    processes: list[str]
+    redis_url: str
+    host: str | None
+    listeners: dict[str, str]
+
+
+def write(paths: StatePaths, record: RoleRecord) -> None:
+    write_atomic(paths.role_record, record.model_dump_json(indent=2))
+
+
+def read(paths: StatePaths) -> RoleRecord | None:
+    """The record, or None when it is missing or unreadable."""
+    try:
+        return RoleRecord.model_validate_json(paths.role_record.read_bytes())
+    except (OSError, ValidationError):
+        return None
+
+
+@contextmanager
+def redis_of(record: RoleRecord, timeout: float = 5.0) -> Iterator[redis.Redis]:
+    """A client of the role's Redis, closed on exit."""
+    client = redis.Redis.from_url(
+        record.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    try:
+        yield client
+    finally:
+        client.close()

@@ -1,0 +1,50 @@
+"""Processes from /proc: state, parent, process group and start time; never names.
+
+The root is injectable so the parsing is tested on fixture trees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class StatFields:
+    state: str
+    ppid: int
+    pgid: int
+    # Start time in clock ticks after boot (field 22); None in a shortened line.
+    start_ticks: int | None = None
+
+
+def parse_stat(text: str) -> StatFields:
+    """The fields after `pid (comm)`; comm may hold spaces and parentheses."""
+    fields = text.rsplit(") ", 1)[1].split()
+    start = int(fields[19]) if len(fields) > 19 else None
+    return StatFields(state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]), start_ticks=start)
+
+
+def stat(pid: int, proc_root: Path = PROC) -> StatFields | None:
+    """The process's fields now, or None when it is gone."""
+    try:
+        return parse_stat((proc_root / str(pid) / "stat").read_text())
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def group_members(pgids: Collection[int], proc_root: Path = PROC) -> dict[int, list[int]]:
+    """For each wanted process group, its live (non-zombie) members."""
+    found: dict[int, list[int]] = {pgid: [] for pgid in pgids}
+    if not found:
+        return found
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = stat(int(entry.name), proc_root)
+        if fields is not None and fields.pgid in found and fields.state != "Z":
+            found[fields.pgid].append(int(entry.name))
+    return {pgid: sorted(pids) for pgid, pids in found.items()}
