@@ -13,13 +13,17 @@ from typing import Any, cast
 
 import redis
 
-from capycommon import keys, simgpu
+from capycommon import keys, memory, simgpu
 from capycommon.engines import detect, registry
 from capycommon.hostcommands import Abort, Launch, Park, Stop, Wake
 from capycommon.instances import InstanceRecord
+from capycommon.load import EngineLoad, read_loads
+from capycommon.testing.enginesim.behaviour import Behaviour
 from support import clean_env, wait_for
 
 HOST = "local"
+GiB = 1 << 30
+FAST = Behaviour(load_seconds=0.3, warmup_seconds=0.2, tokens_per_second=200)
 
 
 @dataclass
@@ -27,8 +31,11 @@ class Hostd:
     state: Path
     home: Path
     redis_socket: Path
-    engine_ports: str = "8100-8199"
+    # Apart from the default range, so a role running on the same machine takes no port
+    # between a lease and the engine's bind; below the kernel's ephemeral ports.
+    engine_ports: str = "20100-20199"
     proc: subprocess.Popen[bytes] | None = None
+    memwatch: subprocess.Popen[bytes] | None = None
 
     @property
     def client(self) -> redis.Redis:
@@ -70,6 +77,23 @@ class Hostd:
             lambda: self.client.exists(keys.heartbeat("hostd", HOST)), timeout=15, what="hostd"
         )
 
+    def start_memwatch(self) -> None:
+        """memwatch on the same state folder: it reads the claims of hostd's engines."""
+        env = clean_env(
+            CAPYCTL_REDIS_URL=f"unix://{self.redis_socket}",
+            CAPYCTL_SIMULATED_GPUS="gpu0:24GiB",
+            CAPYCTL_SIMULATED_HOST_RAM="64GiB",
+        )
+        with (self.state / "memwatch.out").open("ab") as out:
+            self.memwatch = subprocess.Popen(
+                [sys.executable, "-m", "capyctl_memwatch", "--role", "standalone",
+                 "--state-dir", str(self.state)],
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        wait_for(
+            lambda: memory.read_reading(self.client, HOST), timeout=15, what="memwatch's reading"
+        )
+
     def kill9(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
@@ -77,9 +101,10 @@ class Hostd:
         self.client.delete(keys.heartbeat("hostd", HOST))
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=20)
+        for proc in (self.proc, self.memwatch):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=20)
 
     def send(self, command: Launch | Park | Wake | Stop | Abort) -> None:
         self.client.xadd(keys.host_commands(HOST), {"command": command.model_dump_json()})
@@ -106,6 +131,9 @@ class Hostd:
 
     def secret_or_none(self, deployment: str) -> bytes | None:
         return cast(bytes | None, self.client.get(keys.instance_secret(HOST, deployment, 0)))
+
+    def loads(self) -> dict[str, EngineLoad]:
+        return read_loads(self.client, HOST)
 
     def events(self) -> list[dict[str, Any]]:
         entries = cast(

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -15,54 +14,11 @@ import openai
 import pytest
 
 from capycommon.hostcommands import Park, Stop, Wake
-from capycommon.testing.enginesim.behaviour import Behaviour, CrashAtStart, Faults
-from capycommon.testing.enginesim.install import install_python_engine, write_behaviour
+from capycommon.testing.enginesim.behaviour import CrashAtStart, Faults
+from capycommon.testing.enginesim.install import write_behaviour
 from capyctl_hostd.ports import is_free
-from enginerun import sparse_model
-from hostd.harness import Hostd, environ, launch
+from hostd.harness import FAST, GiB, Hostd, environ, launch
 from support import group_members, short_dir, wait_for
-
-GiB = 1 << 30
-FAST = Behaviour(load_seconds=0.3, warmup_seconds=0.2, tokens_per_second=200)
-
-
-@pytest.fixture(scope="module")
-def installs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("engines")
-    return {
-        "vllm": install_python_engine(root / "vllm", "vllm", "0.29.0", FAST),
-        "sglang": install_python_engine(root / "sglang", "sglang", "0.5.16", FAST),
-    }
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return sparse_model(tmp_path_factory.mktemp("models") / "tiny", 2 * GiB)
-
-
-@pytest.fixture
-def hostd(redis_socket: Path, installs: dict[str, Path]) -> Iterator[tuple[Hostd, str]]:
-    for install in installs.values():
-        write_behaviour(install, FAST)
-    root = short_dir("hostd")
-    harness = Hostd(state=root / "state", home=root / "home", redis_socket=redis_socket)
-    harness.state.mkdir(mode=0o700, parents=True)
-    gpu = harness.prepare(installs)
-    harness.start()
-    yield harness, gpu
-    harness.stop()
-    for record_pid in _engine_groups(harness):
-        os.killpg(record_pid, signal.SIGKILL)
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def _engine_groups(harness: Hostd) -> list[int]:
-    groups = []
-    for name in ("a", "b", "c"):
-        record = harness.record(name)
-        if record is not None and record.process is not None and group_members(record.process.pgid):
-            groups.append(record.process.pgid)
-    return groups
 
 
 @pytest.mark.parametrize("family", ["vllm", "sglang"])
@@ -317,3 +273,30 @@ def test_one_engine_starts_at_a_time_per_gpu(hostd: tuple[Hostd, str], model: Pa
         if e["kind"] == "transition" and e["from_state"] != e["to_state"]
     ]
     assert order.index(("a", "ready")) < order.index(("b", "starting")), order
+
+
+def test_the_schedulers_reasons_are_in_the_events(hostd: tuple[Hostd, str], model: Path) -> None:
+    harness, gpu = hostd
+    harness.send(launch("a", 1, gpu, model, reason="demanded by a request"))
+    harness.wait_state("a", "ready")
+    harness.send(Park(deployment="a", generation=1, reason="switch: least recently used"))
+    harness.wait_state("a", "parked")
+    harness.send(Wake(deployment="a", generation=1, reason="demanded again"))
+    harness.wait_state("a", "ready")
+    harness.send(Stop(deployment="a", generation=1, reason="idle for 10m"))
+    harness.wait_state("a", "stopped")
+    steps = [
+        (e["to_state"], e["reason"])
+        for e in harness.events()
+        if e["kind"] == "transition" and e["from_state"] != e["to_state"]
+    ]
+    assert steps == [
+        ("starting", "launch: demanded by a request"),
+        ("ready", "ready: health and canary passed"),
+        ("parking", "park: switch: least recently used"),
+        ("parked", "parked (host_backed)"),
+        ("waking", "wake: demanded again"),
+        ("ready", "ready after wake: health and canary passed"),
+        ("stopping", "stop: idle for 10m"),
+        ("stopped", "stopped: idle for 10m"),
+    ]

@@ -1,7 +1,9 @@
 """Commands from the scheduler to a host's hostd, over the host's Redis stream.
 
 Each command names the deployment, the instance and the generation it is for; hostd refuses
-(and records) a command for a stale generation.
+(and records) a command for a stale generation. Launch, park, wake and stop carry the
+scheduler's reason, which hostd writes into the events of the transitions it makes, so a
+host's history says why each happened.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class _Command(BaseModel):
 
 class Launch(_Command):
     kind: Literal["launch"] = "launch"
+    reason: str = "requested"
     revision: int
     profile: str
     model_path: str
@@ -44,11 +47,23 @@ class Launch(_Command):
 
 
 class Park(_Command):
+    """Park a serving engine.
+
+    With `release_bound_bytes` (the scheduler's parked charge: the most device bytes the
+    parked engine may still hold), the park counts only once memwatch shows the engine's
+    processes within it; if that is not seen within `verify_s`, hostd stops the instance, so
+    the charge never understates what the device holds.
+    """
+
     kind: Literal["park"] = "park"
+    reason: str = "requested"
+    release_bound_bytes: int | None = Field(default=None, ge=0)
+    verify_s: float = Field(default=15.0, gt=0)
 
 
 class Wake(_Command):
     kind: Literal["wake"] = "wake"
+    reason: str = "requested"
     wake_deadline_s: float = 900.0
 
 

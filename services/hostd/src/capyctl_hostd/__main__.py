@@ -12,7 +12,7 @@ from capycommon.errors import CapyError
 from capycommon.service import ServiceContext, run
 from capycommon.settings import HostSettings, StandaloneSettings, parse_port_range
 from capycommon.store import InstanceStore
-from capyctl_hostd import adopt, consumer
+from capyctl_hostd import adopt, consumer, loads
 from capyctl_hostd.ports import PortLeaser
 from capyctl_hostd.runner import HostPaths, Runner
 
@@ -50,7 +50,8 @@ async def publish_engines(ctx: ServiceContext, paths: HostPaths) -> None:
 
 
 async def serve(ctx: ServiceContext) -> None:
-    """Publish the engines, re-adopt what runs, then carry out commands until stopped.
+    """Publish the engines, re-adopt what runs, then carry out commands, watch for engines
+    that die and publish the serving engines' load, until stopped.
 
     Stopping hostd leaves the engines running: the next hostd re-adopts them.
     """
@@ -61,7 +62,11 @@ async def serve(ctx: ServiceContext) -> None:
     ports = PortLeaser(*parse_port_range(ctx.settings.host.engine_ports))
     runner = Runner(ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths)
     await adopt.adopt_all(runner)
-    await asyncio.gather(consumer.consume(runner, ctx.stop), adopt.watch(runner, ctx.stop))
+    await asyncio.gather(
+        consumer.consume(runner, ctx.stop),
+        adopt.watch(runner, ctx.stop),
+        loads.publish(runner, ctx.stop),
+    )
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capycommon.engines.adapters import adapter_for
-from capycommon.engines.control import EngineControl
+from capycommon.engines.control import EngineControl, Timeouts
 from capycommon.engines.launch import LaunchPlan, LaunchSpec
 from capycommon.errors import CapyError
 from capyctl_hostd import procs
@@ -33,8 +33,8 @@ class Engine:
     process: subprocess.Popen[bytes] | None = None  # None when adopted
     pids: set[int] = field(default_factory=set)
 
-    def control(self) -> EngineControl:
-        return adapter_for(self.spec.profile.family).control(self.spec)
+    def control(self, timeouts: Timeouts | None = None) -> EngineControl:
+        return adapter_for(self.spec.profile.family).control(self.spec, timeouts)
 
     def exit_code(self) -> int | None:
         """The exit code once the engine ended (None while it runs or when unknown)."""

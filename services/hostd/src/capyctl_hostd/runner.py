@@ -24,7 +24,7 @@ from capycommon.engines.launch import LaunchSpec, Residency
 from capycommon.errors import CapyError
 from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.store import Conflict, InstanceStore
-from capyctl_hostd import engines, procs
+from capyctl_hostd import engines, procs, release
 from capyctl_hostd.engines import Engine, LaunchFailed
 from capyctl_hostd.ports import PortLeaser
 
@@ -73,9 +73,9 @@ class Runner:
         if record is None:
             return
         if isinstance(command, hc.Park):
-            await self.park(record)
+            await self.park(record, command)
         elif isinstance(command, hc.Wake):
-            await self.wake(record, command.wake_deadline_s)
+            await self.wake(record, command)
         elif isinstance(command, hc.Stop):
             await self.stop(record, command.reason)
         else:
@@ -137,7 +137,7 @@ class Runner:
                 record,
                 allowed=[current.state if current else "absent"],
                 generation=current.generation if current else None,
-                reason="launch",
+                reason=f"launch: {command.reason}",
                 previous=current,
             )
         except Conflict:
@@ -201,7 +201,7 @@ class Runner:
 
     # Park, wake, stop, abort ---------------------------------------------------------------
 
-    async def park(self, record: InstanceRecord) -> None:
+    async def park(self, record: InstanceRecord, command: hc.Park) -> None:
         if record.state not in (S.READY, S.DRAINING):
             await self._refuse_record(record, "park", f"the instance is {record.state}")
             return
@@ -209,7 +209,7 @@ class Runner:
         if engine is None:
             await self._refuse_record(record, "park", "hostd does not hold this engine")
             return
-        record = await self._to(record, S.PARKING, "park")
+        record = await self._to(record, S.PARKING, f"park: {command.reason}")
         residency = Residency(record.residency or Residency.RESTART_ONLY)
         control = engine.control()
         try:
@@ -219,19 +219,37 @@ class Runner:
             return
         finally:
             await control.aclose()
-        await self._to(record, S.PARKED, f"parked ({residency})")
+        if command.release_bound_bytes is None:
+            await self._to(record, S.PARKED, f"parked ({residency})")
+        else:
+            await self._settle_park(record, engine.pgid, residency, command.release_bound_bytes,
+                                    command.verify_s)  # fmt: skip
 
-    async def wake(self, record: InstanceRecord, deadline_s: float) -> None:
+    async def _settle_park(
+        self, record: InstanceRecord, pgid: int, residency: Residency, bound: int, verify_s: float
+    ) -> None:
+        """Parked once memwatch shows the memory released; else stopped, so the scheduler's
+        parked charge never stands for memory the engine still holds."""
+        seen = await release.watch(self.client, record, pgid, bound, verify_s, since=time.time())
+        released, reason = release.judge(seen, bound, verify_s, residency)
+        if released:
+            await self._to(record, S.PARKED, reason)
+            return
+        log.error("%s: %s", record.member, reason)
+        record = await self._to(record, S.STOPPING, reason)
+        await self.stop_finish(record, reason)
+
+    async def wake(self, record: InstanceRecord, command: hc.Wake) -> None:
         engine = self.engines.get(record.member)
         if record.state != S.PARKED or engine is None:
             await self._refuse_record(record, "wake", f"the instance is {record.state}")
             return
-        record = await self._to(record, S.WAKING, "wake")
+        record = await self._to(record, S.WAKING, f"wake: {command.reason}")
         residency = Residency(record.residency or Residency.RESTART_ONLY)
         control = engine.control()
         try:
             await control.wake(residency)
-            await engines.wait_ready(engine, deadline_s)
+            await engines.wait_ready(engine, command.wake_deadline_s)
             answer = await engines.canary(engine)
         except CapyError as exc:
             await self.fail(record, f"wake failed: {exc.message}")

@@ -1,0 +1,119 @@
+"""Publishing each serving engine's load: its running and waiting requests, once a second.
+
+The scheduler needs to know which engines are busy (never switch them out) and which have
+been idle longest, without talking to engines itself. hostd already holds each engine's
+address and key, so it reads the engine's own metrics and keeps `keys.engine_load(host)`
+(`capycommon.load`) current: an entry per ready or draining instance it holds, none for the
+others. Per tick: one pipeline reads the records and the hash, the engines are asked
+together, one transaction writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import cast
+
+from capycommon import keys, load
+from capycommon.engines.control import Load, Timeouts
+from capycommon.errors import CapyError
+from capycommon.instances import InstanceRecord, InstanceState
+from capycommon.load import EngineLoad
+from capycommon.service import REDIS_ERRORS, wait_event
+from capyctl_hostd.engines import Engine
+from capyctl_hostd.runner import Runner
+
+log = logging.getLogger(__name__)
+S = InstanceState
+INTERVAL_S = 1.0
+SERVING = (S.READY, S.DRAINING)
+# An engine slower than a tick to answer keeps its previous entry; the next tick asks again.
+TIMEOUTS = Timeouts(metrics=INTERVAL_S)
+
+
+async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTERVAL_S) -> None:
+    """Every `interval_s` until `stop`; a tick Redis interrupts is retried at the next."""
+    while not stop.is_set():
+        with contextlib.suppress(*REDIS_ERRORS):  # Redis is back at the next turn, or hostd exits
+            await tick(runner)
+        await wait_event(stop, interval_s)
+
+
+async def tick(runner: Runner) -> None:
+    """Read every serving engine's load and bring the host's load hash up to date.
+
+    An entry written for an instance that stopped serving while its engine was asked lives
+    until the next tick removes it; its generation tells a reader which launch it was.
+    """
+    held = dict(runner.engines)
+    records, published = await _read(runner, list(held))
+    serving = [r for r in records if r.state in SERVING]
+    reads = await asyncio.gather(*(_load(held[r.member]) for r in serving))
+    entries = {
+        record.member: entry(record, found, read_at, published.get(record.member))
+        for record, (found, read_at) in zip(serving, reads, strict=True)
+        if found is not None and record.member in runner.engines
+    }
+    serving_members = {record.member for record in serving}
+    gone = [member for member in published if member not in serving_members]
+    if not entries and not gone:
+        return
+    key = keys.engine_load(runner.host)
+    async with runner.client.pipeline(transaction=True) as pipe:
+        if entries:
+            pipe.hset(key, mapping={m: e.model_dump_json() for m, e in entries.items()})
+        if gone:
+            pipe.hdel(key, *gone)
+        await pipe.execute()
+
+
+def entry(
+    record: InstanceRecord, now: Load, read_at: float, previous: EngineLoad | None
+) -> EngineLoad:
+    """The entry for one reading: active now if anything runs or waits, else as last seen
+    (for this launch), else since the instance entered its state."""
+    if now.running + now.waiting > 0:
+        last_active = read_at
+    elif previous is not None and previous.generation == record.generation:
+        last_active = previous.last_active_at
+    else:
+        last_active = record.since
+    return EngineLoad(
+        generation=record.generation,
+        running=now.running,
+        waiting=now.waiting,
+        last_active_at=last_active,
+        read_at=read_at,
+    )
+
+
+async def _read(
+    runner: Runner, members: list[str]
+) -> tuple[list[InstanceRecord], dict[str, EngineLoad]]:
+    """The records of these members, and the load hash as published."""
+    wanted = []
+    for member in members:
+        deployment, _, index = member.rpartition(":")
+        wanted.append(keys.instance(runner.host, deployment, int(index)))
+    async with runner.client.pipeline(transaction=False) as pipe:
+        if wanted:
+            pipe.mget(wanted)
+        pipe.hgetall(keys.engine_load(runner.host))
+        results = await pipe.execute()
+    raws = cast(list[bytes | None], results[0]) if wanted else []
+    records = [InstanceRecord.model_validate_json(raw) for raw in raws if raw is not None]
+    return records, load.decode(results[-1])
+
+
+async def _load(engine: Engine) -> tuple[Load | None, float]:
+    """The engine's load (None when it cannot be read now) and when it was read."""
+    control = engine.control(TIMEOUTS)
+    try:
+        return await control.load(), time.time()
+    except (CapyError, ValueError) as exc:  # ValueError: a metric that is not a number
+        log.debug("no load from the engine on port %s: %s", engine.spec.port, exc)
+        return None, time.time()
+    finally:
+        await control.aclose()

@@ -1,0 +1,91 @@
+"""Whether a parked engine let go of its device memory, as memwatch sees it.
+
+An engine's park control can answer success while the bytes stay on the device (allocator
+pools kept, a driver that never frees). The scheduler charges a parked instance only its
+parked charge, so a park counts only once a memwatch reading taken after the park control
+returned shows the engine's processes on its GPU within that charge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from capycommon import memory
+from capycommon.instances import InstanceRecord
+from capycommon.memory import MemoryReading
+from capycommon.units import format_duration, format_size
+from capyctl_hostd import procs
+
+POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What memwatch showed of a parked engine's device bytes."""
+
+    gpu: str  # gpu<index> once any reading named the GPU, else its UUID
+    held_bytes: int | None  # from the latest fresh reading after the park; None: none came
+
+    def within(self, bound: int) -> bool:
+        return self.held_bytes is not None and self.held_bytes <= bound
+
+
+def observe(
+    seen: Seen,
+    reading: MemoryReading | None,
+    gpu_uuid: str,
+    pids: Collection[int],
+    since: float,
+    now: float,
+) -> Seen:
+    """`seen` after one more reading: the GPU's name, and the bytes `pids` hold on it when the
+    reading was taken after `since` and is still fresh at `now` (else the figure stays)."""
+    gpu = None if reading is None else next((g for g in reading.gpus if g.uuid == gpu_uuid), None)
+    if reading is None or gpu is None:
+        return seen
+    fresh = reading.taken_at > since and reading.is_fresh(now)
+    held = sum(gpu.processes.get(pid, 0) for pid in pids) if fresh else seen.held_bytes
+    return Seen(f"gpu{gpu.index}", held)
+
+
+async def watch(
+    client: aioredis.Redis, record: InstanceRecord, pgid: int, bound: int, verify_s: float,
+    since: float,
+) -> Seen:  # fmt: skip
+    """Read memwatch's reading every `POLL_S` until one taken after `since` shows the live
+    members of process group `pgid` holding at most `bound` bytes on the instance's GPU, or
+    until `verify_s` passed; returns the last figures seen."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + verify_s
+    gpu_uuid = record.gpu_uuid or ""
+    seen = Seen(gpu_uuid or "the instance's GPU", None)
+    while True:
+        reading = await memory.aread_reading(client, record.host)
+        seen = observe(seen, reading, gpu_uuid, procs.group_members(pgid), since, time.time())
+        if seen.within(bound) or loop.time() >= deadline:
+            return seen
+        await asyncio.sleep(POLL_S)
+
+
+def judge(seen: Seen, bound: int, verify_s: float, residency: str) -> tuple[bool, str]:
+    """(whether the park counts, the reason for its event), with the figures."""
+    held, charge, after = seen.held_bytes, format_size(bound), format_duration(verify_s)
+    if held is None:
+        return False, (
+            f"park: memory release unobserved: no fresh memwatch reading of {seen.gpu} "
+            f"within {after} (parked charge {charge})"
+        )
+    if held <= bound:
+        return True, (
+            f"parked ({residency}): {format_size(held)} left on {seen.gpu}, "
+            f"within the {charge} parked charge"
+        )
+    return False, (
+        f"park: memory not released: {format_size(held)} still held on {seen.gpu} "
+        f"after {after} (parked charge {charge})"
+    )
