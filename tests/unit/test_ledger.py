@@ -11,8 +11,10 @@ from capyctl_scheduler.ledger import (
     GiB,
     InsufficientResources,
     Ledger,
+    Limits,
     derive_discrete,
     derive_domains,
+    derive_unified,
 )
 from capyctl_scheduler.placement import place
 
@@ -86,21 +88,23 @@ def test_an_unobserved_domain_admits_nothing() -> None:
 
 def test_derived_footprint_of_a_discrete_deployment() -> None:
     weights = 8 * GiB
-    footprint = derive_discrete(
-        gpu="gpu0", weights=weights, device_limit=22 * GiB, host_backed=True
-    )
+    card = Domain("gpu0", 48 * GiB, 44 * GiB, 4 * GiB, 8 * GiB)
+    footprint = derive_discrete(gpu="gpu0", weights=weights, device=card, host_backed=True)
     ready = footprint.charge("ready")
     assert ready["gpu0"] == weights * 110 // 100 + 4 * GiB + 5 * GiB // 4
+    assert footprint.engine_budget == weights * 110 // 100 + 4 * GiB
     assert ready["system"] == 4 * GiB + 12 * GiB, "host overhead plus 1.5 x weights parked copy"
     assert footprint.charge("parked")["gpu0"] == GiB
     assert footprint.charge("starting")["gpu0"] == weights * 9 // 4 + 8 * GiB
-    assert footprint.startup_provenance == "derived"
+    assert footprint.charge("starting")["gpu0"] == weights * 9 // 4 + 8 * GiB
+    assert (footprint.device_provenance, footprint.host_provenance) == ("derived", "derived")
     assert footprint.charge("cold") == {}
-    declared = derive_discrete(gpu="gpu0", weights=weights, device_limit=22 * GiB,
-                               host_backed=False, startup=(30 * GiB, "declared"))  # fmt: skip
-    assert declared.charge("starting")["gpu0"] == 30 * GiB
+    declared = derive_discrete(
+        gpu="gpu0", weights=weights, device=card, host_backed=False, startup=(20 * GiB, "declared")
+    )
+    assert declared.charge("starting")["gpu0"] == 20 * GiB
     assert declared.charge("ready")["system"] == 4 * GiB
-    assert declared.startup_provenance == "declared"
+    assert declared.device_provenance == "declared"
 
 
 def test_placement() -> None:
@@ -114,3 +118,65 @@ def test_placement() -> None:
         place(busy, ["gpu0", "gpu1"], pinned="gpu7")
     with pytest.raises(DeviceUnobserved):
         place(busy, ["gpu3"])
+
+
+def test_a_derived_peak_above_the_card_needs_the_card_empty() -> None:
+    card = Domain("gpu0", 24 * GiB, 22 * GiB, 2 * GiB, 6 * GiB)
+    footprint = derive_discrete(gpu="gpu0", weights=8 * GiB, device=card, host_backed=False)
+    assert footprint.charge("starting")["gpu0"] == 22 * GiB
+    assert footprint.device_provenance == "whole_device"
+    ledger = Ledger(
+        {"gpu0": card, "system": Domain("system", 64 * GiB, 32 * GiB, 8 * GiB, 16 * GiB)}
+    )
+    with pytest.raises(InsufficientResources, match=r"needs 22\.0 GiB on gpu0"):
+        ledger.admit("b:0", {"gpu0": GiB}).admit("a:0", footprint.charge("starting"))
+    measured = derive_discrete(
+        gpu="gpu0",
+        weights=8 * GiB,
+        device=card,
+        host_backed=False,
+        startup=(16 * GiB, "measured"),
+        startup_host=(6 * GiB, "measured"),
+    )
+    assert measured.charge("starting") == {"gpu0": 16 * GiB, "system": 6 * GiB}
+    assert (measured.device_provenance, measured.host_provenance) == ("measured", "measured")
+
+
+def test_a_declared_request_replaces_the_derived_one() -> None:
+    card = Domain("gpu0", 24 * GiB, 22 * GiB, 2 * GiB, 6 * GiB)
+    footprint = derive_discrete(
+        gpu="gpu0",
+        weights=8 * GiB,
+        device=card,
+        host_backed=False,
+        request=12 * GiB,
+        kv_cache=2 * GiB,
+    )
+    assert footprint.charge("ready")["gpu0"] == 12 * GiB + 5 * GiB // 4
+    assert (footprint.engine_budget, footprint.kv_cache) == (12 * GiB, 2 * GiB)
+
+
+def test_unified_footprint() -> None:
+    pool = Domain("unified", 128 * GiB, 64 * GiB, 25 * GiB, 32 * GiB)
+    footprint = derive_unified(weights=40 * GiB, domain=pool)
+    margin = 40 * GiB * 15 // 100 + 4 * GiB  # above 8 GiB
+    assert footprint.charge("ready") == {"unified": 40 * GiB + 4 * GiB + margin}
+    assert footprint.charge("parked") == {"unified": 2 * GiB}
+    assert footprint.charge("starting") == {"unified": 64 * GiB}, "2.25 x 40 GiB is above 64 GiB"
+    assert footprint.device_provenance == "whole_device"
+    small = derive_unified(weights=4 * GiB, domain=pool)
+    assert small.charge("ready") == {"unified": 4 * GiB + 4 * GiB + 8 * GiB}
+    assert small.charge("starting") == {"unified": 16 * GiB + 5 * GiB // 4}
+    assert small.device_provenance == "derived"
+
+
+def test_limits_override_the_derived_policy() -> None:
+    found = derive_domains(
+        reading((24 * GiB, False)),
+        system=Limits(managed_limit="80%", parked_limit="10GiB"),
+        gpu=Limits(free_reserve="3GiB"),
+    )
+    system, gpu0 = found
+    assert (system.managed_limit, system.parked_limit) == (64 * GiB * 80 // 100, 10 * GiB)
+    assert system.free_reserve == 64 * GiB // 5, "what is not overridden stays derived"
+    assert gpu0.free_reserve == 3 * GiB

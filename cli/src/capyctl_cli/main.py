@@ -13,7 +13,7 @@ from capycommon.errors import InvalidConfig
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import Role, load_settings, locate_document
 from capycommon.version import __version__
-from capyctl_cli import engines, launcher, output, roles
+from capyctl_cli import deployments, engines, launcher, output, roles
 from capyctl_cli import status as status_cmd
 from capyctl_cli.options import (
     ConfigOpt,
@@ -42,6 +42,16 @@ config_app = typer.Typer(help="Inspect settings.", no_args_is_help=True)
 app.add_typer(start_app, name="start")
 app.add_typer(config_app, name="config")
 app.add_typer(engines.app, name="engine")
+app.add_typer(deployments.deploy_app, name="deploy")
+app.add_typer(deployments.park_app, name="park")
+app.add_typer(deployments.stop_app, name="stop")
+app.add_typer(deployments.delete_app, name="delete")
+app.add_typer(deployments.list_app, name="list")
+app.add_typer(deployments.drain_app, name="drain")
+start_app.command("deployment")(expected_errors(deployments.start_deployment))
+status_app = typer.Typer(help="Show the running role, or one deployment.")
+app.add_typer(status_app, name="status")
+status_app.command("deployment")(expected_errors(deployments.status_deployment))
 
 
 def _version(value: bool) -> None:
@@ -230,14 +240,17 @@ def config_show(
     print(output.table(["SETTING", "VALUE", "SOURCE"], rows))
 
 
-@app.command("status")
+@status_app.callback(invoke_without_command=True)
 @expected_errors
 def status(
+    ctx: typer.Context,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Show the role running on the state dir: its processes, listeners and state dir."""
+    """Show the role running on the state dir: its processes, listeners and memory."""
+    if ctx.invoked_subcommand is not None:
+        return
     env = dict(os.environ)
     root_dir, _ = resolve_state_dir(state_dir, env)
     report = status_cmd.collect(StatePaths(root_dir))

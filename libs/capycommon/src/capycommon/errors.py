@@ -130,6 +130,10 @@ _EXIT_CODES: dict[str, int] = {
     "toolchain_missing": 26,
     "role_not_running": 27,
     "state_dir_in_use": 28,
+    # A request that conflicts with what the deployment is doing or with an earlier request.
+    "lifecycle_conflict": 29,
+    "revision_conflict": 29,
+    "idempotency_conflict": 29,
 }
 
 _HTTP_STATUSES: dict[str, int] = {
@@ -143,11 +147,20 @@ _HTTP_STATUSES: dict[str, int] = {
     "deployment_stopped": 409,
     "route_conflict": 409,
     "profile_not_published": 409,
+    "lifecycle_conflict": 409,
+    "revision_conflict": 409,
+    "idempotency_conflict": 409,
+    "capability_missing": 409,
+    "model_source_pending": 409,
+    "multi_gpu_unsupported": 400,
+    "host_backed_unavailable": 400,
     "body_too_large": 413,
     "queue_full": 429,
     "internal": 500,
     "engine_error": 500,
     "unavailable": 503,
+    "insufficient_resources": 503,
+    "device_unobserved": 503,
     "engine_unreachable": 503,
     "engine_timeout": 504,
     "redis_unreachable": 503,

@@ -74,3 +74,46 @@ def memory(host: str) -> str:
 def startup_peak(host: str, deployment: str, revision: int, fingerprint: str) -> str:
     """The measured startup peak of a deployment revision on a host with one engine build."""
     return f"{host_prefix(host)}:startup-peak:{deployment}:{revision}:{fingerprint}"
+
+
+def engine_load(host: str) -> str:
+    """Hash of `<deployment>:<index>` -> the engine's running and waiting requests (hostd)."""
+    return f"{host_prefix(host)}:engine-load"
+
+
+# The control plane: desired state, demands and decisions (the scheduler owns these keys).
+
+
+def deployment(name: str) -> str:
+    """The desired state of one deployment (`DeploymentRecord`), written by the scheduler."""
+    return f"{PREFIX}:deployment:{name}"
+
+
+def deployments() -> str:
+    """The set of declared deployment names."""
+    return f"{PREFIX}:deployments"
+
+
+def demands() -> str:
+    """The stream of demands (a model is wanted) that routers and the CLI append to."""
+    return f"{PREFIX}:demands"
+
+
+def events() -> str:
+    """The stream of the scheduler's decisions, each with its reason."""
+    return f"{PREFIX}:events"
+
+
+def notifications() -> str:
+    """The pub/sub channel on which control-plane changes are announced ({kind, id, version})."""
+    return f"{PREFIX}:notify"
+
+
+def idempotency(key: str) -> str:
+    """The recorded answer to a management mutation, by its Idempotency-Key."""
+    return f"{PREFIX}:idempotency:{key}"
+
+
+def hosts() -> str:
+    """The set of host names known to the control plane."""
+    return f"{PREFIX}:hosts"

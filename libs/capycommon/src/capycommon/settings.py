@@ -114,8 +114,52 @@ class Listeners(Strict):
     management: ManagementListener = ManagementListener()
 
 
+def _check_limit(value: str | None) -> str | None:
+    """A limit is a size (24GiB) or a whole percentage of the domain (40%)."""
+    if value is None:
+        return None
+    if value.endswith("%"):
+        share = value[:-1]
+        if not share.isdigit() or not 0 <= int(share) <= 100:
+            raise ValueError(f"{value!r} is not a whole percentage from 0% to 100%")
+        return value
+    parse_size(value)
+    return value
+
+
+Limit = Annotated[str | None, AfterValidator(_check_limit)]
+
+
+class DomainLimits(Strict):
+    """Overrides of the standalone-derived limits of one kind of memory domain."""
+
+    managed_limit: Limit = None
+    free_reserve: Limit = None
+    parked_limit: Limit = None
+
+
+class MemoryPolicy(Strict):
+    # Host RAM (`system`), or the one pool of a unified-memory machine.
+    system: DomainLimits = DomainLimits()
+    # Every discrete GPU.
+    gpu: DomainLimits = DomainLimits()
+
+
+class SchedulingSection(Strict):
+    memory: MemoryPolicy = MemoryPolicy()
+    # The most models a host keeps parked; the least recently used beyond it stop.
+    max_parked: int = Field(default=8, ge=0, le=256)
+    # Seconds a model being switched out may finish its requests before it parks or stops.
+    drain_timeout: float = Field(default=30.0, ge=1, le=600)
+    # Seconds memwatch has to show a park's memory released; otherwise the engine stops.
+    park_verify_timeout: float = Field(default=15.0, ge=1, le=600)
+    # Seconds a request (and the start or wake it waits for) may wait for first output.
+    request_deadline: float = Field(default=1800.0, gt=0, le=3600)
+
+
 class ServerSection(Strict):
     listeners: Listeners = Listeners()
+    scheduling: SchedulingSection = SchedulingSection()
 
 
 def _check_simulated_gpus(value: str | None) -> str | None:

@@ -2,18 +2,52 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
-from capycommon import credentials
+from capycommon import credentials, keys
 from capycommon.service import ServiceContext, run, serve_http
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capyctl_scheduler.app import create_app
+from capyctl_scheduler.ledger import Limits
+from capyctl_scheduler.loop import Scheduler
+from capyctl_scheduler.manage import Manager
+from capyctl_scheduler.observe import Observer
+from capyctl_scheduler.snapshot import Tunables
+
+
+def scheduler_for(ctx: ServiceContext) -> Scheduler:
+    assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
+    scheduling = ctx.settings.server.scheduling
+    roots = {}
+    if isinstance(ctx.settings, StandaloneSettings):
+        roots[ctx.settings.host.name] = ctx.settings.host.models_root
+    memory = scheduling.memory
+    observer = Observer(
+        ctx.redis,
+        roots,
+        Tunables(
+            drain_timeout_s=scheduling.drain_timeout,
+            park_verify_s=scheduling.park_verify_timeout,
+            max_parked=scheduling.max_parked,
+            demand_deadline_s=scheduling.request_deadline,
+        ),
+        system_limits=Limits(**memory.system.model_dump()),
+        gpu_limits=Limits(**memory.gpu.model_dump()),
+    )
+    return Scheduler(ctx.redis, observer)
 
 
 async def serve(ctx: ServiceContext) -> None:
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
-    app = create_app(credentials.load(ctx.paths.credentials))
-    await serve_http(app, ctx.settings.server.listeners.management.bind, ctx.stop)
+    scheduler = scheduler_for(ctx)
+    for host in scheduler.observer.models_roots:
+        await ctx.redis.sadd(keys.hosts(), host)
+    app = create_app(credentials.load(ctx.paths.credentials), Manager(scheduler))
+    await asyncio.gather(
+        serve_http(app, ctx.settings.server.listeners.management.bind, ctx.stop),
+        scheduler.run(ctx.stop),
+    )
 
 
 def main() -> None:

@@ -13,14 +13,18 @@ from typing import Literal
 
 from capycommon.errors import CapyError
 from capycommon.memory import MemoryReading
-from capycommon.units import format_size
+from capycommon.units import format_size, parse_size
 
 GiB = 1 << 30
 SYSTEM = "system"
 UNIFIED = "unified"
 
+CUDA_CONTEXT = 5 * GiB // 4  # CUDA context and graphs, beside the engine's own request
+ENGINE_HOST_OVERHEAD = 4 * GiB  # an engine's host RAM, a placeholder until measured
+
 Phase = Literal["cold", "starting", "ready", "parked", "waking"]
-Provenance = Literal["declared", "measured", "derived"]
+# whole_device: a derived peak above the domain's limit; the start needs the domain empty.
+Provenance = Literal["declared", "measured", "derived", "whole_device"]
 
 
 class InsufficientResources(CapyError):
@@ -42,50 +46,106 @@ class Domain:
     parked_limit: int
 
 
-def derive_domains(reading: MemoryReading) -> list[Domain]:
-    """The standalone-derived policy: 50% managed, 20% reserve, 25% parked of RAM (or of the
-    unified pool); a card keeps max(1 GiB, 8%) in reserve and parks min(8 GiB, 25%)."""
+@dataclass(frozen=True)
+class Limits:
+    """Operator overrides of one kind of domain: a size (`24GiB`) or a share (`40%`)."""
+
+    managed_limit: str | None = None
+    free_reserve: str | None = None
+    parked_limit: str | None = None
+
+
+def _limit(value: str | None, total: int, default: int) -> int:
+    if value is None:
+        return default
+    if value.endswith("%"):
+        return total * int(value[:-1]) // 100
+    return parse_size(value)
+
+
+def _domain(name: str, total: int, defaults: tuple[int, int, int], limits: Limits) -> Domain:
+    managed, reserve, parked = defaults
+    return Domain(
+        name,
+        total,
+        managed_limit=_limit(limits.managed_limit, total, managed),
+        free_reserve=_limit(limits.free_reserve, total, reserve),
+        parked_limit=_limit(limits.parked_limit, total, parked),
+    )
+
+
+def derive_domains(
+    reading: MemoryReading, system: Limits = Limits(), gpu: Limits = Limits()
+) -> list[Domain]:
+    """The standalone-derived policy, unless overridden: 50% managed, 20% reserve, 25% parked
+    of RAM (or of the unified pool); a card keeps max(1 GiB, 8%) in reserve, manages the rest
+    and parks min(8 GiB, 25%)."""
     ram = reading.ram.total_bytes
-    if any(gpu.unified for gpu in reading.gpus):
-        total = max(ram, *(gpu.total_bytes for gpu in reading.gpus))
-        return [Domain(UNIFIED, total, total // 2, total // 5, total // 4)]
-    domains = [Domain(SYSTEM, ram, ram // 2, ram // 5, ram // 4)]
-    for gpu in reading.gpus:
-        reserve = max(GiB, gpu.total_bytes * 8 // 100)
-        parked = min(8 * GiB, gpu.total_bytes // 4)
-        domains.append(
-            Domain(f"gpu{gpu.index}", gpu.total_bytes, gpu.total_bytes - reserve, reserve, parked)
-        )
+    if any(g.unified for g in reading.gpus):
+        total = max(ram, *(g.total_bytes for g in reading.gpus))
+        return [_domain(UNIFIED, total, (total // 2, total // 5, total // 4), system)]
+    domains = [_domain(SYSTEM, ram, (ram // 2, ram // 5, ram // 4), system)]
+    for card in reading.gpus:
+        total = card.total_bytes
+        reserve = max(GiB, total * 8 // 100)
+        defaults = (total - reserve, reserve, min(8 * GiB, total // 4))
+        domains.append(_domain(f"gpu{card.index}", total, defaults, gpu))
     return domains
 
 
 @dataclass(frozen=True)
 class Footprint:
-    """Bytes per domain in each phase, and where the startup figure came from."""
+    """Bytes per domain in each phase, and where the startup figures came from.
+
+    `engine_budget` is what the engine is told it may take on its device (weights, KV cache
+    and activations; the CUDA context comes on top), `kv_cache` the KV part of it."""
 
     phases: Mapping[Phase, Mapping[str, int]]
-    startup_provenance: Provenance
+    device_provenance: Provenance
+    host_provenance: Provenance
+    engine_budget: int
+    kv_cache: int
 
     def charge(self, phase: Phase) -> Mapping[str, int]:
         return self.phases.get(phase, {})
+
+
+def _startup(
+    derived: int, ceiling: int, figure: tuple[int, Provenance] | None
+) -> tuple[int, Provenance]:
+    """A declared or measured peak as it is; a derived one above what the domain can ever
+    hold is the whole domain: the start needs it empty (a solo first start)."""
+    if figure is not None:
+        return figure
+    if derived > ceiling:
+        return ceiling, "whole_device"
+    return derived, "derived"
 
 
 def derive_discrete(
     *,
     gpu: str,
     weights: int,
-    device_limit: int,
+    device: Domain,
     host_backed: bool,
+    request: int | None = None,
     kv_cache: int | None = None,
     startup: tuple[int, Provenance] | None = None,
+    startup_host: tuple[int, Provenance] | None = None,
 ) -> Footprint:
-    """A discrete-GPU deployment: device request = weights x 1.10 + KV, plus 1.25 GiB of CUDA
-    context and graphs; 4 GiB of engine host overhead; a host_backed copy is 1.5 x weights of
-    host RAM for the engine's whole life; parked keeps a 1 GiB device residue."""
-    kv = kv_cache if kv_cache is not None else min(4 * GiB, device_limit // 4)
-    ready_device = weights * 110 // 100 + kv + 5 * GiB // 4
-    host = 4 * GiB + (weights * 3 // 2 if host_backed else 0)
-    peak, provenance = startup or (max(ready_device, weights * 9 // 4 + 8 * GiB), "derived")
+    """A discrete-GPU deployment: device request = weights x 1.10 + KV (or the declared
+    request), plus 1.25 GiB of CUDA context and graphs; 4 GiB of engine host overhead (until
+    measured); a host_backed copy is 1.5 x weights of host RAM for the engine's whole life;
+    parked keeps a 1 GiB device residue."""
+    kv = kv_cache if kv_cache is not None else min(4 * GiB, device.managed_limit // 4)
+    budget = request if request is not None else weights * 110 // 100 + kv
+    ready_device = budget + CUDA_CONTEXT
+    copy = weights * 3 // 2 if host_backed else 0
+    host_start, host_provenance = startup_host or (ENGINE_HOST_OVERHEAD, "derived")
+    host = max(host_start, ENGINE_HOST_OVERHEAD) + copy
+    derived = max(ready_device, weights * 9 // 4 + 8 * GiB)
+    ceiling = min(device.managed_limit, device.capacity - device.free_reserve)
+    peak, provenance = _startup(derived, ceiling, startup)
     ready = {gpu: ready_device, SYSTEM: host}
     return Footprint(
         phases={
@@ -95,7 +155,41 @@ def derive_discrete(
             "waking": ready,
             "parked": {gpu: min(GiB, ready_device), SYSTEM: host},
         },
-        startup_provenance=provenance,
+        device_provenance=provenance,
+        host_provenance=host_provenance,
+        engine_budget=budget,
+        kv_cache=kv,
+    )
+
+
+def derive_unified(
+    *,
+    weights: int,
+    domain: Domain,
+    request: int | None = None,
+    kv_cache: int | None = None,
+    startup: tuple[int, Provenance] | None = None,
+) -> Footprint:
+    """A deployment on unified memory, charged on the one pool: request = weights + KV +
+    margin (8 GiB, or 0.15 x weights + 4 GiB when larger); parked keeps 2 GiB."""
+    kv = kv_cache if kv_cache is not None else min(4 * GiB, domain.managed_limit // 4)
+    margin = max(8 * GiB, weights * 15 // 100 + 4 * GiB)
+    ready = request if request is not None else weights + kv + margin
+    derived = max(ready + CUDA_CONTEXT, weights * 9 // 4 + margin)
+    ceiling = min(domain.managed_limit, domain.capacity - domain.free_reserve)
+    peak, provenance = _startup(derived, ceiling, startup)
+    return Footprint(
+        phases={
+            "cold": {},
+            "starting": {UNIFIED: max(peak, ready)},
+            "ready": {UNIFIED: ready},
+            "waking": {UNIFIED: ready},
+            "parked": {UNIFIED: min(2 * GiB, ready)},
+        },
+        device_provenance=provenance,
+        host_provenance=provenance,
+        engine_budget=min(ready, weights * 110 // 100 + kv),
+        kv_cache=kv,
     )
 
 

@@ -42,11 +42,12 @@ def choose_victims(
         (c for c in candidates if c.owner != owner and not c.busy and not c.protected),
         key=lambda c: c.last_used,
     )
+    start = ledger
     for victim in eligible:
         ledger, release = _release(ledger, victim)
         releases.append(release)
         if not ledger.refusals(owner, charge):
-            return releases
+            return _fewest(start, owner, charge, eligible[: len(releases)])
     refusals = ledger.refusals(owner, charge)
     skipped = len(candidates) - len(eligible)
     raise InsufficientResources(
@@ -57,6 +58,30 @@ def choose_victims(
             else ""
         )
     )
+
+
+def _fewest(
+    ledger: Ledger, owner: str, charge: Mapping[str, int], victims: Sequence[Candidate]
+) -> list[Release]:
+    """Drop, most recently used first, every victim the others make room without."""
+    kept = list(victims)
+    for victim in reversed(victims):
+        trial = [v for v in kept if v is not victim]
+        if _fits(ledger, owner, charge, trial):
+            kept = trial
+    released = []
+    for victim in kept:
+        ledger, release = _release(ledger, victim)
+        released.append(release)
+    return released
+
+
+def _fits(
+    ledger: Ledger, owner: str, charge: Mapping[str, int], victims: Sequence[Candidate]
+) -> bool:
+    for victim in victims:
+        ledger, _ = _release(ledger, victim)
+    return not ledger.refusals(owner, charge)
 
 
 def _release(ledger: Ledger, victim: Candidate) -> tuple[Ledger, Release]:

@@ -1,0 +1,267 @@
+"""Applying the plan: each action becomes a deployment-record write, an instance transition
+the scheduler owns (draining), and a command on the host's stream.
+
+The record (with the effect in flight) and the command are written in one Redis transaction,
+so a scheduler killed in between leaves either both or neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from capycommon import hostcommands as hc
+from capycommon import keys
+from capycommon.desired import (
+    RETRY_COOLDOWNS_S,
+    Attempts,
+    Decision,
+    DeploymentRecord,
+    DeploymentStore,
+    Inflight,
+    Operation,
+)
+from capycommon.instances import InstanceState
+from capycommon.notify import Notification
+from capycommon.store import Conflict, InstanceStore
+from capyctl_scheduler.policy import Action
+from capyctl_scheduler.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+S = InstanceState
+GiB = 1 << 30
+
+AckDemands = Callable[[str], Coroutine[Any, Any, None]]
+
+
+@dataclass
+class Actuator:
+    client: aioredis.Redis
+    ack_demands: AckDemands
+    # Orphan stops already sent: member@host -> when (a stop is not repeated every tick).
+    _orphan_stops: dict[str, float] = field(default_factory=dict)
+
+    async def apply(self, snapshot: Snapshot, actions: list[Action]) -> None:
+        for action in actions:
+            try:
+                await self._apply(snapshot, action)
+            except Conflict as exc:
+                now = exc.current.state if exc.current else "absent"
+                log.info("%s of %s lost a race (now %s)", action.kind, action.deployment, now)
+
+    async def _apply(self, snapshot: Snapshot, action: Action) -> None:
+        store = DeploymentStore(self.client)
+        record = await store.get(action.deployment)
+        if action.kind == "stop" and (record is None or record.generation != action.generation):
+            await self._stop_orphan(snapshot, action)
+            return
+        if record is None:
+            return
+        handler = getattr(self, f"_{action.kind}")
+        await handler(snapshot, record, action)
+
+    # Effects on the engines -------------------------------------------------------------
+
+    async def _start(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        binding = snapshot.bindings[record.name][action.host]
+        resolved = binding.resolved
+        footprint = binding.footprints[action.gpu]
+        view = snapshot.hosts[action.host]
+        assert resolved is not None
+        config = record.document.engine_config
+        total = view.domains[view.domain_of(action.gpu)].capacity
+        command = hc.Launch(
+            deployment=record.name, generation=action.generation, revision=record.revision,
+            profile=resolved.profile.name, model_path=str(resolved.model_path),
+            served_name=record.document.routes[0], residency=resolved.residency.value,
+            gpu_uuid=view.gpus[action.gpu],
+            memory_fraction=_fraction(footprint.engine_budget, total),
+            kv_cache_bytes=footprint.kv_cache if config.memory.kv_cache else None,
+            context_length=config.context_length,
+            max_concurrent_requests=config.max_concurrent_requests,
+            tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+            extra_args=resolved.extra_args, env=dict(config.env), reason=action.reason,
+            start_deadline_s=snapshot.tunables.start_deadline_s,
+        )  # fmt: skip
+        instance = snapshot.instances.get(record.name)
+        await self._send(
+            record.model_copy(update={"generation": action.generation, "park_requested": None}),
+            action,
+            command,
+            Inflight(kind="launch", host=action.host, gpu=action.gpu,
+                     generation=action.generation, sent_at=time.time(),
+                     from_state=instance.state if instance else None,
+                     from_generation=instance.generation if instance else None,
+                     reason=action.reason),
+        )  # fmt: skip
+
+    async def _wake(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        command = hc.Wake(deployment=record.name, generation=action.generation,
+                          reason=action.reason,
+                          wake_deadline_s=snapshot.tunables.wake_deadline_s)  # fmt: skip
+        await self._send(record, action, command, self._effect("wake", action, S.PARKED))
+
+    async def _park(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        instance = snapshot.instances[record.name]
+        command = hc.Park(deployment=record.name, generation=action.generation,
+                          reason=action.reason, release_bound_bytes=action.release_bound,
+                          verify_s=snapshot.tunables.park_verify_s)  # fmt: skip
+        await self._send(record, action, command, self._effect("park", action, instance.state))
+
+    async def _stop(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        instance = snapshot.instances[record.name]
+        command = hc.Stop(deployment=record.name, generation=action.generation,
+                          reason=action.reason)  # fmt: skip
+        await self._send(record, action, command, self._effect("stop", action, instance.state))
+
+    async def _stop_orphan(self, snapshot: Snapshot, action: Action) -> None:
+        member = f"{action.deployment}:0:{action.generation}@{action.host}"
+        sent = self._orphan_stops.get(member)
+        if sent is not None and time.time() - sent < snapshot.tunables.command_timeout_s:
+            return
+        self._orphan_stops[member] = time.time()
+        command = hc.Stop(deployment=action.deployment, generation=action.generation,
+                          reason=action.reason)  # fmt: skip
+        await hc.send(self.client, action.host, command)
+        await self._event(action)
+
+    async def _drain(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        instance = snapshot.instances[record.name]
+        effect = self._effect("drain", action, instance.state).model_copy(
+            update={"then": action.then}
+        )
+        await self._write(record, action, inflight=effect)
+        try:
+            await InstanceStore(self.client, action.host).transition(
+                instance.model_copy(update={"state": S.DRAINING, "since": time.time()}),
+                allowed=[S.READY], generation=instance.generation,
+                reason=f"drain: {action.reason}", previous=instance,
+            )  # fmt: skip
+        except Conflict:
+            await self._write(record, action, inflight=None)
+            raise
+
+    async def _undrain(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        instance = snapshot.instances[record.name]
+        await InstanceStore(self.client, action.host).transition(
+            instance.model_copy(update={"state": S.READY, "since": time.time()}),
+            allowed=[S.DRAINING], generation=instance.generation, reason=action.reason,
+            previous=instance,
+        )  # fmt: skip
+        await self._write(record, action, inflight=None)
+
+    # Bookkeeping ----------------------------------------------------------------------------
+
+    async def _count_failure(
+        self, snapshot: Snapshot, record: DeploymentRecord, action: Action
+    ) -> None:
+        count = record.attempts.count + 1
+        failed = count > len(RETRY_COOLDOWNS_S)
+        next_at = None if failed else snapshot.now + RETRY_COOLDOWNS_S[count - 1]
+        attempts = Attempts(count=count, next_at=next_at, last_error=action.error,
+                            failed=failed, counted_generation=action.generation)  # fmt: skip
+        reason = (
+            f"failed after {count} starts: {action.error}"
+            if failed
+            else f"start {count} failed, retry in {RETRY_COOLDOWNS_S[count - 1]:.0f}s: "
+            f"{action.error}"
+        )
+        await self._write(
+            record.model_copy(update={"attempts": attempts}),
+            Action("count_failure", record.name, reason, generation=action.generation),
+        )
+
+    async def _satisfied(
+        self, snapshot: Snapshot, record: DeploymentRecord, action: Action
+    ) -> None:
+        await self.ack_demands(record.name)
+        if record.attempts.count:
+            await self._write(record.model_copy(update={"attempts": Attempts()}), action)
+
+    async def _drop_demand(
+        self, snapshot: Snapshot, record: DeploymentRecord, action: Action
+    ) -> None:
+        await self.ack_demands(record.name)
+        await self._event(action)
+
+    async def _wait(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        last = record.last_operation
+        if last is None or (last.kind, last.reason) != ("wait", action.reason):
+            await self._write(record, action)
+
+    async def _settle(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        if record.inflight is not None:
+            await DeploymentStore(self.client).put(record.model_copy(update={"inflight": None}))
+
+    async def _forget(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        await self._event(action)
+        await DeploymentStore(self.client).forget(record.name)
+        for host in snapshot.hosts:
+            await self.client.delete(keys.instance(host, record.name, 0))
+            await self.client.srem(keys.instances(host), f"{record.name}:0")
+            await self.client.hdel(keys.engine_load(host), f"{record.name}:0")
+        await self.ack_demands(record.name)
+
+    # Writing --------------------------------------------------------------------------------
+
+    def _effect(self, kind: str, action: Action, from_state: str) -> Inflight:
+        return Inflight.model_validate(
+            {"kind": kind, "host": action.host, "gpu": action.gpu,
+             "generation": action.generation, "sent_at": time.time(),
+             "from_state": from_state, "from_generation": action.generation,
+             "reason": action.reason}
+        )  # fmt: skip
+
+    async def _send(
+        self,
+        record: DeploymentRecord,
+        action: Action,
+        command: hc.Launch | hc.Park | hc.Wake | hc.Stop,
+        inflight: Inflight,
+    ) -> None:
+        """The record with its effect in flight and the command, in one transaction."""
+        written = _with_operation(record, action).model_copy(
+            update={"inflight": inflight, "version": record.version + 1}
+        )
+        note = Notification(kind="deployment", id=record.name, version=written.version)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(keys.deployment(record.name), written.model_dump_json())
+            pipe.xadd(keys.host_commands(action.host), {hc.FIELD: command.model_dump_json()})
+            pipe.xadd(keys.events(), {"event": _event_json(action)}, maxlen=10_000)
+            pipe.publish(keys.notifications(), note.model_dump_json())
+            await pipe.execute()
+        log.info("%s %s on %s: %s", action.kind, record.name, action.host, action.reason)
+
+    async def _write(
+        self, record: DeploymentRecord, action: Action, **changes: object
+    ) -> DeploymentRecord:
+        written = await DeploymentStore(self.client).put(
+            _with_operation(record, action).model_copy(update=changes)
+        )
+        await self._event(action)
+        return written
+
+    async def _event(self, action: Action) -> None:
+        await self.client.xadd(keys.events(), {"event": _event_json(action)}, maxlen=10_000)
+
+
+def _with_operation(record: DeploymentRecord, action: Action) -> DeploymentRecord:
+    operation = Operation(kind=action.kind, reason=action.reason, at=time.time())
+    return record.model_copy(update={"last_operation": operation})
+
+
+def _event_json(action: Action) -> str:
+    return Decision(
+        kind=action.kind, deployment=action.deployment, reason=action.reason,
+        host=action.host or None, generation=action.generation or None, at=time.time(),
+    ).model_dump_json(exclude_none=True)  # fmt: skip
+
+
+def _fraction(budget: int, total: int) -> float:
+    """The share of the card an engine may take, rounded up to a hundredth."""
+    return min(0.95, -(-budget * 100 // total) / 100)

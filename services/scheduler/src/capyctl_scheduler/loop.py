@@ -1,0 +1,182 @@
+"""The decision loop: read the demands and hostd's refusals, take a snapshot, plan, apply.
+
+It runs on every notification (a deployment, an instance or a demand changed) and at least
+once a second (idle timeouts, retries, fresh readings). Everything it needs to resume is in
+Redis: a scheduler killed at any moment picks up the same snapshot and plans again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import cast
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.exceptions import ResponseError
+
+from capycommon import keys
+from capycommon.desired import DEMAND_FIELD, Demand, DeploymentRecord
+from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.store import Event
+from capyctl_scheduler.actuator import Actuator
+from capyctl_scheduler.observe import Observer
+from capyctl_scheduler.policy import plan
+from capyctl_scheduler.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+GROUP = "scheduler"
+CONSUMER = "scheduler"
+TICK_S = 1.0
+# Refusals are remembered this long: long enough for the plan to see them once.
+REFUSAL_MEMORY_S = 600.0
+
+Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+
+
+@dataclass
+class Demands:
+    """Open demands from the durable stream. An entry is acknowledged only once its
+    deployment is ready, stopped, failed or gone, or its deadline passed; a restarted
+    scheduler reads the unacknowledged ones again."""
+
+    client: aioredis.Redis
+    open: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    _cursor: str = "0"
+
+    async def read(self) -> None:
+        stream = keys.demands()
+        with contextlib.suppress(ResponseError):
+            await self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        while True:
+            read = await self.client.xreadgroup(GROUP, CONSUMER, {stream: self._cursor}, count=1000)
+            entries = cast(Entries, read)[0][1] if read else []
+            for entry_id, fields in entries:
+                self._take(entry_id.decode(), fields)
+            if self._cursor != ">":
+                # First the entries delivered but never acknowledged, then new ones.
+                self._cursor = entries[-1][0].decode() if entries else ">"
+            elif len(entries) < 1000:
+                return
+
+    def _take(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        try:
+            demand = Demand.model_validate_json(fields[DEMAND_FIELD.encode()])
+        except (KeyError, ValidationError):
+            log.error("dropping a malformed demand %s", entry_id)
+            self.open.setdefault("", []).append((entry_id, 0.0))
+            return
+        self.open.setdefault(demand.deployment, []).append((entry_id, demand.at))
+
+    def oldest(self) -> dict[str, float]:
+        return {name: min(at for _, at in found) for name, found in self.open.items() if name}
+
+    async def ack(self, deployment: str) -> None:
+        found = self.open.pop(deployment, [])
+        if found:
+            await self.client.xack(keys.demands(), GROUP, *(entry for entry, _ in found))
+
+    async def expire(self, deployments: Mapping[str, DeploymentRecord], now: float,
+                     default_deadline: float) -> None:  # fmt: skip
+        """Drop demands older than their deployment's request deadline, and those for a
+        deployment that does not exist."""
+        for name in list(self.open):
+            record = deployments.get(name)
+            if record is None:
+                await self.ack(name)
+                continue
+            deadline = record.document.request_deadline or default_deadline
+            stale = [entry for entry, at in self.open[name] if now - at > deadline]
+            if stale:
+                self.open[name] = [(e, at) for e, at in self.open[name] if e not in stale]
+                await self.client.xack(keys.demands(), GROUP, *stale)
+
+
+@dataclass
+class Refusals:
+    """Commands hostd refused, from the hosts' event streams: (deployment, generation)."""
+
+    client: aioredis.Redis
+    hosts: list[str]
+    seen: dict[tuple[str, int], float] = field(default_factory=dict)
+    _cursors: dict[str, str] = field(default_factory=dict)
+
+    async def read(self) -> frozenset[tuple[str, int]]:
+        start = f"{int((time.time() - REFUSAL_MEMORY_S) * 1000)}-0"
+        streams = {keys.host_events(h): self._cursors.get(h, start) for h in self.hosts}
+        read = cast(Entries, await self.client.xread(streams, count=1000))  # type: ignore[arg-type]
+        for stream, entries in read or []:
+            host = stream.decode().split(":")[2]
+            for entry_id, fields in entries:
+                self._cursors[host] = entry_id.decode()
+                with contextlib.suppress(KeyError, ValidationError, json.JSONDecodeError):
+                    event = Event.model_validate_json(fields[b"event"])
+                    if event.kind == "refused":
+                        self.seen[(event.deployment, event.generation)] = event.at
+        now = time.time()
+        self.seen = {k: at for k, at in self.seen.items() if now - at < REFUSAL_MEMORY_S}
+        return frozenset(self.seen)
+
+
+@dataclass
+class Scheduler:
+    client: aioredis.Redis
+    observer: Observer
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    last: Snapshot | None = None
+
+    def __post_init__(self) -> None:
+        self.demands = Demands(self.client)
+        self.refusals = Refusals(self.client, sorted(self.observer.models_roots))
+        self.actuator = Actuator(self.client, self.demands.ack)
+
+    async def tick(self) -> Snapshot:
+        await self.demands.read()
+        refused = await self.refusals.read()
+        snapshot = await self.observer.snapshot(self.demands.oldest(), refused)
+        await self.demands.expire(
+            snapshot.deployments, snapshot.now, snapshot.tunables.demand_deadline_s
+        )
+        actions = plan(snapshot)
+        await self.actuator.apply(snapshot, actions)
+        self.last = snapshot
+        return snapshot
+
+    async def run(self, stop: asyncio.Event) -> None:
+        listener = asyncio.create_task(self._listen(stop))
+        try:
+            while not stop.is_set():
+                try:
+                    await self.tick()
+                except REDIS_ERRORS as exc:
+                    log.warning("decision loop paused: Redis: %s", exc)
+                    await wait_event(stop, 1.0)
+                    continue
+                await asyncio.sleep(0.05)  # let a burst of notifications settle
+                await wait_event(self.wake, TICK_S)
+                self.wake.clear()
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    async def _listen(self, stop: asyncio.Event) -> None:
+        """Every notification of the control plane or of a host wakes the loop."""
+        channels = [keys.notifications()] + [
+            keys.host_notifications(host) for host in self.refusals.hosts
+        ]
+        while not stop.is_set():
+            try:
+                async with self.client.pubsub() as pubsub:
+                    await pubsub.subscribe(*channels)
+                    self.wake.set()  # re-sync on (re)connect: messages may have been lost
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            self.wake.set()
+            except REDIS_ERRORS:
+                await wait_event(stop, 1.0)

@@ -1,0 +1,224 @@
+"""What the management API does: declare deployments, act on them, drain hosts.
+
+Each operation writes desired state (deployment records, demands) and wakes the decision
+loop; the loop does the rest. Nothing here talks to hostd.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from capycommon import desired
+from capycommon.deployments import check_routes, parse_deployment, revision_digest
+from capycommon.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
+from capycommon.engines.launch import Residency
+from capycommon.errors import CapyError, NotFound
+from capycommon.instances import LIVE_STATES, InstanceState
+from capycommon.memory import aread_reading
+from capyctl_scheduler import status
+from capyctl_scheduler.loop import Scheduler
+from capyctl_scheduler.snapshot import Snapshot
+
+S = InstanceState
+Verb = Literal["start", "park", "stop", "delete"]
+
+
+class LifecycleConflict(CapyError):
+    code = "lifecycle_conflict"
+
+
+class RevisionConflict(CapyError):
+    code = "revision_conflict"
+
+
+def operation_id() -> str:
+    return f"op-{int(time.time() * 1000):x}-{secrets.token_hex(4)}"
+
+
+@dataclass
+class Manager:
+    scheduler: Scheduler
+
+    @property
+    def store(self) -> DeploymentStore:
+        return DeploymentStore(self.scheduler.client)
+
+    async def snapshot(self) -> Snapshot:
+        return await self.scheduler.observer.snapshot(self.scheduler.demands.oldest())
+
+    async def deploy(self, document: object, expected_revision: int | None) -> dict[str, Any]:
+        """Declare a deployment or a new revision of one; an equal document changes nothing."""
+        deployment = parse_deployment(document, "request body")
+        existing = await self.store.all()
+        current = existing.get(deployment.name)
+        others = [r.document for n, r in existing.items() if n != deployment.name]
+        check_routes([*others, deployment])
+        if current is not None and current.deleting:
+            raise LifecycleConflict(
+                f"deployment {deployment.name!r} is being deleted; wait until it is gone, "
+                "then deploy it again"
+            )
+        if expected_revision is not None and (current.revision if current else 0) != (
+            expected_revision
+        ):
+            raise RevisionConflict(
+                f"deployment {deployment.name!r} is at revision "
+                f"{current.revision if current else 0}, not {expected_revision}; read it again"
+            )
+        await self._check_runnable(deployment.name, document)
+        digest = revision_digest(deployment)
+        now = time.time()
+        op = operation_id()
+        if current is not None and current.digest == digest:
+            change = "unchanged"
+            record = current
+        else:
+            change = "created" if current is None else "updated"
+            revision = 1 if current is None else current.revision + 1
+            base = current or DeploymentRecord(
+                name=deployment.name, revision=0, digest=digest, document=deployment,
+                created_at=now, updated_at=now,
+            )  # fmt: skip
+            record = await self.store.put(
+                base.model_copy(
+                    update={
+                        "revision": revision,
+                        "digest": digest,
+                        "document": deployment,
+                        "updated_at": now,
+                        "attempts": Attempts(),
+                        "last_operation": Operation(
+                            kind="deploy",
+                            reason=f"revision {revision} {change}",
+                            at=now,
+                            operation_id=op,
+                        ),
+                    }
+                )
+            )
+            self.scheduler.wake.set()
+        return {
+            "operation_id": op,
+            "deployment": record.name,
+            "revision": record.revision,
+            "digest": record.digest,
+            "change": change,
+        }
+
+    async def _check_runnable(self, name: str, document: object) -> None:
+        """Refuse a document no host can run (its engine, its model, its park tier), naming
+        the first host's reason; hosts not yet observed are not asked."""
+        deployment = parse_deployment(document, "request body")
+        record = DeploymentRecord(name=name, revision=0, digest="", document=deployment,
+                                  created_at=0.0, updated_at=0.0)  # fmt: skip
+        bindings = await self.scheduler.observer.bindings_of(record)
+        errors = [b.error for b in bindings.values() if b.error is not None]
+        if errors and len(errors) == len(bindings):
+            raise type(errors[0])(errors[0].message, code=errors[0].code)
+
+    async def act(self, name: str, verb: Verb) -> dict[str, Any]:
+        record = await self._get(name)
+        if record.deleting:
+            raise LifecycleConflict(f"deployment {name!r} is being deleted")
+        snap = await self.snapshot()
+        instance = snap.instances.get(name)
+        now = time.time()
+        op = operation_id()
+        update: dict[str, Any] = {}
+        if verb == "start":
+            update = {"stopped": False, "stop_requested": None, "park_requested": None}
+            if record.attempts.failed:
+                update["attempts"] = Attempts()
+            if record.activation == "explicit":
+                update["wanted"] = "ready"
+            else:
+                await desired.demand(self.scheduler.client, name, "operator")
+        elif verb == "park":
+            residency = _residency(snap, name)
+            if residency == Residency.RESTART_ONLY:
+                raise CapyError(
+                    f"deployment {name!r} is restart_only: it cannot park; stop it instead",
+                    code="capability_missing:park",
+                )
+            if record.activation == "explicit":
+                update["wanted"] = "parked"
+            elif instance is None or instance.state not in (S.READY, S.PARKED):
+                state = instance.state if instance else "not running"
+                raise LifecycleConflict(
+                    f"deployment {name!r} is {state}: only a ready model parks; start it first"
+                )
+            else:
+                update["park_requested"] = instance.generation
+        elif verb == "stop":
+            update = {"stopped": True, "wanted": None, "park_requested": None}
+        else:
+            update = {"deleting": True}
+        update["last_operation"] = Operation(kind=verb, reason=f"operator {verb}", at=now,
+                                             operation_id=op)  # fmt: skip
+        written = await self.store.put(record.model_copy(update=update))
+        self.scheduler.wake.set()
+        return {"operation_id": op, "deployment": name, "revision": written.revision,
+                "action": verb}  # fmt: skip
+
+    async def drain(self, host: str) -> dict[str, Any]:
+        """Stop every engine on a host; the deployments stay on demand."""
+        snap = await self.snapshot()
+        if host not in snap.hosts:
+            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+        stopping = []
+        for name, instance in snap.instances.items():
+            if instance.host != host or instance.state not in LIVE_STATES:
+                continue
+            record = snap.deployments[name]
+            await self.store.put(record.model_copy(update={
+                "stop_requested": instance.generation, "park_requested": None,
+                "last_operation": Operation(kind="drain", reason=f"host {host} drained",
+                                            at=time.time()),
+            }))  # fmt: skip
+            stopping.append(name)
+        self.scheduler.wake.set()
+        return {"operation_id": operation_id(), "host": host, "stopping": sorted(stopping)}
+
+    async def status(self, name: str) -> dict[str, Any]:
+        await self._get(name)
+        snap = await self.snapshot()
+        if name not in snap.deployments:
+            raise NotFound(f"no deployment named {name!r}")
+        return status.detail(snap, name)
+
+    async def summaries(self) -> list[dict[str, Any]]:
+        snap = await self.snapshot()
+        return [status.summary(snap, name) for name in sorted(snap.deployments)]
+
+    async def hosts(self) -> list[dict[str, Any]]:
+        snap = await self.snapshot()
+        client = self.scheduler.client
+        readings = {host: await aread_reading(client, host) for host in snap.hosts}
+        return status.host_rows(snap, readings)
+
+    async def engines(self) -> list[dict[str, Any]]:
+        rows = []
+        for host in sorted(self.scheduler.observer.models_roots):
+            published = await self.scheduler.observer.engines(host)
+            for profile in published.profiles if published else []:
+                rows.append({"host": host, **profile.model_dump(mode="json")})
+        return rows
+
+    async def _get(self, name: str) -> DeploymentRecord:
+        record = await self.store.get(name)
+        if record is None:
+            raise NotFound(f"no deployment named {name!r}; list them with capyctl list deployments")
+        return record
+
+
+def _residency(snap: Snapshot, name: str) -> str | None:
+    instance = snap.instances.get(name)
+    if instance is not None and instance.residency:
+        return instance.residency
+    for binding in snap.bindings.get(name, {}).values():
+        if binding.resolved is not None:
+            return str(binding.resolved.residency)
+    return None

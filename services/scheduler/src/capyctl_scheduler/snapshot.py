@@ -1,0 +1,84 @@
+"""What the scheduler decides from: one coherent view of Redis and the clock, as values.
+
+`observe.py` builds a Snapshot; `policy.plan` reads it and nothing else, so every decision
+can be replayed in a unit test with an injected clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from capycommon.deployments import Resolved
+from capycommon.desired import DeploymentRecord
+from capycommon.errors import CapyError
+from capycommon.instances import InstanceRecord
+from capycommon.load import EngineLoad
+from capyctl_scheduler.ledger import Domain, Footprint
+
+
+@dataclass(frozen=True)
+class Tunables:
+    """The scheduler's own settings."""
+
+    drain_timeout_s: float = 30.0
+    # How long a command may wait for hostd to take it up before it is planned again.
+    command_timeout_s: float = 120.0
+    # How long memwatch has to show a park's memory released (hostd then stops it).
+    park_verify_s: float = 15.0
+    # The most instances one host keeps parked; the least recently used beyond it stop.
+    max_parked: int = 8
+    # How long a demand waits at most (the standalone request deadline).
+    demand_deadline_s: float = 1800.0
+    start_deadline_s: float = 1800.0
+    wake_deadline_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class HostView:
+    """One host as the scheduler sees it. `domains` is empty while its reading is stale."""
+
+    name: str
+    domains: Mapping[str, Domain]
+    # gpu0 -> the GPU's UUID, from the host's latest reading.
+    gpus: Mapping[str, str]
+    unified: bool
+    alive: bool = True
+
+    def gpu_of(self, uuid: str | None) -> str | None:
+        return next((name for name, found in self.gpus.items() if found == uuid), None)
+
+    def domain_of(self, gpu: str) -> str:
+        """The ledger domain that holds a GPU's memory: the GPU's, or the unified pool."""
+        return "unified" if self.unified else gpu
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A deployment as it would run on one host, or why it cannot run there."""
+
+    host: str
+    resolved: Resolved | None = None
+    # By GPU name (gpu0, ...): what the deployment is charged there, per phase.
+    footprints: Mapping[str, Footprint] = field(default_factory=dict)
+    error: CapyError | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    deployments: Mapping[str, DeploymentRecord]
+    # Each deployment's instance 0: its record of the highest generation on any host.
+    instances: Mapping[str, InstanceRecord]
+    hosts: Mapping[str, HostView]
+    # deployment -> host -> binding.
+    bindings: Mapping[str, Mapping[str, Binding]]
+    # deployment -> its engine's load (instance 0), from hostd.
+    loads: Mapping[str, EngineLoad] = field(default_factory=dict)
+    # deployment -> when its oldest open demand came.
+    demands: Mapping[str, float] = field(default_factory=dict)
+    # (deployment, generation) of commands hostd refused.
+    refused: frozenset[tuple[str, int]] = frozenset()
+    # Live instances nobody owns: their deployment is gone, or a newer generation runs.
+    orphans: tuple[InstanceRecord, ...] = ()
+    tunables: Tunables = Tunables()

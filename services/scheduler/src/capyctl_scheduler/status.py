@@ -1,0 +1,166 @@
+"""What `status deployment`, `list deployments` and `list hosts` show, built from a snapshot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capycommon.instances import LIVE_STATES, InstanceState
+from capycommon.memory import MemoryReading
+from capyctl_scheduler.policy import PHASES, charges, footprint_of
+from capyctl_scheduler.snapshot import Snapshot
+
+S = InstanceState
+
+
+def state_of(snapshot: Snapshot, name: str) -> str:
+    """One word for a deployment: its instance's state, or why it has none."""
+    record = snapshot.deployments[name]
+    instance = snapshot.instances.get(name)
+    live = instance is not None and instance.state in LIVE_STATES
+    if record.deleting:
+        return "deleting"
+    if record.stopped:
+        return "stopping" if live else "stopped"
+    if record.attempts.failed:
+        return "failed"
+    if live:
+        assert instance is not None
+        return str(instance.state)
+    if name in snapshot.demands or record.inflight is not None:
+        return "pending"
+    return "idle"
+
+
+def summary(snapshot: Snapshot, name: str) -> dict[str, Any]:
+    """A row of `list deployments`: NAME, STATE, READY, REVISION, HOSTS."""
+    record = snapshot.deployments[name]
+    instance = snapshot.instances.get(name)
+    live = instance is not None and instance.state in LIVE_STATES
+    return {
+        "name": name,
+        "state": state_of(snapshot, name),
+        "ready": f"{1 if instance and instance.state == S.READY else 0}/1",
+        "revision": record.revision,
+        "hosts": [instance.host] if live and instance else [],
+        "routes": list(record.document.routes),
+    }
+
+
+def detail(snapshot: Snapshot, name: str) -> dict[str, Any]:
+    """Everything `status deployment NAME` shows."""
+    record = snapshot.deployments[name]
+    instance = snapshot.instances.get(name)
+    found = summary(snapshot, name)
+    instances = []
+    if instance is not None:
+        view = snapshot.hosts.get(instance.host)
+        instances.append({
+            "index": instance.instance,
+            "host": instance.host,
+            "gpu": view.gpu_of(instance.gpu_uuid) if view else None,
+            "state": str(instance.state),
+            "since": instance.since,
+            "generation": instance.generation,
+            "revision": instance.revision,
+            "residency": instance.residency,
+            "port": instance.port,
+            "last_error": instance.error,
+        })  # fmt: skip
+    bindings = []
+    for host, binding in sorted(snapshot.bindings.get(name, {}).items()):
+        entry: dict[str, Any] = {"host": host}
+        if binding.error is not None:
+            entry["error"] = {"code": binding.error.code, "message": binding.error.message}
+        if binding.resolved is not None:
+            entry["engine"] = binding.resolved.profile.name
+            entry["model_path"] = str(binding.resolved.model_path)
+            entry["weights_bytes"] = binding.resolved.weights_bytes
+            entry["residency"] = str(binding.resolved.residency)
+            entry["residency_reason"] = binding.resolved.residency_reason
+        bindings.append(entry)
+    found.update(
+        activation=record.activation,
+        digest=record.digest,
+        stopped=record.stopped,
+        instances=instances,
+        charges=_charges(snapshot, name),
+        startup=_startup(snapshot, name),
+        bindings=bindings,
+        last_operation=record.last_operation.model_dump() if record.last_operation else None,
+        in_flight=record.inflight.model_dump() if record.inflight else None,
+        attempts=record.attempts.model_dump(),
+        demanded_since=snapshot.demands.get(name),
+        document=record.document.model_dump(mode="json"),
+    )
+    return found
+
+
+def _charges(snapshot: Snapshot, name: str) -> list[dict[str, Any]]:
+    instance = snapshot.instances.get(name)
+    rows = []
+    for host in sorted(snapshot.hosts):
+        charged = charges(snapshot, host).get(name)
+        if not charged:
+            continue
+        phase = PHASES.get(instance.state) if instance and instance.host == host else None
+        effect = snapshot.deployments[name].inflight
+        if phase is None and effect is not None:
+            phase = "starting" if effect.kind == "launch" else "waking"
+        for domain, size in sorted(charged.items()):
+            rows.append({"host": host, "domain": domain, "phase": phase, "bytes": size})
+    return rows
+
+
+def _startup(snapshot: Snapshot, name: str) -> dict[str, Any] | None:
+    """The startup peak where the instance runs (else on the first GPU that could take it)."""
+    instance = snapshot.instances.get(name)
+    for host in sorted(snapshot.hosts):
+        view = snapshot.hosts[host]
+        gpus = sorted(view.gpus)
+        if instance is not None and instance.host == host:
+            gpu = view.gpu_of(instance.gpu_uuid)
+            gpus = [gpu] if gpu else gpus
+        for gpu in gpus:
+            footprint = footprint_of(snapshot, name, host, gpu)
+            if footprint is None:
+                continue
+            starting = footprint.charge("starting")
+            return {
+                "host": host,
+                "gpu": gpu,
+                "device_bytes": starting.get(view.domain_of(gpu)),
+                "device_provenance": footprint.device_provenance,
+                "host_bytes": starting.get("system", starting.get("unified")),
+                "host_provenance": footprint.host_provenance,
+            }
+    return None
+
+
+def host_rows(
+    snapshot: Snapshot, readings: dict[str, MemoryReading | None]
+) -> list[dict[str, Any]]:
+    """A row per host: whether it is observed, its domains with limits and charges."""
+    rows = []
+    for host, view in sorted(snapshot.hosts.items()):
+        charged = charges(snapshot, host)
+        domains = []
+        for domain in view.domains.values():
+            used = sum(c.get(domain.name, 0) for c in charged.values())
+            domains.append({
+                "name": domain.name, "capacity": domain.capacity,
+                "managed_limit": domain.managed_limit, "free_reserve": domain.free_reserve,
+                "parked_limit": domain.parked_limit, "charged": used,
+            })  # fmt: skip
+        reading = readings.get(host)
+        state = "ready" if view.alive and view.domains else ("unobserved" if view.alive else "down")
+        rows.append({
+            "name": host,
+            "state": state,
+            "gpus": [
+                {"name": f"gpu{g.index}", "uuid": g.uuid, "total": g.total_bytes,
+                 "used": g.used_bytes, "free": g.free_bytes, "unified": g.unified}
+                for g in (reading.gpus if reading else [])
+            ],
+            "domains": domains,
+        })  # fmt: skip
+    return rows

@@ -1,0 +1,542 @@
+"""The scheduler's decisions, as a pure function of a snapshot and an injected clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capycommon.deployments import parse_deployment
+from capycommon.desired import Attempts, DeploymentRecord, Inflight
+from capycommon.instances import InstanceRecord, InstanceState
+from capycommon.load import EngineLoad
+from capycommon.memory import GpuReading, HostRam, MemoryReading
+from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains, derive_unified
+from capyctl_scheduler.policy import Action, charged, plan
+from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
+
+S = InstanceState
+HOST = "local"
+# A model charged 14 GiB on its card: a 12.75 GiB request plus 1.25 GiB of CUDA context.
+REQUEST = 12 * GiB + 3 * GiB // 4
+
+
+def view(*sizes: int, unified: bool = False, ram: int = 256 * GiB) -> HostView:
+    reading = MemoryReading(
+        host=HOST,
+        taken_at=0.0,
+        backend="simulated",
+        gpus=[
+            GpuReading(
+                index=i,
+                uuid=f"GPU-{i}",
+                name=f"gpu{i}",
+                total_bytes=size,
+                used_bytes=0,
+                free_bytes=size,
+                unified=unified,
+            )
+            for i, size in enumerate(sizes)
+        ],
+        ram=HostRam(total_bytes=ram, available_bytes=ram, source="simulated"),
+    )
+    domains = {domain.name: domain for domain in derive_domains(reading)}
+    gpus = {f"gpu{i}": f"GPU-{i}" for i in range(len(sizes))}
+    return HostView(HOST, domains, gpus, unified=unified)
+
+
+def deployment(name: str, revision: int = 1, **fields: Any) -> DeploymentRecord:
+    document: dict[str, Any] = {"name": name, "engine": "vllm", "model": name}
+    record: dict[str, Any] = {}
+    for key, value in fields.items():
+        (record if key in DeploymentRecord.model_fields else document)[key] = value
+    return DeploymentRecord(
+        name=name,
+        revision=revision,
+        digest="sha256:x",
+        created_at=0.0,
+        updated_at=0.0,
+        document=parse_deployment(document, "test"),
+        generation=record.pop("generation", 1),
+        **record,
+    )
+
+
+def instance(
+    name: str,
+    state: InstanceState,
+    generation: int = 1,
+    since: float = 0.0,
+    gpu: int = 0,
+    residency: str = "host_backed",
+    revision: int = 1,
+) -> InstanceRecord:
+    return InstanceRecord(
+        deployment=name,
+        instance=0,
+        revision=revision,
+        generation=generation,
+        state=state,
+        since=since,
+        host=HOST,
+        gpu_uuid=f"GPU-{gpu}",
+        residency=residency,
+    )
+
+
+def binding(host: HostView, weights: int = 10 * GiB, request: int | None = REQUEST) -> Binding:
+    if host.unified:
+        pool = host.domains["unified"]
+        footprint = derive_unified(weights=weights, domain=pool, request=request)
+        return Binding(HOST, footprints=dict.fromkeys(host.gpus, footprint))
+    return Binding(
+        HOST,
+        footprints={
+            gpu: derive_discrete(
+                gpu=gpu,
+                weights=weights,
+                device=host.domains[gpu],
+                host_backed=True,
+                request=request,
+                startup=((request or 0) + 5 * GiB // 4, "declared"),
+            )
+            for gpu in host.gpus
+        },
+    )
+
+
+def snapshot(
+    now: float,
+    records: list[DeploymentRecord],
+    instances: list[InstanceRecord] = (),  # type: ignore[assignment]
+    host: HostView | None = None,
+    sizing: HostView | None = None,
+    **fields: Any,
+) -> Snapshot:
+    host = host or view(24 * GiB)
+    sizing = sizing or host
+    return Snapshot(
+        now=now,
+        deployments={r.name: r for r in records},
+        instances={i.deployment: i for i in instances},
+        hosts={HOST: host},
+        bindings={r.name: {HOST: binding(sizing)} for r in records},
+        **fields,
+    )
+
+
+def kinds(actions: list[Action]) -> list[tuple[str, str]]:
+    return [(a.kind, a.deployment) for a in actions if a.kind != "wait"]
+
+
+def waits(actions: list[Action]) -> list[str]:
+    return [a.reason for a in actions if a.kind == "wait"]
+
+
+def load(generation: int, running: int, at: float, active: float = 0.0) -> EngineLoad:
+    return EngineLoad(
+        generation=generation, running=running, waiting=0, last_active_at=active, read_at=at
+    )
+
+
+# Starting and waking on demand --------------------------------------------------------------
+
+
+def test_a_demand_starts_a_cold_deployment_with_the_next_generation() -> None:
+    actions = plan(snapshot(100.0, [deployment("a", generation=4)], demands={"a": 99.0}))
+    (start,) = actions
+    assert (start.kind, start.gpu, start.generation) == ("start", "gpu0", 5)
+    assert plan(snapshot(100.0, [deployment("a")])) == [], "no demand, nothing to do"
+
+
+def test_a_demand_wakes_a_parked_instance_where_it_parked() -> None:
+    host = view(24 * GiB, 24 * GiB)
+    actions = plan(
+        snapshot(
+            100.0,
+            [deployment("a")],
+            [instance("a", S.PARKED, gpu=1)],
+            host=host,
+            demands={"a": 99.0},
+        )
+    )
+    assert [(a.kind, a.gpu) for a in actions] == [("wake", "gpu1")]
+
+
+def test_ready_satisfies_the_demand() -> None:
+    actions = plan(snapshot(1.0, [deployment("a")], [instance("a", S.READY)], demands={"a": 0.0}))
+    assert kinds(actions) == [("satisfied", "a")]
+
+
+def test_placement_across_two_gpus_takes_the_most_headroom() -> None:
+    host = view(24 * GiB, 24 * GiB)
+    records = [deployment("a"), deployment("b")]
+    actions = plan(
+        snapshot(1.0, records, [instance("a", S.READY, gpu=0)], host=host, demands={"b": 0.0})
+    )
+    assert [(a.kind, a.deployment, a.gpu) for a in actions] == [("start", "b", "gpu1")]
+    pinned = [deployment("a"), deployment("b", devices=[{"id": "gpu0"}])]
+    actions = plan(
+        snapshot(
+            1.0,
+            pinned,
+            [instance("a", S.READY, gpu=0)],
+            host=host,
+            demands={"b": 0.0},
+            loads={"a": load(1, 2, 1.0)},
+        )
+    )
+    assert kinds(actions) == [], "pinned to the full gpu0, whose model is busy"
+    assert "insufficient_resources: needs 14.0 GiB on gpu0, 8.1 GiB free" in waits(actions)[0]
+
+
+def test_starts_are_one_at_a_time_per_gpu() -> None:
+    host = view(80 * GiB)
+    records = [deployment("a"), deployment("b")]
+    actions = plan(
+        snapshot(1.0, records, [instance("a", S.STARTING)], host=host, demands={"b": 0.0})
+    )
+    assert kinds(actions) == []
+    assert waits(actions) == ["starts are one at a time on gpu0: a is starting"]
+
+
+def test_two_demands_in_one_plan_do_not_both_take_the_same_memory() -> None:
+    host = view(24 * GiB, 24 * GiB)
+    records = [deployment("a"), deployment("b"), deployment("c")]
+    actions = plan(snapshot(1.0, records, host=host, demands={"a": 0.0, "b": 1.0, "c": 2.0}))
+    assert [(a.kind, a.deployment, a.gpu) for a in actions if a.kind == "start"] == [
+        ("start", "a", "gpu0"),
+        ("start", "b", "gpu1"),
+    ]
+    assert waits(actions)[0].startswith("insufficient_resources"), "c waits for memory"
+
+
+def test_a_launch_in_flight_is_charged_and_not_repeated() -> None:
+    effect = Inflight(kind="launch", host=HOST, gpu="gpu0", generation=2, sent_at=0.5)
+    records = [deployment("a", generation=2, inflight=effect), deployment("b")]
+    snap = snapshot(1.0, records, demands={"a": 0.0, "b": 0.0})
+    assert "a" in charged(snap, HOST).charges, "charged from the moment it is sent"
+    actions = plan(snap)
+    assert kinds(actions) == [], "nothing more for a; b waits for the start on gpu0"
+
+
+def test_an_unobserved_host_admits_nothing() -> None:
+    host = view(24 * GiB)
+    stale = HostView(HOST, {}, host.gpus, unified=False)
+    actions = plan(snapshot(1.0, [deployment("a")], host=stale, sizing=host, demands={"a": 0.0}))
+    assert kinds(actions) == []
+    assert "device_unobserved" in waits(actions)[0]
+
+
+# Switching ------------------------------------------------------------------------------------
+
+
+def test_three_14gib_models_on_a_24gib_gpu_switch_in_turn() -> None:
+    records = [deployment("a"), deployment("b"), deployment("c")]
+    # a serves, b is demanded: a (idle) drains to park, and b waits for its memory.
+    actions = plan(
+        snapshot(
+            50.0,
+            records,
+            [instance("a", S.READY, since=10.0)],
+            demands={"b": 49.0},
+            loads={"a": load(1, 0, 49.0, active=20.0)},
+        )
+    )
+    drain = next(a for a in actions if a.kind == "drain")
+    assert (drain.deployment, drain.then) == ("a", "park")
+    assert "switch to b" in drain.reason
+    assert waits(actions) == ["switch: releasing a to start b on gpu0"]
+    # a drains (the draining record and the effect in flight): b keeps waiting.
+    effect = Inflight(
+        kind="drain",
+        host=HOST,
+        gpu="gpu0",
+        generation=1,
+        sent_at=50.0,
+        from_state="ready",
+        from_generation=1,
+        then="park",
+        reason=drain.reason,
+    )
+    drained = [records[0].model_copy(update={"inflight": effect}), *records[1:]]
+    actions = plan(
+        snapshot(
+            51.0,
+            drained,
+            [instance("a", S.DRAINING, since=50.0)],
+            demands={"b": 49.0},
+            loads={"a": load(1, 0, 50.5)},
+        )
+    )
+    park = next(a for a in actions if a.kind == "park")
+    assert park.release_bound == GiB, "the parked charge bounds what it may keep"
+    assert waits(actions) == ["switch: waiting for memory being released to start"]
+    # a parked: b starts beside a's 1 GiB residue.
+    actions = plan(
+        snapshot(60.0, records, [instance("a", S.PARKED, since=55.0)], demands={"b": 49.0})
+    )
+    assert kinds(actions) == [("start", "b")]
+    # c comes: b (ready, least recently used is a but a is parked already) is the victim.
+    state = [instance("a", S.PARKED, since=55.0), instance("b", S.READY, since=70.0)]
+    actions = plan(snapshot(80.0, records, state, demands={"c": 79.0}))
+    assert [(a.kind, a.deployment, a.then) for a in actions if a.kind != "wait"] == [
+        ("drain", "b", "park")
+    ]
+
+
+def test_a_busy_victim_is_never_chosen_and_the_switch_waits() -> None:
+    records = [deployment("a"), deployment("b")]
+    actions = plan(
+        snapshot(
+            50.0,
+            records,
+            [instance("a", S.READY)],
+            demands={"b": 49.0},
+            loads={"a": load(1, 3, 49.5)},
+        )
+    )
+    assert kinds(actions) == []
+    assert "1 busy, warm or explicit kept" in waits(actions)[0]
+    # Once it reads idle, it is chosen.
+    actions = plan(
+        snapshot(
+            55.0,
+            records,
+            [instance("a", S.READY)],
+            demands={"b": 49.0},
+            loads={"a": load(1, 0, 54.5, active=53.0)},
+        )
+    )
+    assert kinds(actions) == [("drain", "a")]
+
+
+def test_warm_and_explicit_deployments_are_never_victims() -> None:
+    for protected in (
+        deployment("a", lifecycle={"warm": True}),
+        deployment("a", lifecycle={"activation": "explicit"}, wanted="ready"),
+    ):
+        actions = plan(
+            snapshot(
+                50.0, [protected, deployment("b")], [instance("a", S.READY)], demands={"b": 49.0}
+            )
+        )
+        assert kinds(actions) == []
+        assert "insufficient_resources" in waits(actions)[0]
+
+
+def test_the_least_recently_used_goes_first() -> None:
+    host = view(24 * GiB, 24 * GiB)
+    records = [deployment("a"), deployment("b"), deployment("c", devices=[{"id": "gpu1"}])]
+    state = [instance("a", S.READY, gpu=0, since=10.0), instance("b", S.READY, gpu=1, since=5.0)]
+    loads = {"a": load(1, 0, 99.0, active=90.0), "b": load(1, 0, 99.0, active=40.0)}
+    actions = plan(snapshot(100.0, records, state, host=host, demands={"c": 99.0}, loads=loads))
+    assert kinds(actions) == [("drain", "b")], "b, idle since 40 s, on c's pinned GPU"
+
+
+def test_a_victim_that_cannot_park_stops() -> None:
+    records = [deployment("a"), deployment("b")]
+    actions = plan(
+        snapshot(
+            50.0, records, [instance("a", S.READY, residency="restart_only")], demands={"b": 49.0}
+        )
+    )
+    drain = next(a for a in actions if a.kind == "drain")
+    assert drain.then == "stop"
+    assert "cannot park" in drain.reason
+
+
+def test_a_parked_victim_stops() -> None:
+    records = [deployment("a"), deployment("b"), deployment("c")]
+    # a and b parked hold 1 GiB each; c's start fits beside them without any victim.
+    state = [instance("a", S.PARKED), instance("b", S.PARKED)]
+    assert kinds(plan(snapshot(5.0, records, state, demands={"c": 1.0}))) == [("start", "c")]
+    # With a 20 GiB request c needs the whole card: the parked ones stop, oldest first.
+    big = [deployment("a"), deployment("b"), deployment("c")]
+    snap = snapshot(5.0, big, state, demands={"c": 1.0})
+    c_binding = binding(snap.hosts[HOST], request=20 * GiB)
+    snap = Snapshot(**{**snap.__dict__, "bindings": {**snap.bindings, "c": {HOST: c_binding}}})
+    assert kinds(plan(snap)) == [("stop", "a"), ("stop", "b")]
+
+
+def test_a_drain_that_outlasts_its_timeout_serves_again() -> None:
+    effect = Inflight(
+        kind="drain",
+        host=HOST,
+        gpu="gpu0",
+        generation=1,
+        sent_at=10.0,
+        from_state="ready",
+        from_generation=1,
+        then="park",
+        reason="idle",
+    )
+    records = [deployment("a", inflight=effect)]
+    draining = [instance("a", S.DRAINING, since=10.0)]
+    busy = {"a": load(1, 2, 30.0)}
+    assert kinds(plan(snapshot(30.0, records, draining, loads=busy))) == []
+    actions = plan(snapshot(41.0, records, draining, loads={"a": load(1, 2, 41.0)}))
+    assert kinds(actions) == [("undrain", "a")]
+    assert "drain timed out after 31s with 2 requests" in actions[0].reason
+
+
+def test_a_drain_parks_only_on_a_load_read_after_it_began() -> None:
+    effect = Inflight(
+        kind="drain",
+        host=HOST,
+        gpu="gpu0",
+        generation=1,
+        sent_at=10.0,
+        from_state="ready",
+        from_generation=1,
+        then="park",
+        reason="idle",
+    )
+    records = [deployment("a", inflight=effect)]
+    draining = [instance("a", S.DRAINING, since=10.0)]
+    assert kinds(plan(snapshot(11.0, records, draining, loads={"a": load(1, 0, 9.5)}))) == []
+    actions = plan(snapshot(11.0, records, draining, loads={"a": load(1, 0, 10.5)}))
+    assert kinds(actions) == [("park", "a")]
+
+
+# Idle timeouts --------------------------------------------------------------------------------
+
+
+def test_idle_park_then_idle_stop_with_an_injected_clock() -> None:
+    record = deployment("a", lifecycle={"ready_idle_timeout": "5m", "parked_idle_timeout": "30m"})
+    ready = [instance("a", S.READY, since=0.0)]
+    active = {"a": load(1, 0, 400.0, active=100.0)}
+    assert kinds(plan(snapshot(399.0, [record], ready, loads=active))) == []
+    actions = plan(snapshot(400.0, [record], ready, loads=active))
+    assert [(a.kind, a.then, a.reason) for a in actions] == [("drain", "park", "idle for 5m")]
+    parked = [instance("a", S.PARKED, since=500.0)]
+    assert kinds(plan(snapshot(2299.0, [record], parked))) == []
+    assert [(a.kind, a.reason) for a in plan(snapshot(2300.0, [record], parked))] == [
+        ("stop", "parked idle for 30m")
+    ]
+
+
+def test_idle_timeouts_are_off_unless_set_and_never_touch_warm() -> None:
+    ready = [instance("a", S.READY, since=0.0)]
+    assert plan(snapshot(1e6, [deployment("a")], ready)) == []
+    warm = deployment("a", lifecycle={"ready_idle_timeout": "1m", "warm": True})
+    assert plan(snapshot(1e6, [warm], ready)) == []
+
+
+def test_a_restart_only_model_stops_when_idle() -> None:
+    record = deployment("a", lifecycle={"ready_idle_timeout": "1m"})
+    ready = [instance("a", S.READY, residency="restart_only")]
+    (drain,) = plan(snapshot(61.0, [record], ready))
+    assert (drain.kind, drain.then) == ("drain", "stop")
+
+
+# Failures, operator stop, deletion ------------------------------------------------------------
+
+
+def test_failed_starts_are_counted_once_then_retried_after_the_cooldown() -> None:
+    failed = [instance("a", S.FAILED, generation=3).model_copy(update={"error": "launch failed"})]
+    record = deployment("a", generation=3)
+    (count,) = plan(snapshot(10.0, [record], failed, demands={"a": 1.0}))
+    assert (count.kind, count.error) == ("count_failure", "launch failed")
+    counted = record.model_copy(
+        update={
+            "attempts": Attempts(
+                count=1, next_at=40.0, last_error="launch failed", counted_generation=3
+            )
+        }
+    )
+    actions = plan(snapshot(20.0, [counted], failed, demands={"a": 1.0}))
+    assert waits(actions) == ["retry in 20s after: launch failed"]
+    actions = plan(snapshot(40.0, [counted], failed, demands={"a": 1.0}))
+    assert [(a.kind, a.generation) for a in actions] == [("start", 4)]
+    spent = record.model_copy(
+        update={"attempts": Attempts(count=4, failed=True, counted_generation=3)}
+    )
+    assert kinds(plan(snapshot(500.0, [spent], failed, demands={"a": 1.0}))) == [
+        ("drop_demand", "a")
+    ]
+
+
+def test_an_operator_stop_stops_and_refuses_demands() -> None:
+    record = deployment("a", stopped=True)
+    actions = plan(snapshot(1.0, [record], [instance("a", S.READY)], demands={"a": 0.5}))
+    assert [(a.kind, a.reason) for a in actions] == [
+        ("drop_demand", "deployment_stopped"),
+        ("stop", "operator stop"),
+    ]
+
+
+def test_explicit_activation_follows_the_operator_only() -> None:
+    explicit = {"activation": "explicit", "ready_idle_timeout": "1m"}
+    idle = deployment("a", lifecycle=explicit)
+    assert plan(snapshot(1.0, [idle], demands={"a": 0.5})) == [], "a demand does not start it"
+    wanted = deployment("a", lifecycle=explicit, wanted="ready")
+    assert kinds(plan(snapshot(1.0, [wanted]))) == [("start", "a")]
+    ready = [instance("a", S.READY)]
+    assert plan(snapshot(1e6, [wanted], ready)) == [], "no idle park"
+    parked = deployment("a", lifecycle=explicit, wanted="parked")
+    assert kinds(plan(snapshot(1.0, [parked], ready))) == [("drain", "a")]
+
+
+def test_deletion_stops_then_forgets() -> None:
+    record = deployment("a", deleting=True)
+    assert kinds(plan(snapshot(1.0, [record], [instance("a", S.PARKED)]))) == [("stop", "a")]
+    assert kinds(plan(snapshot(1.0, [record], [instance("a", S.STOPPED)]))) == [("forget", "a")]
+
+
+def test_an_orphan_engine_is_stopped() -> None:
+    orphan = instance("gone", S.READY)
+    actions = plan(snapshot(1.0, [], orphans=(orphan,)))
+    assert [(a.kind, a.deployment, a.reason) for a in actions] == [
+        ("stop", "gone", "orphan: no deployment owns this engine")
+    ]
+
+
+def test_a_new_revision_replaces_an_idle_instance() -> None:
+    record = deployment("a", revision=2)
+    actions = plan(snapshot(1.0, [record], [instance("a", S.READY, revision=1)]))
+    assert [(a.kind, a.then, a.reason) for a in actions] == [
+        ("drain", "stop", "revision 2 replaces revision 1")
+    ]
+
+
+# Effects in flight ----------------------------------------------------------------------------
+
+
+def test_an_effect_settles_when_the_record_moves_on_or_hostd_refuses() -> None:
+    effect = Inflight(
+        kind="park",
+        host=HOST,
+        gpu="gpu0",
+        generation=1,
+        sent_at=1.0,
+        from_state="draining",
+        from_generation=1,
+    )
+    record = deployment("a", inflight=effect)
+    pending = snapshot(2.0, [record], [instance("a", S.DRAINING)])
+    assert plan(pending) == []
+    moved = snapshot(2.0, [record], [instance("a", S.PARKING)])
+    assert kinds(plan(moved)) == [("settle", "a")]
+    refused = snapshot(2.0, [record], [instance("a", S.DRAINING)], refused=frozenset({("a", 1)}))
+    assert kinds(plan(refused))[0] == ("settle", "a")
+    expired = snapshot(200.0, [record], [instance("a", S.DRAINING)], tunables=Tunables())
+    assert kinds(plan(expired))[0] == ("settle", "a")
+
+
+def test_the_parked_set_is_bounded() -> None:
+    records = [deployment(name) for name in "abc"]
+    parked = [
+        instance(name, S.PARKED, since=since)
+        for name, since in zip("abc", (3.0, 1.0, 2.0), strict=True)
+    ]
+    actions = plan(
+        snapshot(10.0, records, parked, host=view(80 * GiB), tunables=Tunables(max_parked=1))
+    )
+    assert [(a.kind, a.deployment) for a in actions] == [("stop", "b"), ("stop", "c")]
+
+
+def test_unified_memory_charges_one_pool() -> None:
+    host = view(128 * GiB, unified=True, ram=128 * GiB)
+    snap = snapshot(1.0, [deployment("a")], [instance("a", S.READY)], host=host)
+    assert set(charged(snap, HOST).charges["a"]) == {"unified"}
+    actions = plan(snapshot(1.0, [deployment("a")], host=host, demands={"a": 0.0}))
+    assert [(a.kind, a.gpu) for a in actions] == [("start", "gpu0")]
