@@ -12,8 +12,7 @@ from typing import cast
 import openai
 import redis
 
-from capycommon import keys, simgpu
-from capycommon.hostcommands import Launch, Stop
+from capycommon import keys
 from capycommon.instances import InstanceRecord
 from capycommon.testing.enginesim.behaviour import Behaviour
 from capycommon.testing.enginesim.install import install_python_engine
@@ -35,22 +34,17 @@ def test_a_restart_of_the_role_keeps_the_engine_running() -> None:
     fast = Behaviour(load_seconds=0.3, tokens_per_second=200)
     venv = install_python_engine(root / "vllm", "vllm", "0.29.0", fast)
     assert capyctl("engine", "add", str(venv), "--state-dir", str(state), env=env).returncode == 0
-    model = sparse_model(root / "models" / "demo", 2 * GiB)
-    (gpu,) = simgpu.parse_devices("gpu0:24GiB")
+    sparse_model(home / "models" / "demo", 2 * GiB)
+    document = root / "demo.yaml"
+    document.write_text("name: demo\nengine: vllm\nmodel: demo\n")
     role = start_role("standalone", state_dir=state, env=env)
     client = redis.Redis(unix_socket_path=str(state / "redis" / "redis.sock"))
     pgid = 0
     try:
-        command = Launch(
-            deployment="demo", generation=1, revision=1, profile="vllm", model_path=str(model),
-            served_name="demo", residency="host_backed", gpu_uuid=gpu.uuid, memory_fraction=0.25,
-        )  # fmt: skip
-        client.xadd(keys.host_commands("local"), {"command": command.model_dump_json()})
-        ready = wait_for(
-            lambda: (r := _record(client)) is not None and r.state == "ready" and r, timeout=30,
-            what="the engine to be ready",
-        )  # fmt: skip
-        assert isinstance(ready, InstanceRecord)
+        assert role.capyctl("deploy", "model", "--file", str(document), "--wait").returncode == 0
+        ready = _record(client)
+        assert ready is not None
+        assert ready.state == "ready"
         assert ready.process is not None
         pgid = ready.process.pgid
         client.close()
@@ -60,7 +54,7 @@ def test_a_restart_of_the_role_keeps_the_engine_running() -> None:
         again = start_role("standalone", state_dir=state, env=env)
         client = redis.Redis(unix_socket_path=str(state / "redis" / "redis.sock"))
         wait_for(lambda: "re-adopted" in again.output(), timeout=15, what="re-adoption")
-        assert _record(client) == ready
+        assert _record(client) == ready, "re-adopted as it was, and the scheduler left it alone"
         key = cast(bytes, client.get(keys.instance_secret("local", "demo", 0))).decode()
         engine = openai.OpenAI(base_url=f"http://127.0.0.1:{ready.port}/v1", api_key=key)
         assert (
@@ -70,15 +64,7 @@ def test_a_restart_of_the_role_keeps_the_engine_running() -> None:
             .choices[0]
             .message.content
         )
-        client.xadd(
-            keys.host_commands("local"),
-            {"command": Stop(deployment="demo", generation=1).model_dump_json()},
-        )
-        wait_for(
-            lambda: (r := _record(client)) is not None and r.state == "stopped",
-            timeout=20,
-            what="stopped",
-        )
+        assert again.capyctl("stop", "deployment", "demo", "--wait").returncode == 0
         assert group_members(pgid) == []
         events = [
             json.loads(f[b"event"])

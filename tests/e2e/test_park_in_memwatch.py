@@ -1,5 +1,6 @@
-"""The standalone role on simulated GPUs: hostd parks and wakes an engine, and memwatch's
-reading shows the device memory go and come back; the launch's startup peak is measured."""
+"""The standalone role on simulated GPUs: a deployment is started, parked, woken and stopped,
+and memwatch's reading shows the device memory go and come back; the launch's startup peak
+is measured."""
 
 from __future__ import annotations
 
@@ -10,21 +11,20 @@ from typing import cast
 
 import redis
 
-from capycommon import keys, simgpu
-from capycommon.hostcommands import Launch, Park, Stop, Wake
+from capycommon import keys
 from capycommon.instances import InstanceRecord
 from capycommon.memory import read_reading, read_startup_peak
 from capycommon.testing.enginesim.behaviour import Behaviour
 from capycommon.testing.enginesim.install import install_python_engine
 from enginerun import sparse_model
-from support import capyctl, clean_env, short_dir, start_role, wait_for
+from support import Role, capyctl, clean_env, short_dir, start_role, wait_for
 
 GiB = 1 << 30
 BUDGET = 6 * GiB  # 0.25 of 24 GiB
 
 
-def _state(client: redis.Redis, wanted: str) -> InstanceRecord | None:
-    raw = cast(bytes | None, client.get(keys.instance("local", "demo", 0)))
+def _state(client: redis.Redis, name: str, wanted: str) -> InstanceRecord | None:
+    raw = cast(bytes | None, client.get(keys.instance("local", name, 0)))
     record = None if raw is None else InstanceRecord.model_validate_json(raw)
     return record if record is not None and record.state == wanted else None
 
@@ -37,40 +37,30 @@ def _used(client: redis.Redis, after: float) -> int | None:
     return reading.gpus[0].used_bytes
 
 
-def _send(client: redis.Redis, command: Launch | Park | Wake | Stop) -> float:
-    client.xadd(keys.host_commands("local"), {"command": command.model_dump_json()})
-    return time.time()
-
-
-def _cycle(client: redis.Redis, family: str, generation: int, model: Path, gpu: str) -> None:
-    """Launch, park, wake and stop one engine, watching memwatch's readings."""
-    launch = Launch(
-        deployment="demo", generation=generation, revision=1, profile=family,
-        model_path=str(model), served_name="demo", residency="host_backed",
-        gpu_uuid=gpu, memory_fraction=0.25,
-    )  # fmt: skip
-    _send(client, launch)
-    ready = wait_for(lambda: _state(client, "ready"), timeout=30, what=f"{family} ready")
-    assert ready.generation == generation
+def _cycle(role: Role, client: redis.Redis, name: str) -> None:
+    """Start, park, wake and stop one deployment, watching memwatch's readings."""
+    assert role.capyctl("start", "deployment", name, "--wait").returncode == 0
+    ready = _state(client, name, "ready")
+    assert ready is not None
     wait_for(lambda: _used(client, time.time() - 0.5) == BUDGET, timeout=10, what="the budget")
 
-    parked_at = _send(client, Park(deployment="demo", generation=generation))
-    wait_for(lambda: _state(client, "parked"), timeout=20, what="parked")
+    parked_at = time.time()
+    assert role.capyctl("park", "deployment", name, "--wait").returncode == 0
     wait_for(lambda: (u := _used(client, parked_at)) is not None and u < GiB, timeout=10,
              what="memwatch to see the device memory released")  # fmt: skip
 
-    woke_at = _send(client, Wake(deployment="demo", generation=generation))
-    wait_for(lambda: _state(client, "ready"), timeout=20, what="woken")
+    woke_at = time.time()
+    assert role.capyctl("start", "deployment", name, "--wait").returncode == 0
     wait_for(lambda: _used(client, woke_at) == BUDGET, timeout=10, what="memory back")
 
-    stopped_at = _send(client, Stop(deployment="demo", generation=generation))
-    wait_for(lambda: _state(client, "stopped"), timeout=20, what="stopped")
+    stopped_at = time.time()
+    assert role.capyctl("stop", "deployment", name, "--wait").returncode == 0
     wait_for(lambda: _used(client, stopped_at) == 0, timeout=10, what="the device empty")
 
     fingerprint = ready.fingerprint
     assert fingerprint is not None
     peak = wait_for(
-        lambda: read_startup_peak(client, "local", "demo", 1, fingerprint),
+        lambda: read_startup_peak(client, "local", name, 1, fingerprint),
         timeout=10,
         what="memwatch to store the launch's startup peak",
     )
@@ -92,13 +82,21 @@ def test_park_and_wake_as_memwatch_sees_them(tmp_path: Path) -> None:
         assert (
             capyctl("engine", "add", str(venv), "--state-dir", str(state), env=env).returncode == 0
         )
-    model = sparse_model(root / "models" / "demo", 2 * GiB)
-    (gpu,) = simgpu.parse_devices("gpu0:24GiB")
+        # A 6 GiB request: the engine is given a quarter of the 24 GiB card.
+        (root / f"{family}.yaml").write_text(
+            f"name: demo-{family}\nengine: {family}\nmodel: demo\nresidency: host_backed\n"
+            "engine_config: {memory: {request: 6GiB}}\n"
+        )
+    sparse_model(root / "models" / "demo", 2 * GiB)
     role = start_role("standalone", state_dir=state, env=env)
     client = redis.Redis(unix_socket_path=str(state / "redis" / "redis.sock"))
     try:
-        for generation, family in enumerate(("vllm", "sglang"), start=1):
-            _cycle(client, family, generation, model, gpu.uuid)
+        for family in ("vllm", "sglang"):
+            assert (
+                role.capyctl("deploy", "model", "--file", str(root / f"{family}.yaml")).returncode
+                == 0
+            )
+            _cycle(role, client, f"demo-{family}")
     finally:
         client.close()
         role.stop()

@@ -9,6 +9,7 @@ from capycommon.desired import Attempts, DeploymentRecord, Inflight
 from capycommon.instances import InstanceRecord, InstanceState
 from capycommon.load import EngineLoad
 from capycommon.memory import GpuReading, HostRam, MemoryReading
+from capycommon.places import Places
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains, derive_unified
 from capyctl_scheduler.policy import Action, charged, plan
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
@@ -540,3 +541,58 @@ def test_unified_memory_charges_one_pool() -> None:
     assert set(charged(snap, HOST).charges["a"]) == {"unified"}
     actions = plan(snapshot(1.0, [deployment("a")], host=host, demands={"a": 0.0}))
     assert [(a.kind, a.gpu) for a in actions] == [("start", "gpu0")]
+
+
+# Requests the routers hold ------------------------------------------------------------------
+
+
+def test_router_places_make_a_model_busy_and_cut_requests_make_it_stop_not_park() -> None:
+    records = [deployment("a"), deployment("b")]
+    serving = {"a": Places(generation=1, running=2)}
+    actions = plan(
+        snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0}, places=serving)
+    )
+    assert kinds(actions) == [], "a router has requests on it"
+    cut = {"a": Places(generation=1, running=1, settle_at_stop=1)}
+    actions = plan(
+        snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0}, places=cut)
+    )
+    drain = next(a for a in actions if a.kind == "drain")
+    assert drain.then == "stop", "a request cut before any answer may still be on the engine"
+    stale = {"a": Places(generation=0, running=5, settle_at_stop=5)}
+    actions = plan(
+        snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0}, places=stale)
+    )
+    assert next(a for a in actions if a.kind == "drain").then == "park", "another generation's"
+
+
+def test_a_restart_is_asked_when_cut_requests_hold_every_place() -> None:
+    actions = plan(
+        snapshot(
+            5.0,
+            [deployment("a")],
+            [instance("a", S.READY, generation=3)],
+            demands={"a": 4.0},
+            restarts={"a": 3},
+        )
+    )
+    assert [(a.kind, a.reason) for a in actions] == [
+        ("stop", "cancelled requests hold every place: restarting it")
+    ]
+    actions = plan(
+        snapshot(
+            5.0,
+            [deployment("a")],
+            [instance("a", S.READY, generation=4)],
+            demands={"a": 4.0},
+            restarts={"a": 3},
+        )
+    )
+    assert kinds(actions) == [("satisfied", "a")], "the restart happened"
+
+
+def test_a_park_without_parked_room_stops() -> None:
+    host = view(24 * GiB, ram=16 * GiB)  # parked limit: 4 GiB of host RAM
+    record = deployment("a", lifecycle={"ready_idle_timeout": "1m"})
+    (drain,) = plan(snapshot(100.0, [record], [instance("a", S.READY)], host=host))
+    assert drain.then == "stop", "a host_backed copy (4 + 15 GiB) has no room in 4 GiB"

@@ -201,8 +201,11 @@ def render_status(status: dict[str, Any]) -> str:
         lines += ["", output.table(["INSTANCE", "HOST", "GPU", "STATE", "GENERATION", "ERROR"],
                                    rows)]  # fmt: skip
     if status["charges"]:
-        rows = [[c["host"], c["domain"], c["phase"], _size(c["bytes"])] for c in status["charges"]]
-        lines += ["", output.table(["HOST", "DOMAIN", "PHASE", "CHARGE"], rows)]
+        rows = [
+            [c["host"], c["domain"], c["phase"], _size(c["bytes"]), c["provenance"]]
+            for c in status["charges"]
+        ]
+        lines += ["", output.table(["HOST", "DOMAIN", "PHASE", "CHARGE", "FROM"], rows)]
     errors = [b for b in status["bindings"] if "error" in b]
     for binding in errors:
         lines.append(f"\n{binding['host']}: error [{binding['error']['code']}]: "

@@ -163,16 +163,20 @@ def read_all(client: redis.Redis) -> dict[str, DeploymentRecord]:
 
 
 class Demand(_Frozen):
-    """A model is wanted: a request waits for it, or an operator started it."""
+    """A model is wanted: a request waits for it, or an operator started it. With `restart`,
+    its instance of that generation must be stopped first: cut requests hold every place."""
 
     deployment: str
     source: str
     at: float
+    restart: int | None = None
 
 
-async def demand(client: aioredis.Redis, deployment: str, source: str) -> None:
+async def demand(
+    client: aioredis.Redis, deployment: str, source: str, restart: int | None = None
+) -> None:
     """Ask the scheduler to make `deployment` ready (one entry per wave of requests)."""
-    entry = Demand(deployment=deployment, source=source, at=time.time())
+    entry = Demand(deployment=deployment, source=source, at=time.time(), restart=restart)
     await client.xadd(keys.demands(), {DEMAND_FIELD: entry.model_dump_json()}, maxlen=100_000)
     note = Notification(kind="demand", id=deployment, version=int(entry.at * 1000))
     await client.publish(keys.notifications(), note.model_dump_json())

@@ -145,6 +145,8 @@ _HTTP_STATUSES: dict[str, int] = {
     "not_found": 404,
     "unknown_model": 404,
     "deployment_stopped": 409,
+    "deployment_inactive": 409,
+    "unsupported_parameter": 400,
     "route_conflict": 409,
     "profile_not_published": 409,
     "lifecycle_conflict": 409,

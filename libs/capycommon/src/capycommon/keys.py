@@ -117,3 +117,8 @@ def idempotency(key: str) -> str:
 def hosts() -> str:
     """The set of host names known to the control plane."""
     return f"{PREFIX}:hosts"
+
+
+def places(deployment: str) -> str:
+    """The request places of a deployment's current generation (`capycommon.places`)."""
+    return f"{PREFIX}:places:{deployment}"

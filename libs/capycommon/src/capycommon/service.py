@@ -229,7 +229,10 @@ def bind(address: str) -> socket.socket:
 async def serve_http(app: Any, address: str, stop: asyncio.Event) -> None:
     """Serve an ASGI app on `address` until `stop` is set."""
     sock = bind(address)
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+    # A stop waits this long for requests in flight, then closes their connections.
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
+    )
     server = _Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     log.info("listening", extra={"address": address})

@@ -157,9 +157,19 @@ class SchedulingSection(Strict):
     request_deadline: float = Field(default=1800.0, gt=0, le=3600)
 
 
+class RoutingSection(Strict):
+    # Requests waiting for one deployment (0: none wait; they get queue_full at once, and
+    # the start or wake is still asked for), and for all of them together.
+    max_pending_per_deployment: int = Field(default=64, ge=0, le=4096)
+    max_pending_total: int = Field(default=256, ge=0, le=65536)
+    # Seconds of silence a stream may have after its first output.
+    stream_idle_timeout: float = Field(default=120.0, ge=1, le=3600)
+
+
 class ServerSection(Strict):
     listeners: Listeners = Listeners()
     scheduling: SchedulingSection = SchedulingSection()
+    routing: RoutingSection = RoutingSection()
 
 
 def _check_simulated_gpus(value: str | None) -> str | None:

@@ -10,13 +10,16 @@ from capycommon.errors import CapyError
 _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 
-def envelope(status: int, code: str, message: str) -> JSONResponse:
+def envelope(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    extra = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    return JSONResponse(body, status_code=status, headers={**extra, **(headers or {})})
 
 
 async def capy_error_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, CapyError)
-    return envelope(exc.http_status, exc.code, exc.message)
+    retry = {"Retry-After": "1"} if exc.http_status in (429, 503) else None
+    return envelope(exc.http_status, exc.code, exc.message, headers=retry)

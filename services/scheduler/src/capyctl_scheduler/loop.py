@@ -47,6 +47,8 @@ class Demands:
 
     client: aioredis.Redis
     open: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # deployment -> the generation a router asked to restart (its places all held by cuts).
+    restarts: dict[str, int] = field(default_factory=dict)
     _cursor: str = "0"
 
     async def read(self) -> None:
@@ -72,11 +74,14 @@ class Demands:
             self.open.setdefault("", []).append((entry_id, 0.0))
             return
         self.open.setdefault(demand.deployment, []).append((entry_id, demand.at))
+        if demand.restart is not None:
+            self.restarts[demand.deployment] = demand.restart
 
     def oldest(self) -> dict[str, float]:
         return {name: min(at for _, at in found) for name, found in self.open.items() if name}
 
     async def ack(self, deployment: str) -> None:
+        self.restarts.pop(deployment, None)
         found = self.open.pop(deployment, [])
         if found:
             await self.client.xack(keys.demands(), GROUP, *(entry for entry, _ in found))
@@ -107,6 +112,8 @@ class Refusals:
     _cursors: dict[str, str] = field(default_factory=dict)
 
     async def read(self) -> frozenset[tuple[str, int]]:
+        if not self.hosts:
+            return frozenset()
         start = f"{int((time.time() - REFUSAL_MEMORY_S) * 1000)}-0"
         streams = {keys.host_events(h): self._cursors.get(h, start) for h in self.hosts}
         read = cast(Entries, await self.client.xread(streams, count=1000))  # type: ignore[arg-type]
@@ -138,7 +145,9 @@ class Scheduler:
     async def tick(self) -> Snapshot:
         await self.demands.read()
         refused = await self.refusals.read()
-        snapshot = await self.observer.snapshot(self.demands.oldest(), refused)
+        snapshot = await self.observer.snapshot(
+            self.demands.oldest(), refused, restarts=self.demands.restarts
+        )
         await self.demands.expire(
             snapshot.deployments, snapshot.now, snapshot.tunables.demand_deadline_s
         )

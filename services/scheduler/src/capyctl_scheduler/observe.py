@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from capycommon import keys, load
+from capycommon import keys, load, places
 from capycommon.deployments import HostFacts, resolve
 from capycommon.desired import DeploymentRecord, DeploymentStore
 from capycommon.engines.launch import Residency
@@ -53,6 +53,7 @@ class Observer:
         demands: Mapping[str, float] | None = None,
         refused: frozenset[tuple[str, int]] = frozenset(),
         now: float | None = None,
+        restarts: Mapping[str, int] | None = None,
     ) -> Snapshot:
         now = time.time() if now is None else now
         deployments = await DeploymentStore(self.client).all()
@@ -69,6 +70,7 @@ class Observer:
                     loads[deployment] = found
             engines[host] = await self.engines(host)
         instances, orphans = _owners(records, deployments)
+        held = {name: await places.aread(self.client, name) for name in instances}
         bindings = {
             name: {
                 host: await self._binding(record, host, hosts[host], engines[host])
@@ -84,6 +86,8 @@ class Observer:
             bindings=bindings,
             loads={name: found for name, found in loads.items() if name in instances},
             demands=dict(demands or {}),
+            restarts=dict(restarts or {}),
+            places={n: p for n, p in held.items() if p.generation == instances[n].generation},
             refused=refused,
             orphans=tuple(orphans),
             tunables=self.tunables,

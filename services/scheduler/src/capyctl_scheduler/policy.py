@@ -227,6 +227,12 @@ def _steady(  # noqa: PLR0911 (a decision table: one return per case)
         return [] if state == S.STOPPING else [_stop(instance, "host drained")]
     if (
         instance is not None
+        and state == S.READY
+        and snapshot.restarts.get(name) == (instance.generation)
+    ):
+        return [_stop(instance, "cancelled requests hold every place: restarting it")]
+    if (
+        instance is not None
         and instance.revision < record.revision
         and state in (S.READY, S.PARKED)
         and not busy(snapshot, name, instance)
@@ -287,8 +293,11 @@ def _drain_step(
         idle = load.running + load.waiting == 0 and load.read_at > instance.since
     else:
         idle = True  # nothing serves through an engine whose load hostd does not report
+    held = snapshot.places.get(record.name)
+    if held is not None and held.generation == instance.generation and held.serving > 0:
+        idle = False  # a router still has requests on it
     if idle:
-        if then == "park" and _can_park(instance):
+        if then == "park" and _can_park(snapshot, instance):
             return [_park(snapshot, instance, why)]
         return [_stop(instance, why if then == "stop" else f"{why}; it cannot park")]
     if waited > snapshot.tunables.drain_timeout_s:
@@ -327,8 +336,12 @@ def last_used(snapshot: Snapshot, name: str, instance: InstanceRecord) -> float:
 
 
 def busy(snapshot: Snapshot, name: str, instance: InstanceRecord) -> bool:
-    """Requests in flight or waiting, at the engine or in a router's queue."""
+    """Requests in flight or waiting: at the engine, holding a router's place (except those
+    cut before any answer), or in a router's queue."""
     if name in snapshot.demands:
+        return True
+    held = snapshot.places.get(name)
+    if held is not None and held.generation == instance.generation and held.serving > 0:
         return True
     load = snapshot.loads.get(name)
     return (
@@ -545,7 +558,9 @@ def _candidates(
             last_used=last_used(snapshot, name, instance),
             busy=busy(snapshot, name, instance),
             protected=record.document.lifecycle.warm or record.activation == "explicit",
-            can_park=instance.state == S.READY and _can_park(instance) and not parked_full,
+            can_park=instance.state == S.READY
+            and _can_park(snapshot, instance)
+            and not parked_full,
             parked_charge=footprint.charge("parked"),
         )
 
@@ -584,8 +599,36 @@ def _bound_parked(snapshot: Snapshot, planned: list[Action]) -> list[Action]:
 # Building actions -------------------------------------------------------------------------
 
 
-def _can_park(instance: InstanceRecord) -> bool:
-    return instance.residency not in (None, Residency.RESTART_ONLY)
+def _can_park(snapshot: Snapshot, instance: InstanceRecord) -> bool:
+    """Its engine can park, no request cut before any answer may still be on it (only a stop
+    proves those gone), and its parked copy has room on every domain's parked limit."""
+    if instance.residency in (None, Residency.RESTART_ONLY):
+        return False
+    held = snapshot.places.get(instance.deployment)
+    if held is not None and held.generation == instance.generation and held.settle_at_stop:
+        return False
+    return _parked_room(snapshot, instance)
+
+
+def _parked_room(snapshot: Snapshot, instance: InstanceRecord) -> bool:
+    view = snapshot.hosts[instance.host]
+    gpu = view.gpu_of(instance.gpu_uuid)
+    footprint = footprint_of(snapshot, instance.deployment, instance.host, gpu) if gpu else None
+    if footprint is None:
+        return True
+    parked: dict[str, int] = {}
+    for name, other in snapshot.instances.items():
+        if other.host != instance.host or other.state != S.PARKED or name == instance.deployment:
+            continue
+        other_gpu = view.gpu_of(other.gpu_uuid)
+        found = footprint_of(snapshot, name, other.host, other_gpu) if other_gpu else None
+        for domain, size in (found.charge("parked") if found else {}).items():
+            parked[domain] = parked.get(domain, 0) + size
+    return all(
+        parked.get(domain, 0) + size <= view.domains[domain].parked_limit
+        for domain, size in footprint.charge("parked").items()
+        if domain in view.domains
+    )
 
 
 def _drain(
@@ -595,7 +638,7 @@ def _drain(
     why: str,
     then: Literal["park", "stop"] | None = None,
 ) -> Action:
-    then = then or ("park" if _can_park(instance) else "stop")
+    then = then or ("park" if _can_park(snapshot, instance) else "stop")
     return Action("drain", record.name, why, host=instance.host,
                   gpu=snapshot.hosts[instance.host].gpu_of(instance.gpu_uuid) or "",
                   generation=instance.generation, then=then)  # fmt: skip

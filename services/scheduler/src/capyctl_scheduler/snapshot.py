@@ -14,6 +14,7 @@ from capycommon.desired import DeploymentRecord
 from capycommon.errors import CapyError
 from capycommon.instances import InstanceRecord
 from capycommon.load import EngineLoad
+from capycommon.places import Places
 from capyctl_scheduler.ledger import Domain, Footprint
 
 
@@ -77,6 +78,10 @@ class Snapshot:
     loads: Mapping[str, EngineLoad] = field(default_factory=dict)
     # deployment -> when its oldest open demand came.
     demands: Mapping[str, float] = field(default_factory=dict)
+    # deployment -> the generation to restart: cut requests hold all its places.
+    restarts: Mapping[str, int] = field(default_factory=dict)
+    # deployment -> the request places of its instance's generation (routers').
+    places: Mapping[str, Places] = field(default_factory=dict)
     # (deployment, generation) of commands hostd refused.
     refused: frozenset[tuple[str, int]] = frozenset()
     # Live instances nobody owns: their deployment is gone, or a newer generation runs.

@@ -96,18 +96,34 @@ def detail(snapshot: Snapshot, name: str) -> dict[str, Any]:
 
 
 def _charges(snapshot: Snapshot, name: str) -> list[dict[str, Any]]:
+    """Each domain's charge, its phase, and where the figure came from."""
     instance = snapshot.instances.get(name)
+    record = snapshot.deployments[name]
     rows = []
     for host in sorted(snapshot.hosts):
         charged = charges(snapshot, host).get(name)
         if not charged:
             continue
+        view = snapshot.hosts[host]
         phase = PHASES.get(instance.state) if instance and instance.host == host else None
-        effect = snapshot.deployments[name].inflight
+        effect = record.inflight
+        gpu = view.gpu_of(instance.gpu_uuid) if instance and instance.host == host else None
         if phase is None and effect is not None:
             phase = "starting" if effect.kind == "launch" else "waking"
+            gpu = effect.gpu
+        footprint = footprint_of(snapshot, name, host, gpu) if gpu else None
+        declared = record.document.engine_config.memory.request is not None
         for domain, size in sorted(charged.items()):
-            rows.append({"host": host, "domain": domain, "phase": phase, "bytes": size})
+            provenance = "unsized"  # an engine nobody can size holds its whole GPU
+            if footprint is not None:
+                if domain in ("system", "unified") and domain != view.domain_of(gpu or ""):
+                    provenance = footprint.host_provenance
+                elif phase == "starting":
+                    provenance = footprint.device_provenance
+                else:
+                    provenance = "declared" if declared else "derived"
+            rows.append({"host": host, "domain": domain, "phase": phase, "bytes": size,
+                         "provenance": provenance})  # fmt: skip
     return rows
 
 

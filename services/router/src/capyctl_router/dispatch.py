@@ -1,0 +1,209 @@
+"""Admission: a place on a ready instance, or a bounded wait while the scheduler wakes or
+starts it; and what happens to the place of a request cut short.
+
+A request takes one of the instance's 32 places through the admission script (which also
+checks the instance is ready at the generation the router saw). When none is free, or
+nothing is ready, it waits in its deployment's queue (64 by default, 256 in all; beyond
+that 429 queue_full at once, the wake still asked for). The first waiter of a wave sends one
+demand; everyone waiting is woken together when the deployment changes.
+
+A cut request (client gone, deadline passed) keeps its place until it settles, as the 0.1.7
+notes say: one the engine had started answering settles when the engine reads idle; one cut
+before any answer only at the instance's next stop (a new generation starts its places from
+zero). When such requests hold every place, the instance is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from capycommon import desired, hostcommands, load, places
+from capycommon.errors import CapyError
+from capycommon.places import PlaceBook
+from capycommon.service import REDIS_ERRORS, wait_event
+from capyctl_router.metrics import Metrics
+from capyctl_router.table import Table, Target
+
+log = logging.getLogger(__name__)
+# A wave re-asks for its deployment this often while requests still wait.
+DEMAND_EVERY_S = 5.0
+
+
+class Refused(CapyError):
+    """A request the router answers itself (code and status from the error table)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    running: int = places.LIMIT
+    waiting_per_deployment: int = 64
+    waiting_total: int = 256
+    request_deadline_s: float = 1800.0
+    stream_idle_s: float = 120.0
+
+
+@dataclass
+class Dispatcher:
+    client: aioredis.Redis
+    table: Table
+    metrics: Metrics
+    limits: Limits = field(default_factory=Limits)
+    waiting: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _demanded: dict[str, float] = field(default_factory=dict)
+    # (deployment, generation, host) -> when each request cut after its first output was cut.
+    _settle_idle: dict[tuple[str, int, str], list[float]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+
+    def __post_init__(self) -> None:
+        self.book = PlaceBook(self.client)
+
+    @property
+    def waiting_total(self) -> int:
+        return sum(self.waiting.values())
+
+    def deadline_of(self, name: str) -> float:
+        record = self.table.records.get(name)
+        found = record.document.request_deadline if record else None
+        return found or self.limits.request_deadline_s
+
+    async def acquire(self, name: str, deadline: float) -> Target:
+        """A place on the deployment's ready instance, waiting for one until `deadline`."""
+        queued = False
+        started = time.monotonic()
+        try:
+            while True:
+                self._check_open(name)
+                target = self.table.target(name)
+                if target is not None:
+                    taken = await self.book.take(target.host, name, target.generation,
+                                                 self.limits.running)  # fmt: skip
+                    if taken == 1:
+                        return target
+                    if taken == 0:
+                        await self._all_places_cut(name, target)
+                else:
+                    await self._demand(name)
+                if not queued:
+                    if (
+                        self.waiting[name] >= self.limits.waiting_per_deployment
+                        or self.waiting_total >= self.limits.waiting_total
+                    ):
+                        self.metrics.queue_full(name)
+                        raise Refused(
+                            f"the queue for {name!r} is full "
+                            f"({self.limits.waiting_per_deployment} waiting); retry shortly",
+                            code="queue_full",
+                        )
+                    queued = True
+                    self.waiting[name] += 1
+                    self.metrics.set_waiting(name, self.waiting[name])
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Refused(
+                        f"{name!r} did not become ready within the request deadline "
+                        f"({self.deadline_of(name):.0f}s); retry shortly",
+                        code="unavailable",
+                    )
+                changed = self.table.changed(name)
+                await wait_event_or(changed, min(remaining, 1.0))
+        finally:
+            if queued:
+                self.waiting[name] -= 1
+                self.metrics.set_waiting(name, self.waiting[name])
+            self.metrics.queue_wait(name, time.monotonic() - started)
+
+    def _check_open(self, name: str) -> None:
+        record = self.table.records.get(name)
+        if record is None:
+            raise Refused(f"the model {name!r} is gone", code="unknown_model")
+        if record.stopped:
+            raise Refused(
+                f"deployment {name!r} was stopped by an operator; start it with "
+                f"capyctl start deployment {name}",
+                code="deployment_stopped",
+            )
+        if record.attempts.failed:
+            raise Refused(
+                f"deployment {name!r} failed to start: {record.attempts.last_error}; an "
+                "operator start tries again",
+                code="unavailable",
+            )
+        if record.activation == "explicit" and record.wanted != "ready":
+            raise Refused(
+                f"deployment {name!r} starts only on an operator start (activation: explicit)",
+                code="deployment_inactive",
+            )
+
+    async def _demand(self, name: str, restart: int | None = None) -> None:
+        now = time.monotonic()
+        if restart is None and now - self._demanded.get(name, -DEMAND_EVERY_S) < DEMAND_EVERY_S:
+            return
+        self._demanded[name] = now
+        await desired.demand(self.client, name, "router", restart=restart)
+
+    async def _all_places_cut(self, name: str, target: Target) -> None:
+        """Every place held by requests cut before any answer: restart the instance."""
+        found = await places.aread(self.client, name)
+        if found.generation == target.generation and found.settle_at_stop >= self.limits.running:
+            log.warning("%s: cancelled requests hold all %d places; asking for a restart",
+                        name, self.limits.running)  # fmt: skip
+            await self._demand(name, restart=target.generation)
+
+    async def release(self, target: Target) -> None:
+        await self.book.give(target.deployment, target.generation)
+        self.table.wake(target.deployment)
+
+    async def cut(self, target: Target, request_id: str, answered: bool) -> None:
+        """A request cut short: close its account as the 0.1.7 notes say; on SGLang, also
+        have hostd abort it by id."""
+        name = target.deployment
+        self.metrics.cancelled(name)
+        if target.family == "sglang":
+            abort = hostcommands.Abort(deployment=name, generation=target.generation,
+                                       request_id=request_id)  # fmt: skip
+            await hostcommands.send(self.client, target.host, abort)
+        if answered:
+            await self.book.cut(name, target.generation, "settle_when_idle")
+            self._settle_idle[(name, target.generation, target.host)].append(time.time())
+        else:
+            await self.book.cut(name, target.generation, "settle_at_stop")
+
+    async def settle(self, stop: asyncio.Event) -> None:
+        """Give back the places of cut requests once their engine reads idle (a reading
+        taken after the cut)."""
+        while not await wait_event(stop, 0.5):
+            if not self._settle_idle:
+                continue
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self._settle_once()
+
+    async def _settle_once(self) -> None:
+        for (name, generation, host), cuts in list(self._settle_idle.items()):
+            current = self.table.instances.get(name)
+            if current is None or current.generation != generation:
+                del self._settle_idle[(name, generation, host)]  # a stop settled them
+                continue
+            found = (await load.aread_loads(self.client, host)).get(f"{name}:0")
+            if found is None or found.generation != generation:
+                continue
+            if found.running + found.waiting == 0:
+                settled = [at for at in cuts if found.read_at > at]
+                if settled:
+                    await self.book.give(name, generation, len(settled), cut="settle_when_idle")
+                    self._settle_idle[(name, generation, host)] = cuts[len(settled) :]
+                    self.table.wake(name)
+            if not self._settle_idle[(name, generation, host)]:
+                del self._settle_idle[(name, generation, host)]
+
+
+async def wait_event_or(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)

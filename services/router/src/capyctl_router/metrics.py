@@ -1,0 +1,93 @@
+"""The router's Prometheus metrics: requests per deployment by outcome, running and waiting,
+queue wait, time to first token, cancellations, queue_full; and the start, wake and park
+durations the hosts' event streams report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import cast
+
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+
+from capycommon import keys
+from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.store import Event
+
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# hostd's transition into a state, and the operation whose end it marks.
+OPERATIONS = {("starting", "ready"): "start", ("waking", "ready"): "wake",
+              ("parking", "parked"): "park"}  # fmt: skip
+
+Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("capyctl_requests", "Requests by outcome.",
+                                ["deployment", "outcome"], registry=r)  # fmt: skip
+        self.running = Gauge("capyctl_requests_running", "Requests holding a place.",
+                             ["deployment"], registry=r)  # fmt: skip
+        self.waiting = Gauge("capyctl_requests_waiting", "Requests waiting in the queue.",
+                             ["deployment"], registry=r)  # fmt: skip
+        self.queue_wait_s = Histogram("capyctl_queue_wait_seconds", "Time until a place.",
+                                      ["deployment"], buckets=SECONDS, registry=r)  # fmt: skip
+        self.ttft_s = Histogram("capyctl_time_to_first_token_seconds",
+                                "From arrival to the engine's first output.",
+                                ["deployment"], buckets=SECONDS, registry=r)  # fmt: skip
+        self.cancellations = Counter("capyctl_cancellations", "Requests cut short.",
+                                     ["deployment"], registry=r)  # fmt: skip
+        self.queue_fulls = Counter("capyctl_queue_full", "Requests refused: queue full.",
+                                   ["deployment"], registry=r)  # fmt: skip
+        self.lifecycle_s = Histogram("capyctl_lifecycle_seconds",
+                                     "Start, wake and park durations, from the hosts' events.",
+                                     ["deployment", "operation"], buckets=SECONDS,
+                                     registry=r)  # fmt: skip
+
+    def outcome(self, deployment: str, outcome: str) -> None:
+        self.requests.labels(deployment, outcome).inc()
+
+    def set_waiting(self, deployment: str, count: int) -> None:
+        self.waiting.labels(deployment).set(count)
+
+    def queue_wait(self, deployment: str, seconds: float) -> None:
+        self.queue_wait_s.labels(deployment).observe(seconds)
+
+    def first_output(self, deployment: str, seconds: float) -> None:
+        self.ttft_s.labels(deployment).observe(seconds)
+
+    def cancelled(self, deployment: str) -> None:
+        self.cancellations.labels(deployment).inc()
+
+    def queue_full(self, deployment: str) -> None:
+        self.queue_fulls.labels(deployment).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def follow_events(self, client: aioredis.Redis, hosts: set[str],
+                            stop: asyncio.Event) -> None:  # fmt: skip
+        """Observe each start, wake and park as hostd reports it (from now on)."""
+        start = f"{int(time.time() * 1000)}-0"
+        cursors = {keys.host_events(host): start for host in hosts}
+        while not stop.is_set():
+            try:
+                read = cast(Entries, await client.xread(cursors, count=100, block=1000))  # type: ignore[arg-type]
+            except REDIS_ERRORS:
+                await wait_event(stop, 1.0)
+                continue
+            for stream, entries in read or []:
+                for entry_id, fields in entries:
+                    cursors[stream.decode()] = entry_id.decode()
+                    with contextlib.suppress(KeyError, ValidationError):
+                        self._event(Event.model_validate_json(fields[b"event"]))
+
+    def _event(self, event: Event) -> None:
+        operation = OPERATIONS.get((event.from_state or "", event.to_state or ""))
+        if operation is not None and event.duration_s is not None:
+            self.lifecycle_s.labels(event.deployment, operation).observe(event.duration_s)

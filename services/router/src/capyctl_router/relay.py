@@ -1,0 +1,191 @@
+"""Talking to an engine: the request rewritten for it, its answer rewritten for the client.
+
+The router always streams from the engine, also for a client that asked for one JSON body,
+and assembles that body itself. So it sees the engine's first output (which decides how a
+cut request settles) and can close the engine connection the moment a client goes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from capycommon.errors import CapyError
+from capyctl_router.table import Target
+
+JsonDict = dict[str, Any]
+# The one SSE event the router accepts from an engine, and the whole answer it collects.
+MAX_EVENT = 1 << 20
+MAX_ANSWER = 16 << 20
+
+
+class EngineError(CapyError):
+    code = "engine_error"
+
+
+@dataclass
+class Call:
+    """One request on its way to an engine."""
+
+    kind: str  # chat.completions | completions | embeddings
+    body: JsonDict
+    route: str  # the model id the client sent
+    request_id: str
+    client_streams: bool
+    client_usage: bool
+    # Set once the engine sent any of its answer (an event, or a JSON body).
+    answered: bool = False
+    first_output_at: float | None = None
+    usage: JsonDict | None = field(default=None)
+
+    @property
+    def path(self) -> str:
+        return f"/v1/{self.kind.replace('.', '/')}"
+
+
+def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]]:
+    """The body and headers the engine gets: its served name, always streamed (with usage)
+    except embeddings, the request id where the family takes one, the per-launch key."""
+    body = {**call.body, "model": target.served_name}
+    headers = {"Authorization": f"Bearer {target.secret}", "X-Request-Id": call.request_id}
+    if call.kind != "embeddings":
+        body["stream"] = True
+        options = dict(body.get("stream_options") or {})
+        options["include_usage"] = True
+        body["stream_options"] = options
+    if target.family == "sglang":
+        body["rid"] = call.request_id
+    return body, headers
+
+
+async def events(response: httpx.Response) -> AsyncIterator[JsonDict | None]:
+    """The engine's SSE events as JSON; None for `[DONE]`."""
+    size = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        size += len(data)
+        if len(data) > MAX_EVENT or size > MAX_ANSWER:
+            raise EngineError("the engine's answer is over the router's limits (1 MiB an "
+                              "event, 16 MiB in all)")  # fmt: skip
+        if data == "[DONE]":
+            yield None
+            return
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            raise EngineError(
+                f"the engine sent an event that is not JSON: {data[:200]!r}"
+            ) from None
+        if not isinstance(event, dict):
+            raise EngineError("the engine sent an event that is not a JSON object")
+        yield event
+
+
+def for_client(call: Call, event: JsonDict) -> JsonDict | None:
+    """An engine event as the client sees it: our id and its model id; the usage-only chunk
+    and the usage fields only if it asked for them."""
+    if "error" in event:
+        return event
+    event = {**event, "id": call.request_id, "model": call.route}
+    if "usage" in event and event["usage"] is not None:
+        call.usage = event["usage"]
+    if not call.client_usage:
+        if not event.get("choices") and event.get("usage") is not None:
+            return None
+        event.pop("usage", None)
+    return event
+
+
+def sse(event: JsonDict | None) -> bytes:
+    return b"data: [DONE]\n\n" if event is None else f"data: {json.dumps(event)}\n\n".encode()
+
+
+@dataclass
+class Assembly:
+    """A non-streamed answer built from the engine's stream, as the engine would answer."""
+
+    call: Call
+    created: int | None = None
+    extras: JsonDict = field(default_factory=dict)
+    content: list[str] = field(default_factory=list)
+    reasoning: dict[str, list[str]] = field(default_factory=dict)
+    tools: dict[int, JsonDict] = field(default_factory=dict)
+    logprobs: list[Any] = field(default_factory=list)
+    finish: str | None = None
+    choice_extras: JsonDict = field(default_factory=dict)
+
+    def add(self, event: JsonDict) -> None:
+        if "error" in event:
+            error = event["error"]
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            raise EngineError(f"the engine failed mid-answer: {message}")
+        self.created = self.created or event.get("created")
+        if event.get("usage") is not None:
+            self.call.usage = event["usage"]
+        if "system_fingerprint" in event:
+            self.extras["system_fingerprint"] = event["system_fingerprint"]
+        for choice in event.get("choices") or []:
+            self._choice(choice)
+
+    def _choice(self, choice: JsonDict) -> None:
+        delta = choice.get("delta")
+        if delta is None:  # completions: text chunks
+            self.content.append(choice.get("text") or "")
+        else:
+            self.content.append(delta.get("content") or "")
+            for key in ("reasoning_content", "reasoning"):
+                if key in delta:
+                    self.reasoning.setdefault(key, []).append(delta[key] or "")
+            for call in delta.get("tool_calls") or []:
+                self._tool(call)
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            self.logprobs += logprobs.get("content") or []
+        if choice.get("finish_reason") is not None:
+            self.finish = choice["finish_reason"]
+            self.choice_extras = {
+                k: v for k, v in choice.items()
+                if k not in ("index", "delta", "text", "logprobs", "finish_reason")
+            }  # fmt: skip
+
+    def _tool(self, call: JsonDict) -> None:
+        found = self.tools.setdefault(
+            int(call.get("index", 0)),
+            {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+        )
+        if call.get("id"):
+            found["id"] = call["id"]
+        if call.get("type"):
+            found["type"] = call["type"]
+        function = call.get("function") or {}
+        found["function"]["name"] += function.get("name") or ""
+        found["function"]["arguments"] += function.get("arguments") or ""
+
+    def body(self) -> JsonDict:
+        text = "".join(self.content)
+        logprobs = {"content": self.logprobs} if self.logprobs else None
+        if self.call.kind == "completions":
+            choice: JsonDict = {"index": 0, "text": text, "logprobs": logprobs,
+                                "finish_reason": self.finish, **self.choice_extras}  # fmt: skip
+            kind = "text_completion"
+        else:
+            calls = [self.tools[i] for i in sorted(self.tools)]
+            message: JsonDict = {"role": "assistant", "content": text or (None if calls else "")}
+            for key, parts in self.reasoning.items():
+                message[key] = "".join(parts) or None
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": self.finish, **self.choice_extras}  # fmt: skip
+            kind = "chat.completion"
+        body: JsonDict = {"id": self.call.request_id, "object": kind, "created": self.created,
+                          "model": self.call.route, "choices": [choice], **self.extras}  # fmt: skip
+        if self.call.usage is not None:
+            body["usage"] = self.call.usage
+        return body

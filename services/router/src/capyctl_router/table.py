@@ -1,0 +1,192 @@
+"""The routing table: routes, deployments and their instances, held in memory.
+
+Requests never read Redis to find their engine. The table is filled at start, changed by the
+notifications of the control plane and of each host (each names what to re-read), and read
+in full again every few seconds and on every reconnect, since pub/sub loses messages while
+disconnected. Waiters for a deployment are woken whenever anything about it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from capycommon import keys
+from capycommon.desired import DeploymentRecord, DeploymentStore
+from capycommon.instances import InstanceRecord, InstanceState
+from capycommon.notify import Notification
+from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.store import InstanceStore
+
+log = logging.getLogger(__name__)
+RESYNC_S = 5.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ready engine to send a request to."""
+
+    deployment: str
+    host: str
+    generation: int
+    port: int
+    secret: str
+    family: str
+    served_name: str
+
+
+@dataclass
+class Table:
+    client: aioredis.Redis
+    # Hosts whose instances are read; the control plane's `hosts` set adds to them.
+    hosts: set[str]
+    records: dict[str, DeploymentRecord] = field(default_factory=dict)
+    routes: dict[str, str] = field(default_factory=dict)
+    instances: dict[str, InstanceRecord] = field(default_factory=dict)
+    secrets: dict[tuple[str, int], str] = field(default_factory=dict)
+    _events: dict[str, asyncio.Event] = field(default_factory=dict)
+    synced: asyncio.Event = field(default_factory=asyncio.Event)
+
+    # Reading --------------------------------------------------------------------------------
+
+    def deployment_of(self, route: str) -> DeploymentRecord | None:
+        name = self.routes.get(route)
+        return None if name is None else self.records.get(name)
+
+    def target(self, name: str) -> Target | None:
+        """The deployment's instance when it is ready, with what it takes to reach it."""
+        instance = self.instances.get(name)
+        record = self.records.get(name)
+        if instance is None or record is None or instance.state != InstanceState.READY:
+            return None
+        secret = self.secrets.get((name, instance.generation))
+        if secret is None or instance.port is None:
+            return None
+        return Target(
+            deployment=name,
+            host=instance.host,
+            generation=instance.generation,
+            port=instance.port,
+            secret=secret,
+            family=instance.family or "vllm",
+            served_name=instance.served_name or record.document.routes[0],
+        )
+
+    def changed(self, name: str) -> asyncio.Event:
+        """An event set at the next change of the deployment (or of its places)."""
+        return self._events.setdefault(name, asyncio.Event())
+
+    def wake(self, name: str) -> None:
+        event = self._events.pop(name, None)
+        if event is not None:
+            event.set()
+
+    # Keeping it current ---------------------------------------------------------------------
+
+    async def sync(self) -> None:
+        """Read everything again."""
+        hosts = self.hosts | {_text(h) for h in await self.client.smembers(keys.hosts())}
+        records = await DeploymentStore(self.client).all()
+        instances: dict[str, InstanceRecord] = {}
+        for host in sorted(hosts):
+            for record in await InstanceStore(self.client, host).all():
+                if record.instance != 0 or record.deployment not in records:
+                    continue
+                known = instances.get(record.deployment)
+                if known is None or record.generation > known.generation:
+                    instances[record.deployment] = record
+        secrets = {}
+        for name, instance in instances.items():
+            if instance.state == InstanceState.READY:
+                secret = await self.client.get(keys.instance_secret(instance.host, name, 0))
+                if secret is not None:
+                    secrets[(name, instance.generation)] = _text(secret)
+        self.hosts = hosts
+        self.records = records
+        self.routes = {route: n for n, r in records.items() for route in r.document.routes}
+        before = self.instances
+        self.instances = instances
+        self.secrets = secrets
+        for name in set(before) | set(instances) | set(self._events):
+            if before.get(name) != instances.get(name) or name not in records:
+                self.wake(name)
+        self.synced.set()
+
+    async def _instance(self, host: str, member: str) -> None:
+        deployment, _, index = member.rpartition(":")
+        if index != "0":
+            return
+        record = await InstanceStore(self.client, host).get(deployment, 0)
+        known = self.instances.get(deployment)
+        if record is None or (known is not None and record.generation < known.generation):
+            return
+        if record.state == InstanceState.READY:
+            secret = await self.client.get(keys.instance_secret(host, deployment, 0))
+            if secret is not None:
+                self.secrets[(deployment, record.generation)] = _text(secret)
+        self.instances[deployment] = record
+        self.wake(deployment)
+
+    async def _deployment(self, name: str) -> None:
+        record = await DeploymentStore(self.client).get(name)
+        if record is None:
+            self.records.pop(name, None)
+            self.instances.pop(name, None)
+        else:
+            self.records[name] = record
+        self.routes = {route: n for n, r in self.records.items() for route in r.document.routes}
+        self.wake(name)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the notifications; read everything again on (re)connect and every 5 s."""
+        resync = asyncio.create_task(self._resync(stop))
+        try:
+            while not stop.is_set():
+                try:
+                    await self._follow(stop)
+                except REDIS_ERRORS as exc:
+                    log.warning("routing table: Redis: %s; retrying", exc)
+                    await wait_event(stop, 1.0)
+        finally:
+            resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await resync
+
+    async def _follow(self, stop: asyncio.Event) -> None:
+        channels = {keys.notifications(): ""}
+        channels.update({keys.host_notifications(host): host for host in self.hosts})
+        async with self.client.pubsub() as pubsub:
+            await pubsub.subscribe(*channels)
+            await self.sync()
+            while not stop.is_set():
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if message is None:
+                    if set(channels) != self._channels():
+                        return  # a host joined: subscribe again
+                    continue
+                host = channels.get(_text(message["channel"]), "")
+                try:
+                    note = Notification.model_validate_json(message["data"])
+                except ValidationError:
+                    continue
+                if note.kind == "instance" and host:
+                    await self._instance(host, note.id)
+                elif note.kind == "deployment":
+                    await self._deployment(note.id)
+
+    def _channels(self) -> set[str]:
+        return {keys.notifications()} | {keys.host_notifications(h) for h in self.hosts}
+
+    async def _resync(self, stop: asyncio.Event) -> None:
+        while not await wait_event(stop, RESYNC_S):
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self.sync()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
