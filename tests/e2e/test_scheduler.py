@@ -3,179 +3,29 @@ simulator (real processes), driven by the CLI and the management API."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import httpx
 import pytest
-import redis
-import redis.asyncio as aioredis
 import yaml
 
 from capycommon import desired, keys
-from capycommon.instances import LIVE_STATES, InstanceRecord
-from capycommon.store import Event
-from capycommon.testing.enginesim.behaviour import Behaviour, CrashAtStart, Faults
-from capycommon.testing.enginesim.install import install_llama_server, install_python_engine
-from enginerun import sparse_model
-from support import Role, capyctl, clean_env, short_dir, start_role, wait_for
-
-GiB = 1 << 30
-HOST = "local"
-# Every model here is charged 14 GiB on its card: a 12.75 GiB request and 1.25 GiB of CUDA
-# context; two never fit on one 24 GiB GPU (22.1 GiB managed), so each start is a switch.
-FOURTEEN = {"memory": {"request": "13056MiB", "startup": "14GiB"}}
-
-
-@dataclass
-class Cluster:
-    """One standalone role and the engines and models it serves."""
-
-    role: Role
-    root: Path
-
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return capyctl(
-            *args, "--state-dir", str(self.role.state_dir), env=self.role.env, timeout=timeout
-        )
-
-    def ok(self, *args: str, timeout: float = 120) -> str:
-        result = self.cli(*args, timeout=timeout)
-        assert result.returncode == 0, f"capyctl {' '.join(args)}: {result.stderr}"
-        return result.stdout
-
-    def deploy(self, name: str, **fields: Any) -> None:
-        document = {"name": name, "engine": "vllm", "model": "m14", **fields}
-        path = self.root / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(document))
-        self.ok("deploy", "model", "--file", str(path))
-
-    def status(self, name: str) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(self.ok("status", "deployment", name, "--json"))
-        return data
-
-    @property
-    def client(self) -> redis.Redis:
-        return redis.Redis(unix_socket_path=str(self.role.state_dir / "redis" / "redis.sock"))
-
-    def instance(self, name: str) -> InstanceRecord | None:
-        raw = cast(bytes | None, self.client.get(keys.instance(HOST, name, 0)))
-        return None if raw is None else InstanceRecord.model_validate_json(raw)
-
-    def state(self, name: str) -> str | None:
-        found = self.instance(name)
-        return None if found is None else str(found.state)
-
-    def events(self, name: str) -> list[Event]:
-        """hostd's events of a deployment's instance, oldest first."""
-        entries = cast(
-            list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(keys.host_events(HOST))
-        )
-        found = (Event.model_validate_json(fields[b"event"]) for _, fields in entries)
-        return [event for event in found if event.deployment == name]
-
-    def decisions(self, name: str) -> list[dict[str, Any]]:
-        """The scheduler's decisions about a deployment, oldest first."""
-        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(keys.events()))
-        found = (json.loads(fields[b"event"]) for _, fields in entries)
-        return [decision for decision in found if decision["deployment"] == name]
-
-    def transitions(self, name: str) -> list[tuple[str | None, str | None, str]]:
-        return [
-            (e.from_state, e.to_state, e.reason)
-            for e in self.events(name)
-            if e.kind == "transition"
-        ]
-
-    def demand(self, name: str) -> None:
-        """A demand as a router sends it."""
-
-        async def send() -> None:
-            client = aioredis.Redis(unix_socket_path=str(self.role.state_dir / "redis/redis.sock"))
-            try:
-                await desired.demand(client, name, "test")
-            finally:
-                await client.aclose()
-
-        asyncio.run(send())
-
-    def clean(self) -> None:
-        for name in desired.read_all(self.client):
-            self.ok("delete", "deployment", name, "--wait")
-
-
-def _engines(root: Path, state: Path, env: dict[str, str]) -> None:
-    fast = Behaviour(load_seconds=0.5, tokens_per_second=200)
-    installs = {
-        "vllm": install_python_engine(root / "e" / "vllm", "vllm", "0.29.0", fast),
-        "sglang": install_python_engine(root / "e" / "sglang", "sglang", "0.5.16", fast),
-        "slow": install_python_engine(
-            root / "e" / "slow",
-            "vllm",
-            "0.29.0",
-            Behaviour(load_seconds=0.5, tokens_per_second=8, answer=" ".join(["word"] * 80)),
-        ),
-        "leaky": install_python_engine(
-            root / "e" / "leaky",
-            "vllm",
-            "0.29.0",
-            Behaviour(load_seconds=0.5, faults=Faults(sleep_keeps_memory=True)),
-        ),
-        "crashy": install_python_engine(
-            root / "e" / "crashy",
-            "vllm",
-            "0.29.0",
-            Behaviour(load_seconds=0.5, faults=Faults(crash_at_start=CrashAtStart())),
-        ),
-        "slowload": install_python_engine(
-            root / "e" / "slowload", "vllm", "0.29.0", Behaviour(load_seconds=60)
-        ),
-        "llama": install_llama_server(root / "e" / "llama", 6000, fast).parent,
-    }
-    for name, path in installs.items():
-        target = path / "llama-server" if name == "llama" else path
-        result = capyctl(
-            "engine", "add", str(target), "--name", name, "--state-dir", str(state), env=env
-        )
-        assert result.returncode == 0, result.stderr
-
-
-def _start(root: Path, gpus: str) -> Cluster:
-    state = root / "state"
-    env = clean_env(
-        HOME=str(root), CAPYCTL_SIMULATED_GPUS=gpus, CAPYCTL_SIMULATED_HOST_RAM="256GiB"
-    )
-    _engines(root, state, env)
-    for name, size in (("m14", 10 * GiB), ("small", 2 * GiB)):
-        sparse_model(root / "models" / name, size)
-    sparse_model(root / "models" / "gguf", 1 * GiB, gguf=True)
-    document = root / "standalone.yaml"
-    document.write_text(
-        yaml.safe_dump(
-            {
-                "kind": "standalone",
-                "server": {"scheduling": {"drain_timeout": 10, "park_verify_timeout": 3}},
-            }
-        )
-    )
-    role = start_role("standalone", state_dir=state, env=env, extra=["--config", str(document)])
-    return Cluster(role, root)
+from capycommon.instances import LIVE_STATES
+from cluster import FOURTEEN, HOST, Cluster, GiB, start_cluster
+from support import short_dir, wait_for
 
 
 @pytest.fixture(scope="module")
 def one_gpu() -> Iterator[Cluster]:
     root = short_dir("sched")
-    cluster = _start(root, "gpu0:24GiB")
+    cluster = start_cluster(root, "gpu0:24GiB")
     try:
         yield cluster
     finally:
@@ -509,7 +359,7 @@ def test_the_management_api_acts_once_per_idempotency_key(cluster: Cluster) -> N
 
 def test_placement_across_two_gpus() -> None:
     root = short_dir("sched2")
-    cluster = _start(root, "gpu0:24GiB,gpu1:24GiB")
+    cluster = start_cluster(root, "gpu0:24GiB,gpu1:24GiB")
     try:
         cluster.deploy("p", engine_config=FOURTEEN)
         cluster.deploy("q", engine_config=FOURTEEN)

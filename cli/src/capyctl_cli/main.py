@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -13,6 +14,7 @@ from capycommon.errors import InvalidConfig
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import Role, load_settings, locate_document
 from capycommon.version import __version__
+from capyctl_cli import demo as demo_cmd
 from capyctl_cli import deployments, engines, launcher, output, roles
 from capyctl_cli import status as status_cmd
 from capyctl_cli.options import (
@@ -145,6 +147,25 @@ def start_host(
 
 
 RoleArg = Annotated[str, typer.Argument(help="standalone, server or host.")]
+
+
+@app.command("demo")
+@expected_errors
+def demo(
+    state_dir: Annotated[
+        str | None,
+        typer.Option("--state-dir", help="The demo's state dir.", show_default=False),
+    ] = None,
+    listen: Annotated[str, typer.Option("--listen", help="Inference listener.")] = "127.0.0.1:8443",
+    management_listen: Annotated[
+        str, typer.Option("--management-listen", help="Management listener (loopback).")
+    ] = "127.0.0.1:7443",
+    debug: DebugOpt = False,
+) -> None:
+    """Run the standalone role with example models on a simulated GPU (the engine simulator),
+    and print how to use it."""
+    state = Path(state_dir) if state_dir else demo_cmd.default_state_dir()
+    raise typer.Exit(demo_cmd.run(state, listen, management_listen))
 
 
 @app.command("init")

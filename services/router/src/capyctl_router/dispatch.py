@@ -86,6 +86,7 @@ class Dispatcher:
                     taken = await self.book.take(target.host, name, target.generation,
                                                  self.limits.running)  # fmt: skip
                     if taken == 1:
+                        self._demanded.pop(name, None)  # the wave is served: the next asks anew
                         return target
                     if taken == 0:
                         await self._all_places_cut(name, target)
@@ -166,6 +167,8 @@ class Dispatcher:
         have hostd abort it by id."""
         name = target.deployment
         self.metrics.cancelled(name)
+        settles = "when the engine reads idle" if answered else "at the instance's next stop"
+        log.info("request %s on %s cut; it settles %s", request_id, name, settles)
         if target.family == "sglang":
             abort = hostcommands.Abort(deployment=name, generation=target.generation,
                                        request_id=request_id)  # fmt: skip

@@ -89,10 +89,24 @@ def detail(snapshot: Snapshot, name: str) -> dict[str, Any]:
         last_operation=record.last_operation.model_dump() if record.last_operation else None,
         in_flight=record.inflight.model_dump() if record.inflight else None,
         attempts=record.attempts.model_dump(),
+        requests=_requests(snapshot, name),
         demanded_since=snapshot.demands.get(name),
         document=record.document.model_dump(mode="json"),
     )
     return found
+
+
+def _requests(snapshot: Snapshot, name: str) -> dict[str, int]:
+    """The routers' places on the current generation, and how its cut requests settle."""
+    held = snapshot.places.get(name)
+    load = snapshot.loads.get(name)
+    return {
+        "running": held.running if held else 0,
+        "settle_when_idle": held.settle_when_idle if held else 0,
+        "settle_at_stop": held.settle_at_stop if held else 0,
+        "engine_running": load.running if load else 0,
+        "engine_waiting": load.waiting if load else 0,
+    }
 
 
 def _charges(snapshot: Snapshot, name: str) -> list[dict[str, Any]]:

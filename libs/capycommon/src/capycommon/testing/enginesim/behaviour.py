@@ -74,6 +74,8 @@ class Behaviour(_Strict):
     sleep_seconds: float = Field(default=0.1, ge=0)
     wake_seconds: float = Field(default=0.2, ge=0)
     tokens_per_second: float = Field(default=50.0, gt=0)
+    # Before a request's first token (the prompt's prefill): nothing is sent meanwhile.
+    prefill_seconds: float = Field(default=0.0, ge=0)
     answer: str = "Hello from the engine simulator."
     # Emitted before the answer when the engine parses reasoning; "" turns it off.
     reasoning: str = "The user wants a short greeting."

@@ -127,6 +127,8 @@ class Engine:
         try:
             if not await self._until(work.scheduled, work):
                 return
+            if await _within(work, self.behaviour.prefill_seconds):
+                return
             delay = 1.0 / self.behaviour.tokens_per_second
             for token in work.plan:
                 if not await self._until(self.producing, work) or await _within(work, delay):

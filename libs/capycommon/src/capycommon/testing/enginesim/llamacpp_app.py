@@ -31,6 +31,7 @@ from capycommon.testing.enginesim.openai_chat import (
     ChatRequest,
     CompletionRequest,
     Dialect,
+    EmbeddingRequest,
     random_id,
 )
 from capycommon.testing.enginesim.process import Process
@@ -92,7 +93,7 @@ class LlamaFrontend(Frontend):
         rid = f"{prefix}{random_id(32)}"
         return rid, rid
 
-    def model_name(self, body: ChatRequest | CompletionRequest) -> str:
+    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
         return body.model or self.args.alias or self.args.model
 
     def reasoning_on(self) -> bool:
@@ -288,6 +289,8 @@ def build_app(front: LlamaFrontend) -> FastAPI:
         add(path, front.chat, methods=["POST"])
     for path in ("/v1/completions", "/completions"):
         add(path, front.completions, methods=["POST"])
+    for path in ("/v1/embeddings", "/embeddings"):
+        add(path, front.embeddings, methods=["POST"])
     add("/", front.webui, methods=["GET"])
     if front.args.api_keys:
         body = {"error": {"code": 401, "message": "Invalid API Key",

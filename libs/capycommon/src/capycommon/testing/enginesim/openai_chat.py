@@ -67,6 +67,11 @@ class ChatRequest(_Tolerant):
         return "".join(_text_of(message.get("content")) for message in self.messages)
 
 
+class EmbeddingRequest(_Tolerant):
+    model: str | None = None
+    input: str | list[str] = Field(min_length=1)
+
+
 class CompletionRequest(_Tolerant):
     model: str | None = None
     prompt: str | list[str] | list[int]
@@ -250,10 +255,18 @@ class Answer:
         return choice
 
     async def chat_events(self) -> AsyncIterator[str]:
+        """The role chunk comes with the first output, as the engines send it: nothing is
+        sent while the request waits or its prompt is processed."""
         kind = "chat.completion.chunk"
-        yield self._event(kind, [self._chat_choice({"role": "assistant", "content": ""})])
+        role = self._event(kind, [self._chat_choice({"role": "assistant", "content": ""})])
+        started = False
         async for token in self.work.tokens():
+            if not started:
+                started = True
+                yield role
             yield self._event(kind, [self._chat_choice(self._delta(token))])
+        if not started:
+            yield role
         if self.work.finish == "error":
             yield self._error_event()
         else:

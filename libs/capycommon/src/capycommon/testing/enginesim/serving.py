@@ -8,7 +8,9 @@ once, after the family's lag (SGLang), or never (the `keep_generating_on_disconn
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -23,6 +25,7 @@ from capycommon.testing.enginesim.openai_chat import (
     ChatRequest,
     CompletionRequest,
     Dialect,
+    EmbeddingRequest,
     JsonDict,
     count_prompt_tokens,
     plan,
@@ -30,6 +33,13 @@ from capycommon.testing.enginesim.openai_chat import (
 from capycommon.testing.enginesim.process import Process
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+def embedding_of(text: str) -> list[float]:
+    digest = hashlib.sha256(text.encode()).digest()[:8]
+    vector = [byte - 127.5 for byte in digest]
+    norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+    return [round(v / norm, 6) for v in vector]
 
 
 def explain(exc: ValidationError) -> str:
@@ -67,7 +77,7 @@ class Frontend:
     def response_headers(self, request: Request) -> dict[str, str]:
         return {}
 
-    def model_name(self, body: ChatRequest | CompletionRequest) -> str:
+    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
         raise NotImplementedError
 
     def reasoning_on(self) -> bool:
@@ -119,6 +129,23 @@ class Frontend:
         return await self._respond(
             request, work, bool(body.stream), answer.text_events, answer.text_body
         )
+
+    async def embeddings(self, request: Request) -> Response:
+        """One deterministic 8-dimension unit vector per input (a digest of its text)."""
+        body = await self._parse(request, EmbeddingRequest)
+        if isinstance(body, Response):
+            return body
+        refusal = self.precheck(request)
+        if refusal is not None:
+            return refusal
+        inputs = [body.input] if isinstance(body.input, str) else list(body.input)
+        data = [{"object": "embedding", "index": i, "embedding": embedding_of(str(text))}
+                for i, text in enumerate(inputs)]  # fmt: skip
+        tokens = sum(count_prompt_tokens(str(text)) for text in inputs)
+        return JSONResponse({
+            "object": "list", "data": data, "model": self.model_name(body),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        })  # fmt: skip
 
     # Plumbing ---------------------------------------------------------------------------
 

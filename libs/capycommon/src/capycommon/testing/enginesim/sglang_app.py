@@ -30,6 +30,7 @@ from capycommon.testing.enginesim.openai_chat import (
     ChatRequest,
     CompletionRequest,
     Dialect,
+    EmbeddingRequest,
 )
 from capycommon.testing.enginesim.process import Process
 from capycommon.testing.enginesim.serving import Frontend
@@ -89,7 +90,7 @@ class SglangFrontend(Frontend):
         rid = body.rid or uuid.uuid4().hex
         return rid, rid
 
-    def model_name(self, body: ChatRequest | CompletionRequest) -> str:
+    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
         return body.model or self.args.served_model_name
 
     def reasoning_on(self) -> bool:

@@ -27,7 +27,12 @@ from capycommon.testing.enginesim.behaviour import Behaviour, version_tuple
 from capycommon.testing.enginesim.engine import Engine
 from capycommon.testing.enginesim.memory import Regions
 from capycommon.testing.enginesim.metrics import Exposition
-from capycommon.testing.enginesim.openai_chat import ChatRequest, CompletionRequest, Dialect
+from capycommon.testing.enginesim.openai_chat import (
+    ChatRequest,
+    CompletionRequest,
+    Dialect,
+    EmbeddingRequest,
+)
 from capycommon.testing.enginesim.process import Process
 from capycommon.testing.enginesim.serving import Frontend
 
@@ -106,7 +111,7 @@ class VllmFrontend(Frontend):
             return {}
         return {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
 
-    def model_name(self, body: ChatRequest | CompletionRequest) -> str:
+    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
         return self.args.served_names[0]
 
     def reasoning_on(self) -> bool:
@@ -345,6 +350,7 @@ def build_app(front: VllmFrontend) -> FastAPI:
     add("/v1/models", front.models, methods=["GET"])
     add("/v1/chat/completions", front.chat, methods=["POST"])
     add("/v1/completions", front.completions, methods=["POST"])
+    add("/v1/embeddings", front.embeddings, methods=["POST"])
     add("/tokenize", front.tokenize, methods=["POST"])
     if front.dev_mode:
         add("/sleep", front.sleep, methods=["POST"])

@@ -1,0 +1,272 @@
+"""The router end to end: `capyctl start standalone` on simulated GPUs, the engine simulator
+as vLLM and SGLang (real processes), and the openai SDK as the client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from cluster import FOURTEEN, SMALL, Cluster, start_cluster
+from support import short_dir, wait_for
+
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+HI: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def one_gpu() -> Iterator[Cluster]:
+    root = short_dir("router")
+    cluster = start_cluster(root, "gpu0:24GiB", routing={"max_pending_per_deployment": 40})
+    try:
+        yield cluster
+    finally:
+        cluster.clean()  # engines outlive their role by design: stop them first
+        cluster.role.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(one_gpu: Cluster) -> Iterator[Cluster]:
+    yield one_gpu
+    one_gpu.clean()
+
+
+def _calls(calls: list[Any] | None) -> list[tuple[str, str]]:
+    return [(call.function.name, call.function.arguments) for call in calls or []]
+
+
+def sdk(cluster: Cluster, timeout: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key=cluster.api_key, timeout=timeout,
+                         max_retries=0)  # fmt: skip
+
+
+def test_answers_are_the_engines_own(cluster: Cluster) -> None:
+    cluster.deploy("tools", engine="tools", model="small", engine_config={
+        **SMALL, "tool_call_parser": "hermes", "reasoning_parser": "qwen3"})  # fmt: skip
+    client = sdk(cluster)
+    # Through the router, not streamed: the first request starts the model.
+    raw = client.chat.completions.with_raw_response.create(model="tools", messages=HI,
+                                                           tools=TOOLS)  # fmt: skip
+    answer = raw.parse()
+    assert raw.headers["X-CapyCTL-Request-Id"] == answer.id
+    assert answer.model == "tools"
+    url, secret = cluster.engine("tools")
+    engine = openai.OpenAI(base_url=f"{url}/v1", api_key=secret, max_retries=0)
+    own = engine.chat.completions.create(model="tools", messages=HI, tools=TOOLS)
+    mine, theirs = answer.choices[0], own.choices[0]
+    assert mine.message.content == theirs.message.content
+    assert mine.finish_reason == theirs.finish_reason == "tool_calls"
+    assert _calls(mine.message.tool_calls) == _calls(theirs.message.tool_calls)
+    assert mine.message.tool_calls
+    assert answer.usage == own.usage
+    # Streamed, with usage: the same content, every chunk with the router's id.
+    usage: Any = {"include_usage": True}
+    chunks = list(client.chat.completions.create(
+        model="tools", messages=HI, stream=True, stream_options=usage))  # fmt: skip
+    own_chunks = list(engine.chat.completions.create(
+        model="tools", messages=HI, stream=True, stream_options=usage))  # fmt: skip
+
+    def text(found: list[Any]) -> str:
+        return "".join(c.choices[0].delta.content or "" for c in found if c.choices)
+
+    def reasoning(found: list[Any]) -> str:
+        deltas = [c.choices[0].delta.model_extra or {} for c in found if c.choices]
+        return "".join(d.get("reasoning") or d.get("reasoning_content") or "" for d in deltas)
+
+    assert text(chunks) == text(own_chunks) != ""
+    assert reasoning(chunks) == reasoning(own_chunks) != ""
+    assert chunks[-1].usage == own_chunks[-1].usage
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].id.startswith("chatcmpl-")
+    # Without include_usage, no usage chunk.
+    plain = list(client.chat.completions.create(model="tools", messages=HI, stream=True))
+    assert all(c.usage is None for c in plain)
+    assert text(plain) == text(own_chunks)
+    # Completions are forwarded too.
+    completion = client.completions.create(model="tools", prompt="hi", max_tokens=8)
+    own_completion = engine.completions.create(model="tools", prompt="hi", max_tokens=8)
+    assert completion.choices[0].text == own_completion.choices[0].text != ""
+    assert completion.usage == own_completion.usage
+    # And embeddings, never streamed.
+    vectors = client.embeddings.create(model="tools", input=["a", "b"])
+    own_vectors = engine.embeddings.create(model="tools", input=["a", "b"])
+    assert [v.embedding for v in vectors.data] == [v.embedding for v in own_vectors.data]
+    assert vectors.model == "tools"
+    assert vectors.usage == own_vectors.usage
+
+
+def test_a_request_for_a_parked_model_wakes_it(cluster: Cluster) -> None:
+    cluster.deploy("sleepy", model="small", engine_config=SMALL)
+    cluster.ok("start", "deployment", "sleepy", "--wait")
+    cluster.ok("park", "deployment", "sleepy", "--wait")
+    answer = sdk(cluster).chat.completions.create(model="sleepy", messages=HI)
+    assert answer.choices[0].message.content == "Hello from the engine simulator."
+    assert cluster.state("sleepy") == "ready"
+    woke = [to for _, to, _ in cluster.transitions("sleepy")]
+    assert woke[-2:] == ["waking", "ready"]
+    models = sdk(cluster).models.list()
+    assert "sleepy" in [m.id for m in models.data]
+
+
+def test_100_concurrent_requests_over_three_models_that_do_not_fit_together(
+    cluster: Cluster,
+) -> None:
+    for name in "xyz":
+        cluster.deploy(name, engine_config=FOURTEEN)
+    client = sdk(cluster, timeout=300)
+
+    def ask(i: int) -> str:
+        model = "xyz"[i % 3]
+        answer = client.chat.completions.create(model=model, messages=HI, stream=i % 2 == 0)
+        if isinstance(answer, openai.Stream):
+            return "".join(c.choices[0].delta.content or "" for c in answer if c.choices)
+        return answer.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(max_workers=100) as pool:
+        answers = list(pool.map(ask, range(100)))
+    assert answers == ["Hello from the engine simulator."] * 100
+    for name in "xyz":
+        states = [to for _, to, _ in cluster.transitions(name)]
+        assert "failed" not in states
+
+
+def test_queue_full_at_the_bound(cluster: Cluster) -> None:
+    cluster.deploy("late", engine="slowload", model="small", engine_config=SMALL)
+
+    async def flood() -> list[httpx.Response | Exception]:
+        headers = {"Authorization": f"Bearer {cluster.api_key}"}
+        body = {"model": "late", "messages": HI}
+        async with httpx.AsyncClient(base_url=cluster.base_url, headers=headers,
+                                     timeout=4) as http:  # fmt: skip
+
+            async def one() -> httpx.Response | Exception:
+                try:
+                    return await http.post("/chat/completions", json=body)
+                except httpx.TimeoutException as exc:
+                    return exc
+
+            return await asyncio.gather(*(one() for _ in range(41)))
+
+    results = asyncio.run(flood())
+    full = [r for r in results if isinstance(r, httpx.Response)]
+    assert len(full) == 1, "40 wait, the 41st is refused at once"
+    assert full[0].status_code == 429
+    assert full[0].headers["Retry-After"] == "1"
+    assert full[0].json()["error"]["code"] == "queue_full"
+    assert cluster.status("late")["state"] in ("pending", "starting"), "the start was asked for"
+
+
+def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> None:
+    """Send a request, hang up (after its first token, or before any: the connection is
+    closed as a cancelled client closes it), and check the engine stops working on it within
+    a second."""
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    body = {"model": name, "messages": HI, "stream": stream, "max_tokens": 60}
+
+    async def cut() -> None:
+        async with httpx.AsyncClient(base_url=cluster.base_url, headers=headers,
+                                     timeout=30) as http:  # fmt: skip
+            first = asyncio.Event()
+
+            async def send() -> None:
+                async with http.stream("POST", "/chat/completions", json=body) as response:
+                    if stream and after_first:
+                        async for line in response.aiter_lines():
+                            if line:
+                                first.set()
+                                break
+                    await asyncio.sleep(60)
+
+            task = asyncio.create_task(send())
+            deadline = time.monotonic() + 10
+            while await asyncio.to_thread(cluster.engine_running, name) != 1:
+                assert time.monotonic() < deadline, "the engine never got the request"
+                await asyncio.sleep(0.1)
+            if stream and after_first:
+                await asyncio.wait_for(first.wait(), 10)
+            if after_first and not stream:
+                await asyncio.sleep(1)  # tokens are being made for the collected answer
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(cut())
+    wait_for(lambda: cluster.engine_running(name) == 0, timeout=1.0,
+             what="the engine to stop the cut request's work")  # fmt: skip
+
+
+def test_a_client_hang_up_stops_the_engines_work(cluster: Cluster) -> None:
+    cluster.deploy("slow", engine="slow", model="small", engine_config=SMALL)
+    cluster.ok("start", "deployment", "slow", "--wait")
+    for stream in (True, False):
+        _hang_up(cluster, "slow", stream=stream, after_first=True)
+    wait_for(lambda: cluster.status("slow")["requests"]["running"] == 0, timeout=10,
+             what="cut requests the engine answered to settle once it reads idle")  # fmt: skip
+    # A 5 s prefill: the engine has the request and has sent nothing yet.
+    cluster.deploy("hang", engine="prefill", model="small", engine_config=SMALL)
+    cluster.ok("start", "deployment", "hang", "--wait")
+    for stream in (True, False):
+        _hang_up(cluster, "hang", stream=stream, after_first=False)
+    requests = cluster.status("hang")["requests"]
+    assert requests["settle_at_stop"] == 2, "cut before any answer: counted until a stop"
+    assert requests["running"] == 2
+    cluster.ok("stop", "deployment", "hang", "--wait")
+    cluster.ok("start", "deployment", "hang", "--wait")
+    assert cluster.status("hang")["requests"]["settle_at_stop"] == 0, "the stop settled them"
+
+
+def test_sglang_aborts_a_cut_request_by_its_id(cluster: Cluster) -> None:
+    cluster.deploy("sg", engine="slowsglang", model="small", engine_config=SMALL)
+    cluster.ok("start", "deployment", "sg", "--wait")
+    before = cluster.engine_aborted("sg")
+    for stream in (True, False):
+        _hang_up(cluster, "sg", stream=stream, after_first=True)
+    assert cluster.engine_aborted("sg") == before + 2, "aborted by rid, not by the lagging hang-up"
+
+
+def test_refusals_in_the_openai_envelope(cluster: Cluster) -> None:
+    cluster.deploy("halt", model="small", engine_config=SMALL)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=cluster.base_url, api_key="wrong", max_retries=0).models.list()
+    admin = cluster.role.credentials()["admin_token"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=cluster.base_url, api_key=admin, max_retries=0).models.list()
+    client = sdk(cluster)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="nosuch", messages=HI)
+    assert missing.value.code == "unknown_model"
+    cluster.ok("stop", "deployment", "halt", "--wait")
+    with pytest.raises(openai.ConflictError) as stopped:
+        client.chat.completions.create(model="halt", messages=HI)
+    assert stopped.value.code == "deployment_stopped"
+    assert "halt" not in [m.id for m in client.models.list().data]
+    huge = httpx.post(f"{cluster.base_url}/chat/completions",
+                      headers={"Authorization": f"Bearer {cluster.api_key}"},
+                      content=b"x" * (5 << 20))  # fmt: skip
+    assert huge.status_code == 413
+    assert huge.json()["error"]["code"] == "body_too_large"
+    for path in ("/sleep", "/wake_up", "/collective_rpc", "/abort_request"):
+        found = httpx.post(f"http://{cluster.role.inference}{path}",
+                           headers={"Authorization": f"Bearer {cluster.api_key}"})  # fmt: skip
+        assert found.status_code in (404, 405), f"{path} is not an engine path here"
+
+
+def test_metrics(cluster: Cluster) -> None:
+    cluster.deploy("counted", model="small", engine_config=SMALL)
+    sdk(cluster).chat.completions.create(model="counted", messages=HI)
+    text = httpx.get(f"http://{cluster.role.inference}/metrics",
+                     headers={"Authorization": f"Bearer {cluster.api_key}"}).text  # fmt: skip
+    assert 'capyctl_requests_total{deployment="counted",outcome="ok"} 1.0' in text
+    assert 'capyctl_time_to_first_token_seconds_count{deployment="counted"} 1.0' in text
+    assert 'capyctl_lifecycle_seconds_count{deployment="counted",operation="start"} 1.0' in text
+    assert httpx.get(f"http://{cluster.role.inference}/metrics").status_code == 401
