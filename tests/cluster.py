@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -22,7 +25,7 @@ from capycommon.store import Event
 from capycommon.testing.enginesim.behaviour import Behaviour, CrashAtStart, Faults, ToolCall
 from capycommon.testing.enginesim.install import install_llama_server, install_python_engine
 from enginerun import sparse_model
-from support import Role, capyctl, clean_env, start_role
+from support import Role, capyctl, clean_env, short_dir, start_role
 
 GiB = 1 << 30
 HOST = "local"
@@ -284,3 +287,17 @@ def start_cluster(
     )
     role = start_role("standalone", state_dir=state, env=env, extra=["--config", str(document)])
     return Cluster(role, root)
+
+
+@contextmanager
+def running(prefix: str, gpus: str = "gpu0:24GiB", **settings: Any) -> Iterator[Cluster]:
+    """A cluster for the length of a `with`; its engines are stopped before the role (they
+    outlive their role by design) and its folder is removed."""
+    root = short_dir(prefix)
+    cluster = start_cluster(root, gpus, **settings)
+    try:
+        yield cluster
+    finally:
+        cluster.clean()
+        cluster.role.stop()
+        shutil.rmtree(root, ignore_errors=True)

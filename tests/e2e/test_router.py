@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from cluster import FOURTEEN, SMALL, Cluster, start_cluster
-from support import short_dir, wait_for
+from cluster import FOURTEEN, SMALL, Cluster, running
+from support import wait_for
 
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
@@ -25,14 +24,8 @@ HI: list[Any] = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def one_gpu() -> Iterator[Cluster]:
-    root = short_dir("router")
-    cluster = start_cluster(root, "gpu0:24GiB", routing={"max_pending_per_deployment": 40})
-    try:
+    with running("router", routing={"max_pending_per_deployment": 40}) as cluster:
         yield cluster
-    finally:
-        cluster.clean()  # engines outlive their role by design: stop them first
-        cluster.role.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -18,20 +17,14 @@ import yaml
 
 from capycommon import desired, keys
 from capycommon.instances import LIVE_STATES
-from cluster import FOURTEEN, HOST, Cluster, GiB, start_cluster
-from support import short_dir, wait_for
+from cluster import FOURTEEN, HOST, Cluster, GiB, running
+from support import wait_for
 
 
 @pytest.fixture(scope="module")
 def one_gpu() -> Iterator[Cluster]:
-    root = short_dir("sched")
-    cluster = start_cluster(root, "gpu0:24GiB")
-    try:
+    with running("sched") as cluster:
         yield cluster
-    finally:
-        cluster.clean()  # engines outlive their role by design: stop them first
-        cluster.role.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -358,9 +351,7 @@ def test_the_management_api_acts_once_per_idempotency_key(cluster: Cluster) -> N
 
 
 def test_placement_across_two_gpus() -> None:
-    root = short_dir("sched2")
-    cluster = start_cluster(root, "gpu0:24GiB,gpu1:24GiB")
-    try:
+    with running("sched2", "gpu0:24GiB,gpu1:24GiB") as cluster:
         cluster.deploy("p", engine_config=FOURTEEN)
         cluster.deploy("q", engine_config=FOURTEEN)
         cluster.deploy("r", engine_config=FOURTEEN, devices=[{"id": "gpu1"}])
@@ -374,7 +365,3 @@ def test_placement_across_two_gpus() -> None:
         assert cluster.state(displaced) == "parked", "the switch happened on r's GPU"
         kept = next(n for n in "pq" if gpus[n] == "gpu0")
         assert cluster.state(kept) == "ready"
-    finally:
-        cluster.clean()  # engines outlive their role by design: stop them first
-        cluster.role.stop()
-        shutil.rmtree(root, ignore_errors=True)

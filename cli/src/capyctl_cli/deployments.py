@@ -107,58 +107,30 @@ def _wait_gone(api: Management, name: str, timeout: float) -> None:
                     code="activation_timeout")  # fmt: skip
 
 
-def start_deployment(
-    name: NameArg,
-    wait: WaitOpt = False,
-    timeout: TimeoutOpt = 1800.0,
-    state_dir: StateDirOpt = None,
-    as_json: JsonOpt = False,
-    debug: DebugOpt = False,
+def verb_command(
+    app: typer.Typer, verb: str, summary: str, done: tuple[str, ...], timeout_s: float
 ) -> None:
-    """Start (or wake) a deployment; it also lifts an operator stop."""
-    _act(state_dir, name, "start", wait, timeout, as_json, ("ready",))
+    """Register `capyctl <verb> deployment NAME [--wait]` on `app`."""
+
+    @app.command("deployment", help=summary)
+    @expected_errors
+    def command(
+        name: NameArg,
+        wait: WaitOpt = False,
+        timeout: TimeoutOpt = timeout_s,
+        state_dir: StateDirOpt = None,
+        as_json: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        _act(state_dir, name, verb, wait, timeout, as_json, done)
 
 
-@park_app.command("deployment")
-@expected_errors
-def park_deployment(
-    name: NameArg,
-    wait: WaitOpt = False,
-    timeout: TimeoutOpt = 600.0,
-    state_dir: StateDirOpt = None,
-    as_json: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Park a ready deployment at its residency tier."""
-    _act(state_dir, name, "park", wait, timeout, as_json, ("parked",))
-
-
-@stop_app.command("deployment")
-@expected_errors
-def stop_deployment(
-    name: NameArg,
-    wait: WaitOpt = False,
-    timeout: TimeoutOpt = 600.0,
-    state_dir: StateDirOpt = None,
-    as_json: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Stop a deployment's engine and keep it stopped until `start deployment`."""
-    _act(state_dir, name, "stop", wait, timeout, as_json, ("stopped",))
-
-
-@delete_app.command("deployment")
-@expected_errors
-def delete_deployment(
-    name: NameArg,
-    wait: WaitOpt = False,
-    timeout: TimeoutOpt = 600.0,
-    state_dir: StateDirOpt = None,
-    as_json: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Stop a deployment's engine and forget the deployment."""
-    _act(state_dir, name, "delete", wait, timeout, as_json, ())
+verb_command(park_app, "park", "Park a ready deployment at its residency tier.", ("parked",),
+             600.0)  # fmt: skip
+verb_command(stop_app, "stop", "Stop a deployment's engine and keep it stopped until `start "
+             "deployment`.", ("stopped",), 600.0)  # fmt: skip
+verb_command(delete_app, "delete", "Stop a deployment's engine and forget the deployment.",
+             (), 600.0)  # fmt: skip
 
 
 def status_deployment(

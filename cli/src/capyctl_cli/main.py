@@ -50,7 +50,8 @@ app.add_typer(deployments.stop_app, name="stop")
 app.add_typer(deployments.delete_app, name="delete")
 app.add_typer(deployments.list_app, name="list")
 app.add_typer(deployments.drain_app, name="drain")
-start_app.command("deployment")(expected_errors(deployments.start_deployment))
+deployments.verb_command(start_app, "start", "Start (or wake) a deployment; it also lifts an "
+                         "operator stop.", ("ready",), 1800.0)  # fmt: skip
 status_app = typer.Typer(help="Show the running role, or one deployment.")
 app.add_typer(status_app, name="status")
 status_app.command("deployment")(expected_errors(deployments.status_deployment))

@@ -44,7 +44,7 @@ async def serve(ctx: ServiceContext) -> None:
             serve_http(app, server.listeners.inference.bind, ctx.stop),
             table.run(ctx.stop),
             dispatcher.settle(ctx.stop),
-            metrics.follow_events(ctx.redis, table.hosts, ctx.stop),
+            metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop),
         )
 
 

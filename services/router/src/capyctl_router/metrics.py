@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -70,12 +71,19 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def follow_events(self, client: aioredis.Redis, hosts: set[str],
-                            stop: asyncio.Event) -> None:  # fmt: skip
-        """Observe each start, wake and park as hostd reports it (from now on)."""
+    async def follow_events(
+        self, client: aioredis.Redis, hosts: Callable[[], set[str]], stop: asyncio.Event
+    ) -> None:
+        """Observe each start, wake and park as hostd reports it (from now on), on every
+        host the routing table knows (a server may have none yet)."""
         start = f"{int(time.time() * 1000)}-0"
-        cursors = {keys.host_events(host): start for host in hosts}
+        cursors: dict[str, str] = {}
         while not stop.is_set():
+            for host in hosts():
+                cursors.setdefault(keys.host_events(host), start)
+            if not cursors:
+                await wait_event(stop, 1.0)
+                continue
             try:
                 read = cast(Entries, await client.xread(cursors, count=100, block=1000))  # type: ignore[arg-type]
             except REDIS_ERRORS:
