@@ -12,9 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from capycommon.desired import DeploymentRecord, Inflight
+from capycommon.desired import DeploymentRecord
 from capycommon.engines.launch import Residency
-from capycommon.errors import CapyError
 from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.units import format_duration
 from capyctl_scheduler.ledger import (
@@ -656,10 +655,3 @@ def _park(snapshot: Snapshot, instance: InstanceRecord, why: str) -> Action:
 def _stop(instance: InstanceRecord, why: str) -> Action:
     return Action("stop", instance.deployment, why, host=instance.host,
                   generation=instance.generation)  # fmt: skip
-
-
-def describe(error: CapyError) -> str:
-    return f"{error.code}: {error.message}"
-
-
-__all__ = ["Action", "Inflight", "plan"]
