@@ -48,3 +48,42 @@ def group_members(pgids: Collection[int], proc_root: Path = PROC) -> dict[int, l
         if fields is not None and fields.pgid in found and fields.state != "Z":
             found[fields.pgid].append(int(entry.name))
     return {pgid: sorted(pids) for pgid, pids in found.items()}
+
+
+LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
+
+
+def listening_inodes(port: int, proc_root: Path = PROC) -> set[int]:
+    """The socket inodes listening on TCP `port` (any address, IPv4 or IPv6)."""
+    found: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc_root / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != LISTEN:
+                continue
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port:
+                found.add(int(fields[9]))
+    return found
+
+
+def socket_inodes(pids: Collection[int], proc_root: Path = PROC) -> set[int]:
+    """The socket inodes the processes hold open (`socket:[<inode>]` descriptors)."""
+    found: set[int] = set()
+    for pid in pids:
+        try:
+            descriptors = list((proc_root / str(pid) / "fd").iterdir())
+        except OSError:
+            continue
+        for descriptor in descriptors:
+            try:
+                target = descriptor.readlink().name
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                found.add(int(target[8:-1]))
+    return found

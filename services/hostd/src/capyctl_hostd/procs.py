@@ -38,6 +38,13 @@ def group_members(pgid: int) -> list[int]:
     return procfs.group_members([pgid])[pgid]
 
 
+def foreign_listeners(port: int, pgid: int) -> set[int]:
+    """Sockets listening on `port` that the process group does not hold: another process
+    shares the port (engines bind with SO_REUSEPORT, so the kernel lets both listen and
+    splits the connections between them)."""
+    return procfs.listening_inodes(port) - procfs.socket_inodes(group_members(pgid))
+
+
 def _signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signum)

@@ -153,6 +153,7 @@ class Runner:
                 previous=record,
             )  # fmt: skip
             await engines.wait_ready(engine, command.start_deadline_s)
+            _check_port_is_ours(record.port, engine.pgid)
             answer = await engines.canary(engine)
         except (CapyError, OSError) as exc:
             await self.fail(record, f"launch failed: {_message(exc)}")
@@ -339,6 +340,17 @@ class Runner:
             if lines:
                 pipe.rpush(key, *lines)
             await pipe.execute()
+
+
+def _check_port_is_ours(port: int | None, pgid: int) -> None:
+    """The engine alone listens on its port; a second listener would take part of its
+    connections (and answer them with another key)."""
+    if port is not None and procs.foreign_listeners(port, pgid):
+        raise LaunchFailed(
+            f"port_conflict: another process also listens on 127.0.0.1:{port}, so requests "
+            "would be split between them; give each CapyCTL host on this machine its own "
+            "host.engine_ports"
+        )
 
 
 def _message(exc: BaseException) -> str:
