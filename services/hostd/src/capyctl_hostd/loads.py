@@ -28,6 +28,9 @@ from capyctl_hostd.runner import Runner
 log = logging.getLogger(__name__)
 S = InstanceState
 INTERVAL_S = 1.0
+# While an instance drains, the scheduler waits for a reading taken after the drain began to
+# park or stop it (a switch waits on that): read more often then.
+DRAINING_INTERVAL_S = 0.2
 SERVING = (S.READY, S.DRAINING)
 # An engine slower than a tick to answer keeps its previous entry; the next tick asks again.
 TIMEOUTS = Timeouts(metrics=INTERVAL_S)
@@ -36,13 +39,15 @@ TIMEOUTS = Timeouts(metrics=INTERVAL_S)
 async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTERVAL_S) -> None:
     """Every `interval_s` until `stop`; a tick Redis interrupts is retried at the next."""
     while not stop.is_set():
+        draining = False
         with contextlib.suppress(*REDIS_ERRORS):  # Redis is back at the next turn, or hostd exits
-            await tick(runner)
-        await wait_event(stop, interval_s)
+            draining = await tick(runner)
+        await wait_event(stop, min(interval_s, DRAINING_INTERVAL_S) if draining else interval_s)
 
 
-async def tick(runner: Runner) -> None:
-    """Read every serving engine's load and bring the host's load hash up to date.
+async def tick(runner: Runner) -> bool:
+    """Read every serving engine's load and bring the host's load hash up to date; True when
+    an instance is draining.
 
     An entry written for an instance that stopped serving while its engine was asked lives
     until the next tick removes it; its generation tells a reader which launch it was.
@@ -58,8 +63,9 @@ async def tick(runner: Runner) -> None:
     }
     serving_members = {record.member for record in serving}
     gone = [member for member in published if member not in serving_members]
+    draining = any(record.state == S.DRAINING for record in serving)
     if not entries and not gone:
-        return
+        return draining
     key = keys.engine_load(runner.host)
     async with runner.client.pipeline(transaction=True) as pipe:
         if entries:
@@ -67,6 +73,7 @@ async def tick(runner: Runner) -> None:
         if gone:
             pipe.hdel(key, *gone)
         await pipe.execute()
+    return draining
 
 
 def entry(
