@@ -130,7 +130,8 @@ def test_a_busy_victim_is_waited_for(cluster: Cluster) -> None:
     cluster.ok("start", "deployment", "busy", "--wait")
     request = _slow_request(cluster, "busy", tokens=40)  # about 5 s at 8 tokens/s
     wait_for(lambda: cluster.status("busy")["state"] == "ready", timeout=5, what="ready")
-    time.sleep(1.5)  # hostd's load reading shows the request
+    wait_for(lambda: cluster.status("busy")["requests"]["engine_running"] >= 1, timeout=10,
+             what="hostd's load reading to show the request")  # fmt: skip
     cluster.ok("start", "deployment", "next")
     wait_for(
         lambda: any(
@@ -193,7 +194,11 @@ def test_an_operator_stop_suspends_on_demand_activation(cluster: Cluster) -> Non
     cluster.ok("start", "deployment", "op", "--wait")
     assert "stopped" in cluster.ok("stop", "deployment", "op", "--wait")
     cluster.demand("op")
-    time.sleep(2)
+    wait_for(
+        lambda: any(d["kind"] == "drop_demand" for d in cluster.decisions("op")),
+        timeout=10,
+        what="the scheduler to drop the demand",
+    )
     assert cluster.state("op") == "stopped", "a demand does not start an operator-stopped model"
     assert cluster.status("op")["state"] == "stopped"
     assert "ready" in cluster.ok("start", "deployment", "op", "--wait")

@@ -36,7 +36,6 @@ async def serve(ctx: ServiceContext) -> None:
                                  trust_env=False) as http:  # fmt: skip
         router = Router(dispatcher, http)
         app = create_app(credentials.load(ctx.paths.credentials), router)
-        app.state.router = router
         await table.sync()
         for name in table.records:  # this router holds no request yet
             await dispatcher.book.reset(name)

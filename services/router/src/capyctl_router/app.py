@@ -172,7 +172,7 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
     deadline = arrived + dispatcher.deadline_of(name)
     headers = {REQUEST_ID_HEADER: call.request_id}
     try:
-        target = await _until_disconnect(request, dispatcher.acquire(name, deadline))
+        target = await _until_disconnect(request, dispatcher, dispatcher.acquire(name, deadline))
     except Refused as exc:
         dispatcher.metrics.outcome(name, exc.code)
         retry = {"Retry-After": "1"} if exc.code in ("queue_full", "unavailable") else {}
@@ -188,7 +188,9 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
     return await session.collect(request, headers)
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Target]) -> Target | None:
+async def _until_disconnect(
+    request: Request, dispatcher: Dispatcher, work: Awaitable[Target]
+) -> Target | None:
     """`work`'s result, or None (after cancelling it) if the client hangs up first."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
@@ -201,14 +203,8 @@ async def _until_disconnect(request: Request, work: Awaitable[Target]) -> Target
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, CapyError):
         target = await task
-        await _release_unused(request, target)
+        await dispatcher.release(target)  # a place taken just as the client left
     return None
-
-
-async def _release_unused(request: Request, target: Target) -> None:
-    """A place taken just as the client left: give it straight back."""
-    router: Router = request.app.state.router
-    await router.dispatcher.release(target)
 
 
 async def _disconnected(request: Request) -> None:

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from capycommon import desired
-from capycommon.deployments import check_routes, parse_deployment, revision_digest
+from capycommon.deployments import (
+    Deployment,
+    check_routes,
+    parse_deployment,
+    revision_digest,
+)
 from capycommon.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
 from capycommon.engines.launch import Residency
 from capycommon.errors import CapyError, NotFound
@@ -68,7 +73,7 @@ class Manager:
                 f"deployment {deployment.name!r} is at revision "
                 f"{current.revision if current else 0}, not {expected_revision}; read it again"
             )
-        await self._check_runnable(deployment.name, document)
+        await self._check_runnable(deployment)
         digest = revision_digest(deployment)
         now = time.time()
         op = operation_id()
@@ -108,11 +113,10 @@ class Manager:
             "change": change,
         }
 
-    async def _check_runnable(self, name: str, document: object) -> None:
+    async def _check_runnable(self, deployment: Deployment) -> None:
         """Refuse a document no host can run (its engine, its model, its park tier), naming
         the first host's reason; hosts not yet observed are not asked."""
-        deployment = parse_deployment(document, "request body")
-        record = DeploymentRecord(name=name, revision=0, digest="", document=deployment,
+        record = DeploymentRecord(name=deployment.name, revision=0, digest="", document=deployment,
                                   created_at=0.0, updated_at=0.0)  # fmt: skip
         bindings = await self.scheduler.observer.bindings_of(record)
         errors = [b.error for b in bindings.values() if b.error is not None]
