@@ -146,64 +146,6 @@ class Cluster:
             self.ok("delete", "deployment", name, "--wait")
 
 
-def _engines(root: Path, state: Path, env: dict[str, str]) -> None:
-    fast = Behaviour(load_seconds=0.5, tokens_per_second=200)
-    installs = {
-        "vllm": install_python_engine(root / "e" / "vllm", "vllm", "0.29.0", fast),
-        "sglang": install_python_engine(root / "e" / "sglang", "sglang", "0.5.16", fast),
-        "slow": install_python_engine(
-            root / "e" / "slow",
-            "vllm",
-            "0.29.0",
-            Behaviour(load_seconds=0.5, tokens_per_second=8, answer=" ".join(["word"] * 80)),
-        ),
-        "leaky": install_python_engine(
-            root / "e" / "leaky",
-            "vllm",
-            "0.29.0",
-            Behaviour(load_seconds=0.5, faults=Faults(sleep_keeps_memory=True)),
-        ),
-        "crashy": install_python_engine(
-            root / "e" / "crashy",
-            "vllm",
-            "0.29.0",
-            Behaviour(load_seconds=0.5, faults=Faults(crash_at_start=CrashAtStart())),
-        ),
-        "slowload": install_python_engine(
-            root / "e" / "slowload", "vllm", "0.29.0", Behaviour(load_seconds=60)
-        ),
-        "llama": install_llama_server(root / "e" / "llama", 6000, fast).parent,
-    }
-    for name, path in installs.items():
-        target = path / "llama-server" if name == "llama" else path
-        result = capyctl(
-            "engine", "add", str(target), "--name", name, "--state-dir", str(state), env=env
-        )
-        assert result.returncode == 0, result.stderr
-
-
-def _start(root: Path, gpus: str) -> Cluster:
-    state = root / "state"
-    env = clean_env(
-        HOME=str(root), CAPYCTL_SIMULATED_GPUS=gpus, CAPYCTL_SIMULATED_HOST_RAM="256GiB"
-    )
-    _engines(root, state, env)
-    for name, size in (("m14", 10 * GiB), ("small", 2 * GiB)):
-        sparse_model(root / "models" / name, size)
-    sparse_model(root / "models" / "gguf", 1 * GiB, gguf=True)
-    document = root / "standalone.yaml"
-    document.write_text(
-        yaml.safe_dump(
-            {
-                "kind": "standalone",
-                "server": {"scheduling": {"drain_timeout": 10, "park_verify_timeout": 3}},
-            }
-        )
-    )
-    role = start_role("standalone", state_dir=state, env=env, extra=["--config", str(document)])
-    return Cluster(role, root)
-
-
 def install_engines(root: Path, state: Path, env: dict[str, str]) -> None:
     fast = Behaviour(load_seconds=0.5, tokens_per_second=200)
     installs = {
@@ -249,6 +191,13 @@ def install_engines(root: Path, state: Path, env: dict[str, str]) -> None:
             "0.5.16",
             Behaviour(load_seconds=0.5, tokens_per_second=8, answer=" ".join(["word"] * 80)),
         ),
+        # Takes 6 GiB more than its ready footprint while it loads, as real engines do.
+        "peaky": install_python_engine(
+            root / "e" / "peaky",
+            "vllm",
+            "0.29.0",
+            Behaviour(load_seconds=1.5, tokens_per_second=200, startup_extra_bytes=6 * GiB),
+        ),
         "llama": install_llama_server(root / "e" / "llama", 6000, fast).parent,
     }
     for name, path in installs.items():
@@ -270,7 +219,7 @@ def start_cluster(
         HOME=str(root), CAPYCTL_SIMULATED_GPUS=gpus, CAPYCTL_SIMULATED_HOST_RAM="256GiB"
     )
     install_engines(root, state, env)
-    for name, size in (("m14", 10 * GiB), ("small", 2 * GiB)):
+    for name, size in (("m14", 10 * GiB), ("small", 2 * GiB), ("six", 6 * GiB), ("huge", 40 * GiB)):
         sparse_model(root / "models" / name, size)
     sparse_model(root / "models" / "gguf", 1 * GiB, gguf=True)
     document = root / "standalone.yaml"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from capycommon.deployments import parse_deployment
@@ -102,6 +103,17 @@ def binding(host: HostView, weights: int = 10 * GiB, request: int | None = REQUE
             for gpu in host.gpus
         },
     )
+
+
+def derived(host: HostView, weights: int, request: int | None = None) -> Binding:
+    """A binding whose startup peak was never measured nor declared."""
+    footprints = {
+        gpu: derive_discrete(
+            gpu=gpu, weights=weights, device=host.domains[gpu], host_backed=False, request=request
+        )
+        for gpu in host.gpus
+    }
+    return Binding(HOST, footprints=footprints)
 
 
 def snapshot(
@@ -320,8 +332,46 @@ def test_warm_and_explicit_deployments_are_never_victims() -> None:
                 50.0, [protected, deployment("b")], [instance("a", S.READY)], demands={"b": 49.0}
             )
         )
-        assert kinds(actions) == []
-        assert "insufficient_resources" in waits(actions)[0]
+        assert kinds(actions) == [("refuse", "b")], "it can never fit beside a: refused at once"
+        assert actions[0].error == "insufficient_resources"
+        assert (
+            "needs 14.0 GiB on gpu0, which holds at most 22.1 GiB for models" in actions[0].reason
+        )
+        assert "frees 0 B, leaving 8.1 GiB (a: warm, explicit or unknown" in actions[0].reason
+
+
+def test_a_busy_holder_is_waited_for_not_refused() -> None:
+    busy = {"a": load(1, 3, 49.5)}
+    records = [deployment("a"), deployment("b")]
+    actions = plan(
+        snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0}, loads=busy)
+    )
+    assert kinds(actions) == []
+    assert waits(actions)[0].startswith("insufficient_resources: ")
+
+
+def test_a_model_bigger_than_the_card_is_refused_at_once() -> None:
+    record = deployment("big")
+    found = snapshot(1.0, [record], demands={"big": 0.5})
+    big = derived(found.hosts[HOST], weights=10 * GiB, request=30 * GiB)
+    actions = plan(replace(found, bindings={"big": {HOST: big}}))
+    assert kinds(actions) == [("refuse", "big")]
+    assert "needs 31.2 GiB on gpu0, which holds at most 22.1 GiB for models (24.0 GiB with 1.9 GiB "
+    "reserve); stopping every model that may be evicted frees 0 B" in actions[0].reason
+
+
+def test_a_first_start_stops_the_victim_that_parking_would_not_shrink_enough() -> None:
+    # Three 6 GiB models on a 24 GiB card: a derived peak of 21.5 GiB fits an empty card, not
+    # beside a parked residue. The ready one stops instead of parking.
+    records = [deployment("a"), deployment("b")]
+    found = snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0})
+    six = derived(found.hosts[HOST], weights=6 * GiB)
+    found = replace(found, bindings={name: {HOST: six} for name in ("a", "b")})
+    actions = plan(found)
+    assert [(a.kind, a.deployment, a.then) for a in actions if a.kind != "wait"] == [
+        ("drain", "a", "stop")
+    ]
+    assert "parking it would not free enough" in actions[0].reason
 
 
 def test_the_least_recently_used_goes_first() -> None:
@@ -415,9 +465,23 @@ def test_idle_park_then_idle_stop_with_an_injected_clock() -> None:
     ]
 
 
-def test_idle_timeouts_are_off_unless_set_and_never_touch_warm() -> None:
+def test_the_roles_idle_defaults_apply_unless_the_deployment_says_never() -> None:
     ready = [instance("a", S.READY, since=0.0)]
-    assert plan(snapshot(1e6, [deployment("a")], ready)) == []
+    assert plan(snapshot(299.0, [deployment("a")], ready)) == []
+    (drain,) = plan(snapshot(300.0, [deployment("a")], ready))
+    assert (drain.kind, drain.reason) == ("drain", "idle for 5m"), "the role's default, 5m"
+    parked = [instance("a", S.PARKED, since=0.0)]
+    (stop,) = plan(snapshot(1800.0, [deployment("a")], parked))
+    assert (stop.kind, stop.reason) == ("stop", "parked idle for 30m")
+    never = deployment(
+        "a", lifecycle={"ready_idle_timeout": "never", "parked_idle_timeout": "never"}
+    )
+    assert plan(snapshot(1e6, [never], ready)) == []
+    assert plan(snapshot(1e6, [never], parked)) == []
+    off = Tunables(ready_idle_s=None, parked_idle_s=None)
+    assert plan(snapshot(1e6, [deployment("a")], ready, tunables=off)) == []
+    own = deployment("a", lifecycle={"ready_idle_timeout": "1m"})
+    assert kinds(plan(snapshot(60.0, [own], ready, tunables=off))) == [("drain", "a")]
     warm = deployment("a", lifecycle={"ready_idle_timeout": "1m", "warm": True})
     assert plan(snapshot(1e6, [warm], ready)) == []
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from capycommon.memory import GpuReading, HostRam, MemoryReading
@@ -70,3 +72,25 @@ def test_no_room_even_after_releasing_every_idle_model() -> None:
     ]
     with pytest.raises(InsufficientResources, match=r"3 busy, warm or explicit kept"):
         choose_victims(ledger, "new", NEEDS, candidates)
+
+
+def test_victims_stop_when_parking_them_would_not_free_enough() -> None:
+    # The case: a 24 GiB card, one 6 GiB model ready, and a first start whose derived
+    # peak (21.5 GiB) fits an empty card but not beside the other's parked residue.
+    ledger = Ledger(ledger_with().domains)
+    card = Ledger({**ledger.domains, "gpu0": replace(ledger.domains["gpu0"], capacity=24 * GiB,
+                                                     managed_limit=22 * GiB,
+                                                     free_reserve=2 * GiB)})  # fmt: skip
+    card = card.admit("a", {"gpu0": 12 * GiB})
+    peak = {"gpu0": 21 * GiB + GiB // 2}
+    found = choose_victims(card, "new", peak, [candidate("a", 1.0, parked_charge={"gpu0": GiB})])
+    assert found == [Release("a", "stop", "switch: parking it would not free enough")]
+
+
+def test_only_as_many_parks_become_stops_as_needed() -> None:
+    ledger = ledger_with("a", "b", "c")  # 48 GiB card: 44 GiB managed, 42 GiB charged
+    big = {"gpu0": 42 * GiB, "system": 4 * GiB}
+    candidates = [candidate("a", 1.0), candidate("b", 2.0), candidate("c", 3.0)]
+    # Parking all three leaves 3 GiB of residue (41 GiB free): the least recently used stops.
+    found = choose_victims(ledger, "new", big, candidates)
+    assert [(r.owner, r.action) for r in found] == [("a", "stop"), ("b", "park"), ("c", "park")]

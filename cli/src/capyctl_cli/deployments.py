@@ -15,7 +15,7 @@ from capycommon.deployments import load_deployment
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import load_yaml_document
-from capycommon.units import format_size
+from capycommon.units import format_duration, format_size
 from capyctl_cli import output
 from capyctl_cli.management import Management, wait_for
 from capyctl_cli.options import DebugOpt, JsonOpt, StateDirOpt, expected_errors
@@ -73,8 +73,9 @@ def deploy_model(
         name = answer["deployment"]
         text = f"deployment {name} revision {answer['revision']} ({answer['change']})"
         if wait:
+            since = time.time()
             api.post(f"/deployments/{name}/actions", {"action": "start"})
-            wait_for(api, name, _state_is("ready"), timeout, "ready")
+            wait_for(api, name, _state_is("ready"), timeout, "ready", since)
             text += "; ready"
         _receipt(answer, as_json, text)
 
@@ -82,13 +83,14 @@ def deploy_model(
 def _act(state_dir: str | None, name: str, verb: str, wait: bool, timeout: float,
          as_json: bool, done: tuple[str, ...]) -> None:  # fmt: skip
     with _api(state_dir) as api:
+        since = time.time()
         answer = api.post(f"/deployments/{name}/actions", {"action": verb})
         text = f"deployment {name}: {verb} accepted"
         if wait and verb == "delete":
             _wait_gone(api, name, timeout)
             text = f"deployment {name}: deleted"
         elif wait:
-            status = wait_for(api, name, _state_is(*done), timeout, " or ".join(done))
+            status = wait_for(api, name, _state_is(*done), timeout, " or ".join(done), since)
             text = f"deployment {name}: {status['state']}"
         _receipt(answer, as_json, text)
 
@@ -163,6 +165,7 @@ def render_status(status: dict[str, Any]) -> str:
                         f"{_size(startup.get('host_bytes'))} host "
                         f"({startup.get('host_provenance', '-')})"),
             ("last operation", f"{last.get('kind', '-')}: {last.get('reason', '-')}"),
+            ("idle", _idle(status.get("idle") or {})),
         ]),
     ]  # fmt: skip
     if status["instances"]:
@@ -183,6 +186,27 @@ def render_status(status: dict[str, Any]) -> str:
         lines.append(f"\n{binding['host']}: error [{binding['error']['code']}]: "
                      f"{binding['error']['message']}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _idle(idle: dict[str, Any]) -> str:
+    """When the model next gives its memory back: `parks at 14:05:09 (in 4m 51s; idle 5m)`."""
+    if idle.get("protected"):
+        return "never parks or stops when idle (warm or explicit)"
+    step = idle.get("next")
+    timeouts = (
+        f"ready {_timeout(idle.get('ready_idle_timeout'))}, "
+        f"parked {_timeout(idle.get('parked_idle_timeout'))}"
+    )
+    if step is None:
+        return f"nothing due (idle timeouts: {timeouts})"
+    verb = "parks" if step["action"] == "park" else "stops"
+    at = time.strftime("%H:%M:%S", time.localtime(step["at"]))
+    left = max(0, round(step["at"] - time.time()))
+    return f"{verb} at {at} (in {left // 60}m {left % 60:02d}s if nobody asks; {timeouts})"
+
+
+def _timeout(seconds: float | None) -> str:
+    return "never" if seconds is None else format_duration(seconds)
 
 
 def _size(value: int | None) -> str:

@@ -97,15 +97,21 @@ def wait_for(
     done: Callable[[dict[str, Any]], bool],
     timeout: float,
     what: str,
+    since: float | None = None,
 ) -> dict[str, Any]:
     """Poll the deployment's status until `done`, a failed start (13), a placement no host
-    can make, or the timeout (4 when memory was what it waited for, else 10)."""
+    can make, a refusal written since `since` (e.g. 4: it can never fit), or the timeout (4
+    when memory was what it waited for, else 10)."""
+    since = time.time() if since is None else since
     deadline = time.monotonic() + timeout
     status = api.get(f"/deployments/{name}")
     failures = status["attempts"]["count"]
     while True:
         if done(status):
             return status
+        refusal = status.get("refusal")
+        if refusal is not None and refusal["at"] >= since:
+            raise CapyError(refusal["message"], code=refusal["code"])
         attempts = status["attempts"]
         if attempts["failed"] or attempts["count"] > failures:
             raise LaunchFailed(f"deployment {name!r} failed to start: {attempts['last_error']}")

@@ -66,6 +66,16 @@ class Operation(_Frozen):
     operation_id: str | None = None
 
 
+class Refusal(_Frozen):
+    """A demand that cannot be met at all, not merely not yet (the model does not fit even
+    with every model that may be evicted stopped). Routers fail the requests that were
+    waiting when it was written with its code; later requests ask again."""
+
+    code: str
+    message: str
+    at: float
+
+
 class Decision(_Frozen):
     """One decision of the scheduler, in the control plane's events stream."""
 
@@ -101,6 +111,7 @@ class DeploymentRecord(_Frozen):
     inflight: Inflight | None = None
     attempts: Attempts = Attempts()
     last_operation: Operation | None = None
+    refusal: Refusal | None = None
     version: int = 0
 
     @property

@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from capycommon.errors import InvalidConfig
 from capycommon.simgpu import parse_devices
-from capycommon.units import parse_size
+from capycommon.units import parse_duration, parse_size
 
 Role = Literal["standalone", "server", "host"]
 ROLES: tuple[Role, ...] = ("standalone", "server", "host")
@@ -77,6 +77,20 @@ def parse_port_range(value: str) -> tuple[int, int]:
     return start, end
 
 
+def _check_idle_timeout(value: str) -> str:
+    """A duration (`5m`), or `never` to turn the idle step off."""
+    if value != "never":
+        seconds = parse_duration(value)
+        if seconds <= 0:
+            raise ValueError(f"{value!r} is no time; give a duration above zero, or never")
+    return value
+
+
+def idle_seconds(value: str) -> float | None:
+    """Seconds of an idle timeout, None for `never`."""
+    return None if value == "never" else parse_duration(value)
+
+
 def _check_port_range(value: str) -> str:
     parse_port_range(value)
     return value
@@ -91,6 +105,7 @@ def _check_redis_url(value: str | None) -> str | None:
 ListenAddress = Annotated[str, AfterValidator(_check_address)]
 LoopbackAddress = Annotated[str, AfterValidator(_check_loopback_address)]
 PortRange = Annotated[str, AfterValidator(_check_port_range)]
+IdleTimeout = Annotated[str, AfterValidator(_check_idle_timeout)]
 RedisUrl = Annotated[str | None, AfterValidator(_check_redis_url)]
 HostName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
 
@@ -155,6 +170,11 @@ class SchedulingSection(Strict):
     park_verify_timeout: float = Field(default=15.0, ge=1, le=600)
     # Seconds a request (and the start or wake it waits for) may wait for first output.
     request_deadline: float = Field(default=1800.0, gt=0, le=3600)
+    # Idle models give their memory back: a ready model nobody asked for in this long parks
+    # (or stops, if it cannot park), and a parked one stops after parked_idle_timeout. A
+    # deployment's lifecycle overrides either; `never` turns the step off.
+    ready_idle_timeout: IdleTimeout = "5m"
+    parked_idle_timeout: IdleTimeout = "30m"
 
 
 class RoutingSection(Strict):

@@ -57,6 +57,8 @@ class Dispatcher:
     limits: Limits = field(default_factory=Limits)
     waiting: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     _demanded: dict[str, float] = field(default_factory=dict)
+    # The wall-clock time of each deployment's last demand, to compare with a refusal's.
+    _demanded_at: dict[str, float] = field(default_factory=dict)
     # (deployment, generation, host) -> when each request cut after its first output was cut.
     _settle_idle: dict[tuple[str, int, str], list[float]] = field(
         default_factory=lambda: defaultdict(list)
@@ -78,9 +80,10 @@ class Dispatcher:
         """A place on the deployment's ready instance, waiting for one until `deadline`."""
         queued = False
         started = time.monotonic()
+        joined = time.time()
         try:
             while True:
-                self._check_open(name)
+                self._check_open(name, joined)
                 target = self.table.target(name)
                 if target is not None:
                     taken = await self.book.take(target.host, name, target.generation,
@@ -121,10 +124,14 @@ class Dispatcher:
                 self.metrics.set_waiting(name, self.waiting[name])
             self.metrics.queue_wait(name, time.monotonic() - started)
 
-    def _check_open(self, name: str) -> None:
+    def _check_open(self, name: str, joined: float) -> None:
         record = self.table.records.get(name)
         if record is None:
             raise Refused(f"the model {name!r} is gone", code="unknown_model")
+        refusal = record.refusal
+        if refusal is not None and refusal.at >= joined:
+            # The scheduler answered a demand made while this request waited: it cannot be met.
+            raise Refused(refusal.message, code=refusal.code)
         if record.stopped:
             raise Refused(
                 f"deployment {name!r} was stopped by an operator; start it with "
@@ -144,10 +151,17 @@ class Dispatcher:
             )
 
     async def _demand(self, name: str, restart: int | None = None) -> None:
+        """One demand per wave, re-sent every few seconds while it waits; a wave whose demand
+        the scheduler refused is over, so the next request asks anew."""
         now = time.monotonic()
-        if restart is None and now - self._demanded.get(name, -DEMAND_EVERY_S) < DEMAND_EVERY_S:
+        record = self.table.records.get(name)
+        refusal = record.refusal if record is not None else None
+        answered = refusal is not None and refusal.at >= self._demanded_at.get(name, 0.0)
+        recent = now - self._demanded.get(name, -DEMAND_EVERY_S) < DEMAND_EVERY_S
+        if restart is None and recent and not answered:
             return
         self._demanded[name] = now
+        self._demanded_at[name] = time.time()
         await desired.demand(self.client, name, "router", restart=restart)
 
     async def _all_places_cut(self, name: str, target: Target) -> None:

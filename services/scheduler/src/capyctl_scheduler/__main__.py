@@ -7,7 +7,7 @@ import sys
 
 from capycommon import credentials, keys
 from capycommon.service import ServiceContext, run, serve_http
-from capycommon.settings import ServerSettings, StandaloneSettings
+from capycommon.settings import ServerSettings, StandaloneSettings, idle_seconds
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.ledger import Limits
 from capyctl_scheduler.loop import Scheduler
@@ -31,6 +31,8 @@ def scheduler_for(ctx: ServiceContext) -> Scheduler:
             park_verify_s=scheduling.park_verify_timeout,
             max_parked=scheduling.max_parked,
             demand_deadline_s=scheduling.request_deadline,
+            ready_idle_s=idle_seconds(scheduling.ready_idle_timeout),
+            parked_idle_s=idle_seconds(scheduling.parked_idle_timeout),
         ),
         system_limits=Limits(**memory.system.model_dump()),
         gpu_limits=Limits(**memory.gpu.model_dump()),

@@ -25,6 +25,7 @@ from capycommon.desired import (
     DeploymentStore,
     Inflight,
     Operation,
+    Refusal,
 )
 from capycommon.instances import InstanceState
 from capycommon.notify import Notification
@@ -90,7 +91,9 @@ class Actuator:
         )  # fmt: skip
         instance = snapshot.instances.get(record.name)
         await self._send(
-            record.model_copy(update={"generation": action.generation, "park_requested": None}),
+            record.model_copy(
+                update={"generation": action.generation, "park_requested": None, "refusal": None}
+            ),
             action,
             command,
             Inflight(kind="launch", host=action.host, gpu=action.gpu,
@@ -188,6 +191,17 @@ class Actuator:
     ) -> None:
         await self.ack_demands(record.name)
         await self._event(action)
+
+    async def _refuse(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        """Answer the demands with the refusal: the routers fail the requests it covers. An
+        operator's start of an explicit deployment is refused the same way."""
+        await self.ack_demands(record.name)
+        message = action.reason.removeprefix(f"{action.error}: ")
+        refusal = Refusal(code=action.error, message=message, at=time.time())
+        changes: dict[str, object] = {"refusal": refusal}
+        if record.activation == "explicit" and record.wanted == "ready":
+            changes["wanted"] = None
+        await self._write(record, action, **changes)
 
     async def _wait(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         last = record.last_operation

@@ -19,7 +19,6 @@ from capycommon.deployments import (
     revision_digest,
 )
 from capycommon.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
-from capycommon.engines.launch import Residency
 from capycommon.errors import CapyError, NotFound
 from capycommon.instances import LIVE_STATES, InstanceState
 from capycommon.memory import aread_reading
@@ -141,12 +140,8 @@ class Manager:
             else:
                 await desired.demand(self.scheduler.client, name, "operator")
         elif verb == "park":
-            residency = _residency(snap, name)
-            if residency == Residency.RESTART_ONLY:
-                raise CapyError(
-                    f"deployment {name!r} is restart_only: it cannot park; stop it instead",
-                    code="capability_missing:park",
-                )
+            # A restart_only model parks by stopping (a "restart_only park"): the deployment
+            # reads parked and the next request cold-starts it.
             if record.activation == "explicit":
                 update["wanted"] = "parked"
             elif instance is None or instance.state not in (S.READY, S.PARKED):
@@ -216,13 +211,3 @@ class Manager:
         if record is None:
             raise NotFound(f"no deployment named {name!r}; list them with capyctl list deployments")
         return record
-
-
-def _residency(snap: Snapshot, name: str) -> str | None:
-    instance = snap.instances.get(name)
-    if instance is not None and instance.residency:
-        return instance.residency
-    for binding in snap.bindings.get(name, {}).values():
-        if binding.resolved is not None:
-            return str(binding.resolved.residency)
-    return None

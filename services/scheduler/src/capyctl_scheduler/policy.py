@@ -15,7 +15,7 @@ from typing import Literal
 from capycommon.desired import DeploymentRecord
 from capycommon.engines.launch import Residency
 from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
-from capycommon.units import format_duration
+from capycommon.units import format_duration, format_size
 from capyctl_scheduler.ledger import (
     DeviceUnobserved,
     Footprint,
@@ -31,7 +31,7 @@ S = InstanceState
 
 Kind = Literal[
     "start", "wake", "drain", "undrain", "park", "stop", "count_failure", "satisfied",
-    "drop_demand", "wait", "settle", "forget",
+    "drop_demand", "wait", "settle", "forget", "refuse",
 ]  # fmt: skip
 
 # The charge of an instance by its state; a state the scheduler cannot be sure of keeps the
@@ -60,7 +60,7 @@ class Action:
     then: Literal["park", "stop"] | None = None
     # park: the most device bytes the parked engine may keep (its parked charge).
     release_bound: int | None = None
-    # count_failure: the error of the failed generation.
+    # count_failure: the error of the failed generation; refuse: the code of the refusal.
     error: str = ""
 
 
@@ -311,21 +311,52 @@ def _drain_step(
 
 
 def _idle(snapshot: Snapshot, record: DeploymentRecord, instance: InstanceRecord) -> list[Action]:
-    """Park after ready_idle_timeout, stop after parked_idle_timeout (both off unless set);
-    never a warm or explicit deployment."""
-    lifecycle = record.document.lifecycle
-    if lifecycle.warm or record.activation == "explicit":
+    """Park after the ready idle timeout, stop after the parked one (the role's defaults
+    unless the deployment sets them; `never` is off); never a warm or explicit deployment."""
+    step = next_idle_step(snapshot, record, instance)
+    if step is None or snapshot.now < step.at:
         return []
-    if instance.state == S.READY and lifecycle.ready_idle_timeout is not None:
-        idle_for = snapshot.now - last_used(snapshot, record.name, instance)
-        if idle_for >= lifecycle.ready_idle_timeout and not busy(snapshot, record.name, instance):
-            why = f"idle for {format_duration(lifecycle.ready_idle_timeout)}"
-            return [_drain(snapshot, record, instance, why)]
-    parked_for = snapshot.now - instance.since
-    timeout = lifecycle.parked_idle_timeout
-    if instance.state == S.PARKED and timeout is not None and parked_for >= timeout:
-        return [_stop(instance, f"parked idle for {format_duration(timeout)}")]
-    return []
+    if step.kind == "park":
+        if busy(snapshot, record.name, instance):
+            return []
+        return [_drain(snapshot, record, instance, f"idle for {format_duration(step.timeout)}")]
+    return [_stop(instance, f"parked idle for {format_duration(step.timeout)}")]
+
+
+@dataclass(frozen=True)
+class IdleStep:
+    kind: Literal["park", "stop"]
+    at: float
+    timeout: float
+
+
+def idle_timeouts(
+    snapshot: Snapshot, record: DeploymentRecord
+) -> tuple[float | None, float | None]:
+    """The ready and parked idle timeouts in force: the deployment's, else the role's."""
+    lifecycle = record.document.lifecycle
+    found = []
+    for own, default in (
+        (lifecycle.ready_idle_timeout, snapshot.tunables.ready_idle_s),
+        (lifecycle.parked_idle_timeout, snapshot.tunables.parked_idle_s),
+    ):
+        found.append(default if own is None else None if own == "never" else own)
+    return found[0], found[1]
+
+
+def next_idle_step(
+    snapshot: Snapshot, record: DeploymentRecord, instance: InstanceRecord
+) -> IdleStep | None:
+    """When an idle model will next give its memory back, if nothing asks for it first."""
+    if protected(record):
+        return None
+    ready_after, parked_after = idle_timeouts(snapshot, record)
+    if instance.state == S.READY and ready_after is not None:
+        at = last_used(snapshot, record.name, instance) + ready_after
+        return IdleStep("park", at, ready_after)
+    if instance.state == S.PARKED and parked_after is not None:
+        return IdleStep("stop", instance.since + parked_after, parked_after)
+    return None
 
 
 def last_used(snapshot: Snapshot, name: str, instance: InstanceRecord) -> float:
@@ -495,6 +526,10 @@ def _switch(
     try:
         releases = choose_victims(projected, name, charge, candidates)
     except InsufficientResources as exc:
+        beyond = _beyond_reach(snapshot, record, gpu, charge, ledger)
+        if beyond is not None:
+            code = InsufficientResources.code
+            return [Action("refuse", name, f"{code}: {beyond}", error=code)]
         return [Action("wait", name, f"insufficient_resources: {exc.message}")]
     actions = []
     for release in releases:
@@ -508,6 +543,49 @@ def _switch(
     victims = ", ".join(release.owner for release in releases)
     actions.append(Action("wait", name, f"switch: releasing {victims} to {verb} {name} on {gpu}"))
     return actions
+
+
+def _beyond_reach(
+    snapshot: Snapshot, record: DeploymentRecord, gpu: str, charge: Mapping[str, int],
+    ledger: Ledger,
+) -> str | None:  # fmt: skip
+    """Why `charge` cannot fit even once every instance that may be evicted is stopped (busy
+    ones included: they end), with the figures; None when waiting can make room."""
+    kept = ledger
+    for owner in ledger.charges:
+        other = snapshot.deployments.get(owner)
+        if owner != record.name and other is not None and not protected(other):
+            kept = kept.release(owner)
+    refusals = kept.refusals(record.name, charge)
+    if not refusals:
+        return None
+    parts = []
+    for refusal in refusals:
+        domain = ledger.domains[refusal.domain]
+        ceiling = min(domain.managed_limit, domain.capacity - domain.free_reserve)
+        freeable = ledger.total(refusal.domain, without=record.name) - kept.total(
+            refusal.domain, without=record.name
+        )
+        holders = sorted(
+            owner
+            for owner, held in kept.charges.items()
+            if owner != record.name and held.get(refusal.domain)
+        )
+        part = (
+            f"needs {format_size(refusal.needs)} on {refusal.domain}, which holds at most "
+            f"{format_size(ceiling)} for models ({format_size(domain.capacity)} with "
+            f"{format_size(domain.free_reserve)} reserve); stopping every model that may be "
+            f"evicted frees {format_size(freeable)}, leaving {format_size(refusal.free)}"
+        )
+        if holders:
+            part += f" ({', '.join(holders)}: warm, explicit or unknown, never evicted)"
+        parts.append(part)
+    return f"{record.name} cannot run on {gpu}: " + "; ".join(parts)
+
+
+def protected(record: DeploymentRecord) -> bool:
+    """Never a victim of a switch, an idle step or the parked bound: warm or explicit."""
+    return record.document.lifecycle.warm or record.activation == "explicit"
 
 
 def _projected(snapshot: Snapshot, view: HostView, ledger: Ledger) -> Ledger:
@@ -556,7 +634,7 @@ def _candidates(
             owner=name,
             last_used=last_used(snapshot, name, instance),
             busy=busy(snapshot, name, instance),
-            protected=record.document.lifecycle.warm or record.activation == "explicit",
+            protected=protected(record),
             can_park=instance.state == S.READY
             and _can_park(snapshot, instance)
             and not parked_full,
@@ -584,8 +662,7 @@ def _bound_parked(snapshot: Snapshot, planned: list[Action]) -> list[Action]:
             if excess <= 0:
                 break
             record = snapshot.deployments[instance.deployment]
-            protected = record.document.lifecycle.warm or record.activation == "explicit"
-            if instance.deployment in touched or record.inflight is not None or protected:
+            if instance.deployment in touched or record.inflight is not None or protected(record):
                 continue
             actions.append(
                 _stop(instance, f"bounded parked set: at most {snapshot.tunables.max_parked} "

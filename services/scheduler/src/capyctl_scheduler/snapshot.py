@@ -29,6 +29,10 @@ class Tunables:
     park_verify_s: float = 15.0
     # The most instances one host keeps parked; the least recently used beyond it stop.
     max_parked: int = 8
+    # An idle ready model parks after this, a parked one stops after that (None: never),
+    # unless its deployment says otherwise.
+    ready_idle_s: float | None = 300.0
+    parked_idle_s: float | None = 1800.0
     # How long a demand waits at most (the standalone request deadline).
     demand_deadline_s: float = 1800.0
     start_deadline_s: float = 1800.0

@@ -6,13 +6,20 @@ from typing import Any
 
 from capycommon.instances import LIVE_STATES, InstanceState
 from capycommon.memory import MemoryReading
-from capyctl_scheduler.policy import PHASES, charges, footprint_of
+from capyctl_scheduler.policy import (
+    PHASES,
+    charges,
+    footprint_of,
+    idle_timeouts,
+    next_idle_step,
+    protected,
+)
 from capyctl_scheduler.snapshot import Snapshot
 
 S = InstanceState
 
 
-def state_of(snapshot: Snapshot, name: str) -> str:
+def state_of(snapshot: Snapshot, name: str) -> str:  # noqa: PLR0911 (one word per case)
     """One word for a deployment: its instance's state, or why it has none."""
     record = snapshot.deployments[name]
     instance = snapshot.instances.get(name)
@@ -28,6 +35,8 @@ def state_of(snapshot: Snapshot, name: str) -> str:
         return str(instance.state)
     if name in snapshot.demands or record.inflight is not None:
         return "pending"
+    if instance is not None and record.park_requested == instance.generation:
+        return "parked"  # a restart_only park: the engine is stopped, a request cold-starts it
     return "idle"
 
 
@@ -90,10 +99,26 @@ def detail(snapshot: Snapshot, name: str) -> dict[str, Any]:
         in_flight=record.inflight.model_dump() if record.inflight else None,
         attempts=record.attempts.model_dump(),
         requests=_requests(snapshot, name),
+        idle=_idle(snapshot, name),
+        refusal=record.refusal.model_dump() if record.refusal else None,
         demanded_since=snapshot.demands.get(name),
         document=record.document.model_dump(mode="json"),
     )
     return found
+
+
+def _idle(snapshot: Snapshot, name: str) -> dict[str, Any]:
+    """The idle timeouts in force, and the next idle step with its time, if one is due."""
+    record = snapshot.deployments[name]
+    instance = snapshot.instances.get(name)
+    ready_after, parked_after = idle_timeouts(snapshot, record)
+    step = next_idle_step(snapshot, record, instance) if instance is not None else None
+    return {
+        "ready_idle_timeout": ready_after,
+        "parked_idle_timeout": parked_after,
+        "protected": protected(record),
+        "next": None if step is None else {"action": step.kind, "at": step.at},
+    }
 
 
 def _requests(snapshot: Snapshot, name: str) -> dict[str, int]:

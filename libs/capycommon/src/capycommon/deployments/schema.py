@@ -72,6 +72,20 @@ def _duration(value: object) -> float:
     return seconds
 
 
+def _idle_timeout(value: object) -> object:
+    """A duration, or `never`: the idle step is off for this deployment."""
+    if value == "never":
+        return value
+    try:
+        return _duration(value)
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or never to turn it off") from None
+
+
+def _format_idle_timeout(value: float | str) -> str:
+    return value if isinstance(value, str) else format_duration(value)
+
+
 def _request_deadline(seconds: float) -> float:
     if seconds > MAX_REQUEST_DEADLINE_S:
         raise ValueError(f"{format_duration(seconds)} is above the most a request may wait, 1h")
@@ -127,6 +141,12 @@ Size = Annotated[int, BeforeValidator(_size), PlainSerializer(format_size_exact,
 # A duration in seconds, written as 500ms, 30s, 5m or 1h.
 Duration = Annotated[
     float, BeforeValidator(_duration), PlainSerializer(format_duration, return_type=str)
+]
+# An idle timeout: a duration, or `never`.
+IdleTimeout = Annotated[
+    float | Literal["never"],
+    BeforeValidator(_idle_timeout),
+    PlainSerializer(_format_idle_timeout, return_type=str),
 ]
 Name = Annotated[
     str,
@@ -233,10 +253,11 @@ class EngineConfig(Strict):
 
 
 class Lifecycle(Strict):
-    # Off when absent: an idle ready model parks after ready_idle_timeout (or stops if it
-    # cannot park); a parked one stops after parked_idle_timeout.
-    ready_idle_timeout: Duration | None = None
-    parked_idle_timeout: Duration | None = None
+    # An idle ready model parks after ready_idle_timeout (or stops if it cannot park); a
+    # parked one stops after parked_idle_timeout. Absent: the role's defaults
+    # (server.scheduling.*_idle_timeout); `never` turns the step off for this deployment.
+    ready_idle_timeout: IdleTimeout | None = None
+    parked_idle_timeout: IdleTimeout | None = None
     # Idle or capacity reclaim never stops a warm deployment; requests still start or wake it.
     warm: StrictBool = False
     # explicit: the deployment moves only on operator commands.

@@ -82,6 +82,9 @@ class Behaviour(_Strict):
     tool_call: ToolCall | None = None
     # What a sleeping engine keeps on the device (CUDA context, allocator pools).
     residue_bytes: int = Field(default=512 * MIB, ge=0)
+    # vLLM: more than the ready footprint while it loads (profiling, compile workspaces), as
+    # real engines take: the whole load holds the budget plus this much, then lets it go.
+    startup_extra_bytes: int = Field(default=0, ge=0)
     memory_lag_seconds: float = Field(default=0.2, ge=0)
     faults: Faults = Faults()
 

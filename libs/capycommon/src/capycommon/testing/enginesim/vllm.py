@@ -182,6 +182,13 @@ def plan_memory(
         return Regions(child, sizes, behaviour.residue_bytes, keeps)
     budget = int(args.gpu_memory_utilization * device.total)
     free = device.free_bytes(exclude={os.getpid(), child.pid})
+    extra = behaviour.startup_extra_bytes
+    if extra and free < budget + extra:
+        process.die(
+            f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {gib(extra)} GiB. "
+            f"GPU 0 has a total capacity of {gib(device.total)} GiB of which {gib(free)} GiB "
+            "is free."
+        )
     if free < budget:
         process.die(
             f"ValueError: Free memory on device ({gib(free)}/{gib(device.total)} GiB) on startup "
@@ -216,7 +223,8 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
                         behaviour.faults.leave_child_on_sigkill)  # fmt: skip
     process.at_exit(child.close)
     regions = plan_memory(process, args, device, child, behaviour)
-    regions.loading(regions.sizes["weights"])
+    extra = behaviour.startup_extra_bytes
+    regions.loading(regions.full + extra if extra else regions.sizes["weights"])
     if await process.pause(behaviour.load_seconds):
         return 0
     crash = behaviour.faults.crash_at_start

@@ -1,0 +1,181 @@
+"""The promises of the release notes on one machine, end to end with the openai SDK: no
+request waits without bound, first starts get the room they need, idle models give their
+memory back, and a restart_only model parks by stopping."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from cluster import Cluster, running
+from support import wait_for
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def one_gpu() -> Iterator[Cluster]:
+    with running("promise") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(one_gpu: Cluster) -> Iterator[Cluster]:
+    yield one_gpu
+    one_gpu.clean()
+
+
+def sdk(cluster: Cluster, timeout: float = 120.0) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=cluster.base_url, api_key=cluster.api_key, timeout=timeout, max_retries=0
+    )
+
+
+def ask(cluster: Cluster, model: str) -> str:
+    answer = sdk(cluster).chat.completions.create(model=model, messages=HELLO)  # type: ignore[arg-type]
+    content = answer.choices[0].message.content
+    assert content, f"{model} answered nothing"
+    return content
+
+
+def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.body
+    assert isinstance(body, dict), body
+    return body.get("error", body)  # type: ignore[no-any-return]
+
+
+def test_three_models_that_each_need_the_whole_card_to_start_take_turns(cluster: Cluster) -> None:
+    # The case a new user met: three 6 GiB models with nothing but a name, an engine and a
+    # model, on one 24 GiB card, on an engine that takes 6 GiB more while it loads than ready.
+    # A first start's derived peak (21.5 GiB) fits only an empty card: the model in the way
+    # is stopped, since parking it would not free enough.
+    for name in "abc":
+        cluster.deploy(name, engine="peaky", model="six")
+    for name in ["a", "b", "c", "a"]:
+        ask(cluster, name)
+        assert cluster.state(name) == "ready"
+    stopped = [
+        reason
+        for name in "abc"
+        for _, to, reason in cluster.transitions(name)
+        if to == "stopping" and "parking it would not free enough" in reason
+    ]
+    assert len(stopped) >= 2, "b's and c's first starts stopped the model in their way"
+    status = cluster.status("a")
+    assert status["startup"]["device_provenance"] == "measured", "the second start of a"
+    peak = status["startup"]["device_bytes"]
+    assert peak < 21 * (1 << 30), f"the measured peak ({peak}) replaced the derived 21.5 GiB"
+    parked = [to for name in "bc" for _, to, _ in cluster.transitions(name) if to == "parked"]
+    assert parked, "with a's measured peak, the last switch parks c instead of stopping it"
+
+
+def test_a_model_bigger_than_the_card_is_refused_at_once_with_figures(cluster: Cluster) -> None:
+    cluster.deploy("huge", model="huge")
+    began = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as refused:
+        ask(cluster, "huge")
+    assert time.monotonic() - began < 10, "at once, not at the request deadline"
+    assert refused.value.status_code == 503
+    error = error_of(refused.value)
+    assert error["code"] == "insufficient_resources"
+    message = error["message"]
+    assert "needs " in message
+    assert "on gpu0, which holds at most 22.1 GiB for models" in message
+    assert "stopping every model that may be evicted frees" in message
+    again = cluster.cli("start", "deployment", "huge", "--wait")
+    assert again.returncode == 4, again.stderr
+    assert "error [insufficient_resources]" in again.stderr
+
+
+def test_a_request_that_waits_past_its_deadline_gets_an_error(cluster: Cluster) -> None:
+    cluster.deploy("late", engine="slowload", model="small", request_deadline="3s")
+    began = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as late:
+        ask(cluster, "late")
+    waited = time.monotonic() - began
+    assert 2.5 < waited < 15, waited
+    assert late.value.status_code == 503
+    assert error_of(late.value)["code"] == "unavailable"
+    assert "within the request deadline (3s)" in error_of(late.value)["message"]
+
+
+@pytest.mark.parametrize(
+    ("verb", "status", "code"),
+    [("stop", 409, "deployment_stopped"), ("delete", 404, "unknown_model")],
+)
+def test_waiting_requests_are_told_when_their_deployment_goes(
+    cluster: Cluster, verb: str, status: int, code: str
+) -> None:
+    cluster.deploy("slow", engine="slowload", model="small")
+    found: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            ask(cluster, "slow")
+        except openai.APIStatusError as exc:
+            found.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_for(lambda: cluster.state("slow") == "starting", timeout=30, what="the slow start")
+    cluster.ok(verb, "deployment", "slow")
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "the waiting request was answered"
+    (exc,) = found
+    assert isinstance(exc, openai.APIStatusError)
+    assert (exc.status_code, error_of(exc)["code"]) == (status, code)
+
+
+def test_a_restart_only_park_stops_the_engine_and_a_request_cold_starts_it(
+    cluster: Cluster,
+) -> None:
+    cluster.deploy("ro", model="gguf", engine="llama", engine_config={"context_length": 4096})
+    cluster.ok("start", "deployment", "ro", "--wait")
+    assert "parked" in cluster.ok("park", "deployment", "ro", "--wait")
+    instance = cluster.instance("ro")
+    assert instance is not None
+    assert instance.state == "stopped", "a restart_only park stops the engine"
+    assert "parked" in cluster.ok("status", "deployment", "ro")
+    ask(cluster, "ro")
+    assert cluster.state("ro") == "ready"
+    starts = [to for _, to, _ in cluster.transitions("ro") if to == "starting"]
+    assert len(starts) == 2, "the request cold-started it"
+
+
+def test_status_says_when_the_model_will_next_park(cluster: Cluster) -> None:
+    cluster.deploy("soon", model="small")
+    ask(cluster, "soon")
+    idle = cluster.status("soon")["idle"]
+    assert (idle["ready_idle_timeout"], idle["parked_idle_timeout"]) == (300.0, 1800.0)
+    assert idle["next"]["action"] == "park"
+    assert 250 < idle["next"]["at"] - time.time() <= 300
+    text = cluster.ok("status", "deployment", "soon")
+    assert "parks at " in text
+    assert "ready 5m, parked 30m" in text
+
+
+def test_the_roles_idle_defaults_park_then_stop_unless_a_deployment_says_never() -> None:
+    scheduling = {
+        "drain_timeout": 10,
+        "park_verify_timeout": 3,
+        "ready_idle_timeout": "2s",
+        "parked_idle_timeout": "2s",
+    }
+    with running("idle", scheduling=scheduling) as cluster:
+        cluster.deploy("idle", model="small")
+        cluster.deploy("kept", model="small", lifecycle={"ready_idle_timeout": "never"})
+        ask(cluster, "idle")
+        ask(cluster, "kept")
+        wait_for(lambda: cluster.state("idle") == "stopped", timeout=30, what="idle park, stop")
+        assert cluster.status("idle")["state"] == "idle", "an idle stop keeps it on demand"
+        reasons = [(to, reason) for _, to, reason in cluster.transitions("idle")]
+        assert ("draining", "drain: idle for 2s") in reasons
+        assert "parked" in [to for to, _ in reasons], reasons
+        assert ("stopping", "stop: parked idle for 2s") in reasons
+        assert cluster.state("kept") == "ready", "never: it keeps its memory"
+        assert cluster.status("kept")["idle"]["next"] is None
