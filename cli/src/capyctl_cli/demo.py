@@ -3,7 +3,8 @@
 It runs the standalone role on a simulated 24 GiB GPU with three example deployments whose
 engines are CapyCTL's engine simulator (vLLM and SGLang as they behave on the wire and as
 processes), then prints how to send a request and how to watch a park and a wake. Its state
-lives apart (`~/.local/state/capyctl-demo`), and Ctrl-C stops the engines and the role.
+lives apart (`~/.local/state/capyctl-demo`). Ctrl-C stops the engines and the role, and so do a
+closed terminal (SIGHUP) and SIGTERM.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def run(state: Path, listen: str, management: str) -> int:
         load_deployment(example)  # a broken example fails here, naming its file
     capyctl = [sys.executable, "-m", "capyctl_cli"]
     log = state / "demo" / "role.log"
+    _stop_on_hangup()
     print(f"demo: starting the standalone role (its log: {log}) ...", flush=True)
     # Its own session: Ctrl-C reaches the demo alone, which stops the engines, then the role.
     with log.open("ab") as out:
@@ -130,6 +132,28 @@ def run(state: Path, listen: str, management: str) -> int:
             _stop(state, role)
 
 
+class Hangup(KeyboardInterrupt):
+    """The demo's terminal closed (SIGHUP) or it was told to stop (SIGTERM): it stops the
+    engines and the role as on Ctrl-C. The role runs in a session of its own, so it never
+    sees the terminal go."""
+
+
+def _stop_on_hangup() -> None:
+    def hang_up(signum: int, _: object) -> None:
+        for each in (signal.SIGHUP, signal.SIGTERM):
+            signal.signal(each, signal.SIG_IGN)  # the stop runs to its end
+        raise Hangup(signal.Signals(signum).name)
+
+    for signum in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, hang_up)
+
+
+def _say(text: str) -> None:
+    """Print, unless the terminal is gone (a write to a hung-up terminal fails with EIO)."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
+
+
 def _wait_for_api(paths: StatePaths, role: subprocess.Popen[bytes]) -> Management:
     deadline = time.monotonic() + 60
     while True:
@@ -151,7 +175,9 @@ def _wait_for_api(paths: StatePaths, role: subprocess.Popen[bytes]) -> Managemen
 
 def _stop(state: Path, role: subprocess.Popen[bytes]) -> int:
     """Engines outlive their role by design; a demo stops them first, then the role."""
-    print("\ndemo: stopping the engines and the role ...", flush=True)
+    for signum in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # a terminal closed meanwhile: go on stopping
+    _say("\ndemo: stopping the engines and the role ...")
     with contextlib.suppress(CapyError), Management(StatePaths(state), timeout=10) as api:
         hosts = api.get("/hosts")["hosts"]
         for host in hosts:
