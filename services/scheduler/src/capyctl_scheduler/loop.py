@@ -98,7 +98,11 @@ class Demands:
             deadline = record.document.request_deadline or default_deadline
             stale = [entry for entry, at in self.open[name] if now - at > deadline]
             if stale:
-                self.open[name] = [(e, at) for e, at in self.open[name] if e not in stale]
+                kept = [(e, at) for e, at in self.open[name] if e not in stale]
+                if kept:
+                    self.open[name] = kept
+                else:
+                    del self.open[name]
                 await self.client.xack(keys.demands(), GROUP, *stale)
 
 
