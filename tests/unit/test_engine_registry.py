@@ -83,4 +83,7 @@ def test_supported_and_verified_versions() -> None:
         check_supported(Family.SGLANG, "banana")
     assert is_verified(Family.VLLM, "0.29.0")
     assert not is_verified(Family.VLLM, "0.30.0")
+    assert is_verified(Family.VLLM, "0.32.0"), "named by the 0.1.7 notes"
+    assert is_verified(Family.SGLANG, "0.5.22"), "named by the 0.1.7 notes"
+    assert not is_verified(Family.SGLANG, "0.5.21")
     assert not is_verified(Family.LLAMACPP, "6500")

@@ -29,8 +29,8 @@ MINIMUM: dict[Family, tuple[str, str]] = {
 
 # Versions whose behaviour CapyCTL was checked against; others run as "custom".
 VERIFIED: dict[Family, frozenset[str]] = {
-    Family.VLLM: frozenset({"0.28.0", "0.29.0"}),
-    Family.SGLANG: frozenset({"0.5.15", "0.5.16"}),
+    Family.VLLM: frozenset({"0.28.0", "0.29.0", "0.32.0"}),
+    Family.SGLANG: frozenset({"0.5.15", "0.5.16", "0.5.22"}),
     Family.LLAMACPP: frozenset(),  # builds change daily: always custom
 }
 
