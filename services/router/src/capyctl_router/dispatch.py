@@ -126,7 +126,7 @@ class Dispatcher:
 
     def _check_open(self, name: str, joined: float) -> None:
         record = self.table.records.get(name)
-        if record is None:
+        if record is None or record.deleting:
             raise Refused(f"the model {name!r} is gone", code="unknown_model")
         refusal = record.refusal
         if refusal is not None and refusal.at >= joined:

@@ -124,6 +124,9 @@ class Manager:
 
     async def act(self, name: str, verb: Verb) -> dict[str, Any]:
         record = await self._get(name)
+        if record.deleting and verb == "delete":
+            return {"operation_id": operation_id(), "deployment": name,
+                    "revision": record.revision, "action": verb}  # fmt: skip
         if record.deleting:
             raise LifecycleConflict(f"deployment {name!r} is being deleted")
         snap = await self.snapshot()

@@ -71,6 +71,9 @@ class Capabilities:
     disconnect_abort_lag_s: float
     metrics_running: str
     metrics_waiting: str
+    # The engine shows when an aborted request has ended (SGLang 0.5.22 and later): hostd
+    # reports it, and the router gives back that request's place at once.
+    abort_reports_end: bool = False
 
 
 def options(*pairs: tuple[str, object | None]) -> list[str]:
