@@ -14,6 +14,9 @@ import httpx
 import openai
 import pytest
 
+from capycommon import places
+from capycommon.testing.enginesim.behaviour import Behaviour
+from capycommon.testing.enginesim.install import install_python_engine
 from cluster import FOURTEEN, SMALL, Cluster, running
 from support import wait_for
 
@@ -227,6 +230,82 @@ def test_sglang_aborts_a_cut_request_by_its_id(cluster: Cluster) -> None:
     assert cluster.engine_aborted("sg") == before + 2, "aborted by rid, not by the lagging hang-up"
 
 
+def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) -> None:
+    """SGLang 0.5.22: a cut request's place comes back once hostd reports that the engine
+    ended it, answered or cut before any answer (the engine held it), while another request
+    keeps the engine busy, so it never reads idle."""
+    slow = Behaviour(load_seconds=0.5, tokens_per_second=8, prefill_seconds=1.5,
+                     answer=" ".join(["word"] * 400))  # fmt: skip
+    install = install_python_engine(cluster.root / "e" / "sg22", "sglang", "0.5.22", slow)
+    cluster.ok("engine", "add", str(install), "--name", "sg22")
+    cluster.deploy("sg22", engine="sg22", model="small", engine_config=SMALL)
+    cluster.ok("start", "deployment", "sg22", "--wait")
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+
+    async def scenario() -> list[tuple[str, float]]:
+        async with httpx.AsyncClient(base_url=cluster.base_url, headers=headers,
+                                     timeout=60) as http:  # fmt: skip
+
+            async def send(max_tokens: int, first_token: asyncio.Event | None) -> None:
+                body = {"model": "sg22", "messages": HI, "stream": True, "max_tokens": max_tokens}
+                async with http.stream("POST", "/chat/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if first_token is not None and '"content"' in line:
+                            first_token.set()
+                    await asyncio.sleep(120)
+
+            async def engine_runs(count: int) -> None:
+                while await asyncio.to_thread(cluster.engine_running, "sg22") != count:
+                    await asyncio.sleep(0.1)
+
+            busy = asyncio.create_task(send(400, None))
+            await asyncio.wait_for(engine_runs(1), 15)
+            settled: list[tuple[str, float]] = []
+            for answered in (True, False):
+                token = asyncio.Event() if answered else None
+                task = asyncio.create_task(send(200, token))
+                await asyncio.wait_for(engine_runs(2), 10)  # the engine holds it (prefill first)
+                if token is not None:
+                    await asyncio.wait_for(token.wait(), 10)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                cut_at = time.monotonic()
+                field, back_at = await asyncio.to_thread(_raised_then_back, cluster)
+                settled.append((field, back_at - cut_at))
+                assert field == ("settle_when_idle" if answered else "settle_at_stop")
+                assert _places(cluster) == (1, 0, 0), "capyctl status shows it settled"
+                assert await asyncio.to_thread(cluster.engine_running, "sg22") == 1
+                assert not busy.done(), "the long request still runs: the engine never read idle"
+            busy.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await busy
+            return settled
+
+    for field, seconds in asyncio.run(scenario()):
+        print(f"{field}: settled {seconds:.3f} s after the cut")
+
+
+def _raised_then_back(cluster: Cluster) -> tuple[str, float]:
+    """Watch the places hash (what status shows): the cut request counted in one settle
+    field, then settled while the other request runs; which field, and when it settled."""
+    deadline = time.monotonic() + 10
+    raised = ""
+    while time.monotonic() < deadline:
+        found = places.read(cluster.client, "sg22")
+        if not raised and found.settle_when_idle + found.settle_at_stop == 1:
+            raised = "settle_when_idle" if found.settle_when_idle else "settle_at_stop"
+        if raised and (found.running, found.settle_when_idle, found.settle_at_stop) == (1, 0, 0):
+            return raised, time.monotonic()
+        time.sleep(0.005)
+    raise AssertionError(f"the cut request did not settle: {places.read(cluster.client, 'sg22')}")
+
+
+def _places(cluster: Cluster) -> tuple[int, int, int]:
+    requests = cluster.status("sg22")["requests"]
+    return requests["running"], requests["settle_when_idle"], requests["settle_at_stop"]
+
+
 def test_refusals_in_the_openai_envelope(cluster: Cluster) -> None:
     cluster.deploy("halt", model="small", engine_config=SMALL)
     with pytest.raises(openai.AuthenticationError):
@@ -252,6 +331,33 @@ def test_refusals_in_the_openai_envelope(cluster: Cluster) -> None:
         found = httpx.post(f"http://{cluster.role.inference}{path}",
                            headers={"Authorization": f"Bearer {cluster.api_key}"})  # fmt: skip
         assert found.status_code in (404, 405), f"{path} is not an engine path here"
+
+
+def test_an_engines_refusal_is_a_400_streamed_or_not(cluster: Cluster) -> None:
+    """vLLM refuses max_tokens beyond the context before it streams, and logprobs above 20
+    as the first event of a stream it has answered 200; SGLang refuses in its flat shape.
+    The client gets each as the engine's 400 in the OpenAI envelope, streamed or not."""
+    cluster.deploy("strict", model="small", engine_config=SMALL)
+    cluster.deploy("flat", engine="sglang", model="small", engine_config=SMALL)
+    client = sdk(cluster)
+    refusals: list[tuple[str, dict[str, Any], str]] = [
+        ("strict", {"max_tokens": 1_000_000}, "'max_tokens' or 'max_completion_tokens' is too "
+         "large: 1000000. This model's maximum context length is"),
+        ("strict", {"logprobs": True, "top_logprobs": 30},
+         "Requested sample logprobs of 30, which is greater than max allowed: 20"),
+        ("flat", {"max_tokens": -1}, "max_tokens: Input should be greater than or equal to 0"),
+    ]  # fmt: skip
+    for model, fields, message in refusals:
+        for stream in (True, False):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model=model, messages=HI, stream=stream,
+                                               **fields)  # fmt: skip
+            assert refused.value.status_code == 400
+            assert refused.value.code == "engine_rejected"
+            assert refused.value.type == "invalid_request_error"
+            assert message in refused.value.message, (model, stream)
+    for name in ("strict", "flat"):
+        assert cluster.status(name)["requests"]["running"] == 0, "each place came back"
 
 
 def test_metrics(cluster: Cluster) -> None:

@@ -185,6 +185,34 @@ def test_abort_by_rid_flush_when_busy_and_metrics(served: Engine) -> None:
     assert 'sglang:num_aborted_requests_total{model_name="tiny"} 1.0' in text
 
 
+def test_aborts_count_only_requests_the_engine_holds(served: Engine) -> None:
+    """The per-request state SGLang keeps: an abort of a rid it does not hold (never came, or
+    already finished) is dropped uncounted; one it holds is counted, and repeats are counted
+    until the request's end comes back."""
+    aborted = "sglang:num_aborted_requests_total"
+    start = served.metric(aborted)
+    assert served.post("/abort_request", json={"rid": "never-came"}).status_code == 200
+    assert served.metric(aborted) == start
+    body = {"messages": HELLO, "stream": True, "rid": "held-1"}
+    with httpx.stream("POST", f"{served.base}/v1/chat/completions", json=body,
+                      headers=served.headers) as streamed:  # fmt: skip
+        events = sse_events(streamed.iter_lines())
+        next(e for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("content"))
+        assert served.post("/abort_request", json={"rid": "held-1"}).content == b""
+        assert served.metric(aborted) == start + 1
+        list(events)
+
+    def gone() -> bool:
+        before = served.metric(aborted)
+        served.post("/abort_request", json={"rid": "held-1"})
+        return served.metric(aborted) == before
+
+    wait_for(gone, 5, "the aborted request to leave the engine's state")
+    finished = served.post("/v1/chat/completions", json={"messages": HELLO, "rid": "done-1"})
+    assert finished.json()["id"] == "done-1"
+    wait_for(gone, 5, "a finished request to leave the engine's state")
+
+
 def test_phases_serve_form_and_metrics_off_by_default(
     installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
 ) -> None:

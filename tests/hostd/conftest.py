@@ -22,6 +22,7 @@ def installs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "vllm": install_python_engine(root / "vllm", "vllm", "0.29.0", FAST),
         "sglang": install_python_engine(root / "sglang", "sglang", "0.5.16", FAST),
+        "sglang22": install_python_engine(root / "sglang22", "sglang", "0.5.22", FAST),
     }
 
 

@@ -76,6 +76,11 @@ def startup_peak(host: str, deployment: str, revision: int, fingerprint: str) ->
     return f"{host_prefix(host)}:startup-peak:{deployment}:{revision}:{fingerprint}"
 
 
+def request_ends(host: str) -> str:
+    """Stream of aborted requests the host's engines have ended (`capycommon.settlement`)."""
+    return f"{host_prefix(host)}:request-ends"
+
+
 def engine_load(host: str) -> str:
     """Hash of `<deployment>:<index>` -> the engine's running and waiting requests (hostd)."""
     return f"{host_prefix(host)}:engine-load"

@@ -27,6 +27,7 @@ from capycommon.store import Conflict, InstanceStore
 from capyctl_hostd import engines, procs, release
 from capyctl_hostd.engines import Engine, LaunchFailed
 from capyctl_hostd.ports import PortLeaser
+from capyctl_hostd.settle import Settler
 
 log = logging.getLogger(__name__)
 S = InstanceState
@@ -52,6 +53,10 @@ class Runner:
     engines: dict[str, Engine] = field(default_factory=dict)
     _member_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _gpu_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    settler: Settler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.settler = Settler(self.client, self.host)
 
     def lock_for(self, member: str) -> asyncio.Lock:
         return self._member_locks.setdefault(member, asyncio.Lock())
@@ -280,6 +285,10 @@ class Runner:
         engine = self.engines.get(record.member)
         if engine is None:
             await self._refuse_record(record, "abort", "hostd does not hold this engine")
+            return
+        profile = engine.spec.profile
+        if adapter_for(profile.family).capabilities(profile.version).abort_reports_end:
+            self.settler.follow(engine, record, request_id)
             return
         control = engine.control()
         try:

@@ -10,7 +10,10 @@ demand; everyone waiting is woken together when the deployment changes.
 A cut request (client gone, deadline passed) keeps its place until it settles, as the 0.1.7
 notes say: one the engine had started answering settles when the engine reads idle; one cut
 before any answer only at the instance's next stop (a new generation starts its places from
-zero). When such requests hold every place, the instance is restarted.
+zero). When such requests hold every place, the instance is restarted. On SGLang, hostd also
+aborts the request by id; where the engine shows the request's end (SGLang 0.5.22), hostd
+reports it and the request settles then: answered or not, if the engine held it; answered
+only, if it did not (one cut before any answer may still reach the engine).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from capycommon import desired, hostcommands, load, places
+from capycommon import desired, hostcommands, load, places, settlement
 from capycommon.errors import CapyError
 from capycommon.places import PlaceBook
 from capycommon.service import REDIS_ERRORS, wait_event
@@ -34,10 +37,24 @@ from capyctl_router.table import Table, Target
 log = logging.getLogger(__name__)
 # A wave re-asks for its deployment this often while requests still wait.
 DEMAND_EVERY_S = 5.0
+# Cut requests are checked for settlement this often.
+SETTLE_EVERY_S = 0.25
 
 
 class Refused(CapyError):
     """A request the router answers itself (code and status from the error table)."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A cut request whose place waits for it to settle."""
+
+    deployment: str
+    generation: int
+    host: str
+    settles: str  # the places field it counts in: settle_when_idle or settle_at_stop
+    at: float
+    reported: bool  # hostd was asked to abort it and may report its end
 
 
 @dataclass(frozen=True)
@@ -59,10 +76,10 @@ class Dispatcher:
     _demanded: dict[str, float] = field(default_factory=dict)
     # The wall-clock time of each deployment's last demand, to compare with a refusal's.
     _demanded_at: dict[str, float] = field(default_factory=dict)
-    # (deployment, generation, host) -> when each request cut after its first output was cut.
-    _settle_idle: dict[tuple[str, int, str], list[float]] = field(
-        default_factory=lambda: defaultdict(list)
-    )
+    # Cut requests by id until they settle (a stop settles those of its generation).
+    _cuts: dict[str, Cut] = field(default_factory=dict)
+    # host -> the cursor in its stream of request ends (`capycommon.settlement`).
+    _ends_after: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.book = PlaceBook(self.client)
@@ -178,47 +195,75 @@ class Dispatcher:
 
     async def cut(self, target: Target, request_id: str, answered: bool) -> None:
         """A request cut short: close its account as the 0.1.7 notes say; on SGLang, also
-        have hostd abort it by id."""
+        have hostd abort it by id (and report its end where the engine shows it)."""
         name = target.deployment
         self.metrics.cancelled(name)
-        settles = "when the engine reads idle" if answered else "at the instance's next stop"
-        log.info("request %s on %s cut; it settles %s", request_id, name, settles)
-        if target.family == "sglang":
+        settles = "settle_when_idle" if answered else "settle_at_stop"
+        reported = target.family == "sglang"
+        log.info("request %s on %s cut; it counts as %s", request_id, name, settles)
+        await self.book.cut(name, target.generation, settles)
+        if answered or reported:
+            self._cuts[request_id] = Cut(name, target.generation, target.host, settles,
+                                         time.time(), reported)  # fmt: skip
+        if reported:
+            if target.host not in self._ends_after:  # before the abort: no end is missed
+                self._ends_after[target.host] = await settlement.cursor(self.client, target.host)
             abort = hostcommands.Abort(deployment=name, generation=target.generation,
                                        request_id=request_id)  # fmt: skip
             await hostcommands.send(self.client, target.host, abort)
-        if answered:
-            await self.book.cut(name, target.generation, "settle_when_idle")
-            self._settle_idle[(name, target.generation, target.host)].append(time.time())
-        else:
-            await self.book.cut(name, target.generation, "settle_at_stop")
 
     async def settle(self, stop: asyncio.Event) -> None:
-        """Give back the places of cut requests once their engine reads idle (a reading
-        taken after the cut)."""
-        while not await wait_event(stop, 0.5):
-            if not self._settle_idle:
+        """Give back the places of cut requests as they settle: when hostd reports the end
+        of one it aborted, or when the engine reads idle (a reading taken after the cut)."""
+        while not await wait_event(stop, SETTLE_EVERY_S):
+            if not self._cuts:
                 continue
             with contextlib.suppress(*REDIS_ERRORS):
                 await self._settle_once()
 
     async def _settle_once(self) -> None:
-        for (name, generation, host), cuts in list(self._settle_idle.items()):
-            current = self.table.instances.get(name)
-            if current is None or current.generation != generation:
-                del self._settle_idle[(name, generation, host)]  # a stop settled them
-                continue
+        for request_id, cut in list(self._cuts.items()):
+            current = self.table.instances.get(cut.deployment)
+            if current is None or current.generation != cut.generation:
+                del self._cuts[request_id]  # a stop settled it
+        await self._settle_reported()
+        await self._settle_idle()
+
+    async def _settle_reported(self) -> None:
+        """The requests hostd reports ended: answered ones settle; one cut before any answer
+        settles only if the engine held it, else it may still arrive and waits for a stop."""
+        for host in {cut.host for cut in self._cuts.values() if cut.reported}:
+            after, ends = await settlement.read_after(self.client, host, self._ends_after[host])
+            for end in ends:
+                cut = self._cuts.get(end.request_id)
+                if cut is None or (cut.deployment, cut.generation) != (end.deployment,
+                                                                       end.generation):  # fmt: skip
+                    continue
+                if cut.settles == "settle_when_idle" or end.held:
+                    await self.book.give(cut.deployment, cut.generation, cut=cut.settles)
+                    self.table.wake(cut.deployment)
+                    log.info("request %s on %s ended in the engine; settled", end.request_id,
+                             cut.deployment)  # fmt: skip
+                del self._cuts[end.request_id]
+            self._ends_after[host] = after
+
+    async def _settle_idle(self) -> None:
+        """Requests the engine had answered settle once it reads idle after their cut."""
+        waiting: dict[tuple[str, int, str], list[tuple[str, Cut]]] = defaultdict(list)
+        for request_id, cut in self._cuts.items():
+            if cut.settles == "settle_when_idle":
+                waiting[(cut.deployment, cut.generation, cut.host)].append((request_id, cut))
+        for (name, generation, host), cuts in waiting.items():
             found = (await load.aread_loads(self.client, host)).get(f"{name}:0")
             if found is None or found.generation != generation:
                 continue
             if found.running + found.waiting == 0:
-                settled = [at for at in cuts if found.read_at > at]
+                settled = [request_id for request_id, cut in cuts if found.read_at > cut.at]
                 if settled:
                     await self.book.give(name, generation, len(settled), cut="settle_when_idle")
-                    self._settle_idle[(name, generation, host)] = cuts[len(settled) :]
+                    for request_id in settled:
+                        del self._cuts[request_id]
                     self.table.wake(name)
-            if not self._settle_idle[(name, generation, host)]:
-                del self._settle_idle[(name, generation, host)]
 
 
 async def wait_event_or(event: asyncio.Event, timeout: float) -> None:

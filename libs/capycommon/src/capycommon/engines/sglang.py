@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from capycommon.engines.control import EngineControl
+from packaging.version import Version
+
+from capycommon.engines.control import EngineControl, parse_metric
+from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
     ENGINE_HOST,
     PARKING,
@@ -26,7 +29,14 @@ RESERVED = frozenset(
 )  # fmt: skip
 
 
+# Counted by SGLang's tokenizer manager for each abort of a request it holds.
+ABORTED = "sglang:num_aborted_requests_total"
+# The first release whose aborts CapyCTL follows to each request's end (the 0.1.7 notes).
+REPORTS_ENDS = Version("0.5.22")
+
+
 def capabilities(version: str) -> Capabilities:
+    parsed = parse_version(Family.SGLANG, version)
     return Capabilities(
         residencies=(*PARKING, Residency.RESTART_ONLY),
         abort_by_id=True,
@@ -37,6 +47,7 @@ def capabilities(version: str) -> Capabilities:
         disconnect_abort_lag_s=4.0,  # non-streamed requests notice a hang-up every ~4 s
         metrics_running="sglang:num_running_reqs",
         metrics_waiting="sglang:num_queue_reqs",
+        abort_reports_end=parsed >= REPORTS_ENDS,
     )
 
 
@@ -83,3 +94,23 @@ class SglangControl(EngineControl):
 
     async def abort(self, request_id: str) -> None:
         await self._call("POST", "/abort_request", self.timeouts.abort, json={"rid": request_id})
+
+    async def aborts_counted(self) -> int:
+        """How many aborts of requests it held the engine has counted since it started."""
+        text = (await self._call("GET", "/metrics", self.timeouts.metrics)).text
+        return int(parse_metric(text, ABORTED))
+
+    async def abort_counted(self, request_id: str) -> int:
+        """Abort a request by id; returns how far the engine's abort count moved meanwhile.
+
+        SGLang's /abort_request answers 200 with an empty body for any rid. With one
+        tokenizer worker (CapyCTL never starts more), its tokenizer manager drops an abort for
+        a rid it does not hold in its per-request state (`rid_to_state`) and counts every
+        other in `sglang:num_aborted_requests_total` before answering; a rid leaves that
+        state once the scheduler's output says the request finished, the abort's included.
+        So a count that moves by one says the engine held this request, and one that does not
+        move says it holds it no more. The caller runs one such call at a time per engine.
+        """
+        before = await self.aborts_counted()
+        await self.abort(request_id)
+        return await self.aborts_counted() - before

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import math
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -56,6 +57,7 @@ class Frontend:
         self.engine = engine
         self.behaviour = behaviour
         self.process = process
+        self._gone: weakref.WeakSet[Work] = weakref.WeakSet()
 
     # Hooks ------------------------------------------------------------------------------
 
@@ -93,6 +95,14 @@ class Frontend:
         """Before a request enters the engine: a refusal, or None to go on."""
         return None
 
+    def submit(self, work: Work) -> None:
+        """Hand a request to the engine (a family may keep its own state of it too)."""
+        self.engine.submit(work)
+
+    def abort_gone(self, work: Work) -> None:
+        """Stop the work of a client that went away."""
+        self.engine.abort(work)
+
     # Handlers ---------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
@@ -108,7 +118,7 @@ class Frontend:
         work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
         answer = Answer(work, response_id, self.model_name(body), self.dialect,
                         self._include_usage(body))  # fmt: skip
-        self.engine.submit(work)
+        self.submit(work)
         return await self._respond(
             request, work, bool(body.stream), answer.chat_events, answer.chat_body
         )
@@ -125,7 +135,7 @@ class Frontend:
         work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
         answer = Answer(work, response_id, self.model_name(body), self.dialect,
                         self._include_usage(body))  # fmt: skip
-        self.engine.submit(work)
+        self.submit(work)
         return await self._respond(
             request, work, bool(body.stream), answer.text_events, answer.text_body
         )
@@ -221,10 +231,14 @@ class Frontend:
         return self.process.spawn(watch())
 
     def client_gone(self, work: Work, stream: bool) -> None:
+        """Noticed once per request (the stream's end and the disconnect watch both tell)."""
+        if work in self._gone:
+            return
+        self._gone.add(work)
         if work.finish is not None or self.behaviour.faults.keep_generating_on_disconnect:
             return
         lag = self.disconnect_lag(stream)
         if lag <= 0:
-            self.engine.abort(work)
+            self.abort_gone(work)
         else:
-            self.process.later(lag, lambda: self.engine.abort(work))
+            self.process.later(lag, lambda: self.abort_gone(work))

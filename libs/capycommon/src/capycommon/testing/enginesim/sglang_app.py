@@ -1,5 +1,13 @@
 """SGLang's HTTP API: health by generation, info routes, memory release and resume, aborts.
 
+The tokenizer manager's per-request state (`rid_to_state`) as SGLang keeps it: a request is
+held from its arrival until the scheduler's output saying it finished comes back (one
+scheduler step after an abort). `/abort_request` answers 200 with an empty body for any rid;
+with one tokenizer worker an abort of a rid not held is dropped, and every other abort is
+counted in `sglang:num_aborted_requests_total` (a hang-up's own abort, 2 s or 4 s late, too).
+From 0.5.20 `/v1/loads` answers in its own shape (timestamp, version, `loads` per DP rank);
+`/get_load` keeps the older list.
+
 Release and resume need --enable-memory-saver (without it they answer 200 and do nothing).
 Releasing while requests run crashes the scheduler (the process exits non-zero) or answers
 400, per the `release_while_busy` fault; resuming a tag that was not released is a 500
@@ -15,6 +23,7 @@ import os
 import time
 import uuid
 from dataclasses import asdict
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -22,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from capycommon.testing.enginesim.auth import BearerAuth
-from capycommon.testing.enginesim.behaviour import Behaviour
+from capycommon.testing.enginesim.behaviour import Behaviour, version_tuple
 from capycommon.testing.enginesim.engine import Engine, Token, Work
 from capycommon.testing.enginesim.memory import Regions
 from capycommon.testing.enginesim.metrics import Exposition
@@ -66,6 +75,8 @@ class SglangFrontend(Frontend):
         self.regions = regions
         self.status = "Starting"
         self.started = int(time.time())
+        self.rid_to_state: dict[str, Work] = {}
+        self.aborts_counted = 0
         self.dialect = Dialect(
             reasoning_fields=("reasoning_content",),
             new_tool_call_id=lambda: f"call_{uuid.uuid4().hex[:24]}",
@@ -102,6 +113,28 @@ class SglangFrontend(Frontend):
     def disconnect_lag(self, stream: bool) -> float:
         lag = self.behaviour.faults.disconnect_abort_lag
         return lag.stream if stream else lag.non_stream
+
+    def submit(self, work: Work) -> None:
+        self.rid_to_state[work.rid] = work
+        self.engine.submit(work)
+        self.process.spawn(self._forget(work))
+
+    async def _forget(self, work: Work) -> None:
+        """The request leaves the per-request state when its last output comes back."""
+        await work.done.wait()
+        await asyncio.sleep(min(0.5, 1.0 / self.behaviour.tokens_per_second))
+        if self.rid_to_state.get(work.rid) is work:
+            del self.rid_to_state[work.rid]
+
+    def abort_gone(self, work: Work) -> None:
+        self.abort_rid(work.rid)
+
+    def abort_rid(self, rid: str) -> None:
+        """`TokenizerManager.abort_request(rid)`: dropped for a rid not held (one worker)."""
+        if self.args.tokenizer_worker_num == 1 and rid not in self.rid_to_state:
+            return
+        self.aborts_counted += 1
+        self.engine.abort_rid(rid)
 
     async def admit(self) -> Response | None:
         released = self.regions.off_device()
@@ -182,9 +215,24 @@ class SglangFrontend(Frontend):
                              "internal_states": [state]})  # fmt: skip
 
     async def load(self, request: Request) -> Response:
+        if request.url.path == "/v1/loads" and version_tuple(self.version) >= (0, 5, 20):
+            return JSONResponse(self._loads())
         load = {"dp_rank": 0, "num_reqs": len(self.engine.running),
                 "num_waiting_reqs": len(self.engine.waiting), "num_tokens": 0}  # fmt: skip
         return JSONResponse([load])
+
+    def _loads(self) -> dict[str, Any]:
+        engine = self.engine
+        used = sum(w.prompt_tokens + w.completion_tokens for w in engine.running.values())
+        load = {
+            "dp_rank": 0, "num_running_reqs": len(engine.running),
+            "num_waiting_reqs": len(engine.waiting), "num_waiting_uncached_tokens": 0,
+            "num_used_tokens": used, "num_total_tokens": used, "max_total_num_tokens": 0,
+            "max_running_requests": self.args.max_running_requests, "token_usage": 0.0,
+            "gen_throughput": 0.0, "cache_hit_rate": 0.0, "utilization": 0.0,
+        }  # fmt: skip
+        return {"timestamp": datetime.now(UTC).isoformat(), "version": self.version,
+                "accelerator": None, "num_accelerators": 1, "loads": [load]}  # fmt: skip
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
@@ -214,7 +262,7 @@ class SglangFrontend(Frontend):
             out.gauge(f"sglang:{name}", name.replace("_", " ") + ".", [(labels, value)])
         counters = {"prompt_tokens": stats.prompt_tokens,
                     "generation_tokens": stats.generation_tokens, "num_requests": stats.requests,
-                    "num_aborted_requests": stats.aborted}  # fmt: skip
+                    "num_aborted_requests": self.aborts_counted}  # fmt: skip
         for name, value in counters.items():
             out.counter(f"sglang:{name}", name.replace("_", " ") + ".", [(labels, value)])
         out.histogram("sglang:time_to_first_token_seconds", "Time to first token.", labels,
@@ -239,9 +287,10 @@ class SglangFrontend(Frontend):
     async def abort_request(self, request: Request) -> Response:
         data = await _json(request)
         if data.get("abort_all"):
+            self.aborts_counted += 1
             self.engine.abort_all()
         elif data.get("rid"):
-            self.engine.abort_rid(str(data["rid"]))
+            self.abort_rid(str(data["rid"]))
         return Response(status_code=200)
 
     async def release(self, request: Request) -> Response:
