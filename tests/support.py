@@ -189,6 +189,9 @@ def start_role(
     management = f"127.0.0.1:{free_port()}"
     log_path = state.parent / f"{role}.out"
     env = env if env is not None else clean_env()
+    if role != "server" and "--host-name" not in extra and "CAPYCTL_HOST_NAME" not in env:
+        # The tests know the host as `local`; a role is named after the machine otherwise.
+        extra = ("--host-name", "local", *extra)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [

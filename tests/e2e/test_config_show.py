@@ -6,6 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+import yaml
+
+from capycommon.settings import ROLES, Role, setting_specs
 from support import capyctl, clean_env
 
 
@@ -115,3 +119,98 @@ def test_a_document_of_another_role_is_refused(tmp_path: Path) -> None:
     result = capyctl("config", "show", "--config", str(document))
     assert result.returncode == 2
     assert "is a 'host' document; the standalone role needs kind: standalone" in result.stderr
+
+
+def _nested(values: dict[str, str]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for path, value in values.items():
+        node = document
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return document
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_setting_comes_from_yaml_a_flag_or_a_variable(tmp_path: Path, role: Role) -> None:
+    """Walks the role's tree, so a new setting is covered as soon as it exists."""
+    specs = setting_specs(role)
+    base = ("--role", role, "--state-dir", str(tmp_path))
+    defaults = _by_path(_show(*base))
+    document = tmp_path / f"{role}.yaml"
+    examples = {path: spec.example for path, spec in specs.items()}
+    document.write_text(yaml.safe_dump({"kind": role, **_nested(examples)}))
+    from_yaml = _by_path(_show(*base, "--config", str(document)))
+    flags = [part for spec in specs.values() if spec.flag for part in (spec.flag, spec.example)]
+    from_flags = _by_path(_show(*base, *flags))
+    env = clean_env(**{spec.variable: spec.example for spec in specs.values()})
+    from_env = _by_path(_show(*base, env=env))
+    for path, spec in specs.items():
+        value = from_yaml[path][0]
+        assert from_yaml[path] == (value, "yaml"), path
+        assert value != defaults[path][0], f"{path}: its example is its default"
+        assert from_env[path] == (value, "env"), path
+        if spec.secret:
+            assert spec.flag is None
+            assert from_flags[path] == defaults[path]
+        else:
+            assert from_flags[path] == (value, "flag"), path
+
+
+def test_short_names_and_their_agreement(tmp_path: Path) -> None:
+    base = ("--state-dir", str(tmp_path))
+    env = clean_env(CAPYCTL_DEEP_PARK="off", CAPYCTL_MODELS_ROOT="/srv/m")
+    data = _show(*base, "--listen", "127.0.0.1:9001", "--engine-ports=8300-8399", env=env)
+    origins = {row["path"]: (row["value"], row["origin"]) for row in data["settings"]}
+    assert origins["server.listeners.inference.bind"] == ("127.0.0.1:9001", "--listen")
+    assert origins["host.engine_ports"] == ("8300-8399", "--engine-ports")
+    assert origins["host.deep_park"] == ("off", "CAPYCTL_DEEP_PARK")
+    assert origins["host.models_root"] == ("/srv/m", "CAPYCTL_MODELS_ROOT")
+
+    result = capyctl("config", "show", *base, "--deep-park", "off", "--host-deep-park", "on")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error [invalid_config]: --host-deep-park and --deep-park both set host.deep_park, to "
+        "'on' and 'off'; give one of them\n"
+    )
+    result = capyctl("config", "show", *base, env=clean_env(CAPYCTL_DEEP_PARK=""))
+    assert result.returncode == 2
+    assert result.stderr.startswith("error [invalid_config]: CAPYCTL_DEEP_PARK is set but empty")
+
+
+def test_unknown_and_secret_flags_are_refused_by_name(tmp_path: Path) -> None:
+    result = capyctl("config", "show", "--state-dir", str(tmp_path), "--max-parked", "3")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error [invalid_config]: unknown flag --max-parked for the standalone role; did you "
+        "mean --server-scheduling-max-parked? (--help lists every flag)\n"
+    )
+    result = capyctl("config", "show", "--redis-url=redis://u:p@h:1")
+    assert result.returncode == 2
+    assert "redis.url never comes from a flag" in result.stderr
+    assert "u:p" not in result.stderr
+    result = capyctl("start", "server", "--state-dir", str(tmp_path), "--deep-park", "off")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error [invalid_config]: --deep-park does not apply to the server role; drop it\n"
+    )
+
+
+def test_a_password_in_a_url_is_not_shown(tmp_path: Path) -> None:
+    env = clean_env(CAPYCTL_REDIS_URL="rediss://capy:s3cret@10.0.0.1:6380/0")
+    data = _show("--role", "host", "--state-dir", str(tmp_path), env=env)
+    assert _by_path(data)["redis.url"] == ("rediss://capy:***@10.0.0.1:6380/0", "env")
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_help_lists_every_flag(role: Role) -> None:
+    result = capyctl("start", role, "--help", env=clean_env(COLUMNS="80"))
+    assert result.returncode == 0
+    for spec in setting_specs(role).values():
+        for flag in spec.flags:
+            assert f"  {flag} " in result.stdout, flag
+    shown = capyctl("config", "show", "--help").stdout
+    assert all(
+        f"  {flag} " in shown for spec in setting_specs(role).values() for flag in spec.flags
+    )

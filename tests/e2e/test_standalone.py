@@ -279,7 +279,8 @@ def test_a_server_and_a_host_share_the_servers_redis() -> None:
         assert client.exists("capyctl:host:gpu-1:heartbeat:hostd") == 1
         assert client.exists("capyctl:host:gpu-1:heartbeat:memwatch") == 1
         client.close()
-        assert not (host_state / "identity").exists(), "a host holds no API credentials"
+        assert not (host_state / "identity" / "credentials").exists(), "no API credentials"
+        assert (host_state / "identity" / "host-name").read_text() == "gpu-1\n"
         assert host.stop() == 0
     finally:
         server.stop()

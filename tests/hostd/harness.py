@@ -66,6 +66,7 @@ class Hostd:
             CAPYCTL_SIMULATED_GPUS="gpu0:24GiB",
             CAPYCTL_ENGINE_PORTS=self.engine_ports,
             CAPYCTL_LOG_FORMAT="json",
+            CAPYCTL_HOST_NAME=HOST,
         )
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
@@ -83,6 +84,7 @@ class Hostd:
             CAPYCTL_REDIS_URL=f"unix://{self.redis_socket}",
             CAPYCTL_SIMULATED_GPUS="gpu0:24GiB",
             CAPYCTL_SIMULATED_HOST_RAM="64GiB",
+            CAPYCTL_HOST_NAME=HOST,
         )
         with (self.state / "memwatch.out").open("ab") as out:
             self.memwatch = subprocess.Popen(

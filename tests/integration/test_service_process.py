@@ -33,7 +33,7 @@ def state() -> Iterator[Path]:
 def _hostd(state: Path, redis_url: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "capyctl_hostd", "--role", "standalone", "--state-dir", str(state)],
-        env=clean_env(CAPYCTL_REDIS_URL=redis_url),
+        env=clean_env(CAPYCTL_REDIS_URL=redis_url, CAPYCTL_HOST_NAME="local"),
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -59,6 +59,7 @@ def memwatch(redis_socket: Path) -> Iterator[Memwatch]:
         CAPYCTL_SIMULATED_GPUS=SPEC,
         CAPYCTL_SIMULATED_HOST_RAM="64GiB",
         CAPYCTL_LOG_LEVEL="debug",
+        CAPYCTL_HOST_NAME="local",
     )
     with log.open("wb") as out:
         proc = subprocess.Popen(

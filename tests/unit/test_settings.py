@@ -9,12 +9,19 @@ import yaml
 
 from capycommon.errors import InvalidConfig
 from capycommon.paths import resolve_state_dir
+from capycommon.settingnames import derived_flag, derived_variable
 from capycommon.settings import (
     ROLES,
+    HostSection,
     HostSettings,
+    LoadedSettings,
+    Role,
     StandaloneSettings,
     load_settings,
     locate_document,
+    machine_host_name,
+    redacted,
+    setting_specs,
     split_address,
     template,
 )
@@ -134,3 +141,147 @@ def test_state_dir_resolution(tmp_path: Path) -> None:
         "default",
     )
     assert resolve_state_dir(None, {})[0] == Path.home() / ".local" / "state" / "capyctl"
+
+
+def _yaml_for(path: str, value: str) -> str:
+    node: dict[str, object] = {}
+    document: dict[str, object] = node
+    *parents, leaf = path.split(".")
+    for part in parents:
+        child: dict[str, object] = {}
+        node[part] = child
+        node = child
+    node[leaf] = value
+    return yaml.safe_dump(document)
+
+
+def _row(loaded: LoadedSettings, path: str) -> tuple[object, str, str | None]:
+    row = next(row for row in loaded.rows if row.path == path)
+    return row.value, row.source, row.origin
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_setting_is_documented_with_an_example(role: Role) -> None:
+    defaults = {row.path: row.value for row in load_settings(role, document=None, env={}).rows}
+    specs = setting_specs(role)
+    assert set(specs) == set(defaults), "every leaf of the tree is a setting"
+    for spec in specs.values():
+        assert spec.description, f"{spec.path} has no description"
+        assert spec.example, f"{spec.path} has no example"
+        assert spec.variable == derived_variable(spec.path)
+        assert spec.secret or spec.flag == derived_flag(spec.path)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_setting_comes_from_yaml_a_flag_or_a_variable(tmp_path: Path, role: Role) -> None:
+    defaults = {row.path: row.value for row in load_settings(role, document=None, env={}).rows}
+    for spec in setting_specs(role).values():
+        doc = tmp_path / f"{spec.path}.yaml"
+        doc.write_text(_yaml_for(spec.path, spec.example))
+        from_yaml = _row(load_settings(role, document=doc, env={}), spec.path)
+        assert from_yaml == (from_yaml[0], "yaml", str(doc))
+        assert from_yaml[0] != defaults[spec.path], f"{spec.path}: the example is the default"
+        for name in spec.variables:
+            loaded = load_settings(role, document=doc, env={name: spec.example})
+            assert _row(loaded, spec.path) == (from_yaml[0], "env", name)
+        for name in spec.flags:
+            loaded = load_settings(role, document=doc, env={}, flags={name: spec.example})
+            assert _row(loaded, spec.path) == (from_yaml[0], "flag", name)
+
+
+def test_names_are_derived_and_unique() -> None:
+    specs = setting_specs("standalone")
+    assert specs["server.scheduling.max_parked"].flags == ("--server-scheduling-max-parked",)
+    assert specs["server.scheduling.max_parked"].variables == (
+        "CAPYCTL_SERVER_SCHEDULING_MAX_PARKED",
+    )
+    assert specs["host.deep_park"].flags == ("--host-deep-park", "--deep-park")
+    assert specs["host.deep_park"].variables == ("CAPYCTL_HOST_DEEP_PARK", "CAPYCTL_DEEP_PARK")
+    assert specs["redis.url"].flags == (), "a secret has no flag"
+    flags = [name for spec in specs.values() for name in spec.flags]
+    variables = [name for spec in specs.values() for name in spec.variables]
+    assert len(flags) == len(set(flags))
+    assert len(variables) == len(set(variables))
+    assert not {"--state-dir", "--config", "--json", "--debug", "--role"} & set(flags)
+    assert not {"CAPYCTL_STATE_DIR", "CAPYCTL_CONFIG"} & set(variables)
+    assert set(setting_specs("server")) | set(setting_specs("host")) == set(specs)
+
+
+def test_two_names_of_one_setting_must_agree() -> None:
+    both = {"--server-listeners-inference-bind": "127.0.0.1:1", "--listen": "127.0.0.1:1"}
+    same = load_settings("standalone", document=None, env={}, flags=both)
+    assert same.settings.server.listeners.inference.bind == "127.0.0.1:1"  # type: ignore[union-attr]
+    both["--listen"] = "127.0.0.1:2"
+    with pytest.raises(InvalidConfig) as caught:
+        load_settings("standalone", document=None, env={}, flags=both)
+    assert caught.value.message == (
+        "--server-listeners-inference-bind and --listen both set server.listeners.inference.bind, "
+        "to '127.0.0.1:1' and '127.0.0.1:2'; give one of them"
+    )
+    env = {"CAPYCTL_DEEP_PARK": "on", "CAPYCTL_HOST_DEEP_PARK": "off"}
+    with pytest.raises(InvalidConfig, match="CAPYCTL_HOST_DEEP_PARK and CAPYCTL_DEEP_PARK both"):
+        load_settings("host", document=None, env=env)
+
+
+def test_flags_that_are_not_the_roles_are_refused() -> None:
+    with pytest.raises(InvalidConfig) as caught:
+        load_settings("standalone", document=None, env={}, flags={"--lisen": "127.0.0.1:1"})
+    assert caught.value.message == (
+        "unknown flag --lisen for the standalone role; did you mean --listen? "
+        "(--help lists every flag)"
+    )
+    with pytest.raises(InvalidConfig, match=r"^--deep-park does not apply to the server role"):
+        load_settings("server", document=None, env={}, flags={"--deep-park": "off"})
+    with pytest.raises(InvalidConfig) as caught:
+        load_settings("host", document=None, env={}, flags={"--redis-url": "redis://h:1"})
+    assert caught.value.message == (
+        "redis.url never comes from a flag (it may hold a secret); set CAPYCTL_REDIS_URL or "
+        "redis.url in the role document"
+    )
+
+
+@pytest.mark.parametrize("name", ["CAPYCTL_DEEP_PARK", "CAPYCTL_HOST_DEEP_PARK",
+                                  "CAPYCTL_ENGINE_PORTS"])  # fmt: skip
+def test_some_variables_may_not_be_empty(name: str) -> None:
+    with pytest.raises(InvalidConfig, match=rf"^{name} is set but empty; give it a value"):
+        load_settings("standalone", document=None, env={name: ""})
+
+
+def test_deep_park_is_on_or_off(tmp_path: Path) -> None:
+    doc = tmp_path / "host.yaml"
+    doc.write_text("host:\n  deep_park: off\n")
+    loaded = load_settings("host", document=doc, env={})
+    assert loaded.settings.host.deep_park == "off"  # type: ignore[union-attr]
+    loaded = load_settings("host", document=None, env={})
+    assert loaded.settings.host.deep_park == "on"  # type: ignore[union-attr]
+    with pytest.raises(InvalidConfig, match=r"--deep-park sets host\.deep_park to 'disabled'"):
+        load_settings("host", document=None, env={}, flags={"--deep-park": "disabled"})
+
+
+@pytest.mark.parametrize(
+    ("hostname", "name"),
+    [
+        ("vm", "vm"),
+        ("GPU-Box.example.com", "gpu-box"),
+        ("my_box", "my-box"),
+        ("-odd--", "odd"),
+        ("a" * 80, "a" * 63),
+        ("___", "local"),
+    ],
+)
+def test_the_default_host_name_is_the_hostname_made_to_fit(hostname: str, name: str) -> None:
+    assert machine_host_name(hostname) == name
+    HostSection(name=name)  # fits the pattern
+
+
+def test_the_default_host_name_is_this_machines() -> None:
+    loaded = load_settings("standalone", document=None, env={})
+    assert loaded.settings.host.name == machine_host_name()  # type: ignore[union-attr]
+
+
+def test_secrets_are_shown_without_their_password() -> None:
+    assert redacted("redis.url", "rediss://capy:s3cret@10.0.0.1:6380/0") == (
+        "rediss://capy:***@10.0.0.1:6380/0"
+    )
+    assert redacted("redis.url", "unix:///run/redis.sock") == "unix:///run/redis.sock"
+    assert redacted("host.name", "a:b@c") == "a:b@c"

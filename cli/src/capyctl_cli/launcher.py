@@ -24,7 +24,7 @@ from typing import IO
 from capycommon.errors import StateDirInUse, ToolchainMissing
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import bind
-from capycommon.settings import ENV_VARS, FLAGS, HostSettings, Role, host_name
+from capycommon.settings import HostSettings, Role, host_name, setting_specs
 from capycommon.version import __version__
 from capyctl_cli import record, redisconf, supervisor
 from capyctl_cli.roles import PROCESSES, Prepared, service_command
@@ -74,13 +74,17 @@ def _describe_holder(paths: StatePaths) -> str:
 
 def child_environment(prepared: Prepared, env: Mapping[str, str]) -> dict[str, str]:
     """The environment of supervisord and its processes: the caller's, plus every flag as
-    the variable of the same setting, so each service resolves exactly what the role did."""
+    the variable of the same setting (its other names dropped, so they cannot disagree), and
+    the host's name however it was chosen, so each service resolves exactly what the role
+    did."""
     child = dict(env)
-    by_path = {path: name for name, path in ENV_VARS.items()}
-    flagged = set(FLAGS.values())
+    specs = setting_specs(prepared.loaded.role)
     for row in prepared.loaded.rows:
-        if row.source == "flag" and row.path in flagged:
-            child[by_path[row.path]] = str(row.value)
+        if row.source == "flag" or row.path == "host.name":
+            spec = specs[row.path]
+            for name in spec.variables:
+                child.pop(name, None)
+            child[spec.variable] = str(row.value)
     if prepared.loaded.settings.log.format == "auto":
         child["CAPYCTL_LOG_FORMAT"] = "text" if sys.stdout.isatty() else "json"
     child["PYTHONUNBUFFERED"] = "1"

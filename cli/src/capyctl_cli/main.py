@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from capycommon import logs
 from capycommon.errors import InvalidConfig
 from capycommon.paths import StatePaths, resolve_state_dir
-from capycommon.settings import Role, load_settings, locate_document
+from capycommon.settings import Role, load_settings, locate_document, redacted
 from capycommon.version import __version__
 from capyctl_cli import demo as demo_cmd
 from capyctl_cli import deployments, engines, launcher, output, roles
@@ -20,16 +20,12 @@ from capyctl_cli import status as status_cmd
 from capyctl_cli.options import (
     ConfigOpt,
     DebugOpt,
-    EnginePortsOpt,
-    HostNameOpt,
     JsonOpt,
-    ListenOpt,
-    LogLevelOpt,
-    ManagementOpt,
-    ModelsRootOpt,
+    SettingsCommand,
     StateDirOpt,
     expected_errors,
     role_of,
+    setting_flags,
 )
 
 app = typer.Typer(
@@ -72,10 +68,6 @@ def root(
     """CapyCTL: your models on your GPUs, behind one OpenAI-compatible endpoint."""
 
 
-def _role_flags(**values: str | None) -> dict[str, str | None]:
-    return {f"--{name.replace('_', '-')}": value for name, value in values.items()}
-
-
 def _start(
     role: Role, state_dir: str | None, config: str | None, flags: dict[str, str | None]
 ) -> None:
@@ -89,61 +81,57 @@ def _start(
     raise typer.Exit(code)
 
 
-@start_app.command("standalone")
+@start_app.command("standalone", cls=SettingsCommand)
 @expected_errors
+@setting_flags("standalone")
 def start_standalone(
+    ctx: typer.Context,
+    flags: dict[str, str | None],
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
-    listen: ListenOpt = None,
-    management_listen: ManagementOpt = None,
-    host_name: HostNameOpt = None,
-    models_root: ModelsRootOpt = None,
-    engine_ports: EnginePortsOpt = None,
-    log_level: LogLevelOpt = None,
     debug: DebugOpt = False,
 ) -> None:
-    """Run everything on this machine: redis, router, scheduler, hostd and memwatch."""
-    flags = _role_flags(
-        listen=listen,
-        management_listen=management_listen,
-        host_name=host_name,
-        models_root=models_root,
-        engine_ports=engine_ports,
-        log_level=log_level,
-    )
+    """Run everything on this machine: redis, router, scheduler, hostd and memwatch.
+
+    Every setting (a.b_c in the role document) is also the flag --a-b-c and the variable
+    CAPYCTL_A_B_C; precedence: flag > variable > document > default.
+    """
     _start("standalone", state_dir, config, flags)
 
 
-@start_app.command("server")
+@start_app.command("server", cls=SettingsCommand)
 @expected_errors
+@setting_flags("server")
 def start_server(
+    ctx: typer.Context,
+    flags: dict[str, str | None],
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
-    listen: ListenOpt = None,
-    management_listen: ManagementOpt = None,
-    log_level: LogLevelOpt = None,
     debug: DebugOpt = False,
 ) -> None:
-    """Run the control plane: redis, router and scheduler."""
-    flags = _role_flags(listen=listen, management_listen=management_listen, log_level=log_level)
+    """Run the control plane: redis, router and scheduler.
+
+    Every setting (a.b_c in the role document) is also the flag --a-b-c and the variable
+    CAPYCTL_A_B_C; precedence: flag > variable > document > default.
+    """
     _start("server", state_dir, config, flags)
 
 
-@start_app.command("host")
+@start_app.command("host", cls=SettingsCommand)
 @expected_errors
+@setting_flags("host")
 def start_host(
+    ctx: typer.Context,
+    flags: dict[str, str | None],
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
-    host_name: HostNameOpt = None,
-    models_root: ModelsRootOpt = None,
-    engine_ports: EnginePortsOpt = None,
-    log_level: LogLevelOpt = None,
     debug: DebugOpt = False,
 ) -> None:
-    """Run a GPU host's agents: hostd and memwatch, joined to a server's Redis."""
-    flags = _role_flags(
-        host_name=host_name, models_root=models_root, engine_ports=engine_ports, log_level=log_level
-    )
+    """Run a GPU host's agents: hostd and memwatch, joined to a server's Redis.
+
+    Every setting (a.b_c in the role document) is also the flag --a-b-c and the variable
+    CAPYCTL_A_B_C; precedence: flag > variable > document > default.
+    """
     _start("host", state_dir, config, flags)
 
 
@@ -218,48 +206,45 @@ def run_process(
     os.execv(program.argv[0], program.argv)  # noqa: S606 - a fixed argv, no shell
 
 
-@config_app.command("show")
+@config_app.command("show", cls=SettingsCommand)
 @expected_errors
+@setting_flags("standalone")  # every setting of every role; each role takes its own
 def config_show(
+    ctx: typer.Context,
+    flags: dict[str, str | None],
     role: Annotated[str, typer.Option("--role", help="standalone, server or host.")] = "standalone",
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
-    listen: ListenOpt = None,
-    management_listen: ManagementOpt = None,
-    host_name: HostNameOpt = None,
-    models_root: ModelsRootOpt = None,
-    engine_ports: EnginePortsOpt = None,
-    log_level: LogLevelOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Print every setting, its value and where it came from; never asks a running role."""
+    """Print every setting, its value and where it came from; never asks a running role.
+
+    Takes the same setting flags as `capyctl start <role>` (listed below).
+    """
     env = dict(os.environ)
     chosen = role_of(role)
     root_dir, state_source = resolve_state_dir(state_dir, env)
     document = locate_document(config, env, StatePaths(root_dir).role_document(chosen))
-    flags = _role_flags(
-        listen=listen,
-        management_listen=management_listen,
-        host_name=host_name,
-        models_root=models_root,
-        engine_ports=engine_ports,
-        log_level=log_level,
-    )
     loaded = load_settings(chosen, document=document, env=env, flags=flags)
-    rows = [("state_dir", str(root_dir), state_source)]
-    rows += [(row.path, row.value, row.source) for row in loaded.rows]
+    rows: list[tuple[str, Any, str, str | None]] = [
+        ("state_dir", str(root_dir), state_source, None)
+    ]
+    rows += [(row.path, redacted(row.path, row.value), row.source, row.origin)
+             for row in loaded.rows]  # fmt: skip
     if as_json:
         output.emit_json(
             {
                 "role": chosen,
                 "document": str(document) if document else None,
-                "settings": [{"path": p, "value": v, "source": s} for p, v, s in rows],
+                "settings": [
+                    {"path": p, "value": v, "source": s, "origin": o} for p, v, s, o in rows
+                ],
             }
         )
         return
     print(f"role {chosen}; document {document or '(none)'}")
-    print(output.table(["SETTING", "VALUE", "SOURCE"], rows))
+    print(output.table(["SETTING", "VALUE", "SOURCE"], [row[:3] for row in rows]))
 
 
 @status_app.callback(invoke_without_command=True)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import typer
+import typer.core
 
 from capycommon.errors import CapyError, InvalidConfig
-from capycommon.settings import Role
+from capycommon.settingnames import SettingSpec
+from capycommon.settings import Role, setting_specs
 from capyctl_cli import output
 
 StateDirOpt = Annotated[
@@ -21,45 +24,6 @@ ConfigOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")]
-ListenOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--listen",
-        help="Inference listener ADDR:PORT (CAPYCTL_INFERENCE_ADDR).",
-        show_default=False,
-    ),
-]
-ManagementOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--management-listen",
-        help="Management listener, loopback ADDR:PORT (CAPYCTL_MANAGEMENT_ADDR).",
-        show_default=False,
-    ),
-]
-HostNameOpt = Annotated[
-    str | None,
-    typer.Option("--host-name", help="This host's name (CAPYCTL_HOST_NAME).", show_default=False),
-]
-ModelsRootOpt = Annotated[
-    str | None,
-    typer.Option("--models-root", help="Models folder (CAPYCTL_MODELS_ROOT).", show_default=False),
-]
-EnginePortsOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--engine-ports",
-        help="Engine port range START-END (CAPYCTL_ENGINE_PORTS).",
-        show_default=False,
-    ),
-]
-LogLevelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--log-level", help="debug|info|warning|error (CAPYCTL_LOG_LEVEL).", show_default=False
-    ),
-]
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -86,3 +50,74 @@ def role_of(value: str) -> Role:
     if value not in ("standalone", "server", "host"):
         raise InvalidConfig(f"unknown role {value!r}; use standalone, server or host")
     return value  # type: ignore[return-value]
+
+
+class SettingsCommand(typer.core.TyperCommand):
+    """A command with setting flags: it accepts what click does not know, so that
+    `load_settings`, not click, refuses an unknown flag (naming it, as one line with an exit
+    code); its help is plain text, which never cuts a long flag name short."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["context_settings"] = {
+            **(kwargs.get("context_settings") or {}),
+            "allow_extra_args": True,
+            "ignore_unknown_options": True,
+        }
+        super().__init__(*args, **kwargs)
+        self.rich_markup_mode = None
+
+
+def setting_flags(role: Role) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command one option per flag of `role`'s settings, derived from its tree.
+
+    The command takes `ctx: typer.Context` and `flags: dict[str, str | None]` (each flag
+    name and its value, None when not given, with any flag click did not know, which
+    `load_settings` refuses naming it); the options are listed by --help under "Settings".
+    Register the command with `cls=SettingsCommand`.
+    """
+    options = [
+        (f"setting_{index}", name, spec)
+        for index, (name, spec) in enumerate(
+            (name, spec) for spec in setting_specs(role).values() for name in spec.flags
+        )
+    ]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
+               if p.name != "flags"]  # fmt: skip
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            flags = {name: kwargs.pop(param) for param, name, _ in options}
+            ctx: typer.Context = kwargs["ctx"]
+            return fn(*args, flags={**flags, **_extras(ctx.args)}, **kwargs)
+
+        params = [_option(param, name, spec) for param, name, spec in options]
+        wrapper.__signature__ = inspect.Signature([*own, *params])  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
+def _option(param: str, name: str, spec: SettingSpec) -> inspect.Parameter:
+    text = spec.description if name == spec.flag else f"Same as {spec.flag}."
+    if name == spec.flag and len(spec.variables) > 1:
+        text += f" Also {', '.join(spec.variables[1:])}."
+    option = typer.Option(name, metavar=spec.metavar, help=text, show_default=False,
+                          rich_help_panel="Settings")  # fmt: skip
+    return inspect.Parameter(
+        param, inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[str | None, option],
+    )  # fmt: skip
+
+
+def _extras(args: list[str]) -> dict[str, str]:
+    """What click left over, as flags; `load_settings` refuses the unknown ones by name."""
+    found: dict[str, str] = {}
+    rest = iter(args)
+    for arg in rest:
+        if not arg.startswith("-"):
+            raise InvalidConfig(f"unexpected argument {arg!r}; settings are given as --flag VALUE")
+        name, sep, value = arg.partition("=")
+        found.setdefault(name, value if sep else next(rest, ""))
+    return found

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from capycommon import credentials
 from capycommon.credentials import Credentials
-from capycommon.errors import InvalidConfig, ToolchainMissing
+from capycommon.errors import HostNameChanged, InvalidConfig, ToolchainMissing
 from capycommon.paths import StatePaths, check_socket_path, ensure_private_dir, write_atomic
 from capycommon.settings import (
     HostSettings,
     LoadedSettings,
     Role,
+    ServerSettings,
     load_settings,
     locate_document,
     template,
@@ -45,7 +46,8 @@ def prepare(
     env: Mapping[str, str],
     flags: Mapping[str, str | None],
 ) -> Prepared:
-    """Make the state dir ready for `role`: private folders, the role document, credentials."""
+    """Make the state dir ready for `role`: private folders, the role document, credentials,
+    and the host's name (kept on the first start, checked on every later one)."""
     paths = StatePaths(state_dir)
     for folder in (paths.root, paths.run_dir, paths.logs_dir, paths.config_dir, paths.redis_dir):
         ensure_private_dir(folder)
@@ -60,10 +62,40 @@ def prepare(
                 "the host role needs the server's Redis: set redis.url in the host document "
                 "or CAPYCTL_REDIS_URL"
             )
+        keep_host_name(paths, loaded)
         return Prepared(paths, loaded, None)
     check_socket_path(paths.redis_socket)
     check_socket_path(paths.supervisor_socket)
+    if not isinstance(loaded.settings, ServerSettings):
+        keep_host_name(paths, loaded)
     return Prepared(paths, loaded, credentials.ensure(paths.credentials))
+
+
+def keep_host_name(paths: StatePaths, loaded: LoadedSettings) -> None:
+    """Keep the host's name in the state dir on its first start; refuse a later start under
+    another name (its instances, engines and readings are all kept under the name)."""
+    assert not isinstance(loaded.settings, ServerSettings)
+    name = loaded.settings.host.name
+    file = paths.host_name
+    ensure_private_dir(file.parent)
+    try:
+        kept = file.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        write_atomic(file, f"{name}\n")
+        return
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise InvalidConfig(f"cannot read {file}: {reason}; restore it or fix its mode") from None
+    if kept != name:
+        row = next(row for row in loaded.rows if row.path == "host.name")
+        said = row.origin or "the machine's hostname"
+        raise HostNameChanged(
+            f"this state dir belongs to host {kept!r} (kept in {file} since its first start), "
+            f"but this start is host {name!r} (from {said}); start it as {kept}: keep the "
+            f"hostname (a container: docker run --hostname {kept}) or set host.name: {kept} "
+            f"(--host-name {kept} or CAPYCTL_HOST_NAME={kept}); a new host needs another "
+            "--state-dir"
+        )
 
 
 def service_command(service: str, role: Role, prepared: Prepared) -> list[str]:

@@ -65,6 +65,12 @@ class RedisUnreachable(CapyError):
     code = "redis_unreachable"
 
 
+class HostNameChanged(CapyError):
+    """A state dir started under another host name than the one it keeps."""
+
+    code = "host_name_changed"
+
+
 class EngineEnvReserved(InvalidConfig):
     """A deployment sets an engine variable CapyCTL owns; the code names it (`:<NAME>`)."""
 
@@ -98,6 +104,7 @@ _EXIT_CODES: dict[str, int] = {
     "not_found": 2,
     "engine_env_reserved": 2,
     "route_conflict": 2,
+    "host_name_changed": 2,
     "unauthenticated": 3,
     "unauthorized": 3,
     "insufficient_resources": 4,
@@ -148,6 +155,7 @@ _HTTP_STATUSES: dict[str, int] = {
     "deployment_inactive": 409,
     "unsupported_parameter": 400,
     "route_conflict": 409,
+    "host_name_changed": 409,
     "profile_not_published": 409,
     "lifecycle_conflict": 409,
     "revision_conflict": 409,

@@ -53,6 +53,11 @@ class StatePaths:
         return self.identity_dir / "credentials"
 
     @property
+    def host_name(self) -> Path:
+        """The host's name, kept from the state dir's first start."""
+        return self.identity_dir / "host-name"
+
+    @property
     def run_dir(self) -> Path:
         return self.root / "run"
 

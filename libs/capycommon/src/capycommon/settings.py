@@ -3,22 +3,30 @@
 Precedence is fixed here, in `load_settings`: flag > CAPYCTL_* environment > YAML role
 document > default. Every layer records who stated each value, so a malformed value is
 refused naming its origin, and `capyctl config show` can say where each value came from.
+
+Every leaf of a tree is a setting, with a description and an example value; its flag and
+variable are derived from its path (`capycommon.settingnames`), so nothing lists them by hand.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import ipaddress
 import re
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from capycommon.errors import InvalidConfig
+from capycommon.settingnames import Setting, SettingSpec, derived_flag, specs_of
 from capycommon.simgpu import parse_devices
 from capycommon.units import parse_duration, parse_size
 
@@ -107,7 +115,8 @@ LoopbackAddress = Annotated[str, AfterValidator(_check_loopback_address)]
 PortRange = Annotated[str, AfterValidator(_check_port_range)]
 IdleTimeout = Annotated[str, AfterValidator(_check_idle_timeout)]
 RedisUrl = Annotated[str | None, AfterValidator(_check_redis_url)]
-HostName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+HostName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$"), Setting(metavar="NAME")]
+Seconds = Annotated[float, Setting(metavar="SECONDS")]
 
 
 class Strict(BaseModel):
@@ -117,11 +126,29 @@ class Strict(BaseModel):
 
 
 class InferenceListener(Strict):
-    bind: ListenAddress = "0.0.0.0:8443"
+    bind: Annotated[
+        ListenAddress,
+        Setting(flags=("--listen",), variables=("CAPYCTL_INFERENCE_ADDR",), metavar="ADDR:PORT"),
+    ] = Field(
+        "0.0.0.0:8443",
+        description="The inference API's address (all interfaces by default).",
+        examples=["127.0.0.1:8444"],
+    )
 
 
 class ManagementListener(Strict):
-    bind: LoopbackAddress = "127.0.0.1:7443"
+    bind: Annotated[
+        LoopbackAddress,
+        Setting(
+            flags=("--management-listen",),
+            variables=("CAPYCTL_MANAGEMENT_ADDR",),
+            metavar="ADDR:PORT",
+        ),
+    ] = Field(
+        "127.0.0.1:7443",
+        description="The management API's address, on loopback only.",
+        examples=["127.0.0.1:7444"],
+    )
 
 
 class Listeners(Strict):
@@ -142,15 +169,21 @@ def _check_limit(value: str | None) -> str | None:
     return value
 
 
-Limit = Annotated[str | None, AfterValidator(_check_limit)]
+Limit = Annotated[str | None, AfterValidator(_check_limit), Setting(metavar="SIZE|N%")]
 
 
 class DomainLimits(Strict):
     """Overrides of the standalone-derived limits of one kind of memory domain."""
 
-    managed_limit: Limit = None
-    free_reserve: Limit = None
-    parked_limit: Limit = None
+    managed_limit: Limit = Field(
+        None, description="The most CapyCTL charges on the domain.", examples=["40%"]
+    )
+    free_reserve: Limit = Field(
+        None, description="What stays free on the domain after any admission.", examples=["10%"]
+    )
+    parked_limit: Limit = Field(
+        None, description="The most parked models may hold on the domain.", examples=["16GiB"]
+    )
 
 
 class MemoryPolicy(Strict):
@@ -162,28 +195,75 @@ class MemoryPolicy(Strict):
 
 class SchedulingSection(Strict):
     memory: MemoryPolicy = MemoryPolicy()
-    # The most models a host keeps parked; the least recently used beyond it stop.
-    max_parked: int = Field(default=8, ge=0, le=256)
-    # Seconds a model being switched out may finish its requests before it parks or stops.
-    drain_timeout: float = Field(default=30.0, ge=1, le=600)
-    # Seconds memwatch has to show a park's memory released; otherwise the engine stops.
-    park_verify_timeout: float = Field(default=15.0, ge=1, le=600)
-    # Seconds a request (and the start or wake it waits for) may wait for first output.
-    request_deadline: float = Field(default=1800.0, gt=0, le=3600)
+    max_parked: int = Field(
+        default=8,
+        ge=0,
+        le=256,
+        description="The most models a host keeps parked; the least recently used beyond it stop.",
+        examples=["3"],
+    )
+    drain_timeout: Seconds = Field(
+        default=30.0,
+        ge=1,
+        le=600,
+        description="Seconds a model being switched out may finish its requests before it "
+        "parks or stops.",
+        examples=["10"],
+    )
+    park_verify_timeout: Seconds = Field(
+        default=15.0,
+        ge=1,
+        le=600,
+        description="Seconds memwatch has to show a park's memory released; otherwise the "
+        "engine stops.",
+        examples=["5"],
+    )
+    request_deadline: Seconds = Field(
+        default=1800.0,
+        gt=0,
+        le=3600,
+        description="Seconds a request (and the start or wake it waits for) may wait for first "
+        "output.",
+        examples=["600"],
+    )
     # Idle models give their memory back: a ready model nobody asked for in this long parks
     # (or stops, if it cannot park), and a parked one stops after parked_idle_timeout. A
     # deployment's lifecycle overrides either; `never` turns the step off.
-    ready_idle_timeout: IdleTimeout = "5m"
-    parked_idle_timeout: IdleTimeout = "30m"
+    ready_idle_timeout: Annotated[IdleTimeout, Setting(metavar="DURATION|never")] = Field(
+        "5m",
+        description="A ready model nobody asked for in this long parks (or stops); never: off.",
+        examples=["10m"],
+    )
+    parked_idle_timeout: Annotated[IdleTimeout, Setting(metavar="DURATION|never")] = Field(
+        "30m",
+        description="A parked model nobody asked for in this long stops; never: off.",
+        examples=["2h"],
+    )
 
 
 class RoutingSection(Strict):
-    # Requests waiting for one deployment (0: none wait; they get queue_full at once, and
-    # the start or wake is still asked for), and for all of them together.
-    max_pending_per_deployment: int = Field(default=64, ge=0, le=4096)
-    max_pending_total: int = Field(default=256, ge=0, le=65536)
-    # Seconds of silence a stream may have after its first output.
-    stream_idle_timeout: float = Field(default=120.0, ge=1, le=3600)
+    max_pending_per_deployment: int = Field(
+        default=64,
+        ge=0,
+        le=4096,
+        description="Requests waiting for one deployment (0: none wait; they get queue_full "
+        "at once, and the start or wake is still asked for).",
+        examples=["16"],
+    )
+    max_pending_total: int = Field(
+        default=256,
+        ge=0,
+        le=65536,
+        description="Requests waiting for any deployment.",
+        examples=["128"],
+    )
+    stream_idle_timeout: Seconds = Field(
+        default=120.0,
+        ge=1,
+        le=3600,
+        description="Seconds of silence a stream may have after its first output.",
+        examples=["60"],
+    )
 
 
 class ServerSection(Strict):
@@ -207,30 +287,113 @@ def _check_size(value: str | None) -> str | None:
     return value
 
 
+def _on_off(value: object) -> object:
+    """YAML reads a bare on/off as a boolean; the setting keeps the word."""
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value
+
+
+OnOff = Annotated[Literal["on", "off"], BeforeValidator(_on_off)]
+
+
+def machine_host_name(hostname: str | None = None) -> str:
+    """This machine's hostname made a host name: its first label, lower-cased, each run of
+    other characters a hyphen, at most 63 characters; `local` if nothing is left."""
+    label = (socket.gethostname() if hostname is None else hostname).split(".")[0].lower()
+    name = re.sub(r"[^a-z0-9-]+", "-", label).strip("-")[:63].rstrip("-")
+    return name or "local"
+
+
 class HostSection(Strict):
-    name: HostName = "local"
-    models_root: Annotated[Path, AfterValidator(lambda p: p.expanduser())] = Field(
-        default_factory=lambda: Path.home() / "models"
+    name: HostName = Field(
+        default_factory=machine_host_name,
+        description="This host's name; the state dir keeps the name of its first start.",
+        examples=["gpu-box"],
     )
-    engine_ports: PortRange = "8100-8199"
-    # Simulated GPUs instead of NVML: `gpu0:24GiB,gpu1:24GiB` or `unified:128GiB`.
-    simulated_gpus: Annotated[str | None, AfterValidator(_check_simulated_gpus)] = None
-    # Simulated host RAM, e.g. `64GiB` (with simulated GPUs only).
-    simulated_host_ram: Annotated[str | None, AfterValidator(_check_size)] = None
-    # Where simulated GPUs keep devices.json and the claims; None: <state>/simgpu.
-    simgpu_dir: Path | None = None
+    models_root: Annotated[
+        Path,
+        AfterValidator(lambda p: p.expanduser()),
+        Setting(flags=("--models-root",), variables=("CAPYCTL_MODELS_ROOT",)),
+    ] = Field(
+        default_factory=lambda: Path.home() / "models",
+        description="The folder that model names in deployments are relative to.",
+        examples=["/srv/models"],
+    )
+    engine_ports: Annotated[
+        PortRange,
+        Setting(
+            flags=("--engine-ports",),
+            variables=("CAPYCTL_ENGINE_PORTS",),
+            metavar="START-END",
+            empty_refused=True,
+        ),
+    ] = Field(
+        "8100-8199",
+        description="The loopback ports engines listen on.",
+        examples=["8200-8299"],
+    )
+    deep_park: Annotated[
+        OnOff,
+        Setting(flags=("--deep-park",), variables=("CAPYCTL_DEEP_PARK",), empty_refused=True),
+    ] = Field(
+        "on",
+        description="off: no engine here parks deep or runs with its development controls "
+        "(vLLM's dev mode); models that would park deep stop instead.",
+        examples=["off"],
+    )
+    simulated_gpus: Annotated[
+        str | None,
+        AfterValidator(_check_simulated_gpus),
+        Setting(variables=("CAPYCTL_SIMULATED_GPUS",), metavar="NAME:SIZE,..."),
+    ] = Field(
+        None,
+        description="Simulated GPUs instead of NVML: gpu0:24GiB,gpu1:24GiB or unified:128GiB.",
+        examples=["gpu0:24GiB"],
+    )
+    simulated_host_ram: Annotated[
+        str | None,
+        AfterValidator(_check_size),
+        Setting(variables=("CAPYCTL_SIMULATED_HOST_RAM",), metavar="SIZE"),
+    ] = Field(
+        None,
+        description="Simulated host RAM, e.g. 64GiB (with simulated GPUs only).",
+        examples=["64GiB"],
+    )
+    simgpu_dir: Annotated[Path | None, Setting(variables=("CAPYCTL_SIMGPU_DIR",))] = Field(
+        None,
+        description="Where simulated GPUs keep devices.json and the claims; none: <state>/simgpu.",
+        examples=["/srv/capyctl/simgpu"],
+    )
 
 
 class LogSection(Strict):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    format: Literal["auto", "text", "json"] = "auto"
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="The least severe log line written.", examples=["debug"]
+    )
+    format: Literal["auto", "text", "json"] = Field(
+        "auto",
+        description="auto: text on a terminal, JSON lines otherwise.",
+        examples=["json"],
+    )
 
 
 class RedisSection(Strict):
-    # None: the role's own redis-server on a unix socket in the state dir.
-    url: RedisUrl = None
-    # Seconds a service keeps trying to reach Redis before it exits non-zero.
-    unreachable_after: float = Field(default=10.0, gt=0, le=300)
+    url: Annotated[RedisUrl, Setting(metavar="URL", secret=True)] = Field(
+        None,
+        description="The Redis to use (none: the role's own redis-server on a unix socket in "
+        "the state dir); it may carry a password, so it never comes from a flag.",
+        examples=["redis://127.0.0.1:6390/0"],
+    )
+    unreachable_after: Seconds = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Seconds a service keeps trying to reach Redis before it exits non-zero.",
+        examples=["30"],
+    )
 
 
 class RoleSettings(BaseSettings):
@@ -258,7 +421,7 @@ class RoleSettings(BaseSettings):
 class StandaloneSettings(RoleSettings):
     kind: Literal["standalone"] = "standalone"
     server: ServerSection = ServerSection()
-    host: HostSection = HostSection()
+    host: HostSection = Field(default_factory=HostSection)
 
 
 class ServerSettings(RoleSettings):
@@ -268,7 +431,7 @@ class ServerSettings(RoleSettings):
 
 class HostSettings(RoleSettings):
     kind: Literal["host"] = "host"
-    host: HostSection = HostSection()
+    host: HostSection = Field(default_factory=HostSection)
 
 
 AnySettings = StandaloneSettings | ServerSettings | HostSettings
@@ -279,30 +442,19 @@ MODELS: dict[Role, type[AnySettings]] = {
     "host": HostSettings,
 }
 
-# Named environment variables, each for one setting.
-ENV_VARS: dict[str, str] = {
-    "CAPYCTL_INFERENCE_ADDR": "server.listeners.inference.bind",
-    "CAPYCTL_MANAGEMENT_ADDR": "server.listeners.management.bind",
-    "CAPYCTL_HOST_NAME": "host.name",
-    "CAPYCTL_MODELS_ROOT": "host.models_root",
-    "CAPYCTL_ENGINE_PORTS": "host.engine_ports",
-    "CAPYCTL_SIMULATED_GPUS": "host.simulated_gpus",
-    "CAPYCTL_SIMULATED_HOST_RAM": "host.simulated_host_ram",
-    "CAPYCTL_SIMGPU_DIR": "host.simgpu_dir",
-    "CAPYCTL_LOG_LEVEL": "log.level",
-    "CAPYCTL_LOG_FORMAT": "log.format",
-    "CAPYCTL_REDIS_URL": "redis.url",
-}
 
-# Named role flags, each for one setting; the CLI offers these on `start` and `config show`.
-FLAGS: dict[str, str] = {
-    "--listen": "server.listeners.inference.bind",
-    "--management-listen": "server.listeners.management.bind",
-    "--host-name": "host.name",
-    "--models-root": "host.models_root",
-    "--engine-ports": "host.engine_ports",
-    "--log-level": "log.level",
-}
+@functools.cache
+def setting_specs(role: Role) -> dict[str, SettingSpec]:
+    """Every setting of a role by its dotted path, with its flags and variables."""
+    return {spec.path: spec for spec in specs_of(MODELS[role])}
+
+
+def all_setting_specs() -> dict[str, SettingSpec]:
+    """Every setting of any role (the standalone role has them all)."""
+    found: dict[str, SettingSpec] = {}
+    for role in ROLES:
+        found.update(setting_specs(role))
+    return found
 
 
 @dataclass
@@ -337,6 +489,8 @@ class SettingRow:
     path: str
     value: Any
     source: str
+    # The flag, variable or document that stated it; None for a default.
+    origin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -347,34 +501,75 @@ class LoadedSettings:
     rows: tuple[SettingRow, ...]
 
 
-def role_paths(role: Role) -> frozenset[str]:
-    defaults = MODELS[role]().model_dump(mode="json", exclude={"kind"})
-    return frozenset(path for path, _ in _leaves(defaults))
-
-
 def flag_layer(role: Role, flags: Mapping[str, str | None]) -> Layer:
     """Flags given on the command line (name -> value; None means not given)."""
-    layer = Layer("flag")
-    known = role_paths(role)
+    specs = setting_specs(role)
+    by_flag = {name: spec for spec in specs.values() for name in spec.flags}
+    stated: dict[str, list[tuple[str, str]]] = {}
     for name, value in flags.items():
         if value is None:
             continue
-        path = FLAGS[name]
-        if path not in known:
-            raise InvalidConfig(f"{name} does not apply to the {role} role; drop it")
-        layer.put(path, value, name)
+        spec = by_flag.get(name)
+        if spec is None:
+            raise InvalidConfig(unknown_flag(role, name))
+        stated.setdefault(spec.path, []).append((name, value))
+    layer = Layer("flag")
+    for path, given in stated.items():
+        layer.put(path, *_agreed(path, given))
     return layer
+
+
+def unknown_flag(role: Role, name: str) -> str:
+    """Why `name` is no flag of `role`'s settings, and what to do instead."""
+    for spec in all_setting_specs().values():
+        if name in spec.flags:
+            return f"{name} does not apply to the {role} role; drop it"
+        if spec.secret and name == derived_flag(spec.path):
+            return (
+                f"{spec.path} never comes from a flag (it may hold a secret); set "
+                f"{spec.variable} or {spec.path} in the role document"
+            )
+    known = [flag for spec in setting_specs(role).values() for flag in spec.flags]
+    # `--max-parked` is most likely the end of a setting's path; else the closest spelling.
+    ends = [flag for flag in known if flag.endswith(f"-{name.lstrip('-')}")]
+    close = ends[:1] if len(ends) == 1 else difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"unknown flag {name} for the {role} role{hint} (--help lists every flag)"
 
 
 def env_layer(role: Role, env: Mapping[str, str]) -> Layer:
-    """The named CAPYCTL_* variables that apply to `role`; an empty variable is unset."""
+    """The CAPYCTL_* variables of `role`'s settings; an empty one counts as unset, except
+    where the setting refuses it."""
     layer = Layer("env")
-    known = role_paths(role)
-    for name, path in ENV_VARS.items():
-        value = env.get(name, "")
-        if value and path in known:
-            layer.put(path, value, name)
+    for spec in setting_specs(role).values():
+        given = []
+        for name in spec.variables:
+            value = env.get(name)
+            if value is None:
+                continue
+            if value == "":
+                if spec.empty_refused:
+                    raise InvalidConfig(
+                        f"{name} is set but empty; give it a value (for example "
+                        f"{name}={spec.example}) or unset it"
+                    )
+                continue
+            given.append((name, value))
+        if given:
+            layer.put(spec.path, *_agreed(spec.path, given))
     return layer
+
+
+def _agreed(path: str, given: list[tuple[str, str]]) -> tuple[str, str]:
+    """The value of a setting stated under several names, which must agree."""
+    first_name, first = given[0]
+    for name, value in given[1:]:
+        if value != first:
+            raise InvalidConfig(
+                f"{first_name} and {name} both set {path}, to {first!r} and {value!r}; "
+                "give one of them"
+            )
+    return first, first_name
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -467,9 +662,25 @@ def load_settings(
         raise InvalidConfig(_explain(exc, layers)) from None
     rows = []
     for path, value in _leaves(settings.model_dump(mode="json", exclude={"kind"})):
-        source = next((layer.source for layer in layers if path in layer.origins), "default")
-        rows.append(SettingRow(path, value, source))
+        stated = next((layer for layer in layers if path in layer.origins), None)
+        if stated is None:
+            rows.append(SettingRow(path, value, "default"))
+        else:
+            rows.append(SettingRow(path, value, stated.source, stated.origins[path]))
     return LoadedSettings(role, settings, document, tuple(rows))
+
+
+def redacted(path: str, value: Any) -> Any:
+    """A value fit to print: a secret setting's URL without its password."""
+    spec = all_setting_specs().get(path)
+    if spec is None or not spec.secret or not isinstance(value, str):
+        return value
+    parts = urlsplit(value)
+    if parts.password is None:
+        return value
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
 def _explain(exc: ValidationError, layers: list[Layer]) -> str:
