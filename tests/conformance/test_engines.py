@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
@@ -32,7 +33,10 @@ from llamacpp_real.tinygguf import write_tiny_model
 from support import short_dir, wait_for
 
 GiB = 1 << 30
-TARGETS = ("vllm", "sglang", "llamacpp", "llamacpp-real")
+# Each verified version whose behaviour differs where CapyCTL calls: vLLM 0.29.0 and 0.32.0,
+# SGLang 0.5.16 and 0.5.22 (the versions the 0.1.7 notes name).
+TARGETS = ("vllm-0.29.0", "vllm-0.32.0", "sglang-0.5.16", "sglang-0.5.22", "llamacpp",
+           "llamacpp-real")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,12 +64,12 @@ def _target(name: str, root: Path) -> Target:
     if not (simgpu / "devices.json").exists():
         make_devices(simgpu, "gpu0:24GiB")
     fast = Behaviour(load_seconds=0.3, warmup_seconds=0.2, tokens_per_second=200)
-    if name == "vllm":
-        install = install_python_engine(root / "vllm", "vllm", "0.29.0", fast)
-        return Target(name, Family.VLLM, install, sparse_model(root / "m-hf", 2 * GiB), simgpu)
-    if name == "sglang":
-        install = install_python_engine(root / "sglang", "sglang", "0.5.16", fast)
-        return Target(name, Family.SGLANG, install, sparse_model(root / "m-hf", 2 * GiB), simgpu)
+    if name.startswith(("vllm-", "sglang-")):
+        family: Literal["vllm", "sglang"] = "vllm" if name.startswith("vllm-") else "sglang"
+        version = name.partition("-")[2]
+        install = install_python_engine(root / family, family, version, fast)
+        model = sparse_model(root / "m-hf", 2 * GiB)
+        return Target(name, Family(family), install, model, simgpu)
     if name == "llamacpp":
         install = install_llama_server(root / "llama-sim", 6500, fast)
         model = sparse_model(root / "m-gguf", 1 * GiB, gguf=True)
