@@ -232,6 +232,30 @@ def test_errors_use_the_nested_envelope(served: Engine) -> None:
     assert bad.json()["error"]["type"] == "BadRequestError"
 
 
+def test_refusals_before_and_inside_the_stream(served: Engine) -> None:
+    """max_tokens beyond the context: 400 before anything streams. Logprobs above 20: found
+    when the engine takes the request, so a stream answers 200 with the error first."""
+    for stream in (False, True):
+        body = {"model": "tiny", "messages": HELLO, "max_tokens": 5000, "stream": stream}
+        answer = served.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 400
+        assert answer.json() == {"error": {
+            "message": "'max_tokens' or 'max_completion_tokens' is too large: 5000. This "
+            "model's maximum context length is 4096 tokens and your request has 4 input "
+            "tokens (5000 > 4096 - 4).", "type": "BadRequestError", "param": None,
+            "code": 400}}  # fmt: skip
+    message = "Requested sample logprobs of 30, which is greater than max allowed: 20"
+    body = {"model": "tiny", "messages": HELLO, "logprobs": True, "top_logprobs": 30}
+    answer = served.post("/v1/chat/completions", json=body)
+    assert (answer.status_code, answer.json()["error"]["message"]) == (400, message)
+    with httpx.stream("POST", f"{served.base}/v1/chat/completions", headers=served.headers,
+                      json={**body, "stream": True}, timeout=30) as sent:  # fmt: skip
+        assert sent.status_code == 200
+        events = list(sse_events(sent.iter_lines()))
+    assert events == [{"error": {"message": message, "type": "BadRequestError", "param": None,
+                                 "code": 400}}, "[DONE]"]  # fmt: skip
+
+
 def test_text_completions(served: Engine) -> None:
     completion = served.openai().completions.create(model="tiny", prompt="Once upon", max_tokens=2)
     assert completion.id.startswith("cmpl-")

@@ -103,6 +103,8 @@ _EXIT_CODES: dict[str, int] = {
     "credentials_unusable": 2,
     "not_found": 2,
     "engine_env_reserved": 2,
+    # The engine refused an inference request as sent (its own 4xx, relayed with its status).
+    "engine_rejected": 2,
     "route_conflict": 2,
     "host_name_changed": 2,
     "unauthenticated": 3,
@@ -154,6 +156,7 @@ _HTTP_STATUSES: dict[str, int] = {
     "deployment_stopped": 409,
     "deployment_inactive": 409,
     "unsupported_parameter": 400,
+    "engine_rejected": 400,
     "route_conflict": 409,
     "host_name_changed": 409,
     "profile_not_published": 409,

@@ -12,13 +12,13 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import httpx
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capycommon import httpauth
@@ -27,15 +27,8 @@ from capycommon.errors import CapyError, Unauthenticated
 from capycommon.version import __version__
 from capyctl_router.dispatch import Dispatcher, Refused
 from capyctl_router.errors import capy_error_handler, envelope
-from capyctl_router.relay import (
-    Assembly,
-    Call,
-    EngineError,
-    engine_request,
-    events,
-    for_client,
-    sse,
-)
+from capyctl_router.proxy import Session, disconnected
+from capyctl_router.relay import Call
 from capyctl_router.table import Table, Target
 
 MAX_BODY = 4 << 20
@@ -181,11 +174,8 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
         dispatcher.metrics.outcome(name, "client_gone")
         return Response(status_code=499)
     dispatcher.metrics.running.labels(name).inc()
-    session = Session(router, call, target, arrived, deadline)
-    if call.client_streams:
-        return StreamingResponse(session.stream(), media_type="text/event-stream",
-                                 headers=headers)  # fmt: skip
-    return await session.collect(request, headers)
+    session = Session(dispatcher, router.http, call, target, arrived, deadline)
+    return await session.answer(request, headers)
 
 
 async def _until_disconnect(
@@ -193,7 +183,7 @@ async def _until_disconnect(
 ) -> Target | None:
     """`work`'s result, or None (after cancelling it) if the client hangs up first."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -205,174 +195,3 @@ async def _until_disconnect(
         target = await task
         await dispatcher.release(target)  # a place taken just as the client left
     return None
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-@dataclass
-class Session:
-    """One admitted request: relayed, then its place settled."""
-
-    router: Router
-    call: Call
-    target: Target
-    arrived: float
-    deadline: float
-
-    async def _open(self) -> httpx.Response:
-        body, headers = engine_request(self.call, self.target)
-        url = f"http://127.0.0.1:{self.target.port}{self.call.path}"
-        request = self.router.http.build_request("POST", url, json=body, headers=headers)
-        response = await self.router.http.send(request, stream=True)
-        if response.status_code >= 400:
-            text = (await response.aread()).decode(errors="replace")[:2000]
-            await response.aclose()
-            raise EngineRejected(response.status_code, text)
-        return response
-
-    def _first_output(self) -> None:
-        if not self.call.answered:
-            self.call.answered = True
-            self.router.dispatcher.metrics.first_output(
-                self.target.deployment, time.monotonic() - self.arrived
-            )
-
-    async def _events(self, response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
-        """The engine's events, bounded by the deadline until the first, then by the idle
-        bound between events."""
-        iterator = events(response).__aiter__()
-        limits = self.router.dispatcher.limits
-        while True:
-            wait = (self.deadline - time.monotonic()) if not self.call.answered else (
-                limits.stream_idle_s)  # fmt: skip
-            try:
-                event = await asyncio.wait_for(iterator.__anext__(), max(0.001, wait))
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise Cut("deadline" if not self.call.answered else "stream idle") from None
-            self._first_output()
-            yield event
-            if event is None:
-                return
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        outcome = "cancelled"
-        response: httpx.Response | None = None
-        try:
-            response = await self._open()
-            async for event in self._events(response):
-                shown = for_client(self.call, event) if event is not None else None
-                if event is None or shown is not None:
-                    yield sse(shown)
-            outcome = "ok"
-        except EngineRejected as exc:
-            outcome = "engine_rejected"
-            yield sse(exc.event())
-        except (EngineError, httpx.HTTPError) as exc:
-            outcome = "engine_error"
-            yield sse({"error": {"message": str(exc), "type": "server_error",
-                                 "code": "engine_error"}})  # fmt: skip
-        except Cut as exc:
-            outcome = exc.why
-            yield sse({"error": {"message": f"cut: {exc.why}", "type": "server_error",
-                                 "code": "unavailable"}})  # fmt: skip
-        finally:
-            await _settled(self._finish(response, outcome))
-
-    async def collect(self, request: Request, headers: dict[str, str]) -> Response:
-        outcome = "cancelled"
-        response: httpx.Response | None = None
-
-        async def assemble() -> dict[str, Any]:
-            nonlocal response
-            response = await self._open()
-            if self.call.kind == "embeddings":
-                body: dict[str, Any] = json.loads(await response.aread())
-                self._first_output()
-                return {**body, "model": self.call.route}
-            assembly = Assembly(self.call)
-            async for event in self._events(response):
-                if event is not None:
-                    assembly.add(event)
-            return assembly.body()
-
-        try:
-            task = asyncio.ensure_future(assemble())
-            gone = asyncio.ensure_future(_disconnected(request))
-            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            gone.cancel()
-            if task not in done:
-                task.cancel()  # closes the engine connection at once
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                return Response(status_code=499)
-            body = task.result()
-            outcome = "ok"
-            return JSONResponse(body, headers=headers)
-        except EngineRejected as exc:
-            outcome = "engine_rejected"
-            return JSONResponse(exc.event(), status_code=exc.status, headers=headers)
-        except (EngineError, httpx.HTTPError) as exc:
-            outcome = "engine_error"
-            return envelope(500, "engine_error", f"the engine failed: {exc}", headers=headers)
-        except Cut as exc:
-            outcome = exc.why
-            return envelope(503, "unavailable", f"no answer in time ({exc.why})",
-                            headers={**headers, "Retry-After": "1"})  # fmt: skip
-        finally:
-            await _settled(self._finish(response, outcome))
-
-    async def _finish(self, response: httpx.Response | None, outcome: str) -> None:
-        """Close the engine connection (at once, if the client left), then settle the place."""
-        if response is not None:
-            await response.aclose()
-        dispatcher = self.router.dispatcher
-        dispatcher.metrics.running.labels(self.target.deployment).dec()
-        dispatcher.metrics.outcome(self.target.deployment, outcome)
-        if outcome in ("ok", "engine_rejected", "engine_error"):
-            await dispatcher.release(self.target)
-        else:
-            await dispatcher.cut(self.target, self.call.request_id, self.call.answered)
-
-
-_settling: set[asyncio.Task[None]] = set()
-
-
-async def _settled(work: Coroutine[Any, Any, None]) -> None:
-    """Run a request's settlement to its end even when the request's task is being
-    cancelled (a client hang-up cancels the stream that is settling)."""
-    task = asyncio.ensure_future(work)
-    _settling.add(task)
-    task.add_done_callback(_settling.discard)
-    await asyncio.shield(task)
-
-
-class Cut(Exception):
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why
-
-
-class EngineRejected(Exception):
-    """The engine refused the request (its own 4xx): relayed as it said it."""
-
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(text)
-        self.status = status
-        self.text = text
-
-    def event(self) -> dict[str, Any]:
-        try:
-            found = json.loads(self.text)
-        except json.JSONDecodeError:
-            found = None
-        if isinstance(found, dict) and "error" in found:
-            return found
-        return {"error": {"message": self.text, "type": "invalid_request_error",
-                          "code": "engine_rejected"}}  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -10,13 +12,22 @@ from capycommon.errors import CapyError
 _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 
-def envelope(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error envelope, as an answer's body or as an error event in a stream."""
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def envelope(
+    status: int,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
+) -> JSONResponse:
     extra = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
-    return JSONResponse(body, status_code=status, headers={**extra, **(headers or {})})
+    return JSONResponse(error_body(status, code, message, param), status_code=status,
+                        headers={**extra, **(headers or {})})  # fmt: skip
 
 
 async def capy_error_handler(_: Request, exc: Exception) -> JSONResponse:

@@ -3,6 +3,12 @@
 The router always streams from the engine, also for a client that asked for one JSON body,
 and assembles that body itself. So it sees the engine's first output (which decides how a
 cut request settles) and can close the engine connection the moment a client goes.
+
+Engines answer errors in their own shapes: vLLM nests them (`{"error": {...}}`, from 0.10.1)
+or not (`{"object": "error", ...}`, up to 0.10.0), SGLang is flat, llama.cpp nests
+`{"code", "message", "type"}`, an auth refusal is `{"error": "Unauthorized"}`, and inside a
+stream an error is an event of the same shapes. `engine_failure` and `event_failure` turn
+each into one `EngineFailed`: the engine's status and message, in the OpenAI envelope.
 """
 
 from __future__ import annotations
@@ -15,16 +21,100 @@ from typing import Any
 import httpx
 
 from capycommon.errors import CapyError
+from capyctl_router.errors import error_body
 from capyctl_router.table import Target
 
 JsonDict = dict[str, Any]
 # The one SSE event the router accepts from an engine, and the whole answer it collects.
 MAX_EVENT = 1 << 20
 MAX_ANSWER = 16 << 20
+# What the router reads of an engine's error answer.
+MAX_ERROR = 64 << 10
 
 
 class EngineError(CapyError):
+    """The engine's answer broke the router's rules (not JSON, over the limits)."""
+
     code = "engine_error"
+
+
+class EngineFailed(CapyError):
+    """The engine's own error: its HTTP status and message, whatever shape it gave them.
+    Code `engine_rejected` for a 4xx (the engine refused the request as sent), `engine_error`
+    for a 5xx."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message, code="engine_rejected" if status < 500 else "engine_error")
+        self.status = status
+        self.param = param
+
+    @property
+    def http_status(self) -> int:
+        return self.status
+
+    def body(self) -> JsonDict:
+        return error_body(self.status, self.code, self.message, self.param)
+
+
+def engine_failure(status: int, raw: bytes) -> EngineFailed:
+    """An engine's error answer (an HTTP status of 400 or more) as the client gets it."""
+    text = raw.decode(errors="replace").strip()
+    try:
+        found: object = json.loads(text)
+    except json.JSONDecodeError:
+        found = None
+    message, param, _ = _error_fields(found)
+    return _failed(status, message or text[:2000] or f"the engine answered HTTP {status}", param)
+
+
+def event_failure(event: JsonDict) -> EngineFailed | None:
+    """An error event as a failure with the status its `code` names (else 500); None for
+    any other event."""
+    if event.get("error") is None and event.get("object") != "error":
+        return None
+    message, param, code = _error_fields(event)
+    status = code if code is not None and 400 <= code <= 599 else 500
+    return _failed(status, message or "the engine sent an error event with no message", param)
+
+
+def _failed(status: int, message: str, param: str | None) -> EngineFailed:
+    if status in (401, 403):  # the engine refused the router's own key: not the client's fault
+        return EngineFailed(500, f"the engine refused the router's key (HTTP {status}: "
+                                 f"{message})")  # fmt: skip
+    return EngineFailed(status, message, param)
+
+
+def _error_fields(found: object) -> tuple[str | None, str | None, int | None]:
+    """(message, param, numeric code) of an engine's error, in any of the families' shapes;
+    FastAPI's own `{"detail": ...}` too."""
+    if not isinstance(found, dict):
+        return None, None, None
+    inner = found.get("error", found)
+    if isinstance(inner, str):
+        return inner, None, None
+    if not isinstance(inner, dict):
+        return None, None, None
+    message = inner.get("message")
+    if not isinstance(message, str) and "detail" in found:
+        detail = found["detail"]
+        message = detail if isinstance(detail, str) else json.dumps(detail)
+    param = inner.get("param")
+    code = inner.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    return (message if isinstance(message, str) else None,
+            param if isinstance(param, str) else None,
+            code if isinstance(code, int) and not isinstance(code, bool) else None)  # fmt: skip
+
+
+async def error_answer(response: httpx.Response) -> bytes:
+    """The start of an engine's error answer (its first 64 KiB)."""
+    raw = b""
+    async for chunk in response.aiter_bytes():
+        raw += chunk
+        if len(raw) >= MAX_ERROR:
+            break
+    return raw[:MAX_ERROR]
 
 
 @dataclass
@@ -63,9 +153,13 @@ def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]
 
 
 async def events(response: httpx.Response) -> AsyncIterator[JsonDict | None]:
-    """The engine's SSE events as JSON; None for `[DONE]`."""
+    """The engine's SSE events as JSON; None for `[DONE]`. A line `error: {...}` (some
+    llama.cpp builds) is an error event too."""
     size = 0
     async for line in response.aiter_lines():
+        if line.startswith("error:"):
+            yield _error_line(line[6:].strip())
+            continue
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
@@ -87,11 +181,19 @@ async def events(response: httpx.Response) -> AsyncIterator[JsonDict | None]:
         yield event
 
 
+def _error_line(data: str) -> JsonDict:
+    try:
+        found: object = json.loads(data)
+    except json.JSONDecodeError:
+        found = data
+    if isinstance(found, dict) and "error" in found:
+        return found
+    return {"error": found if isinstance(found, dict) else {"message": str(found)}}
+
+
 def for_client(call: Call, event: JsonDict) -> JsonDict | None:
-    """An engine event as the client sees it: our id and its model id; the usage-only chunk
-    and the usage fields only if it asked for them."""
-    if "error" in event:
-        return event
+    """An engine event (not an error: those end the answer) as the client sees it: our id
+    and its model id; the usage-only chunk and the usage fields only if it asked for them."""
     event = {**event, "id": call.request_id, "model": call.route}
     if "usage" in event and event["usage"] is not None:
         call.usage = event["usage"]
@@ -121,10 +223,7 @@ class Assembly:
     choice_extras: JsonDict = field(default_factory=dict)
 
     def add(self, event: JsonDict) -> None:
-        if "error" in event:
-            error = event["error"]
-            message = error.get("message") if isinstance(error, dict) else str(error)
-            raise EngineError(f"the engine failed mid-answer: {message}")
+        """One event of the engine's answer (not an error: those end the answer)."""
         self.created = self.created or event.get("created")
         if event.get("usage") is not None:
             self.call.usage = event["usage"]

@@ -5,6 +5,11 @@ reasoning field is `reasoning_content` up to 0.11.0, both names up to 0.15, `rea
 0.16; `vllm:engine_sleep_state` from 0.11.1; `vllm:gpu_cache_usage_perc` below 0.12; /sleep
 takes `mode` (abort by default) and requests while asleep are held from 0.17 on (older:
 sleeping with requests in flight, or a request while asleep, kills the engine).
+
+Refusals as vLLM words them: a prompt at the context length, or `max_tokens` beyond what is
+left of it, is a 400 before anything streams; logprobs above `--max-logprobs` (20) are found
+only when the engine takes the request, so a stream has answered 200 and gets the error as
+its first event, then `[DONE]` (a request that is not streamed gets the 400).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
 import logging
 import time
 import uuid
@@ -19,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from capycommon.testing.enginesim.auth import BearerAuth
@@ -32,6 +38,7 @@ from capycommon.testing.enginesim.openai_chat import (
     CompletionRequest,
     Dialect,
     EmbeddingRequest,
+    count_prompt_tokens,
 )
 from capycommon.testing.enginesim.process import Process
 from capycommon.testing.enginesim.serving import Frontend
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.entrypoints.openai.api_server")
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 HOLD_MODES = ("abort", "wait", "keep")
+MAX_LOGPROBS = 20  # --max-logprobs
 
 
 def reasoning_fields(version: tuple[int, ...]) -> tuple[str, ...]:
@@ -88,6 +96,14 @@ class VllmFrontend(Frontend):
             return JSONResponse({"object": "error", **inner}, status_code=status)
         return JSONResponse({"error": inner}, status_code=status)
 
+    def streamed_error(self, message: str) -> Response:
+        """An error found once the stream has begun: 200, the error event, `[DONE]`."""
+        inner = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        if self.v <= (0, 10, 0):
+            inner = {"object": "error", **inner}
+        events = [f"data: {json.dumps({'error': inner})}\n\n", "data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
     def check(self, body: ChatRequest | CompletionRequest) -> Response | None:
         if body.model is not None and body.model not in self.args.served_names:
             return self.error(404, f"The model `{body.model}` does not exist.", "NotFoundError")
@@ -98,7 +114,31 @@ class VllmFrontend(Frontend):
                 '"auto" tool choice requires --enable-auto-tool-choice and '
                 "--tool-call-parser to be set",
             )
+        return self._context(body) or self._logprobs(body)
+
+    def _context(self, body: ChatRequest | CompletionRequest) -> Response | None:
+        prompt, most = count_prompt_tokens(body.prompt_text()), self.args.max_model_len
+        if prompt >= most:
+            return self.error(400, f"This model's maximum context length is {most} tokens. "
+                              f"However, your request has {prompt} input tokens. Please reduce "
+                              "the length of the input messages.")  # fmt: skip
+        wanted = body.limit if isinstance(body, ChatRequest) else body.max_tokens
+        if wanted is not None and prompt + wanted > most:
+            return self.error(400, "'max_tokens' or 'max_completion_tokens' is too large: "
+                              f"{wanted}. This model's maximum context length is {most} tokens "
+                              f"and your request has {prompt} input tokens ({wanted} > {most} "
+                              f"- {prompt}).")  # fmt: skip
         return None
+
+    def _logprobs(self, body: ChatRequest | CompletionRequest) -> Response | None:
+        extra = body.model_extra or {}
+        wanted = extra.get("top_logprobs") if isinstance(body, ChatRequest) else extra.get(
+            "logprobs")  # fmt: skip
+        if not isinstance(wanted, int) or wanted <= MAX_LOGPROBS:
+            return None
+        message = (f"Requested sample logprobs of {wanted}, which is greater than max "
+                   f"allowed: {MAX_LOGPROBS}")  # fmt: skip
+        return self.streamed_error(message) if body.stream else self.error(400, message)
 
     def request_ids(
         self, request: Request, body: ChatRequest | CompletionRequest, prefix: str

@@ -1,0 +1,275 @@
+"""One admitted request on its way through an engine, and its place settled after.
+
+The router reads the engine's first event before it answers the client, so everything that
+fails before it is a real HTTP error in the OpenAI envelope: the engine's own error status
+(in whatever shape its family gives it), an error event the engine sent first after its 200
+(vLLM does, for some validation errors), the deadline (503), a broken engine (500). After the
+first event has gone to a streaming client, a failure is an error event and `[DONE]`. A
+client that hangs up, at any point, closes the engine connection at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from capyctl_router.dispatch import Dispatcher
+from capyctl_router.errors import envelope, error_body
+from capyctl_router.relay import (
+    Assembly,
+    Call,
+    EngineError,
+    EngineFailed,
+    JsonDict,
+    engine_failure,
+    engine_request,
+    error_answer,
+    event_failure,
+    events,
+    for_client,
+    sse,
+)
+from capyctl_router.table import Target
+
+T = TypeVar("T")
+# Outcomes after which the engine is done with the request: its place is given back at once.
+FINISHED = ("ok", "engine_rejected", "engine_error")
+
+
+class Cut(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class Gone(Exception):
+    """The client hung up before its answer began."""
+
+
+@dataclass
+class Session:
+    """One admitted request: relayed, then its place settled (once, however it ended)."""
+
+    dispatcher: Dispatcher
+    http: httpx.AsyncClient
+    call: Call
+    target: Target
+    arrived: float
+    deadline: float
+    outcome: str = "cancelled"
+    response: httpx.Response | None = None
+    _events: AsyncIterator[JsonDict | None] | None = None
+    _finished: bool = field(default=False, repr=False)
+
+    async def answer(self, request: Request, headers: dict[str, str]) -> Response:
+        """The client's answer: a stream that begins with the engine's first event, or one
+        JSON body; an HTTP error when anything failed before the first event."""
+        streams = self.call.client_streams
+        relayed = False
+        try:
+            work = self._first() if streams else self._collect()
+            found = await until_gone(request, work)
+            if streams:
+                relayed = True
+                return Relay(self, found, headers)
+            self.outcome = "ok"
+            return JSONResponse(found, headers=headers)
+        except Gone:
+            return Response(status_code=499)
+        except EngineFailed as exc:
+            self.outcome = exc.code
+            retry = {"Retry-After": "1"} if exc.status in (429, 503) else {}
+            return envelope(exc.status, exc.code, exc.message, {**headers, **retry}, exc.param)
+        except (EngineError, httpx.HTTPError) as exc:
+            self.outcome = "engine_error"
+            return envelope(500, "engine_error", f"the engine failed: {exc}", headers=headers)
+        except Cut as exc:
+            self.outcome = exc.why
+            return envelope(503, "unavailable", f"no answer in time ({exc.why})",
+                            headers={**headers, "Retry-After": "1"})  # fmt: skip
+        finally:
+            if not relayed:
+                await settled(self.finish())
+
+    async def stream(self, first: JsonDict | None) -> AsyncGenerator[bytes, None]:
+        """The client's stream from the first event on; a failure from here on is an error
+        event, and every stream ends with `[DONE]`."""
+        event = first
+        try:
+            while event is not None:
+                shown = for_client(self.call, event)
+                if shown is not None:
+                    yield sse(shown)
+                event = await self._next()
+            self.outcome = "ok"
+        except EngineFailed as exc:
+            self.outcome = exc.code
+            yield sse(exc.body())
+        except (EngineError, httpx.HTTPError) as exc:
+            self.outcome = "engine_error"
+            yield sse(error_body(500, "engine_error", f"the engine failed: {exc}"))
+        except Cut as exc:
+            self.outcome = exc.why
+            yield sse(error_body(503, "unavailable", f"cut: {exc.why}"))
+        yield sse(None)
+
+    async def finish(self) -> None:
+        """Close the engine connection (at once, if the client left), then settle the place:
+        given back if the engine finished the request, else as a cut request settles."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.response is not None:
+            await self.response.aclose()
+        dispatcher = self.dispatcher
+        dispatcher.metrics.running.labels(self.target.deployment).dec()
+        dispatcher.metrics.outcome(self.target.deployment, self.outcome)
+        if self.outcome in FINISHED:
+            await dispatcher.release(self.target)
+        else:
+            await dispatcher.cut(self.target, self.call.request_id, self.call.answered)
+
+    # The engine's side ----------------------------------------------------------------------
+
+    async def _open(self) -> httpx.Response:
+        """Send the request; the engine's error status raises as what it said."""
+        body, headers = engine_request(self.call, self.target)
+        url = f"http://127.0.0.1:{self.target.port}{self.call.path}"
+        request = self.http.build_request("POST", url, json=body, headers=headers)
+        self.response = await self.http.send(request, stream=True)
+        if self.response.status_code >= 400:
+            raise engine_failure(self.response.status_code, await error_answer(self.response))
+        return self.response
+
+    async def _first(self) -> JsonDict | None:
+        """The engine's first event (None if it ended without one), within the deadline."""
+        try:
+            response = await asyncio.wait_for(self._open(), self._left())
+        except TimeoutError:
+            raise Cut("deadline") from None
+        self._events = events(response).__aiter__()
+        return await self._next()
+
+    async def _next(self) -> JsonDict | None:
+        """The engine's next event, None at its end; bounded by the deadline until the first,
+        then by the idle bound between events. An error event raises as what it said."""
+        assert self._events is not None
+        answered = self.call.answered
+        wait = self.dispatcher.limits.stream_idle_s if answered else self._left()
+        try:
+            event = await asyncio.wait_for(anext(self._events), wait)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise Cut("stream idle" if answered else "deadline") from None
+        if event is None:
+            return None
+        failure = event_failure(event)
+        if failure is not None:
+            raise failure
+        self._first_output()
+        return event
+
+    async def _collect(self) -> JsonDict:
+        """The whole answer, as one JSON body: embeddings as the engine gave them, the rest
+        assembled from the engine's stream."""
+        if self.call.kind == "embeddings":
+            try:
+                raw = await asyncio.wait_for(self._embeddings(), self._left())
+            except TimeoutError:
+                raise Cut("deadline") from None
+            self._first_output()
+            return {**raw, "model": self.call.route}
+        assembly = Assembly(self.call)
+        event = await self._first()
+        while event is not None:
+            assembly.add(event)
+            event = await self._next()
+        return assembly.body()
+
+    async def _embeddings(self) -> JsonDict:
+        response = await self._open()
+        body = json.loads(await response.aread())
+        if not isinstance(body, dict):
+            raise EngineError("the engine's embeddings are not a JSON object")
+        return body
+
+    def _left(self) -> float:
+        return max(0.001, self.deadline - time.monotonic())
+
+    def _first_output(self) -> None:
+        if not self.call.answered:
+            self.call.answered = True
+            self.dispatcher.metrics.first_output(
+                self.target.deployment, time.monotonic() - self.arrived
+            )
+
+
+class Relay(StreamingResponse):
+    """A streamed answer that begins with the engine's first event. However it ends (also
+    when the client left before it began), the engine connection is closed and the place
+    settled."""
+
+    def __init__(self, session: Session, first: JsonDict | None, headers: dict[str, str]) -> None:
+        self.session = session
+        self.events = session.stream(first)
+        super().__init__(self.events, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
+            await settled(self.session.finish())
+
+
+async def until_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; Gone (after cancelling it) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request's own task is cancelled (a shutdown)
+        await _cancelled(task)
+        raise
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    await _cancelled(task)  # closes the engine connection at once
+    raise Gone
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+async def disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+_settling: set[asyncio.Task[None]] = set()
+
+
+async def settled(work: Awaitable[None]) -> None:
+    """Run a request's settlement to its end even when the request's task is being
+    cancelled (a client hang-up cancels the stream that is settling)."""
+    task = asyncio.ensure_future(work)
+    _settling.add(task)
+    task.add_done_callback(_settling.discard)
+    await asyncio.shield(task)
