@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,6 +34,8 @@ class Hostd:
     # Apart from the default range, so a role running on the same machine takes no port
     # between a lease and the engine's bind; below the kernel's ephemeral ports.
     engine_ports: str = "20100-20199"
+    # More of hostd's settings, as variables.
+    settings: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     memwatch: subprocess.Popen[bytes] | None = None
 
@@ -67,6 +69,7 @@ class Hostd:
             CAPYCTL_ENGINE_PORTS=self.engine_ports,
             CAPYCTL_LOG_FORMAT="json",
             CAPYCTL_HOST_NAME=HOST,
+            **self.settings,
         )
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(

@@ -166,6 +166,7 @@ def render_status(status: dict[str, Any]) -> str:
                         f"({startup.get('host_provenance', '-')})"),
             ("last operation", f"{last.get('kind', '-')}: {last.get('reason', '-')}"),
             ("idle", _idle(status.get("idle") or {})),
+            *_residencies(status["bindings"]),
         ]),
     ]  # fmt: skip
     if status["instances"]:
@@ -186,6 +187,18 @@ def render_status(status: dict[str, Any]) -> str:
         lines.append(f"\n{binding['host']}: error [{binding['error']['code']}]: "
                      f"{binding['error']['message']}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _residencies(bindings: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Each host's park tier and why, and whether deep parking is off there."""
+    rows = []
+    for binding in bindings:
+        if "residency" in binding:
+            text = f"{binding['residency']} on {binding['host']} ({binding['residency_reason']})"
+            rows.append(("residency", text))
+        if binding.get("deep_park") is False:
+            rows.append(("deep parking", f"off on host {binding['host']} (host.deep_park: off)"))
+    return rows
 
 
 def _idle(idle: dict[str, Any]) -> str:

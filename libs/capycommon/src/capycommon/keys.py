@@ -31,6 +31,11 @@ def engines(host: str) -> str:
     return f"{host_prefix(host)}:engines"
 
 
+def host_info(host: str) -> str:
+    """What a host says of itself (JSON of `capycommon.hostinfo.HostInfo`), written by hostd."""
+    return f"{host_prefix(host)}:info"
+
+
 def host_notifications(host: str) -> str:
     """The pub/sub channel on which a host's state changes are announced ({kind, id, version})."""
     return f"{host_prefix(host)}:notify"

@@ -7,8 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
+from capycommon import hostinfo
 from capycommon.engines import publish, registry
 from capycommon.errors import CapyError
+from capycommon.hostinfo import HostInfo
 from capycommon.service import ServiceContext, run
 from capycommon.settings import HostSettings, StandaloneSettings, parse_port_range
 from capycommon.store import InstanceStore
@@ -50,17 +52,22 @@ async def publish_engines(ctx: ServiceContext, paths: HostPaths) -> None:
 
 
 async def serve(ctx: ServiceContext) -> None:
-    """Publish the engines, re-adopt what runs, then carry out commands, watch for engines
-    that die and publish the serving engines' load, until stopped.
+    """Publish what the host says of itself and its engines, re-adopt what runs, then carry
+    out commands, watch for engines that die and publish the serving engines' load, until
+    stopped.
 
     Stopping hostd leaves the engines running: the next hostd re-adopts them.
     """
     assert ctx.host is not None
     assert isinstance(ctx.settings, StandaloneSettings | HostSettings)
     paths = host_paths(ctx)
+    deep_park = ctx.settings.host.deep_park == "on"
+    await hostinfo.publish(ctx.redis, ctx.host, HostInfo(deep_park=deep_park))
     await publish_engines(ctx, paths)
     ports = PortLeaser(*parse_port_range(ctx.settings.host.engine_ports))
-    runner = Runner(ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths)
+    runner = Runner(
+        ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths, deep_park=deep_park
+    )
     await adopt.adopt_all(runner)
     await asyncio.gather(
         consumer.consume(runner, ctx.stop),

@@ -20,7 +20,7 @@ from capycommon import keys
 from capycommon.engines import registry
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
-from capycommon.engines.launch import LaunchSpec, Residency
+from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
 from capycommon.errors import CapyError
 from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.store import Conflict, InstanceStore
@@ -50,6 +50,8 @@ class Runner:
     store: InstanceStore
     ports: PortLeaser
     paths: HostPaths
+    # host.deep_park: off bars deep parking and the engines' development controls.
+    deep_park: bool = True
     engines: dict[str, Engine] = field(default_factory=dict)
     _member_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _gpu_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
@@ -174,6 +176,12 @@ class Runner:
             raise LaunchFailed(
                 f"no engine named {command.profile!r} is registered on host {self.host} "
                 f"(registered: {', '.join(sorted(profiles)) or 'none'})"
+            )
+        capabilities = adapter_for(profile.family).capabilities(profile.version)
+        if Residency(command.residency) not in host_tiers(capabilities, self.deep_park):
+            raise LaunchFailed(
+                f"residency {command.residency} needs deep parking or the engine's development "
+                f"controls, and deep parking is off on host {self.host} (host.deep_park: off)"
             )
         secret = secrets.token_hex(32)  # 256 bits, and never a leading "-" on a command line
         assert record.launch_id is not None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from capycommon import keys, load, places
+from capycommon import hostinfo, keys, load, places
 from capycommon.deployments import HostFacts, resolve
 from capycommon.desired import DeploymentRecord, DeploymentStore
 from capycommon.engines.launch import Residency
@@ -46,7 +46,9 @@ class Observer:
     tunables: Tunables = field(default_factory=Tunables)
     system_limits: Limits = field(default_factory=Limits)
     gpu_limits: Limits = field(default_factory=Limits)
-    _resolved: dict[tuple[str, str, str, int], tuple[float, Binding]] = field(default_factory=dict)
+    _resolved: dict[tuple[str, str, str, int, bool], tuple[float, Binding]] = field(
+        default_factory=dict
+    )
 
     async def snapshot(
         self,
@@ -114,15 +116,17 @@ class Observer:
 
     async def _host(self, host: str, reading: MemoryReading | None, now: float) -> HostView:
         alive = await self.client.exists(keys.heartbeat("hostd", host)) > 0
+        info = await hostinfo.aread(self.client, host)
+        deep_park = info.deep_park if info is not None else True
         if reading is None:
-            return HostView(host, {}, {}, unified=False, alive=alive)
+            return HostView(host, {}, {}, unified=False, alive=alive, deep_park=deep_park)
         gpus = {f"gpu{gpu.index}": gpu.uuid for gpu in reading.gpus}
         unified = any(gpu.unified for gpu in reading.gpus)
         domains: dict[str, Domain] = {}
         if reading.is_fresh(now):
             found = derive_domains(reading, self.system_limits, self.gpu_limits)
             domains = {domain.name: domain for domain in found}
-        return HostView(host, domains, gpus, unified=unified, alive=alive)
+        return HostView(host, domains, gpus, unified=unified, alive=alive, deep_park=deep_park)
 
     async def _binding(
         self,
@@ -133,7 +137,7 @@ class Observer:
     ) -> Binding:
         if engines is None:
             return _unpublished(host)
-        cache_key = (record.name, record.digest, host, engines.revision)
+        cache_key = (record.name, record.digest, host, engines.revision, view.deep_park)
         cached = self._resolved.get(cache_key)
         now = time.monotonic()
         if cached is None or now - cached[0] > BINDING_TTL_S:
@@ -157,6 +161,7 @@ class Observer:
             unified=view.unified,
             parked_room=min(system.parked_limit, system.managed_limit) if system else None,
             gpus=tuple(sorted(view.gpus)),
+            deep_park=view.deep_park,
         )
         try:
             resolved = resolve(

@@ -49,6 +49,8 @@ class HostView:
     gpus: Mapping[str, str]
     unified: bool
     alive: bool = True
+    # False where the host has deep parking off (host.deep_park: off, from its hostd).
+    deep_park: bool = True
 
     def gpu_of(self, uuid: str | None) -> str | None:
         return next((name for name, found in self.gpus.items() if found == uuid), None)

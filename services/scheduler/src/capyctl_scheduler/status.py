@@ -86,6 +86,8 @@ def detail(snapshot: Snapshot, name: str) -> dict[str, Any]:
             entry["weights_bytes"] = binding.resolved.weights_bytes
             entry["residency"] = str(binding.resolved.residency)
             entry["residency_reason"] = binding.resolved.residency_reason
+        if host in snapshot.hosts:
+            entry["deep_park"] = snapshot.hosts[host].deep_park
         bindings.append(entry)
     found.update(
         activation=record.activation,

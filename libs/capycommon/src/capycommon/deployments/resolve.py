@@ -10,11 +10,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from capycommon.deployments.checkpoint import Quantization, quantization
 from capycommon.deployments.schema import Deployment, ModelSource
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import CapabilityMissing
 from capycommon.engines.families import Family
-from capycommon.engines.launch import PARKING, Capabilities, Residency, check_extra_args
+from capycommon.engines.launch import (
+    PARKING,
+    Capabilities,
+    Residency,
+    check_extra_args,
+    host_tiers,
+)
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import (
     CapyError,
@@ -45,6 +52,9 @@ class HostFacts:
     parked_room: int | None
     # The GPUs present: gpu0, gpu1, ...
     gpus: tuple[str, ...]
+    # False where the host keeps its engines from their development controls
+    # (host.deep_park: off): nothing parks deep there, and what would stops instead.
+    deep_park: bool = True
 
 
 @dataclass(frozen=True)
@@ -102,8 +112,9 @@ def _resolve(
         )
     model_path = model_folder(deployment.model, models_root)
     weights = weights_bytes(model_path)
+    capabilities = adapter.capabilities(profile.version)
     residency, reason = choose_residency(
-        deployment.residency, profile, adapter.capabilities(profile.version), host, weights
+        deployment.residency, profile, capabilities, host, weights, quantization(model_path)
     )
     return Resolved(
         deployment=deployment,
@@ -182,10 +193,16 @@ def choose_residency(
     capabilities: Capabilities,
     host: HostFacts,
     weights: int | None,
+    checkpoint: Quantization | None = None,
 ) -> tuple[Residency, str]:
     """The park tier and why: the declared one if the engine and host can do it, else the
-    reference's default (restart_only if the engine cannot park; deep on unified memory; on
-    a discrete card host_backed when the host copy fits the parked room, else deep)."""
+    reference's default (restart_only if the engine cannot park, or cannot park this
+    checkpoint; deep on unified memory; on a discrete card host_backed when the host copy
+    fits the parked room, else deep). On a host with deep parking off, a tier it bars (deep,
+    or one that needs the engine's development controls) becomes restart_only, with a note:
+    the model stops where it would have parked."""
+    if checkpoint is not None and checkpoint.kind in capabilities.unparkable_checkpoints:
+        return _unparkable_checkpoint(declared, profile, checkpoint)
     if declared is not None:
         if declared == Residency.HOST_BACKED and host.unified:
             raise HostBackedUnavailable(
@@ -198,6 +215,9 @@ def choose_residency(
                 "use restart_only, or drop residency",
                 code="capability_missing:deep_park",
             )
+        if declared not in host_tiers(capabilities, host.deep_park):
+            note = _barred(declared, profile, capabilities)
+            return Residency.RESTART_ONLY, f"declared {declared}, but {note}; it stops instead"
         return declared, "declared"
     if not any(tier in capabilities.residencies for tier in PARKING):
         return Residency.RESTART_ONLY, f"{profile.family} cannot park"
@@ -205,7 +225,33 @@ def choose_residency(
     if tier not in capabilities.residencies:
         tier = next(t for t in (*PARKING, Residency.RESTART_ONLY) if t in capabilities.residencies)
         reason = f"{reason}, but {profile.family} parks only {tier}"
+    if tier not in host_tiers(capabilities, host.deep_park):
+        note = _barred(tier, profile, capabilities)
+        return Residency.RESTART_ONLY, f"{reason}; {note}, so it stops instead of parking"
     return tier, reason
+
+
+def _barred(tier: Residency, profile: EngineProfile, capabilities: Capabilities) -> str:
+    """Why a host with deep parking off does not let an engine park at `tier`."""
+    off = "deep parking is off on this host (host.deep_park: off)"
+    if tier in capabilities.dev_control_tiers and tier != Residency.DEEP:
+        return f"{off}, and {profile.family} parks {tier} only through its development controls"
+    return off
+
+
+def _unparkable_checkpoint(
+    declared: Residency | None, profile: EngineProfile, checkpoint: Quantization
+) -> tuple[Residency, str]:
+    why = (
+        f"{profile.family} cannot park a ModelOpt FP4 (NVFP4) checkpoint, and the model is "
+        f"one ({checkpoint.evidence})"
+    )
+    if declared in PARKING:
+        raise CapabilityMissing(
+            f"residency: {declared}: {why}; set residency: restart_only (or drop residency)",
+            code="capability_missing:deep_park",
+        )
+    return Residency.RESTART_ONLY, "declared" if declared is not None else why
 
 
 def _default_tier(host: HostFacts, weights: int | None) -> tuple[Residency, str]:

@@ -24,6 +24,9 @@ class Residency(StrEnum):
 
 PARKING = (Residency.HOST_BACKED, Residency.DEEP)
 
+# A checkpoint kind (`capycommon.deployments.checkpoint`): ModelOpt FP4 (NVFP4) weights.
+MODELOPT_FP4 = "modelopt_fp4"
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -74,6 +77,20 @@ class Capabilities:
     # The engine shows when an aborted request has ended (SGLang 0.5.22 and later): hostd
     # reports it, and the router gives back that request's place at once.
     abort_reports_end: bool = False
+    # Park tiers that work only through the engine's development controls (vLLM's /sleep
+    # needs VLLM_SERVER_DEV_MODE); a host with deep parking off uses none of them.
+    dev_control_tiers: tuple[Residency, ...] = ()
+    # Checkpoint kinds (`capycommon.deployments.checkpoint`) the engine cannot park.
+    unparkable_checkpoints: frozenset[str] = frozenset()
+
+
+def host_tiers(capabilities: Capabilities, deep_park: bool) -> tuple[Residency, ...]:
+    """The tiers an engine may use on a host: with deep parking off (host.deep_park: off),
+    neither `deep` nor a tier that needs the engine's development controls."""
+    if deep_park:
+        return capabilities.residencies
+    barred = {Residency.DEEP, *capabilities.dev_control_tiers}
+    return tuple(tier for tier in capabilities.residencies if tier not in barred)
 
 
 def options(*pairs: tuple[str, object | None]) -> list[str]:

@@ -8,6 +8,7 @@ from capycommon.engines.control import EngineControl, parse_metric
 from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
     ENGINE_HOST,
+    MODELOPT_FP4,
     PARKING,
     Capabilities,
     LaunchPlan,
@@ -48,6 +49,8 @@ def capabilities(version: str) -> Capabilities:
         metrics_running="sglang:num_running_reqs",
         metrics_waiting="sglang:num_queue_reqs",
         abort_reports_end=parsed >= REPORTS_ENDS,
+        # SGLang cannot release a ModelOpt FP4 (NVFP4) model's memory and resume it yet.
+        unparkable_checkpoints=frozenset({MODELOPT_FP4}),
     )
 
 

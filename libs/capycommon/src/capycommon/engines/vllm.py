@@ -54,6 +54,7 @@ def capabilities(version: str) -> Capabilities:
         disconnect_abort_lag_s=0.0,
         metrics_running="vllm:num_requests_running",
         metrics_waiting="vllm:num_requests_waiting",
+        dev_control_tiers=PARKING,  # /sleep and /wake_up exist only in dev mode
     )
 
 

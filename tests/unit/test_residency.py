@@ -1,0 +1,226 @@
+"""Park tiers on a host with deep parking off, and checkpoints an engine cannot park."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capycommon.deployments import HostFacts, Resolved, parse_deployment, resolve
+from capycommon.deployments.checkpoint import quantization
+from capycommon.engines.adapters import adapter_for
+from capycommon.engines.families import Family
+from capycommon.engines.launch import MODELOPT_FP4, PARKING, LaunchSpec, Residency, host_tiers
+from capycommon.engines.registry import EngineProfile
+from capycommon.errors import CapyError
+
+GiB = 1 << 30
+R = Residency
+DISCRETE = HostFacts(unified=False, parked_room=32 * GiB, gpus=("gpu0",))
+OFF = HostFacts(unified=False, parked_room=32 * GiB, gpus=("gpu0",), deep_park=False)
+UNIFIED_OFF = HostFacts(unified=True, parked_room=32 * GiB, gpus=("gpu0",), deep_park=False)
+
+
+def profile(family: Family) -> EngineProfile:
+    version = {Family.VLLM: "0.29.0", Family.SGLANG: "0.5.16", Family.LLAMACPP: "6500"}[family]
+    return EngineProfile(
+        name=family.value, family=family, version=version,
+        executable=Path(f"/opt/{family}/bin/python"), install_path=Path(f"/opt/{family}"),
+        fingerprint=f"{version}+sha256:" + "0" * 64, verified=False,
+        added_at=datetime(2026, 11, 30, tzinfo=UTC),
+    )  # fmt: skip
+
+
+PROFILES = {family.value: profile(family) for family in Family}
+
+
+def model(root: Path, size: int = 8 * GiB, **configs: dict[str, Any]) -> Path:
+    """A model folder of sparse weights with the given JSON config files."""
+    folder = root / "models" / "m"
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "model.safetensors").open("wb") as file:
+        file.truncate(size)
+    for name, content in configs.items():
+        (folder / f"{name}.json").write_text(json.dumps(content))
+    return folder
+
+
+def bind(root: Path, host: HostFacts, engine: str, **fields: Any) -> Resolved:
+    document = parse_deployment({"name": "m", "engine": engine, "model": "m", **fields}, "t.yaml")
+    return resolve(document, profiles=PROFILES, models_root=root / "models", host=host)
+
+
+# --- deep parking off -----------------------------------------------------------------------
+
+
+def test_a_host_with_deep_parking_off_bars_deep_and_dev_control_tiers() -> None:
+    vllm = adapter_for(Family.VLLM).capabilities("0.29.0")
+    sglang = adapter_for(Family.SGLANG).capabilities("0.5.16")
+    llama = adapter_for(Family.LLAMACPP).capabilities("6500")
+    assert host_tiers(vllm, deep_park=True) == (R.HOST_BACKED, R.DEEP, R.RESTART_ONLY)
+    assert host_tiers(vllm, deep_park=False) == (R.RESTART_ONLY,), "/sleep needs dev mode"
+    assert host_tiers(sglang, deep_park=False) == (R.HOST_BACKED, R.RESTART_ONLY)
+    assert host_tiers(llama, deep_park=False) == (R.RESTART_ONLY,)
+
+
+@pytest.mark.parametrize("family", list(Family))
+def test_no_launch_on_such_a_host_has_development_controls(tmp_path: Path, family: Family) -> None:
+    capabilities = adapter_for(family).capabilities(profile(family).version)
+    (tmp_path / "m.gguf").touch()
+    for tier in host_tiers(capabilities, deep_park=False):
+        spec = LaunchSpec(
+            profile=profile(family), model_path=tmp_path, served_name="m", port=8100,
+            api_key="k" * 64, residency=tier, runtime_dir=tmp_path / "runtime",
+            context_length=8192,
+        )  # fmt: skip
+        plan = adapter_for(family).plan(spec)
+        assert "VLLM_SERVER_DEV_MODE" not in plan.env
+        assert "--enable-sleep-mode" not in plan.argv
+
+
+@pytest.mark.parametrize(
+    ("engine", "host", "size", "tier", "says"),
+    [
+        ("vllm", DISCRETE, 8 * GiB, R.HOST_BACKED, "fits the 32.0 GiB parked room"),
+        ("vllm", OFF, 8 * GiB, R.RESTART_ONLY,
+         "fits the 32.0 GiB parked room; deep parking is off on this host (host.deep_park: off), "
+         "and vllm parks host_backed only through its development controls, so it stops "
+         "instead of parking"),
+        ("sglang", OFF, 8 * GiB, R.HOST_BACKED, "fits the 32.0 GiB parked room"),
+        ("sglang", DISCRETE, 30 * GiB, R.DEEP, "exceeds the 32.0 GiB parked room"),
+        ("sglang", OFF, 30 * GiB, R.RESTART_ONLY,
+         "exceeds the 32.0 GiB parked room; deep parking is off on this host (host.deep_park: "
+         "off), so it stops instead of parking"),
+        ("sglang", UNIFIED_OFF, 8 * GiB, R.RESTART_ONLY,
+         "unified memory: a host copy would take the GPU's own memory; deep parking is off"),
+    ],
+)  # fmt: skip
+def test_the_default_stops_where_it_would_park_deep(
+    tmp_path: Path, engine: str, host: HostFacts, size: int, tier: Residency, says: str
+) -> None:
+    model(tmp_path, size)
+    resolved = bind(tmp_path, host, engine)
+    assert resolved.residency == tier
+    assert says in resolved.residency_reason
+
+
+@pytest.mark.parametrize(
+    ("engine", "declared", "tier", "reason"),
+    [
+        ("sglang", "deep", R.RESTART_ONLY,
+         "declared deep, but deep parking is off on this host (host.deep_park: off); it stops "
+         "instead"),
+        ("vllm", "host_backed", R.RESTART_ONLY,
+         "declared host_backed, but deep parking is off on this host (host.deep_park: off), "
+         "and vllm parks host_backed only through its development controls; it stops instead"),
+        ("sglang", "host_backed", R.HOST_BACKED, "declared"),
+        ("vllm", "restart_only", R.RESTART_ONLY, "declared"),
+    ],
+)  # fmt: skip
+def test_a_declared_tier_the_host_bars_resolves_to_restart_only_with_a_note(
+    tmp_path: Path, engine: str, declared: str, tier: Residency, reason: str
+) -> None:
+    model(tmp_path)
+    resolved = bind(tmp_path, OFF, engine, residency=declared)
+    assert (resolved.residency, resolved.residency_reason) == (tier, reason)
+
+
+# --- ModelOpt FP4 checkpoints ---------------------------------------------------------------
+
+NVFP4_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "quantization_config": {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "producer": {"name": "modelopt", "version": "0.29.0"},
+        "group_size": 16,
+        "ignore": ["lm_head"],
+    },
+}
+HF_QUANT_CONFIG = {
+    "producer": {"name": "modelopt", "version": "0.19.0"},
+    "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16},
+}
+
+
+@pytest.mark.parametrize(
+    ("configs", "evidence"),
+    [
+        ({"config": NVFP4_CONFIG},
+         "config.json: quantization_config.quant_method modelopt, quant_algo NVFP4"),
+        ({"config": {"quantization_config": {"quant_method": "modelopt_fp4"}}},
+         "config.json: quantization_config.quant_method modelopt_fp4"),
+        ({"config": {"architectures": ["X"]}, "hf_quant_config": HF_QUANT_CONFIG},
+         "hf_quant_config.json: quantization.quant_algo NVFP4"),
+        ({"hf_quant_config": {"quant_algo": "W4A8_NVFP4_FP8"}},
+         "hf_quant_config.json: quantization.quant_algo W4A8_NVFP4_FP8"),
+    ],
+)  # fmt: skip
+def test_a_modelopt_fp4_checkpoint_is_recognised(
+    tmp_path: Path, configs: dict[str, dict[str, Any]], evidence: str
+) -> None:
+    folder = model(tmp_path, GiB, **configs)
+    found = quantization(folder)
+    assert found is not None
+    assert found.kind == MODELOPT_FP4
+    assert found.evidence == f"{folder}/{evidence}"
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [
+        {},
+        {"config": {"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}},
+        {"hf_quant_config": {"quantization": {"quant_algo": "FP8"}}},
+        {"config": {"quantization_config": {"quant_method": "compressed-tensors"}}},
+        {"config": {"quantization_config": "NVFP4"}},
+    ],
+)
+def test_other_checkpoints_say_nothing(tmp_path: Path, configs: dict[str, Any]) -> None:
+    assert quantization(model(tmp_path, GiB, **configs)) is None
+
+
+def test_unreadable_config_files_say_nothing(tmp_path: Path) -> None:
+    folder = model(tmp_path, GiB)
+    (folder / "config.json").write_text("{not json")
+    (folder / "hf_quant_config.json").write_bytes(b"\xff\xfe")
+    assert quantization(folder) is None
+    assert quantization(folder / "model.safetensors") is None, "a file is no folder"
+
+
+def test_sglang_defaults_an_nvfp4_checkpoint_to_restart_only(tmp_path: Path) -> None:
+    folder = model(tmp_path, GiB, hf_quant_config=HF_QUANT_CONFIG)
+    resolved = bind(tmp_path, DISCRETE, "sglang")
+    assert resolved.residency == R.RESTART_ONLY
+    assert resolved.residency_reason == (
+        "sglang cannot park a ModelOpt FP4 (NVFP4) checkpoint, and the model is one "
+        f"({folder}/hf_quant_config.json: quantization.quant_algo NVFP4)"
+    )
+    declared = bind(tmp_path, DISCRETE, "sglang", residency="restart_only")
+    assert (declared.residency, declared.residency_reason) == (R.RESTART_ONLY, "declared")
+
+
+@pytest.mark.parametrize("declared", [tier.value for tier in PARKING])
+def test_sglang_refuses_to_park_an_nvfp4_checkpoint(tmp_path: Path, declared: str) -> None:
+    folder = model(tmp_path, GiB, config=NVFP4_CONFIG)
+    with pytest.raises(CapyError) as caught:
+        bind(tmp_path, DISCRETE, "sglang", residency=declared)
+    assert caught.value.code == "capability_missing:deep_park"
+    assert caught.value.exit_code == 5
+    assert caught.value.message == (
+        f"deployment 'm': residency: {declared}: sglang cannot park a ModelOpt FP4 (NVFP4) "
+        f"checkpoint, and the model is one ({folder}/config.json: "
+        "quantization_config.quant_method modelopt, quant_algo NVFP4); set residency: "
+        "restart_only (or drop residency)"
+    )
+
+
+@pytest.mark.parametrize("declared", [tier.value for tier in PARKING])
+def test_vllm_parks_an_nvfp4_checkpoint(tmp_path: Path, declared: str) -> None:
+    model(tmp_path, GiB, config=NVFP4_CONFIG)
+    resolved = bind(tmp_path, DISCRETE, "vllm", residency=declared)
+    assert (resolved.residency, resolved.residency_reason) == (declared, "declared")
+    assert bind(tmp_path, DISCRETE, "vllm").residency == R.HOST_BACKED
