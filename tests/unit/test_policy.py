@@ -356,8 +356,10 @@ def test_a_model_bigger_than_the_card_is_refused_at_once() -> None:
     big = derived(found.hosts[HOST], weights=10 * GiB, request=30 * GiB)
     actions = plan(replace(found, bindings={"big": {HOST: big}}))
     assert kinds(actions) == [("refuse", "big")]
-    assert "needs 31.2 GiB on gpu0, which holds at most 22.1 GiB for models (24.0 GiB with 1.9 GiB "
-    "reserve); stopping every model that may be evicted frees 0 B" in actions[0].reason
+    assert (
+        "needs 31.2 GiB on gpu0, which holds at most 22.1 GiB for models (24.0 GiB with 1.9 GiB "
+        "reserve); stopping every model that may be evicted frees 0 B"
+    ) in actions[0].reason
 
 
 def test_a_first_start_stops_the_victim_that_parking_would_not_shrink_enough() -> None:
