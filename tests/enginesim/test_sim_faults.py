@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from capycommon.testing.enginesim import CrashAtStart, Faults, write_behaviour
+from capycommon.testing.enginesim import CrashAtStart, Faults, SchedulerDies, write_behaviour
 from capycommon.testing.enginesim.behaviour import GARBAGE_ANSWER
 from enginesim.helpers import (
     FAST,
@@ -17,12 +18,14 @@ from enginesim.helpers import (
     Launcher,
     SimGpu,
     closed_env,
+    group_alive,
     send_and_hang_up,
     sse_events,
 )
 from support import children_of, wait_for
 
 HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
+SHM = Path("/dev/shm")
 
 
 def vllm_argv(venv: Path, model: Path, *extra: str) -> list[str]:
@@ -165,3 +168,53 @@ def test_vllm_engine_core_can_follow_its_parent_out(
     engine.proc.send_signal(signal.SIGKILL)
     engine.wait_exit()
     wait_for(lambda: not gpu.claim_file(core).exists(), 5, "the orphan to release and exit")
+
+
+def _scheduler_dies(
+    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path,
+    **env: str,
+) -> tuple[str, set[str], int]:  # fmt: skip
+    """Launch SGLang whose scheduler dies while loading; stop its group once the server is
+    seen waiting on; its log, the /dev/shm segments it left, and its PID."""
+    venv = installs.python("sglang", "0.5.22")
+    dies = SchedulerDies(after_seconds=1.0, message="RuntimeError: CUDA error: out of memory")
+    write_behaviour(venv, FAST.model_copy(update={"faults": Faults(scheduler_dies=dies)}))
+    before = set(os.listdir(SHM))
+    argv = sglang_argv(venv, model_dir, "--enable-metrics")
+    engine = launcher.start(argv, closed_env(venv / "bin", tmp_path, **gpu.env(), **env))
+    wait_for(lambda: "Scheduler hit an exception" in engine.output(), 10, "the scheduler's death")
+    assert engine.proc.poll() is None, "the HTTP server lives on"
+    assert engine.status() is None, "and never listens"
+    left = set(os.listdir(SHM)) - before
+    try:
+        os.killpg(engine.proc.pid, signal.SIGTERM)
+        wait_for(lambda: not group_alive(engine.proc.pid), 10, "the engine's processes to end")
+        return engine.output(), left, engine.proc.pid
+    finally:
+        for name in left:
+            (SHM / name).unlink(missing_ok=True)
+
+
+def test_sglang_scheduler_dies_while_loading_and_leaves_its_segments_and_noise(
+    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+) -> None:
+    output, left, engine_pid = _scheduler_dies(installs, model_dir, gpu, launcher, tmp_path)
+    assert any(name.startswith("sglang_loads_") for name in left), left
+    assert any(name.startswith("psm_") for name in left), left
+    assert not any(str(engine_pid) in name for name in left), "no PID in their names"
+    assert output.count("FileNotFoundError: [Errno 2] No such file or directory") >= 3, (
+        "its children write into the Prometheus folder the server removed as it exited"
+    )
+    assert "ChildProcessError: [Errno 10] No child processes" in output, "Python 3.12's noise"
+
+
+def test_sglang_children_write_into_a_given_prometheus_folder_that_stays(
+    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+) -> None:
+    folder = tmp_path / "prometheus"
+    folder.mkdir()
+    output, _, _ = _scheduler_dies(
+        installs, model_dir, gpu, launcher, tmp_path, PROMETHEUS_MULTIPROC_DIR=str(folder)
+    )
+    assert "FileNotFoundError" not in output
+    assert any(path.name.startswith("gauge_all_") for path in folder.iterdir())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,19 @@ def test_a_held_segment_stays_and_a_free_one_goes() -> None:
         assert not segment.exists()
     finally:
         segment.unlink(missing_ok=True)
+
+
+def test_segments_are_found_by_who_holds_them_not_by_name() -> None:
+    name = f"sglang_loads_tmp{secrets.token_hex(4)}_{secrets.token_hex(4)}.shm"
+    segment = Path("/dev/shm") / name
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(segment)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline() == b"mapped\n"
+            assert name in procs.shm_held_by([holder.pid])
+            assert procs.shm_segments_of({holder.pid}) == [], "no PID in its name"
+        finally:
+            holder.kill()
+            segment.unlink(missing_ok=True)

@@ -1,8 +1,19 @@
-"""Starting one engine: its log writer, the engine itself, readiness, and tearing it down."""
+"""Starting one engine: its log writer, the engine itself, readiness, and tearing it down.
+
+While an engine starts, hostd notes its processes, the /dev/shm segments they map or hold
+open, and the children of its leader that have settled in. For an engine whose capabilities
+say its children live as long as it does (SGLang's scheduler and detokenizer), losing one
+while starting fails the launch at once: SGLang's HTTP server would wait on. Tearing down
+removes the segments named after the launch's processes and those its processes held that
+were not there before it started, once no process holds them.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -12,11 +23,18 @@ from pathlib import Path
 
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl, Timeouts
+from capycommon.engines.environment import PROMETHEUS_DIR
 from capycommon.engines.launch import LaunchPlan, LaunchSpec
 from capycommon.errors import CapyError
+from capycommon.instances import ProcessIdentity
 from capyctl_hostd import procs
 
 LOG_TAIL_LINES = 20
+# A child of the leader that has run this long is part of the engine, not a passing helper
+# (ldconfig, a compiler); one that then dies while the engine starts fails the launch.
+CHILD_SETTLED_S = 1.0
+# The log writer ends once the engine's processes closed their output.
+WRITER_END_S = 5.0
 
 
 class LaunchFailed(CapyError):
@@ -32,27 +50,55 @@ class Engine:
     log_path: Path
     process: subprocess.Popen[bytes] | None = None  # None when adopted
     pids: set[int] = field(default_factory=set)
+    writer: subprocess.Popen[bytes] | None = None  # the log writer (None when adopted)
+    # The /dev/shm entries before the launch (None when adopted: then only those named after
+    # its processes are its own), and the segments its processes were seen to hold.
+    shm_before: frozenset[str] | None = None
+    segments: set[str] = field(default_factory=set)
+    # Settled children of the leader: PID -> start ticks.
+    children: dict[int, int] = field(default_factory=dict)
 
     def control(self, timeouts: Timeouts | None = None) -> EngineControl:
         return adapter_for(self.spec.profile.family).control(self.spec, timeouts)
+
+    def remember(self) -> None:
+        """Note the group's processes, the /dev/shm segments they hold and the leader's
+        settled children."""
+        members = procs.group_members(self.pgid)
+        self.pids.update(members)
+        self.segments.update(procs.shm_held_by(members))
+        for pid, ticks in procs.settled_children(self.pgid, members, CHILD_SETTLED_S).items():
+            self.children.setdefault(pid, ticks)
+
+    def lost_child(self) -> int | None:
+        """A settled child of the leader that is gone, if any."""
+        for pid, ticks in self.children.items():
+            if not procs.is_alive(ProcessIdentity(pid=pid, pgid=self.pgid, start_ticks=ticks)):
+                return pid
+        return None
+
+    def launch_segments(self) -> list[str]:
+        """The /dev/shm segments this launch made: named after its processes, or held by them
+        and not there before it started."""
+        named = set(procs.shm_segments_of(self.pids | {self.pgid}))
+        made = set() if self.shm_before is None else self.segments - self.shm_before
+        return sorted(named | made)
 
     def exit_code(self) -> int | None:
         """The exit code once the engine ended (None while it runs or when unknown)."""
         return None if self.process is None else self.process.poll()
 
-    def remember_pids(self) -> None:
-        """Note the group's processes (children included) to find their /dev/shm segments."""
-        self.pids.update(procs.group_members(self.pgid))
-
 
 def spawn(
-    plan: LaunchPlan, env: dict[str, str], log_path: Path, secret: str, cwd: Path
-) -> subprocess.Popen[bytes]:
+    spec: LaunchSpec, plan: LaunchPlan, env: dict[str, str], log_path: Path, secret: str
+) -> Engine:
     """Start the log writer and the engine, each in a session of its own.
 
     The engine writes to the log writer's stdin; neither depends on hostd, so both outlive a
     restart of hostd.
     """
+    cwd = spec.runtime_dir
+    before = procs.shm_names()
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     writer = subprocess.Popen(
         [sys.executable, "-m", "capyctl_hostd.logwriter", str(log_path)],
@@ -75,7 +121,7 @@ def spawn(
         )
     finally:
         writer.stdin.close()
-    return engine
+    return Engine(spec, engine.pid, log_path, engine, writer=writer, shm_before=before)
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
@@ -91,6 +137,7 @@ async def wait_ready(engine: Engine, deadline_s: float) -> None:
     """Until the engine reports ready; fail at once if it exits, or at the deadline."""
     started = time.monotonic()
     control = engine.control()
+    children_live = control.capabilities.children_live_with_engine
     try:
         while True:
             code = engine.exit_code()
@@ -98,11 +145,15 @@ async def wait_ready(engine: Engine, deadline_s: float) -> None:
                 raise LaunchFailed(_exited(engine, f"exited with code {code} while starting"))
             if engine.process is None and not procs.group_members(engine.pgid):
                 raise LaunchFailed(_exited(engine, "is gone"))
+            engine.remember()
+            lost = engine.lost_child() if children_live else None
+            if lost is not None:
+                raise LaunchFailed(_exited(engine, f"lost its child process {lost} (a scheduler "
+                                                   "or detokenizer) while starting"))  # fmt: skip
             if await control.ready():
                 return
             if time.monotonic() - started > deadline_s:
                 raise LaunchFailed(_exited(engine, f"was not ready within {deadline_s:g} s"))
-            engine.remember_pids()
             await asyncio.sleep(0.2)
     finally:
         await control.aclose()
@@ -122,9 +173,22 @@ async def canary(engine: Engine) -> str:
 
 
 async def tear_down(engine: Engine) -> list[str]:
-    """Stop the group, wait until it is gone, remove its /dev/shm segments."""
-    engine.remember_pids()
+    """Stop the group, wait until it is gone (and its log written), remove the /dev/shm
+    segments the launch made and its Prometheus folder."""
+    engine.remember()
     await procs.stop_group(engine.pgid)
     if engine.process is not None:
         engine.process.wait()
-    return procs.remove_segments(procs.shm_segments_of(engine.pids | {engine.pgid}))
+    if engine.writer is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(engine.writer.wait, WRITER_END_S)
+    shutil.rmtree(engine.spec.runtime_dir / PROMETHEUS_DIR, ignore_errors=True)
+    return procs.remove_segments(engine.launch_segments())
+
+
+def end_log(path: Path, line: str) -> None:
+    """CapyCTL's own last line in an engine's log, once its processes and writer are done."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as handle:
+            handle.write(line.rstrip("\n") + "\n")

@@ -70,6 +70,55 @@ async def wait_gone(pgid: int, timeout_s: float) -> bool:
     return True
 
 
+def shm_names() -> frozenset[str]:
+    """The /dev/shm entries there are now."""
+    if not SHM.is_dir():
+        return frozenset()
+    return frozenset(entry.name for entry in SHM.iterdir())
+
+
+def shm_held_by(pids: list[int]) -> set[str]:
+    """The /dev/shm entries these processes map or hold open, whatever their names."""
+    found: set[str] = set()
+    prefix = f"{SHM}/"
+    for pid in pids:
+        try:
+            maps = (PROC / str(pid) / "maps").read_text()
+            descriptors = list((PROC / str(pid) / "fd").iterdir())
+        except OSError:
+            continue
+        paths = [line.split(maxsplit=5)[-1] for line in maps.splitlines() if prefix in line]
+        for descriptor in descriptors:
+            with contextlib.suppress(OSError):
+                paths.append(str(descriptor.readlink()))
+        for path in paths:
+            if path.startswith(prefix):
+                found.add(path[len(prefix) :].removesuffix(" (deleted)").split("/")[0])
+    return found
+
+
+def settled_children(pgid: int, members: list[int], settled_s: float) -> dict[int, int]:
+    """The members whose parent is the group's leader and that have run `settled_s` or
+    longer, by PID, with their start ticks (a helper the leader runs for a moment is not
+    counted)."""
+    now_ticks = _uptime_s() * _TICKS
+    found: dict[int, int] = {}
+    for pid in members:
+        fields = procfs.stat(pid)
+        if fields is None or fields.ppid != pgid or fields.start_ticks is None:
+            continue
+        if now_ticks - fields.start_ticks >= settled_s * _TICKS:
+            found[pid] = fields.start_ticks
+    return found
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _uptime_s() -> float:
+    return float((PROC / "uptime").read_text().split()[0])
+
+
 def shm_segments_of(pids: set[int]) -> list[str]:
     """The /dev/shm entries named after these processes (e.g. multi_tokenizer_args_<pid>)."""
     found: list[str] = []

@@ -205,11 +205,10 @@ class Runner:
         await self.client.set(
             keys.instance_secret(self.host, command.deployment, command.instance), secret
         )
-        process = engines.spawn(plan, env, log_path, secret, runtime)
-        engine = Engine(spec, process.pid, log_path, process)
+        engine = engines.spawn(spec, plan, env, log_path, secret)
         self.engines[record.member] = engine
         log.info(
-            "launched", extra={"member": record.member, "pid": process.pid, "port": record.port}
+            "launched", extra={"member": record.member, "pid": engine.pgid, "port": record.port}
         )
         return engine
 
@@ -327,6 +326,9 @@ class Runner:
         processes are proven gone."""
         log.error("%s: %s", record.member, error)
         await self._tear_down(record)
+        if record.log_path is not None:  # after every line of the engine's own
+            reason = error.split("; last log lines:", 1)[0]
+            engines.end_log(Path(record.log_path), f"capyctl: {reason}; its processes are gone")
         await self._to(record, S.FAILED, error.split(";", 1)[0], error=error)
 
     async def _tear_down(self, record: InstanceRecord) -> list[str]:

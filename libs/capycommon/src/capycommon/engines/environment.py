@@ -12,6 +12,8 @@ from capycommon.engines.launch import LaunchPlan, LaunchSpec
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 TELEMETRY_OFF = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
 GUARD_MODULE = "capyctl_vllm_guard.py"
+# The launch's own folder for Prometheus' multiprocess files (SGLang), in its runtime folder.
+PROMETHEUS_DIR = "prometheus"
 
 
 def engine_environment(
@@ -41,8 +43,10 @@ def engine_environment(
 
 
 def install_runtime(runtime_dir: Path) -> None:
-    """Write CapyCTL's helper modules (the vLLM key guard) owner-only into `runtime_dir`."""
+    """Write CapyCTL's helper modules (the vLLM key guard) owner-only into `runtime_dir`, with
+    an empty folder for the engine's Prometheus files."""
     runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (runtime_dir / PROMETHEUS_DIR).mkdir(mode=0o700, exist_ok=True)
     source = resources.files("capycommon.engines.runtime").joinpath(GUARD_MODULE)
     target = runtime_dir / GUARD_MODULE
     with source.open("rb") as reader, target.open("wb") as writer:

@@ -77,6 +77,9 @@ class Capabilities:
     # The engine shows when an aborted request has ended (SGLang 0.5.22 and later): hostd
     # reports it, and the router gives back that request's place at once.
     abort_reports_end: bool = False
+    # The leader's children live as long as the engine (SGLang's scheduler and detokenizer):
+    # one that dies while the engine starts fails the launch (the leader would wait on).
+    children_live_with_engine: bool = False
     # Park tiers that work only through the engine's development controls (vLLM's /sleep
     # needs VLLM_SERVER_DEV_MODE); a host with deep parking off uses none of them.
     dev_control_tiers: tuple[Residency, ...] = ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from packaging.version import Version
 
 from capycommon.engines.control import EngineControl, parse_metric
+from capycommon.engines.environment import PROMETHEUS_DIR
 from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
     ENGINE_HOST,
@@ -49,6 +50,7 @@ def capabilities(version: str) -> Capabilities:
         metrics_running="sglang:num_running_reqs",
         metrics_waiting="sglang:num_queue_reqs",
         abort_reports_end=parsed >= REPORTS_ENDS,
+        children_live_with_engine=True,
         # SGLang cannot release a ModelOpt FP4 (NVFP4) model's memory and resume it yet.
         unparkable_checkpoints=frozenset({MODELOPT_FP4}),
     )
@@ -74,7 +76,12 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         ("--reasoning-parser", spec.reasoning_parser),
     )
     argv += check_extra_args("sglang", spec.extra_args, RESERVED)
-    return LaunchPlan(argv, {})
+    # SGLang's HTTP server makes a TemporaryDirectory for Prometheus' multiprocess files and
+    # points its children there, unless this variable names a folder; the server's exit then
+    # removes that folder under children still writing to it, and each of their metric
+    # updates prints a FileNotFoundError. A folder of the launch's own, which hostd removes
+    # once every process is gone, keeps each launch's metrics apart and ends that noise.
+    return LaunchPlan(argv, {"PROMETHEUS_MULTIPROC_DIR": str(spec.runtime_dir / PROMETHEUS_DIR)})
 
 
 class SglangControl(EngineControl):

@@ -11,6 +11,7 @@ from capycommon.testing.enginesim.behaviour import (
     CrashAtStart,
     DisconnectLag,
     Faults,
+    SchedulerDies,
     ToolCall,
 )
 from capycommon.testing.enginesim.install import (
@@ -24,6 +25,7 @@ __all__ = [
     "CrashAtStart",
     "DisconnectLag",
     "Faults",
+    "SchedulerDies",
     "ToolCall",
     "install_llama_server",
     "install_python_engine",

@@ -34,6 +34,16 @@ class CrashAtStart(_Strict):
     message: str = "RuntimeError: simulated crash at start-up"
 
 
+class SchedulerDies(_Strict):
+    """SGLang: the scheduler child dies `after_seconds` into loading the weights, printing
+    `message` and exiting with `exit_code`, while the HTTP server waits on and never listens.
+    The scheduler and detokenizer run as children then; see `sglang_children`."""
+
+    after_seconds: float = Field(default=1.5, ge=0)
+    exit_code: int = 1
+    message: str = "RuntimeError: simulated scheduler failure while loading the weights"
+
+
 class DisconnectLag(_Strict):
     """SGLang notices a hang-up late: a non-streamed request every ~4 s, a stream ~2 s after."""
 
@@ -66,6 +76,9 @@ class Faults(_Strict):
     # SGLang: a request while the weights are released waits ("hang") or fails with 500 ("error").
     generate_while_released: Literal["hang", "error"] = "hang"
     disconnect_abort_lag: DisconnectLag = DisconnectLag()
+    # SGLang: the scheduler child dies while loading (the /dev/shm segments it made stay, the
+    # HTTP server lives on, Python 3.12's ResourceTracker noise follows its exit).
+    scheduler_dies: SchedulerDies | None = None
 
 
 class Behaviour(_Strict):

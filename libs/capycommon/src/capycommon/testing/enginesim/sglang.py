@@ -6,20 +6,31 @@ to roll!`. Memory: the budget is --mem-fraction-static x the device's total; the
 the model folder's weight files; CUDA graphs take min(256 MiB, a quarter of the rest); the
 KV cache takes what remains. With --tokenizer-worker-num > 1 the process creates
 /dev/shm/multi_tokenizer_args_<pid>, unlinked on a clean exit and left behind on SIGKILL.
+
+With --enable-metrics the server makes Prometheus' multiprocess folder as SGLang does: a
+TemporaryDirectory inside the folder PROMETHEUS_MULTIPROC_DIR names (which its children keep
+writing to), else one in /tmp that it exports to them; either is removed when it exits. With
+the `scheduler_dies` fault the scheduler and detokenizer run as children (`sglang_children`),
+the scheduler dies while loading, and the server waits on without listening until stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import mmap
 import os
+import secrets
+import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from capycommon.testing.enginesim import process as proc
-from capycommon.testing.enginesim.behaviour import Behaviour
+from capycommon.testing.enginesim.behaviour import Behaviour, SchedulerDies
 from capycommon.testing.enginesim.gpu import (
     Holder,
     LocalHolder,
@@ -170,9 +181,56 @@ def plan_memory(
     return Regions(holder, sizes, behaviour.residue_bytes, keeps)
 
 
+def _prometheus_dir(process: Process) -> None:
+    """SGLang's `set_prometheus_multiproc_dir`, removed when this process exits."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    folder = tempfile.TemporaryDirectory(dir=given)
+    if given is None:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder.name
+    process.at_exit(folder.cleanup)
+
+
+# What Python 3.12 prints as such a server exits with its children gone.
+RESOURCE_TRACKER_NOISE = "\n".join((
+    "Exception ignored in: <function ResourceTracker.__del__ at 0x7f3a2c1b2a20>",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3.12/multiprocessing/resource_tracker.py", line 82, in __del__',
+    '  File "/usr/lib/python3.12/multiprocessing/resource_tracker.py", line 91, in _stop',
+    "ChildProcessError: [Errno 10] No child processes",
+))  # fmt: skip
+
+
+async def _scheduler_dies(process: Process, dies: SchedulerDies) -> int:
+    """The scheduler child dies while loading; this server, which maps the scheduler's load
+    segment as the tokenizer manager does, waits on without listening until it is stopped."""
+    loads = f"sglang_loads_tmp{secrets.token_hex(4)}_{secrets.token_hex(4)}.shm"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    module = [sys.executable, "-m", "capycommon.testing.enginesim.sglang_children"]
+    died = [str(dies.after_seconds), str(dies.exit_code), dies.message]
+    roles = (["scheduler", loads, *died], ["detokenizer"])
+    children = [subprocess.Popen([*module, *role], env=env) for role in roles]
+
+    def reap() -> None:
+        for child in children:
+            child.poll()
+
+    process.at_exit(reap)
+    process.at_exit(lambda: print(RESOURCE_TRACKER_NOISE, file=sys.stderr, flush=True))
+    for _ in range(50):
+        if (SHM_DIR / loads).exists():
+            fd = os.open(SHM_DIR / loads, os.O_RDONLY)
+            process.at_exit(mmap.mmap(fd, 0, prot=mmap.PROT_READ).close)
+            break
+        await asyncio.sleep(0.1)
+    await process.stop.wait()
+    return 0
+
+
 async def _start(process: Process, args: SglangArgs, version: str, behaviour: Behaviour) -> int:
     log.info("server_args=%s", args)
     _shared_memory(process, args)
+    if args.enable_metrics:
+        _prometheus_dir(process)
     try:
         device = find_device(os.environ)
     except NoDevice as exc:
@@ -184,6 +242,8 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     regions = plan_memory(process, args, holder, behaviour, device)
     regions.loading(regions.sizes["weights"])
     log.info("Load weight begin.")
+    if behaviour.faults.scheduler_dies is not None:
+        return await _scheduler_dies(process, behaviour.faults.scheduler_dies)
     if await process.pause(behaviour.load_seconds):
         return 0
     crash = behaviour.faults.crash_at_start
