@@ -360,3 +360,21 @@ def test_refusals_at_start(
         "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
         in full.output()
     )
+
+
+def test_v1_loads_takes_its_own_shape_from_0_5_20(
+    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path,
+    served: Engine,
+) -> None:  # fmt: skip
+    assert isinstance(served.get("/v1/loads").json(), list), "0.5.10: the /get_load list"
+    venv = installs.python("sglang", "0.5.22")
+    write_behaviour(venv, FAST)
+    argv = launch_server(venv, model_dir, "--skip-server-warmup")
+    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
+    engine.wait_status(200)
+    loads = engine.get("/v1/loads").json()
+    assert loads["version"] == "0.5.22"
+    assert {"timestamp", "accelerator", "num_accelerators"} <= set(loads)
+    (rank,) = loads["loads"]
+    assert (rank["dp_rank"], rank["num_running_reqs"], rank["num_waiting_reqs"]) == (0, 0, 0)
+    assert engine.get("/get_load").json()[0]["num_reqs"] == 0, "/get_load keeps its list"
