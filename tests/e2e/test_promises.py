@@ -56,23 +56,30 @@ def test_three_models_that_each_need_the_whole_card_to_start_take_turns(cluster:
     # is stopped, since parking it would not free enough.
     for name in "abc":
         cluster.deploy(name, engine="peaky", model="six")
-    for name in ["a", "b", "c", "a"]:
+    for name in "abc":
         ask(cluster, name)
         assert cluster.state(name) == "ready"
     stopped = [
         reason
-        for name in "abc"
+        for name in "ab"
         for _, to, reason in cluster.transitions(name)
         if to == "stopping" and "parking it would not free enough" in reason
     ]
-    assert len(stopped) >= 2, "b's and c's first starts stopped the model in their way"
+    assert len(stopped) == 2, "b's and c's first starts stopped the model in their way"
+    # memwatch stores a peak only for a start it watched whole (under heavy load it may not).
+    measured = cluster.status("a")["startup"]["device_provenance"] == "measured"
+    ask(cluster, "a")
+    assert cluster.state("a") == "ready"
     status = cluster.status("a")
-    assert status["startup"]["device_provenance"] == "measured", "the second start of a"
+    assert status["startup"]["device_provenance"] == "measured"
     peak = status["startup"]["device_bytes"]
     assert peak < 21 * (1 << 30), f"the measured peak ({peak}) replaced the derived 21.5 GiB"
-    parked = [to for name in "bc" for _, to, _ in cluster.transitions(name) if to == "parked"]
+    final = [to for _, to, _ in cluster.transitions("c")][-1]
     history = {name: cluster.transitions(name) for name in "abc"}
-    assert parked, f"with a's measured peak, the last switch parks c, not stops it: {history}"
+    if measured:
+        assert final == "parked", f"with a's measured peak, c parks for it: {history}"
+    else:
+        assert final == "stopped", f"a's peak is still derived: c stops for it: {history}"
 
 
 def test_a_model_bigger_than_the_card_is_refused_at_once_with_figures(cluster: Cluster) -> None:
