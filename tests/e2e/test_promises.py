@@ -89,6 +89,7 @@ def test_a_model_bigger_than_the_card_is_refused_at_once_with_figures(cluster: C
         ask(cluster, "huge")
     assert time.monotonic() - began < 10, "at once, not at the request deadline"
     assert refused.value.status_code == 503
+    assert refused.value.response.headers["x-should-retry"] == "false", "the SDK does not retry"
     error = error_of(refused.value)
     assert error["code"] == "insufficient_resources"
     message = error["message"]

@@ -10,6 +10,9 @@ from fastapi.responses import JSONResponse
 from capycommon.errors import CapyError
 
 _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+# Refusals a prompt retry cannot change: the openai SDK does not retry an answer that says
+# `x-should-retry: false` (it would otherwise retry a 409 or a 503 twice).
+FINAL_CODES = frozenset({"insufficient_resources", "deployment_stopped", "deployment_inactive"})
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
@@ -32,5 +35,10 @@ def envelope(
 
 async def capy_error_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, CapyError)
-    retry = {"Retry-After": "1"} if exc.http_status in (429, 503) else None
-    return envelope(exc.http_status, exc.code, exc.message, headers=retry)
+    if exc.code.split(":", 1)[0] in FINAL_CODES:
+        headers = {"x-should-retry": "false"}
+    elif exc.http_status in (429, 503):
+        headers = {"Retry-After": "1"}
+    else:
+        headers = {}
+    return envelope(exc.http_status, exc.code, exc.message, headers=headers)
