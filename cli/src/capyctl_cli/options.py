@@ -72,15 +72,11 @@ def setting_flags(role: Role) -> Callable[[Callable[..., Any]], Callable[..., An
 
     The command takes `ctx: typer.Context` and `flags: dict[str, str | None]` (each flag
     name and its value, None when not given, with any flag click did not know, which
-    `load_settings` refuses naming it); the options are listed by --help under "Settings".
-    Register the command with `cls=SettingsCommand`.
+    `load_settings` refuses naming it); --help lists the options. Register the command with
+    `cls=SettingsCommand`.
     """
-    options = [
-        (f"setting_{index}", name, spec)
-        for index, (name, spec) in enumerate(
-            (name, spec) for spec in setting_specs(role).values() for name in spec.flags
-        )
-    ]
+    named = [(name, spec) for spec in setting_specs(role).values() for name in spec.flags]
+    options = [(f"setting_{index}", name, spec) for index, (name, spec) in enumerate(named)]
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
@@ -103,8 +99,7 @@ def _option(param: str, name: str, spec: SettingSpec) -> inspect.Parameter:
     text = spec.description if name == spec.flag else f"Same as {spec.flag}."
     if name == spec.flag and len(spec.variables) > 1:
         text += f" Also {', '.join(spec.variables[1:])}."
-    option = typer.Option(name, metavar=spec.metavar, help=text, show_default=False,
-                          rich_help_panel="Settings")  # fmt: skip
+    option = typer.Option(name, metavar=spec.metavar, help=text, show_default=False)
     return inspect.Parameter(
         param, inspect.Parameter.KEYWORD_ONLY, default=None,
         annotation=Annotated[str | None, option],
