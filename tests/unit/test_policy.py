@@ -7,6 +7,7 @@ from typing import Any
 
 from capycommon.deployments import parse_deployment
 from capycommon.desired import Attempts, DeploymentRecord, Inflight
+from capycommon.errors import ProfileNotPublished
 from capycommon.instances import InstanceRecord, InstanceState
 from capycommon.load import EngineLoad
 from capycommon.memory import GpuReading, HostRam, MemoryReading
@@ -360,6 +361,14 @@ def test_a_model_bigger_than_the_card_is_refused_at_once() -> None:
         "needs 31.2 GiB on gpu0, which holds at most 22.1 GiB for models (24.0 GiB with 1.9 GiB "
         "reserve); stopping every model that may be evicted frees 0 B"
     ) in actions[0].reason
+
+
+def test_a_document_no_host_can_run_is_refused_at_once() -> None:
+    found = snapshot(1.0, [deployment("a")], demands={"a": 0.5})
+    broken = Binding(HOST, error=ProfileNotPublished("no engine named 'vllm' on host local"))
+    (refuse,) = plan(replace(found, bindings={"a": {HOST: broken}}))
+    assert (refuse.kind, refuse.error) == ("refuse", "profile_not_published")
+    assert refuse.reason == "profile_not_published: no engine named 'vllm' on host local"
 
 
 def test_a_first_start_stops_the_victim_that_parking_would_not_shrink_enough() -> None:

@@ -452,6 +452,13 @@ def _start(
             if domain in view.domains and gpu in binding.footprints:
                 choices.append((headroom(ledgers[host], domain), host, gpu))
     if not choices:
+        bindings = snapshot.bindings.get(name, {}).values()
+        errors = [binding.error for binding in bindings if binding.error is not None]
+        if errors and len(errors) == len(bindings):
+            # The document cannot run on any host (its engine, its model, its park tier):
+            # waiting changes nothing until an operator does.
+            first = errors[0]
+            return [Action("refuse", name, f"{first.code}: {first.message}", error=first.code)]
         return [Action("wait", name, "no host can run it: " + ("; ".join(why_not) or "no hosts"))]
     # The most headroom first; on a tie the first host and the lowest GPU index.
     _, host, gpu = max(choices, key=lambda c: (c[0], _neg(c[1]), -int(c[2].removeprefix("gpu"))))
