@@ -97,86 +97,65 @@ class ModelSourcePending(CapyError):
     code = "model_source_pending"
 
 
-# CLI exit codes. A code carrying a suffix (`engine_env_reserved:<name>`) maps by its stem.
-_EXIT_CODES: dict[str, int] = {
-    "invalid_config": 2,
-    "credentials_unusable": 2,
-    "not_found": 2,
-    "engine_env_reserved": 2,
+# Every code CapyCTL raises or records: (CLI exit code, HTTP status). A code carrying a
+# suffix (`engine_env_reserved:<name>`) maps by its stem. docs/errors.md lists this table, and
+# a test holds the two (and the codes raised in the source) together.
+CODES: dict[str, tuple[int, int]] = {
+    # 2: what was given is wrong (a setting, a document, a request, a path).
+    "invalid_config": (2, 400),
+    "credentials_unusable": (2, 500),
+    "not_found": (2, 404),
+    "engine_env_reserved": (2, 400),
+    "route_conflict": (2, 409),
+    "host_name_changed": (2, 409),
+    "invalid_request": (2, 400),
+    "unsupported_parameter": (2, 400),
+    "body_too_large": (2, 413),
+    "unknown_model": (2, 404),
     # The engine refused an inference request as sent (its own 4xx, relayed with its status).
-    "engine_rejected": 2,
-    "route_conflict": 2,
-    "host_name_changed": 2,
-    "unauthenticated": 3,
-    "unauthorized": 3,
-    "insufficient_resources": 4,
-    "device_unobserved": 4,
-    "service_port_in_use": 4,
-    "capacity_blocked": 4,
-    "unsupported": 5,
-    "capability_missing": 5,
-    "host_backed_unavailable": 5,
-    "multi_gpu_unsupported": 5,
+    "engine_rejected": (2, 400),
+    # 3: the caller is not who it must be.
+    "unauthenticated": (3, 401),
+    # 4: no room, or no way to know there is room.
+    "insufficient_resources": (4, 503),
+    "device_unobserved": (4, 503),
+    "service_port_in_use": (4, 409),
+    "queue_full": (4, 429),
+    # 5: a capability this host, engine or release does not have.
+    "capability_missing": (5, 409),
+    "host_backed_unavailable": (5, 400),
+    "multi_gpu_unsupported": (5, 400),
     # This release downloads no models: the document must name a local folder instead.
-    "model_source_pending": 5,
-    "activation_timeout": 10,
-    "internal": 13,
-    "launch_failed": 13,
-    "host_revoked": 14,
-    "host_ineligible": 15,
-    "engine_not_found": 16,
-    "engine_unsupported": 17,
-    "engine_version_failed": 18,
-    "profile_exists": 19,
-    "profile_in_use": 20,
-    "agent_unreachable": 22,
-    "engine_unreachable": 22,
-    "engine_timeout": 10,
-    "engine_error": 13,
-    "redis_unreachable": 22,
-    "profile_not_published": 24,
-    "still_stopping": 25,
-    "toolchain_missing": 26,
-    "role_not_running": 27,
-    "state_dir_in_use": 28,
-    # A request that conflicts with what the deployment is doing or with an earlier request.
-    "lifecycle_conflict": 29,
-    "revision_conflict": 29,
-    "idempotency_conflict": 29,
-}
-
-_HTTP_STATUSES: dict[str, int] = {
-    "invalid_config": 400,
-    "invalid_request": 400,
-    "engine_env_reserved": 400,
-    "unauthenticated": 401,
-    "forbidden": 403,
-    "not_found": 404,
-    "unknown_model": 404,
-    "deployment_stopped": 409,
-    "deployment_inactive": 409,
-    "unsupported_parameter": 400,
-    "engine_rejected": 400,
-    "route_conflict": 409,
-    "host_name_changed": 409,
-    "profile_not_published": 409,
-    "lifecycle_conflict": 409,
-    "revision_conflict": 409,
-    "idempotency_conflict": 409,
-    "capability_missing": 409,
-    "model_source_pending": 409,
-    "multi_gpu_unsupported": 400,
-    "host_backed_unavailable": 400,
-    "body_too_large": 413,
-    "queue_full": 429,
-    "internal": 500,
-    "engine_error": 500,
-    "unavailable": 503,
-    "insufficient_resources": 503,
-    "device_unobserved": 503,
-    "engine_unreachable": 503,
-    "engine_timeout": 504,
-    "redis_unreachable": 503,
+    "model_source_pending": (5, 409),
+    # 10: something did not happen in time.
+    "activation_timeout": (10, 504),
+    "engine_timeout": (10, 504),
+    "unavailable": (10, 503),
+    # 13: a failure inside CapyCTL or an engine.
+    "internal": (13, 500),
+    "launch_failed": (13, 500),
+    "engine_error": (13, 500),
+    "port_conflict": (13, 500),
+    "wake_mismatch": (13, 500),
+    # 16-19: engines being registered.
+    "engine_not_found": (16, 400),
+    "engine_unsupported": (17, 400),
+    "engine_version_failed": (18, 500),
+    "profile_exists": (19, 409),
+    # 22: a peer could not be reached.
+    "agent_unreachable": (22, 503),
+    "engine_unreachable": (22, 503),
+    "redis_unreachable": (22, 503),
+    "profile_not_published": (24, 409),
+    "toolchain_missing": (26, 500),
+    "role_not_running": (27, 503),
+    "state_dir_in_use": (28, 409),
+    # 29: the request conflicts with what the deployment is doing or with an earlier request.
+    "lifecycle_conflict": (29, 409),
+    "revision_conflict": (29, 409),
+    "idempotency_conflict": (29, 409),
+    "deployment_stopped": (29, 409),
+    "deployment_inactive": (29, 409),
 }
 
 
@@ -186,9 +165,9 @@ def _stem(code: str) -> str:
 
 def exit_code_for(code: str) -> int:
     """The CLI exit code of an error code; unknown codes are internal errors (13)."""
-    return _EXIT_CODES.get(_stem(code), 13)
+    return CODES.get(_stem(code), (13, 500))[0]
 
 
 def http_status_for(code: str) -> int:
     """The HTTP status of an error code; unknown codes are internal errors (500)."""
-    return _HTTP_STATUSES.get(_stem(code), 500)
+    return CODES.get(_stem(code), (13, 500))[1]
