@@ -45,6 +45,15 @@ def free_port() -> int:
         return port
 
 
+def engine_ports(base: int = 24000) -> str:
+    """An engine port range of this test process's own, below the kernel's ephemeral ports:
+    parallel workers (pytest-xdist) never lease the same port, which engines bind with
+    SO_REUSEPORT (the kernel would split one port's connections between two engines)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    start = base + 200 * worker
+    return f"{start}-{start + 99}"
+
+
 def short_dir(prefix: str = "capy") -> Path:
     """A short temporary folder: unix socket paths must stay under 108 bytes."""
     return Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
@@ -189,6 +198,8 @@ def start_role(
     management = f"127.0.0.1:{free_port()}"
     log_path = state.parent / f"{role}.out"
     env = env if env is not None else clean_env()
+    if "--engine-ports" not in extra and "CAPYCTL_ENGINE_PORTS" not in env:
+        env = {**env, "CAPYCTL_ENGINE_PORTS": engine_ports()}
     if role != "server" and "--host-name" not in extra and "CAPYCTL_HOST_NAME" not in env:
         # The tests know the host as `local`; a role is named after the machine otherwise.
         extra = ("--host-name", "local", *extra)

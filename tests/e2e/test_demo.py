@@ -17,6 +17,7 @@ import openai
 from support import (
     CAPYCTL,
     clean_env,
+    engine_ports,
     free_port,
     live_processes,
     processes_mentioning,
@@ -41,7 +42,7 @@ def _start(root: Path, inference: int, out: int | IO[bytes], pty: bool = False) 
         "--management-listen",
         f"127.0.0.1:{free_port()}",
     ]
-    env = clean_env(HOME=str(root))
+    env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(26000))
     if not pty:
         return Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     return Popen(["setsid", "--ctty", *argv], stdin=out, stdout=out, stderr=out, env=env)

@@ -20,6 +20,7 @@ from capycommon.instances import InstanceRecord
 from capycommon.load import EngineLoad, read_loads
 from capycommon.testing.enginesim.behaviour import Behaviour
 from support import clean_env, wait_for
+from support import engine_ports as port_range
 
 HOST = "local"
 GiB = 1 << 30
@@ -33,7 +34,7 @@ class Hostd:
     redis_socket: Path
     # Apart from the default range, so a role running on the same machine takes no port
     # between a lease and the engine's bind; below the kernel's ephemeral ports.
-    engine_ports: str = "20100-20199"
+    engine_ports: str = field(default_factory=lambda: port_range(20100))
     # More of hostd's settings, as variables.
     settings: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
