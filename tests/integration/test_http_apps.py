@@ -37,6 +37,7 @@ async def test_router_health_needs_no_key() -> None:
 @pytest.mark.parametrize(
     ("token", "status"),
     [(CREDENTIALS.api_key, 200), (CREDENTIALS.admin_token, 401), (None, 401), ("x" * 43, 401)],
+    ids=["api_key", "admin_token", "none", "wrong"],
 )
 async def test_router_models_need_the_api_key(token: str | None, status: int) -> None:
     response = await _get(router_app(CREDENTIALS), "/v1/models", token)
@@ -59,6 +60,7 @@ async def test_router_unknown_path_is_an_openai_error() -> None:
 @pytest.mark.parametrize(
     ("token", "status"),
     [(CREDENTIALS.admin_token, 200), (CREDENTIALS.api_key, 401), (None, 401)],
+    ids=["admin_token", "api_key", "none"],
 )
 async def test_management_needs_the_admin_token(token: str | None, status: int) -> None:
     response = await _get(management_app(CREDENTIALS), "/management/v1/health", token)
