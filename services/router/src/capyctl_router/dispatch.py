@@ -233,6 +233,8 @@ class Dispatcher:
         """The requests hostd reports ended: answered ones settle; one cut before any answer
         settles only if the engine held it, else it may still arrive and waits for a stop."""
         for host in {cut.host for cut in self._cuts.values() if cut.reported}:
+            if host not in self._ends_after:  # the cut's own read of the cursor failed
+                self._ends_after[host] = await settlement.cursor(self.client, host)
             after, ends = await settlement.read_after(self.client, host, self._ends_after[host])
             for end in ends:
                 cut = self._cuts.get(end.request_id)
