@@ -26,7 +26,7 @@ from capycommon.credentials import Credentials
 from capycommon.errors import CapyError, Unauthenticated
 from capycommon.version import __version__
 from capyctl_router.dispatch import Dispatcher, Refused
-from capyctl_router.errors import capy_error_handler, envelope
+from capyctl_router.errors import capy_error_handler, envelope, retry_headers
 from capyctl_router.proxy import Session, disconnected
 from capyctl_router.relay import Call
 from capyctl_router.table import Table, Target
@@ -168,7 +168,7 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
         target = await _until_disconnect(request, dispatcher, dispatcher.acquire(name, deadline))
     except Refused as exc:
         dispatcher.metrics.outcome(name, exc.code)
-        retry = {"Retry-After": "1"} if exc.code in ("queue_full", "unavailable") else {}
+        retry = retry_headers(exc.code, exc.http_status)
         return envelope(exc.http_status, exc.code, exc.message, headers={**headers, **retry})
     if target is None:
         dispatcher.metrics.outcome(name, "client_gone")

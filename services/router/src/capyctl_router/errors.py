@@ -33,12 +33,17 @@ def envelope(
                         headers={**extra, **(headers or {})})  # fmt: skip
 
 
+def retry_headers(code: str, status: int) -> dict[str, str]:
+    """Whether and when a client should retry, decided here for every answer: never for a
+    refusal a retry cannot change, in a second for a 429 or 503 that may pass."""
+    if code.split(":", 1)[0] in FINAL_CODES:
+        return {"x-should-retry": "false"}
+    if status in (429, 503):
+        return {"Retry-After": "1"}
+    return {}
+
+
 async def capy_error_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, CapyError)
-    if exc.code.split(":", 1)[0] in FINAL_CODES:
-        headers = {"x-should-retry": "false"}
-    elif exc.http_status in (429, 503):
-        headers = {"Retry-After": "1"}
-    else:
-        headers = {}
+    headers = retry_headers(exc.code, exc.http_status)
     return envelope(exc.http_status, exc.code, exc.message, headers=headers)

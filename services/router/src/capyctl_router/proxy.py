@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from capyctl_router.dispatch import Dispatcher
-from capyctl_router.errors import envelope, error_body
+from capyctl_router.errors import envelope, error_body, retry_headers
 from capyctl_router.relay import (
     Assembly,
     Call,
@@ -88,15 +88,16 @@ class Session:
             return Response(status_code=499)
         except EngineFailed as exc:
             self.outcome = exc.code
-            retry = {"Retry-After": "1"} if exc.status in (429, 503) else {}
+            retry = retry_headers(exc.code, exc.status)
             return envelope(exc.status, exc.code, exc.message, {**headers, **retry}, exc.param)
         except (EngineError, httpx.HTTPError) as exc:
             self.outcome = "engine_error"
             return envelope(500, "engine_error", f"the engine failed: {exc}", headers=headers)
         except Cut as exc:
             self.outcome = exc.why
+            retry = retry_headers("unavailable", 503)
             return envelope(503, "unavailable", f"no answer in time ({exc.why})",
-                            headers={**headers, "Retry-After": "1"})  # fmt: skip
+                            headers={**headers, **retry})  # fmt: skip
         finally:
             if not relayed:
                 await settled(self.finish())
