@@ -162,10 +162,10 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
                         code="unknown_model")  # fmt: skip
     name = record.name
     dispatcher = router.dispatcher
-    deadline = arrived + dispatcher.deadline_of(name)
+    deadline = arrived + dispatcher.deadline_of(record)
     headers = {REQUEST_ID_HEADER: call.request_id}
     try:
-        target = await _until_disconnect(request, dispatcher, dispatcher.acquire(name, deadline))
+        target = await _until_disconnect(request, dispatcher, dispatcher.acquire(record, deadline))
     except Refused as exc:
         dispatcher.metrics.outcome(name, exc.code)
         retry = retry_headers(exc.code, exc.http_status)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from capycommon import desired, hostcommands, load, places, settlement
+from capycommon.desired import DeploymentRecord
 from capycommon.errors import CapyError
 from capycommon.places import PlaceBook
 from capycommon.service import REDIS_ERRORS, wait_event
@@ -88,13 +89,15 @@ class Dispatcher:
     def waiting_total(self) -> int:
         return sum(self.waiting.values())
 
-    def deadline_of(self, name: str) -> float:
-        record = self.table.records.get(name)
-        found = record.document.request_deadline if record else None
-        return found or self.limits.request_deadline_s
+    def deadline_of(self, record: DeploymentRecord) -> float:
+        """How long a request for it may wait for its first output."""
+        return record.document.request_deadline or self.limits.request_deadline_s
 
-    async def acquire(self, name: str, deadline: float) -> Target:
-        """A place on the deployment's ready instance, waiting for one until `deadline`."""
+    async def acquire(self, record: DeploymentRecord, deadline: float) -> Target:
+        """A place on the deployment's ready instance, waiting for one until `deadline`. The
+        record is the one the request was routed by; while it waits, the table's newer ones
+        decide (a stop, a failure, a refusal)."""
+        name = record.name
         queued = False
         started = time.monotonic()
         joined = time.time()
@@ -130,7 +133,7 @@ class Dispatcher:
                 if remaining <= 0:
                     raise Refused(
                         f"{name!r} did not become ready within the request deadline "
-                        f"({self.deadline_of(name):.0f}s); retry shortly",
+                        f"({self.deadline_of(record):.0f}s); retry shortly",
                         code="unavailable",
                     )
                 changed = self.table.changed(name)

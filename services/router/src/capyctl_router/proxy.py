@@ -56,6 +56,30 @@ class Gone(Exception):
     """The client hung up before its answer began."""
 
 
+FAILURES = (EngineFailed, EngineError, httpx.HTTPError, Cut)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How a request that failed after its admission ends: its outcome (for the metrics and
+    the settlement) and what the client is told, as an answer or as an error event."""
+
+    outcome: str
+    status: int
+    code: str
+    message: str
+    param: str | None = None
+
+
+def failure(exc: BaseException) -> Failure:
+    """The one reading of every way the engine's side can fail."""
+    if isinstance(exc, EngineFailed):
+        return Failure(exc.code, exc.status, exc.code, exc.message, exc.param)
+    if isinstance(exc, Cut):
+        return Failure(exc.why, 503, "unavailable", f"no answer in time ({exc.why})")
+    return Failure("engine_error", 500, "engine_error", f"the engine failed: {exc}")
+
+
 @dataclass
 class Session:
     """One admitted request: relayed, then its place settled (once, however it ended)."""
@@ -86,18 +110,13 @@ class Session:
             return JSONResponse(found, headers=headers)
         except Gone:
             return Response(status_code=499)
-        except EngineFailed as exc:
-            self.outcome = exc.code
-            retry = retry_headers(exc.code, exc.status)
-            return envelope(exc.status, exc.code, exc.message, {**headers, **retry}, exc.param)
-        except (EngineError, httpx.HTTPError) as exc:
-            self.outcome = "engine_error"
-            return envelope(500, "engine_error", f"the engine failed: {exc}", headers=headers)
-        except Cut as exc:
-            self.outcome = exc.why
-            retry = retry_headers("unavailable", 503)
-            return envelope(503, "unavailable", f"no answer in time ({exc.why})",
-                            headers={**headers, **retry})  # fmt: skip
+        except FAILURES as exc:
+            failed = failure(exc)
+            self.outcome = failed.outcome
+            retry = retry_headers(failed.code, failed.status)
+            return envelope(
+                failed.status, failed.code, failed.message, {**headers, **retry}, failed.param
+            )
         finally:
             if not relayed:
                 await settled(self.finish())
@@ -113,15 +132,10 @@ class Session:
                     yield sse(shown)
                 event = await self._next()
             self.outcome = "ok"
-        except EngineFailed as exc:
-            self.outcome = exc.code
-            yield sse(exc.body())
-        except (EngineError, httpx.HTTPError) as exc:
-            self.outcome = "engine_error"
-            yield sse(error_body(500, "engine_error", f"the engine failed: {exc}"))
-        except Cut as exc:
-            self.outcome = exc.why
-            yield sse(error_body(503, "unavailable", f"cut: {exc.why}"))
+        except FAILURES as exc:
+            failed = failure(exc)
+            self.outcome = failed.outcome
+            yield sse(error_body(failed.status, failed.code, failed.message, failed.param))
         yield sse(None)
 
     async def finish(self) -> None:

@@ -1,1 +1,0 @@
-"""Test support that ships with CapyCTL: the engine simulator and simulated GPUs."""
