@@ -12,8 +12,10 @@ from capycommon.instances import InstanceRecord, InstanceState
 from capycommon.load import EngineLoad
 from capycommon.memory import GpuReading, HostRam, MemoryReading
 from capycommon.places import Places
+from capyctl_scheduler.actions import Action
+from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains, derive_unified
-from capyctl_scheduler.policy import Action, charged, plan
+from capyctl_scheduler.policy import plan
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
 
 S = InstanceState

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from capycommon.desired import (
 from capycommon.instances import InstanceState
 from capycommon.notify import Notification
 from capycommon.store import Conflict, InstanceStore
-from capyctl_scheduler.policy import Action
+from capyctl_scheduler.actions import Action, Kind
 from capyctl_scheduler.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,7 @@ class Actuator:
             return
         if record is None:
             return
-        handler = getattr(self, f"_{action.kind}")
-        await handler(snapshot, record, action)
+        await HANDLERS[action.kind](self, snapshot, record, action)
 
     # Effects on the engines -------------------------------------------------------------
 
@@ -262,6 +261,26 @@ class Actuator:
 
     async def _event(self, action: Action) -> None:
         await self.client.xadd(keys.events(), {"event": _event_json(action)}, maxlen=10_000)
+
+
+Handler = Callable[[Actuator, Snapshot, DeploymentRecord, Action], Coroutine[Any, Any, None]]
+
+# How each kind of action is applied; a test holds every kind to a handler.
+HANDLERS: Mapping[Kind, Handler] = {
+    "start": Actuator._start,
+    "wake": Actuator._wake,
+    "drain": Actuator._drain,
+    "undrain": Actuator._undrain,
+    "park": Actuator._park,
+    "stop": Actuator._stop,
+    "count_failure": Actuator._count_failure,
+    "satisfied": Actuator._satisfied,
+    "drop_demand": Actuator._drop_demand,
+    "wait": Actuator._wait,
+    "settle": Actuator._settle,
+    "forget": Actuator._forget,
+    "refuse": Actuator._refuse,
+}
 
 
 def _with_operation(record: DeploymentRecord, action: Action) -> DeploymentRecord:

@@ -6,15 +6,9 @@ from typing import Any
 
 from capycommon.instances import LIVE_STATES, InstanceState
 from capycommon.memory import MemoryReading
-from capyctl_scheduler.policy import (
-    PHASES,
-    charges,
-    footprint_of,
-    idle_timeouts,
-    next_idle_step,
-    protected,
-)
+from capyctl_scheduler.charges import PHASES, charges, footprint_of
 from capyctl_scheduler.snapshot import Snapshot
+from capyctl_scheduler.usage import idle_timeouts, next_idle_step, protected
 
 S = InstanceState
 

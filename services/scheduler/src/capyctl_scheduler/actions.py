@@ -1,0 +1,120 @@
+"""What a plan asks for: the `Action` the actuator applies, and how the actions that touch a
+running engine (drain, park, stop) are built, with whether it can park."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from capycommon.desired import DeploymentRecord
+from capycommon.engines.launch import Residency
+from capycommon.instances import InstanceRecord, InstanceState
+from capyctl_scheduler.charges import footprint_of
+from capyctl_scheduler.snapshot import Snapshot
+
+S = InstanceState
+
+Kind = Literal[
+    "start",
+    "wake",
+    "drain",
+    "undrain",
+    "park",
+    "stop",
+    "count_failure",
+    "satisfied",
+    "drop_demand",
+    "wait",
+    "settle",
+    "forget",
+    "refuse",
+]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    deployment: str
+    reason: str
+    host: str = ""
+    gpu: str = ""
+    generation: int = 0
+    # drain: what follows once the engine is idle.
+    then: Literal["park", "stop"] | None = None
+    # park: the most device bytes the parked engine may keep (its parked charge).
+    release_bound: int | None = None
+    # count_failure: the error of the failed generation; refuse: the code of the refusal.
+    error: str = ""
+
+
+def can_park(snapshot: Snapshot, instance: InstanceRecord) -> bool:
+    """Its engine can park, no request cut before any answer may still be on it (only a stop
+    proves those gone), and its parked copy has room on every domain's parked limit."""
+    if instance.residency in (None, Residency.RESTART_ONLY):
+        return False
+    held = snapshot.places.get(instance.deployment)
+    if held is not None and held.generation == instance.generation and held.settle_at_stop:
+        return False
+    return _parked_room(snapshot, instance)
+
+
+def _parked_room(snapshot: Snapshot, instance: InstanceRecord) -> bool:
+    view = snapshot.hosts[instance.host]
+    gpu = view.gpu_of(instance.gpu_uuid)
+    footprint = footprint_of(snapshot, instance.deployment, instance.host, gpu) if gpu else None
+    if footprint is None:
+        return True
+    parked: dict[str, int] = {}
+    for name, other in snapshot.instances.items():
+        if other.host != instance.host or other.state != S.PARKED or name == instance.deployment:
+            continue
+        other_gpu = view.gpu_of(other.gpu_uuid)
+        found = footprint_of(snapshot, name, other.host, other_gpu) if other_gpu else None
+        for domain, size in (found.charge("parked") if found else {}).items():
+            parked[domain] = parked.get(domain, 0) + size
+    return all(
+        parked.get(domain, 0) + size <= view.domains[domain].parked_limit
+        for domain, size in footprint.charge("parked").items()
+        if domain in view.domains
+    )
+
+
+def drain(
+    snapshot: Snapshot,
+    record: DeploymentRecord,
+    instance: InstanceRecord,
+    why: str,
+    then: Literal["park", "stop"] | None = None,
+) -> Action:
+    then = then or ("park" if can_park(snapshot, instance) else "stop")
+    return Action(
+        "drain",
+        record.name,
+        why,
+        host=instance.host,
+        gpu=snapshot.hosts[instance.host].gpu_of(instance.gpu_uuid) or "",
+        generation=instance.generation,
+        then=then,
+    )
+
+
+def park(snapshot: Snapshot, instance: InstanceRecord, why: str) -> Action:
+    view = snapshot.hosts[instance.host]
+    gpu = view.gpu_of(instance.gpu_uuid) or ""
+    footprint = footprint_of(snapshot, instance.deployment, instance.host, gpu)
+    bound = footprint.charge("parked").get(view.domain_of(gpu)) if footprint else None
+    return Action(
+        "park",
+        instance.deployment,
+        why,
+        host=instance.host,
+        gpu=gpu,
+        generation=instance.generation,
+        release_bound=bound,
+    )
+
+
+def stop(instance: InstanceRecord, why: str) -> Action:
+    return Action(
+        "stop", instance.deployment, why, host=instance.host, generation=instance.generation
+    )

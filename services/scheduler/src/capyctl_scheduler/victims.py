@@ -1,0 +1,161 @@
+"""Whom to evict, read from a snapshot: making room for a start or a wake on one GPU
+(`switch`), and keeping each host's parked set within its bound (`bound_parked`).
+
+The choice among candidates is `switching.choose_victims`, over the ledger; this module
+finds the candidates (never busy, warm or explicit) and turns the releases into actions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from capycommon.desired import DeploymentRecord
+from capycommon.instances import InstanceState
+from capycommon.units import format_size
+from capyctl_scheduler.actions import Action, can_park, drain, stop
+from capyctl_scheduler.charges import after_releases, footprint_of
+from capyctl_scheduler.ledger import InsufficientResources, Ledger
+from capyctl_scheduler.snapshot import HostView, Snapshot
+from capyctl_scheduler.switching import Candidate, choose_victims
+from capyctl_scheduler.usage import busy, last_used, protected
+
+S = InstanceState
+
+
+def switch(
+    snapshot: Snapshot,
+    record: DeploymentRecord,
+    view: HostView,
+    gpu: str,
+    charge: Mapping[str, int],
+    ledger: Ledger,
+    verb: str,
+) -> list[Action]:
+    """Make room for `record` on `gpu`: wait for releases already under way, else choose
+    victims (least recently used, never busy, warm or explicit) and drain them."""
+    name = record.name
+    projected = after_releases(snapshot, view, ledger)
+    if not projected.refusals(name, charge):
+        return [Action("wait", name, f"switch: waiting for memory being released to {verb}")]
+    candidates = list(_candidates(snapshot, view, name, projected))
+    try:
+        releases = choose_victims(projected, name, charge, candidates)
+    except InsufficientResources as exc:
+        beyond = _beyond_reach(snapshot, record, gpu, charge, ledger)
+        if beyond is not None:
+            code = InsufficientResources.code
+            return [Action("refuse", name, f"{code}: {beyond}", error=code)]
+        return [Action("wait", name, f"insufficient_resources: {exc.message}")]
+    actions = []
+    for release in releases:
+        instance = snapshot.instances[release.owner]
+        victim = snapshot.deployments[release.owner]
+        why = f"switch to {name}: {release.reason.removeprefix('switch: ')}"
+        if instance.state == S.PARKED:
+            actions.append(stop(instance, why))
+        else:
+            actions.append(drain(snapshot, victim, instance, why, then=release.action))
+    victims = ", ".join(release.owner for release in releases)
+    actions.append(Action("wait", name, f"switch: releasing {victims} to {verb} {name} on {gpu}"))
+    return actions
+
+
+def _beyond_reach(
+    snapshot: Snapshot,
+    record: DeploymentRecord,
+    gpu: str,
+    charge: Mapping[str, int],
+    ledger: Ledger,
+) -> str | None:
+    """Why `charge` cannot fit even once every instance that may be evicted is stopped (busy
+    ones included: they end), with the figures; None when waiting can make room."""
+    kept = ledger
+    for owner in ledger.charges:
+        other = snapshot.deployments.get(owner)
+        if owner != record.name and other is not None and not protected(other):
+            kept = kept.release(owner)
+    refusals = kept.refusals(record.name, charge)
+    if not refusals:
+        return None
+    parts = []
+    for refusal in refusals:
+        domain = ledger.domains[refusal.domain]
+        ceiling = min(domain.managed_limit, domain.capacity - domain.free_reserve)
+        freeable = ledger.total(refusal.domain, without=record.name) - kept.total(
+            refusal.domain, without=record.name
+        )
+        holders = sorted(
+            owner
+            for owner, held in kept.charges.items()
+            if owner != record.name and held.get(refusal.domain)
+        )
+        part = (
+            f"needs {format_size(refusal.needs)} on {refusal.domain}, which holds at most "
+            f"{format_size(ceiling)} for models ({format_size(domain.capacity)} with "
+            f"{format_size(domain.free_reserve)} reserve); stopping every model that may be "
+            f"evicted frees {format_size(freeable)}, leaving {format_size(refusal.free)}"
+        )
+        if holders:
+            part += f" ({', '.join(holders)}: warm, explicit or unknown, never evicted)"
+        parts.append(part)
+    return f"{record.name} cannot run on {gpu}: " + "; ".join(parts)
+
+
+def _candidates(
+    snapshot: Snapshot, view: HostView, requester: str, ledger: Ledger
+) -> Iterable[Candidate]:
+    parked_full = _parked_full(snapshot, view)
+    for name, instance in snapshot.instances.items():
+        record = snapshot.deployments.get(name)
+        if record is None or name == requester or instance.host != view.name:
+            continue
+        if record.inflight is not None or instance.state not in (S.READY, S.PARKED):
+            continue
+        gpu = view.gpu_of(instance.gpu_uuid)
+        footprint = footprint_of(snapshot, name, view.name, gpu) if gpu else None
+        if footprint is None:
+            continue
+        yield Candidate(
+            owner=name,
+            last_used=last_used(snapshot, name, instance),
+            busy=busy(snapshot, name, instance),
+            protected=protected(record),
+            can_park=instance.state == S.READY and can_park(snapshot, instance) and not parked_full,
+            parked_charge=footprint.charge("parked"),
+        )
+
+
+def _parked_full(snapshot: Snapshot, view: HostView) -> bool:
+    parked = [i for i in snapshot.instances.values() if i.host == view.name and i.state == S.PARKED]
+    return len(parked) >= snapshot.tunables.max_parked
+
+
+def bound_parked(snapshot: Snapshot, planned: list[Action]) -> list[Action]:
+    """Beyond max_parked on a host, the least recently parked stop (never warm or explicit)."""
+    touched = {action.deployment for action in planned if action.kind not in ("wait", "settle")}
+    actions = []
+    for host in snapshot.hosts:
+        parked = sorted(
+            (
+                i
+                for name, i in snapshot.instances.items()
+                if i.host == host and i.state == S.PARKED and name in snapshot.deployments
+            ),
+            key=lambda i: i.since,
+        )
+        excess = len(parked) - snapshot.tunables.max_parked
+        for instance in parked:
+            if excess <= 0:
+                break
+            record = snapshot.deployments[instance.deployment]
+            if instance.deployment in touched or record.inflight is not None or protected(record):
+                continue
+            actions.append(
+                stop(
+                    instance,
+                    f"bounded parked set: at most {snapshot.tunables.max_parked} "
+                    f"parked on {host}; least recently used",
+                )
+            )
+            excess -= 1
+    return actions
