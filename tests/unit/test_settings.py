@@ -14,17 +14,15 @@ from capycommon.settings import (
     ROLES,
     HostSection,
     HostSettings,
-    LoadedSettings,
     Role,
     StandaloneSettings,
-    load_settings,
-    locate_document,
     machine_host_name,
     redacted,
     setting_specs,
-    split_address,
     template,
 )
+from capycommon.settingsources import LoadedSettings, load_settings, locate_document
+from capycommon.settingvalues import split_address
 
 
 def _sources(loaded: object) -> dict[str, str]:

@@ -26,9 +26,9 @@ from capycommon.deployments import load_deployment
 from capycommon.engines import detect, registry
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths
-from capycommon.settings import load_yaml_document
 from capycommon.testing.enginesim.behaviour import Behaviour
 from capycommon.testing.enginesim.install import install_python_engine
+from capycommon.yamldoc import load_yaml_document
 from capyctl_cli.management import Management
 
 GiB = 1 << 30

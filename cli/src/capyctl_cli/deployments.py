@@ -14,8 +14,8 @@ import typer
 from capycommon.deployments import load_deployment
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths, resolve_state_dir
-from capycommon.settings import load_yaml_document
 from capycommon.units import format_duration, format_size
+from capycommon.yamldoc import load_yaml_document
 from capyctl_cli import output
 from capyctl_cli.management import Management, wait_for
 from capyctl_cli.options import DebugOpt, JsonOpt, StateDirOpt, expected_errors

@@ -13,7 +13,8 @@ from capycommon.engines import detect, publish, registry
 from capycommon.engines.families import EngineUnsupported, Family, is_verified
 from capycommon.engines.registry import Registry
 from capycommon.paths import StatePaths, resolve_state_dir
-from capycommon.settings import Role, locate_document
+from capycommon.settings import Role
+from capycommon.settingsources import locate_document
 from capyctl_cli import output, record
 from capyctl_cli.launcher import lock_is_held
 from capyctl_cli.options import (

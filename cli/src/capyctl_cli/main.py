@@ -12,7 +12,8 @@ import typer
 from capycommon import logs
 from capycommon.errors import InvalidConfig
 from capycommon.paths import StatePaths, resolve_state_dir
-from capycommon.settings import Role, load_settings, locate_document, redacted
+from capycommon.settings import Role, redacted
+from capycommon.settingsources import load_settings, locate_document
 from capycommon.version import __version__
 from capyctl_cli import demo as demo_cmd
 from capyctl_cli import deployments, engines, launcher, output, roles

@@ -14,7 +14,7 @@ import httpx
 from capycommon import credentials
 from capycommon.errors import CapyError, RoleNotRunning
 from capycommon.paths import StatePaths
-from capycommon.settings import split_address
+from capycommon.settingvalues import split_address
 from capyctl_cli import record
 from capyctl_cli.launcher import lock_is_held
 

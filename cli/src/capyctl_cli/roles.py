@@ -12,15 +12,8 @@ from capycommon import credentials
 from capycommon.credentials import Credentials
 from capycommon.errors import HostNameChanged, InvalidConfig, ToolchainMissing
 from capycommon.paths import StatePaths, check_socket_path, ensure_private_dir, write_atomic
-from capycommon.settings import (
-    HostSettings,
-    LoadedSettings,
-    Role,
-    ServerSettings,
-    load_settings,
-    locate_document,
-    template,
-)
+from capycommon.settings import HostSettings, Role, ServerSettings, template
+from capycommon.settingsources import LoadedSettings, load_settings, locate_document
 
 SERVICES = ("router", "scheduler", "hostd", "memwatch")
 

@@ -29,16 +29,9 @@ from capycommon import heartbeats, logs
 from capycommon.errors import CapyError, RedisUnreachable, ServicePortInUse
 from capycommon.heartbeats import Heartbeat
 from capycommon.paths import StatePaths, resolve_state_dir
-from capycommon.settings import (
-    ROLES,
-    AnySettings,
-    Role,
-    host_name,
-    load_settings,
-    locate_document,
-    redis_url,
-    split_address,
-)
+from capycommon.settings import ROLES, AnySettings, Role, host_name, redis_url
+from capycommon.settingsources import load_settings, locate_document
+from capycommon.settingvalues import split_address
 from capycommon.version import __version__
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from capycommon.engines import publish, registry
 from capycommon.errors import CapyError
 from capycommon.hostinfo import HostInfo
 from capycommon.service import ServiceContext, run
-from capycommon.settings import HostSettings, StandaloneSettings, parse_port_range
+from capycommon.settings import HostSettings, StandaloneSettings
+from capycommon.settingvalues import parse_port_range
 from capycommon.store import InstanceStore
 from capyctl_hostd import adopt, consumer, loads
 from capyctl_hostd.ports import PortLeaser

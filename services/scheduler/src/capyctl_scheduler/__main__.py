@@ -7,7 +7,8 @@ import sys
 
 from capycommon import credentials, keys
 from capycommon.service import ServiceContext, run, serve_http
-from capycommon.settings import ServerSettings, StandaloneSettings, idle_seconds
+from capycommon.settings import ServerSettings, StandaloneSettings
+from capycommon.settingvalues import idle_seconds
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.ledger import Limits
 from capyctl_scheduler.loop import Scheduler

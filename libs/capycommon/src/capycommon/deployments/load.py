@@ -17,7 +17,7 @@ from capycommon.errors import (
     MultiGpuUnsupported,
     RouteConflict,
 )
-from capycommon.settings import load_yaml_document
+from capycommon.yamldoc import load_yaml_document
 
 # Keys people put in the wrong place (or know from the reference's fuller schema), and where
 # they belong; an unknown key is refused with this pointer instead of a bare "unknown".
