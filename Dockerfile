@@ -24,11 +24,13 @@ RUN groupadd --gid 1000 capyctl \
     && useradd --uid 1000 --gid capyctl --create-home --shell /usr/sbin/nologin capyctl \
     && install -d -o capyctl -g capyctl -m 0700 /var/lib/capyctl
 
-# The six packages of the monorepo, installed (not editable) from a copy of the repository;
-# pip finds `capycommon`, which the others require, among the folders it is given.
+# The seven packages of the monorepo, installed (not editable) from a copy of the repository;
+# pip finds `capycommon` and `enginesim` (the engine simulator `capyctl demo` runs), which the
+# others require, among the folders it is given.
 COPY . /tmp/capyctl-src
 RUN pip install \
         /tmp/capyctl-src/libs/capycommon \
+        /tmp/capyctl-src/libs/enginesim \
         /tmp/capyctl-src/services/router \
         /tmp/capyctl-src/services/scheduler \
         /tmp/capyctl-src/services/hostd \

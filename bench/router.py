@@ -31,8 +31,8 @@ import yaml
 
 from capycommon import keys
 from capycommon.engines import detect, registry
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.install import install_python_engine
+from enginesim.behaviour import Behaviour
+from enginesim.install import install_python_engine
 
 GiB = 1 << 30
 CAPYCTL = [sys.executable, "-m", "capyctl_cli"]

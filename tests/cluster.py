@@ -22,9 +22,9 @@ import yaml
 from capycommon import desired, keys
 from capycommon.instances import InstanceRecord
 from capycommon.store import Event
-from capycommon.testing.enginesim.behaviour import Behaviour, CrashAtStart, Faults, ToolCall
-from capycommon.testing.enginesim.install import install_llama_server, install_python_engine
 from enginerun import sparse_model
+from enginesim.behaviour import Behaviour, CrashAtStart, Faults, ToolCall
+from enginesim.install import install_llama_server, install_python_engine
 from support import Role, capyctl, clean_env, short_dir, start_role
 
 GiB = 1 << 30

@@ -21,13 +21,13 @@ from capycommon import simgpu
 from capycommon.engines.control import Load
 from capycommon.engines.families import Family
 from capycommon.engines.launch import Residency
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.install import (
+from enginerun import RunningEngine, launch, make_devices, sparse_model
+from enginesim.behaviour import Behaviour
+from enginesim.install import (
     install_llama_server,
     install_python_engine,
     write_behaviour,
 )
-from enginerun import RunningEngine, launch, make_devices, sparse_model
 from llamacpp_real.llama_server import write_wrapper
 from llamacpp_real.tinygguf import write_tiny_model
 from support import short_dir, wait_for

@@ -61,8 +61,8 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return result
 
 
-def test_the_monorepo_has_six_packages() -> None:
-    assert len(PACKAGES) == 6
+def test_the_monorepo_has_seven_packages() -> None:
+    assert len(PACKAGES) == 7
     assert all((REPO / package / "pyproject.toml").is_file() for package in PACKAGES)
 
 

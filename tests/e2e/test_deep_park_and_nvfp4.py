@@ -13,10 +13,10 @@ from typing import Literal
 import pytest
 import yaml
 
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.install import install_python_engine
 from cluster import HOST, Cluster, GiB
 from enginerun import sparse_model
+from enginesim.behaviour import Behaviour
+from enginesim.install import install_python_engine
 from support import capyctl, clean_env, short_dir, start_role, wait_for
 
 SMALL = {"memory": {"request": "4GiB", "startup": "5GiB"}}

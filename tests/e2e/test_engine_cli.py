@@ -15,7 +15,7 @@ import pytest
 import redis
 import yaml
 
-from capycommon.testing.enginesim.install import install_python_engine
+from enginesim.install import install_python_engine
 from llamacpp_real.llama_server import write_wrapper
 from support import capyctl, clean_env, short_dir, start_role, wait_for
 

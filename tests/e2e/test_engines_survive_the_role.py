@@ -14,9 +14,9 @@ import redis
 
 from capycommon import keys
 from capycommon.instances import InstanceRecord
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.install import install_python_engine
 from enginerun import sparse_model
+from enginesim.behaviour import Behaviour
+from enginesim.install import install_python_engine
 from support import capyctl, clean_env, group_members, short_dir, start_role, wait_for
 
 GiB = 1 << 30

@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from capycommon import places
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.install import install_python_engine
 from cluster import FOURTEEN, SMALL, Cluster, running
+from enginesim.behaviour import Behaviour
+from enginesim.install import install_python_engine
 from support import wait_for
 
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {

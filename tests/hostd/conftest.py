@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from capycommon.testing.enginesim.install import install_python_engine, write_behaviour
 from enginerun import sparse_model
+from enginesim.install import install_python_engine, write_behaviour
 from hostd.harness import FAST, GiB, Hostd
 from support import group_members, short_dir
 

@@ -18,7 +18,7 @@ from capycommon.engines import detect, registry
 from capycommon.hostcommands import Abort, Launch, Park, Stop, Wake
 from capycommon.instances import InstanceRecord
 from capycommon.load import EngineLoad, read_loads
-from capycommon.testing.enginesim.behaviour import Behaviour
+from enginesim.behaviour import Behaviour
 from support import clean_env, wait_for
 from support import engine_ports as port_range
 

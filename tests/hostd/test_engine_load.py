@@ -12,7 +12,7 @@ import openai
 
 from capycommon.hostcommands import Park, Stop, Wake
 from capycommon.load import EngineLoad
-from capycommon.testing.enginesim.install import write_behaviour
+from enginesim.install import write_behaviour
 from hostd.harness import FAST, Hostd, launch
 from support import wait_for
 

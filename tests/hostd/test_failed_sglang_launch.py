@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from capycommon.testing.enginesim import Faults, SchedulerDies, write_behaviour
+from enginesim import Faults, SchedulerDies, write_behaviour
 from hostd.harness import FAST, Hostd, launch
 from support import group_members
 

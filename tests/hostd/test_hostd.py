@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from capycommon.hostcommands import Park, Stop, Wake
-from capycommon.testing.enginesim.behaviour import CrashAtStart, Faults
-from capycommon.testing.enginesim.install import write_behaviour
 from capyctl_hostd.ports import is_free
+from enginesim.behaviour import CrashAtStart, Faults
+from enginesim.install import write_behaviour
 from hostd.harness import FAST, GiB, Hostd, environ, launch
 from support import group_members, short_dir, wait_for
 

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from capycommon.hostcommands import Park
-from capycommon.testing.enginesim.behaviour import Faults
-from capycommon.testing.enginesim.install import write_behaviour
 from capycommon.units import format_size
+from enginesim.behaviour import Faults
+from enginesim.install import write_behaviour
 from hostd.harness import FAST, GiB, Hostd, launch
 from support import group_members, wait_for
 

@@ -12,7 +12,7 @@ import httpx
 from capycommon import keys
 from capycommon.hostcommands import Abort
 from capycommon.settlement import FIELD, RequestEnd
-from capycommon.testing.enginesim.install import write_behaviour
+from enginesim.install import write_behaviour
 from hostd.harness import FAST, HOST, Hostd, launch
 from support import wait_for
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from capycommon.errors import CODES, exit_code_for, http_status_for
 
 ROOT = Path(__file__).resolve().parents[2]
+# Our sources, not the engine simulator's (libs/enginesim): it speaks the engines' codes.
 SOURCES = [ROOT / "libs" / "capycommon" / "src", ROOT / "services", ROOT / "cli" / "src"]
 # code = "x", code="x", code=f"x:{...}", error="x" (a refusal's code), and the codes hostd
 # records at the head of an instance's error ("wake_mismatch: ...").
@@ -23,8 +24,6 @@ def raised_codes() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for root in SOURCES:
         for path in root.rglob("*.py"):
-            if "enginesim" in path.parts:  # the simulator speaks the engines' codes
-                continue
             text = path.read_text()
             for code in RAISED.findall(text):
                 found.setdefault(code, path)

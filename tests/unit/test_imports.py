@@ -1,8 +1,11 @@
-"""Imports run one way: services and the CLI import capycommon only."""
+"""Imports run one way: capycommon imports none of ours; the engine simulator imports
+capycommon; services import capycommon only; the CLI imports capycommon and the simulator
+(`capyctl demo` runs it)."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -10,11 +13,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 OURS = {
     "capycommon": ROOT / "libs" / "capycommon" / "src" / "capycommon",
+    "enginesim": ROOT / "libs" / "enginesim" / "src" / "enginesim",
     "capyctl_router": ROOT / "services" / "router" / "src" / "capyctl_router",
     "capyctl_scheduler": ROOT / "services" / "scheduler" / "src" / "capyctl_scheduler",
     "capyctl_hostd": ROOT / "services" / "hostd" / "src" / "capyctl_hostd",
     "capyctl_memwatch": ROOT / "services" / "memwatch" / "src" / "capyctl_memwatch",
     "capyctl_cli": ROOT / "cli" / "src" / "capyctl_cli",
+}
+SERVICES = {"capyctl_router", "capyctl_scheduler", "capyctl_hostd", "capyctl_memwatch"}
+# Each package -> the packages of ours it may import besides itself.
+ALLOWED: dict[str, set[str]] = {
+    "capycommon": set(),
+    "enginesim": {"capycommon"},
+    **{service: {"capycommon"} for service in SERVICES},
+    "capyctl_cli": {"capycommon", "enginesim"},
 }
 
 
@@ -35,7 +47,7 @@ def imported_packages(package_dir: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("package", sorted(OURS))
 def test_imports_run_one_way(package: str) -> None:
-    allowed = {package} if package == "capycommon" else {package, "capycommon"}
+    allowed = {package} | ALLOWED[package]
     imported = imported_packages(OURS[package])
     wrong = {
         name: where for name, where in imported.items() if name in OURS and name not in allowed
@@ -43,9 +55,27 @@ def test_imports_run_one_way(package: str) -> None:
     assert wrong == {}, f"{package} may import only {sorted(allowed)}"
 
 
+def test_every_package_has_its_rule() -> None:
+    assert set(ALLOWED) == set(OURS)
+
+
+@pytest.mark.parametrize("package", sorted(SERVICES | {"capycommon"}))
+def test_no_service_nor_capycommon_uses_the_simulator(package: str) -> None:
+    assert "enginesim" not in ALLOWED[package]
+    assert "enginesim" not in imported_packages(OURS[package])
+    pyproject = tomllib.loads((OURS[package].parents[1] / "pyproject.toml").read_text())
+    requires = [r.split(">")[0].split("=")[0].strip() for r in pyproject["project"]["dependencies"]]
+    assert "enginesim" not in requires
+
+
 def test_the_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     (tmp_path / "mod.py").write_text("from capyctl_router.app import create_app\n")
     assert imported_packages(tmp_path) == {"capyctl_router": "mod.py"}
+
+
+def test_the_check_sees_the_simulator_imported_inside_a_function(tmp_path: Path) -> None:
+    (tmp_path / "mod.py").write_text("def f() -> None:\n    import enginesim.install\n")
+    assert imported_packages(tmp_path) == {"enginesim": "mod.py"}
 
 
 def test_every_package_is_installable_on_its_own() -> None:

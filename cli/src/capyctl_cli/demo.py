@@ -26,10 +26,10 @@ from capycommon.deployments import load_deployment
 from capycommon.engines import detect, registry
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.install import install_python_engine
 from capycommon.yamldoc import load_yaml_document
 from capyctl_cli.management import Management
+from enginesim.behaviour import Behaviour
+from enginesim.install import install_python_engine
 
 GiB = 1 << 30
 GPUS = "gpu0:24GiB"

@@ -6,7 +6,7 @@ with a `Behaviour` (rewritten between launches by `write_behaviour`), and launch
 real engine is launched. The behaviour to match is in the shared `reference/engines.md`.
 """
 
-from capycommon.testing.enginesim.behaviour import (
+from enginesim.behaviour import (
     Behaviour,
     CrashAtStart,
     DisconnectLag,
@@ -14,7 +14,7 @@ from capycommon.testing.enginesim.behaviour import (
     SchedulerDies,
     ToolCall,
 )
-from capycommon.testing.enginesim.install import (
+from enginesim.install import (
     install_llama_server,
     install_python_engine,
     write_behaviour,

@@ -1,11 +1,11 @@
 """Run a simulated engine, or install one.
 
-python -m capycommon.testing.enginesim --family vllm --version 0.17.0 -- --model M ...
-python -m capycommon.testing.enginesim --family vllm --version 0.17.0 -- serve M ...
-python -m capycommon.testing.enginesim --family sglang --version 0.5.10 -- --model-path M
-python -m capycommon.testing.enginesim --family llamacpp --version 6500 -- -m model.gguf
-python -m capycommon.testing.enginesim install vllm|sglang VENV --version V [--behaviour F]
-python -m capycommon.testing.enginesim install llamacpp FOLDER --version BUILD
+python -m enginesim --family vllm --version 0.17.0 -- --model M ...
+python -m enginesim --family vllm --version 0.17.0 -- serve M ...
+python -m enginesim --family sglang --version 0.5.10 -- --model-path M
+python -m enginesim --family llamacpp --version 6500 -- -m model.gguf
+python -m enginesim install vllm|sglang VENV --version V [--behaviour F]
+python -m enginesim install llamacpp FOLDER --version BUILD
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from capycommon.testing.enginesim.behaviour import load_behaviour
-from capycommon.testing.enginesim.install import install_llama_server, install_python_engine
-from capycommon.testing.enginesim.launch import Form, run
+from enginesim.behaviour import load_behaviour
+from enginesim.install import install_llama_server, install_python_engine
+from enginesim.launch import Form, run
 
 
 def _install(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capycommon.testing.enginesim install")
+    parser = argparse.ArgumentParser(prog="python -m enginesim install")
     parser.add_argument("family", choices=("vllm", "sglang", "llamacpp"))
     parser.add_argument("target", type=Path, help="the venv to create, or the llama-server folder")
     parser.add_argument("--version", required=True, help="the version, or the llama.cpp build")
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ("--" in given)
         else (given, [])
     )
-    parser = argparse.ArgumentParser(prog="python -m capycommon.testing.enginesim")
+    parser = argparse.ArgumentParser(prog="python -m enginesim")
     parser.add_argument("--family", choices=("vllm", "sglang", "llamacpp"), required=True)
     parser.add_argument("--version", required=True)
     parser.add_argument("--behaviour", type=Path)

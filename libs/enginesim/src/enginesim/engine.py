@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from capycommon.testing.enginesim.behaviour import GARBAGE_ANSWER, Behaviour
-from capycommon.testing.enginesim.metrics import Histogram
+from enginesim.behaviour import GARBAGE_ANSWER, Behaviour
+from enginesim.metrics import Histogram
 
 TokenKind = Literal["reasoning", "content", "tool_name", "tool_args"]
 Finish = Literal["stop", "length", "tool_calls", "abort", "error"]

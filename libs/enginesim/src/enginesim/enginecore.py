@@ -16,7 +16,7 @@ from pathlib import Path
 from types import FrameType
 
 from capycommon import simgpu
-from capycommon.testing.enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice
+from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:

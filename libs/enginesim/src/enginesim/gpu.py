@@ -139,7 +139,7 @@ class ChildHolder:
     """
 
     def __init__(self, device: SimDevice | None, lag: float, stay_when_orphaned: bool) -> None:
-        argv = ["VLLM::EngineCore", "-m", "capycommon.testing.enginesim.enginecore"]
+        argv = ["VLLM::EngineCore", "-m", "enginesim.enginecore"]
         argv += ["--lag", str(lag), "--orphan", "stay" if stay_when_orphaned else "exit"]
         if device is not None:
             argv += ["--dir", str(device.folder), "--uuid", device.device.uuid]

@@ -20,18 +20,18 @@ import zipfile
 from pathlib import Path
 from typing import Literal
 
-from capycommon.testing.enginesim.behaviour import Behaviour, save_behaviour
+from enginesim.behaviour import Behaviour, save_behaviour
 
 PythonFamily = Literal["vllm", "sglang"]
 BEHAVIOUR_FILE = "_capyctl_sim.json"
 LLAMA_BEHAVIOUR_SUFFIX = ".sim.json"
 
-_SHIM = '''"""Simulated {family} {version}: hands over to capycommon.testing.enginesim."""
+_SHIM = '''"""Simulated {family} {version}: hands over to enginesim."""
 
 import sys
 from pathlib import Path
 
-from capycommon.testing.enginesim.launch import run
+from enginesim.launch import run
 
 BEHAVIOUR = Path(__file__).resolve().parents[{depth}] / "{behaviour}"
 
@@ -83,11 +83,10 @@ def build_wheel(family: PythonFamily, version: str, folder: Path) -> Path:
     files = _package_files(family, version)
     files[f"{dist_info}/METADATA"] = (
         f"Metadata-Version: 2.1\nName: {family}\nVersion: {version}\n"
-        f"Summary: Simulated {family} (capycommon.testing.enginesim)\n"
+        f"Summary: Simulated {family} (enginesim)\n"
     )
     files[f"{dist_info}/WHEEL"] = (
-        "Wheel-Version: 1.0\nGenerator: capycommon-enginesim\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n"
+        "Wheel-Version: 1.0\nGenerator: enginesim\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     )
     files[f"{dist_info}/entry_points.txt"] = f"[console_scripts]\n{_CONSOLE_SCRIPTS[family]}\n"
     records = [_record_line(name, text.encode()) for name, text in files.items()]
@@ -139,9 +138,9 @@ def install_llama_server(folder: Path, build: int, behaviour: Behaviour | None =
     executable = folder / "llama-server"
     executable.write_text(
         f"#!{sys.executable}\n"
-        f'"""Simulated llama-server build {build} (capycommon.testing.enginesim)."""\n'
+        f'"""Simulated llama-server build {build} (enginesim)."""\n'
         "import sys\nfrom pathlib import Path\n\n"
-        "from capycommon.testing.enginesim.launch import run\n\n"
+        "from enginesim.launch import run\n\n"
         f'BEHAVIOUR = Path(__file__).resolve().with_name("llama-server{LLAMA_BEHAVIOUR_SUFFIX}")\n'
         f'raise SystemExit(run("llama-server", "{build}", sys.argv[1:], BEHAVIOUR))\n'
     )

@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from capycommon.testing.enginesim import llamacpp, sglang, vllm
-from capycommon.testing.enginesim.behaviour import Behaviour, load_behaviour
+from enginesim import llamacpp, sglang, vllm
+from enginesim.behaviour import Behaviour, load_behaviour
 
 Form = Literal["vllm-api-server", "vllm-cli", "sglang-launch-server", "sglang-cli", "llama-server"]
 

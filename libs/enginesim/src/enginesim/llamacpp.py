@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from capycommon.testing.enginesim import process as proc
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.llamacpp_app import LlamaFrontend, build_app, commit_of
-from capycommon.testing.enginesim.process import Process
+from enginesim import process as proc
+from enginesim.behaviour import Behaviour
+from enginesim.llamacpp_app import LlamaFrontend, build_app, commit_of
+from enginesim.process import Process
 
 NOTICE_FROM_BUILD = 6800
 NEW_PORT_FROM_BUILD = 6900

@@ -21,24 +21,24 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from capycommon.testing.enginesim.auth import BearerAuth
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.engine import Engine
-from capycommon.testing.enginesim.gpu import LocalHolder, NoDevice, NoHolder, find_device
-from capycommon.testing.enginesim.memory import Regions, weight_bytes
-from capycommon.testing.enginesim.metrics import Exposition
-from capycommon.testing.enginesim.openai_chat import (
+from enginesim.auth import BearerAuth
+from enginesim.behaviour import Behaviour
+from enginesim.engine import Engine
+from enginesim.gpu import LocalHolder, NoDevice, NoHolder, find_device
+from enginesim.memory import Regions, weight_bytes
+from enginesim.metrics import Exposition
+from enginesim.openai_chat import (
     ChatRequest,
     CompletionRequest,
     Dialect,
     EmbeddingRequest,
     random_id,
 )
-from capycommon.testing.enginesim.process import Process
-from capycommon.testing.enginesim.serving import Frontend
+from enginesim.process import Process
+from enginesim.serving import Frontend
 
 if TYPE_CHECKING:
-    from capycommon.testing.enginesim.llamacpp import LlamaArgs
+    from enginesim.llamacpp import LlamaArgs
 
 log = logging.getLogger("llama-server")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/api/tags", "/"})

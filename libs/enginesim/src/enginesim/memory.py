@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
-from capycommon.testing.enginesim.gpu import Holder
+from enginesim.gpu import Holder
 
 Place = Literal["gpu", "host", "gone"]
 WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".gguf"})

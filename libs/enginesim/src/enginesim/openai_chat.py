@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from capycommon.testing.enginesim.engine import Finish, Token, Work
+from enginesim.engine import Finish, Token, Work
 
 JsonDict = dict[str, Any]
 _PIECES = re.compile(r"\s*\S+")

@@ -19,9 +19,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.engine import Engine, Work
-from capycommon.testing.enginesim.openai_chat import (
+from enginesim.behaviour import Behaviour
+from enginesim.engine import Engine, Work
+from enginesim.openai_chat import (
     Answer,
     ChatRequest,
     CompletionRequest,
@@ -31,7 +31,7 @@ from capycommon.testing.enginesim.openai_chat import (
     count_prompt_tokens,
     plan,
 )
-from capycommon.testing.enginesim.process import Process
+from enginesim.process import Process
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 

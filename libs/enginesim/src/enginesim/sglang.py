@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from capycommon.testing.enginesim import process as proc
-from capycommon.testing.enginesim.behaviour import Behaviour, SchedulerDies
-from capycommon.testing.enginesim.gpu import (
+from enginesim import process as proc
+from enginesim.behaviour import Behaviour, SchedulerDies
+from enginesim.gpu import (
     Holder,
     LocalHolder,
     NoDevice,
@@ -39,9 +39,9 @@ from capycommon.testing.enginesim.gpu import (
     SimDevice,
     find_device,
 )
-from capycommon.testing.enginesim.memory import Regions, weight_bytes
-from capycommon.testing.enginesim.process import Process
-from capycommon.testing.enginesim.sglang_app import SglangFrontend, build_app
+from enginesim.memory import Regions, weight_bytes
+from enginesim.process import Process
+from enginesim.sglang_app import SglangFrontend, build_app
 
 log = logging.getLogger("sglang.srt.entrypoints.http_server")
 
@@ -205,7 +205,7 @@ async def _scheduler_dies(process: Process, dies: SchedulerDies) -> int:
     segment as the tokenizer manager does, waits on without listening until it is stopped."""
     loads = f"sglang_loads_tmp{secrets.token_hex(4)}_{secrets.token_hex(4)}.shm"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    module = [sys.executable, "-m", "capycommon.testing.enginesim.sglang_children"]
+    module = [sys.executable, "-m", "enginesim.sglang_children"]
     died = [str(dies.after_seconds), str(dies.exit_code), dies.message]
     roles = (["scheduler", loads, *died], ["detokenizer"])
     children = [subprocess.Popen([*module, *role], env=env) for role in roles]

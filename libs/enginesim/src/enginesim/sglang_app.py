@@ -30,22 +30,22 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from capycommon.testing.enginesim.auth import BearerAuth
-from capycommon.testing.enginesim.behaviour import Behaviour, version_tuple
-from capycommon.testing.enginesim.engine import Engine, Token, Work
-from capycommon.testing.enginesim.memory import Regions
-from capycommon.testing.enginesim.metrics import Exposition
-from capycommon.testing.enginesim.openai_chat import (
+from enginesim.auth import BearerAuth
+from enginesim.behaviour import Behaviour, version_tuple
+from enginesim.engine import Engine, Token, Work
+from enginesim.memory import Regions
+from enginesim.metrics import Exposition
+from enginesim.openai_chat import (
     ChatRequest,
     CompletionRequest,
     Dialect,
     EmbeddingRequest,
 )
-from capycommon.testing.enginesim.process import Process
-from capycommon.testing.enginesim.serving import Frontend
+from enginesim.process import Process
+from enginesim.serving import Frontend
 
 if TYPE_CHECKING:
-    from capycommon.testing.enginesim.sglang import SglangArgs
+    from enginesim.sglang import SglangArgs
 
 log = logging.getLogger("sglang.srt.entrypoints.http_server")
 ALL_TAGS = ("kv_cache", "weights", "cuda_graph")

@@ -1,8 +1,8 @@
 """SGLang's scheduler and detokenizer, as children of the simulated HTTP server (only with the
 `scheduler_dies` fault, which needs them).
 
-python -m capycommon.testing.enginesim.sglang_children scheduler LOADS_SHM DIE_AFTER CODE MSG
-python -m capycommon.testing.enginesim.sglang_children detokenizer
+python -m enginesim.sglang_children scheduler LOADS_SHM DIE_AFTER CODE MSG
+python -m enginesim.sglang_children detokenizer
 
 Both write their Prometheus multiprocess file into PROMETHEUS_MULTIPROC_DIR every 0.1 s, as
 SGLang's children do on each metric update; when that folder is gone each write prints the

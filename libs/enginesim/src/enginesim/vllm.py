@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from capycommon.testing.enginesim import process as proc
-from capycommon.testing.enginesim.behaviour import Behaviour
-from capycommon.testing.enginesim.gpu import ChildHolder, NoDevice, SimDevice, find_device, gib
-from capycommon.testing.enginesim.memory import Regions, weight_bytes
-from capycommon.testing.enginesim.process import Process
-from capycommon.testing.enginesim.vllm_app import VllmFrontend, build_app
+from enginesim import process as proc
+from enginesim.behaviour import Behaviour
+from enginesim.gpu import ChildHolder, NoDevice, SimDevice, find_device, gib
+from enginesim.memory import Regions, weight_bytes
+from enginesim.process import Process
+from enginesim.vllm_app import VllmFrontend, build_app
 
 log = logging.getLogger("vllm.entrypoints.openai.api_server")
 

@@ -28,23 +28,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from capycommon.testing.enginesim.auth import BearerAuth
-from capycommon.testing.enginesim.behaviour import Behaviour, version_tuple
-from capycommon.testing.enginesim.engine import Engine
-from capycommon.testing.enginesim.memory import Regions
-from capycommon.testing.enginesim.metrics import Exposition
-from capycommon.testing.enginesim.openai_chat import (
+from enginesim.auth import BearerAuth
+from enginesim.behaviour import Behaviour, version_tuple
+from enginesim.engine import Engine
+from enginesim.memory import Regions
+from enginesim.metrics import Exposition
+from enginesim.openai_chat import (
     ChatRequest,
     CompletionRequest,
     Dialect,
     EmbeddingRequest,
     count_prompt_tokens,
 )
-from capycommon.testing.enginesim.process import Process
-from capycommon.testing.enginesim.serving import Frontend
+from enginesim.process import Process
+from enginesim.serving import Frontend
 
 if TYPE_CHECKING:
-    from capycommon.testing.enginesim.vllm import VllmArgs
+    from enginesim.vllm import VllmArgs
 
 log = logging.getLogger("vllm.entrypoints.openai.api_server")
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")

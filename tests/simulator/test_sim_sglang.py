@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from capycommon.testing.enginesim import DisconnectLag, Faults, ToolCall, write_behaviour
-from capycommon.testing.enginesim.behaviour import GARBAGE_ANSWER
-from enginesim.helpers import (
+from enginesim import DisconnectLag, Faults, ToolCall, write_behaviour
+from enginesim.behaviour import GARBAGE_ANSWER
+from simulator.helpers import (
     FAST,
     GIB,
     MIB,

@@ -16,8 +16,8 @@ import httpx
 import openai
 
 from capycommon import simgpu
-from capycommon.testing.enginesim import Behaviour, install_llama_server, install_python_engine
-from capycommon.testing.enginesim.install import PythonFamily
+from enginesim import Behaviour, install_llama_server, install_python_engine
+from enginesim.install import PythonFamily
 from support import free_port, group_members, wait_for
 
 GIB = 1 << 30

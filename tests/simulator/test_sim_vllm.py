@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from capycommon.testing.enginesim import Behaviour, ToolCall, write_behaviour
-from capycommon.testing.enginesim.behaviour import GARBAGE_ANSWER
-from enginesim.helpers import (
+from enginesim import Behaviour, ToolCall, write_behaviour
+from enginesim.behaviour import GARBAGE_ANSWER
+from simulator.helpers import (
     FAST,
     GIB,
     MIB,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from capycommon.testing.enginesim.behaviour import Behaviour, version_tuple
-from capycommon.testing.enginesim.metrics import Exposition, Histogram
-from capycommon.testing.enginesim.openai_chat import count_prompt_tokens, plan
-from capycommon.testing.enginesim.vllm_app import reasoning_fields
+from enginesim.behaviour import Behaviour, version_tuple
+from enginesim.metrics import Exposition, Histogram
+from enginesim.openai_chat import count_prompt_tokens, plan
+from enginesim.vllm_app import reasoning_fields
 
 
 @pytest.mark.parametrize(

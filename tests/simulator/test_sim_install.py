@@ -1,4 +1,4 @@
-"""Installs made by capycommon.testing.enginesim.install look like real ones."""
+"""Installs made by enginesim.install look like real ones."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from capycommon.testing.enginesim import (
+from enginesim import (
     Behaviour,
     install_llama_server,
     install_python_engine,
     write_behaviour,
 )
-from capycommon.testing.enginesim.behaviour import load_behaviour
-from capycommon.testing.enginesim.install import PythonFamily, behaviour_path
-from enginesim.helpers import FAST, Installs, Launcher, closed_env, make_simgpu
+from enginesim.behaviour import load_behaviour
+from enginesim.install import PythonFamily, behaviour_path
+from simulator.helpers import FAST, Installs, Launcher, closed_env, make_simgpu
 
 PROBE = "import importlib.metadata as m; print(m.version('{name}'))"
 
@@ -87,13 +87,13 @@ def test_module_form_installs_and_runs_an_engine(
     behaviour = tmp_path / "fast.json"
     behaviour.write_text(FAST.model_dump_json())
     made = subprocess.run(
-        [sys.executable, "-m", "capycommon.testing.enginesim", "install", "llamacpp",
+        [sys.executable, "-m", "enginesim", "install", "llamacpp",
          str(tmp_path / "llama"), "--version", "6100", "--behaviour", str(behaviour)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert made.stdout.strip() == str(tmp_path / "llama" / "llama-server")
     gpu = make_simgpu(tmp_path / "simgpu")
-    argv = [sys.executable, "-m", "capycommon.testing.enginesim", "--family", "vllm",
+    argv = [sys.executable, "-m", "enginesim", "--family", "vllm",
             "--version", "0.17.0", "--behaviour", str(behaviour), "--", "serve",
             str(model_dir), "--port", "{port}"]  # fmt: skip
     engine = launcher.start(argv, {**closed_env(None, tmp_path), **gpu.env()})

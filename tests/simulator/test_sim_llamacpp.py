@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from capycommon.testing.enginesim import ToolCall, write_behaviour
-from enginesim.helpers import (
+from enginesim import ToolCall, write_behaviour
+from simulator.helpers import (
     FAST,
     GIB,
     MIB,

@@ -9,9 +9,9 @@ from typing import Any
 
 import httpx
 
-from capycommon.testing.enginesim import CrashAtStart, Faults, SchedulerDies, write_behaviour
-from capycommon.testing.enginesim.behaviour import GARBAGE_ANSWER
-from enginesim.helpers import (
+from enginesim import CrashAtStart, Faults, SchedulerDies, write_behaviour
+from enginesim.behaviour import GARBAGE_ANSWER
+from simulator.helpers import (
     FAST,
     SLOW,
     Installs,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from enginesim.helpers import GIB, Installs, Launcher, SimGpu, make_simgpu, sparse_file
+from simulator.helpers import GIB, Installs, Launcher, SimGpu, make_simgpu, sparse_file
 
 
 @pytest.fixture(scope="session")
