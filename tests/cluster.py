@@ -247,6 +247,8 @@ def running(prefix: str, gpus: str = "gpu0:24GiB", **settings: Any) -> Iterator[
     try:
         yield cluster
     finally:
-        cluster.clean()
-        cluster.role.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            cluster.clean()
+        finally:  # a role is never left behind, even when its engines could not be deleted
+            cluster.role.stop()
+            shutil.rmtree(root, ignore_errors=True)
