@@ -235,8 +235,10 @@ def main(requests: int, wakes: int) -> None:
                 f"{'parked -> first token (s)':<26}{wake:>10.2f}{first:>10.2f}{first / wake:>8.2f}"
                 "   (direct: hostd's waking -> ready)"
             )
-        print(f"the simulator's own wake takes {BEHAVIOUR.wake_seconds:.2f} s; hostd's waking ->"
-              " ready adds its readiness probe and the wake canary")  # fmt: skip
+        print(
+            f"the simulator's own wake takes {BEHAVIOUR.wake_seconds:.2f} s; hostd's waking ->"
+            " ready adds its readiness probe and the wake canary"
+        )
         print(f"over {requests} requests each; the engine simulator as vLLM on a simulated GPU")
     finally:
         stand.close()

@@ -19,10 +19,23 @@ def redis_socket() -> Iterator[Path]:
     folder = short_dir("redis")
     sock = folder / "redis.sock"
     proc = subprocess.Popen(
-        [server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
-         "--dir", str(folder), "--save", "", "--appendonly", "no"],
+        [
+            server,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(folder),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
         stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     try:
         wait_for(sock.exists, timeout=10, what="redis-server's socket")
         yield sock

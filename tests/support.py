@@ -206,13 +206,21 @@ def start_role(
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [
-                CAPYCTL, "start", role, "--state-dir", str(state),
-                "--listen", inference, "--management-listen", management, *extra,
+                CAPYCTL,
+                "start",
+                role,
+                "--state-dir",
+                str(state),
+                "--listen",
+                inference,
+                "--management-listen",
+                management,
+                *extra,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
-        )  # fmt: skip
+        )
     handle = Role(role, state, inference, management, proc, log_path, env)
     try:
         wait_for(

@@ -35,8 +35,14 @@ from support import short_dir, wait_for
 GiB = 1 << 30
 # Each verified version whose behaviour differs where CapyCTL calls: vLLM 0.29.0 and 0.32.0,
 # SGLang 0.5.16 and 0.5.22 (the versions the 0.1.7 notes name).
-TARGETS = ("vllm-0.29.0", "vllm-0.32.0", "sglang-0.5.16", "sglang-0.5.22", "llamacpp",
-           "llamacpp-real")  # fmt: skip
+TARGETS = (
+    "vllm-0.29.0",
+    "vllm-0.32.0",
+    "sglang-0.5.16",
+    "sglang-0.5.22",
+    "llamacpp",
+    "llamacpp-real",
+)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,17 @@ def test_each_source_is_reported(tmp_path: Path) -> None:
     document = tmp_path / "standalone.yaml"
     document.write_text("kind: standalone\nhost:\n  name: gpu-box\n  engine_ports: 8100-8150\n")
     env = clean_env(CAPYCTL_ENGINE_PORTS="8200-8299", CAPYCTL_LOG_LEVEL="debug")
-    data = _show("--state-dir", str(tmp_path), "--config", str(document),
-                 "--listen", "127.0.0.1:9000", "--log-level", "warning", env=env)  # fmt: skip
+    data = _show(
+        "--state-dir",
+        str(tmp_path),
+        "--config",
+        str(document),
+        "--listen",
+        "127.0.0.1:9000",
+        "--log-level",
+        "warning",
+        env=env,
+    )
     assert data["role"] == "standalone"
     assert data["document"] == str(document)
     rows = _by_path(data)

@@ -26,8 +26,9 @@ NVFP4 = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4
 def _role(prefix: str, gpus: str, *extra: str) -> Iterator[Cluster]:
     root = short_dir(prefix)
     state = root / "state"
-    env = clean_env(HOME=str(root), CAPYCTL_SIMULATED_GPUS=gpus,
-                    CAPYCTL_SIMULATED_HOST_RAM="256GiB")  # fmt: skip
+    env = clean_env(
+        HOME=str(root), CAPYCTL_SIMULATED_GPUS=gpus, CAPYCTL_SIMULATED_HOST_RAM="256GiB"
+    )
     fast = Behaviour(load_seconds=0.5, tokens_per_second=200)
     families: tuple[tuple[Literal["vllm", "sglang"], str], ...] = (
         ("vllm", "0.29.0"),
@@ -35,8 +36,9 @@ def _role(prefix: str, gpus: str, *extra: str) -> Iterator[Cluster]:
     )
     for family, version in families:
         install = install_python_engine(root / "e" / family, family, version, fast)
-        added = capyctl("engine", "add", str(install), "--name", family, "--state-dir",
-                        str(state), env=env)  # fmt: skip
+        added = capyctl(
+            "engine", "add", str(install), "--name", family, "--state-dir", str(state), env=env
+        )
         assert added.returncode == 0, added.stderr
     sparse_model(root / "models" / "small", 2 * GiB)
     nvfp4 = sparse_model(root / "models" / "nvfp4", 2 * GiB)
@@ -97,8 +99,9 @@ def test_a_model_that_would_park_deep_stops_instead(no_deep_park: Cluster) -> No
 
 
 def test_a_declared_deep_park_resolves_to_restart_only_there(no_deep_park: Cluster) -> None:
-    no_deep_park.deploy("declared", model="small", engine="sglang", residency="deep",
-                        engine_config=SMALL)  # fmt: skip
+    no_deep_park.deploy(
+        "declared", model="small", engine="sglang", residency="deep", engine_config=SMALL
+    )
     (binding,) = no_deep_park.status("declared")["bindings"]
     assert (binding["residency"], binding["residency_reason"]) == (
         "restart_only",
@@ -109,8 +112,17 @@ def test_a_declared_deep_park_resolves_to_restart_only_there(no_deep_park: Clust
 
 def test_sglang_refuses_to_park_an_nvfp4_checkpoint(discrete: Cluster) -> None:
     document = discrete.root / "fp4.yaml"
-    document.write_text(yaml.safe_dump({"name": "fp4", "engine": "sglang", "model": "nvfp4",
-                                        "residency": "deep", "engine_config": SMALL}))  # fmt: skip
+    document.write_text(
+        yaml.safe_dump(
+            {
+                "name": "fp4",
+                "engine": "sglang",
+                "model": "nvfp4",
+                "residency": "deep",
+                "engine_config": SMALL,
+            }
+        )
+    )
     result = discrete.cli("deploy", "model", "--file", str(document))
     assert result.returncode == 5, result.stderr
     folder = discrete.root / "models" / "nvfp4"
@@ -128,8 +140,7 @@ def test_sglang_refuses_to_park_an_nvfp4_checkpoint(discrete: Cluster) -> None:
     assert "sglang cannot park a ModelOpt FP4 (NVFP4) checkpoint" in binding["residency_reason"]
     assert binding["deep_park"] is True
 
-    discrete.deploy("fp4-vllm", model="nvfp4", engine="vllm", residency="deep",
-                    engine_config=SMALL)  # fmt: skip
+    discrete.deploy("fp4-vllm", model="nvfp4", engine="vllm", residency="deep", engine_config=SMALL)
     (binding,) = discrete.status("fp4-vllm")["bindings"]
     assert (binding["residency"], binding["residency_reason"]) == ("deep", "declared")
     assert binding["host"] == HOST

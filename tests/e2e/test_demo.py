@@ -51,8 +51,9 @@ def _start(root: Path, inference: int, out: int | IO[bytes], pty: bool = False) 
 def _client(usage: str, inference: int) -> openai.OpenAI:
     key = re.search(r'api_key="([^"]+)"', usage)
     assert key is not None, usage
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{inference}/v1", api_key=key[1],
-                         max_retries=0, timeout=120)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{inference}/v1", api_key=key[1], max_retries=0, timeout=120
+    )
 
 
 def test_the_demo_serves_switches_and_cleans_up() -> None:
@@ -63,8 +64,9 @@ def test_the_demo_serves_switches_and_cleans_up() -> None:
     with log.open("wb") as out:
         demo = _start(root, inference, out)
     try:
-        wait_for(lambda: "Ctrl-C stops" in log.read_text(), timeout=120,
-                 what="the demo's instructions")  # fmt: skip
+        wait_for(
+            lambda: "Ctrl-C stops" in log.read_text(), timeout=120, what="the demo's instructions"
+        )
         usage = log.read_text()
         assert f"http://127.0.0.1:{inference}/v1" in usage
         assert "curl -s" in usage
@@ -116,10 +118,10 @@ def test_a_closed_terminal_stops_the_engines_and_the_role() -> None:
     os.close(slave)
     terminal = Terminal(master)
     try:
-        usage = wait_for(terminal.shown("Ctrl-C stops"), timeout=120,
-                         what="the demo's instructions")  # fmt: skip
-        answer = _client(usage, inference).chat.completions.create(model="qwen3-8b",
-                                                                   messages=HELLO)  # fmt: skip
+        usage = wait_for(
+            terminal.shown("Ctrl-C stops"), timeout=120, what="the demo's instructions"
+        )
+        answer = _client(usage, inference).chat.completions.create(model="qwen3-8b", messages=HELLO)
         assert answer.choices[0].message.content
         mine = [p.cmdline for p in live_processes() if str(state) in p.cmdline]
         assert any("supervisord" in c for c in mine), mine

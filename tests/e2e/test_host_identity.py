@@ -16,8 +16,12 @@ def test_a_start_under_another_name_is_refused() -> None:
         assert (state / "identity" / "host-name").read_text() == "alpha\n"
         assert first.stop() == 0
 
-        listeners = ["--listen", f"127.0.0.1:{free_port()}",
-                     "--management-listen", f"127.0.0.1:{free_port()}"]  # fmt: skip
+        listeners = [
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--management-listen",
+            f"127.0.0.1:{free_port()}",
+        ]
         env = clean_env(CAPYCTL_HOST_NAME="beta")
         result = capyctl("start", "standalone", "--state-dir", str(state), *listeners, env=env)
         assert result.returncode == 2, result.stderr
@@ -48,8 +52,13 @@ def test_the_name_defaults_to_the_hostname_and_is_kept_by_init() -> None:
         assert (state / "identity" / "host-name").read_text() == f"{machine_host_name()}\n"
         shown = capyctl("config", "show", "--state-dir", str(state), "--host-name", "other")
         assert shown.returncode == 0, "config show only shows; it checks nothing"
-        refused = capyctl("init", "standalone", "--state-dir", str(state), env=clean_env(
-            CAPYCTL_HOST_NAME="other"))  # fmt: skip
+        refused = capyctl(
+            "init",
+            "standalone",
+            "--state-dir",
+            str(state),
+            env=clean_env(CAPYCTL_HOST_NAME="other"),
+        )
         assert refused.returncode == 2
         assert refused.stderr.startswith("error [host_name_changed]: this state dir belongs to")
         assert "(from CAPYCTL_HOST_NAME)" in refused.stderr

@@ -46,8 +46,11 @@ def _cycle(role: Role, client: redis.Redis, name: str) -> None:
 
     parked_at = time.time()
     assert role.capyctl("park", "deployment", name, "--wait").returncode == 0
-    wait_for(lambda: (u := _used(client, parked_at)) is not None and u < GiB, timeout=10,
-             what="memwatch to see the device memory released")  # fmt: skip
+    wait_for(
+        lambda: (u := _used(client, parked_at)) is not None and u < GiB,
+        timeout=10,
+        what="memwatch to see the device memory released",
+    )
 
     woke_at = time.time()
     assert role.capyctl("start", "deployment", name, "--wait").returncode == 0

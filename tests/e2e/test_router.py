@@ -20,8 +20,15 @@ from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
 from support import wait_for
 
-TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 HI: list[Any] = [{"role": "user", "content": "hi"}]
 
 
@@ -42,17 +49,21 @@ def _calls(calls: list[Any] | None) -> list[tuple[str, str]]:
 
 
 def sdk(cluster: Cluster, timeout: float = 120) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.base_url, api_key=cluster.api_key, timeout=timeout,
-                         max_retries=0)  # fmt: skip
+    return openai.OpenAI(
+        base_url=cluster.base_url, api_key=cluster.api_key, timeout=timeout, max_retries=0
+    )
 
 
 def test_answers_are_the_engines_own(cluster: Cluster) -> None:
-    cluster.deploy("tools", engine="tools", model="small", engine_config={
-        **SMALL, "tool_call_parser": "hermes", "reasoning_parser": "qwen3"})  # fmt: skip
+    cluster.deploy(
+        "tools",
+        engine="tools",
+        model="small",
+        engine_config={**SMALL, "tool_call_parser": "hermes", "reasoning_parser": "qwen3"},
+    )
     client = sdk(cluster)
     # Through the router, not streamed: the first request starts the model.
-    raw = client.chat.completions.with_raw_response.create(model="tools", messages=HI,
-                                                           tools=TOOLS)  # fmt: skip
+    raw = client.chat.completions.with_raw_response.create(model="tools", messages=HI, tools=TOOLS)
     answer = raw.parse()
     assert raw.headers["X-CapyCTL-Request-Id"] == answer.id
     assert answer.model == "tools"
@@ -67,10 +78,16 @@ def test_answers_are_the_engines_own(cluster: Cluster) -> None:
     assert answer.usage == own.usage
     # Streamed, with usage: the same content, every chunk with the router's id.
     usage: Any = {"include_usage": True}
-    chunks = list(client.chat.completions.create(
-        model="tools", messages=HI, stream=True, stream_options=usage))  # fmt: skip
-    own_chunks = list(engine.chat.completions.create(
-        model="tools", messages=HI, stream=True, stream_options=usage))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tools", messages=HI, stream=True, stream_options=usage
+        )
+    )
+    own_chunks = list(
+        engine.chat.completions.create(
+            model="tools", messages=HI, stream=True, stream_options=usage
+        )
+    )
 
     def text(found: list[Any]) -> str:
         return "".join(c.choices[0].delta.content or "" for c in found if c.choices)
@@ -142,8 +159,7 @@ def test_queue_full_at_the_bound(cluster: Cluster) -> None:
     async def flood() -> list[httpx.Response | Exception]:
         headers = {"Authorization": f"Bearer {cluster.api_key}"}
         body = {"model": "late", "messages": HI}
-        async with httpx.AsyncClient(base_url=cluster.base_url, headers=headers,
-                                     timeout=4) as http:  # fmt: skip
+        async with httpx.AsyncClient(base_url=cluster.base_url, headers=headers, timeout=4) as http:
 
             async def one() -> httpx.Response | Exception:
                 try:
@@ -170,8 +186,9 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
     body = {"model": name, "messages": HI, "stream": stream, "max_tokens": 60}
 
     async def cut() -> None:
-        async with httpx.AsyncClient(base_url=cluster.base_url, headers=headers,
-                                     timeout=30) as http:  # fmt: skip
+        async with httpx.AsyncClient(
+            base_url=cluster.base_url, headers=headers, timeout=30
+        ) as http:
             first = asyncio.Event()
 
             async def send() -> None:
@@ -197,8 +214,11 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
                 await task
 
     asyncio.run(cut())
-    wait_for(lambda: cluster.engine_running(name) == 0, timeout=1.0,
-             what="the engine to stop the cut request's work")  # fmt: skip
+    wait_for(
+        lambda: cluster.engine_running(name) == 0,
+        timeout=1.0,
+        what="the engine to stop the cut request's work",
+    )
 
 
 def test_a_client_hang_up_stops_the_engines_work(cluster: Cluster) -> None:
@@ -206,8 +226,11 @@ def test_a_client_hang_up_stops_the_engines_work(cluster: Cluster) -> None:
     cluster.ok("start", "deployment", "slow", "--wait")
     for stream in (True, False):
         _hang_up(cluster, "slow", stream=stream, after_first=True)
-    wait_for(lambda: cluster.status("slow")["requests"]["running"] == 0, timeout=10,
-             what="cut requests the engine answered to settle once it reads idle")  # fmt: skip
+    wait_for(
+        lambda: cluster.status("slow")["requests"]["running"] == 0,
+        timeout=10,
+        what="cut requests the engine answered to settle once it reads idle",
+    )
     # A 5 s prefill: the engine has the request and has sent nothing yet.
     cluster.deploy("hang", engine="prefill", model="small", engine_config=SMALL)
     cluster.ok("start", "deployment", "hang", "--wait")
@@ -234,8 +257,9 @@ def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) 
     """SGLang 0.5.22: a cut request's place comes back once hostd reports that the engine
     ended it, answered or cut before any answer (the engine held it), while another request
     keeps the engine busy, so it never reads idle."""
-    slow = Behaviour(load_seconds=0.5, tokens_per_second=8, prefill_seconds=1.5,
-                     answer=" ".join(["word"] * 400))  # fmt: skip
+    slow = Behaviour(
+        load_seconds=0.5, tokens_per_second=8, prefill_seconds=1.5, answer=" ".join(["word"] * 400)
+    )
     install = install_python_engine(cluster.root / "e" / "sg22", "sglang", "0.5.22", slow)
     cluster.ok("engine", "add", str(install), "--name", "sg22")
     cluster.deploy("sg22", engine="sg22", model="small", engine_config=SMALL)
@@ -243,8 +267,9 @@ def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) 
     headers = {"Authorization": f"Bearer {cluster.api_key}"}
 
     async def scenario() -> list[tuple[str, float]]:
-        async with httpx.AsyncClient(base_url=cluster.base_url, headers=headers,
-                                     timeout=60) as http:  # fmt: skip
+        async with httpx.AsyncClient(
+            base_url=cluster.base_url, headers=headers, timeout=60
+        ) as http:
 
             async def send(max_tokens: int, first_token: asyncio.Event | None) -> None:
                 body = {"model": "sg22", "messages": HI, "stream": True, "max_tokens": max_tokens}
@@ -322,14 +347,18 @@ def test_refusals_in_the_openai_envelope(cluster: Cluster) -> None:
         client.chat.completions.create(model="halt", messages=HI)
     assert stopped.value.code == "deployment_stopped"
     assert "halt" not in [m.id for m in client.models.list().data]
-    huge = httpx.post(f"{cluster.base_url}/chat/completions",
-                      headers={"Authorization": f"Bearer {cluster.api_key}"},
-                      content=b"x" * (5 << 20))  # fmt: skip
+    huge = httpx.post(
+        f"{cluster.base_url}/chat/completions",
+        headers={"Authorization": f"Bearer {cluster.api_key}"},
+        content=b"x" * (5 << 20),
+    )
     assert huge.status_code == 413
     assert huge.json()["error"]["code"] == "body_too_large"
     for path in ("/sleep", "/wake_up", "/collective_rpc", "/abort_request"):
-        found = httpx.post(f"http://{cluster.role.inference}{path}",
-                           headers={"Authorization": f"Bearer {cluster.api_key}"})  # fmt: skip
+        found = httpx.post(
+            f"http://{cluster.role.inference}{path}",
+            headers={"Authorization": f"Bearer {cluster.api_key}"},
+        )
         assert found.status_code in (404, 405), f"{path} is not an engine path here"
 
 
@@ -341,17 +370,23 @@ def test_an_engines_refusal_is_a_400_streamed_or_not(cluster: Cluster) -> None:
     cluster.deploy("flat", engine="sglang", model="small", engine_config=SMALL)
     client = sdk(cluster)
     refusals: list[tuple[str, dict[str, Any], str]] = [
-        ("strict", {"max_tokens": 1_000_000}, "'max_tokens' or 'max_completion_tokens' is too "
-         "large: 1000000. This model's maximum context length is"),
-        ("strict", {"logprobs": True, "top_logprobs": 30},
-         "Requested sample logprobs of 30, which is greater than max allowed: 20"),
+        (
+            "strict",
+            {"max_tokens": 1_000_000},
+            "'max_tokens' or 'max_completion_tokens' is too "
+            "large: 1000000. This model's maximum context length is",
+        ),
+        (
+            "strict",
+            {"logprobs": True, "top_logprobs": 30},
+            "Requested sample logprobs of 30, which is greater than max allowed: 20",
+        ),
         ("flat", {"max_tokens": -1}, "max_tokens: Input should be greater than or equal to 0"),
-    ]  # fmt: skip
+    ]
     for model, fields, message in refusals:
         for stream in (True, False):
             with pytest.raises(openai.BadRequestError) as refused:
-                client.chat.completions.create(model=model, messages=HI, stream=stream,
-                                               **fields)  # fmt: skip
+                client.chat.completions.create(model=model, messages=HI, stream=stream, **fields)
             assert refused.value.status_code == 400
             assert refused.value.code == "engine_rejected"
             assert refused.value.type == "invalid_request_error"
@@ -363,8 +398,10 @@ def test_an_engines_refusal_is_a_400_streamed_or_not(cluster: Cluster) -> None:
 def test_metrics(cluster: Cluster) -> None:
     cluster.deploy("counted", model="small", engine_config=SMALL)
     sdk(cluster).chat.completions.create(model="counted", messages=HI)
-    text = httpx.get(f"http://{cluster.role.inference}/metrics",
-                     headers={"Authorization": f"Bearer {cluster.api_key}"}).text  # fmt: skip
+    text = httpx.get(
+        f"http://{cluster.role.inference}/metrics",
+        headers={"Authorization": f"Bearer {cluster.api_key}"},
+    ).text
     assert 'capyctl_requests_total{deployment="counted",outcome="ok"} 1.0' in text
     assert 'capyctl_time_to_first_token_seconds_count{deployment="counted"} 1.0' in text
     assert 'capyctl_lifecycle_seconds_count{deployment="counted",operation="start"} 1.0' in text

@@ -128,8 +128,11 @@ def test_a_busy_victim_is_waited_for(cluster: Cluster) -> None:
     cluster.ok("start", "deployment", "busy", "--wait")
     request = _slow_request(cluster, "busy", tokens=120)  # about 15 s at 8 tokens/s
     wait_for(lambda: cluster.status("busy")["state"] == "ready", timeout=5, what="ready")
-    wait_for(lambda: cluster.status("busy")["requests"]["engine_running"] >= 1, timeout=12,
-             what="hostd's load reading to show the request")  # fmt: skip
+    wait_for(
+        lambda: cluster.status("busy")["requests"]["engine_running"] >= 1,
+        timeout=12,
+        what="hostd's load reading to show the request",
+    )
     cluster.ok("start", "deployment", "next")
     wait_for(
         lambda: any(

@@ -213,8 +213,15 @@ def test_two_roles_run_side_by_side_and_a_state_dir_holds_one(standalone: Role) 
         other.stop()
         shutil.rmtree(other.state_dir.parent, ignore_errors=True)
 
-    again = capyctl("start", "standalone", "--state-dir", str(standalone.state_dir), "--listen",
-                    "127.0.0.1:1", env=clean_env())  # fmt: skip
+    again = capyctl(
+        "start",
+        "standalone",
+        "--state-dir",
+        str(standalone.state_dir),
+        "--listen",
+        "127.0.0.1:1",
+        env=clean_env(),
+    )
     assert again.returncode == 28
     assert again.stderr.startswith("error [state_dir_in_use]: the standalone role (pid ")
     assert str(standalone.state_dir) in again.stderr
@@ -236,8 +243,15 @@ def test_status_without_a_running_role(tmp_path: Path) -> None:
 def test_a_taken_port_refuses_the_start(standalone: Role) -> None:
     state = short_dir() / "state"
     try:
-        result = capyctl("start", "standalone", "--state-dir", str(state),
-                         "--listen", standalone.inference, env=clean_env())  # fmt: skip
+        result = capyctl(
+            "start",
+            "standalone",
+            "--state-dir",
+            str(state),
+            "--listen",
+            standalone.inference,
+            env=clean_env(),
+        )
         assert result.returncode == 4
         port = standalone.inference.rsplit(":", 1)[1]
         assert result.stderr.startswith(f"error [service_port_in_use:{port}]: cannot listen on")

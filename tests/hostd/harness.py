@@ -74,10 +74,19 @@ class Hostd:
         )
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "capyctl_hostd", "--role", "standalone",
-                 "--state-dir", str(self.state)],
-                env=env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "capyctl_hostd",
+                    "--role",
+                    "standalone",
+                    "--state-dir",
+                    str(self.state),
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         wait_for(
             lambda: self.client.exists(keys.heartbeat("hostd", HOST)), timeout=15, what="hostd"
         )
@@ -92,10 +101,19 @@ class Hostd:
         )
         with (self.state / "memwatch.out").open("ab") as out:
             self.memwatch = subprocess.Popen(
-                [sys.executable, "-m", "capyctl_memwatch", "--role", "standalone",
-                 "--state-dir", str(self.state)],
-                env=env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "capyctl_memwatch",
+                    "--role",
+                    "standalone",
+                    "--state-dir",
+                    str(self.state),
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         wait_for(
             lambda: memory.read_reading(self.client, HOST), timeout=15, what="memwatch's reading"
         )

@@ -17,8 +17,9 @@ from support import group_members, short_dir
 
 def test_deep_parking_off(redis_socket: Path, installs: dict[str, Path], model: Path) -> None:
     root = short_dir("hostd")
-    harness = Hostd(root / "state", root / "home", redis_socket,
-                    settings={"CAPYCTL_DEEP_PARK": "off"})  # fmt: skip
+    harness = Hostd(
+        root / "state", root / "home", redis_socket, settings={"CAPYCTL_DEEP_PARK": "off"}
+    )
     harness.state.mkdir(mode=0o700, parents=True)
     gpu = harness.prepare(installs)
     harness.start()

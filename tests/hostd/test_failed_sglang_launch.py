@@ -25,8 +25,11 @@ def test_a_dead_scheduler_fails_the_launch_at_once_and_leaves_nothing(
     )
     before = set(os.listdir(SHM))
     started = time.monotonic()
-    harness.send(launch("a", 1, gpu, model, profile="sglang22", residency="restart_only",
-                        start_deadline_s=600))  # fmt: skip
+    harness.send(
+        launch(
+            "a", 1, gpu, model, profile="sglang22", residency="restart_only", start_deadline_s=600
+        )
+    )
     failed = harness.wait_state("a", "failed", timeout=60)
     took = time.monotonic() - started
     print(f"failed {took:.1f} s after the launch (the scheduler died {dies.after_seconds} s in)")
@@ -37,8 +40,9 @@ def test_a_dead_scheduler_fails_the_launch_at_once_and_leaves_nothing(
     assert failed.process is not None
     assert group_members(failed.process.pgid) == []
     assert harness.device_bytes(failed) == (0, 0), "its memory released"
-    made = {name for name in set(os.listdir(SHM)) - before
-            if name.startswith(("sglang_loads_", "psm_"))}  # fmt: skip
+    made = {
+        name for name in set(os.listdir(SHM)) - before if name.startswith(("sglang_loads_", "psm_"))
+    }
     assert made == set(), "the segments it made, names without a PID included, are removed"
     assert failed.log_path is not None
     text = Path(failed.log_path).read_text()

@@ -67,10 +67,16 @@ def test_launch_park_wake_stop(
         (e["from_state"], e["to_state"]) for e in harness.events() if e["kind"] == "transition"
     ]
     assert transitions == [
-        (None, "starting"), ("starting", "starting"), ("starting", "ready"),
-        ("ready", "parking"), ("parking", "parked"), ("parked", "waking"), ("waking", "ready"),
-        ("ready", "stopping"), ("stopping", "stopped"),
-    ]  # fmt: skip
+        (None, "starting"),
+        ("starting", "starting"),
+        ("starting", "ready"),
+        ("ready", "parking"),
+        ("parking", "parked"),
+        ("parked", "waking"),
+        ("waking", "ready"),
+        ("ready", "stopping"),
+        ("stopping", "stopped"),
+    ]
     timed = [e for e in harness.events() if e["kind"] == "transition" and e["from_state"]]
     assert all(e["duration_s"] is not None and e["duration_s"] >= 0 for e in timed)
 

@@ -12,9 +12,16 @@ PARKED_AT = 1000.0
 
 
 def _reading(taken_at: float, processes: dict[int, int], uuid: str = UUID) -> MemoryReading:
-    gpu = GpuReading(index=1, uuid=uuid, name="NVIDIA H200", total_bytes=141 * GiB,
-                     used_bytes=sum(processes.values()), free_bytes=0, unified=False,
-                     processes=processes)  # fmt: skip
+    gpu = GpuReading(
+        index=1,
+        uuid=uuid,
+        name="NVIDIA H200",
+        total_bytes=141 * GiB,
+        used_bytes=sum(processes.values()),
+        free_bytes=0,
+        unified=False,
+        processes=processes,
+    )
     ram = HostRam(total_bytes=64 * GiB, available_bytes=64 * GiB, source="meminfo")
     return MemoryReading(host="h", taken_at=taken_at, backend="nvml", gpus=[gpu], ram=ram)
 

@@ -27,8 +27,12 @@ def _ends(harness: Hostd) -> list[RequestEnd]:
 
 
 def _stream(url: str, key: str, rid: str, first: threading.Event) -> None:
-    body = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "rid": rid}  # fmt: skip
+    body = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "rid": rid,
+    }
     headers = {"Authorization": f"Bearer {key}"}
     # The engine is stopped under the request that keeps running at the end.
     with (
@@ -51,8 +55,10 @@ def test_an_aborted_request_is_reported_ended_while_others_run(
     ready = harness.wait_state("a", "ready")
     url, key = f"http://127.0.0.1:{ready.port}", harness.secret("a")
     started = {rid: threading.Event() for rid in ("keeps-running", "cut-1")}
-    clients = [threading.Thread(target=_stream, args=(url, key, rid, first), daemon=True)
-               for rid, first in started.items()]  # fmt: skip
+    clients = [
+        threading.Thread(target=_stream, args=(url, key, rid, first), daemon=True)
+        for rid, first in started.items()
+    ]
     for client in clients:
         client.start()
     for first in started.values():
@@ -79,6 +85,9 @@ def test_older_sglang_is_not_followed(hostd: tuple[Hostd, str], model: Path) -> 
     harness.wait_state("a", "ready")
     harness.send(Abort(deployment="a", generation=1, request_id="never-came"))
     harness.send(Abort(deployment="a", generation=2, request_id="stale"))
-    wait_for(lambda: any(e["kind"] == "refused" for e in harness.events()), timeout=10,
-             what="the stale abort refused")  # fmt: skip
+    wait_for(
+        lambda: any(e["kind"] == "refused" for e in harness.events()),
+        timeout=10,
+        what="the stale abort refused",
+    )
     assert _ends(harness) == [], "0.5.16 keeps settling on the idle reading or at the stop"

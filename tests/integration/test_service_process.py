@@ -81,8 +81,19 @@ def test_exits_non_zero_naming_redis_when_it_cannot_be_reached(state: Path) -> N
 def test_reconnects_when_redis_comes_back_and_exits_when_it_does_not(state: Path) -> None:
     folder = short_dir("redis")
     sock = folder / "r.sock"
-    argv = ["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
-            "--appendonly", "no", "--dir", str(folder)]  # fmt: skip
+    argv = [
+        "redis-server",
+        "--port",
+        "0",
+        "--unixsocket",
+        str(sock),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(folder),
+    ]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     proc: subprocess.Popen[str] | None = None
     try:

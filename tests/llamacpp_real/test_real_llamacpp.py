@@ -85,10 +85,27 @@ def launch(install: Install, model: Path | None = None) -> LlamaServer:
     port = free_port()
     log_path = install.model.parent / f"llama-server-{port}.log"
     argv = [
-        str(install.llama_server), "-m", str(model or install.model),
-        "--host", "127.0.0.1", "--port", str(port), "--alias", ALIAS, "-c", "1024", "-np", "2",
-        "--metrics", "--no-webui", "-ngl", "0", "--jinja", "--reasoning-format", "none",
-    ]  # fmt: skip
+        str(install.llama_server),
+        "-m",
+        str(model or install.model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        ALIAS,
+        "-c",
+        "1024",
+        "-np",
+        "2",
+        "--metrics",
+        "--no-webui",
+        "-ngl",
+        "0",
+        "--jinja",
+        "--reasoning-format",
+        "none",
+    ]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=clean_env(LLAMA_API_KEY=API_KEY)

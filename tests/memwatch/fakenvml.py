@@ -67,9 +67,12 @@ class FakeNvml:
                 raise pynvml.NVMLError_FunctionNotFound()
             free = handle.total - handle.reserved - handle.used
             return SimpleNamespace(
-                version=version, total=handle.total, reserved=handle.reserved,
-                free=free, used=handle.used,
-            )  # fmt: skip
+                version=version,
+                total=handle.total,
+                reserved=handle.reserved,
+                free=free,
+                used=handle.used,
+            )
         used = handle.used + handle.reserved
         return SimpleNamespace(total=handle.total, free=handle.total - used, used=used)
 

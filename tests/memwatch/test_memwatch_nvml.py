@@ -25,10 +25,12 @@ def open_fake(*devices: FakeDevice) -> tuple[NvmlBackend, FakeNvml]:
 
 def test_a_discrete_card_reads_v2_with_processes_by_pid() -> None:
     card = FakeDevice(
-        name="NVIDIA H100 80GB HBM3", uuid=H100, used=30 * GIB,
+        name="NVIDIA H100 80GB HBM3",
+        uuid=H100,
+        used=30 * GIB,
         compute=[(101, 20 * GIB), (102, None), (103, 9 * GIB)],
         graphics=[(103, 9 * GIB), (104, GIB)],
-    )  # fmt: skip
+    )
     backend, nvml = open_fake(card)
     assert backend.name == "nvml"
     assert [d.mode for d in backend.devices] == ["v2"]
@@ -42,8 +44,14 @@ def test_a_discrete_card_reads_v2_with_processes_by_pid() -> None:
 
 
 def test_an_old_driver_falls_back_to_v1_and_v2_process_lists() -> None:
-    card = FakeDevice(name=b"Tesla V100", uuid=H100.encode(), used=GIB, memory="v1",
-                      compute=[(7, GIB)], graphics=None)  # fmt: skip
+    card = FakeDevice(
+        name=b"Tesla V100",
+        uuid=H100.encode(),
+        used=GIB,
+        memory="v1",
+        compute=[(7, GIB)],
+        graphics=None,
+    )
     backend, _ = open_fake(card)
     (gpu,) = backend.read().gpus
     assert (gpu.name, gpu.uuid) == ("Tesla V100", H100), "bytes from old bindings are decoded"

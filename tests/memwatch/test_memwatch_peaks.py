@@ -56,10 +56,16 @@ def test_keeps_the_device_and_host_maxima_apart(sampler: PeakSampler, meter: Scr
     peaks = sampler.tick([record(READY, ENGINE, since=now)], now)
     assert peaks == [
         StartupPeak(
-            deployment="chat", revision=3, host="local", fingerprint="fp-1",
-            device_bytes=6 * GIB, host_bytes=900 * MIB, measured_at=now, samples=3,
+            deployment="chat",
+            revision=3,
+            host="local",
+            fingerprint="fp-1",
+            device_bytes=6 * GIB,
+            host_bytes=900 * MIB,
+            measured_at=now,
+            samples=3,
         )
-    ]  # fmt: skip
+    ]
     assert peaks[0].provenance == "measured"
     assert sampler.launches == {}
     assert sampler.tick([record(READY, ENGINE, since=now)], now + 0.5) == [], "measured once"

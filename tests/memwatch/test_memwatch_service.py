@@ -63,10 +63,18 @@ def memwatch(redis_socket: Path) -> Iterator[Memwatch]:
     )
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "capyctl_memwatch", "--role", "standalone",
-             "--state-dir", str(state)],
-            env=env, stderr=out,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "capyctl_memwatch",
+                "--role",
+                "standalone",
+                "--state-dir",
+                str(state),
+            ],
+            env=env,
+            stderr=out,
+        )
     client = redis.Redis(unix_socket_path=str(redis_socket))
     try:
         yield Memwatch(proc, state, log, client)
@@ -165,8 +173,11 @@ def test_a_startup_peak_is_measured_while_starting(memwatch: Memwatch) -> None:
         )
     assert (peak.device_bytes, peak.host_bytes) == (7 * GIB, 4 * GIB)
     assert (peak.deployment, peak.revision, peak.host, peak.fingerprint) == (
-        "chat", 3, "local", "fp-1",
-    )  # fmt: skip
+        "chat",
+        3,
+        "local",
+        "fp-1",
+    )
     assert peak.provenance == "measured"
     assert peak.samples >= 3
     assert peak.measured_at >= ready.since

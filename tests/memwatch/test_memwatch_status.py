@@ -23,9 +23,15 @@ GPU0 = simgpu.device_uuid("gpu0")
 
 def reading(taken_at: float) -> MemoryReading:
     gpu = GpuReading(
-        index=0, uuid=GPU0, name="gpu0", total_bytes=24 * GIB, used_bytes=6 * GIB,
-        free_bytes=18 * GIB, unified=False, processes={123: 6 * GIB},
-    )  # fmt: skip
+        index=0,
+        uuid=GPU0,
+        name="gpu0",
+        total_bytes=24 * GIB,
+        used_bytes=6 * GIB,
+        free_bytes=18 * GIB,
+        unified=False,
+        processes={123: 6 * GIB},
+    )
     ram = HostRam(total_bytes=64 * GIB, available_bytes=60 * GIB, source="simulated")
     return MemoryReading(host="local", taken_at=taken_at, backend="simulated", gpus=[gpu], ram=ram)
 
@@ -39,16 +45,39 @@ def test_a_fresh_reading_is_shown_with_its_figures() -> None:
     assert (gpu.total_bytes, gpu.used_bytes, gpu.free_bytes) == (24 * GIB, 6 * GIB, 18 * GIB)
     assert shown.ram is not None
     assert (shown.ram.total_bytes, shown.ram.used_bytes, shown.ram.available_bytes) == (
-        64 * GIB, 4 * GIB, 60 * GIB,
-    )  # fmt: skip
+        64 * GIB,
+        4 * GIB,
+        60 * GIB,
+    )
     lines = render_memory([shown]).splitlines()
     assert lines[0].split() == ["HOST", "MEMORY", "UUID", "TOTAL", "USED", "FREE", "SOURCE"]
     assert lines[1].split() == [
-        "local", "gpu", "0", "gpu0", GPU0, "24.0", "GiB", "6.0", "GiB", "18.0", "GiB", "simulated",
-    ]  # fmt: skip
+        "local",
+        "gpu",
+        "0",
+        "gpu0",
+        GPU0,
+        "24.0",
+        "GiB",
+        "6.0",
+        "GiB",
+        "18.0",
+        "GiB",
+        "simulated",
+    ]
     assert lines[2].split() == [
-        "local", "host", "RAM", "-", "64.0", "GiB", "4.0", "GiB", "60.0", "GiB", "simulated",
-    ]  # fmt: skip
+        "local",
+        "host",
+        "RAM",
+        "-",
+        "64.0",
+        "GiB",
+        "4.0",
+        "GiB",
+        "60.0",
+        "GiB",
+        "simulated",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -75,9 +104,15 @@ def test_readings_and_peaks_are_read_back_or_none(redis_socket: Path) -> None:
     assert memory.read_reading(client, "local") is None
     assert memory.read_startup_peak(client, "local", "chat", 1, "fp") is None
     peak = memory.StartupPeak(
-        deployment="chat", revision=1, host="local", fingerprint="fp", device_bytes=GIB,
-        host_bytes=2, measured_at=NOW, samples=4,
-    )  # fmt: skip
+        deployment="chat",
+        revision=1,
+        host="local",
+        fingerprint="fp",
+        device_bytes=GIB,
+        host_bytes=2,
+        measured_at=NOW,
+        samples=4,
+    )
 
     async def write_and_read() -> tuple[MemoryReading | None, memory.StartupPeak | None]:
         aclient = aioredis.Redis(unix_socket_path=str(redis_socket))
@@ -120,13 +155,31 @@ def test_status_shows_the_simulated_gpus_and_host_ram(simulated: Role) -> None:
     assert host["host"] == "local"
     assert host["backend"] == "simulated"
     assert host["gpus"] == [
-        {"index": 0, "uuid": GPU0, "name": "gpu0", "unified": False,
-         "total_bytes": 24 * GIB, "used_bytes": 0, "free_bytes": 24 * GIB},
-        {"index": 1, "uuid": simgpu.device_uuid("gpu1"), "name": "gpu1", "unified": False,
-         "total_bytes": 48 * GIB, "used_bytes": 0, "free_bytes": 48 * GIB},
-    ]  # fmt: skip
-    assert host["ram"] == {"source": "simulated", "total_bytes": 64 * GIB, "used_bytes": 0,
-                           "available_bytes": 64 * GIB}  # fmt: skip
+        {
+            "index": 0,
+            "uuid": GPU0,
+            "name": "gpu0",
+            "unified": False,
+            "total_bytes": 24 * GIB,
+            "used_bytes": 0,
+            "free_bytes": 24 * GIB,
+        },
+        {
+            "index": 1,
+            "uuid": simgpu.device_uuid("gpu1"),
+            "name": "gpu1",
+            "unified": False,
+            "total_bytes": 48 * GIB,
+            "used_bytes": 0,
+            "free_bytes": 48 * GIB,
+        },
+    ]
+    assert host["ram"] == {
+        "source": "simulated",
+        "total_bytes": 64 * GIB,
+        "used_bytes": 0,
+        "available_bytes": 64 * GIB,
+    }
 
     with Claimer(simulated.state_dir / "simgpu") as engine:
         engine.claim(GPU0, 5 * GIB, 3 * GIB)

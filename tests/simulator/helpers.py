@@ -104,8 +104,15 @@ def sparse_file(path: Path, size: int) -> Path:
 def closed_env(bin_dir: Path | None, home: Path, **extra: str) -> dict[str, str]:
     """The closed environment CapyCTL starts engines with."""
     path = f"{bin_dir}:/usr/bin:/bin" if bin_dir else "/usr/bin:/bin"
-    return {"PATH": path, "HOME": str(home), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
-            "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", **extra}  # fmt: skip
+    return {
+        "PATH": path,
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        **extra,
+    }
 
 
 @dataclass
@@ -129,14 +136,16 @@ class Engine:
     def get(
         self, path: str, headers: dict[str, str] | None = None, **kwargs: Any
     ) -> httpx.Response:
-        return httpx.get(self.base + path, headers={**self.headers, **(headers or {})},
-                         timeout=10, **kwargs)  # fmt: skip
+        return httpx.get(
+            self.base + path, headers={**self.headers, **(headers or {})}, timeout=10, **kwargs
+        )
 
     def post(
         self, path: str, headers: dict[str, str] | None = None, **kwargs: Any
     ) -> httpx.Response:
-        return httpx.post(self.base + path, headers={**self.headers, **(headers or {})},
-                          timeout=30, **kwargs)  # fmt: skip
+        return httpx.post(
+            self.base + path, headers={**self.headers, **(headers or {})}, timeout=30, **kwargs
+        )
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.key or "none", max_retries=0)
@@ -174,22 +183,27 @@ class Launcher:
     folder: Path
     started: list[Engine] = field(default_factory=list)
 
-    def start(self, argv: list[str], env: dict[str, str], port: int | None = None,
-              key: str | None = None) -> Engine:  # fmt: skip
+    def start(
+        self, argv: list[str], env: dict[str, str], port: int | None = None, key: str | None = None
+    ) -> Engine:
         port = port or free_port()
         log = self.folder / f"engine-{len(self.started)}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [part.replace("{port}", str(port)) for part in argv],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         engine = Engine(proc, port, log, key)
         self.started.append(engine)
         return engine
 
     def run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30,
-                              check=False)  # fmt: skip
+        return subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=30, check=False
+        )
 
     def cleanup(self) -> None:
         for engine in self.started:
@@ -224,8 +238,10 @@ def send_and_hang_up(
     """Send one request on a raw socket (kept open); the caller closes it to hang up."""
     data = json.dumps(body).encode()
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"{auth}Content-Length: {len(data)}\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"{auth}Content-Length: {len(data)}\r\n\r\n"
+    )
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(head.encode() + data)
     return sock

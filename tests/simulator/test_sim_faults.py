@@ -29,13 +29,30 @@ SHM = Path("/dev/shm")
 
 
 def vllm_argv(venv: Path, model: Path, *extra: str) -> list[str]:
-    return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--port", "{port}", *extra]  # fmt: skip
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--port",
+        "{port}",
+        *extra,
+    ]
 
 
 def sglang_argv(venv: Path, model: Path, *extra: str) -> list[str]:
-    return [str(venv / "bin" / "python"), "-m", "sglang.launch_server", "--model-path",
-            str(model), "--port", "{port}", "--skip-server-warmup", *extra]  # fmt: skip
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--port",
+        "{port}",
+        "--skip-server-warmup",
+        *extra,
+    ]
 
 
 def test_vllm_hang_keeps_health_and_shutdown_timeout_bounds_the_drain(
@@ -81,9 +98,14 @@ def test_vllm_lying_sleep_garbage_after_wake_and_death_mid_stream(
     chunks = [e for e in events[1:-2] if isinstance(e, dict)]
     contents = [chunk["choices"][0]["delta"].get("content") for chunk in chunks]
     assert contents == ["!!!!!!!!", " !!!!!!!!"]  # tokens 5 and 6, then the engine died
-    assert events[-2] == {"error": {"message": "EngineCore encountered an issue. See stack "
-                          "trace for the root cause.", "type": "InternalServerError",
-                          "param": None, "code": 500}}  # fmt: skip
+    assert events[-2] == {
+        "error": {
+            "message": "EngineCore encountered an issue. See stack trace for the root cause.",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
     assert events[-1] == "[DONE]"
     assert engine.wait_exit() != 0
     assert "EngineDeadError" in engine.output()
@@ -95,8 +117,9 @@ def test_sglang_busy_release_as_an_error_requests_while_released_fail_admin_key(
     faults = Faults(release_while_busy="error", generate_while_released="error")
     venv = installs.python("sglang", "0.5.10")
     write_behaviour(venv, SLOW.model_copy(update={"faults": faults}))
-    argv = sglang_argv(venv, model_dir, "--enable-memory-saver", "--api-key", "user",
-                       "--admin-api-key", "admin")  # fmt: skip
+    argv = sglang_argv(
+        venv, model_dir, "--enable-memory-saver", "--api-key", "user", "--admin-api-key", "admin"
+    )
     engine = launcher.start(argv, closed_env(venv / "bin", tmp_path, **gpu.env()), key="admin")
     engine.wait_status(200)
     user = {"Authorization": "Bearer user"}
@@ -123,8 +146,13 @@ def test_sglang_health_generates_and_marks_a_hung_engine_unhealthy(
 ) -> None:
     venv = installs.python("sglang", "0.5.10")
     write_behaviour(venv, FAST.model_copy(update={"faults": Faults(hang=True)}))
-    env = closed_env(venv / "bin", tmp_path, **gpu.env(), SGLANG_HEALTH_CHECK_TIMEOUT="0.5",
-                     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="false")  # fmt: skip
+    env = closed_env(
+        venv / "bin",
+        tmp_path,
+        **gpu.env(),
+        SGLANG_HEALTH_CHECK_TIMEOUT="0.5",
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="false",
+    )
     engine = launcher.start(sglang_argv(venv, model_dir), env)
     engine.wait_status(200)  # /health does not generate here
     assert engine.status("/health_generate") == 503
@@ -160,8 +188,9 @@ def test_vllm_engine_core_can_follow_its_parent_out(
     venv = installs.python("vllm", "0.17.0")
     faults = Faults(leave_child_on_sigkill=False)
     write_behaviour(venv, FAST.model_copy(update={"faults": faults}))
-    engine = launcher.start(vllm_argv(venv, model_dir), closed_env(venv / "bin", tmp_path,
-                                                                    **gpu.env()))  # fmt: skip
+    engine = launcher.start(
+        vllm_argv(venv, model_dir), closed_env(venv / "bin", tmp_path, **gpu.env())
+    )
     engine.wait_status(200)
     core = wait_for(lambda: children_of(engine.proc.pid), 5, "the EngineCore")[0]
     wait_for(lambda: core in gpu.claims(), 5, "the EngineCore's claim")
@@ -171,9 +200,13 @@ def test_vllm_engine_core_can_follow_its_parent_out(
 
 
 def _scheduler_dies(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path,
+    installs: Installs,
+    model_dir: Path,
+    gpu: SimGpu,
+    launcher: Launcher,
+    tmp_path: Path,
     **env: str,
-) -> tuple[str, set[str], int]:  # fmt: skip
+) -> tuple[str, set[str], int]:
     """Launch SGLang whose scheduler dies while loading; stop its group once the server is
     seen waiting on; its log, the /dev/shm segments it left, and its PID."""
     venv = installs.python("sglang", "0.5.22")

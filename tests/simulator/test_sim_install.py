@@ -49,8 +49,11 @@ def test_python_installs_are_real_distributions(installs: Installs) -> None:
         venv = installs.python(family, version)
         probe = subprocess.run(
             [str(venv / "bin" / "python"), "-c", PROBE.format(name=family)],
-            env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            env={"PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert probe.stdout == f"{version}\n"
         files = recorded(venv, family, version)
         assert venv / "bin" / family in {path for path, _ in files}
@@ -87,15 +90,40 @@ def test_module_form_installs_and_runs_an_engine(
     behaviour = tmp_path / "fast.json"
     behaviour.write_text(FAST.model_dump_json())
     made = subprocess.run(
-        [sys.executable, "-m", "enginesim", "install", "llamacpp",
-         str(tmp_path / "llama"), "--version", "6100", "--behaviour", str(behaviour)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "enginesim",
+            "install",
+            "llamacpp",
+            str(tmp_path / "llama"),
+            "--version",
+            "6100",
+            "--behaviour",
+            str(behaviour),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert made.stdout.strip() == str(tmp_path / "llama" / "llama-server")
     gpu = make_simgpu(tmp_path / "simgpu")
-    argv = [sys.executable, "-m", "enginesim", "--family", "vllm",
-            "--version", "0.17.0", "--behaviour", str(behaviour), "--", "serve",
-            str(model_dir), "--port", "{port}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "enginesim",
+        "--family",
+        "vllm",
+        "--version",
+        "0.17.0",
+        "--behaviour",
+        str(behaviour),
+        "--",
+        "serve",
+        str(model_dir),
+        "--port",
+        "{port}",
+    ]
     engine = launcher.start(argv, {**closed_env(None, tmp_path), **gpu.env()})
     engine.wait_status(200)
     assert engine.get("/version").json() == {"version": "0.17.0"}

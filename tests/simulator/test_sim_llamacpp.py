@@ -103,10 +103,15 @@ def test_chat_with_reasoning_content_and_timings(served: Engine) -> None:
     assert (message.model_extra or {})["reasoning_content"] == "Thinking it over."
     assert message.content == "Hello from"
     assert "timings" in (completion.model_extra or {})
-    body = {"messages": HELLO, "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    with httpx.stream("POST", f"{served.base}/v1/chat/completions", json=body,
-                      headers=served.headers) as streamed:  # fmt: skip
+    body = {
+        "messages": HELLO,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
+    ) as streamed:
         events = list(sse_events(streamed.iter_lines()))
     assert events[-1] == "[DONE]"
     chunks = [e for e in events if isinstance(e, dict)]
@@ -128,8 +133,9 @@ def test_requests_beyond_the_slots_are_deferred_and_hang_ups_free_the_slot(
 ) -> None:
     body = {"messages": HELLO, "stream": True}
     later: list[str] = []
-    with httpx.stream("POST", f"{served.base}/v1/chat/completions", json=body,
-                      headers=served.headers) as streamed:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
+    ) as streamed:
         lines = streamed.iter_lines()  # kept: dropping it would close the connection
         next(line for line in lines if "content" in line)
         second = threading.Thread(target=lambda: later.append(_chat(served, 2)))
@@ -142,8 +148,13 @@ def test_requests_beyond_the_slots_are_deferred_and_hang_ups_free_the_slot(
     assert later == ["Thinking it"]
     wait_for(lambda: served.metric("llamacpp:requests_processing") == 0, 5, "a free slot")
     text = served.get("/metrics").text
-    for name in ("prompt_tokens_total", "tokens_predicted_total", "requests_processing",
-                 "requests_deferred", "n_decode_total"):  # fmt: skip
+    for name in (
+        "prompt_tokens_total",
+        "tokens_predicted_total",
+        "requests_processing",
+        "requests_deferred",
+        "n_decode_total",
+    ):
         assert f"\nllamacpp:{name} " in text, name
     assert "kv_cache" not in text
 
@@ -165,8 +176,11 @@ def test_listens_at_once_loads_then_serves_and_stops_cleanly(
     assert httpx.get(f"{engine.base}/v1/models").json()["data"][0]["meta"] is None
     engine.wait_status(200)
     assert httpx.get(f"{engine.base}/health").json() == {"status": "ok"}
-    wait_for(lambda: claim(gpu, engine.proc.pid) == (GIB + 4096 * (128 << 10) + 4 * (8 << 20), 0),
-             5, "the model and its KV cache on the device")  # fmt: skip
+    wait_for(
+        lambda: claim(gpu, engine.proc.pid) == (GIB + 4096 * (128 << 10) + 4 * (8 << 20), 0),
+        5,
+        "the model and its KV cache on the device",
+    )
     assert engine.status("/slots") == 501
     assert engine.get("/metrics").json()["error"]["type"] == "not_supported_error"
     assert engine.stop() == 0
@@ -184,8 +198,11 @@ def test_idle_sleep_frees_memory_and_the_next_request_reloads(
     pid = engine.proc.pid
     wait_for(lambda: claim(gpu, pid) == (GIB + KV, 0), 5, "the loaded model")
     # Polling /health and /props neither wakes it nor keeps it awake.
-    wait_for(lambda: engine.status() == 200 and engine.get("/props").json()["is_sleeping"], 10,
-             "idle sleep")  # fmt: skip
+    wait_for(
+        lambda: engine.status() == 200 and engine.get("/props").json()["is_sleeping"],
+        10,
+        "idle sleep",
+    )
     wait_for(lambda: claim(gpu, pid) == (RESIDUE, 0), 5, "the memory freed")
     answer = engine.post("/v1/chat/completions", json={"messages": HELLO}).json()
     assert answer["choices"][0]["message"]["content"] == FAST.answer
@@ -204,9 +221,14 @@ def test_version_and_unknown_flags(installs: Installs, launcher: Launcher, tmp_p
 
 @pytest.mark.parametrize(("build", "port", "notice"), [(6850, 8080, True), (6900, 9931, False)])
 def test_default_port_by_build(
-    installs: Installs, gguf: Path, launcher: Launcher, tmp_path: Path, build: int, port: int,
+    installs: Installs,
+    gguf: Path,
+    launcher: Launcher,
+    tmp_path: Path,
+    build: int,
+    port: int,
     notice: bool,
-) -> None:  # fmt: skip
+) -> None:
     executable = installs.llama(build)
     engine = launcher.start([str(executable), "-m", str(gguf)], closed_env(None, tmp_path))
     said = re.compile(rf"(listening on http://127\.0\.0\.1:{port} |port: {port}$)", re.M)

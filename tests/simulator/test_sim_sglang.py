@@ -48,8 +48,16 @@ SERVED = FAST.model_copy(
 
 
 def launch_server(venv: Path, model: Path, *extra: str) -> list[str]:
-    return [str(venv / "bin" / "python"), "-m", "sglang.launch_server", "--model-path",
-            str(model), "--port", "{port}", *extra]  # fmt: skip
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--port",
+        "{port}",
+        *extra,
+    ]
 
 
 def env_for(venv: Path, home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]:
@@ -82,9 +90,19 @@ def served(
     write_behaviour(venv, SERVED)
     gpu = make_simgpu(folder / "simgpu")
     argv = launch_server(
-        venv, model_dir, "--served-model-name", "tiny", "--api-key", KEY, "--enable-metrics",
-        "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3", "--skip-server-warmup",
-    )  # fmt: skip
+        venv,
+        model_dir,
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        KEY,
+        "--enable-metrics",
+        "--tool-call-parser",
+        "qwen25",
+        "--reasoning-parser",
+        "qwen3",
+        "--skip-server-warmup",
+    )
     launcher = Launcher(folder)
     engine = launcher.start(argv, env_for(venv, folder, gpu), key=KEY)
     try:
@@ -102,7 +120,11 @@ def test_auth_guards_everything_but_health_and_metrics(served: Engine) -> None:
         assert httpx.get(served.base + path).status_code == 200, path
     card = served.get("/v1/models").json()["data"][0]
     assert (card["id"], card["owned_by"], card["root"], card["max_model_len"]) == (
-        "tiny", "sglang", "tiny", 4096)  # fmt: skip
+        "tiny",
+        "sglang",
+        "tiny",
+        4096,
+    )
 
 
 def test_info_routes_and_their_deprecated_aliases(served: Engine, model_dir: Path) -> None:
@@ -111,7 +133,10 @@ def test_info_routes_and_their_deprecated_aliases(served: Engine, model_dir: Pat
     for path in ("/server_info", "/get_server_info"):
         info = served.get(path).json()
         assert (info["version"], info["api_key"], info["served_model_name"]) == (
-            VERSION, KEY, "tiny")  # fmt: skip
+            VERSION,
+            KEY,
+            "tiny",
+        )
     assert served.get("/v1/models/tiny").status_code == 200
     missing = served.get("/v1/models/nope")
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
@@ -126,17 +151,23 @@ def test_chat_takes_its_id_from_rid_and_reasons_in_reasoning_content(served: Eng
     assert (message.model_extra or {})["reasoning_content"] == "Thinking it over."
     assert message.content == "Hello from"
     assert completion.choices[0].finish_reason == "length"
-    header_id = served.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1},
-                            headers={"X-Request-Id": "ignored"})  # fmt: skip
+    header_id = served.post(
+        "/v1/chat/completions",
+        json={"messages": HELLO, "max_tokens": 1},
+        headers={"X-Request-Id": "ignored"},
+    )
     assert re.fullmatch(r"[0-9a-f]{32}", header_id.json()["id"])
 
 
 def test_stream_with_usage_tools_and_reasoning(served: Engine) -> None:
     client = served.openai()
     stream = client.chat.completions.create(
-        model="tiny", messages=HELLO, tools=TOOLS, stream=True,
+        model="tiny",
+        messages=HELLO,
+        tools=TOOLS,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
@@ -154,8 +185,11 @@ def test_stream_with_usage_tools_and_reasoning(served: Engine) -> None:
 
 
 def test_flat_errors_and_json_only(served: Engine) -> None:
-    text = served.post("/v1/chat/completions", content=json.dumps({"messages": HELLO}),
-                       headers={"Content-Type": "text/plain"})  # fmt: skip
+    text = served.post(
+        "/v1/chat/completions",
+        content=json.dumps({"messages": HELLO}),
+        headers={"Content-Type": "text/plain"},
+    )
     assert text.status_code == 400
     assert text.json()["object"] == "error"
     assert text.json()["code"] == 400
@@ -165,8 +199,9 @@ def test_flat_errors_and_json_only(served: Engine) -> None:
 
 def test_abort_by_rid_flush_when_busy_and_metrics(served: Engine) -> None:
     body = {"messages": HELLO, "stream": True, "rid": "abort-me"}
-    with httpx.stream("POST", f"{served.base}/v1/chat/completions", json=body,
-                      headers=served.headers) as streamed:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
+    ) as streamed:
         events = sse_events(streamed.iter_lines())
         next(e for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("content"))
         assert served.metric("sglang:num_running_reqs") == 1
@@ -179,8 +214,14 @@ def test_abort_by_rid_flush_when_busy_and_metrics(served: Engine) -> None:
     assert rest[-1] == "[DONE]"
     assert served.post("/flush_cache").status_code == 200
     text = httpx.get(f"{served.base}/metrics").text
-    for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "prompt_tokens_total",
-                 "generation_tokens_total", "num_requests_total"):  # fmt: skip
+    for name in (
+        "num_running_reqs",
+        "num_queue_reqs",
+        "token_usage",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_requests_total",
+    ):
         assert f'\nsglang:{name}{{model_name="tiny"}}' in text, name
     assert 'sglang:num_aborted_requests_total{model_name="tiny"} 1.0' in text
 
@@ -194,8 +235,9 @@ def test_aborts_count_only_requests_the_engine_holds(served: Engine) -> None:
     assert served.post("/abort_request", json={"rid": "never-came"}).status_code == 200
     assert served.metric(aborted) == start
     body = {"messages": HELLO, "stream": True, "rid": "held-1"}
-    with httpx.stream("POST", f"{served.base}/v1/chat/completions", json=body,
-                      headers=served.headers) as streamed:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
+    ) as streamed:
         events = sse_events(streamed.iter_lines())
         next(e for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("content"))
         assert served.post("/abort_request", json={"rid": "held-1"}).content == b""
@@ -218,11 +260,20 @@ def test_phases_serve_form_and_metrics_off_by_default(
 ) -> None:
     venv = installs.python("sglang", VERSION)
     write_behaviour(venv, FAST.model_copy(update={"load_seconds": 1.5, "warmup_seconds": 1.5}))
-    argv = [str(venv / "bin" / "sglang"), "serve", "--model-path", str(model_dir),
-            "--port", "{port}"]  # fmt: skip
+    argv = [
+        str(venv / "bin" / "sglang"),
+        "serve",
+        "--model-path",
+        str(model_dir),
+        "--port",
+        "{port}",
+    ]
     engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    wait_for(lambda: engine.status() is None and claim(gpu, engine.proc.pid) == (WEIGHTS, 0),
-             10, "the weights to load while connections are refused")  # fmt: skip
+    wait_for(
+        lambda: engine.status() is None and claim(gpu, engine.proc.pid) == (WEIGHTS, 0),
+        10,
+        "the weights to load while connections are refused",
+    )
     engine.wait_status(503)
     assert "fired up" not in engine.output()
     engine.wait_status(200)
@@ -237,8 +288,13 @@ def test_release_and_resume_by_tags(
 ) -> None:
     venv = installs.python("sglang", VERSION)
     write_behaviour(venv, FAST)
-    argv = launch_server(venv, model_dir, "--enable-memory-saver", "--enable-weights-cpu-backup",
-                         "--skip-server-warmup")  # fmt: skip
+    argv = launch_server(
+        venv,
+        model_dir,
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        "--skip-server-warmup",
+    )
     engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
     engine.wait_status(200)
     pid = engine.proc.pid
@@ -363,9 +419,13 @@ def test_refusals_at_start(
 
 
 def test_v1_loads_takes_its_own_shape_from_0_5_20(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path,
+    installs: Installs,
+    model_dir: Path,
+    gpu: SimGpu,
+    launcher: Launcher,
+    tmp_path: Path,
     served: Engine,
-) -> None:  # fmt: skip
+) -> None:
     assert isinstance(served.get("/v1/loads").json(), list), "0.5.10: the /get_load list"
     venv = installs.python("sglang", "0.5.22")
     write_behaviour(venv, FAST)

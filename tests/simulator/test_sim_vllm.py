@@ -78,8 +78,18 @@ HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
 
 
 def api_server(venv: Path, model: Path, *extra: str) -> list[str]:
-    return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--host", "127.0.0.1", "--port", "{port}", *extra]  # fmt: skip
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        *extra,
+    ]
 
 
 def env_for(venv: Path, home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]:
@@ -116,11 +126,27 @@ def served(
     gpu = make_simgpu(folder / "simgpu")
     env = env_for(venv, folder, gpu, VLLM_SERVER_DEV_MODE="1", PYTHONPATH=str(folder))
     argv = api_server(
-        venv, model_dir, "--served-model-name", "tiny", "other", "--api-key", KEY,
-        "--enable-sleep-mode", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--reasoning-parser", "qwen3", "--enable-request-id-headers", "--max-num-seqs", "8",
-        "--middleware", "sim_middleware.Tagger", "--middleware", "sim_middleware.stamp",
-    )  # fmt: skip
+        venv,
+        model_dir,
+        "--served-model-name",
+        "tiny",
+        "other",
+        "--api-key",
+        KEY,
+        "--enable-sleep-mode",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--enable-request-id-headers",
+        "--max-num-seqs",
+        "8",
+        "--middleware",
+        "sim_middleware.Tagger",
+        "--middleware",
+        "sim_middleware.stamp",
+    )
     launcher = Launcher(folder)
     engine = launcher.start(argv, env, key=KEY)
     try:
@@ -224,9 +250,11 @@ def test_errors_use_the_nested_envelope(served: Engine) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         served.openai().chat.completions.create(model="nope", messages=HELLO)
     assert caught.value.body == {
-        "message": "The model `nope` does not exist.", "type": "NotFoundError",
-        "param": None, "code": 404,
-    }  # fmt: skip
+        "message": "The model `nope` does not exist.",
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }
     bad = served.post("/v1/chat/completions", json={"model": "tiny", "messages": []})
     assert bad.status_code == 400
     assert bad.json()["error"]["type"] == "BadRequestError"
@@ -239,21 +267,33 @@ def test_refusals_before_and_inside_the_stream(served: Engine) -> None:
         body = {"model": "tiny", "messages": HELLO, "max_tokens": 5000, "stream": stream}
         answer = served.post("/v1/chat/completions", json=body)
         assert answer.status_code == 400
-        assert answer.json() == {"error": {
-            "message": "'max_tokens' or 'max_completion_tokens' is too large: 5000. This "
-            "model's maximum context length is 4096 tokens and your request has 4 input "
-            "tokens (5000 > 4096 - 4).", "type": "BadRequestError", "param": None,
-            "code": 400}}  # fmt: skip
+        assert answer.json() == {
+            "error": {
+                "message": "'max_tokens' or 'max_completion_tokens' is too large: 5000. This "
+                "model's maximum context length is 4096 tokens and your request has 4 input "
+                "tokens (5000 > 4096 - 4).",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+        }
     message = "Requested sample logprobs of 30, which is greater than max allowed: 20"
     body = {"model": "tiny", "messages": HELLO, "logprobs": True, "top_logprobs": 30}
     answer = served.post("/v1/chat/completions", json=body)
     assert (answer.status_code, answer.json()["error"]["message"]) == (400, message)
-    with httpx.stream("POST", f"{served.base}/v1/chat/completions", headers=served.headers,
-                      json={**body, "stream": True}, timeout=30) as sent:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        f"{served.base}/v1/chat/completions",
+        headers=served.headers,
+        json={**body, "stream": True},
+        timeout=30,
+    ) as sent:
         assert sent.status_code == 200
         events = list(sse_events(sent.iter_lines()))
-    assert events == [{"error": {"message": message, "type": "BadRequestError", "param": None,
-                                 "code": 400}}, "[DONE]"]  # fmt: skip
+    assert events == [
+        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}},
+        "[DONE]",
+    ]
 
 
 def test_text_completions(served: Engine) -> None:
@@ -266,11 +306,15 @@ def test_text_completions(served: Engine) -> None:
 def test_metrics_carry_vllm_names(served: Engine) -> None:
     text = httpx.get(f"{served.base}/metrics").text
     for name in (
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-        "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
         "vllm:e2e_request_latency_seconds_count",
-    ):  # fmt: skip
+    ):
         assert f"\n{name}{{" in text, name
     for reason in ("stop", "length", "abort", "error"):
         assert f'finished_reason="{reason}"' in text
@@ -327,8 +371,9 @@ def _chat(engine: Engine, max_tokens: int) -> str:
 
 def _hang_up_stream(engine: Engine, running: str) -> None:
     body = {"messages": HELLO, "stream": True}
-    with httpx.stream("POST", f"{engine.base}/v1/chat/completions", json=body,
-                      headers=engine.headers) as streamed:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{engine.base}/v1/chat/completions", json=body, headers=engine.headers
+    ) as streamed:
         lines = streamed.iter_lines()  # kept: dropping it would close the connection
         next(line for line in lines if "content" in line)
         assert engine.metric(running) == 1
@@ -375,8 +420,11 @@ def test_serve_form_loads_refusing_connections_then_stops_cleanly_on_sigterm(
     argv = [str(venv / "bin" / "vllm"), "serve", str(model_dir), "--port", "{port}"]
     engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
     core = engine_core(engine)
-    wait_for(lambda: engine.status() is None and claim(gpu, core) == (WEIGHTS, 0), 10,
-             "the weights to load while connections are refused")  # fmt: skip
+    wait_for(
+        lambda: engine.status() is None and claim(gpu, core) == (WEIGHTS, 0),
+        10,
+        "the weights to load while connections are refused",
+    )
     engine.wait_status(200)
     output = engine.output()
     started = output.index(f"Starting vLLM server on http://0.0.0.0:{engine.port}")
@@ -427,8 +475,10 @@ def test_refuses_to_start_without_room_on_the_device(
     assert not group_alive(engine.proc.pid)
     assert list(gpu.claims()) == [os.getpid()]
     gpu.claim_file(os.getpid()).unlink()
-    small = launcher.start(api_server(venv, model_dir, "--gpu-memory-utilization", "0.05"),
-                           env_for(venv, tmp_path, gpu))  # fmt: skip
+    small = launcher.start(
+        api_server(venv, model_dir, "--gpu-memory-utilization", "0.05"),
+        env_for(venv, tmp_path, gpu),
+    )
     assert small.wait_exit() == 1
     assert "No available memory for the cache blocks" in small.output()
 
@@ -501,6 +551,9 @@ def test_vllm_0_10_0_answers_flat_errors(
     answer = engine.post("/v1/chat/completions", json={"model": "nope", "messages": HELLO})
     assert answer.status_code == 404
     assert answer.json() == {
-        "object": "error", "message": "The model `nope` does not exist.",
-        "type": "NotFoundError", "param": None, "code": 404,
-    }  # fmt: skip
+        "object": "error",
+        "message": "The model `nope` does not exist.",
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }

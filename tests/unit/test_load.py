@@ -12,8 +12,15 @@ from capycommon.load import EngineLoad, decode
 from capyctl_hostd.loads import entry
 
 BUSY = EngineLoad(generation=3, running=2, waiting=1, last_active_at=1005.0, read_at=1005.0)
-READY = InstanceRecord(deployment="chat", instance=0, revision=1, generation=3,
-                       state=InstanceState.READY, since=1000.0, host="h")  # fmt: skip
+READY = InstanceRecord(
+    deployment="chat",
+    instance=0,
+    revision=1,
+    generation=3,
+    state=InstanceState.READY,
+    since=1000.0,
+    host="h",
+)
 
 
 def test_an_entry_reads_back_the_same() -> None:
@@ -27,8 +34,9 @@ def test_an_entry_refuses_unknown_and_missing_fields() -> None:
     with pytest.raises(ValidationError, match="extra"):
         EngineLoad.model_validate_json(BUSY.model_dump_json()[:-1] + ', "queued": 4}')
     with pytest.raises(ValidationError, match="read_at"):
-        EngineLoad.model_validate({"generation": 3, "running": 0, "waiting": 0,
-                                   "last_active_at": 1.0})  # fmt: skip
+        EngineLoad.model_validate(
+            {"generation": 3, "running": 0, "waiting": 0, "last_active_at": 1.0}
+        )
 
 
 def test_an_engine_with_work_is_active_when_read() -> None:

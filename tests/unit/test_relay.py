@@ -33,16 +33,20 @@ def _envelope(message: str, kind: str, code: str, param: str | None = None) -> J
         # vLLM from 0.10.1: nested.
         {"error": {"message": TOO_LONG, "type": "BadRequestError", "param": None, "code": 400}},
         # vLLM up to 0.10.0, and SGLang: flat.
-        {"object": "error", "message": TOO_LONG, "type": "BadRequestError", "param": None,
-         "code": 400},
-        {"object": "error", "message": TOO_LONG, "type": "BadRequest", "param": None,
-         "code": 400},
+        {
+            "object": "error",
+            "message": TOO_LONG,
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        },
+        {"object": "error", "message": TOO_LONG, "type": "BadRequest", "param": None, "code": 400},
         # llama.cpp: nested, no param.
         {"error": {"code": 400, "message": TOO_LONG, "type": "invalid_request_error"}},
         # FastAPI's own.
         {"detail": TOO_LONG},
     ],
-)  # fmt: skip
+)
 def test_an_engines_refusal_keeps_its_status_and_message(body: JsonDict) -> None:
     failure = engine_failure(400, json.dumps(body).encode())
     assert failure.http_status == 400
@@ -51,11 +55,18 @@ def test_an_engines_refusal_keeps_its_status_and_message(body: JsonDict) -> None
 
 
 def test_an_engines_own_status_is_kept_and_its_param_too() -> None:
-    body = {"error": {"message": "no such model", "type": "NotFoundError", "param": "model",
-                      "code": 404}}  # fmt: skip
+    body = {
+        "error": {
+            "message": "no such model",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
     failure = engine_failure(404, json.dumps(body).encode())
-    assert failure.body() == _envelope("no such model", "not_found_error", "engine_rejected",
-                                       "model")  # fmt: skip
+    assert failure.body() == _envelope(
+        "no such model", "not_found_error", "engine_rejected", "model"
+    )
     loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
     failure = engine_failure(503, json.dumps(loading).encode())
     assert failure.http_status == 503
@@ -76,14 +87,20 @@ def test_an_engine_refusing_the_routers_key_is_not_the_clients_401() -> None:
 
 
 def test_an_error_event_has_the_status_its_code_names() -> None:
-    nested = {"error": {"message": TOO_LONG, "type": "BadRequestError", "param": None,
-                        "code": 400}}  # fmt: skip
+    nested = {"error": {"message": TOO_LONG, "type": "BadRequestError", "param": None, "code": 400}}
     failure = event_failure(nested)
     assert failure is not None
     assert failure.http_status == 400
     assert failure.body() == _envelope(TOO_LONG, "invalid_request_error", "engine_rejected")
-    old = {"error": {"object": "error", "message": "boom", "type": "InternalServerError",
-                     "param": None, "code": 500}}  # fmt: skip
+    old = {
+        "error": {
+            "object": "error",
+            "message": "boom",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
     failure = event_failure(old)
     assert failure is not None
     assert (failure.http_status, failure.message) == (500, "boom")

@@ -238,8 +238,9 @@ def test_flags_that_are_not_the_roles_are_refused() -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["CAPYCTL_DEEP_PARK", "CAPYCTL_HOST_DEEP_PARK",
-                                  "CAPYCTL_ENGINE_PORTS"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["CAPYCTL_DEEP_PARK", "CAPYCTL_HOST_DEEP_PARK", "CAPYCTL_ENGINE_PORTS"]
+)
 def test_some_variables_may_not_be_empty(name: str) -> None:
     with pytest.raises(InvalidConfig, match=rf"^{name} is set but empty; give it a value"):
         load_settings("standalone", document=None, env={name: ""})

@@ -15,8 +15,15 @@ PARKED = {"gpu0": GiB, "system": 4 * GiB}
 
 
 def ledger_with(*owners: str) -> Ledger:
-    gpu = GpuReading(index=0, uuid="GPU-0", name="gpu0", total_bytes=48 * GiB,
-                     used_bytes=0, free_bytes=48 * GiB, unified=False)  # fmt: skip
+    gpu = GpuReading(
+        index=0,
+        uuid="GPU-0",
+        name="gpu0",
+        total_bytes=48 * GiB,
+        used_bytes=0,
+        free_bytes=48 * GiB,
+        unified=False,
+    )
     reading = MemoryReading(
         host="local",
         taken_at=0.0,
@@ -32,9 +39,13 @@ def ledger_with(*owners: str) -> Ledger:
 
 def candidate(owner: str, last_used: float, **changes: object) -> Candidate:
     values: dict[str, object] = {
-        "owner": owner, "last_used": last_used, "busy": False, "protected": False,
-        "can_park": True, "parked_charge": PARKED,
-    }  # fmt: skip
+        "owner": owner,
+        "last_used": last_used,
+        "busy": False,
+        "protected": False,
+        "can_park": True,
+        "parked_charge": PARKED,
+    }
     values.update(changes)
     return Candidate(**values)  # type: ignore[arg-type]
 
@@ -78,9 +89,17 @@ def test_victims_stop_when_parking_them_would_not_free_enough() -> None:
     # The case: a 24 GiB card, one 6 GiB model ready, and a first start whose derived
     # peak (21.5 GiB) fits an empty card but not beside the other's parked residue.
     ledger = Ledger(ledger_with().domains)
-    card = Ledger({**ledger.domains, "gpu0": replace(ledger.domains["gpu0"], capacity=24 * GiB,
-                                                     managed_limit=22 * GiB,
-                                                     free_reserve=2 * GiB)})  # fmt: skip
+    card = Ledger(
+        {
+            **ledger.domains,
+            "gpu0": replace(
+                ledger.domains["gpu0"],
+                capacity=24 * GiB,
+                managed_limit=22 * GiB,
+                free_reserve=2 * GiB,
+            ),
+        }
+    )
     card = card.admit("a", {"gpu0": 12 * GiB})
     peak = {"gpu0": 21 * GiB + GiB // 2}
     found = choose_victims(card, "new", peak, [candidate("a", 1.0, parked_charge={"gpu0": GiB})])

@@ -61,8 +61,15 @@ def parse_devices(spec: str) -> list[Device]:
             total = parse_size(size)
         except ValueError as exc:
             raise InvalidConfig(f"CAPYCTL_SIMULATED_GPUS: {exc}") from None
-        devices.append(Device(index=index, uuid=device_uuid(name), name=name, total_bytes=total,
-                              unified=name == "unified"))  # fmt: skip
+        devices.append(
+            Device(
+                index=index,
+                uuid=device_uuid(name),
+                name=name,
+                total_bytes=total,
+                unified=name == "unified",
+            )
+        )
     if not devices:
         raise InvalidConfig("CAPYCTL_SIMULATED_GPUS names no device; write e.g. gpu0:24GiB")
     if any(d.unified for d in devices) and len(devices) > 1:

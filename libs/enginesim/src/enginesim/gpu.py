@@ -116,8 +116,9 @@ class LocalHolder:
             due, gpu_bytes, host_bytes = change
             if self._closed.wait(max(0.0, due - time.monotonic())):
                 return
-            claim = simgpu.Claim(uuid=self._device.device.uuid, bytes=gpu_bytes,
-                                 host_bytes=host_bytes)  # fmt: skip
+            claim = simgpu.Claim(
+                uuid=self._device.device.uuid, bytes=gpu_bytes, host_bytes=host_bytes
+            )
             with self._lock:
                 if self._closed.is_set():
                     return

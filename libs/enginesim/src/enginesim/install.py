@@ -67,8 +67,9 @@ def _package_files(family: PythonFamily, version: str) -> dict[str, str]:
         parts = path.split("/")
         for end in range(1, len(parts) - 1):
             files.setdefault("/".join(parts[: end + 1]) + "/__init__.py", "")
-        files[path] = _SHIM.format(family=family, version=version, depth=depth,
-                                   behaviour=BEHAVIOUR_FILE, form=form)  # fmt: skip
+        files[path] = _SHIM.format(
+            family=family, version=version, depth=depth, behaviour=BEHAVIOUR_FILE, form=form
+        )
     return files
 
 
@@ -124,10 +125,21 @@ def install_python_engine(
     with tempfile.TemporaryDirectory(prefix="enginesim-wheel-") as folder:
         wheel = build_wheel(family, version, Path(folder))
         subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-             "--quiet", "--disable-pip-version-check", "--no-deps", "--no-index", str(wheel)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--python",
+                str(venv / "bin" / "python"),
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--no-index",
+                str(wheel),
+            ],
             check=True,
-        )  # fmt: skip
+        )
     write_behaviour(venv, behaviour or Behaviour())
     return venv
 

@@ -29,28 +29,63 @@ NEW_PORT_FROM_BUILD = 6900
 DEFAULT_SLOTS = 4
 # flag -> its environment variable; a flag on the command line wins over the variable.
 ENV_NAMES = {
-    "model": "LLAMA_ARG_MODEL", "host": "LLAMA_ARG_HOST", "port": "LLAMA_ARG_PORT",
-    "api_key": "LLAMA_API_KEY", "ctx_size": "LLAMA_ARG_CTX_SIZE",
-    "parallel": "LLAMA_ARG_N_PARALLEL", "slots": "LLAMA_ARG_ENDPOINT_SLOTS",
-    "metrics": "LLAMA_ARG_ENDPOINT_METRICS", "jinja": "LLAMA_ARG_JINJA",
-    "alias": "LLAMA_ARG_ALIAS", "reasoning_format": "LLAMA_ARG_THINK",
-    "n_gpu_layers": "LLAMA_ARG_N_GPU_LAYERS", "no_webui": "LLAMA_ARG_NO_WEBUI",
+    "model": "LLAMA_ARG_MODEL",
+    "host": "LLAMA_ARG_HOST",
+    "port": "LLAMA_ARG_PORT",
+    "api_key": "LLAMA_API_KEY",
+    "ctx_size": "LLAMA_ARG_CTX_SIZE",
+    "parallel": "LLAMA_ARG_N_PARALLEL",
+    "slots": "LLAMA_ARG_ENDPOINT_SLOTS",
+    "metrics": "LLAMA_ARG_ENDPOINT_METRICS",
+    "jinja": "LLAMA_ARG_JINJA",
+    "alias": "LLAMA_ARG_ALIAS",
+    "reasoning_format": "LLAMA_ARG_THINK",
+    "n_gpu_layers": "LLAMA_ARG_N_GPU_LAYERS",
+    "no_webui": "LLAMA_ARG_NO_WEBUI",
     "sleep_idle_seconds": "LLAMA_ARG_SLEEP_IDLE_SECONDS",
-}  # fmt: skip
+}
 BOOLEANS = frozenset({"slots", "metrics", "jinja", "no_webui"})
 # Accepted and ignored ("|" joins aliases).
 IGNORED_VALUES = (
-    "-t|--threads", "-b|--batch-size", "-ub|--ubatch-size", "--temp", "--top-p", "--top-k",
-    "--min-p", "-n|--n-predict", "-ctk|--cache-type-k", "-ctv|--cache-type-v",
-    "-fa|--flash-attn", "--log-file", "--fit", "-s|--seed", "--chat-template",
-    "--chat-template-file", "-to|--timeout", "--sse-ping-interval", "--reasoning-budget",
-    "--api-key-file", "-ncmoe|--n-cpu-moe", "--numa", "-dt", "--cache-reuse", "--mmproj",
-    "-hf|--hf-repo", "--path",
-)  # fmt: skip
+    "-t|--threads",
+    "-b|--batch-size",
+    "-ub|--ubatch-size",
+    "--temp",
+    "--top-p",
+    "--top-k",
+    "--min-p",
+    "-n|--n-predict",
+    "-ctk|--cache-type-k",
+    "-ctv|--cache-type-v",
+    "-fa|--flash-attn",
+    "--log-file",
+    "--fit",
+    "-s|--seed",
+    "--chat-template",
+    "--chat-template-file",
+    "-to|--timeout",
+    "--sse-ping-interval",
+    "--reasoning-budget",
+    "--api-key-file",
+    "-ncmoe|--n-cpu-moe",
+    "--numa",
+    "-dt",
+    "--cache-reuse",
+    "--mmproj",
+    "-hf|--hf-repo",
+    "--path",
+)
 IGNORED_SWITCHES = (
-    "--mlock", "--no-mmap", "-cb|--cont-batching", "--kv-unified", "-v|--verbose",
-    "--log-disable", "--no-warmup", "--props", "--webui",
-)  # fmt: skip
+    "--mlock",
+    "--no-mmap",
+    "-cb|--cont-batching",
+    "--kv-unified",
+    "-v|--verbose",
+    "--log-disable",
+    "--no-warmup",
+    "--props",
+    "--webui",
+)
 
 
 @dataclass(frozen=True)
@@ -102,8 +137,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--metrics", action="store_true")
     add("--jinja", action=argparse.BooleanOptionalAction, default=True)
     add("-a", "--alias")
-    add("--reasoning-format", choices=("none", "deepseek", "deepseek-legacy", "auto"),
-        default="auto")  # fmt: skip
+    add(
+        "--reasoning-format",
+        choices=("none", "deepseek", "deepseek-legacy", "auto"),
+        default="auto",
+    )
     add("-ngl", "--n-gpu-layers", "--gpu-layers", default="auto")
     add("--no-webui", action="store_true")
     add("--sleep-idle-seconds", type=int, default=-1)
@@ -129,13 +167,22 @@ def parse(argv: Sequence[str], build: int, env: Mapping[str, str]) -> LlamaArgs:
     default_port = 9931 if build >= NEW_PORT_FROM_BUILD else 8080
     keys = [key.strip() for key in (ns.api_key or "").split(",") if key.strip()]
     return LlamaArgs(
-        model=ns.model, host=ns.host, port=port or default_port, port_given=port is not None,
-        api_keys=keys, ctx_size=int(ns.ctx_size) or 4096,
+        model=ns.model,
+        host=ns.host,
+        port=port or default_port,
+        port_given=port is not None,
+        api_keys=keys,
+        ctx_size=int(ns.ctx_size) or 4096,
         parallel=int(ns.parallel) if int(ns.parallel) > 0 else DEFAULT_SLOTS,
-        slots=bool(ns.slots), metrics=bool(ns.metrics), jinja=bool(ns.jinja), alias=ns.alias,
-        reasoning_format=ns.reasoning_format, n_gpu_layers=str(ns.n_gpu_layers),
-        no_webui=bool(ns.no_webui), sleep_idle_seconds=int(ns.sleep_idle_seconds),
-    )  # fmt: skip
+        slots=bool(ns.slots),
+        metrics=bool(ns.metrics),
+        jinja=bool(ns.jinja),
+        alias=ns.alias,
+        reasoning_format=ns.reasoning_format,
+        n_gpu_layers=str(ns.n_gpu_layers),
+        no_webui=bool(ns.no_webui),
+        sleep_idle_seconds=int(ns.sleep_idle_seconds),
+    )
 
 
 def main(argv: Sequence[str], build: int, behaviour: Behaviour) -> int:

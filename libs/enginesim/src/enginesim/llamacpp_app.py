@@ -84,8 +84,9 @@ class LlamaFrontend(Frontend):
     # Frontend hooks ---------------------------------------------------------------------
 
     def error(self, status: int, message: str, kind: str = "invalid_request_error") -> Response:
-        return JSONResponse({"error": {"code": status, "message": message, "type": kind}},
-                            status_code=status)  # fmt: skip
+        return JSONResponse(
+            {"error": {"code": status, "message": message, "type": kind}}, status_code=status
+        )
 
     def request_ids(
         self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
@@ -129,8 +130,10 @@ class LlamaFrontend(Frontend):
         self.regions.publish()
         self.ready = True
         self.say("main: model loaded")
-        self.say(f"main: server is listening on http://{self.args.host}:{self.args.port} - "
-                 "starting the main loop")  # fmt: skip
+        self.say(
+            f"main: server is listening on http://{self.args.host}:{self.args.port} - "
+            "starting the main loop"
+        )
         self.say("srv  update_slots: all slots are idle")
         self._arm_idle()
         if self.behaviour.faults.die_after_seconds is not None:
@@ -140,8 +143,10 @@ class LlamaFrontend(Frontend):
         try:
             device = find_device(os.environ)
         except NoDevice:
-            self.process.die("ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device "
-                             "is detected\nmain: exiting due to model loading error")  # fmt: skip
+            self.process.die(
+                "ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device "
+                "is detected\nmain: exiting due to model loading error"
+            )
         kv = self.args.ctx_size * KV_PER_TOKEN + self.args.parallel * COMPUTE_PER_SLOT
         sizes = {"weights": self.model_size, "kv_cache": kv}
         keeps = self.behaviour.faults.sleep_keeps_memory
@@ -205,12 +210,17 @@ class LlamaFrontend(Frontend):
 
     async def props(self, request: Request) -> Response:
         n_ctx = self.args.ctx_size // self.args.parallel
-        return JSONResponse({
-            "default_generation_settings": {"n_ctx": n_ctx, "params": {"n_predict": -1}},
-            "total_slots": self.args.parallel, "model_path": self.args.model,
-            "chat_template": "{{ messages }}", "modalities": {"vision": False, "audio": False},
-            "build_info": self.fingerprint, "is_sleeping": self.sleeping,
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "default_generation_settings": {"n_ctx": n_ctx, "params": {"n_predict": -1}},
+                "total_slots": self.args.parallel,
+                "model_path": self.args.model,
+                "chat_template": "{{ messages }}",
+                "modalities": {"vision": False, "audio": False},
+                "build_info": self.fingerprint,
+                "is_sleeping": self.sleeping,
+            }
+        )
 
     async def slots(self, request: Request) -> Response:
         if not self.args.slots:
@@ -219,28 +229,45 @@ class LlamaFrontend(Frontend):
         if request.query_params.get("fail_on_no_slot") == "1" and len(running) >= self.engine.slots:
             return self.error(503, "no slot available", "unavailable_error")
         n_ctx = self.args.ctx_size // self.args.parallel
-        return JSONResponse([
-            {"id": i, "id_task": running[i].key if i < len(running) else -1, "n_ctx": n_ctx,
-             "speculative": False, "is_processing": i < len(running), "params": {},
-             "next_token": {"has_next_token": i < len(running), "n_decoded":
-                            running[i].completion_tokens if i < len(running) else 0}}
-            for i in range(self.engine.slots)
-        ])  # fmt: skip
+        return JSONResponse(
+            [
+                {
+                    "id": i,
+                    "id_task": running[i].key if i < len(running) else -1,
+                    "n_ctx": n_ctx,
+                    "speculative": False,
+                    "is_processing": i < len(running),
+                    "params": {},
+                    "next_token": {
+                        "has_next_token": i < len(running),
+                        "n_decoded": running[i].completion_tokens if i < len(running) else 0,
+                    },
+                }
+                for i in range(self.engine.slots)
+            ]
+        )
 
     async def metrics(self, request: Request) -> Response:
         if not self.args.metrics:
             return _not_supported("metrics endpoint", "--metrics")
         stats, engine, out = self.engine.stats, self.engine, Exposition()
-        counters = {"prompt_tokens_total": stats.prompt_tokens, "prompt_seconds_total": 0.0,
-                    "tokens_predicted_total": stats.generation_tokens,
-                    "tokens_predicted_seconds_total": stats.e2e.total,
-                    "n_decode_total": stats.generation_tokens}  # fmt: skip
+        counters = {
+            "prompt_tokens_total": stats.prompt_tokens,
+            "prompt_seconds_total": 0.0,
+            "tokens_predicted_total": stats.generation_tokens,
+            "tokens_predicted_seconds_total": stats.e2e.total,
+            "n_decode_total": stats.generation_tokens,
+        }
         for name, value in counters.items():
             out.counter(f"llamacpp:{name}", name.replace("_", " ") + ".", [({}, value)], "")
-        gauges = {"prompt_tokens_seconds": 0.0, "predicted_tokens_seconds":
-                  self.behaviour.tokens_per_second, "requests_processing": len(engine.running),
-                  "requests_deferred": len(engine.waiting), "n_tokens_max": self.args.ctx_size,
-                  "n_busy_slots_per_decode": float(len(engine.running))}  # fmt: skip
+        gauges = {
+            "prompt_tokens_seconds": 0.0,
+            "predicted_tokens_seconds": self.behaviour.tokens_per_second,
+            "requests_processing": len(engine.running),
+            "requests_deferred": len(engine.waiting),
+            "n_tokens_max": self.args.ctx_size,
+            "n_busy_slots_per_decode": float(len(engine.running)),
+        }
         for name, value in gauges.items():
             out.gauge(f"llamacpp:{name}", name.replace("_", " ") + ".", [({}, value)])
         return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
@@ -248,10 +275,21 @@ class LlamaFrontend(Frontend):
     async def models(self, request: Request) -> Response:
         meta = None
         if self.ready:
-            meta = {"vocab_type": 2, "n_vocab": 151936, "n_ctx_train": 40960, "n_embd": 4096,
-                    "n_params": self.model_size * 2, "size": self.model_size}  # fmt: skip
-        card = {"id": self.args.alias or self.args.model, "object": "model",
-                "created": self.started, "owned_by": "llamacpp", "meta": meta}  # fmt: skip
+            meta = {
+                "vocab_type": 2,
+                "n_vocab": 151936,
+                "n_ctx_train": 40960,
+                "n_embd": 4096,
+                "n_params": self.model_size * 2,
+                "size": self.model_size,
+            }
+        card = {
+            "id": self.args.alias or self.args.model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "llamacpp",
+            "meta": meta,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def webui(self, request: Request) -> Response:
@@ -293,12 +331,15 @@ def build_app(front: LlamaFrontend) -> FastAPI:
         add(path, front.embeddings, methods=["POST"])
     add("/", front.webui, methods=["GET"])
     if front.args.api_keys:
-        body = {"error": {"code": 401, "message": "Invalid API Key",
-                          "type": "authentication_error"}}  # fmt: skip
+        body = {
+            "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}
+        }
         app.add_middleware(
-            BearerAuth, keys=front.args.api_keys, also_x_api_key=True,
+            BearerAuth,
+            keys=front.args.api_keys,
+            also_x_api_key=True,
             guarded=lambda path: path not in PUBLIC_PATHS,
             refusal=lambda: JSONResponse(body, status_code=401),
-        )  # fmt: skip
+        )
     app.add_middleware(LoadingGate, front=front)
     return app

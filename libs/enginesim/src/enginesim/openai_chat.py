@@ -202,8 +202,13 @@ class Answer:
         return message
 
     def chat_body(self) -> JsonDict:
-        choice = {"index": 0, "message": self.message(), "logprobs": None,
-                  "finish_reason": self.work.finish, **self.dialect.choice_extras}  # fmt: skip
+        choice = {
+            "index": 0,
+            "message": self.message(),
+            "logprobs": None,
+            "finish_reason": self.work.finish,
+            **self.dialect.choice_extras,
+        }
         body = self._envelope("chat.completion", [choice])
         body["usage"] = self.usage()
         if self.dialect.timings:
@@ -212,15 +217,25 @@ class Answer:
 
     def text_body(self) -> JsonDict:
         text = "".join(t.text for t in self.work.produced)
-        choice = {"index": 0, "text": text, "logprobs": None,
-                  "finish_reason": self.work.finish, **self.dialect.choice_extras}  # fmt: skip
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": self.work.finish,
+            **self.dialect.choice_extras,
+        }
         body = self._envelope("text_completion", [choice])
         body["usage"] = self.usage()
         return body
 
     def _envelope(self, kind: str, choices: list[JsonDict]) -> JsonDict:
-        body: JsonDict = {"id": self.response_id, "object": kind, "created": self.created,
-                          "model": self.model, "choices": choices}  # fmt: skip
+        body: JsonDict = {
+            "id": self.response_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.dialect.system_fingerprint is not None:
             body["system_fingerprint"] = self.dialect.system_fingerprint
         return body
@@ -243,8 +258,12 @@ class Answer:
         if token.kind == "content":
             return {"content": token.text}
         if token.kind == "tool_name":
-            call = {"index": 0, "id": self.tool_call_id, "type": "function",
-                    "function": {"name": token.text}}  # fmt: skip
+            call = {
+                "index": 0,
+                "id": self.tool_call_id,
+                "type": "function",
+                "function": {"name": token.text},
+            }
             return {"tool_calls": [call]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": token.text}}]}
 
@@ -277,8 +296,9 @@ class Answer:
     async def text_events(self) -> AsyncIterator[str]:
         kind = "text_completion"
         async for token in self.work.tokens():
-            yield self._event(kind, [{"index": 0, "text": token.text, "logprobs": None,
-                                      "finish_reason": None}])  # fmt: skip
+            yield self._event(
+                kind, [{"index": 0, "text": token.text, "logprobs": None, "finish_reason": None}]
+            )
         last = {
             "index": 0,
             "text": "",
@@ -291,8 +311,12 @@ class Answer:
             yield tail
 
     def _error_event(self) -> str:
-        error = {"message": self.work.error or "internal error", "type": "InternalServerError",
-                 "param": None, "code": 500}  # fmt: skip
+        error = {
+            "message": self.work.error or "internal error",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
         return f"data: {json.dumps({'error': error})}\n\n"
 
     async def _tail(self, kind: str) -> AsyncIterator[str]:

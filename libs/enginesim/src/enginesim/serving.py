@@ -116,8 +116,9 @@ class Frontend:
         tokens, finish = plan(self.engine.answer(), reasoning, self._tool(body), body.limit)
         rid, response_id = self.request_ids(request, body, "chatcmpl-")
         work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
-        answer = Answer(work, response_id, self.model_name(body), self.dialect,
-                        self._include_usage(body))  # fmt: skip
+        answer = Answer(
+            work, response_id, self.model_name(body), self.dialect, self._include_usage(body)
+        )
         self.submit(work)
         return await self._respond(
             request, work, bool(body.stream), answer.chat_events, answer.chat_body
@@ -133,8 +134,9 @@ class Frontend:
         tokens, finish = plan(self.engine.answer(), "", None, body.max_tokens)
         rid, response_id = self.request_ids(request, body, "cmpl-")
         work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
-        answer = Answer(work, response_id, self.model_name(body), self.dialect,
-                        self._include_usage(body))  # fmt: skip
+        answer = Answer(
+            work, response_id, self.model_name(body), self.dialect, self._include_usage(body)
+        )
         self.submit(work)
         return await self._respond(
             request, work, bool(body.stream), answer.text_events, answer.text_body
@@ -149,13 +151,19 @@ class Frontend:
         if refusal is not None:
             return refusal
         inputs = [body.input] if isinstance(body.input, str) else list(body.input)
-        data = [{"object": "embedding", "index": i, "embedding": embedding_of(str(text))}
-                for i, text in enumerate(inputs)]  # fmt: skip
+        data = [
+            {"object": "embedding", "index": i, "embedding": embedding_of(str(text))}
+            for i, text in enumerate(inputs)
+        ]
         tokens = sum(count_prompt_tokens(str(text)) for text in inputs)
-        return JSONResponse({
-            "object": "list", "data": data, "model": self.model_name(body),
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.model_name(body),
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
 
     # Plumbing ---------------------------------------------------------------------------
 

@@ -48,23 +48,62 @@ log = logging.getLogger("sglang.srt.entrypoints.http_server")
 MIB = 1 << 20
 SHM_DIR = Path("/dev/shm")  # noqa: S108 - SGLang names its segment there
 REASONING_PARSERS = (
-    "deepseek-r1", "deepseek-v3", "glm45", "gpt-oss", "kimi", "kimi_k2", "qwen3",
-    "qwen3-thinking", "step3", "minimax", "minimax-append-think", "mistral", "interns1",
+    "deepseek-r1",
+    "deepseek-v3",
+    "glm45",
+    "gpt-oss",
+    "kimi",
+    "kimi_k2",
+    "qwen3",
+    "qwen3-thinking",
+    "step3",
+    "minimax",
+    "minimax-append-think",
+    "mistral",
+    "interns1",
     "nano_v3",
-)  # fmt: skip
+)
 IGNORED_VALUES = (
-    "--dtype", "--quantization", "--tokenizer-path", "--revision", "--log-level",
-    "--log-level-http", "--config", "--warmups", "--detokenizer-worker-num", "--dp|--dp-size",
-    "--attention-backend", "--random-seed", "--kv-cache-dtype", "--chat-template",
-    "--max-total-tokens", "--max-prefill-tokens", "--chunked-prefill-size", "--schedule-policy",
-    "--load-format", "--download-dir", "--device", "--cuda-graph-max-bs", "--dist-init-addr",
-    "--nnodes", "--node-rank", "--ssl-keyfile", "--ssl-certfile", "--lora-paths",
-)  # fmt: skip
+    "--dtype",
+    "--quantization",
+    "--tokenizer-path",
+    "--revision",
+    "--log-level",
+    "--log-level-http",
+    "--config",
+    "--warmups",
+    "--detokenizer-worker-num",
+    "--dp|--dp-size",
+    "--attention-backend",
+    "--random-seed",
+    "--kv-cache-dtype",
+    "--chat-template",
+    "--max-total-tokens",
+    "--max-prefill-tokens",
+    "--chunked-prefill-size",
+    "--schedule-policy",
+    "--load-format",
+    "--download-dir",
+    "--device",
+    "--cuda-graph-max-bs",
+    "--dist-init-addr",
+    "--nnodes",
+    "--node-rank",
+    "--ssl-keyfile",
+    "--ssl-certfile",
+    "--lora-paths",
+)
 IGNORED_SWITCHES = (
-    "--trust-remote-code", "--enable-cache-report", "--disable-cuda-graph", "--enable-lmcache",
-    "--enable-torch-compile", "--disable-overlap-schedule", "--enable-mixed-chunk",
-    "--enable-p2p-check", "--enable-deterministic-inference",
-)  # fmt: skip
+    "--trust-remote-code",
+    "--enable-cache-report",
+    "--disable-cuda-graph",
+    "--enable-lmcache",
+    "--enable-torch-compile",
+    "--disable-overlap-schedule",
+    "--enable-mixed-chunk",
+    "--enable-p2p-check",
+    "--enable-deterministic-inference",
+)
 
 
 @dataclass(frozen=True)
@@ -106,9 +145,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     add("--reasoning-parser", choices=REASONING_PARSERS)
     add("--tokenizer-worker-num", type=int, default=1)
     add("--tp", "--tp-size", dest="tp_size", type=int, default=1)
-    for switch in ("--enable-memory-saver", "--enable-weights-cpu-backup", "--enable-metrics",
-                   "--disable-radix-cache", "--skip-server-warmup", "--log-requests",
-                   *IGNORED_SWITCHES):  # fmt: skip
+    for switch in (
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        "--enable-metrics",
+        "--disable-radix-cache",
+        "--skip-server-warmup",
+        "--log-requests",
+        *IGNORED_SWITCHES,
+    ):
         add(switch, action="store_true")
     for flag in IGNORED_VALUES:
         add(*flag.split("|"))
@@ -118,16 +163,26 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def parse(argv: Sequence[str], prog: str) -> SglangArgs:
     ns = build_parser(prog).parse_args(argv)
     return SglangArgs(
-        model_path=ns.model_path, host=ns.host, port=ns.port, api_key=ns.api_key,
-        admin_api_key=ns.admin_api_key, served_model_name=ns.served_model_name or ns.model_path,
-        context_length=ns.context_length or 4096, mem_fraction_static=ns.mem_fraction_static,
-        max_running_requests=ns.max_running_requests, enable_memory_saver=ns.enable_memory_saver,
-        enable_weights_cpu_backup=ns.enable_weights_cpu_backup, enable_metrics=ns.enable_metrics,
-        tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-        tokenizer_worker_num=ns.tokenizer_worker_num, disable_radix_cache=ns.disable_radix_cache,
-        skip_server_warmup=ns.skip_server_warmup, log_requests=ns.log_requests,
+        model_path=ns.model_path,
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        admin_api_key=ns.admin_api_key,
+        served_model_name=ns.served_model_name or ns.model_path,
+        context_length=ns.context_length or 4096,
+        mem_fraction_static=ns.mem_fraction_static,
+        max_running_requests=ns.max_running_requests,
+        enable_memory_saver=ns.enable_memory_saver,
+        enable_weights_cpu_backup=ns.enable_weights_cpu_backup,
+        enable_metrics=ns.enable_metrics,
+        tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
+        tokenizer_worker_num=ns.tokenizer_worker_num,
+        disable_radix_cache=ns.disable_radix_cache,
+        skip_server_warmup=ns.skip_server_warmup,
+        log_requests=ns.log_requests,
         tp_size=ns.tp_size,
-    )  # fmt: skip
+    )
 
 
 def cli_main(argv: Sequence[str], version: str, behaviour: Behaviour) -> int:
@@ -191,13 +246,15 @@ def _prometheus_dir(process: Process) -> None:
 
 
 # What Python 3.12 prints as such a server exits with its children gone.
-RESOURCE_TRACKER_NOISE = "\n".join((
-    "Exception ignored in: <function ResourceTracker.__del__ at 0x7f3a2c1b2a20>",
-    "Traceback (most recent call last):",
-    '  File "/usr/lib/python3.12/multiprocessing/resource_tracker.py", line 82, in __del__',
-    '  File "/usr/lib/python3.12/multiprocessing/resource_tracker.py", line 91, in _stop',
-    "ChildProcessError: [Errno 10] No child processes",
-))  # fmt: skip
+RESOURCE_TRACKER_NOISE = "\n".join(
+    (
+        "Exception ignored in: <function ResourceTracker.__del__ at 0x7f3a2c1b2a20>",
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.12/multiprocessing/resource_tracker.py", line 82, in __del__',
+        '  File "/usr/lib/python3.12/multiprocessing/resource_tracker.py", line 91, in _stop',
+        "ChildProcessError: [Errno 10] No child processes",
+    )
+)
 
 
 async def _scheduler_dies(process: Process, dies: SchedulerDies) -> int:

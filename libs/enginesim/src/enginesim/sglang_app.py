@@ -50,10 +50,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("sglang.srt.entrypoints.http_server")
 ALL_TAGS = ("kv_cache", "weights", "cuda_graph")
 ADMIN_PATHS = (
-    "/update_weights", "/init_weights_update_group", "/release_memory_occupation",
-    "/resume_memory_occupation", "/abort_request", "/flush_cache", "/set_internal_state",
-    "/pause_generation", "/continue_generation", "/start_profile", "/stop_profile",
-)  # fmt: skip
+    "/update_weights",
+    "/init_weights_update_group",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/abort_request",
+    "/flush_cache",
+    "/set_internal_state",
+    "/pause_generation",
+    "/continue_generation",
+    "/start_profile",
+    "/stop_profile",
+)
 BUSY_RELEASE = (
     "AssertionError: release_memory_occupation should be called only when no ongoing request."
 )
@@ -86,8 +94,7 @@ class SglangFrontend(Frontend):
     # Frontend hooks ---------------------------------------------------------------------
 
     def error(self, status: int, message: str, kind: str = "BadRequest") -> Response:
-        body = {"object": "error", "message": message, "type": kind, "param": None,
-                "code": status}  # fmt: skip
+        body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
         return JSONResponse(body, status_code=status)
 
     def precheck(self, request: Request) -> Response | None:
@@ -139,8 +146,9 @@ class SglangFrontend(Frontend):
     async def admit(self) -> Response | None:
         released = self.regions.off_device()
         if released and self.behaviour.faults.generate_while_released == "error":
-            return self.error(500, f"memory is released ({', '.join(released)})",
-                              "InternalServerError")  # fmt: skip
+            return self.error(
+                500, f"memory is released ({', '.join(released)})", "InternalServerError"
+            )
         return None
 
     # Life -------------------------------------------------------------------------------
@@ -153,8 +161,10 @@ class SglangFrontend(Frontend):
             log.info("The server is fired up and ready to roll!")
 
     def fatal(self, reason: str) -> None:
-        self.process.die(f"Scheduler hit an exception: {reason}\nReceived sigquit from a child "
-                         "process. It usually means the child failed.")  # fmt: skip
+        self.process.die(
+            f"Scheduler hit an exception: {reason}\nReceived sigquit from a child "
+            "process. It usually means the child failed."
+        )
 
     async def shutdown(self) -> None:
         self.status = "Shutdown"
@@ -194,13 +204,19 @@ class SglangFrontend(Frontend):
     async def model_info(self, request: Request) -> Response:
         if request.url.path.startswith("/get_"):
             log.warning("Endpoint %s is deprecated; use /model_info", request.url.path)
-        return JSONResponse({
-            "model_path": self.args.model_path, "tokenizer_path": self.args.model_path,
-            "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": "default", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "model_path": self.args.model_path,
+                "tokenizer_path": self.args.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+            }
+        )
 
     async def server_info(self, request: Request) -> Response:
         if request.url.path.startswith("/get_"):
@@ -211,28 +227,45 @@ class SglangFrontend(Frontend):
                 name: round(size / (1 << 30), 2) for name, size in self.regions.sizes.items()
             },
         }
-        return JSONResponse({**asdict(self.args), "version": self.version,
-                             "internal_states": [state]})  # fmt: skip
+        return JSONResponse(
+            {**asdict(self.args), "version": self.version, "internal_states": [state]}
+        )
 
     async def load(self, request: Request) -> Response:
         if request.url.path == "/v1/loads" and version_tuple(self.version) >= (0, 5, 20):
             return JSONResponse(self._loads())
-        load = {"dp_rank": 0, "num_reqs": len(self.engine.running),
-                "num_waiting_reqs": len(self.engine.waiting), "num_tokens": 0}  # fmt: skip
+        load = {
+            "dp_rank": 0,
+            "num_reqs": len(self.engine.running),
+            "num_waiting_reqs": len(self.engine.waiting),
+            "num_tokens": 0,
+        }
         return JSONResponse([load])
 
     def _loads(self) -> dict[str, Any]:
         engine = self.engine
         used = sum(w.prompt_tokens + w.completion_tokens for w in engine.running.values())
         load = {
-            "dp_rank": 0, "num_running_reqs": len(engine.running),
-            "num_waiting_reqs": len(engine.waiting), "num_waiting_uncached_tokens": 0,
-            "num_used_tokens": used, "num_total_tokens": used, "max_total_num_tokens": 0,
-            "max_running_requests": self.args.max_running_requests, "token_usage": 0.0,
-            "gen_throughput": 0.0, "cache_hit_rate": 0.0, "utilization": 0.0,
-        }  # fmt: skip
-        return {"timestamp": datetime.now(UTC).isoformat(), "version": self.version,
-                "accelerator": None, "num_accelerators": 1, "loads": [load]}  # fmt: skip
+            "dp_rank": 0,
+            "num_running_reqs": len(engine.running),
+            "num_waiting_reqs": len(engine.waiting),
+            "num_waiting_uncached_tokens": 0,
+            "num_used_tokens": used,
+            "num_total_tokens": used,
+            "max_total_num_tokens": 0,
+            "max_running_requests": self.args.max_running_requests,
+            "token_usage": 0.0,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+            "utilization": 0.0,
+        }
+        return {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": self.version,
+            "accelerator": None,
+            "num_accelerators": 1,
+            "loads": [load],
+        }
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
@@ -240,35 +273,56 @@ class SglangFrontend(Frontend):
     async def model(self, request: Request) -> Response:
         wanted = request.path_params["model_id"]
         if wanted != self.args.served_model_name:
-            inner = {"message": f"The model '{wanted}' does not exist", "param": "model",
-                     "type": "invalid_request_error", "code": "model_not_found"}  # fmt: skip
+            inner = {
+                "message": f"The model '{wanted}' does not exist",
+                "param": "model",
+                "type": "invalid_request_error",
+                "code": "model_not_found",
+            }
             return JSONResponse({"error": inner}, status_code=404)
         return JSONResponse(self._card())
 
     def _card(self) -> dict[str, Any]:
         name = self.args.served_model_name
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "sglang",
-                "root": name, "max_model_len": self.args.context_length}  # fmt: skip
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "sglang",
+            "root": name,
+            "max_model_len": self.args.context_length,
+        }
 
     async def metrics(self, request: Request) -> Response:
         labels = {"model_name": self.args.served_model_name}
         engine, stats = self.engine, self.engine.stats
         out = Exposition()
-        gauges = {"num_running_reqs": len(engine.running), "num_queue_reqs": len(engine.waiting),
-                  "num_used_tokens": sum(w.prompt_tokens + w.completion_tokens
-                                         for w in engine.running.values()),
-                  "token_usage": 0.0, "gen_throughput": 0.0, "cache_hit_rate": 0.0}  # fmt: skip
+        gauges = {
+            "num_running_reqs": len(engine.running),
+            "num_queue_reqs": len(engine.waiting),
+            "num_used_tokens": sum(
+                w.prompt_tokens + w.completion_tokens for w in engine.running.values()
+            ),
+            "token_usage": 0.0,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+        }
         for name, value in gauges.items():
             out.gauge(f"sglang:{name}", name.replace("_", " ") + ".", [(labels, value)])
-        counters = {"prompt_tokens": stats.prompt_tokens,
-                    "generation_tokens": stats.generation_tokens, "num_requests": stats.requests,
-                    "num_aborted_requests": self.aborts_counted}  # fmt: skip
+        counters = {
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generation_tokens,
+            "num_requests": stats.requests,
+            "num_aborted_requests": self.aborts_counted,
+        }
         for name, value in counters.items():
             out.counter(f"sglang:{name}", name.replace("_", " ") + ".", [(labels, value)])
-        out.histogram("sglang:time_to_first_token_seconds", "Time to first token.", labels,
-                      stats.ttft)  # fmt: skip
-        out.histogram("sglang:e2e_request_latency_seconds", "End-to-end latency.", labels,
-                      stats.e2e)  # fmt: skip
+        out.histogram(
+            "sglang:time_to_first_token_seconds", "Time to first token.", labels, stats.ttft
+        )
+        out.histogram(
+            "sglang:e2e_request_latency_seconds", "End-to-end latency.", labels, stats.e2e
+        )
         return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
 
     # Control ----------------------------------------------------------------------------
@@ -280,9 +334,11 @@ class SglangFrontend(Frontend):
                 "there are running or waiting requests, the operation will not be performed.)\n"
             )
             return PlainTextResponse(text, status_code=400)
-        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
-                                 "(When there are running or waiting requests, the operation "
-                                 "will not be performed.)\n")  # fmt: skip
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation "
+            "will not be performed.)\n"
+        )
 
     async def abort_request(self, request: Request) -> Response:
         data = await _json(request)
@@ -313,8 +369,7 @@ class SglangFrontend(Frontend):
             return JSONResponse(None)
         awake = [tag for tag in tags if self.regions.place.get(tag) == "gpu"]
         if awake:
-            return JSONResponse({"error": {"message": f"KeyError: '{awake[0]}'"}},
-                                status_code=500)  # fmt: skip
+            return JSONResponse({"error": {"message": f"KeyError: '{awake[0]}'"}}, status_code=500)
         await asyncio.sleep(self.behaviour.wake_seconds)
         if "weights" in tags and self.regions.is_gone("weights"):
             self.engine.weights_stale = True  # until /update_weights_from_disk
@@ -327,8 +382,13 @@ class SglangFrontend(Frontend):
     async def update_weights(self, request: Request) -> Response:
         await asyncio.sleep(self.behaviour.wake_seconds)
         self.engine.weights_stale = False
-        return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
-                             "num_paused_requests": 0})  # fmt: skip
+        return JSONResponse(
+            {
+                "success": True,
+                "message": "Succeeded to update model weights.",
+                "num_paused_requests": 0,
+            }
+        )
 
     async def pause_generation(self, request: Request) -> Response:
         mode = (await _json(request)).get("mode", "abort")
@@ -401,5 +461,9 @@ def _add_auth(app: FastAPI, args: SglangArgs) -> None:
         app.add_middleware(BearerAuth, keys=[args.admin_api_key], guarded=admin, refusal=refusal)
     if args.api_key:
         skip = admin if args.admin_api_key else (lambda path: False)
-        app.add_middleware(BearerAuth, keys=[args.api_key], refusal=refusal,
-                           guarded=lambda path: not public(path) and not skip(path))  # fmt: skip
+        app.add_middleware(
+            BearerAuth,
+            keys=[args.api_key],
+            refusal=refusal,
+            guarded=lambda path: not public(path) and not skip(path),
+        )

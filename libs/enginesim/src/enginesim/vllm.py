@@ -31,27 +31,67 @@ log = logging.getLogger("vllm.entrypoints.openai.api_server")
 LOG_FORMAT = "%(levelname)s %(asctime)s [api_server.py] %(message)s"
 REASONING_PARSERS = frozenset(
     {
-        "deepseek_r1", "deepseek_v3", "qwen3", "glm45", "openai_gptoss", "kimi_k2",
-        "minimax_m2", "minimax_m2_append_think", "granite", "hunyuan_a13b", "mistral",
-        "step3", "seed_oss", "ernie45", "olmo3", "gptoss", "holo2",
+        "deepseek_r1",
+        "deepseek_v3",
+        "qwen3",
+        "glm45",
+        "openai_gptoss",
+        "kimi_k2",
+        "minimax_m2",
+        "minimax_m2_append_think",
+        "granite",
+        "hunyuan_a13b",
+        "mistral",
+        "step3",
+        "seed_oss",
+        "ernie45",
+        "olmo3",
+        "gptoss",
+        "holo2",
     }
-)  # fmt: skip
+)
 # Accepted and ignored: flags that change nothing the simulator shows ("|" joins aliases).
 IGNORED_VALUES = (
-    "--dtype", "--tensor-parallel-size|-tp", "--pipeline-parallel-size|-pp",
-    "--data-parallel-size|-dp", "--uvicorn-log-level", "--root-path", "--allowed-origins",
-    "--kv-transfer-config", "--quantization|-q", "--tokenizer", "--revision",
-    "--download-dir", "--load-format", "--chat-template", "--generation-config", "--seed",
-    "--max-num-batched-tokens", "--show-hidden-metrics-for-version", "--api-server-count|-asc",
-    "--config", "--tool-parser-plugin", "--swap-space", "--block-size",
-    "--compilation-config", "--limit-mm-per-prompt", "--hf-overrides",
+    "--dtype",
+    "--tensor-parallel-size|-tp",
+    "--pipeline-parallel-size|-pp",
+    "--data-parallel-size|-dp",
+    "--uvicorn-log-level",
+    "--root-path",
+    "--allowed-origins",
+    "--kv-transfer-config",
+    "--quantization|-q",
+    "--tokenizer",
+    "--revision",
+    "--download-dir",
+    "--load-format",
+    "--chat-template",
+    "--generation-config",
+    "--seed",
+    "--max-num-batched-tokens",
+    "--show-hidden-metrics-for-version",
+    "--api-server-count|-asc",
+    "--config",
+    "--tool-parser-plugin",
+    "--swap-space",
+    "--block-size",
+    "--compilation-config",
+    "--limit-mm-per-prompt",
+    "--hf-overrides",
     "--override-generation-config",
-)  # fmt: skip
+)
 IGNORED_SWITCHES = (
-    "--trust-remote-code", "--enforce-eager", "--enable-log-requests", "--disable-log-requests",
-    "--disable-log-stats", "--enable-prompt-tokens-details", "--disable-fastapi-docs",
-    "--headless", "--enable-chunked-prefill", "--disable-custom-all-reduce",
-)  # fmt: skip
+    "--trust-remote-code",
+    "--enforce-eager",
+    "--enable-log-requests",
+    "--disable-log-requests",
+    "--disable-log-stats",
+    "--enable-prompt-tokens-details",
+    "--disable-fastapi-docs",
+    "--headless",
+    "--enable-chunked-prefill",
+    "--disable-custom-all-reduce",
+)
 
 
 @dataclass(frozen=True)
@@ -104,10 +144,15 @@ def build_parser(prog: str, positional_model: bool) -> argparse.ArgumentParser:
     add("--middleware", action="append", default=[])
     add("--shutdown-timeout", type=float, default=0.0)
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
-    for switch in ("--enable-sleep-mode", "--enable-auto-tool-choice",
-                   "--enable-request-id-headers", "--disable-uvicorn-access-log",
-                   "--enable-force-include-usage", "--enable-server-load-tracking",
-                   *IGNORED_SWITCHES):  # fmt: skip
+    for switch in (
+        "--enable-sleep-mode",
+        "--enable-auto-tool-choice",
+        "--enable-request-id-headers",
+        "--disable-uvicorn-access-log",
+        "--enable-force-include-usage",
+        "--enable-server-load-tracking",
+        *IGNORED_SWITCHES,
+    ):
         add(switch, action="store_true")
     for flag in IGNORED_VALUES:
         add(*flag.split("|"))
@@ -119,18 +164,26 @@ def parse(argv: Sequence[str], prog: str, positional_model: bool) -> VllmArgs:
     model: str = getattr(ns, "model_tag", None) or ns.model
     keys = ns.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     return VllmArgs(
-        model=model, host=ns.host, port=ns.port, served_names=ns.served_model_name or [model],
-        api_keys=keys, gpu_memory_utilization=ns.gpu_memory_utilization,
-        max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        enable_sleep_mode=ns.enable_sleep_mode, kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+        model=model,
+        host=ns.host,
+        port=ns.port,
+        served_names=ns.served_model_name or [model],
+        api_keys=keys,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        enable_sleep_mode=ns.enable_sleep_mode,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,
         enable_request_id_headers=ns.enable_request_id_headers,
-        disable_uvicorn_access_log=ns.disable_uvicorn_access_log, middleware=ns.middleware,
+        disable_uvicorn_access_log=ns.disable_uvicorn_access_log,
+        middleware=ns.middleware,
         shutdown_timeout=ns.shutdown_timeout,
         enable_force_include_usage=ns.enable_force_include_usage,
         enable_server_load_tracking=ns.enable_server_load_tracking,
-    )  # fmt: skip
+    )
 
 
 def cli_main(argv: Sequence[str], version: str, behaviour: Behaviour) -> int:
@@ -172,9 +225,12 @@ def _check(process: Process, args: VllmArgs) -> bool:
 
 
 def plan_memory(
-    process: Process, args: VllmArgs, device: SimDevice | None, child: ChildHolder,
+    process: Process,
+    args: VllmArgs,
+    device: SimDevice | None,
+    child: ChildHolder,
     behaviour: Behaviour,
-) -> Regions:  # fmt: skip
+) -> Regions:
     weights = weight_bytes(Path(args.model))
     keeps = behaviour.faults.sleep_keeps_memory
     if device is None:
@@ -219,8 +275,9 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
         device = find_device(os.environ)
     except NoDevice as exc:
         process.die(f"RuntimeError: No CUDA GPUs are available ({exc})")
-    child = ChildHolder(device, behaviour.memory_lag_seconds,
-                        behaviour.faults.leave_child_on_sigkill)  # fmt: skip
+    child = ChildHolder(
+        device, behaviour.memory_lag_seconds, behaviour.faults.leave_child_on_sigkill
+    )
     process.at_exit(child.close)
     regions = plan_memory(process, args, device, child, behaviour)
     extra = behaviour.startup_extra_bytes

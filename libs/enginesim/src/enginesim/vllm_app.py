@@ -119,25 +119,34 @@ class VllmFrontend(Frontend):
     def _context(self, body: ChatRequest | CompletionRequest) -> Response | None:
         prompt, most = count_prompt_tokens(body.prompt_text()), self.args.max_model_len
         if prompt >= most:
-            return self.error(400, f"This model's maximum context length is {most} tokens. "
-                              f"However, your request has {prompt} input tokens. Please reduce "
-                              "the length of the input messages.")  # fmt: skip
+            return self.error(
+                400,
+                f"This model's maximum context length is {most} tokens. "
+                f"However, your request has {prompt} input tokens. Please reduce "
+                "the length of the input messages.",
+            )
         wanted = body.limit if isinstance(body, ChatRequest) else body.max_tokens
         if wanted is not None and prompt + wanted > most:
-            return self.error(400, "'max_tokens' or 'max_completion_tokens' is too large: "
-                              f"{wanted}. This model's maximum context length is {most} tokens "
-                              f"and your request has {prompt} input tokens ({wanted} > {most} "
-                              f"- {prompt}).")  # fmt: skip
+            return self.error(
+                400,
+                "'max_tokens' or 'max_completion_tokens' is too large: "
+                f"{wanted}. This model's maximum context length is {most} tokens "
+                f"and your request has {prompt} input tokens ({wanted} > {most} "
+                f"- {prompt}).",
+            )
         return None
 
     def _logprobs(self, body: ChatRequest | CompletionRequest) -> Response | None:
         extra = body.model_extra or {}
-        wanted = extra.get("top_logprobs") if isinstance(body, ChatRequest) else extra.get(
-            "logprobs")  # fmt: skip
+        wanted = (
+            extra.get("top_logprobs") if isinstance(body, ChatRequest) else extra.get("logprobs")
+        )
         if not isinstance(wanted, int) or wanted <= MAX_LOGPROBS:
             return None
-        message = (f"Requested sample logprobs of {wanted}, which is greater than max "
-                   f"allowed: {MAX_LOGPROBS}")  # fmt: skip
+        message = (
+            f"Requested sample logprobs of {wanted}, which is greater than max "
+            f"allowed: {MAX_LOGPROBS}"
+        )
         return self.streamed_error(message) if body.stream else self.error(400, message)
 
     def request_ids(
@@ -162,9 +171,10 @@ class VllmFrontend(Frontend):
             self.fatal("CUDA error: an illegal memory access was encountered")
         if self.dead:
             return self.error(
-                500, "EngineCore encountered an issue. See stack trace for the root cause.",
+                500,
+                "EngineCore encountered an issue. See stack trace for the root cause.",
                 "InternalServerError",
-            )  # fmt: skip
+            )
         return None
 
     # Life and death ---------------------------------------------------------------------
@@ -216,21 +226,42 @@ class VllmFrontend(Frontend):
 
     def _card(self, name: str) -> dict[str, Any]:
         permission = {
-            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
-            "created": self.started, "allow_create_engine": False, "allow_sampling": True,
-            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-            "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
-        }  # fmt: skip
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "vllm",
-                "root": self.args.model, "parent": None,
-                "max_model_len": self.args.max_model_len, "permission": [permission]}  # fmt: skip
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": self.started,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "vllm",
+            "root": self.args.model,
+            "parent": None,
+            "max_model_len": self.args.max_model_len,
+            "permission": [permission],
+        }
 
     async def tokenize(self, request: Request) -> Response:
         data = await request.json()
         text = str(data.get("prompt", "")) if isinstance(data, dict) else ""
         count = max(1, len(text) // 4)
-        return JSONResponse({"count": count, "max_model_len": self.args.max_model_len,
-                             "tokens": list(range(count)), "token_strs": None})  # fmt: skip
+        return JSONResponse(
+            {
+                "count": count,
+                "max_model_len": self.args.max_model_len,
+                "tokens": list(range(count)),
+                "token_strs": None,
+            }
+        )
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(self.exposition(), media_type="text/plain; version=0.0.4")
@@ -239,40 +270,72 @@ class VllmFrontend(Frontend):
         labels = {"model_name": self.args.served_names[0], "engine": "0"}
         engine, stats = self.engine, self.engine.stats
         out = Exposition()
-        out.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                  [(labels, len(engine.running))])  # fmt: skip
-        out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                  [(labels, len(engine.waiting))])  # fmt: skip
+        out.gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            [(labels, len(engine.running))],
+        )
+        out.gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            [(labels, len(engine.waiting))],
+        )
         usage = min(1.0, len(engine.running) / max(1, self.args.max_num_seqs))
-        out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                  [(labels, usage)])  # fmt: skip
+        out.gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            [(labels, usage)],
+        )
         if self.v < (0, 12):
-            out.gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated).",
-                      [(labels, usage)])  # fmt: skip
+            out.gauge(
+                "vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated).", [(labels, usage)]
+            )
         if self.v >= (0, 11, 1):
-            states = {"awake": self.sleep_level is None, "weights_offloaded": self.sleep_level == 1,
-                      "discard_all": self.sleep_level == 2}  # fmt: skip
+            states = {
+                "awake": self.sleep_level is None,
+                "weights_offloaded": self.sleep_level == 1,
+                "discard_all": self.sleep_level == 2,
+            }
             samples = [({**labels, "sleep_state": k}, float(v)) for k, v in states.items()]
-            out.gauge("vllm:engine_sleep_state", "Engine sleep state; 1 marks the current one.",
-                      samples)  # fmt: skip
+            out.gauge(
+                "vllm:engine_sleep_state", "Engine sleep state; 1 marks the current one.", samples
+            )
         self._counters(out, labels)
-        out.histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.",
-                      labels, stats.ttft)  # fmt: skip
-        out.histogram("vllm:e2e_request_latency_seconds", "End to end request latency.",
-                      labels, stats.e2e)  # fmt: skip
-        out.histogram("vllm:request_queue_time_seconds", "Time spent in WAITING phase.",
-                      labels, stats.queue_time)  # fmt: skip
+        out.histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token in seconds.",
+            labels,
+            stats.ttft,
+        )
+        out.histogram(
+            "vllm:e2e_request_latency_seconds", "End to end request latency.", labels, stats.e2e
+        )
+        out.histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent in WAITING phase.",
+            labels,
+            stats.queue_time,
+        )
         return out.text()
 
     def _counters(self, out: Exposition, labels: dict[str, str]) -> None:
         stats = self.engine.stats
-        out.counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                    [(labels, stats.prompt_tokens)])  # fmt: skip
-        out.counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                    [(labels, stats.generation_tokens)])  # fmt: skip
-        finished = {"stop": stats.finished["stop"] + stats.finished["tool_calls"],
-                    "length": stats.finished["length"], "abort": stats.finished["abort"],
-                    "error": stats.finished["error"]}  # fmt: skip
+        out.counter(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            [(labels, stats.prompt_tokens)],
+        )
+        out.counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            [(labels, stats.generation_tokens)],
+        )
+        finished = {
+            "stop": stats.finished["stop"] + stats.finished["tool_calls"],
+            "length": stats.finished["length"],
+            "abort": stats.finished["abort"],
+            "error": stats.finished["error"],
+        }
         samples = [({**labels, "finished_reason": k}, float(v)) for k, v in finished.items()]
         out.counter("vllm:request_success", "Count of successfully processed requests.", samples)
         for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
@@ -283,8 +346,9 @@ class VllmFrontend(Frontend):
     def _no_sleep_mode(self) -> Response | None:
         if self.args.enable_sleep_mode:
             return None
-        return self.error(500, "Sleep mode is not enabled in the model config",
-                          "InternalServerError")  # fmt: skip
+        return self.error(
+            500, "Sleep mode is not enabled in the model config", "InternalServerError"
+        )
 
     async def _hold_all(self, mode: str) -> None:
         self.engine.set_admitting(False)
@@ -353,8 +417,11 @@ class VllmFrontend(Frontend):
             await asyncio.sleep(self.behaviour.wake_seconds)
             self.engine.weights_stale = False
             return JSONResponse({"results": [None]})
-        return self.error(500, f"AttributeError: 'Worker' object has no attribute '{method}'",
-                          "InternalServerError")  # fmt: skip
+        return self.error(
+            500,
+            f"AttributeError: 'Worker' object has no attribute '{method}'",
+            "InternalServerError",
+        )
 
     async def pause(self, request: Request) -> Response:
         mode = request.query_params.get("mode", "abort")

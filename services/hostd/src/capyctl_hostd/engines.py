@@ -148,8 +148,13 @@ async def wait_ready(engine: Engine, deadline_s: float) -> None:
             engine.remember()
             lost = engine.lost_child() if children_live else None
             if lost is not None:
-                raise LaunchFailed(_exited(engine, f"lost its child process {lost} (a scheduler "
-                                                   "or detokenizer) while starting"))  # fmt: skip
+                raise LaunchFailed(
+                    _exited(
+                        engine,
+                        f"lost its child process {lost} (a scheduler "
+                        "or detokenizer) while starting",
+                    )
+                )
             if await control.ready():
                 return
             if time.monotonic() - started > deadline_s:

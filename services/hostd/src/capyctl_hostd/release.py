@@ -54,9 +54,13 @@ def observe(
 
 
 async def watch(
-    client: aioredis.Redis, record: InstanceRecord, pgid: int, bound: int, verify_s: float,
+    client: aioredis.Redis,
+    record: InstanceRecord,
+    pgid: int,
+    bound: int,
+    verify_s: float,
     since: float,
-) -> Seen:  # fmt: skip
+) -> Seen:
     """Read memwatch's reading every `POLL_S` until one taken after `since` shows the live
     members of process group `pgid` holding at most `bound` bytes on the instance's GPU, or
     until `verify_s` passed; returns the last figures seen."""

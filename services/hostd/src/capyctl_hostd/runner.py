@@ -94,8 +94,12 @@ class Runner:
         log.warning(
             "refused %s of %s:%s: %s", command.kind, command.deployment, command.instance, why
         )
-        await self.store.refused(command.deployment, command.instance, command.generation,
-                                 f"{command.kind} refused: {why}")  # fmt: skip
+        await self.store.refused(
+            command.deployment,
+            command.instance,
+            command.generation,
+            f"{command.kind} refused: {why}",
+        )
 
     async def _current(
         self, command: hc.Park | hc.Wake | hc.Stop | hc.Abort
@@ -133,12 +137,22 @@ class Runner:
         port = self.ports.lease()
         log_path = self.paths.logs_dir / command.deployment / f"{launch_id}.log"
         record = InstanceRecord(
-            deployment=command.deployment, instance=command.instance, revision=command.revision,
-            generation=command.generation, state=S.STARTING, since=time.time(), host=self.host,
-            launch_id=launch_id, profile=command.profile, served_name=command.served_name,
-            model_path=command.model_path, residency=command.residency,
-            gpu_uuid=command.gpu_uuid, port=port, log_path=str(log_path),
-        )  # fmt: skip
+            deployment=command.deployment,
+            instance=command.instance,
+            revision=command.revision,
+            generation=command.generation,
+            state=S.STARTING,
+            since=time.time(),
+            host=self.host,
+            launch_id=launch_id,
+            profile=command.profile,
+            served_name=command.served_name,
+            model_path=command.model_path,
+            residency=command.residency,
+            gpu_uuid=command.gpu_uuid,
+            port=port,
+            log_path=str(log_path),
+        )
         try:
             record = await self.store.transition(
                 record,
@@ -153,12 +167,18 @@ class Runner:
         try:
             engine = await self._start_engine(command, record, log_path)
             record = await self.store.transition(
-                record.model_copy(update={"process": procs.identity(engine.pgid),
-                                          "fingerprint": engine.spec.profile.fingerprint,
-                                          "family": engine.spec.profile.family.value}),
-                allowed=[S.STARTING], generation=record.generation, reason="engine process started",
+                record.model_copy(
+                    update={
+                        "process": procs.identity(engine.pgid),
+                        "fingerprint": engine.spec.profile.fingerprint,
+                        "family": engine.spec.profile.family.value,
+                    }
+                ),
+                allowed=[S.STARTING],
+                generation=record.generation,
+                reason="engine process started",
                 previous=record,
-            )  # fmt: skip
+            )
             await engines.wait_ready(engine, command.start_deadline_s)
             _check_port_is_ours(record.port, engine.pgid)
             answer = await engines.canary(engine)
@@ -189,19 +209,32 @@ class Runner:
         runtime = self.paths.runtime_dir / record.launch_id
         install_runtime(runtime)
         spec = LaunchSpec(
-            profile=profile, model_path=Path(command.model_path), served_name=command.served_name,
-            port=record.port, api_key=secret, residency=Residency(command.residency),
-            runtime_dir=runtime, memory_fraction=command.memory_fraction,
-            kv_cache_bytes=command.kv_cache_bytes, context_length=command.context_length,
+            profile=profile,
+            model_path=Path(command.model_path),
+            served_name=command.served_name,
+            port=record.port,
+            api_key=secret,
+            residency=Residency(command.residency),
+            runtime_dir=runtime,
+            memory_fraction=command.memory_fraction,
+            kv_cache_bytes=command.kv_cache_bytes,
+            context_length=command.context_length,
             max_concurrent_requests=command.max_concurrent_requests,
-            tool_call_parser=command.tool_call_parser, reasoning_parser=command.reasoning_parser,
+            tool_call_parser=command.tool_call_parser,
+            reasoning_parser=command.reasoning_parser,
             extra_args=command.extra_args,
-        )  # fmt: skip
+        )
         plan = adapter_for(profile.family).plan(spec)
-        env = {**command.env, **engine_environment(
-            spec, plan, gpu_uuid=command.gpu_uuid, home=self.paths.home,
-            simgpu_dir=self.paths.simgpu_dir,
-        )}  # fmt: skip
+        env = {
+            **command.env,
+            **engine_environment(
+                spec,
+                plan,
+                gpu_uuid=command.gpu_uuid,
+                home=self.paths.home,
+                simgpu_dir=self.paths.simgpu_dir,
+            ),
+        }
         await self.client.set(
             keys.instance_secret(self.host, command.deployment, command.instance), secret
         )
@@ -235,8 +268,9 @@ class Runner:
         if command.release_bound_bytes is None:
             await self._to(record, S.PARKED, f"parked ({residency})")
         else:
-            await self._settle_park(record, engine.pgid, residency, command.release_bound_bytes,
-                                    command.verify_s)  # fmt: skip
+            await self._settle_park(
+                record, engine.pgid, residency, command.release_bound_bytes, command.verify_s
+            )
 
     async def _settle_park(
         self, record: InstanceRecord, pgid: int, residency: Residency, bound: int, verify_s: float

@@ -61,19 +61,25 @@ class Settler:
                 moved = await control.abort_counted(request_id)
             held = moved == 1
             if moved and not await _until_gone(control, lock, request_id):
-                log.info("%s: request %s still runs after %g s", record.member, request_id,
-                         FOLLOW_S)  # fmt: skip
+                log.info(
+                    "%s: request %s still runs after %g s", record.member, request_id, FOLLOW_S
+                )
                 return
             end = settlement.RequestEnd(
-                deployment=record.deployment, instance=record.instance,
-                generation=record.generation, request_id=request_id, held=held, at=time.time(),
-            )  # fmt: skip
+                deployment=record.deployment,
+                instance=record.instance,
+                generation=record.generation,
+                request_id=request_id,
+                held=held,
+                at=time.time(),
+            )
             await settlement.publish(self.client, self.host, end)
         except CapyError as exc:  # the engine stopped or failed: its stop settles the request
             log.info("%s: request %s not followed: %s", record.member, request_id, exc.message)
         except REDIS_ERRORS as exc:
-            log.warning("%s: the end of request %s not reported: %s", record.member, request_id,
-                        exc)  # fmt: skip
+            log.warning(
+                "%s: the end of request %s not reported: %s", record.member, request_id, exc
+            )
         finally:
             await control.aclose()
 

@@ -128,9 +128,13 @@ class PeakSampler:
             if launch.add(use):
                 log.debug(
                     "startup peak rose",
-                    extra={"member": member, "device_bytes": launch.device_bytes,
-                           "host_bytes": launch.host_bytes, "samples": launch.samples},
-                )  # fmt: skip
+                    extra={
+                        "member": member,
+                        "device_bytes": launch.device_bytes,
+                        "host_bytes": launch.host_bytes,
+                        "samples": launch.samples,
+                    },
+                )
 
     def _peak(self, launch: Launch, now: float) -> StartupPeak | None:
         """The launch's figure, or None (and why) when it is not one to keep."""

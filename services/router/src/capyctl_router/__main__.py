@@ -32,8 +32,9 @@ async def serve(ctx: ServiceContext) -> None:
     # Engines are on loopback (or a host's ingress); no proxy variables apply, no pool limit
     # below the router's own admission, and no overall timeout (deadlines are the router's).
     limits_http = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits_http,
-                                 trust_env=False) as http:  # fmt: skip
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=10.0), limits=limits_http, trust_env=False
+    ) as http:
         router = Router(dispatcher, http)
         app = create_app(credentials.load(ctx.paths.credentials), router)
         await table.sync()

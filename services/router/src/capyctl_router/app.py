@@ -53,14 +53,14 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
     async def require_api_key(authorization: Annotated[str | None, Header()] = None) -> None:
         httpauth.require(authorization, credentials.api_key, "API key")
 
-    app = FastAPI(title="CapyCTL", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)  # fmt: skip
+    app = FastAPI(
+        title="CapyCTL", version=__version__, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.add_exception_handler(CapyError, capy_error_handler)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Any, exc: StarletteHTTPException) -> Any:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code,
-                                                                  "invalid_request")  # fmt: skip
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         return envelope(exc.status_code, code, str(exc.detail))
 
     @app.get("/health")
@@ -79,19 +79,24 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
     async def list_models() -> dict[str, Any]:
         """Every route of a deployment that is not operator-stopped; it wakes nothing."""
         data = [
-            {"id": route, "object": "model", "created": int(record.created_at),
-             "owned_by": "capyctl"}
+            {
+                "id": route,
+                "object": "model",
+                "created": int(record.created_at),
+                "owned_by": "capyctl",
+            }
             for route, name in sorted(router.table.routes.items())
             if (record := router.table.records.get(name)) is not None and not record.stopped
-        ]  # fmt: skip
+        ]
         return {"object": "list", "data": data}
 
     @app.get("/metrics")
     async def metrics(authorization: Annotated[str | None, Header()] = None) -> Response:
         """Prometheus text, for the API key or the admin token."""
         token = httpauth.bearer_token(authorization) or ""
-        if not any(_same(token, secret) for secret in (credentials.api_key,
-                                                        credentials.admin_token)):  # fmt: skip
+        if not any(
+            _same(token, secret) for secret in (credentials.api_key, credentials.admin_token)
+        ):
             raise Unauthenticated("send Authorization: Bearer <API key or admin token>")
         body = router.dispatcher.metrics.render()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -138,19 +143,27 @@ async def _body(request: Request) -> dict[str, Any]:
 def _call(kind: str, body: dict[str, Any]) -> Call:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise CapyError("model is required: the id of a model (GET /v1/models lists them)",
-                        code="invalid_request")  # fmt: skip
+        raise CapyError(
+            "model is required: the id of a model (GET /v1/models lists them)",
+            code="invalid_request",
+        )
     stream = body.get("stream", False)
     if not isinstance(stream, bool) or (kind == "embeddings" and stream):
-        raise CapyError("stream must be true or false (embeddings are never streamed)",
-                        code="invalid_request")  # fmt: skip
+        raise CapyError(
+            "stream must be true or false (embeddings are never streamed)", code="invalid_request"
+        )
     if body.get("n", 1) != 1:
         raise CapyError("n must be 1", code="unsupported_parameter")
     options = body.get("stream_options") or {}
     usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-    return Call(kind=kind, body=body, route=model,
-                request_id=f"{PREFIXES[kind]}-{secrets.token_hex(12)}",
-                client_streams=stream, client_usage=usage or not stream)  # fmt: skip
+    return Call(
+        kind=kind,
+        body=body,
+        route=model,
+        request_id=f"{PREFIXES[kind]}-{secrets.token_hex(12)}",
+        client_streams=stream,
+        client_usage=usage or not stream,
+    )
 
 
 async def forward(router: Router, kind: str, request: Request) -> Response:
@@ -158,8 +171,7 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
     call = _call(kind, await _body(request))
     record = router.table.deployment_of(call.route)
     if record is None:
-        raise CapyError(f"no model {call.route!r}; GET /v1/models lists them",
-                        code="unknown_model")  # fmt: skip
+        raise CapyError(f"no model {call.route!r}; GET /v1/models lists them", code="unknown_model")
     name = record.name
     dispatcher = router.dispatcher
     deadline = arrived + dispatcher.deadline_of(record)

@@ -106,8 +106,9 @@ class Dispatcher:
                 self._check_open(name, joined)
                 target = self.table.target(name)
                 if target is not None:
-                    taken = await self.book.take(target.host, name, target.generation,
-                                                 self.limits.running)  # fmt: skip
+                    taken = await self.book.take(
+                        target.host, name, target.generation, self.limits.running
+                    )
                     if taken == 1:
                         self._demanded.pop(name, None)  # the wave is served: the next asks anew
                         return target
@@ -188,8 +189,11 @@ class Dispatcher:
         """Every place held by requests cut before any answer: restart the instance."""
         found = await places.aread(self.client, name)
         if found.generation == target.generation and found.settle_at_stop >= self.limits.running:
-            log.warning("%s: cancelled requests hold all %d places; asking for a restart",
-                        name, self.limits.running)  # fmt: skip
+            log.warning(
+                "%s: cancelled requests hold all %d places; asking for a restart",
+                name,
+                self.limits.running,
+            )
             await self._demand(name, restart=target.generation)
 
     async def release(self, target: Target) -> None:
@@ -206,13 +210,15 @@ class Dispatcher:
         log.info("request %s on %s cut; it counts as %s", request_id, name, settles)
         await self.book.cut(name, target.generation, settles)
         if answered or reported:
-            self._cuts[request_id] = Cut(name, target.generation, target.host, settles,
-                                         time.time(), reported)  # fmt: skip
+            self._cuts[request_id] = Cut(
+                name, target.generation, target.host, settles, time.time(), reported
+            )
         if reported:
             if target.host not in self._ends_after:  # before the abort: no end is missed
                 self._ends_after[target.host] = await settlement.cursor(self.client, target.host)
-            abort = hostcommands.Abort(deployment=name, generation=target.generation,
-                                       request_id=request_id)  # fmt: skip
+            abort = hostcommands.Abort(
+                deployment=name, generation=target.generation, request_id=request_id
+            )
             await hostcommands.send(self.client, target.host, abort)
 
     async def settle(self, stop: asyncio.Event) -> None:
@@ -241,14 +247,19 @@ class Dispatcher:
             after, ends = await settlement.read_after(self.client, host, self._ends_after[host])
             for end in ends:
                 cut = self._cuts.get(end.request_id)
-                if cut is None or (cut.deployment, cut.generation) != (end.deployment,
-                                                                       end.generation):  # fmt: skip
+                if cut is None or (cut.deployment, cut.generation) != (
+                    end.deployment,
+                    end.generation,
+                ):
                     continue
                 if cut.settles == "settle_when_idle" or end.held:
                     await self.book.give(cut.deployment, cut.generation, cut=cut.settles)
                     self.table.wake(cut.deployment)
-                    log.info("request %s on %s ended in the engine; settled", end.request_id,
-                             cut.deployment)  # fmt: skip
+                    log.info(
+                        "request %s on %s ended in the engine; settled",
+                        end.request_id,
+                        cut.deployment,
+                    )
                 del self._cuts[end.request_id]
             self._ends_after[host] = after
 

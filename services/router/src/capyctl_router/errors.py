@@ -29,8 +29,11 @@ def envelope(
     param: str | None = None,
 ) -> JSONResponse:
     extra = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
-    return JSONResponse(error_body(status, code, message, param), status_code=status,
-                        headers={**extra, **(headers or {})})  # fmt: skip
+    return JSONResponse(
+        error_body(status, code, message, param),
+        status_code=status,
+        headers={**extra, **(headers or {})},
+    )
 
 
 def retry_headers(code: str, status: int) -> dict[str, str]:

@@ -20,8 +20,11 @@ from capycommon.store import Event
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # hostd's transition into a state, and the operation whose end it marks.
-OPERATIONS = {("starting", "ready"): "start", ("waking", "ready"): "wake",
-              ("parking", "parked"): "park"}  # fmt: skip
+OPERATIONS = {
+    ("starting", "ready"): "start",
+    ("waking", "ready"): "wake",
+    ("parking", "parked"): "park",
+}
 
 Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
@@ -30,25 +33,42 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("capyctl_requests", "Requests by outcome.",
-                                ["deployment", "outcome"], registry=r)  # fmt: skip
-        self.running = Gauge("capyctl_requests_running", "Requests holding a place.",
-                             ["deployment"], registry=r)  # fmt: skip
-        self.waiting = Gauge("capyctl_requests_waiting", "Requests waiting in the queue.",
-                             ["deployment"], registry=r)  # fmt: skip
-        self.queue_wait_s = Histogram("capyctl_queue_wait_seconds", "Time until a place.",
-                                      ["deployment"], buckets=SECONDS, registry=r)  # fmt: skip
-        self.ttft_s = Histogram("capyctl_time_to_first_token_seconds",
-                                "From arrival to the engine's first output.",
-                                ["deployment"], buckets=SECONDS, registry=r)  # fmt: skip
-        self.cancellations = Counter("capyctl_cancellations", "Requests cut short.",
-                                     ["deployment"], registry=r)  # fmt: skip
-        self.queue_fulls = Counter("capyctl_queue_full", "Requests refused: queue full.",
-                                   ["deployment"], registry=r)  # fmt: skip
-        self.lifecycle_s = Histogram("capyctl_lifecycle_seconds",
-                                     "Start, wake and park durations, from the hosts' events.",
-                                     ["deployment", "operation"], buckets=SECONDS,
-                                     registry=r)  # fmt: skip
+        self.requests = Counter(
+            "capyctl_requests", "Requests by outcome.", ["deployment", "outcome"], registry=r
+        )
+        self.running = Gauge(
+            "capyctl_requests_running", "Requests holding a place.", ["deployment"], registry=r
+        )
+        self.waiting = Gauge(
+            "capyctl_requests_waiting", "Requests waiting in the queue.", ["deployment"], registry=r
+        )
+        self.queue_wait_s = Histogram(
+            "capyctl_queue_wait_seconds",
+            "Time until a place.",
+            ["deployment"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.ttft_s = Histogram(
+            "capyctl_time_to_first_token_seconds",
+            "From arrival to the engine's first output.",
+            ["deployment"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.cancellations = Counter(
+            "capyctl_cancellations", "Requests cut short.", ["deployment"], registry=r
+        )
+        self.queue_fulls = Counter(
+            "capyctl_queue_full", "Requests refused: queue full.", ["deployment"], registry=r
+        )
+        self.lifecycle_s = Histogram(
+            "capyctl_lifecycle_seconds",
+            "Start, wake and park durations, from the hosts' events.",
+            ["deployment", "operation"],
+            buckets=SECONDS,
+            registry=r,
+        )
 
     def outcome(self, deployment: str, outcome: str) -> None:
         self.requests.labels(deployment, outcome).inc()

@@ -79,8 +79,7 @@ def event_failure(event: JsonDict) -> EngineFailed | None:
 
 def _failed(status: int, message: str, param: str | None) -> EngineFailed:
     if status in (401, 403):  # the engine refused the router's own key: not the client's fault
-        return EngineFailed(500, f"the engine refused the router's key (HTTP {status}: "
-                                 f"{message})")  # fmt: skip
+        return EngineFailed(500, f"the engine refused the router's key (HTTP {status}: {message})")
     return EngineFailed(status, message, param)
 
 
@@ -102,9 +101,11 @@ def _error_fields(found: object) -> tuple[str | None, str | None, int | None]:
     code = inner.get("code")
     if isinstance(code, str) and code.isdigit():
         code = int(code)
-    return (message if isinstance(message, str) else None,
-            param if isinstance(param, str) else None,
-            code if isinstance(code, int) and not isinstance(code, bool) else None)  # fmt: skip
+    return (
+        message if isinstance(message, str) else None,
+        param if isinstance(param, str) else None,
+        code if isinstance(code, int) and not isinstance(code, bool) else None,
+    )
 
 
 async def error_answer(response: httpx.Response) -> bytes:
@@ -165,8 +166,9 @@ async def events(response: httpx.Response) -> AsyncIterator[JsonDict | None]:
         data = line[5:].strip()
         size += len(data)
         if len(data) > MAX_EVENT or size > MAX_ANSWER:
-            raise EngineError("the engine's answer is over the router's limits (1 MiB an "
-                              "event, 16 MiB in all)")  # fmt: skip
+            raise EngineError(
+                "the engine's answer is over the router's limits (1 MiB an event, 16 MiB in all)"
+            )
         if data == "[DONE]":
             yield None
             return
@@ -249,9 +251,10 @@ class Assembly:
         if choice.get("finish_reason") is not None:
             self.finish = choice["finish_reason"]
             self.choice_extras = {
-                k: v for k, v in choice.items()
+                k: v
+                for k, v in choice.items()
                 if k not in ("index", "delta", "text", "logprobs", "finish_reason")
-            }  # fmt: skip
+            }
 
     def _tool(self, call: JsonDict) -> None:
         found = self.tools.setdefault(
@@ -270,8 +273,13 @@ class Assembly:
         text = "".join(self.content)
         logprobs = {"content": self.logprobs} if self.logprobs else None
         if self.call.kind == "completions":
-            choice: JsonDict = {"index": 0, "text": text, "logprobs": logprobs,
-                                "finish_reason": self.finish, **self.choice_extras}  # fmt: skip
+            choice: JsonDict = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": self.finish,
+                **self.choice_extras,
+            }
             kind = "text_completion"
         else:
             calls = [self.tools[i] for i in sorted(self.tools)]
@@ -280,11 +288,22 @@ class Assembly:
                 message[key] = "".join(parts) or None
             if calls:
                 message["tool_calls"] = calls
-            choice = {"index": 0, "message": message, "logprobs": logprobs,
-                      "finish_reason": self.finish, **self.choice_extras}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": self.finish,
+                **self.choice_extras,
+            }
             kind = "chat.completion"
-        body: JsonDict = {"id": self.call.request_id, "object": kind, "created": self.created,
-                          "model": self.call.route, "choices": [choice], **self.extras}  # fmt: skip
+        body: JsonDict = {
+            "id": self.call.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.call.route,
+            "choices": [choice],
+            **self.extras,
+        }
         if self.call.usage is not None:
             body["usage"] = self.call.usage
         return body

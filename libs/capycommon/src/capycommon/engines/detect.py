@@ -149,8 +149,11 @@ def probe_llama_server(path: Path) -> Found:
 
 
 def llama_server_in(folder: Path) -> Path | None:
-    for candidate in (folder / "llama-server", folder / "bin" / "llama-server",
-                      folder / "build" / "bin" / "llama-server"):  # fmt: skip
+    for candidate in (
+        folder / "llama-server",
+        folder / "bin" / "llama-server",
+        folder / "build" / "bin" / "llama-server",
+    ):
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
     return None

@@ -19,13 +19,35 @@ DEFAULT_SLOTS = 4
 
 RESERVED = frozenset(
     {
-        "--model", "--host", "--port", "--api-key", "--api-key-file", "--alias",
-        "--ctx-size", "--parallel", "--metrics", "--no-webui", "--webui", "--n-gpu-layers",
-        "--sleep-idle-seconds", "--slots", "--no-slots", "--ssl-key-file", "--ssl-cert-file",
-        "--props", "--models-dir", "--models-preset", "--path", "--log-file", "--jinja",
-        "--no-jinja", "--reasoning-format", "--hf-repo", "--model-url",
+        "--model",
+        "--host",
+        "--port",
+        "--api-key",
+        "--api-key-file",
+        "--alias",
+        "--ctx-size",
+        "--parallel",
+        "--metrics",
+        "--no-webui",
+        "--webui",
+        "--n-gpu-layers",
+        "--sleep-idle-seconds",
+        "--slots",
+        "--no-slots",
+        "--ssl-key-file",
+        "--ssl-cert-file",
+        "--props",
+        "--models-dir",
+        "--models-preset",
+        "--path",
+        "--log-file",
+        "--jinja",
+        "--no-jinja",
+        "--reasoning-format",
+        "--hf-repo",
+        "--model-url",
     }
-)  # fmt: skip
+)
 
 
 def capabilities(version: str) -> Capabilities:
@@ -66,17 +88,24 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         )
     argv = [
         str(spec.profile.executable),
-        "-m", str(model_file(spec.model_path)),
-        "--host", ENGINE_HOST,
-        "--port", str(spec.port),
-        "--alias", spec.served_name,
-        "-c", str(spec.context_length),
-        "-np", str(spec.max_concurrent_requests or DEFAULT_SLOTS),
-        "-ngl", "999",
+        "-m",
+        str(model_file(spec.model_path)),
+        "--host",
+        ENGINE_HOST,
+        "--port",
+        str(spec.port),
+        "--alias",
+        spec.served_name,
+        "-c",
+        str(spec.context_length),
+        "-np",
+        str(spec.max_concurrent_requests or DEFAULT_SLOTS),
+        "-ngl",
+        "999",
         "--metrics",
         "--no-webui",
         "--jinja",
-    ]  # fmt: skip
+    ]
     if spec.reasoning_parser:
         argv += ["--reasoning-format", "deepseek"]
     argv += check_extra_args("llamacpp", spec.extra_args, RESERVED)

@@ -21,14 +21,32 @@ from capycommon.engines.launch import (
 
 RESERVED = frozenset(
     {
-        "--model-path", "--model", "--host", "--port", "--api-key", "--admin-api-key",
-        "--served-model-name", "--mem-fraction-static", "--context-length",
-        "--max-running-requests", "--enable-memory-saver", "--enable-weights-cpu-backup",
-        "--enable-metrics", "--tp", "--tp-size", "--dp", "--dp-size", "--config",
-        "--tool-call-parser", "--reasoning-parser", "--log-requests", "--ssl-keyfile",
-        "--ssl-certfile", "--tokenizer-worker-num",
+        "--model-path",
+        "--model",
+        "--host",
+        "--port",
+        "--api-key",
+        "--admin-api-key",
+        "--served-model-name",
+        "--mem-fraction-static",
+        "--context-length",
+        "--max-running-requests",
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        "--enable-metrics",
+        "--tp",
+        "--tp-size",
+        "--dp",
+        "--dp-size",
+        "--config",
+        "--tool-call-parser",
+        "--reasoning-parser",
+        "--log-requests",
+        "--ssl-keyfile",
+        "--ssl-certfile",
+        "--tokenizer-worker-num",
     }
-)  # fmt: skip
+)
 
 
 # Counted by SGLang's tokenizer manager for each abort of a request it holds.
@@ -58,14 +76,20 @@ def capabilities(version: str) -> Capabilities:
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
     argv = [
-        str(spec.profile.executable), "-m", "sglang.launch_server",
-        "--model-path", str(spec.model_path),
-        "--host", ENGINE_HOST,
-        "--port", str(spec.port),
-        "--served-model-name", spec.served_name,
+        str(spec.profile.executable),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(spec.model_path),
+        "--host",
+        ENGINE_HOST,
+        "--port",
+        str(spec.port),
+        "--served-model-name",
+        spec.served_name,
         f"--api-key={spec.api_key}",  # one token, even if the key were to begin with "-"
         "--enable-metrics",
-    ]  # fmt: skip
+    ]
     argv += options(
         ("--mem-fraction-static", spec.memory_fraction),
         ("--context-length", spec.context_length),

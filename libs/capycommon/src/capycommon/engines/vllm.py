@@ -27,17 +27,40 @@ RELOAD_WEIGHTS: dict[str, object] = {
 
 RESERVED = frozenset(
     {
-        "--model", "--host", "--port", "--uds", "--api-key", "--served-model-name",
-        "--gpu-memory-utilization", "--max-model-len", "--max-num-seqs",
-        "--kv-cache-memory-bytes", "--enable-sleep-mode", "--middleware",
-        "--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
-        "--config", "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
-        "--disable-uvicorn-access-log", "--uvicorn-log-level", "--ssl-keyfile",
-        "--ssl-certfile", "--ssl-ca-certs", "--root-path", "--allowed-origins", "--headless",
-        "--api-server-count", "--enable-log-requests", "--disable-log-requests",
-        "--enable-request-id-headers", "--shutdown-timeout",
+        "--model",
+        "--host",
+        "--port",
+        "--uds",
+        "--api-key",
+        "--served-model-name",
+        "--gpu-memory-utilization",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--kv-cache-memory-bytes",
+        "--enable-sleep-mode",
+        "--middleware",
+        "--tensor-parallel-size",
+        "--pipeline-parallel-size",
+        "--data-parallel-size",
+        "--config",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "--reasoning-parser",
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "--ssl-keyfile",
+        "--ssl-certfile",
+        "--ssl-ca-certs",
+        "--root-path",
+        "--allowed-origins",
+        "--headless",
+        "--api-server-count",
+        "--enable-log-requests",
+        "--disable-log-requests",
+        "--enable-request-id-headers",
+        "--shutdown-timeout",
     }
-)  # fmt: skip
+)
 
 
 def capabilities(version: str) -> Capabilities:
@@ -60,14 +83,21 @@ def capabilities(version: str) -> Capabilities:
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
     argv = [
-        str(spec.profile.executable), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(spec.model_path),
-        "--host", ENGINE_HOST,
-        "--port", str(spec.port),
-        "--served-model-name", spec.served_name,
-        "--middleware", GUARD,
+        str(spec.profile.executable),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(spec.model_path),
+        "--host",
+        ENGINE_HOST,
+        "--port",
+        str(spec.port),
+        "--served-model-name",
+        spec.served_name,
+        "--middleware",
+        GUARD,
         "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+    ]
     argv += options(
         ("--gpu-memory-utilization", spec.memory_fraction),
         ("--max-model-len", spec.context_length),
