@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -12,6 +12,7 @@ import pytest
 from capycommon.deployments import (
     Deployment,
     HostFacts,
+    ModelNotDescribed,
     Resolved,
     check_routes,
     env_reserved,
@@ -24,6 +25,7 @@ from capycommon.engines.families import Family
 from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, InvalidConfig
+from capycommon.hostfacts import HostModels, ModelFacts
 from capycommon.units import format_duration, format_size_exact, parse_duration, parse_size
 
 GiB = 1 << 30
@@ -85,15 +87,6 @@ def engine_profile(family: Family, name: str | None = None) -> EngineProfile:
 
 
 PROFILES = {family.value: engine_profile(family) for family in Family}
-
-
-def weights(folder: Path, **files: int) -> Path:
-    """A model folder whose files have the given sizes (sparse: no disk is used)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, size in files.items():
-        with (folder / name.replace("_", ".")).open("wb") as file:
-            file.truncate(size)
-    return folder
 
 
 # --- the document ---------------------------------------------------------------------------
@@ -496,28 +489,36 @@ def test_two_deployments_of_one_name_are_refused() -> None:
 
 
 # --- binding to a host: engine --------------------------------------------------------------
+#
+# A host's models come as the facts its hostd published (tests/hostd/test_model_facts.py
+# checks how it reads them off a disk); binding reads nothing else.
+
+ROOT = "/srv/models"
 
 
-def bind(tmp_path: Path, host: HostFacts = DISCRETE, **changes: Any) -> Resolved:
-    weights(tmp_path / "models" / "Qwen3-4B", model_safetensors=8 * GiB)
-    return resolve(parse(**changes), profiles=PROFILES, models_root=tmp_path / "models", host=host)
+def folder(path: str, weights_size: int | None = 8 * GiB) -> ModelFacts:
+    return ModelFacts(path=path, kind="folder", weights_bytes=weights_size)
 
 
-def test_an_engine_is_a_registered_profile_by_name(tmp_path: Path) -> None:
+QWEN = folder(f"{ROOT}/Qwen3-4B")
+MODELS = HostModels(models_root=ROOT, models={"Qwen3-4B": QWEN})
+
+
+def bind(host: HostFacts = DISCRETE, models: HostModels = MODELS, **changes: Any) -> Resolved:
+    return resolve(parse(**changes), profiles=PROFILES, models=models, host=host)
+
+
+def test_an_engine_is_a_registered_profile_by_name() -> None:
     profiles = {"vllm-nightly": engine_profile(Family.VLLM, "vllm-nightly"), **PROFILES}
-    weights(tmp_path / "Qwen3-4B", model_safetensors=GiB)
     resolved = resolve(
-        parse(engine="vllm-nightly"), profiles=profiles, models_root=tmp_path, host=DISCRETE
+        parse(engine="vllm-nightly"), profiles=profiles, models=MODELS, host=DISCRETE
     )
     assert resolved.profile.name == "vllm-nightly"
 
 
-def test_a_family_names_the_hosts_one_profile_of_it(tmp_path: Path) -> None:
+def test_a_family_names_the_hosts_one_profile_of_it() -> None:
     profiles = {"sg": engine_profile(Family.SGLANG, "sg")}
-    weights(tmp_path / "Qwen3-4B", model_safetensors=GiB)
-    resolved = resolve(
-        parse(engine="sglang"), profiles=profiles, models_root=tmp_path, host=UNIFIED
-    )
+    resolved = resolve(parse(engine="sglang"), profiles=profiles, models=MODELS, host=UNIFIED)
     assert resolved.profile.name == "sg"
 
 
@@ -533,10 +534,10 @@ def test_a_family_names_the_hosts_one_profile_of_it(tmp_path: Path) -> None:
     ],
 )  # fmt: skip
 def test_an_engine_the_host_lacks_is_refused_naming_the_registered_ones(
-    tmp_path: Path, engine: str, profiles: dict[str, EngineProfile], says: str
+    engine: str, profiles: dict[str, EngineProfile], says: str
 ) -> None:
     with pytest.raises(CapyError) as caught:
-        resolve(parse(engine=engine), profiles=profiles, models_root=tmp_path, host=DISCRETE)
+        resolve(parse(engine=engine), profiles=profiles, models=MODELS, host=DISCRETE)
     assert caught.value.code == "profile_not_published"
     assert caught.value.exit_code == 24
     assert caught.value.message.startswith("deployment 'qwen3-4b': engine: ")
@@ -546,67 +547,82 @@ def test_an_engine_the_host_lacks_is_refused_naming_the_registered_ones(
 # --- binding to a host: the model -----------------------------------------------------------
 
 
-def test_a_bare_model_name_is_a_folder_under_the_models_root(tmp_path: Path) -> None:
-    resolved = bind(tmp_path)
-    assert resolved.model_path == tmp_path / "models" / "Qwen3-4B"
+def test_a_bare_model_name_is_a_model_under_the_models_root() -> None:
+    resolved = bind()
+    assert resolved.model_path == PurePosixPath(f"{ROOT}/Qwen3-4B")
     assert resolved.weights_bytes == 8 * GiB
 
 
-def test_an_absolute_model_path_is_kept(tmp_path: Path) -> None:
-    folder = weights(tmp_path / "elsewhere" / "m", model_safetensors=GiB)
-    resolved = bind(tmp_path, model=str(folder))
-    assert resolved.model_path == folder
+@pytest.mark.parametrize("written", ["Qwen3-4B/", "./Qwen3-4B", "Qwen3-4B//"])
+def test_a_name_under_the_root_is_found_however_it_is_spelled(written: str) -> None:
+    assert bind(model=written).model_path == PurePosixPath(f"{ROOT}/Qwen3-4B")
 
 
-def test_a_missing_model_folder_is_not_found_naming_the_path(tmp_path: Path) -> None:
+def test_an_absolute_model_path_is_what_the_host_described() -> None:
+    elsewhere = folder("/data/m", GiB)
+    models = MODELS.model_copy(update={"described": {"/data/m": elsewhere}})
+    resolved = bind(models=models, model="/data/m")
+    assert (resolved.model_path, resolved.weights_bytes) == (PurePosixPath("/data/m"), GiB)
+
+
+@pytest.mark.parametrize("written", ["/data/m", "~/m", "Other", "org/name/deeper"])
+def test_a_path_the_host_has_not_described_waits_for_it(written: str) -> None:
+    with pytest.raises(ModelNotDescribed) as caught:
+        bind(model=written)
+    assert caught.value.path == written
+
+
+def test_an_engine_refusal_comes_before_waiting_for_the_model() -> None:
+    with pytest.raises(CapyError, match="not a registered engine"):
+        bind(engine="mystery", model="/data/m")
+
+
+def test_a_missing_model_folder_is_not_found_naming_the_path() -> None:
+    missing = ModelFacts(path=f"{ROOT}/Missing", kind="missing")
+    models = MODELS.model_copy(update={"described": {"Missing": missing}})
     with pytest.raises(CapyError) as caught:
-        bind(tmp_path, model="Missing")
+        bind(models=models, model="Missing")
     assert caught.value.code == "not_found"
     assert caught.value.exit_code == 2
-    assert f"model: {tmp_path / 'models' / 'Missing'} does not exist" in caught.value.message
+    assert caught.value.message == (
+        f"deployment 'qwen3-4b': model: {ROOT}/Missing does not exist; put the model there or "
+        "fix model"
+    )
 
 
-def test_a_missing_org_slash_name_suggests_hugging_face(tmp_path: Path) -> None:
+def test_a_missing_org_slash_name_suggests_hugging_face() -> None:
+    missing = ModelFacts(path=f"{ROOT}/Qwen/Qwen3-8B", kind="missing")
+    models = MODELS.model_copy(update={"described": {"Qwen/Qwen3-8B": missing}})
     with pytest.raises(CapyError, match=r"written \{hf: Qwen/Qwen3-8B\}"):
-        bind(tmp_path, model="Qwen/Qwen3-8B")
+        bind(models=models, model="Qwen/Qwen3-8B")
 
 
-def test_a_home_relative_model_path_is_expanded(tmp_path: Path) -> None:
-    with pytest.raises(CapyError) as caught:
-        bind(tmp_path, model="~/capyctl-test-no-such-model")
-    assert str(Path.home() / "capyctl-test-no-such-model") in caught.value.message
+def test_a_home_folder_the_host_lacks_is_refused() -> None:
+    nowhere = ModelFacts(path="~nosuchuser/m", kind="no_home")
+    models = MODELS.model_copy(update={"described": {"~nosuchuser/m": nowhere}})
+    with pytest.raises(InvalidConfig) as caught:
+        bind(models=models, model="~nosuchuser/m")
+    assert "model: '~nosuchuser/m' names a home folder that does not exist; write the path" in (
+        caught.value.message
+    )
 
 
 @pytest.mark.parametrize("hf", ["Qwen/Qwen3-4B", "Qwen/Qwen3-4B@" + "0" * 40])
-def test_a_hugging_face_model_waits_for_downloads(tmp_path: Path, hf: str) -> None:
+def test_a_hugging_face_model_waits_for_downloads(hf: str) -> None:
     with pytest.raises(CapyError) as caught:
-        bind(tmp_path, model={"hf": hf})
+        bind(model={"hf": hf})
     assert caught.value.code == "model_source_pending"
     assert caught.value.exit_code == 5
     assert f"model: {{hf: {hf}}} is not downloaded" in caught.value.message
+    assert f"put the files in a folder under {ROOT} and name that folder" in caught.value.message
 
 
-@pytest.mark.parametrize(
-    ("files", "expected"),
-    [
-        ({"a_safetensors": 3 * GiB, "b_safetensors": 2 * GiB, "config_json": 4096}, 5 * GiB),
-        ({"model_safetensors": 3 * GiB, "pytorch_model_bin": 3 * GiB}, 3 * GiB),
-        ({"pytorch_model_bin": 2 * GiB, "extra_pt": GiB}, 3 * GiB),
-        ({"q4_gguf": 5 * GiB}, 5 * GiB),
-        ({"config_json": 4096}, None),
-    ],
-)
-def test_the_weights_are_the_files_the_engine_loads(
-    tmp_path: Path, files: dict[str, int], expected: int | None
-) -> None:
-    weights(tmp_path / "models" / "M", **files)
-    assert bind(tmp_path, model="M").weights_bytes == expected
-
-
-def test_a_single_weights_file_is_a_model(tmp_path: Path) -> None:
-    folder = weights(tmp_path / "models", one_gguf=2 * GiB)
-    resolved = bind(tmp_path, engine="llamacpp", model=str(folder / "one.gguf"),
-                    engine_config={"context_length": 8192})  # fmt: skip
+def test_a_single_weights_file_is_a_model() -> None:
+    one = ModelFacts(path=f"{ROOT}/one.gguf", kind="file", weights_bytes=2 * GiB)
+    models = MODELS.model_copy(update={"models": {"one.gguf": one}})
+    resolved = bind(
+        models=models, engine="llamacpp", model="one.gguf", engine_config={"context_length": 8192}
+    )
     assert resolved.weights_bytes == 2 * GiB
 
 
@@ -625,19 +641,18 @@ def test_a_single_weights_file_is_a_model(tmp_path: Path) -> None:
     ],
 )
 def test_the_default_residency_follows_the_memory_and_the_parked_room(
-    tmp_path: Path, host: HostFacts, weights_size: int | None, expected: Residency, why: str
+    host: HostFacts, weights_size: int | None, expected: Residency, why: str
 ) -> None:
-    files = {"model_safetensors": weights_size} if weights_size else {"config_json": 10}
-    weights(tmp_path / "models" / "M", **files)
+    models = HostModels(models_root=ROOT, models={"M": folder(f"{ROOT}/M", weights_size)})
     for engine in ("vllm", "sglang"):
-        resolved = bind(tmp_path, host=host, engine=engine, model="M")
+        resolved = bind(host=host, models=models, engine=engine, model="M")
         assert resolved.residency == expected
         assert why in resolved.residency_reason
 
 
 @pytest.mark.parametrize("host", [UNIFIED, DISCRETE])
-def test_llamacpp_is_always_restart_only(tmp_path: Path, host: HostFacts) -> None:
-    resolved = bind(tmp_path, host=host, engine="llamacpp", engine_config={"context_length": 8192})
+def test_llamacpp_is_always_restart_only(host: HostFacts) -> None:
+    resolved = bind(host=host, engine="llamacpp", engine_config={"context_length": 8192})
     assert resolved.residency == Residency.RESTART_ONLY
     assert "cannot park" in resolved.residency_reason
 
@@ -647,27 +662,24 @@ def test_llamacpp_is_always_restart_only(tmp_path: Path, host: HostFacts) -> Non
     [(DISCRETE, "host_backed"), (DISCRETE, "deep"), (UNIFIED, "deep"),
      (UNIFIED, "restart_only")],
 )  # fmt: skip
-def test_a_declared_residency_the_host_can_do_is_kept(
-    tmp_path: Path, host: HostFacts, residency: str
-) -> None:
-    resolved = bind(tmp_path, host=host, residency=residency)
+def test_a_declared_residency_the_host_can_do_is_kept(host: HostFacts, residency: str) -> None:
+    resolved = bind(host=host, residency=residency)
     assert resolved.residency == residency
     assert resolved.residency_reason == "declared"
 
 
-def test_host_backed_on_unified_memory_is_refused(tmp_path: Path) -> None:
+def test_host_backed_on_unified_memory_is_refused() -> None:
     with pytest.raises(CapyError) as caught:
-        bind(tmp_path, host=UNIFIED, residency="host_backed")
+        bind(host=UNIFIED, residency="host_backed")
     assert caught.value.code == "host_backed_unavailable"
     assert caught.value.exit_code == 5
     assert caught.value.message.startswith("deployment 'qwen3-4b': residency: host_backed")
 
 
 @pytest.mark.parametrize("residency", ["deep", "host_backed"])
-def test_a_park_tier_the_engine_cannot_do_is_refused(tmp_path: Path, residency: str) -> None:
+def test_a_park_tier_the_engine_cannot_do_is_refused(residency: str) -> None:
     with pytest.raises(CapyError) as caught:
-        bind(tmp_path, engine="llamacpp", residency=residency,
-             engine_config={"context_length": 8192})  # fmt: skip
+        bind(engine="llamacpp", residency=residency, engine_config={"context_length": 8192})
     assert caught.value.code == "capability_missing:deep_park"
     assert caught.value.exit_code == 5
     assert f"residency: llamacpp 6500 cannot park ({residency}); use restart_only" in (
@@ -678,9 +690,9 @@ def test_a_park_tier_the_engine_cannot_do_is_refused(tmp_path: Path, residency: 
 # --- binding to a host: engine configuration and devices ------------------------------------
 
 
-def test_extra_args_pass_when_they_touch_nothing_capyctl_sets(tmp_path: Path) -> None:
+def test_extra_args_pass_when_they_touch_nothing_capyctl_sets() -> None:
     args = ["--max-num-batched-tokens", "8192", "--enable-prefix-caching"]
-    resolved = bind(tmp_path, engine_config={"extra_args": args})
+    resolved = bind(engine_config={"extra_args": args})
     assert resolved.extra_args == tuple(args)
 
 
@@ -694,28 +706,28 @@ def test_extra_args_pass_when_they_touch_nothing_capyctl_sets(tmp_path: Path) ->
     ],
 )
 def test_extra_args_that_touch_what_capyctl_sets_are_refused(
-    tmp_path: Path, engine: str, arg: str, says: str
+    engine: str, arg: str, says: str
 ) -> None:
     config = {"extra_args": [arg], "context_length": 8192}
     with pytest.raises(InvalidConfig) as caught:
-        bind(tmp_path, engine=engine, engine_config=config)
+        bind(engine=engine, engine_config=config)
     assert caught.value.code == "invalid_config"
     assert "deployment 'qwen3-4b': engine_config.extra_args: " in caught.value.message
     assert says in caught.value.message
 
 
-def test_llamacpp_needs_a_context_length(tmp_path: Path) -> None:
+def test_llamacpp_needs_a_context_length() -> None:
     with pytest.raises(InvalidConfig, match=r"engine_config\.context_length is required"):
-        bind(tmp_path, engine="llamacpp")
+        bind(engine="llamacpp")
 
 
-def test_a_pinned_gpu_the_host_has_is_used(tmp_path: Path) -> None:
-    assert bind(tmp_path, devices=[{"id": "gpu1"}]).device == "gpu1"
-    assert bind(tmp_path).device is None
+def test_a_pinned_gpu_the_host_has_is_used() -> None:
+    assert bind(devices=[{"id": "gpu1"}]).device == "gpu1"
+    assert bind().device is None
 
 
-def test_a_pinned_gpu_the_host_lacks_is_refused_naming_the_field(tmp_path: Path) -> None:
+def test_a_pinned_gpu_the_host_lacks_is_refused_naming_the_field() -> None:
     with pytest.raises(InvalidConfig) as caught:
-        bind(tmp_path, devices=[{"id": "gpu7"}])
+        bind(devices=[{"id": "gpu7"}])
     assert caught.value.code == "invalid_config"
     assert "devices[0].id: gpu7 is not on this host (GPUs: gpu0, gpu1)" in caught.value.message

@@ -38,3 +38,10 @@ def test_a_park_names_its_release_bound_or_none() -> None:
 def test_a_park_refuses_impossible_or_unknown_fields(field: str, value: int) -> None:
     with pytest.raises(ValidationError, match=field):
         hc.Park.model_validate({"deployment": "chat", "generation": 2, field: value})
+
+
+def test_a_describe_names_model_paths_and_no_instance() -> None:
+    describe = hc.Describe(paths=("/data/qwen", "~/m", "org/name"))
+    assert hc.parse(describe.model_dump_json()) == describe
+    with pytest.raises(ValidationError, match="deployment"):
+        hc.parse('{"kind": "describe", "paths": [], "deployment": "chat"}')

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from capycommon.engines.families import Family
 from capycommon.engines.launch import MODELOPT_FP4, PARKING, LaunchSpec, Residency, host_tiers
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError
+from capycommon.hostfacts import HostModels, ModelFacts, QuantizationConfig
 
 GiB = 1 << 30
 R = Residency
@@ -37,20 +37,19 @@ def profile(family: Family) -> EngineProfile:
 PROFILES = {family.value: profile(family) for family in Family}
 
 
-def model(root: Path, size: int = 8 * GiB, **configs: dict[str, Any]) -> Path:
-    """A model folder of sparse weights with the given JSON config files."""
-    folder = root / "models" / "m"
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / "model.safetensors").open("wb") as file:
-        file.truncate(size)
-    for name, content in configs.items():
-        (folder / f"{name}.json").write_text(json.dumps(content))
-    return folder
+ROOT = "/srv/models"
+FOLDER = f"{ROOT}/m"
 
 
-def bind(root: Path, host: HostFacts, engine: str, **fields: Any) -> Resolved:
+def model(size: int = 8 * GiB, *stated: QuantizationConfig) -> HostModels:
+    """The host's facts of one model folder `m`: its weights, and what its configs state."""
+    facts = ModelFacts(path=FOLDER, kind="folder", weights_bytes=size, quantization=stated)
+    return HostModels(models_root=ROOT, models={"m": facts})
+
+
+def bind(models: HostModels, host: HostFacts, engine: str, **fields: Any) -> Resolved:
     document = parse_deployment({"name": "m", "engine": engine, "model": "m", **fields}, "t.yaml")
-    return resolve(document, profiles=PROFILES, models_root=root / "models", host=host)
+    return resolve(document, profiles=PROFILES, models=models, host=host)
 
 
 # --- deep parking off -----------------------------------------------------------------------
@@ -99,10 +98,9 @@ def test_no_launch_on_such_a_host_has_development_controls(tmp_path: Path, famil
     ],
 )  # fmt: skip
 def test_the_default_stops_where_it_would_park_deep(
-    tmp_path: Path, engine: str, host: HostFacts, size: int, tier: Residency, says: str
+    engine: str, host: HostFacts, size: int, tier: Residency, says: str
 ) -> None:
-    model(tmp_path, size)
-    resolved = bind(tmp_path, host, engine)
+    resolved = bind(model(size), host, engine)
     assert resolved.residency == tier
     assert says in resolved.residency_reason
 
@@ -121,106 +119,94 @@ def test_the_default_stops_where_it_would_park_deep(
     ],
 )  # fmt: skip
 def test_a_declared_tier_the_host_bars_resolves_to_restart_only_with_a_note(
-    tmp_path: Path, engine: str, declared: str, tier: Residency, reason: str
+    engine: str, declared: str, tier: Residency, reason: str
 ) -> None:
-    model(tmp_path)
-    resolved = bind(tmp_path, OFF, engine, residency=declared)
+    resolved = bind(model(), OFF, engine, residency=declared)
     assert (resolved.residency, resolved.residency_reason) == (tier, reason)
 
 
 # --- ModelOpt FP4 checkpoints ---------------------------------------------------------------
+# (tests/hostd/test_model_facts.py reads these statements out of real config files)
 
-NVFP4_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "quantization_config": {
-        "quant_method": "modelopt",
-        "quant_algo": "NVFP4",
-        "producer": {"name": "modelopt", "version": "0.29.0"},
-        "group_size": 16,
-        "ignore": ["lm_head"],
-    },
-}
-HF_QUANT_CONFIG = {
-    "producer": {"name": "modelopt", "version": "0.19.0"},
-    "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16},
-}
+NVFP4 = QuantizationConfig(file="config.json", quant_method="modelopt", quant_algo="NVFP4")
+EXPORTED = QuantizationConfig(file="hf_quant_config.json", quant_algo="NVFP4")
 
 
 @pytest.mark.parametrize(
-    ("configs", "evidence"),
+    ("stated", "evidence"),
     [
-        ({"config": NVFP4_CONFIG},
-         "config.json: quantization_config.quant_method modelopt, quant_algo NVFP4"),
-        ({"config": {"quantization_config": {"quant_method": "modelopt_fp4"}}},
-         "config.json: quantization_config.quant_method modelopt_fp4"),
-        ({"config": {"architectures": ["X"]}, "hf_quant_config": HF_QUANT_CONFIG},
-         "hf_quant_config.json: quantization.quant_algo NVFP4"),
-        ({"hf_quant_config": {"quant_algo": "W4A8_NVFP4_FP8"}},
-         "hf_quant_config.json: quantization.quant_algo W4A8_NVFP4_FP8"),
-    ],
-)  # fmt: skip
-def test_a_modelopt_fp4_checkpoint_is_recognised(
-    tmp_path: Path, configs: dict[str, dict[str, Any]], evidence: str
-) -> None:
-    folder = model(tmp_path, GiB, **configs)
-    found = quantization(folder)
-    assert found is not None
-    assert found.kind == MODELOPT_FP4
-    assert found.evidence == f"{folder}/{evidence}"
-
-
-@pytest.mark.parametrize(
-    "configs",
-    [
-        {},
-        {"config": {"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}},
-        {"hf_quant_config": {"quantization": {"quant_algo": "FP8"}}},
-        {"config": {"quantization_config": {"quant_method": "compressed-tensors"}}},
-        {"config": {"quantization_config": "NVFP4"}},
+        ((NVFP4,), "config.json: quantization_config.quant_method modelopt, quant_algo NVFP4"),
+        (
+            (QuantizationConfig(file="config.json", quant_method="ModelOpt_FP4"),),
+            "config.json: quantization_config.quant_method modelopt_fp4",
+        ),
+        (
+            (QuantizationConfig(file="config.json", quant_method="fp8"), EXPORTED),
+            "hf_quant_config.json: quantization.quant_algo NVFP4",
+        ),
+        (
+            (QuantizationConfig(file="hf_quant_config.json", quant_algo="W4A8_NVFP4_FP8"),),
+            "hf_quant_config.json: quantization.quant_algo W4A8_NVFP4_FP8",
+        ),
     ],
 )
-def test_other_checkpoints_say_nothing(tmp_path: Path, configs: dict[str, Any]) -> None:
-    assert quantization(model(tmp_path, GiB, **configs)) is None
+def test_a_modelopt_fp4_checkpoint_is_recognised(
+    stated: tuple[QuantizationConfig, ...], evidence: str
+) -> None:
+    found = quantization(model(GiB, *stated).models["m"])
+    assert found is not None
+    assert found.kind == MODELOPT_FP4
+    assert found.evidence == f"{FOLDER}/{evidence}"
 
 
-def test_unreadable_config_files_say_nothing(tmp_path: Path) -> None:
-    folder = model(tmp_path, GiB)
-    (folder / "config.json").write_text("{not json")
-    (folder / "hf_quant_config.json").write_bytes(b"\xff\xfe")
-    assert quantization(folder) is None
-    assert quantization(folder / "model.safetensors") is None, "a file is no folder"
+@pytest.mark.parametrize(
+    "stated",
+    [
+        (),
+        (QuantizationConfig(file="config.json", quant_method="modelopt", quant_algo="FP8"),),
+        (QuantizationConfig(file="hf_quant_config.json", quant_algo="FP8"),),
+        (QuantizationConfig(file="config.json", quant_method="compressed-tensors"),),
+        (QuantizationConfig(file="config.json", quant_algo="NVFP4"),),
+    ],
+)
+def test_other_checkpoints_say_nothing(stated: tuple[QuantizationConfig, ...]) -> None:
+    assert quantization(model(GiB, *stated).models["m"]) is None
 
 
-def test_sglang_defaults_an_nvfp4_checkpoint_to_restart_only(tmp_path: Path) -> None:
-    folder = model(tmp_path, GiB, hf_quant_config=HF_QUANT_CONFIG)
-    resolved = bind(tmp_path, DISCRETE, "sglang")
+def test_a_file_is_no_checkpoint_folder() -> None:
+    file = ModelFacts(path=f"{ROOT}/m.gguf", kind="file", weights_bytes=GiB, quantization=(NVFP4,))
+    assert quantization(file) is None
+
+
+def test_sglang_defaults_an_nvfp4_checkpoint_to_restart_only() -> None:
+    models = model(GiB, EXPORTED)
+    resolved = bind(models, DISCRETE, "sglang")
     assert resolved.residency == R.RESTART_ONLY
     assert resolved.residency_reason == (
         "sglang cannot park a ModelOpt FP4 (NVFP4) checkpoint, and the model is one "
-        f"({folder}/hf_quant_config.json: quantization.quant_algo NVFP4)"
+        f"({FOLDER}/hf_quant_config.json: quantization.quant_algo NVFP4)"
     )
-    declared = bind(tmp_path, DISCRETE, "sglang", residency="restart_only")
+    declared = bind(models, DISCRETE, "sglang", residency="restart_only")
     assert (declared.residency, declared.residency_reason) == (R.RESTART_ONLY, "declared")
 
 
 @pytest.mark.parametrize("declared", [tier.value for tier in PARKING])
-def test_sglang_refuses_to_park_an_nvfp4_checkpoint(tmp_path: Path, declared: str) -> None:
-    folder = model(tmp_path, GiB, config=NVFP4_CONFIG)
+def test_sglang_refuses_to_park_an_nvfp4_checkpoint(declared: str) -> None:
     with pytest.raises(CapyError) as caught:
-        bind(tmp_path, DISCRETE, "sglang", residency=declared)
+        bind(model(GiB, NVFP4), DISCRETE, "sglang", residency=declared)
     assert caught.value.code == "capability_missing:deep_park"
     assert caught.value.exit_code == 5
     assert caught.value.message == (
         f"deployment 'm': residency: {declared}: sglang cannot park a ModelOpt FP4 (NVFP4) "
-        f"checkpoint, and the model is one ({folder}/config.json: "
+        f"checkpoint, and the model is one ({FOLDER}/config.json: "
         "quantization_config.quant_method modelopt, quant_algo NVFP4); set residency: "
         "restart_only (or drop residency)"
     )
 
 
 @pytest.mark.parametrize("declared", [tier.value for tier in PARKING])
-def test_vllm_parks_an_nvfp4_checkpoint(tmp_path: Path, declared: str) -> None:
-    model(tmp_path, GiB, config=NVFP4_CONFIG)
-    resolved = bind(tmp_path, DISCRETE, "vllm", residency=declared)
+def test_vllm_parks_an_nvfp4_checkpoint(declared: str) -> None:
+    models = model(GiB, NVFP4)
+    resolved = bind(models, DISCRETE, "vllm", residency=declared)
     assert (resolved.residency, resolved.residency_reason) == (declared, "declared")
-    assert bind(tmp_path, DISCRETE, "vllm").residency == R.HOST_BACKED
+    assert bind(models, DISCRETE, "vllm").residency == R.HOST_BACKED

@@ -1,7 +1,8 @@
 """Commands from the scheduler to a host's hostd, over the host's Redis stream.
 
-Each command names the deployment, the instance and the generation it is for; hostd refuses
-(and records) a command for a stale generation. Launch, park, wake and stop carry the
+Each instance command names the deployment, the instance and the generation it is for; hostd
+refuses (and records) a command for a stale generation. `Describe` asks for the facts of
+model paths instead (`capycommon.hostfacts`). Launch, park, wake and stop carry the
 scheduler's reason, which hostd writes into the events of the transitions it makes, so a
 host's history says why each happened.
 """
@@ -77,17 +78,28 @@ class Abort(_Command):
     request_id: str
 
 
-Command = Annotated[Launch | Park | Wake | Stop | Abort, Field(discriminator="kind")]
-COMMAND = TypeAdapter(Command)
+class Describe(BaseModel):
+    """Describe these model paths (`capycommon.hostfacts`) besides the models root, each as
+    deployments write it (a name under the models root, `~/...`, or absolute): the whole
+    list the control plane needs, replacing the one before. hostd keeps describing them
+    (re-reading when they change) until a later list leaves them out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["describe"] = "describe"
+    paths: tuple[str, ...]
 
 
-async def send(
-    client: aioredis.Redis, host: str, command: Launch | Park | Wake | Stop | Abort
-) -> str:
+InstanceCommand = Launch | Park | Wake | Stop | Abort
+HostCommand = InstanceCommand | Describe
+COMMAND: TypeAdapter[HostCommand] = TypeAdapter(Annotated[HostCommand, Field(discriminator="kind")])
+
+
+async def send(client: aioredis.Redis, host: str, command: HostCommand) -> str:
     """Append a command to the host's stream; returns its stream id."""
     entry = await client.xadd(keys.host_commands(host), {FIELD: command.model_dump_json()})
     return entry.decode() if isinstance(entry, bytes) else str(entry)
 
 
-def parse(raw: bytes | str) -> Launch | Park | Wake | Stop | Abort:
+def parse(raw: bytes | str) -> HostCommand:
     return COMMAND.validate_json(raw)

@@ -36,6 +36,11 @@ def host_info(host: str) -> str:
     return f"{host_prefix(host)}:info"
 
 
+def host_models(host: str) -> str:
+    """The host's models (JSON of `capycommon.hostfacts.HostModels`), written by hostd."""
+    return f"{host_prefix(host)}:models"
+
+
 def host_notifications(host: str) -> str:
     """The pub/sub channel on which a host's state changes are announced ({kind, id, version})."""
     return f"{host_prefix(host)}:notify"

@@ -16,6 +16,7 @@ from capycommon.settings import HostSettings, StandaloneSettings
 from capycommon.settingvalues import parse_port_range
 from capycommon.store import InstanceStore
 from capyctl_hostd import adopt, consumer, loads
+from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.ports import PortLeaser
 from capyctl_hostd.runner import HostPaths, Runner
 
@@ -53,9 +54,9 @@ async def publish_engines(ctx: ServiceContext, paths: HostPaths) -> None:
 
 
 async def serve(ctx: ServiceContext) -> None:
-    """Publish what the host says of itself and its engines, re-adopt what runs, then carry
-    out commands, watch for engines that die and publish the serving engines' load, until
-    stopped.
+    """Publish what the host says of itself, its models and its engines, re-adopt what runs,
+    then carry out commands, watch for engines that die, publish the serving engines' load
+    and keep the models' facts current, until stopped.
 
     Stopping hostd leaves the engines running: the next hostd re-adopts them.
     """
@@ -64,6 +65,8 @@ async def serve(ctx: ServiceContext) -> None:
     paths = host_paths(ctx)
     deep_park = ctx.settings.host.deep_park == "on"
     await hostinfo.publish(ctx.redis, ctx.host, HostInfo(deep_park=deep_park))
+    shelf = Shelf(ctx.redis, ctx.host, ctx.settings.host.models_root)
+    await shelf.start()
     await publish_engines(ctx, paths)
     ports = PortLeaser(*parse_port_range(ctx.settings.host.engine_ports))
     runner = Runner(
@@ -71,9 +74,10 @@ async def serve(ctx: ServiceContext) -> None:
     )
     await adopt.adopt_all(runner)
     await asyncio.gather(
-        consumer.consume(runner, ctx.stop),
+        consumer.consume(runner, shelf, ctx.stop),
         adopt.watch(runner, ctx.stop),
         loads.publish(runner, ctx.stop),
+        shelf.watch(ctx.stop),
     )
 
 

@@ -1,4 +1,5 @@
 """Reading the host's command stream: at least once, acknowledged after each command ran.
+Instance commands go to the runner, `Describe` to the models shelf.
 
 A fixed consumer name means a restarted hostd gets the commands its predecessor had taken
 but not finished; the generation checks make a repeat harmless.
@@ -17,6 +18,7 @@ from redis.exceptions import ResponseError
 
 from capycommon import hostcommands, keys
 from capycommon.service import REDIS_ERRORS, wait_event
+from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ async def ensure_group(client: aioredis.Redis, stream: str) -> None:
             raise
 
 
-async def consume(runner: Runner, stop: asyncio.Event) -> None:
+async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
     stream = keys.host_commands(runner.host)
     await ensure_group(runner.client, stream)
     tasks: set[asyncio.Task[None]] = set()
@@ -46,7 +48,7 @@ async def consume(runner: Runner, stop: asyncio.Event) -> None:
             if cursor == "0" and not entries:
                 cursor = ">"
             for entry_id, fields in entries:
-                task = asyncio.create_task(_run(runner, stream, entry_id, fields))
+                task = asyncio.create_task(_run(runner, shelf, stream, entry_id, fields))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             if cursor == "0" and entries:
@@ -71,14 +73,19 @@ async def _read(runner: Runner, stream: str, cursor: str, stop: asyncio.Event) -
     return None
 
 
-async def _run(runner: Runner, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+async def _run(
+    runner: Runner, shelf: Shelf, stream: str, entry_id: bytes, fields: dict[bytes, bytes]
+) -> None:
     try:
         command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
     except (KeyError, ValidationError) as exc:
         log.error("dropping a malformed command %s: %s", entry_id.decode(), exc)
     else:
         try:
-            await runner.handle(command)
+            if isinstance(command, hostcommands.Describe):
+                await shelf.describe(command)
+            else:
+                await runner.handle(command)
         except REDIS_ERRORS as exc:
             # Left unacknowledged: a restarted hostd reads it again.
             log.warning("command %s interrupted by Redis: %s", entry_id.decode(), exc)

@@ -20,13 +20,11 @@ from capyctl_scheduler.snapshot import Tunables
 def scheduler_for(ctx: ServiceContext) -> Scheduler:
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     scheduling = ctx.settings.server.scheduling
-    roots = {}
-    if isinstance(ctx.settings, StandaloneSettings):
-        roots[ctx.settings.host.name] = ctx.settings.host.models_root
+    hosts = [ctx.settings.host.name] if isinstance(ctx.settings, StandaloneSettings) else []
     memory = scheduling.memory
     observer = Observer(
         ctx.redis,
-        roots,
+        hosts,
         Tunables(
             drain_timeout_s=scheduling.drain_timeout,
             park_verify_s=scheduling.park_verify_timeout,
@@ -44,7 +42,7 @@ def scheduler_for(ctx: ServiceContext) -> Scheduler:
 async def serve(ctx: ServiceContext) -> None:
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     scheduler = scheduler_for(ctx)
-    for host in scheduler.observer.models_roots:
+    for host in scheduler.observer.hosts:
         await ctx.redis.sadd(keys.hosts(), host)
     app = create_app(credentials.load(ctx.paths.credentials), Manager(scheduler))
     await asyncio.gather(

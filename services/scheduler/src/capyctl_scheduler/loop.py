@@ -143,7 +143,7 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.demands = Demands(self.client)
-        self.refusals = Refusals(self.client, sorted(self.observer.models_roots))
+        self.refusals = Refusals(self.client, sorted(self.observer.hosts))
         self.actuator = Actuator(self.client, self.demands.ack)
 
     async def tick(self) -> Snapshot:

@@ -203,7 +203,7 @@ class Manager:
 
     async def engines(self) -> list[dict[str, Any]]:
         rows = []
-        for host in sorted(self.scheduler.observer.models_roots):
+        for host in sorted(self.scheduler.observer.hosts):
             published = await self.scheduler.observer.engines(host)
             for profile in published.profiles if published else []:
                 rows.append({"host": host, **profile.model_dump(mode="json")})

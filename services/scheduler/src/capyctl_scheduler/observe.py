@@ -1,25 +1,28 @@
 """Reading one Snapshot out of Redis: deployments, instances, readings, engines, loads.
 
-Binding a deployment to a host (its engine, its model folder, its park tier) looks at the
-filesystem, so bindings are kept for a few seconds per document revision and host.
+Each deployment is bound to each host against what that host's hostd published: its engines,
+its host info, and its models (`capycommon.hostfacts`). Nothing here reads a host's disk. A
+model path a host has not described yet is asked for (`hostcommands.Describe`, the whole list
+the host's deployments name) and its binding waits, saying so, until the facts arrive.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from capycommon import hostinfo, keys, load, places
-from capycommon.deployments import HostFacts, resolve
+from capycommon import hostcommands, hostfacts, hostinfo, keys, load, places
+from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
 from capycommon.desired import DeploymentRecord, DeploymentStore
 from capycommon.engines.launch import Residency
 from capycommon.engines.publish import PublishedEngines
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, ProfileNotPublished
+from capycommon.hostfacts import HostModels
 from capycommon.instances import LIVE_STATES, InstanceRecord
 from capycommon.memory import MemoryReading, aread_reading, aread_startup_peak
 from capycommon.store import InstanceStore
@@ -35,20 +38,28 @@ from capyctl_scheduler.ledger import (
 )
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
 
-BINDING_TTL_S = 10.0
+# A Describe the host has not answered yet is sent again after this many seconds.
+DESCRIBE_RESEND_S = 10.0
+# How long declaring a deployment waits for a live host to describe its model.
+DESCRIBE_WAIT_S = 5.0
+DESCRIBE_POLL_S = 0.05
+# A path asked for while declaring stays on the host's list this long, so the list the
+# loop sends meanwhile (from the declared deployments) does not drop it.
+ASKED_KEEP_S = 60.0
 
 
 @dataclass
 class Observer:
     client: aioredis.Redis
-    # host name -> its models root (the scheduler of a standalone role knows its one host).
-    models_roots: Mapping[str, Path]
+    # The hosts it plans for (the scheduler of a standalone role knows its one host).
+    hosts: Sequence[str]
     tunables: Tunables = field(default_factory=Tunables)
     system_limits: Limits = field(default_factory=Limits)
     gpu_limits: Limits = field(default_factory=Limits)
-    _resolved: dict[tuple[str, str, str, int, bool], tuple[float, Binding]] = field(
-        default_factory=dict
-    )
+    # (host, model path) -> when declaring a deployment asked for it (monotonic).
+    _asked: dict[tuple[str, str], float] = field(default_factory=dict)
+    # host -> the last list of paths sent it to describe, and when (monotonic).
+    _sent: dict[str, tuple[tuple[str, ...], float]] = field(default_factory=dict)
 
     async def snapshot(
         self,
@@ -63,7 +74,8 @@ class Observer:
         records: list[InstanceRecord] = []
         loads: dict[str, load.EngineLoad] = {}
         engines: dict[str, PublishedEngines | None] = {}
-        for host in sorted(self.models_roots):
+        models: dict[str, HostModels | None] = {}
+        for host in sorted(self.hosts):
             hosts[host] = await self._host(host, await aread_reading(self.client, host), now)
             records += await InstanceStore(self.client, host).all()
             for member, found in (await load.aread_loads(self.client, host)).items():
@@ -71,11 +83,13 @@ class Observer:
                 if index == "0":
                     loads[deployment] = found
             engines[host] = await self.engines(host)
+            models[host] = await hostfacts.aread(self.client, host)
+            await self._ask(host, models[host], _paths(deployments.values()))
         instances, orphans = _owners(records, deployments)
         held = {name: await places.aread(self.client, name) for name in instances}
         bindings = {
             name: {
-                host: await self._binding(record, host, hosts[host], engines[host])
+                host: await self._binding(record, host, hosts[host], engines[host], models[host])
                 for host in hosts
             }
             for name, record in deployments.items()
@@ -96,17 +110,36 @@ class Observer:
         )
 
     async def bindings_of(self, record: DeploymentRecord) -> dict[str, Binding]:
-        """How a deployment would run on each host, resolved now (nothing cached)."""
+        """How a deployment would run on each host, resolved now. A live host that has not
+        described the deployment's model is asked to, and waited for a few seconds."""
+        path = record.document.model.path
+        deadline = time.monotonic() + DESCRIBE_WAIT_S
+        found = await self._bindings_now(record)
+        while path is not None and time.monotonic() < deadline:
+            waiting = [
+                host
+                for host, (view, binding) in found.items()
+                if binding.waiting is not None and view.alive
+            ]
+            if not waiting:
+                break
+            declared = _paths((await DeploymentStore(self.client).all()).values())
+            for host in waiting:
+                self._asked[(host, path)] = time.monotonic()
+                await self._ask(host, await hostfacts.aread(self.client, host), declared)
+            await asyncio.sleep(DESCRIBE_POLL_S)
+            found = await self._bindings_now(record)
+        return {host: binding for host, (_, binding) in found.items()}
+
+    async def _bindings_now(self, record: DeploymentRecord) -> dict[str, tuple[HostView, Binding]]:
         now = time.time()
         found = {}
-        for host in sorted(self.models_roots):
-            reading = await aread_reading(self.client, host)
-            view = await self._host(host, reading, now)
-            engines = await self.engines(host)
+        for host in sorted(self.hosts):
+            view = await self._host(host, await aread_reading(self.client, host), now)
+            models = await hostfacts.aread(self.client, host)
             found[host] = (
-                self._resolve(record, host, view, engines)
-                if engines is not None
-                else _unpublished(host)
+                view,
+                self._resolve(record, host, view, await self.engines(host), models),
             )
         return found
 
@@ -134,16 +167,9 @@ class Observer:
         host: str,
         view: HostView,
         engines: PublishedEngines | None,
+        models: HostModels | None,
     ) -> Binding:
-        if engines is None:
-            return _unpublished(host)
-        cache_key = (record.name, record.digest, host, engines.revision, view.deep_park)
-        cached = self._resolved.get(cache_key)
-        now = time.monotonic()
-        if cached is None or now - cached[0] > BINDING_TTL_S:
-            cached = (now, self._resolve(record, host, view, engines))
-            self._resolved[cache_key] = cached
-        binding = cached[1]
+        binding = self._resolve(record, host, view, engines, models)
         if binding.resolved is None or not view.domains:
             return binding
         return Binding(host, binding.resolved, await self._footprints(record, host, view, binding))
@@ -153,8 +179,13 @@ class Observer:
         record: DeploymentRecord,
         host: str,
         view: HostView,
-        engines: PublishedEngines,
+        engines: PublishedEngines | None,
+        models: HostModels | None,
     ) -> Binding:
+        if engines is None:
+            return _unpublished(host)
+        if models is None:
+            return Binding(host, waiting=f"host {host} has not published its models yet")
         profiles: dict[str, EngineProfile] = {p.name: p for p in engines.profiles}
         system = view.domains.get(SYSTEM)
         facts = HostFacts(
@@ -164,13 +195,27 @@ class Observer:
             deep_park=view.deep_park,
         )
         try:
-            resolved = resolve(
-                record.document, profiles=profiles, models_root=self.models_roots[host],
-                host=facts,
-            )  # fmt: skip
+            resolved = resolve(record.document, profiles=profiles, models=models, host=facts)
+        except ModelNotDescribed as exc:
+            return Binding(host, waiting=f"host {host} has not described model {exc.path} yet")
         except CapyError as exc:
             return Binding(host, error=exc)
         return Binding(host, resolved)
+
+    async def _ask(self, host: str, models: HostModels | None, declared: Iterable[str]) -> None:
+        """Send the host the paths it must describe (those the root's listing lacks), when
+        that list differs from what it describes and was not just sent."""
+        now = time.monotonic()
+        self._asked = {key: at for key, at in self._asked.items() if now - at < ASKED_KEEP_S}
+        named = {*declared, *(path for where, path in self._asked if where == host)}
+        wanted = tuple(sorted(p for p in named if models is None or not models.listed(p)))
+        described = tuple(sorted(models.described)) if models is not None else ()
+        sent = self._sent.get(host)
+        just_sent = sent is not None and sent[0] == wanted and now - sent[1] < DESCRIBE_RESEND_S
+        if wanted == described or just_sent:
+            return
+        await hostcommands.send(self.client, host, hostcommands.Describe(paths=wanted))
+        self._sent[host] = (wanted, now)
 
     async def _footprints(
         self, record: DeploymentRecord, host: str, view: HostView, binding: Binding
@@ -207,6 +252,11 @@ class Observer:
             for gpu in view.gpus
             if gpu in view.domains
         }  # fmt: skip
+
+
+def _paths(records: Iterable[DeploymentRecord]) -> list[str]:
+    """The model paths the deployments name (a Hugging Face source names none yet)."""
+    return [r.document.model.path for r in records if r.document.model.path is not None]
 
 
 def _unpublished(host: str) -> Binding:

@@ -347,6 +347,8 @@ def _unplaceable(view: HostView | None, binding: Binding) -> str | None:
         return "its hostd is not running"
     if binding.error is not None:
         return f"{binding.error.code}: {binding.error.message}"
+    if binding.waiting is not None:
+        return binding.waiting
     if not view.domains:
         return "device_unobserved: no fresh memory reading"
     return None

@@ -69,6 +69,9 @@ class Binding:
     # By GPU name (gpu0, ...): what the deployment is charged there, per phase.
     footprints: Mapping[str, Footprint] = field(default_factory=dict)
     error: CapyError | None = None
+    # Why it is not known yet (the host has not described the model): it waits, refusing
+    # nothing.
+    waiting: str | None = None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 `load_deployment` / `parse_deployment` read a document (`schema.Deployment`);
 `revision_digest` tells revisions apart; `check_routes` keeps routes unique across
-deployments; `resolve` binds one to a host's engines, model folder and memory.
+deployments; `resolve` binds one to a host's engines, model facts and memory.
 """
 
 from capycommon.deployments.load import (
@@ -11,7 +11,7 @@ from capycommon.deployments.load import (
     parse_deployment,
     revision_digest,
 )
-from capycommon.deployments.resolve import HostFacts, Resolved, resolve
+from capycommon.deployments.resolve import HostFacts, ModelNotDescribed, Resolved, resolve
 from capycommon.deployments.schema import (
     Deployment,
     Device,
@@ -29,6 +29,7 @@ __all__ = [
     "HostFacts",
     "Lifecycle",
     "Memory",
+    "ModelNotDescribed",
     "ModelSource",
     "Resolved",
     "check_routes",

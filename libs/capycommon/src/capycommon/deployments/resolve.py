@@ -1,14 +1,15 @@
 """Binding a deployment to one host: its engine, its model folder and weights, its park tier.
 
-The host's facts come in as values (`HostFacts`); the only I/O is looking at the model
-folder. Each refusal names the field to change.
+The host's facts come in as values: `HostFacts`, and the models its hostd described
+(`capycommon.hostfacts.HostModels`). Nothing here reads a disk. Each refusal names the field
+to change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePosixPath
 
 from capycommon.deployments.checkpoint import Quantization, quantization
 from capycommon.deployments.schema import Deployment, ModelSource
@@ -31,15 +32,22 @@ from capycommon.errors import (
     NotFound,
     ProfileNotPublished,
 )
+from capycommon.hostfacts import HostModels, ModelFacts, under_root
 from capycommon.units import format_size
 
 # A host_backed copy is charged 1.5 x the weights in the parked room, beside the engine's
 # 4 GiB host overhead (reference §1 "Residency defaults", §6 "Memory accounting").
 HOST_COPY_FACTOR = 1.5
 ENGINE_HOST_OVERHEAD = 4 << 30
-# The weights an engine loads, by format, in order of preference: a checkpoint that ships
-# both safetensors and .bin loads only the safetensors, so only one format counts.
-WEIGHT_FORMATS = (("*.safetensors",), ("*.gguf",), ("*.bin", "*.pt"))
+
+
+class ModelNotDescribed(Exception):
+    """The host has not described the deployment's model path yet: the binding waits for
+    its hostd (which describes what it is asked, `hostcommands.Describe`), refusing nothing."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,8 @@ class Resolved:
 
     deployment: Deployment
     profile: EngineProfile
-    model_path: Path
+    # Where the model is on the host.
+    model_path: PurePosixPath
     # Bytes of weights on disk; None when the folder holds none CapyCTL can measure.
     weights_bytes: int | None
     residency: Residency
@@ -78,12 +87,13 @@ def resolve(
     deployment: Deployment,
     *,
     profiles: Mapping[str, EngineProfile],
-    models_root: Path,
+    models: HostModels,
     host: HostFacts,
 ) -> Resolved:
-    """Bind `deployment` to a host, or refuse naming the deployment, the field and the fix."""
+    """Bind `deployment` to a host, or refuse naming the deployment, the field and the fix;
+    `ModelNotDescribed` while the host has not described the model's path."""
     try:
-        return _resolve(deployment, profiles, models_root, host)
+        return _resolve(deployment, profiles, models, host)
     except CapyError as exc:
         message = f"deployment {deployment.name!r}: {exc.message}"
         raise type(exc)(message, code=exc.code) from None
@@ -92,7 +102,7 @@ def resolve(
 def _resolve(
     deployment: Deployment,
     profiles: Mapping[str, EngineProfile],
-    models_root: Path,
+    models: HostModels,
     host: HostFacts,
 ) -> Resolved:
     profile = resolve_engine(deployment.engine, profiles)
@@ -110,17 +120,21 @@ def _resolve(
             f"devices[0].id: {device} is not on this host (GPUs: {present}); pin one of them, "
             "or drop devices"
         )
-    model_path = model_folder(deployment.model, models_root)
-    weights = weights_bytes(model_path)
+    model = model_facts(deployment.model, models)
     capabilities = adapter.capabilities(profile.version)
     residency, reason = choose_residency(
-        deployment.residency, profile, capabilities, host, weights, quantization(model_path)
+        deployment.residency,
+        profile,
+        capabilities,
+        host,
+        model.weights_bytes,
+        quantization(model),
     )
     return Resolved(
         deployment=deployment,
         profile=profile,
-        model_path=model_path,
-        weights_bytes=weights,
+        model_path=PurePosixPath(model.path),
+        weights_bytes=model.weights_bytes,
         residency=residency,
         residency_reason=reason,
         device=device,
@@ -152,39 +166,30 @@ def resolve_engine(engine: str, profiles: Mapping[str, EngineProfile]) -> Engine
     )
 
 
-def model_folder(source: ModelSource, models_root: Path) -> Path:
-    """The model's folder (or file): a name under `models_root`, `~/...`, or absolute."""
+def model_facts(source: ModelSource, models: HostModels) -> ModelFacts:
+    """The host's facts of the model's folder (or file): a name under the models root,
+    `~/...`, or absolute."""
     if source.path is None:
         raise ModelSourcePending(
             f"model: {{hf: {source.hf}}} is not downloaded, and this release downloads no "
-            f"models: put the files in a folder under {models_root} and name that folder "
-            "(model: <folder>)"
+            f"models: put the files in a folder under {models.models_root} and name that "
+            "folder (model: <folder>)"
         )
-    try:
-        named = Path(source.path).expanduser()
-    except RuntimeError:
+    found = models.find(source.path)
+    if found is None:
+        raise ModelNotDescribed(source.path)
+    if found.kind == "no_home":
         raise InvalidConfig(
             f"model: {source.path!r} names a home folder that does not exist; write the path"
-        ) from None
-    path = named if named.is_absolute() else models_root.expanduser() / named
-    if not path.exists():
+        )
+    if found.kind == "missing":
         hint = ""
-        if not named.is_absolute() and source.path.count("/") == 1:
+        if under_root(source.path) and source.path.count("/") == 1:
             hint = f" (a Hugging Face repository is written {{hf: {source.path}}})"
-        raise NotFound(f"model: {path} does not exist; put the model there or fix model{hint}")
-    return path
-
-
-def weights_bytes(path: Path) -> int | None:
-    """Bytes of weights at `path`, counting one format (WEIGHT_FORMATS); None if none."""
-    if path.is_file():
-        suffixes = {pattern[1:] for patterns in WEIGHT_FORMATS for pattern in patterns}
-        return path.stat().st_size if path.suffix in suffixes else None
-    for patterns in WEIGHT_FORMATS:
-        files = [file for pattern in patterns for file in path.glob(pattern) if file.is_file()]
-        if files:
-            return sum(file.stat().st_size for file in files)
-    return None
+        raise NotFound(
+            f"model: {found.path} does not exist; put the model there or fix model{hint}"
+        )
+    return found
 
 
 def choose_residency(

@@ -1,0 +1,247 @@
+"""The host's models as facts for the control plane (`capycommon.hostfacts`).
+
+hostd publishes what the scheduler needs to resolve deployments here: every model under the
+models root (a folder holding `config.json` or weights, or a weights file, up to two levels
+down), and each path the scheduler asked it to describe (`hostcommands.Describe`: a folder
+outside the root, or a name the root's listing did not show). It publishes when it starts,
+when it is asked, and when a look every few seconds finds something changed.
+
+Looking stays cheap and safe. The walk of the models root never follows a link (a linked
+model is described once a deployment names it, like any path); only small regular files are
+read (`config.json`, `hf_quant_config.json`, at most 4 MiB each; never a FIFO or a device);
+weights are only stat'ed. Files a model folder links to (a Hugging Face snapshot links its
+files to blobs) count when they are regular files, as the engine would load them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from capycommon import hostfacts
+from capycommon.hostcommands import Describe
+from capycommon.hostfacts import (
+    WEIGHT_FORMATS,
+    WEIGHT_SUFFIXES,
+    HostModels,
+    ModelFacts,
+    QuantizationConfig,
+)
+from capycommon.service import REDIS_ERRORS, wait_event
+
+# How often hostd looks at its models again.
+RESCAN_S = 5.0
+# The largest config file read (they are a few KiB; anything bigger is not one).
+MAX_CONFIG_BYTES = 4 << 20
+# How deep under the models root a model is looked for: `<root>/<name>`, `<root>/<org>/<name>`.
+SCAN_DEPTH = 2
+# Bounds on what one record holds.
+MAX_MODELS = 1024
+MAX_DESCRIBED = 256
+MAX_TEXT = 256
+MAX_ARCHITECTURES = 16
+
+
+def locate(written: str, root: Path) -> Path | None:
+    """Where a deployment's model path is on this host: under `root` unless it is absolute
+    or `~/...`; None for `~user/...` when that user has no home here."""
+    if written.startswith("~"):
+        try:
+            return Path(written).expanduser()
+        except RuntimeError:
+            return None
+    path = Path(written)
+    return path if path.is_absolute() else root / path
+
+
+def describe(path: Path) -> ModelFacts:
+    """The facts of one model path (the path itself may be a link, as a named path is)."""
+    try:
+        info = path.stat()
+    except (OSError, ValueError):
+        return ModelFacts(path=str(path), kind="missing")
+    if stat.S_ISREG(info.st_mode):
+        weights = info.st_size if path.suffix in WEIGHT_SUFFIXES else None
+        return ModelFacts(path=str(path), kind="file", weights_bytes=weights)
+    if not stat.S_ISDIR(info.st_mode):
+        return ModelFacts(path=str(path), kind="other")
+    config = _small_json(path / "config.json") or {}
+    return ModelFacts(
+        path=str(path),
+        kind="folder",
+        weights_bytes=_weights(path),
+        architectures=_architectures(config.get("architectures")),
+        dtype=_text(config.get("dtype") or config.get("torch_dtype")) or None,
+        quantization=_quantization(config, _small_json(path / "hf_quant_config.json")),
+    )
+
+
+def scan(root: Path) -> dict[str, ModelFacts]:
+    """The models under `root` by their name there (`Qwen3-8B`, `org/name`, `one.gguf`)."""
+    found: dict[str, ModelFacts] = {}
+    _walk(root, root, 1, found)
+    return found
+
+
+def survey(root: Path, paths: Iterable[str]) -> HostModels:
+    """The record hostd publishes: the root's models, and each path asked for."""
+    described = {}
+    for written in paths:
+        where = locate(written, root)
+        described[written] = (
+            describe(where) if where is not None else ModelFacts(path=written, kind="no_home")
+        )
+    return HostModels(models_root=str(root), models=scan(root), described=described)
+
+
+def _walk(root: Path, folder: Path, depth: int, found: dict[str, ModelFacts]) -> None:
+    for entry in _entries(folder):
+        if len(found) >= MAX_MODELS:
+            return
+        if entry.name.startswith(".") or entry.is_symlink():
+            continue
+        path = Path(entry.path)
+        if entry.is_file(follow_symlinks=False) and path.suffix in WEIGHT_SUFFIXES:
+            found[str(path.relative_to(root))] = describe(path)
+        elif entry.is_dir(follow_symlinks=False):
+            if _holds_a_model(path):
+                found[str(path.relative_to(root))] = describe(path)
+            elif depth < SCAN_DEPTH:
+                _walk(root, path, depth + 1, found)
+
+
+def _entries(folder: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(folder) as listing:
+            return sorted(listing, key=lambda entry: entry.name)
+    except OSError:
+        return []
+
+
+def _holds_a_model(folder: Path) -> bool:
+    return any(
+        entry.name == "config.json" or Path(entry.name).suffix in WEIGHT_SUFFIXES
+        for entry in _entries(folder)
+    )
+
+
+def _weights(folder: Path) -> int | None:
+    """Bytes of the weights in `folder`, counting one format (WEIGHT_FORMATS); None if none."""
+    totals: dict[int, int] = {}
+    for entry in _entries(folder):
+        kind = next((i for i, fmt in enumerate(WEIGHT_FORMATS) if entry.name.endswith(fmt)), None)
+        if kind is None:
+            continue
+        try:
+            found = entry.stat()  # follows a link, as the engine would
+        except OSError:
+            continue
+        if stat.S_ISREG(found.st_mode):
+            totals[kind] = totals.get(kind, 0) + found.st_size
+    return totals[min(totals)] if totals else None
+
+
+def _small_json(path: Path) -> dict[str, Any] | None:
+    """A small regular file's JSON object; None for anything else (missing, too big, not a
+    regular file, not JSON). Opening does not block on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return None
+    try:
+        with os.fdopen(fd, "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CONFIG_BYTES:
+                return None
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+        found = json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _text(value: object) -> str:
+    return "" if value is None else str(value)[:MAX_TEXT]
+
+
+def _architectures(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        return ()
+    return tuple(_text(name) for name in value if isinstance(name, str))[:MAX_ARCHITECTURES]
+
+
+def _quantization(
+    config: dict[str, Any], exported: dict[str, Any] | None
+) -> tuple[QuantizationConfig, ...]:
+    stated = []
+    declared = config.get("quantization_config")
+    if isinstance(declared, dict):
+        stated.append(
+            QuantizationConfig(
+                file="config.json",
+                quant_method=_text(declared.get("quant_method")),
+                quant_algo=_text(declared.get("quant_algo")),
+            )
+        )
+    section = exported.get("quantization", exported) if exported else None
+    if isinstance(section, dict):
+        stated.append(
+            QuantizationConfig(
+                file="hf_quant_config.json",
+                quant_method=_text(section.get("quant_method")),
+                quant_algo=_text(section.get("quant_algo")),
+            )
+        )
+    return tuple(stated)
+
+
+@dataclass
+class Shelf:
+    """The host's models record: what hostd was asked to describe, and the last published."""
+
+    client: aioredis.Redis
+    host: str
+    root: Path
+    paths: tuple[str, ...] = ()
+    _published: str | None = None
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def start(self) -> None:
+        """Publish at start, still describing what the previous hostd was asked to."""
+        try:
+            previous = await hostfacts.aread(self.client, self.host)
+        except ValidationError:
+            previous = None  # written by another release: the scheduler asks again
+        if previous is not None:
+            self.paths = tuple(previous.described)[:MAX_DESCRIBED]
+        await self.refresh()
+
+    async def describe(self, command: Describe) -> None:
+        self.paths = tuple(dict.fromkeys(command.paths))[:MAX_DESCRIBED]
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        """Look again; publish (and notify) only when something changed."""
+        async with self._lock:
+            found = await asyncio.to_thread(survey, self.root, self.paths)
+            value = found.model_dump_json()
+            if value != self._published:
+                await hostfacts.publish(self.client, self.host, found)
+                self._published = value
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Look again every RESCAN_S seconds until stopped."""
+        while not await wait_event(stop, RESCAN_S):
+            try:
+                await self.refresh()
+            except REDIS_ERRORS:
+                continue  # the heartbeat decides when Redis was gone too long
