@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pynvml  # type: ignore[import-untyped]
 import pytest
 
-from capyctl_memwatch.backends import DeviceUnobserved
+from capycommon.errors import DeviceUnobserved
 from capyctl_memwatch.hostram import HostRamReader
 from capyctl_memwatch.nvml import NvmlBackend
 from memwatch.fakenvml import GIB, FakeDevice, FakeNvml

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from capycommon.engines import registry
-from capycommon.engines.families import EngineUnsupported, Family, check_supported, is_verified
-from capycommon.engines.registry import EngineProfile, ProfileExists, ProfileNotFound
-from capycommon.errors import InvalidConfig
+from capycommon.engines.families import Family, check_supported, is_verified
+from capycommon.engines.registry import EngineProfile
+from capycommon.errors import EngineUnsupported, InvalidConfig, ProfileExists, ProfileNotFound
 
 
 def _profile(name: str = "vllm") -> EngineProfile:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from capycommon.errors import DeviceUnobserved, InsufficientResources
 from capycommon.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.ledger import (
-    DeviceUnobserved,
     Domain,
     GiB,
-    InsufficientResources,
     Ledger,
     Limits,
     derive_discrete,

@@ -9,13 +9,8 @@ import json
 import httpx
 import pytest
 
-from capyctl_router.relay import (
-    EngineError,
-    JsonDict,
-    engine_failure,
-    event_failure,
-    events,
-)
+from capycommon.errors import EngineError
+from capyctl_router.relay import JsonDict, engine_failure, event_failure, events
 
 TOO_LONG = (
     "'max_tokens' or 'max_completion_tokens' is too large: 9000. This model's maximum "

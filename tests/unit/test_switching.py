@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from capycommon.errors import InsufficientResources
 from capycommon.memory import GpuReading, HostRam, MemoryReading
-from capyctl_scheduler.ledger import GiB, InsufficientResources, Ledger, derive_domains
+from capyctl_scheduler.ledger import GiB, Ledger, derive_domains
 from capyctl_scheduler.switching import Candidate, Release, choose_victims
 
 NEEDS = {"gpu0": 14 * GiB, "system": 4 * GiB}

@@ -10,8 +10,9 @@ import redis
 import typer
 
 from capycommon.engines import detect, publish, registry
-from capycommon.engines.families import EngineUnsupported, Family, is_verified
+from capycommon.engines.families import Family, is_verified
 from capycommon.engines.registry import Registry
+from capycommon.errors import EngineNotFound, EngineUnsupported
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import Role
 from capycommon.settingsources import locate_document
@@ -19,7 +20,6 @@ from capyctl_cli import output, record
 from capyctl_cli.launcher import lock_is_held
 from capyctl_cli.options import (
     ConfigOpt,
-    DebugOpt,
     JsonOpt,
     RoleOpt,
     StateDirOpt,
@@ -43,7 +43,7 @@ def choose(found: list[detect.Found], family: Family | None, path: Path) -> dete
     if family is not None:
         matching = [f for f in found if f.family == family]
         if not matching:
-            raise detect.EngineNotFound(f"{path} holds no {family} installation")
+            raise EngineNotFound(f"{path} holds no {family} installation")
         return matching[0]
     if len(found) > 1:
         families = " and ".join(f.family.value for f in found)
@@ -96,7 +96,6 @@ def engine_detect(
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Find vLLM and SGLang environments and llama-server binaries (executes only probes)."""
     places = detect.candidates(Path.home(), path or [], os.environ.get("PATH", ""))
@@ -115,18 +114,13 @@ def engine_detect(
     ]
     if as_json:
         output.emit_json(rows)
-        return
-    if not rows:
-        print(
+    elif not rows:
+        output.echo(
             "No engine found. Name a folder with --path, or register one with `capyctl engine add`."
         )
-        return
-    print(
-        output.table(
-            ["PATH", "ENGINE", "VERSION", "VERIFIED", "REGISTERED"],
-            [list(r.values()) for r in rows],
-        )
-    )
+    else:
+        output.echo(output.table(["PATH", "ENGINE", "VERSION", "VERIFIED", "REGISTERED"],
+                                 [list(r.values()) for r in rows]))  # fmt: skip
 
 
 @app.command("add")
@@ -143,7 +137,6 @@ def engine_add(
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Register an engine: its family, version, executable and fingerprint."""
     found = choose(detect.probe(path), family, path)
@@ -155,8 +148,8 @@ def engine_add(
         output.emit_json({"profile": profile.model_dump(mode="json"), "file": str(file),
                           "revision": saved.revision, "published": published})  # fmt: skip
         return
-    print(f"Registered {profile.family} {profile.version} as {profile.name!r}.")
-    print(output.pairs([
+    output.echo(f"Registered {profile.family} {profile.version} as {profile.name!r}.")
+    output.echo(output.pairs([
         ("executable", profile.executable),
         ("fingerprint", profile.fingerprint),
         ("verified", "yes" if profile.verified else "no (custom)"),
@@ -172,7 +165,6 @@ def engine_list(
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """The registered engines."""
     file, paths = engines_file(role_of(role), state_dir, config)
@@ -188,7 +180,7 @@ def engine_list(
         [p.name, p.family, p.version, "no" if p.verified else "yes", published, p.install_path]
         for p in profiles
     ]
-    print(output.table(["PROFILE", "ENGINE", "VERSION", "CUSTOM", "PUBLISHED", "PATH"], rows))
+    output.echo(output.table(["PROFILE", "ENGINE", "VERSION", "CUSTOM", "PUBLISHED", "PATH"], rows))
 
 
 @app.command("remove")
@@ -199,13 +191,11 @@ def engine_remove(
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Remove a registered engine (its installation is left alone)."""
     file, paths = engines_file(role_of(role), state_dir, config)
     saved = registry.remove(file, name)
     published = publish_if_running(paths, saved)
-    if as_json:
-        output.emit_json({"removed": name, "revision": saved.revision, "published": published})
-        return
-    print(f"Removed {name!r} ({file}, revision {saved.revision}); {published}.")
+    output.show({"removed": name, "revision": saved.revision, "published": published},
+                f"Removed {name!r} ({file}, revision {saved.revision}); {published}.",
+                as_json=as_json)  # fmt: skip

@@ -97,6 +97,73 @@ class ModelSourcePending(CapyError):
     code = "model_source_pending"
 
 
+# Engines: registering, controlling and launching them -----------------------------------
+
+
+class EngineNotFound(CapyError):
+    code = "engine_not_found"
+
+
+class EngineVersionFailed(CapyError):
+    code = "engine_version_failed"
+
+
+class EngineUnsupported(CapyError):
+    code = "engine_unsupported"
+
+
+class ProfileExists(CapyError):
+    code = "profile_exists"
+
+
+class ProfileNotFound(NotFound):
+    """No engine registered under that name."""
+
+
+class EngineUnreachable(CapyError):
+    code = "engine_unreachable"
+
+
+class EngineTimeout(CapyError):
+    code = "engine_timeout"
+
+
+class EngineError(CapyError):
+    """An engine failed a control call, or its answer broke the router's rules (not JSON,
+    over the limits)."""
+
+    code = "engine_error"
+
+
+class CapabilityMissing(CapyError):
+    """`capability_missing:<name>`: the engine, host or checkpoint cannot do it."""
+
+    code = "capability_missing"
+
+
+class LaunchFailed(CapyError):
+    code = "launch_failed"
+
+
+class PortsExhausted(CapyError):
+    """No engine port of the host's range is free."""
+
+    code = "port_conflict"
+
+
+# Memory: room on a device, and knowing there is room -------------------------------------
+
+
+class InsufficientResources(CapyError):
+    code = "insufficient_resources"
+
+
+class DeviceUnobserved(CapyError):
+    """No fresh reading of a device: admission is closed, or memwatch wrote none."""
+
+    code = "device_unobserved"
+
+
 # Every code CapyCTL raises or records: (CLI exit code, HTTP status). A code carrying a
 # suffix (`engine_env_reserved:<name>`) maps by its stem. docs/errors.md lists this table, and
 # a test holds the two (and the codes raised in the source) together.

@@ -25,7 +25,7 @@ from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl, Timeouts
 from capycommon.engines.environment import PROMETHEUS_DIR
 from capycommon.engines.launch import LaunchPlan, LaunchSpec
-from capycommon.errors import CapyError
+from capycommon.errors import LaunchFailed
 from capycommon.instances import ProcessIdentity
 from capyctl_hostd import procs
 
@@ -35,10 +35,6 @@ LOG_TAIL_LINES = 20
 CHILD_SETTLED_S = 1.0
 # The log writer ends once the engine's processes closed their output.
 WRITER_END_S = 5.0
-
-
-class LaunchFailed(CapyError):
-    code = "launch_failed"
 
 
 @dataclass

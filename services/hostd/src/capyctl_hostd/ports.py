@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from capycommon.errors import CapyError
-
-
-class PortsExhausted(CapyError):
-    code = "port_conflict"
+from capycommon.errors import PortsExhausted
 
 
 def is_free(port: int) -> bool:

@@ -21,11 +21,11 @@ from capycommon.engines import registry
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
-from capycommon.errors import CapyError
+from capycommon.errors import CapyError, LaunchFailed
 from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.store import Conflict, InstanceStore
 from capyctl_hostd import engines, procs, release
-from capyctl_hostd.engines import Engine, LaunchFailed
+from capyctl_hostd.engines import Engine
 from capyctl_hostd.ports import PortLeaser
 from capyctl_hostd.settle import Settler
 

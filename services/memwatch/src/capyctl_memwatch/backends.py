@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from capycommon import simgpu
-from capycommon.errors import CapyError
 from capycommon.memory import GpuReading, HostRam
 from capycommon.units import parse_size
 from capyctl_memwatch.hostram import HostRamReader
@@ -20,12 +19,6 @@ from capyctl_memwatch.hostram import HostRamReader
 log = logging.getLogger(__name__)
 
 BackendName = Literal["nvml", "simulated", "none"]
-
-
-class DeviceUnobserved(CapyError):
-    """The devices could not be read; no reading is written, so the host goes unobserved."""
-
-    code = "device_unobserved"
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 import pynvml  # type: ignore[import-untyped]
 
+from capycommon.errors import DeviceUnobserved
 from capycommon.memory import GpuReading, HostRam
-from capyctl_memwatch.backends import BackendName, DeviceUnobserved, Observation
+from capyctl_memwatch.backends import BackendName, Observation
 from capyctl_memwatch.hostram import HostRamReader
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from capycommon.errors import DeviceUnobserved
 from capycommon.procfs import StatFields, group_members, parse_stat
-from capyctl_memwatch.backends import DeviceUnobserved, Observation
+from capyctl_memwatch.backends import Observation
 from capyctl_memwatch.hostram import PROC
 from capyctl_memwatch.peaks import GroupUse
 

@@ -17,11 +17,12 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon import keys, memory
+from capycommon.errors import DeviceUnobserved
 from capycommon.instances import InstanceRecord
 from capycommon.memory import MemoryReading, StartupPeak
 from capycommon.service import REDIS_ERRORS, wait_event
 from capyctl_memwatch import peaks
-from capyctl_memwatch.backends import Backend, DeviceUnobserved
+from capyctl_memwatch.backends import Backend
 from capyctl_memwatch.peaks import PeakSampler
 from capyctl_memwatch.procs import GroupMeter
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from capycommon.errors import CapyError
+from capycommon.errors import CapyError, EngineError
 from capyctl_router.errors import error_body
 from capyctl_router.table import Target
 
@@ -30,12 +30,6 @@ MAX_EVENT = 1 << 20
 MAX_ANSWER = 16 << 20
 # What the router reads of an engine's error answer.
 MAX_ERROR = 64 << 10
-
-
-class EngineError(CapyError):
-    """The engine's answer broke the router's rules (not JSON, over the limits)."""
-
-    code = "engine_error"
 
 
 class EngineFailed(CapyError):

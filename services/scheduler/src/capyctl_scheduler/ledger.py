@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from capycommon.errors import CapyError
+from capycommon.errors import DeviceUnobserved, InsufficientResources
 from capycommon.memory import MemoryReading
 from capycommon.units import format_size, parse_size
 
@@ -25,14 +25,6 @@ ENGINE_HOST_OVERHEAD = 4 * GiB  # an engine's host RAM, a placeholder until meas
 Phase = Literal["cold", "starting", "ready", "parked", "waking"]
 # whole_device: a derived peak above the domain's limit; the start needs the domain empty.
 Provenance = Literal["declared", "measured", "derived", "whole_device"]
-
-
-class InsufficientResources(CapyError):
-    code = "insufficient_resources"
-
-
-class DeviceUnobserved(CapyError):
-    code = "device_unobserved"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ where it is pinned; otherwise the GPU with the most headroom in the ledger."""
 
 from __future__ import annotations
 
-from capyctl_scheduler.ledger import DeviceUnobserved, Ledger
+from capycommon.errors import DeviceUnobserved
+from capyctl_scheduler.ledger import Ledger
 
 
 def headroom(ledger: Ledger, domain: str) -> int:

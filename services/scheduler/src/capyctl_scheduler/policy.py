@@ -12,11 +12,12 @@ from dataclasses import replace
 from typing import Literal
 
 from capycommon.desired import DeploymentRecord
+from capycommon.errors import DeviceUnobserved, InsufficientResources
 from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.units import format_duration
 from capyctl_scheduler.actions import Action, can_park, drain, park, stop
 from capyctl_scheduler.charges import charged, footprint_of
-from capyctl_scheduler.ledger import DeviceUnobserved, InsufficientResources, Ledger
+from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.placement import headroom
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
 from capyctl_scheduler.usage import busy, next_idle_step

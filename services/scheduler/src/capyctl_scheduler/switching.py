@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from capyctl_scheduler.ledger import InsufficientResources, Ledger
+from capycommon.errors import InsufficientResources
+from capyctl_scheduler.ledger import Ledger
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from capycommon.desired import DeploymentRecord
+from capycommon.errors import InsufficientResources
 from capycommon.instances import InstanceState
 from capycommon.units import format_size
 from capyctl_scheduler.actions import Action, can_park, drain, stop
 from capyctl_scheduler.charges import after_releases, footprint_of
-from capyctl_scheduler.ledger import InsufficientResources, Ledger
+from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.snapshot import HostView, Snapshot
 from capyctl_scheduler.switching import Candidate, choose_victims
 from capyctl_scheduler.usage import busy, last_used, protected

@@ -14,7 +14,6 @@ from pathlib import PurePosixPath
 from capycommon.deployments.checkpoint import Quantization, quantization
 from capycommon.deployments.schema import Deployment, ModelSource
 from capycommon.engines.adapters import adapter_for
-from capycommon.engines.control import CapabilityMissing
 from capycommon.engines.families import Family
 from capycommon.engines.launch import (
     PARKING,
@@ -25,6 +24,7 @@ from capycommon.engines.launch import (
 )
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import (
+    CapabilityMissing,
     CapyError,
     HostBackedUnavailable,
     InvalidConfig,

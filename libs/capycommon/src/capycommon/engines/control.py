@@ -13,25 +13,14 @@ from typing import Any
 import httpx
 
 from capycommon.engines.launch import Capabilities, LaunchSpec, Residency
-from capycommon.errors import CapyError
+from capycommon.errors import (
+    CapabilityMissing,
+    EngineError,
+    EngineTimeout,
+    EngineUnreachable,
+)
 
 CANARY_PROMPT = "Reply with the single word: ready"
-
-
-class EngineUnreachable(CapyError):
-    code = "engine_unreachable"
-
-
-class EngineTimeout(CapyError):
-    code = "engine_timeout"
-
-
-class EngineError(CapyError):
-    code = "engine_error"
-
-
-class CapabilityMissing(CapyError):
-    code = "capability_missing"
 
 
 @dataclass(frozen=True)

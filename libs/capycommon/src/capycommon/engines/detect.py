@@ -18,7 +18,7 @@ from pathlib import Path
 
 from capycommon.engines.families import PYTHON_FAMILIES, Family
 from capycommon.engines.registry import EngineProfile, profile_from
-from capycommon.errors import CapyError
+from capycommon.errors import EngineNotFound, EngineVersionFailed
 
 PROBE_TIMEOUT_S = 60
 OUTPUT_LIMIT = 4096
@@ -47,14 +47,6 @@ print(json.dumps(found))
 """
 
 _LLAMA_VERSION = re.compile(r"version:\s*(\d+)\s*\(([^)]*)\)")
-
-
-class EngineNotFound(CapyError):
-    code = "engine_not_found"
-
-
-class EngineVersionFailed(CapyError):
-    code = "engine_version_failed"
 
 
 @dataclass(frozen=True)

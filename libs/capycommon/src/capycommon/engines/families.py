@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from packaging.version import InvalidVersion, Version
 
-from capycommon.errors import CapyError
+from capycommon.errors import EngineUnsupported
 
 
 class Family(StrEnum):
@@ -33,10 +33,6 @@ VERIFIED: dict[Family, frozenset[str]] = {
     Family.SGLANG: frozenset({"0.5.15", "0.5.16", "0.5.22"}),
     Family.LLAMACPP: frozenset(),  # builds change daily: always custom
 }
-
-
-class EngineUnsupported(CapyError):
-    code = "engine_unsupported"
 
 
 def parse_version(family: Family, version: str) -> Version:

@@ -18,21 +18,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from capycommon.engines.families import Family, check_supported, is_verified
-from capycommon.errors import CapyError, InvalidConfig
+from capycommon.errors import InvalidConfig, ProfileExists, ProfileNotFound
 from capycommon.paths import write_atomic
 
 FILE_NAME = "engines.yaml"
 REVISION_PREFIX = "# capyctl-document-revision: "
 
 ProfileName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
-
-
-class ProfileExists(CapyError):
-    code = "profile_exists"
-
-
-class ProfileNotFound(CapyError):
-    code = "not_found"
 
 
 class EngineProfile(BaseModel):
