@@ -82,7 +82,7 @@ def test_untrusted_credentials_refuse_the_start(state: Path, case: str) -> None:
 def test_debug_shows_the_traceback(state: Path) -> None:
     (state / "identity" / "credentials").write_text("nonsense")
     (state / "identity" / "credentials").chmod(0o600)
-    result = capyctl("start", "standalone", "--state-dir", str(state), "--debug")
+    result = capyctl("--debug", "start", "standalone", "--state-dir", str(state))
     assert result.returncode == 2
     assert "Traceback" in result.stderr
     assert result.stderr.rstrip().splitlines()[-1].startswith("error [credentials_unusable]")

@@ -27,6 +27,7 @@ from capycommon.engines import detect, registry
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths
 from capycommon.yamldoc import load_yaml_document
+from capyctl_cli import output
 from capyctl_cli.management import Management
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
@@ -83,7 +84,7 @@ def prepare(state: Path) -> Path:
     for family, version in ENGINES.items():
         if family in known:
             continue
-        print(f"demo: installing the engine simulator as {family} {version} ...", flush=True)
+        output.echo(f"demo: installing the engine simulator as {family} {version} ...")
         venv = install_python_engine(demo / "engines" / family, family, version, BEHAVIOUR)  # type: ignore[arg-type]
         (found,) = detect.probe(venv)
         registry.add(engines_file, found.profile(family))
@@ -99,9 +100,11 @@ def prepare(state: Path) -> Path:
 def run(state: Path, listen: str, management: str) -> int:
     state = state.expanduser()
     if has_gpu():
-        print("demo: this machine has an NVIDIA GPU; the demo still runs on a simulated one. "
-              "For your real engines: capyctl engine add, capyctl start standalone, then "
-              "capyctl deploy model (see docs/deployments.md).")  # fmt: skip
+        output.echo(
+            "demo: this machine has an NVIDIA GPU; the demo still runs on a simulated "
+            "one. For your real engines: capyctl engine add, capyctl start standalone, "
+            "then capyctl deploy model (see docs/deployments.md)."
+        )
     document = prepare(state)
     examples = sorted(examples_dir().glob("*.yaml"))
     for example in examples:
@@ -109,7 +112,7 @@ def run(state: Path, listen: str, management: str) -> int:
     capyctl = [sys.executable, "-m", "capyctl_cli"]
     log = state / "demo" / "role.log"
     _stop_on_hangup()
-    print(f"demo: starting the standalone role (its log: {log}) ...", flush=True)
+    output.echo(f"demo: starting the standalone role (its log: {log}) ...")
     # Its own session: Ctrl-C reaches the demo alone, which stops the engines, then the role.
     with log.open("ab") as out:
         role = subprocess.Popen(
@@ -122,7 +125,7 @@ def run(state: Path, listen: str, management: str) -> int:
         api = _wait_for_api(paths, role)
         with api:
             for example in examples:
-                api.post("/deployments", {"document": load_yaml_document(example)})
+                api.deploy(load_yaml_document(example))
         _print_usage(state, paths, listen, examples)
         return role.wait()
     except KeyboardInterrupt:
@@ -151,7 +154,7 @@ def _stop_on_hangup() -> None:
 def _say(text: str) -> None:
     """Print, unless the terminal is gone (a write to a hung-up terminal fails with EIO)."""
     with contextlib.suppress(OSError):
-        print(text, flush=True)
+        output.echo(text)
 
 
 def _wait_for_api(paths: StatePaths, role: subprocess.Popen[bytes]) -> Management:
@@ -163,7 +166,7 @@ def _wait_for_api(paths: StatePaths, role: subprocess.Popen[bytes]) -> Managemen
         with contextlib.suppress(CapyError):
             api = Management(paths, timeout=5)
             try:
-                api.get("/health")
+                api.health()
                 return api
             except CapyError:
                 api.http.close()
@@ -179,13 +182,11 @@ def _stop(state: Path, role: subprocess.Popen[bytes]) -> int:
         signal.signal(signum, signal.SIG_IGN)  # a terminal closed meanwhile: go on stopping
     _say("\ndemo: stopping the engines and the role ...")
     with contextlib.suppress(CapyError), Management(StatePaths(state), timeout=10) as api:
-        hosts = api.get("/hosts")["hosts"]
-        for host in hosts:
-            api.post(f"/hosts/{host['name']}/drain", {})
+        for host in api.hosts():
+            api.drain(host.name)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            rows = api.get("/deployments")["deployments"]
-            if not any(row["hosts"] for row in rows):
+            if not any(row.hosts for row in api.deployments()):
                 break
             time.sleep(0.5)
     if role.poll() is None:
@@ -200,7 +201,7 @@ def _print_usage(state: Path, paths: StatePaths, listen: str, examples: list[Pat
     first = examples[0].stem
     flag = f"--state-dir {state}"
     names = ", ".join(example.stem for example in examples)
-    print(f"""
+    output.echo(f"""
 CapyCTL demo: {len(examples)} models ({names}) behind {url},
 on a simulated {GPUS.split(":")[1]} GPU; the engines are CapyCTL's engine simulator.
 Two of the models fit on the GPU at once: asking for a third switches (parks) one.
@@ -223,4 +224,4 @@ Watch a park and a wake, in another terminal:
   capyctl status deployment {first} {flag}  # parked; the next request wakes it
 
 Ctrl-C stops the engines and the role.
-""", flush=True)  # fmt: skip
+""")

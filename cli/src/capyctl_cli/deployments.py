@@ -7,18 +7,28 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from capycommon.deployments import load_deployment
 from capycommon.errors import CapyError
+from capycommon.management import (
+    Action,
+    Binding,
+    DeploymentStatus,
+    DeploymentSummary,
+    EngineRow,
+    HostRow,
+    Idle,
+    Startup,
+)
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.units import format_duration, format_size
 from capycommon.yamldoc import load_yaml_document
 from capyctl_cli import output
 from capyctl_cli.management import Management, wait_for
-from capyctl_cli.options import DebugOpt, JsonOpt, StateDirOpt, expected_errors
+from capyctl_cli.options import JsonOpt, StateDirOpt, expected_errors
 
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait until it is done.")]
 TimeoutOpt = Annotated[
@@ -43,15 +53,8 @@ def _api(state_dir: str | None) -> Management:
     return Management(StatePaths(root))
 
 
-def _receipt(answer: dict[str, Any], as_json: bool, text: str) -> None:
-    if as_json:
-        output.emit_json(answer)
-    else:
-        print(text)
-
-
-def _state_is(*states: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda status: status["state"] in states
+def _state_is(*states: str) -> Callable[[DeploymentStatus], bool]:
+    return lambda status: status.state in states
 
 
 @deploy_app.command("model")
@@ -64,42 +67,41 @@ def deploy_model(
     timeout: TimeoutOpt = 1800.0,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Declare a deployment (or a new revision of it) from a YAML document."""
     load_deployment(file)  # every problem of the document, named with its file, before sending
     with _api(state_dir) as api:
-        answer = api.post("/deployments", {"document": load_yaml_document(file)})
-        name = answer["deployment"]
-        text = f"deployment {name} revision {answer['revision']} ({answer['change']})"
+        answer = api.deploy(load_yaml_document(file))
+        name = answer.deployment
+        text = f"deployment {name} revision {answer.revision} ({answer.change})"
         if wait:
             since = time.time()
-            api.post(f"/deployments/{name}/actions", {"action": "start"})
+            api.act(name, "start")
             wait_for(api, name, _state_is("ready"), timeout, "ready", since)
             text += "; ready"
-        _receipt(answer, as_json, text)
+        output.show(answer, text, as_json=as_json)
 
 
-def _act(state_dir: str | None, name: str, verb: str, wait: bool, timeout: float,
+def _act(state_dir: str | None, name: str, verb: Action, wait: bool, timeout: float,
          as_json: bool, done: tuple[str, ...]) -> None:  # fmt: skip
     with _api(state_dir) as api:
         since = time.time()
-        answer = api.post(f"/deployments/{name}/actions", {"action": verb})
+        answer = api.act(name, verb)
         text = f"deployment {name}: {verb} accepted"
         if wait and verb == "delete":
             _wait_gone(api, name, timeout)
             text = f"deployment {name}: deleted"
         elif wait:
             status = wait_for(api, name, _state_is(*done), timeout, " or ".join(done), since)
-            text = f"deployment {name}: {status['state']}"
-        _receipt(answer, as_json, text)
+            text = f"deployment {name}: {status.state}"
+        output.show(answer, text, as_json=as_json)
 
 
 def _wait_gone(api: Management, name: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            api.get(f"/deployments/{name}")
+            api.status(name)
         except CapyError as exc:
             if exc.code == "not_found":
                 return
@@ -110,7 +112,7 @@ def _wait_gone(api: Management, name: str, timeout: float) -> None:
 
 
 def verb_command(
-    app: typer.Typer, verb: str, summary: str, done: tuple[str, ...], timeout_s: float
+    app: typer.Typer, verb: Action, summary: str, done: tuple[str, ...], timeout_s: float
 ) -> None:
     """Register `capyctl <verb> deployment NAME [--wait]` on `app`."""
 
@@ -122,7 +124,6 @@ def verb_command(
         timeout: TimeoutOpt = timeout_s,
         state_dir: StateDirOpt = None,
         as_json: JsonOpt = False,
-        debug: DebugOpt = False,
     ) -> None:
         _act(state_dir, name, verb, wait, timeout, as_json, done)
 
@@ -139,82 +140,78 @@ def status_deployment(
     name: NameArg,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Show a deployment: its state, instances, memory charges and last operation."""
     with _api(state_dir) as api:
-        status = api.get(f"/deployments/{name}")
-    if as_json:
-        output.emit_json(status)
-        return
-    print(render_status(status))
+        status = api.status(name)
+    output.show(status, lambda: render_status(status), as_json=as_json)
 
 
-def render_status(status: dict[str, Any]) -> str:
-    last = status.get("last_operation") or {}
-    startup = status.get("startup") or {}
+def render_status(status: DeploymentStatus) -> str:
+    last = status.last_operation
     lines = [
         output.pairs([
-            ("deployment", status["name"]),
-            ("state", status["state"]),
-            ("revision", status["revision"]),
-            ("routes", ", ".join(status["routes"])),
-            ("activation", status["activation"]),
-            ("startup", f"{_size(startup.get('device_bytes'))} device "
-                        f"({startup.get('device_provenance', '-')}), "
-                        f"{_size(startup.get('host_bytes'))} host "
-                        f"({startup.get('host_provenance', '-')})"),
-            ("last operation", f"{last.get('kind', '-')}: {last.get('reason', '-')}"),
-            ("idle", _idle(status.get("idle") or {})),
-            *_residencies(status["bindings"]),
+            ("deployment", status.name),
+            ("state", status.state),
+            ("revision", status.revision),
+            ("routes", ", ".join(status.routes)),
+            ("activation", status.activation),
+            ("startup", _startup(status.startup)),
+            ("last operation", f"{last.kind}: {last.reason}" if last else "-: -"),
+            ("idle", _idle(status.idle)),
+            *_residencies(status.bindings),
         ]),
     ]  # fmt: skip
-    if status["instances"]:
+    if status.instances:
         rows = [
-            [i["index"], i["host"], i["gpu"], i["state"], i["generation"], i["last_error"]]
-            for i in status["instances"]
+            [i.index, i.host, i.gpu, i.state, i.generation, i.last_error] for i in status.instances
         ]
         lines += ["", output.table(["INSTANCE", "HOST", "GPU", "STATE", "GENERATION", "ERROR"],
                                    rows)]  # fmt: skip
-    if status["charges"]:
-        rows = [
-            [c["host"], c["domain"], c["phase"], _size(c["bytes"]), c["provenance"]]
-            for c in status["charges"]
-        ]
+    if status.charges:
+        rows = [[c.host, c.domain, c.phase, _size(c.bytes), c.provenance] for c in status.charges]
         lines += ["", output.table(["HOST", "DOMAIN", "PHASE", "CHARGE", "FROM"], rows)]
-    errors = [b for b in status["bindings"] if "error" in b]
-    for binding in errors:
-        lines.append(f"\n{binding['host']}: error [{binding['error']['code']}]: "
-                     f"{binding['error']['message']}")  # fmt: skip
+    for binding in status.bindings:
+        if binding.error is not None:
+            lines.append(f"\n{binding.host}: error [{binding.error.code}]: {binding.error.message}")
     return "\n".join(lines)
 
 
-def _residencies(bindings: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def _startup(startup: Startup | None) -> str:
+    """The startup peak, device and host, with where each figure came from."""
+    if startup is None:
+        return "- device (-), - host (-)"
+    return (
+        f"{_size(startup.device_bytes)} device ({startup.device_provenance}), "
+        f"{_size(startup.host_bytes)} host ({startup.host_provenance})"
+    )
+
+
+def _residencies(bindings: list[Binding]) -> list[tuple[str, str]]:
     """Each host's park tier and why, and whether deep parking is off there."""
     rows = []
     for binding in bindings:
-        if "residency" in binding:
-            text = f"{binding['residency']} on {binding['host']} ({binding['residency_reason']})"
+        if binding.residency is not None:
+            text = f"{binding.residency} on {binding.host} ({binding.residency_reason})"
             rows.append(("residency", text))
-        if binding.get("deep_park") is False:
-            rows.append(("deep parking", f"off on host {binding['host']} (host.deep_park: off)"))
+        if binding.deep_park is False:
+            rows.append(("deep parking", f"off on host {binding.host} (host.deep_park: off)"))
     return rows
 
 
-def _idle(idle: dict[str, Any]) -> str:
+def _idle(idle: Idle) -> str:
     """When the model next gives its memory back: `parks at 14:05:09 (in 4m 51s; idle 5m)`."""
-    if idle.get("protected"):
+    if idle.protected:
         return "never parks or stops when idle (warm or explicit)"
-    step = idle.get("next")
+    step = idle.next
     timeouts = (
-        f"ready {_timeout(idle.get('ready_idle_timeout'))}, "
-        f"parked {_timeout(idle.get('parked_idle_timeout'))}"
+        f"ready {_timeout(idle.ready_idle_timeout)}, parked {_timeout(idle.parked_idle_timeout)}"
     )
     if step is None:
         return f"nothing due (idle timeouts: {timeouts})"
-    verb = "parks" if step["action"] == "park" else "stops"
-    at = time.strftime("%H:%M:%S", time.localtime(step["at"]))
-    left = max(0, round(step["at"] - time.time()))
+    verb = "parks" if step.action == "park" else "stops"
+    at = time.strftime("%H:%M:%S", time.localtime(step.at))
+    left = max(0, round(step.at - time.time()))
     return f"{verb} at {at} (in {left // 60}m {left % 60:02d}s if nobody asks; {timeouts})"
 
 
@@ -228,76 +225,78 @@ def _size(value: int | None) -> str:
 
 @list_app.command("deployments")
 @expected_errors
-def list_deployments(
-    state_dir: StateDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False
-) -> None:
+def list_deployments(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
     """NAME, STATE, READY, REVISION, HOSTS of every deployment."""
     with _api(state_dir) as api:
-        rows = api.get("/deployments")["deployments"]
-    if as_json:
-        output.emit_json(rows)
-        return
-    print(output.table(
+        rows = api.deployments()
+    output.show(rows, lambda: render_deployments(rows), as_json=as_json)
+
+
+def render_deployments(rows: list[DeploymentSummary]) -> str:
+    return output.table(
         ["NAME", "STATE", "READY", "REVISION", "HOSTS"],
-        [[r["name"], r["state"], r["ready"], r["revision"], ",".join(r["hosts"]) or "-"]
-         for r in rows],
-    ))  # fmt: skip
+        [[r.name, r.state, r.ready, r.revision, ",".join(r.hosts) or "-"] for r in rows],
+    )
 
 
 @list_app.command("engines")
 @expected_errors
-def list_engines(
-    state_dir: StateDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False
-) -> None:
+def list_engines(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
     """The engines each host has published."""
     with _api(state_dir) as api:
-        rows = api.get("/engines")["engines"]
-    if as_json:
-        output.emit_json(rows)
-        return
-    print(output.table(
+        rows = api.engines()
+    output.show(rows, lambda: render_engines(rows), as_json=as_json)
+
+
+def render_engines(rows: list[EngineRow]) -> str:
+    return output.table(
         ["HOST", "NAME", "FAMILY", "VERSION", "VERIFIED"],
-        [[r["host"], r["name"], r["family"], r["version"], r["verified"]] for r in rows],
-    ))  # fmt: skip
+        [[r.host, r.name, r.family, r.version, r.verified] for r in rows],
+    )
 
 
 @list_app.command("hosts")
 @expected_errors
-def list_hosts(
-    state_dir: StateDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False
-) -> None:
+def list_hosts(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
     """Each host: its state and its memory domains (charged / managed limit)."""
     with _api(state_dir) as api:
-        rows = api.get("/hosts")["hosts"]
-    if as_json:
-        output.emit_json(rows)
-        return
-    print(output.table(
+        rows = api.hosts()
+    output.show(rows, lambda: render_hosts(rows), as_json=as_json)
+
+
+def render_hosts(rows: list[HostRow]) -> str:
+    return output.table(
         ["NAME", "STATE", "MEMORY (CHARGED / LIMIT)"],
-        [[r["name"], r["state"], ", ".join(
-            f"{d['name']} {_size(d['charged'])} / {_size(d['managed_limit'])}"
-            for d in r["domains"]) or "-"] for r in rows],
-    ))  # fmt: skip
+        [
+            [
+                r.name,
+                r.state,
+                ", ".join(
+                    f"{d.name} {_size(d.charged)} / {_size(d.managed_limit)}" for d in r.domains
+                )
+                or "-",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _drain(state_dir: str | None, host: str | None, as_json: bool) -> None:
     with _api(state_dir) as api:
         if host is None:
-            hosts = api.get("/hosts")["hosts"]
+            hosts = api.hosts()
             if len(hosts) != 1:
                 raise CapyError("drain standalone needs a standalone role; use drain host NAME",
                                 code="invalid_request")  # fmt: skip
-            host = str(hosts[0]["name"])
-        answer = api.post(f"/hosts/{host}/drain", {})
-    stopping = ", ".join(answer["stopping"]) or "nothing was running"
-    _receipt(answer, as_json, f"host {host}: stopping {stopping}")
+            host = hosts[0].name
+        answer = api.drain(host)
+    stopping = ", ".join(answer.stopping) or "nothing was running"
+    output.show(answer, f"host {host}: stopping {stopping}", as_json=as_json)
 
 
 @drain_app.command("standalone")
 @expected_errors
-def drain_standalone(
-    state_dir: StateDirOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False
-) -> None:
+def drain_standalone(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
     """Stop every engine of the standalone role."""
     _drain(state_dir, None, as_json)
 
@@ -308,7 +307,6 @@ def drain_host(
     host: Annotated[str, typer.Argument(help="The host's name.", show_default=False)],
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Stop every engine on one host."""
     _drain(state_dir, host, as_json)

@@ -119,8 +119,12 @@ def engine_detect(
             "No engine found. Name a folder with --path, or register one with `capyctl engine add`."
         )
     else:
-        output.echo(output.table(["PATH", "ENGINE", "VERSION", "VERIFIED", "REGISTERED"],
-                                 [list(r.values()) for r in rows]))  # fmt: skip
+        output.echo(
+            output.table(
+                ["PATH", "ENGINE", "VERSION", "VERIFIED", "REGISTERED"],
+                [list(r.values()) for r in rows],
+            )
+        )
 
 
 @app.command("add")
@@ -196,6 +200,8 @@ def engine_remove(
     file, paths = engines_file(role_of(role), state_dir, config)
     saved = registry.remove(file, name)
     published = publish_if_running(paths, saved)
-    output.show({"removed": name, "revision": saved.revision, "published": published},
-                f"Removed {name!r} ({file}, revision {saved.revision}); {published}.",
-                as_json=as_json)  # fmt: skip
+    output.show(
+        {"removed": name, "revision": saved.revision, "published": published},
+        f"Removed {name!r} ({file}, revision {saved.revision}); {published}.",
+        as_json=as_json,
+    )

@@ -56,7 +56,7 @@ status_app.command("deployment")(expected_errors(deployments.status_deployment))
 
 def _version(value: bool) -> None:
     if value:
-        print(f"capyctl {__version__}")
+        output.echo(f"capyctl {__version__}")
         raise typer.Exit()
 
 
@@ -65,6 +65,7 @@ def root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
+    debug: DebugOpt = False,
 ) -> None:
     """CapyCTL: your models on your GPUs, behind one OpenAI-compatible endpoint."""
 
@@ -90,7 +91,6 @@ def start_standalone(
     flags: dict[str, str | None],
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
-    debug: DebugOpt = False,
 ) -> None:
     """Run everything on this machine: redis, router, scheduler, hostd and memwatch.
 
@@ -108,7 +108,6 @@ def start_server(
     flags: dict[str, str | None],
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
-    debug: DebugOpt = False,
 ) -> None:
     """Run the control plane: redis, router and scheduler.
 
@@ -126,7 +125,6 @@ def start_host(
     flags: dict[str, str | None],
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
-    debug: DebugOpt = False,
 ) -> None:
     """Run a GPU host's agents: hostd and memwatch, joined to a server's Redis.
 
@@ -150,7 +148,6 @@ def demo(
     management_listen: Annotated[
         str, typer.Option("--management-listen", help="Management listener (loopback).")
     ] = "127.0.0.1:7443",
-    debug: DebugOpt = False,
 ) -> None:
     """Run the standalone role with example models on a simulated GPU (the engine simulator),
     and print how to use it."""
@@ -165,7 +162,6 @@ def init(
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Prepare a state dir for a role: folders, the role document and credentials."""
     env = dict(os.environ)
@@ -177,11 +173,9 @@ def init(
         "document": str(prepared.loaded.document) if prepared.loaded.document else None,
         "credentials": str(prepared.paths.credentials) if prepared.credentials else None,
     }
-    if as_json:
-        output.emit_json(result)
-    else:
-        print(f"Prepared the {role} role.")
-        print(output.pairs(list(result.items())))
+    output.show(
+        result, f"Prepared the {role} role.\n{output.pairs(list(result.items()))}", as_json=as_json
+    )
 
 
 @app.command("run", hidden=True)
@@ -191,7 +185,6 @@ def run_process(
     role: Annotated[str, typer.Option("--role", help="standalone, server or host.")] = "standalone",
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
-    debug: DebugOpt = False,
 ) -> None:
     """Run one process of a role in the foreground (for systemd units and containers)."""
     env = dict(os.environ)
@@ -217,7 +210,6 @@ def config_show(
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Print every setting, its value and where it came from; never asks a running role.
 
@@ -244,8 +236,8 @@ def config_show(
             }
         )
         return
-    print(f"role {chosen}; document {document or '(none)'}")
-    print(output.table(["SETTING", "VALUE", "SOURCE"], [row[:3] for row in rows]))
+    output.echo(f"role {chosen}; document {document or '(none)'}")
+    output.echo(output.table(["SETTING", "VALUE", "SOURCE"], [row[:3] for row in rows]))
 
 
 @status_app.callback(invoke_without_command=True)
@@ -254,7 +246,6 @@ def status(
     ctx: typer.Context,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Show the role running on the state dir: its processes, listeners and memory."""
     if ctx.invoked_subcommand is not None:
@@ -262,10 +253,7 @@ def status(
     env = dict(os.environ)
     root_dir, _ = resolve_state_dir(state_dir, env)
     report = status_cmd.collect(StatePaths(root_dir))
-    if as_json:
-        output.emit_json(report.model_dump(mode="json"))
-    else:
-        print(status_cmd.render(report))
+    output.show(report, lambda: status_cmd.render(report), as_json=as_json)
 
 
 def main() -> None:

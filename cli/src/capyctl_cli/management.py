@@ -7,18 +7,22 @@ import time
 import uuid
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import TypeVar
 
 import httpx
+from pydantic import ValidationError
 
 from capycommon import credentials
+from capycommon import management as wire
 from capycommon.errors import CapyError, RoleNotRunning
 from capycommon.paths import StatePaths
 from capycommon.settingvalues import split_address
+from capycommon.version import __version__
 from capyctl_cli import record
 from capyctl_cli.launcher import lock_is_held
 
 RETRIES = 3
+Answer = TypeVar("Answer", bound=wire.Versioned)
 
 
 class ActivationTimeout(CapyError):
@@ -46,7 +50,7 @@ class Management:
             host = f"[{host}]"
         token = credentials.load(paths.credentials).admin_token
         self.http = httpx.Client(
-            base_url=f"http://{host}:{port}/management/v1",
+            base_url=f"http://{host}:{port}{wire.PREFIX}",
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
         )
@@ -62,19 +66,49 @@ class Management:
     ) -> None:
         self.http.close()
 
-    def get(self, path: str) -> dict[str, Any]:
-        return self._call(lambda: self.http.get(path))
+    def health(self) -> wire.Health:
+        return self._get("/health", wire.Health)
 
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def deploy(self, document: wire.JsonObject) -> wire.DeployAnswer:
+        body = wire.DeployRequest(document=document)
+        return self._post("/deployments", body, wire.DeployAnswer)
+
+    def act(self, name: str, action: wire.Action) -> wire.ActionAnswer:
+        body = wire.ActionRequest(action=action)
+        return self._post(f"/deployments/{name}/actions", body, wire.ActionAnswer)
+
+    def drain(self, host: str) -> wire.DrainAnswer:
+        return self._post(f"/hosts/{host}/drain", wire.DrainRequest(), wire.DrainAnswer)
+
+    def status(self, name: str) -> wire.DeploymentStatus:
+        return self._get(f"/deployments/{name}", wire.DeploymentStatus)
+
+    def deployments(self) -> list[wire.DeploymentSummary]:
+        return self._get("/deployments", wire.DeploymentList).deployments
+
+    def hosts(self) -> list[wire.HostRow]:
+        return self._get("/hosts", wire.HostList).hosts
+
+    def engines(self) -> list[wire.EngineRow]:
+        return self._get("/engines", wire.EngineList).engines
+
+    def _get(self, path: str, answer: type[Answer]) -> Answer:
+        return self._call(self.http.build_request("GET", path), answer)
+
+    def _post(self, path: str, body: wire.Request, answer: type[Answer]) -> Answer:
         """A mutation: the same Idempotency-Key on every retry, so it acts once."""
-        key = str(uuid.uuid4())
-        headers = {"Idempotency-Key": key}
-        return self._call(lambda: self.http.post(path, json=body, headers=headers))
+        headers = {"Content-Type": "application/json", "Idempotency-Key": str(uuid.uuid4())}
+        content = body.model_dump_json().encode()
+        return self._call(
+            self.http.build_request("POST", path, content=content, headers=headers), answer
+        )
 
-    def _call(self, send: Callable[[], httpx.Response]) -> dict[str, Any]:
+    def _call(self, request: httpx.Request, answer: type[Answer]) -> Answer:
+        """Send (retrying a request that never reached the API), then read the answer as
+        `answer`, or its error body as the CapyError it names."""
         for attempt in range(RETRIES):
             try:
-                response = send()
+                response = self.http.send(request)
                 break
             except httpx.TransportError as exc:
                 if attempt == RETRIES - 1:
@@ -84,50 +118,74 @@ class Management:
                         code="agent_unreachable",
                     ) from None
                 time.sleep(0.5 * (attempt + 1))
-        body: dict[str, Any] = response.json()
         if response.is_error:
-            error = body.get("error", {})
-            raise CapyError(error.get("message", response.text), code=error.get("code"))
-        return body
+            raise _refusal(response)
+        try:
+            return answer.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise CapyError(
+                f"the management API's answer to {request.method} {request.url.path} is not one "
+                f"capyctl {__version__} reads ({_first(exc)}); is the scheduler the same version?",
+                code="internal",
+            ) from None
+
+
+def _refusal(response: httpx.Response) -> CapyError:
+    """The error body's code and message; an answer without one keeps its status and text."""
+    try:
+        error = wire.ErrorBody.model_validate_json(response.content).error
+    except ValidationError:
+        return CapyError(
+            f"the management API answered {response.status_code}: {response.text[:200]}"
+        )
+    return CapyError(error.message, code=error.code)
+
+
+def _first(exc: ValidationError) -> str:
+    """The first problem of an answer: where and what."""
+    problem = exc.errors()[0]
+    where = ".".join(str(part) for part in problem["loc"]) or "the body"
+    more = f", and {exc.error_count() - 1} more" if exc.error_count() > 1 else ""
+    return f"{where}: {problem['msg']}{more}"
 
 
 def wait_for(
     api: Management,
     name: str,
-    done: Callable[[dict[str, Any]], bool],
+    done: Callable[[wire.DeploymentStatus], bool],
     timeout: float,
     what: str,
     since: float | None = None,
-) -> dict[str, Any]:
+) -> wire.DeploymentStatus:
     """Poll the deployment's status until `done`, a failed start (13), a placement no host
     can make, a refusal written since `since` (e.g. 4: it can never fit), or the timeout (4
     when memory was what it waited for, else 10)."""
     since = time.time() if since is None else since
     deadline = time.monotonic() + timeout
-    status = api.get(f"/deployments/{name}")
-    failures = status["attempts"]["count"]
+    status = api.status(name)
+    failures = status.attempts.count
     while True:
         if done(status):
             return status
-        refusal = status.get("refusal")
-        if refusal is not None and refusal["at"] >= since:
-            raise CapyError(refusal["message"], code=refusal["code"])
-        attempts = status["attempts"]
-        if attempts["failed"] or attempts["count"] > failures:
-            raise LaunchFailed(f"deployment {name!r} failed to start: {attempts['last_error']}")
-        reason = (status.get("last_operation") or {}).get("reason", "")
-        if reason.startswith("no host can run it") and status["state"] == "pending":
-            errors = [b["error"] for b in status["bindings"] if "error" in b]
-            if errors and len(errors) == len(status["bindings"]):
-                raise CapyError(errors[0]["message"], code=errors[0]["code"])
+        refusal = status.refusal
+        if refusal is not None and refusal.at >= since:
+            raise CapyError(refusal.message, code=refusal.code)
+        attempts = status.attempts
+        if attempts.failed or attempts.count > failures:
+            raise LaunchFailed(f"deployment {name!r} failed to start: {attempts.last_error}")
+        reason = status.last_operation.reason if status.last_operation else ""
+        if reason.startswith("no host can run it") and status.state == "pending":
+            errors = [b.error for b in status.bindings if b.error is not None]
+            if errors and len(errors) == len(status.bindings):
+                raise CapyError(errors[0].message, code=errors[0].code)
         if time.monotonic() > deadline:
             if reason.startswith(("insufficient_resources", "device_unobserved")):
                 code = reason.split(":", 1)[0]
                 raise CapyError(f"deployment {name!r} is not {what}: {reason}", code=code)
             raise ActivationTimeout(
-                f"deployment {name!r} is {status['state']}, not {what}, after "
+                f"deployment {name!r} is {status.state}, not {what}, after "
                 f"{timeout:.0f}s; last: {reason or 'nothing yet'} (capyctl status deployment "
                 f"{name})"
             )
         time.sleep(0.25)
-        status = api.get(f"/deployments/{name}")
+        status = api.status(name)

@@ -23,23 +23,46 @@ ConfigOpt = Annotated[
     str | None, typer.Option("--config", help="Role document (CAPYCTL_CONFIG).", show_default=False)
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")]
+# One option of `capyctl` itself (capyctl --debug <command> ...), read by `expected_errors`.
+DebugOpt = Annotated[
+    bool,
+    typer.Option(
+        "--debug",
+        help="Show an error's traceback (capyctl --debug <command> ...).",
+        show_default=False,
+    ),
+]
 F = TypeVar("F", bound=Callable[..., Any])
+_CONTEXT = "_context"
 
 
 def expected_errors(fn: F) -> F:
-    """Print a CapyError as one line (or JSON) and exit with its code."""
+    """Print a CapyError as one line (or JSON, for a command given --json) and exit with its
+    code; `capyctl --debug` shows its traceback first.
+
+    The command gets the click context it needs for that (to read the root's --debug) as a
+    parameter of its own, unless it already takes one."""
+    signature = inspect.signature(fn, eval_str=True)
+    own = next(
+        (p.name for p in signature.parameters.values() if p.annotation is typer.Context), None
+    )
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        ctx: typer.Context = kwargs[own] if own else kwargs.pop(_CONTEXT)
         try:
             return fn(*args, **kwargs)
         except CapyError as exc:
-            output.error(
-                exc, as_json=kwargs.get("as_json", False), debug=kwargs.get("debug", False)
-            )
+            debug = bool(ctx.find_root().params.get("debug"))
+            output.error(exc, as_json=kwargs.get("as_json", False), debug=debug)
             raise typer.Exit(exc.exit_code) from None
 
+    if own is None:
+        context = inspect.Parameter(
+            _CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context
+        )
+        params = [*signature.parameters.values(), context]
+        wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
 
 

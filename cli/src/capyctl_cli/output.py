@@ -1,19 +1,50 @@
-"""The one place the CLI prints: tables and summaries as text, or JSON on request."""
+"""The one place the CLI prints: text, tables and summaries, JSON on request, and errors.
+
+Commands hand it a model (an answer of the management API, a report) and the text that
+shows it; `--json` prints the model's JSON instead. The role launcher's echo of its
+processes' logs is the one other writer: a stream of lines, not output of a command.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from pydantic import BaseModel
 
 from capycommon.errors import CapyError
 
+# What --json prints: a model or a list of them (or, for commands without one, plain data).
+Printable = BaseModel | Sequence[BaseModel] | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
-def emit_json(data: Any) -> None:
+
+def echo(text: str = "", *, err: bool = False) -> None:
+    """Print a line (to stderr with `err`), flushed so that a pipe sees it at once."""
+    print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def emit_json(data: Printable) -> None:
     indent = 2 if sys.stdout.isatty() else None
-    print(json.dumps(data, indent=indent, default=str))
+    echo(json.dumps(_plain(data), indent=indent, default=str))
+
+
+def show(data: Printable, text: str | Callable[[], str], *, as_json: bool) -> None:
+    """`data` as JSON with --json, else the text that shows it."""
+    if as_json:
+        emit_json(data)
+    else:
+        echo(text if isinstance(text, str) else text())
+
+
+def _plain(data: Printable) -> object:
+    if isinstance(data, BaseModel):
+        return data.model_dump(mode="json")
+    if isinstance(data, Mapping):
+        return data
+    return [_plain(item) for item in data]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -39,12 +70,14 @@ def _cell(value: Any) -> str:
 
 
 def error(exc: CapyError, *, as_json: bool = False, debug: bool = False) -> None:
+    """An expected error as one line (or one JSON object) on stderr; its traceback first
+    with `capyctl --debug`."""
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
     if as_json:
-        print(json.dumps({"code": exc.code, "message": exc.message}), file=sys.stderr)
+        echo(json.dumps({"code": exc.code, "message": exc.message}), err=True)
     else:
-        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+        echo(f"error [{exc.code}]: {exc.message}", err=True)
 
 
 def duration(seconds: float | None) -> str:

@@ -1,5 +1,7 @@
 """The management API on loopback, behind the admin token.
 
+Each route parses its body into its request model, calls one `Manager` operation and answers
+its model (`capycommon.management`: the bodies of every route, the error body included).
 Every mutation carries an Idempotency-Key: the first answer is kept for a day, and a retry
 with the same key and body gets it again without acting twice.
 """
@@ -7,8 +9,8 @@ with the same key and body gets it again without acting twice.
 from __future__ import annotations
 
 import hashlib
-import json
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Header, Request
@@ -17,38 +19,24 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capycommon import httpauth, keys
+from capycommon import management as wire
 from capycommon.credentials import Credentials
 from capycommon.errors import CapyError
 from capycommon.version import __version__
 from capyctl_scheduler.manage import Manager
 
-API_VERSION = "1"
 _SAFE_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+IDEMPOTENCY_TTL_S = 86_400
+MAX_BODY = 1 << 20
+Answer = TypeVar("Answer", bound=wire.Versioned)
+Body = TypeVar("Body", bound=wire.Request)
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
-    body = {
-        "api_version": API_VERSION,
-        "error": {"code": code, "message": message, "retryable": status >= 500, "details": {}},
-    }
-    return JSONResponse(body, status_code=status, headers=_SAFE_HEADERS)
-
-
-IDEMPOTENCY_TTL_S = 86_400
-MAX_BODY = 1 << 20
-
-
-class DeployBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    document: dict[str, Any]
-    expected_revision: int | None = None
-
-
-class ActionBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    action: Literal["start", "park", "stop", "delete"]
+    body = wire.ErrorBody(
+        error=wire.ErrorDetail(code=code, message=message, retryable=status >= 500)
+    )
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=_SAFE_HEADERS)
 
 
 class IdempotencyConflict(CapyError):
@@ -59,41 +47,58 @@ class InvalidRequest(CapyError):
     code = "invalid_request"
 
 
+class BodyTooLarge(CapyError):
+    code = "body_too_large"
+
+
+class Kept(BaseModel):
+    """What an Idempotency-Key holds: the request's digest, and its answer once it has one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    digest: str | None
+    answer: wire.JsonObject | None = None
+
+
 class Idempotency:
     """Replays the recorded answer of a mutation retried with the same key."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
 
-    async def begin(self, key: str | None, request: Request, body: bytes) -> dict[str, Any] | None:
+    async def begin(
+        self, key: str | None, request: Request, body: bytes, answer: type[Answer]
+    ) -> Answer | None:
         """The recorded answer, or None after claiming the key for this request."""
         if not key or len(key) > 200:
             raise InvalidRequest(
                 "a mutation needs an Idempotency-Key header (up to 200 characters), e.g. a "
                 "fresh UUID per command; a retry sends the same key"
             )
-        digest = hashlib.sha256(request.method.encode() + request.url.path.encode() + body)
-        claim = json.dumps({"digest": digest.hexdigest(), "answer": None})
+        digest = _digest(request, body)
+        claim = Kept(digest=digest).model_dump_json()
         if await self.client.set(keys.idempotency(key), claim, nx=True, ex=IDEMPOTENCY_TTL_S):
             return None
         raw = await self.client.get(keys.idempotency(key))
-        found = json.loads(raw) if raw else {"digest": None, "answer": None}
-        if found["digest"] != digest.hexdigest():
+        found = Kept.model_validate_json(raw) if raw else Kept(digest=None)
+        if found.digest != digest:
             raise IdempotencyConflict(
                 "this Idempotency-Key was used for a different request; use a new key"
             )
-        if found["answer"] is None:
+        if found.answer is None:
             raise IdempotencyConflict("a request with this Idempotency-Key is still running")
-        answer: dict[str, Any] = found["answer"]
-        return answer
+        return answer.model_validate(found.answer)
 
-    async def finish(self, key: str, request: Request, body: bytes, answer: dict[str, Any]) -> None:
-        digest = hashlib.sha256(request.method.encode() + request.url.path.encode() + body)
-        record = json.dumps({"digest": digest.hexdigest(), "answer": answer})
-        await self.client.set(keys.idempotency(key), record, ex=IDEMPOTENCY_TTL_S)
+    async def finish(self, key: str, request: Request, body: bytes, answer: BaseModel) -> None:
+        kept = Kept(digest=_digest(request, body), answer=answer.model_dump(mode="json"))
+        await self.client.set(keys.idempotency(key), kept.model_dump_json(), ex=IDEMPOTENCY_TTL_S)
 
     async def abandon(self, key: str) -> None:
         await self.client.delete(keys.idempotency(key))
+
+
+def _digest(request: Request, body: bytes) -> str:
+    return hashlib.sha256(request.method.encode() + request.url.path.encode() + body).hexdigest()
 
 
 def create_app(credentials: Credentials, manager: Manager | None = None) -> FastAPI:
@@ -127,9 +132,9 @@ def create_app(credentials: Credentials, manager: Manager | None = None) -> Fast
         response.headers.update(_SAFE_HEADERS)
         return response
 
-    @app.get("/management/v1/health")
-    async def health() -> dict[str, str]:
-        return {"api_version": API_VERSION, "status": "ok", "version": __version__}
+    @app.get(f"{wire.PREFIX}/health")
+    async def health() -> wire.Health:
+        return wire.Health(status="ok", version=__version__)
 
     if manager is not None:
         _routes(app, manager)
@@ -139,68 +144,76 @@ def create_app(credentials: Credentials, manager: Manager | None = None) -> Fast
 def _routes(app: FastAPI, manager: Manager) -> None:
     idempotency = Idempotency(manager.scheduler.client)
 
-    async def mutate(request: Request, key: str | None, act: Any) -> JSONResponse:
+    async def mutate(
+        request: Request,
+        key: str | None,
+        parse_as: type[Body],
+        answer: type[Answer],
+        act: Callable[[Body], Awaitable[Answer]],
+    ) -> Answer:
+        """Parse the body, then act once per Idempotency-Key (a retry gets the kept answer)."""
         body = await request.body()
         if len(body) > MAX_BODY:
-            return error_response(413, "body_too_large", "the body is over 1 MiB")
-        replay = await idempotency.begin(key, request, body)
+            raise BodyTooLarge("the body is over 1 MiB")
+        replay = await idempotency.begin(key, request, body, answer)
         if replay is not None:
-            return JSONResponse(replay, status_code=202)
+            return replay
         assert key is not None
         try:
-            answer = {"api_version": API_VERSION, **await act(body)}
+            done = await act(_parse(parse_as, body))
         except BaseException:
             await idempotency.abandon(key)
             raise
-        await idempotency.finish(key, request, body, answer)
-        return JSONResponse(answer, status_code=202)
+        await idempotency.finish(key, request, body, done)
+        return done
 
-    def parse(model: type[BaseModel], body: bytes) -> Any:
-        try:
-            return model.model_validate_json(body)
-        except ValueError as exc:
-            raise InvalidRequest(f"the request body is not valid: {exc}") from None
-
-    @app.post("/management/v1/deployments")
+    @app.post(f"{wire.PREFIX}/deployments", status_code=202)
     async def deploy(
         request: Request, idempotency_key: Annotated[str | None, Header()] = None
-    ) -> JSONResponse:
-        async def act(body: bytes) -> dict[str, Any]:
-            found = parse(DeployBody, body)
+    ) -> wire.DeployAnswer:
+        async def act(found: wire.DeployRequest) -> wire.DeployAnswer:
             return await manager.deploy(found.document, found.expected_revision)
 
-        return await mutate(request, idempotency_key, act)
+        return await mutate(request, idempotency_key, wire.DeployRequest, wire.DeployAnswer, act)
 
-    @app.post("/management/v1/deployments/{name}/actions")
+    @app.post(f"{wire.PREFIX}/deployments/{{name}}/actions", status_code=202)
     async def action(
         name: str, request: Request, idempotency_key: Annotated[str | None, Header()] = None
-    ) -> JSONResponse:
-        async def act(body: bytes) -> dict[str, Any]:
-            return await manager.act(name, parse(ActionBody, body).action)
+    ) -> wire.ActionAnswer:
+        async def act(found: wire.ActionRequest) -> wire.ActionAnswer:
+            return await manager.act(name, found.action)
 
-        return await mutate(request, idempotency_key, act)
+        return await mutate(request, idempotency_key, wire.ActionRequest, wire.ActionAnswer, act)
 
-    @app.post("/management/v1/hosts/{host}/drain")
+    @app.post(f"{wire.PREFIX}/hosts/{{host}}/drain", status_code=202)
     async def drain(
         host: str, request: Request, idempotency_key: Annotated[str | None, Header()] = None
-    ) -> JSONResponse:
-        async def act(body: bytes) -> dict[str, Any]:
+    ) -> wire.DrainAnswer:
+        async def act(_: wire.DrainRequest) -> wire.DrainAnswer:
             return await manager.drain(host)
 
-        return await mutate(request, idempotency_key, act)
+        return await mutate(request, idempotency_key, wire.DrainRequest, wire.DrainAnswer, act)
 
-    @app.get("/management/v1/deployments")
-    async def deployments() -> dict[str, Any]:
-        return {"api_version": API_VERSION, "deployments": await manager.summaries()}
+    @app.get(f"{wire.PREFIX}/deployments")
+    async def deployments() -> wire.DeploymentList:
+        return wire.DeploymentList(deployments=await manager.summaries())
 
-    @app.get("/management/v1/deployments/{name}")
-    async def deployment(name: str) -> dict[str, Any]:
-        return {"api_version": API_VERSION, **await manager.status(name)}
+    @app.get(f"{wire.PREFIX}/deployments/{{name}}")
+    async def deployment(name: str) -> wire.DeploymentStatus:
+        return await manager.status(name)
 
-    @app.get("/management/v1/hosts")
-    async def hosts() -> dict[str, Any]:
-        return {"api_version": API_VERSION, "hosts": await manager.hosts()}
+    @app.get(f"{wire.PREFIX}/hosts")
+    async def hosts() -> wire.HostList:
+        return wire.HostList(hosts=await manager.hosts())
 
-    @app.get("/management/v1/engines")
-    async def engines() -> dict[str, Any]:
-        return {"api_version": API_VERSION, "engines": await manager.engines()}
+    @app.get(f"{wire.PREFIX}/engines")
+    async def engines() -> wire.EngineList:
+        return wire.EngineList(engines=await manager.engines())
+
+
+def _parse(model: type[Body], body: bytes) -> Body:
+    """A request body as its model; an empty body is an empty object."""
+    try:
+        return model.model_validate_json(body or b"{}")
+    except ValueError as exc:
+        raise InvalidRequest(f"the request body is not valid: {exc}") from None

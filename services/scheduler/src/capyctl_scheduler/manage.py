@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from capycommon import desired
 from capycommon.deployments import (
@@ -21,13 +21,24 @@ from capycommon.deployments import (
 from capycommon.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
 from capycommon.errors import CapyError, NotFound
 from capycommon.instances import LIVE_STATES, InstanceState
+from capycommon.management import (
+    Action,
+    ActionAnswer,
+    Change,
+    DeployAnswer,
+    DeploymentStatus,
+    DeploymentSummary,
+    DrainAnswer,
+    EngineRow,
+    HostRow,
+    JsonObject,
+)
 from capycommon.memory import aread_reading
 from capyctl_scheduler import status
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.snapshot import Snapshot
 
 S = InstanceState
-Verb = Literal["start", "park", "stop", "delete"]
 
 
 class LifecycleConflict(CapyError):
@@ -53,7 +64,7 @@ class Manager:
     async def snapshot(self) -> Snapshot:
         return await self.scheduler.observer.snapshot(self.scheduler.demands.oldest())
 
-    async def deploy(self, document: object, expected_revision: int | None) -> dict[str, Any]:
+    async def deploy(self, document: JsonObject, expected_revision: int | None) -> DeployAnswer:
         """Declare a deployment or a new revision of one; an equal document changes nothing."""
         deployment = parse_deployment(document, "request body")
         existing = await self.store.all()
@@ -76,6 +87,7 @@ class Manager:
         digest = revision_digest(deployment)
         now = time.time()
         op = operation_id()
+        change: Change
         if current is not None and current.digest == digest:
             change = "unchanged"
             record = current
@@ -104,13 +116,13 @@ class Manager:
                 )
             )
             self.scheduler.wake.set()
-        return {
-            "operation_id": op,
-            "deployment": record.name,
-            "revision": record.revision,
-            "digest": record.digest,
-            "change": change,
-        }
+        return DeployAnswer(
+            operation_id=op,
+            deployment=record.name,
+            revision=record.revision,
+            digest=record.digest,
+            change=change,
+        )
 
     async def _check_runnable(self, deployment: Deployment) -> None:
         """Refuse a document no host can run (its engine, its model, its park tier), naming
@@ -122,11 +134,12 @@ class Manager:
         if errors and len(errors) == len(bindings):
             raise type(errors[0])(errors[0].message, code=errors[0].code)
 
-    async def act(self, name: str, verb: Verb) -> dict[str, Any]:
+    async def act(self, name: str, verb: Action) -> ActionAnswer:
         record = await self._get(name)
         if record.deleting and verb == "delete":
-            return {"operation_id": operation_id(), "deployment": name,
-                    "revision": record.revision, "action": verb}  # fmt: skip
+            return ActionAnswer(
+                operation_id=operation_id(), deployment=name, revision=record.revision, action=verb
+            )
         if record.deleting:
             raise LifecycleConflict(f"deployment {name!r} is being deleted")
         snap = await self.snapshot()
@@ -162,10 +175,11 @@ class Manager:
                                              operation_id=op)  # fmt: skip
         written = await self.store.put(record.model_copy(update=update))
         self.scheduler.wake.set()
-        return {"operation_id": op, "deployment": name, "revision": written.revision,
-                "action": verb}  # fmt: skip
+        return ActionAnswer(
+            operation_id=op, deployment=name, revision=written.revision, action=verb
+        )
 
-    async def drain(self, host: str) -> dict[str, Any]:
+    async def drain(self, host: str) -> DrainAnswer:
         """Stop every engine on a host; the deployments stay on demand."""
         snap = await self.snapshot()
         if host not in snap.hosts:
@@ -182,31 +196,43 @@ class Manager:
             }))  # fmt: skip
             stopping.append(name)
         self.scheduler.wake.set()
-        return {"operation_id": operation_id(), "host": host, "stopping": sorted(stopping)}
+        return DrainAnswer(operation_id=operation_id(), host=host, stopping=sorted(stopping))
 
-    async def status(self, name: str) -> dict[str, Any]:
+    async def status(self, name: str) -> DeploymentStatus:
         await self._get(name)
         snap = await self.snapshot()
         if name not in snap.deployments:
             raise NotFound(f"no deployment named {name!r}")
         return status.detail(snap, name)
 
-    async def summaries(self) -> list[dict[str, Any]]:
+    async def summaries(self) -> list[DeploymentSummary]:
         snap = await self.snapshot()
         return [status.summary(snap, name) for name in sorted(snap.deployments)]
 
-    async def hosts(self) -> list[dict[str, Any]]:
+    async def hosts(self) -> list[HostRow]:
         snap = await self.snapshot()
         client = self.scheduler.client
         readings = {host: await aread_reading(client, host) for host in snap.hosts}
         return status.host_rows(snap, readings)
 
-    async def engines(self) -> list[dict[str, Any]]:
+    async def engines(self) -> list[EngineRow]:
         rows = []
         for host in sorted(self.scheduler.observer.hosts):
             published = await self.scheduler.observer.engines(host)
             for profile in published.profiles if published else []:
-                rows.append({"host": host, **profile.model_dump(mode="json")})
+                rows.append(
+                    EngineRow(
+                        host=host,
+                        name=profile.name,
+                        family=str(profile.family),
+                        version=profile.version,
+                        executable=str(profile.executable),
+                        install_path=str(profile.install_path),
+                        fingerprint=profile.fingerprint,
+                        verified=profile.verified,
+                        added_at=profile.added_at,
+                    )
+                )
         return rows
 
     async def _get(self, name: str) -> DeploymentRecord:

@@ -1,16 +1,39 @@
-"""What `status deployment`, `list deployments` and `list hosts` show, built from a snapshot."""
+"""What `status deployment`, `list deployments` and `list hosts` show, built from a snapshot
+as the management API's answers (`capycommon.management`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from capycommon.instances import LIVE_STATES, InstanceState
+from capycommon.management import (
+    Attempts,
+    Binding,
+    BindingError,
+    Charge,
+    DeploymentStatus,
+    DeploymentSummary,
+    HostDomain,
+    HostGpu,
+    HostRow,
+    Idle,
+    IdleStep,
+    InFlight,
+    InstanceView,
+    Operation,
+    Refusal,
+    Requests,
+    Startup,
+)
 from capycommon.memory import MemoryReading
 from capyctl_scheduler.charges import PHASES, charges, footprint_of
 from capyctl_scheduler.snapshot import Snapshot
 from capyctl_scheduler.usage import idle_timeouts, next_idle_step, protected
 
 S = InstanceState
+W = TypeVar("W", bound=BaseModel)
 
 
 def state_of(snapshot: Snapshot, name: str) -> str:  # noqa: PLR0911 (one word per case)
@@ -34,103 +57,115 @@ def state_of(snapshot: Snapshot, name: str) -> str:  # noqa: PLR0911 (one word p
     return "idle"
 
 
-def summary(snapshot: Snapshot, name: str) -> dict[str, Any]:
+def summary(snapshot: Snapshot, name: str) -> DeploymentSummary:
     """A row of `list deployments`: NAME, STATE, READY, REVISION, HOSTS."""
     record = snapshot.deployments[name]
     instance = snapshot.instances.get(name)
     live = instance is not None and instance.state in LIVE_STATES
-    return {
-        "name": name,
-        "state": state_of(snapshot, name),
-        "ready": f"{1 if instance and instance.state == S.READY else 0}/1",
-        "revision": record.revision,
-        "hosts": [instance.host] if live and instance else [],
-        "routes": list(record.document.routes),
-    }
+    return DeploymentSummary(
+        name=name,
+        state=state_of(snapshot, name),
+        ready=f"{1 if instance and instance.state == S.READY else 0}/1",
+        revision=record.revision,
+        hosts=[instance.host] if live and instance else [],
+        routes=list(record.document.routes),
+    )
 
 
-def detail(snapshot: Snapshot, name: str) -> dict[str, Any]:
+def detail(snapshot: Snapshot, name: str) -> DeploymentStatus:
     """Everything `status deployment NAME` shows."""
     record = snapshot.deployments[name]
     instance = snapshot.instances.get(name)
-    found = summary(snapshot, name)
     instances = []
     if instance is not None:
         view = snapshot.hosts.get(instance.host)
-        instances.append({
-            "index": instance.instance,
-            "host": instance.host,
-            "gpu": view.gpu_of(instance.gpu_uuid) if view else None,
-            "state": str(instance.state),
-            "since": instance.since,
-            "generation": instance.generation,
-            "revision": instance.revision,
-            "residency": instance.residency,
-            "port": instance.port,
-            "last_error": instance.error,
-        })  # fmt: skip
-    bindings = []
-    for host, binding in sorted(snapshot.bindings.get(name, {}).items()):
-        entry: dict[str, Any] = {"host": host}
-        if binding.error is not None:
-            entry["error"] = {"code": binding.error.code, "message": binding.error.message}
-        if binding.resolved is not None:
-            entry["engine"] = binding.resolved.profile.name
-            entry["model_path"] = str(binding.resolved.model_path)
-            entry["weights_bytes"] = binding.resolved.weights_bytes
-            entry["residency"] = str(binding.resolved.residency)
-            entry["residency_reason"] = binding.resolved.residency_reason
-        if host in snapshot.hosts:
-            entry["deep_park"] = snapshot.hosts[host].deep_park
-        bindings.append(entry)
-    found.update(
+        instances.append(
+            InstanceView(
+                index=instance.instance,
+                host=instance.host,
+                gpu=view.gpu_of(instance.gpu_uuid) if view else None,
+                state=str(instance.state),
+                since=instance.since,
+                generation=instance.generation,
+                revision=instance.revision,
+                residency=instance.residency,
+                port=instance.port,
+                last_error=instance.error,
+            )
+        )
+    return DeploymentStatus(
+        **dict(summary(snapshot, name)),
         activation=record.activation,
         digest=record.digest,
         stopped=record.stopped,
         instances=instances,
         charges=_charges(snapshot, name),
         startup=_startup(snapshot, name),
-        bindings=bindings,
-        last_operation=record.last_operation.model_dump() if record.last_operation else None,
-        in_flight=record.inflight.model_dump() if record.inflight else None,
-        attempts=record.attempts.model_dump(),
+        bindings=_bindings(snapshot, name),
+        last_operation=_wire(Operation, record.last_operation),
+        in_flight=_wire(InFlight, record.inflight),
+        attempts=Attempts.model_validate(record.attempts, from_attributes=True),
         requests=_requests(snapshot, name),
         idle=_idle(snapshot, name),
-        refusal=record.refusal.model_dump() if record.refusal else None,
+        refusal=_wire(Refusal, record.refusal),
         demanded_since=snapshot.demands.get(name),
         document=record.document.model_dump(mode="json"),
     )
-    return found
 
 
-def _idle(snapshot: Snapshot, name: str) -> dict[str, Any]:
+def _wire(model: type[W], found: BaseModel | None) -> W | None:
+    """A part of a deployment record as the wire shows it."""
+    return None if found is None else model.model_validate(found, from_attributes=True)
+
+
+def _bindings(snapshot: Snapshot, name: str) -> list[Binding]:
+    """Each host's resolution of the deployment, or its reason it cannot run it; only the
+    fields that apply are set."""
+    bindings = []
+    for host, binding in sorted(snapshot.bindings.get(name, {}).items()):
+        entry = Binding(host=host)
+        if binding.error is not None:
+            entry.error = BindingError(code=binding.error.code, message=binding.error.message)
+        if (resolved := binding.resolved) is not None:
+            entry.engine = resolved.profile.name
+            entry.model_path = str(resolved.model_path)
+            entry.weights_bytes = resolved.weights_bytes
+            entry.residency = str(resolved.residency)
+            entry.residency_reason = resolved.residency_reason
+        if host in snapshot.hosts:
+            entry.deep_park = snapshot.hosts[host].deep_park
+        bindings.append(entry)
+    return bindings
+
+
+def _idle(snapshot: Snapshot, name: str) -> Idle:
     """The idle timeouts in force, and the next idle step with its time, if one is due."""
     record = snapshot.deployments[name]
     instance = snapshot.instances.get(name)
     ready_after, parked_after = idle_timeouts(snapshot, record)
     step = next_idle_step(snapshot, record, instance) if instance is not None else None
-    return {
-        "ready_idle_timeout": ready_after,
-        "parked_idle_timeout": parked_after,
-        "protected": protected(record),
-        "next": None if step is None else {"action": step.kind, "at": step.at},
-    }
+    return Idle(
+        ready_idle_timeout=ready_after,
+        parked_idle_timeout=parked_after,
+        protected=protected(record),
+        next=None if step is None else IdleStep(action=step.kind, at=step.at),
+    )
 
 
-def _requests(snapshot: Snapshot, name: str) -> dict[str, int]:
+def _requests(snapshot: Snapshot, name: str) -> Requests:
     """The routers' places on the current generation, and how its cut requests settle."""
     held = snapshot.places.get(name)
     load = snapshot.loads.get(name)
-    return {
-        "running": held.running if held else 0,
-        "settle_when_idle": held.settle_when_idle if held else 0,
-        "settle_at_stop": held.settle_at_stop if held else 0,
-        "engine_running": load.running if load else 0,
-        "engine_waiting": load.waiting if load else 0,
-    }
+    return Requests(
+        running=held.running if held else 0,
+        settle_when_idle=held.settle_when_idle if held else 0,
+        settle_at_stop=held.settle_at_stop if held else 0,
+        engine_running=load.running if load else 0,
+        engine_waiting=load.waiting if load else 0,
+    )
 
 
-def _charges(snapshot: Snapshot, name: str) -> list[dict[str, Any]]:
+def _charges(snapshot: Snapshot, name: str) -> list[Charge]:
     """Each domain's charge, its phase, and where the figure came from."""
     instance = snapshot.instances.get(name)
     record = snapshot.deployments[name]
@@ -157,12 +192,13 @@ def _charges(snapshot: Snapshot, name: str) -> list[dict[str, Any]]:
                     provenance = footprint.device_provenance
                 else:
                     provenance = "declared" if declared else "derived"
-            rows.append({"host": host, "domain": domain, "phase": phase, "bytes": size,
-                         "provenance": provenance})  # fmt: skip
+            rows.append(
+                Charge(host=host, domain=domain, phase=phase, bytes=size, provenance=provenance)
+            )
     return rows
 
 
-def _startup(snapshot: Snapshot, name: str) -> dict[str, Any] | None:
+def _startup(snapshot: Snapshot, name: str) -> Startup | None:
     """The startup peak where the instance runs (else on the first GPU that could take it)."""
     instance = snapshot.instances.get(name)
     for host in sorted(snapshot.hosts):
@@ -176,20 +212,18 @@ def _startup(snapshot: Snapshot, name: str) -> dict[str, Any] | None:
             if footprint is None:
                 continue
             starting = footprint.charge("starting")
-            return {
-                "host": host,
-                "gpu": gpu,
-                "device_bytes": starting.get(view.domain_of(gpu)),
-                "device_provenance": footprint.device_provenance,
-                "host_bytes": starting.get("system", starting.get("unified")),
-                "host_provenance": footprint.host_provenance,
-            }
+            return Startup(
+                host=host,
+                gpu=gpu,
+                device_bytes=starting.get(view.domain_of(gpu)),
+                device_provenance=footprint.device_provenance,
+                host_bytes=starting.get("system", starting.get("unified")),
+                host_provenance=footprint.host_provenance,
+            )
     return None
 
 
-def host_rows(
-    snapshot: Snapshot, readings: dict[str, MemoryReading | None]
-) -> list[dict[str, Any]]:
+def host_rows(snapshot: Snapshot, readings: dict[str, MemoryReading | None]) -> list[HostRow]:
     """A row per host: whether it is observed, its domains with limits and charges."""
     rows = []
     for host, view in sorted(snapshot.hosts.items()):
@@ -197,21 +231,34 @@ def host_rows(
         domains = []
         for domain in view.domains.values():
             used = sum(c.get(domain.name, 0) for c in charged.values())
-            domains.append({
-                "name": domain.name, "capacity": domain.capacity,
-                "managed_limit": domain.managed_limit, "free_reserve": domain.free_reserve,
-                "parked_limit": domain.parked_limit, "charged": used,
-            })  # fmt: skip
+            domains.append(
+                HostDomain(
+                    name=domain.name,
+                    capacity=domain.capacity,
+                    managed_limit=domain.managed_limit,
+                    free_reserve=domain.free_reserve,
+                    parked_limit=domain.parked_limit,
+                    charged=used,
+                )
+            )
         reading = readings.get(host)
         state = "ready" if view.alive and view.domains else ("unobserved" if view.alive else "down")
-        rows.append({
-            "name": host,
-            "state": state,
-            "gpus": [
-                {"name": f"gpu{g.index}", "uuid": g.uuid, "total": g.total_bytes,
-                 "used": g.used_bytes, "free": g.free_bytes, "unified": g.unified}
-                for g in (reading.gpus if reading else [])
-            ],
-            "domains": domains,
-        })  # fmt: skip
+        rows.append(
+            HostRow(
+                name=host,
+                state=state,
+                gpus=[
+                    HostGpu(
+                        name=f"gpu{g.index}",
+                        uuid=g.uuid,
+                        total=g.total_bytes,
+                        used=g.used_bytes,
+                        free=g.free_bytes,
+                        unified=g.unified,
+                    )
+                    for g in (reading.gpus if reading else [])
+                ],
+                domains=domains,
+            )
+        )
     return rows

@@ -1,0 +1,345 @@
+"""The management API's wire: the body of every request and answer, and the error body.
+
+The scheduler answers with these models and `capyctl` reads the answers into them. What we
+send (`Request`) forbids unknown fields, so a misspelt field is refused by name; what we read
+from the peer (`Answer`) ignores the fields it does not know, so a newer scheduler's
+additions never break an older CLI.
+
+Every answer, errors included, carries `api_version`. A mutation answers 202 with its
+receipt; a failure answers its code's HTTP status with `ErrorBody`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    JsonValue,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+
+API_VERSION = "1"
+PREFIX = "/management/v1"
+
+# A JSON object as a person wrote it: a deployment document, an error's details.
+JsonObject = dict[str, JsonValue]
+Action = Literal["start", "park", "stop", "delete"]
+Change = Literal["created", "updated", "unchanged"]
+
+
+class Request(BaseModel):
+    """A body we send: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Answer(BaseModel):
+    """A body we read from the peer: unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Versioned(Answer):
+    """A whole answer (not a part of one): it names the API's version."""
+
+    api_version: str = API_VERSION
+
+
+# Requests.
+
+
+class DeployRequest(Request):
+    """POST /deployments. The document is checked by the scheduler against the deployment
+    schema (`capycommon.deployments`), so its errors name the document's own fields."""
+
+    document: JsonObject
+    expected_revision: int | None = None
+
+
+class ActionRequest(Request):
+    """POST /deployments/{name}/actions."""
+
+    action: Action
+
+
+class DrainRequest(Request):
+    """POST /hosts/{host}/drain: nothing to say."""
+
+
+# Errors.
+
+
+class ErrorDetail(Answer):
+    code: str
+    message: str
+    retryable: bool
+    details: JsonObject = {}
+
+
+class ErrorBody(Versioned):
+    """What every failure answers, with the code's HTTP status (`capycommon.errors`)."""
+
+    error: ErrorDetail
+
+
+# Mutations: a receipt each.
+
+
+class Health(Versioned):
+    """GET /health."""
+
+    status: str
+    version: str
+
+
+class DeployAnswer(Versioned):
+    """A declared deployment: its revision, and whether the document changed it."""
+
+    operation_id: str
+    deployment: str
+    revision: int
+    digest: str
+    change: Change
+
+
+class ActionAnswer(Versioned):
+    operation_id: str
+    deployment: str
+    revision: int
+    action: Action
+
+
+class DrainAnswer(Versioned):
+    """The deployments whose engines the drain stops."""
+
+    operation_id: str
+    host: str
+    stopping: list[str]
+
+
+# Deployments.
+
+
+class DeploymentSummary(Answer):
+    """A row of `list deployments`: NAME, STATE, READY, REVISION, HOSTS."""
+
+    name: str
+    # The instance's state, or why there is none (idle, pending, stopped, failed, ...).
+    state: str
+    ready: str
+    revision: int
+    hosts: list[str]
+    routes: list[str]
+
+
+class DeploymentList(Versioned):
+    """GET /deployments."""
+
+    deployments: list[DeploymentSummary]
+
+
+class InstanceView(Answer):
+    index: int
+    host: str
+    gpu: str | None
+    state: str
+    since: float
+    generation: int
+    revision: int
+    residency: str | None
+    port: int | None
+    last_error: str | None
+
+
+class Charge(Answer):
+    """One memory domain's charge for the deployment, its phase and where the figure came
+    from (declared, measured, derived, or unsized)."""
+
+    host: str
+    domain: str
+    phase: str | None
+    bytes: int
+    provenance: str
+
+
+class Startup(Answer):
+    """The startup peak on the GPU the instance runs on (else the first that could take it)."""
+
+    host: str
+    gpu: str
+    device_bytes: int | None
+    device_provenance: str
+    host_bytes: int | None
+    host_provenance: str
+
+
+class BindingError(Answer):
+    code: str
+    message: str
+
+
+class Binding(Answer):
+    """The deployment as one host would run it, or why that host cannot. A field left unset
+    (one that does not apply) is absent from the JSON, not null."""
+
+    host: str
+    error: BindingError | None = None
+    engine: str | None = None
+    model_path: str | None = None
+    weights_bytes: int | None = None
+    residency: str | None = None
+    residency_reason: str | None = None
+    deep_park: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> JsonObject:
+        dumped: JsonObject = handler(self)
+        return {key: value for key, value in dumped.items() if key in self.model_fields_set}
+
+
+class Operation(Answer):
+    """The last thing done to the deployment, or why nothing could be."""
+
+    kind: str
+    reason: str
+    at: float
+    operation_id: str | None = None
+
+
+class InFlight(Answer):
+    """The one effect sent to a host and not yet seen done."""
+
+    kind: str
+    host: str
+    gpu: str
+    generation: int
+    sent_at: float
+    from_state: str | None = None
+    from_generation: int | None = None
+    then: str | None = None
+    reason: str = ""
+
+
+class Attempts(Answer):
+    """Failed starts in a row; `failed` once the retries are spent."""
+
+    count: int
+    next_at: float | None
+    last_error: str | None
+    failed: bool
+    counted_generation: int
+
+
+class Requests(Answer):
+    """The routers' places on the current generation, how its cut requests settle, and the
+    engine's own count."""
+
+    running: int
+    settle_when_idle: int
+    settle_at_stop: int
+    engine_running: int
+    engine_waiting: int
+
+
+class IdleStep(Answer):
+    action: Literal["park", "stop"]
+    at: float
+
+
+class Idle(Answer):
+    """The idle timeouts in force (None: never), and the next idle step if one is due."""
+
+    ready_idle_timeout: float | None
+    parked_idle_timeout: float | None
+    protected: bool
+    next: IdleStep | None
+
+
+class Refusal(Answer):
+    """A demand that can never be met as things are, with its code."""
+
+    code: str
+    message: str
+    at: float
+
+
+class DeploymentStatus(DeploymentSummary, Versioned):
+    """GET /deployments/{name}: everything `status deployment NAME` shows."""
+
+    activation: str
+    digest: str
+    stopped: bool
+    instances: list[InstanceView]
+    charges: list[Charge]
+    startup: Startup | None
+    bindings: list[Binding]
+    last_operation: Operation | None
+    in_flight: InFlight | None
+    attempts: Attempts
+    requests: Requests
+    idle: Idle
+    refusal: Refusal | None
+    demanded_since: float | None
+    # The deployment document in its canonical form.
+    document: JsonObject
+
+
+# Hosts and engines.
+
+
+class HostGpu(Answer):
+    name: str
+    uuid: str
+    total: int
+    used: int
+    free: int
+    unified: bool
+
+
+class HostDomain(Answer):
+    """A memory domain: its size, limits, and what the deployments on it are charged."""
+
+    name: str
+    capacity: int
+    managed_limit: int
+    free_reserve: int
+    parked_limit: int
+    charged: int
+
+
+class HostRow(Answer):
+    name: str
+    # ready, unobserved (alive, no memory reading yet) or down.
+    state: str
+    gpus: list[HostGpu]
+    domains: list[HostDomain]
+
+
+class HostList(Versioned):
+    """GET /hosts."""
+
+    hosts: list[HostRow]
+
+
+class EngineRow(Answer):
+    """An engine profile a host has published."""
+
+    host: str
+    name: str
+    family: str
+    version: str
+    executable: str
+    install_path: str
+    fingerprint: str
+    verified: bool
+    added_at: datetime
+
+
+class EngineList(Versioned):
+    """GET /engines."""
+
+    engines: list[EngineRow]
