@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from capycommon import credentials
 from capycommon import management as wire
-from capycommon.errors import CapyError, RoleNotRunning
+from capycommon.errors import ActivationTimeout, CapyError, LaunchFailed, RoleNotRunning
 from capycommon.paths import StatePaths
 from capycommon.settingvalues import split_address
 from capycommon.version import __version__
@@ -23,14 +23,6 @@ from capyctl_cli.launcher import lock_is_held
 
 RETRIES = 3
 Answer = TypeVar("Answer", bound=wire.Versioned)
-
-
-class ActivationTimeout(CapyError):
-    code = "activation_timeout"
-
-
-class LaunchFailed(CapyError):
-    code = "launch_failed"
 
 
 class Management:

@@ -164,6 +164,62 @@ class DeviceUnobserved(CapyError):
     code = "device_unobserved"
 
 
+# Requests: the inference and management APIs ------------------------------------------
+
+
+class InvalidRequest(CapyError):
+    code = "invalid_request"
+
+
+class UnsupportedParameter(CapyError):
+    code = "unsupported_parameter"
+
+
+class BodyTooLarge(CapyError):
+    code = "body_too_large"
+
+
+class UnknownModel(CapyError):
+    code = "unknown_model"
+
+
+class QueueFull(CapyError):
+    code = "queue_full"
+
+
+class Unavailable(CapyError):
+    """A request's model was not ready within its deadline, or its deployment failed."""
+
+    code = "unavailable"
+
+
+class DeploymentStopped(CapyError):
+    code = "deployment_stopped"
+
+
+class DeploymentInactive(CapyError):
+    code = "deployment_inactive"
+
+
+# Lifecycle: what a deployment is doing, and earlier requests -------------------------------
+
+
+class LifecycleConflict(CapyError):
+    code = "lifecycle_conflict"
+
+
+class RevisionConflict(CapyError):
+    code = "revision_conflict"
+
+
+class IdempotencyConflict(CapyError):
+    code = "idempotency_conflict"
+
+
+class ActivationTimeout(CapyError):
+    code = "activation_timeout"
+
+
 # Every code CapyCTL raises or records: (CLI exit code, HTTP status). A code carrying a
 # suffix (`engine_env_reserved:<name>`) maps by its stem. docs/errors.md lists this table, and
 # a test holds the two (and the codes raised in the source) together.

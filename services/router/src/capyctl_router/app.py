@@ -23,9 +23,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capycommon import httpauth
 from capycommon.credentials import Credentials
-from capycommon.errors import CapyError, Unauthenticated
+from capycommon.errors import (
+    BodyTooLarge,
+    CapyError,
+    InvalidRequest,
+    Unauthenticated,
+    UnknownModel,
+    UnsupportedParameter,
+)
 from capycommon.version import __version__
-from capyctl_router.dispatch import Dispatcher, Refused
+from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import capy_error_handler, envelope, retry_headers
 from capyctl_router.proxy import Session, disconnected
 from capyctl_router.relay import Call
@@ -125,35 +132,30 @@ def _endpoint(router: Router, kind: str) -> Callable[[Request], Awaitable[Respon
 async def _body(request: Request) -> dict[str, Any]:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY:
-        raise CapyError(f"the body is over {MAX_BODY >> 20} MiB", code="body_too_large")
+        raise BodyTooLarge(f"the body is over {MAX_BODY >> 20} MiB")
     raw = b""
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > MAX_BODY:
-            raise CapyError(f"the body is over {MAX_BODY >> 20} MiB", code="body_too_large")
+            raise BodyTooLarge(f"the body is over {MAX_BODY >> 20} MiB")
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise CapyError(f"the body is not JSON: {exc}", code="invalid_request") from None
+        raise InvalidRequest(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise CapyError("the body must be a JSON object", code="invalid_request")
+        raise InvalidRequest("the body must be a JSON object")
     return body
 
 
 def _call(kind: str, body: dict[str, Any]) -> Call:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise CapyError(
-            "model is required: the id of a model (GET /v1/models lists them)",
-            code="invalid_request",
-        )
+        raise InvalidRequest("model is required: the id of a model (GET /v1/models lists them)")
     stream = body.get("stream", False)
     if not isinstance(stream, bool) or (kind == "embeddings" and stream):
-        raise CapyError(
-            "stream must be true or false (embeddings are never streamed)", code="invalid_request"
-        )
+        raise InvalidRequest("stream must be true or false (embeddings are never streamed)")
     if body.get("n", 1) != 1:
-        raise CapyError("n must be 1", code="unsupported_parameter")
+        raise UnsupportedParameter("n must be 1")
     options = body.get("stream_options") or {}
     usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
     return Call(
@@ -171,14 +173,14 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
     call = _call(kind, await _body(request))
     record = router.table.deployment_of(call.route)
     if record is None:
-        raise CapyError(f"no model {call.route!r}; GET /v1/models lists them", code="unknown_model")
+        raise UnknownModel(f"no model {call.route!r}; GET /v1/models lists them")
     name = record.name
     dispatcher = router.dispatcher
     deadline = arrived + dispatcher.deadline_of(record)
     headers = {REQUEST_ID_HEADER: call.request_id}
     try:
         target = await _until_disconnect(request, dispatcher, dispatcher.acquire(record, deadline))
-    except Refused as exc:
+    except CapyError as exc:
         dispatcher.metrics.outcome(name, exc.code)
         retry = retry_headers(exc.code, exc.http_status)
         return envelope(exc.http_status, exc.code, exc.message, headers={**headers, **retry})

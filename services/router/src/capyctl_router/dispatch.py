@@ -29,7 +29,14 @@ import redis.asyncio as aioredis
 
 from capycommon import desired, hostcommands, load, places, settlement
 from capycommon.desired import DeploymentRecord
-from capycommon.errors import CapyError
+from capycommon.errors import (
+    CapyError,
+    DeploymentInactive,
+    DeploymentStopped,
+    QueueFull,
+    Unavailable,
+    UnknownModel,
+)
 from capycommon.places import PlaceBook
 from capycommon.service import REDIS_ERRORS, wait_event
 from capyctl_router.metrics import Metrics
@@ -40,10 +47,6 @@ log = logging.getLogger(__name__)
 DEMAND_EVERY_S = 5.0
 # Cut requests are checked for settlement this often.
 SETTLE_EVERY_S = 0.25
-
-
-class Refused(CapyError):
-    """A request the router answers itself (code and status from the error table)."""
 
 
 @dataclass(frozen=True)
@@ -122,20 +125,18 @@ class Dispatcher:
                         or self.waiting_total >= self.limits.waiting_total
                     ):
                         self.metrics.queue_full(name)
-                        raise Refused(
+                        raise QueueFull(
                             f"the queue for {name!r} is full "
                             f"({self.limits.waiting_per_deployment} waiting); retry shortly",
-                            code="queue_full",
                         )
                     queued = True
                     self.waiting[name] += 1
                     self.metrics.set_waiting(name, self.waiting[name])
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise Refused(
+                    raise Unavailable(
                         f"{name!r} did not become ready within the request deadline "
                         f"({self.deadline_of(record):.0f}s); retry shortly",
-                        code="unavailable",
                     )
                 changed = self.table.changed(name)
                 await wait_event_or(changed, min(remaining, 1.0))
@@ -148,27 +149,24 @@ class Dispatcher:
     def _check_open(self, name: str, joined: float) -> None:
         record = self.table.records.get(name)
         if record is None or record.deleting:
-            raise Refused(f"the model {name!r} is gone", code="unknown_model")
+            raise UnknownModel(f"the model {name!r} is gone")
         refusal = record.refusal
         if refusal is not None and refusal.at >= joined:
             # The scheduler answered a demand made while this request waited: it cannot be met.
-            raise Refused(refusal.message, code=refusal.code)
+            raise CapyError(refusal.message, code=refusal.code)
         if record.stopped:
-            raise Refused(
+            raise DeploymentStopped(
                 f"deployment {name!r} was stopped by an operator; start it with "
                 f"capyctl start deployment {name}",
-                code="deployment_stopped",
             )
         if record.attempts.failed:
-            raise Refused(
+            raise Unavailable(
                 f"deployment {name!r} failed to start: {record.attempts.last_error}; an "
                 "operator start tries again",
-                code="unavailable",
             )
         if record.activation == "explicit" and record.wanted != "ready":
-            raise Refused(
+            raise DeploymentInactive(
                 f"deployment {name!r} starts only on an operator start (activation: explicit)",
-                code="deployment_inactive",
             )
 
     async def _demand(self, name: str, restart: int | None = None) -> None:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capycommon import httpauth, keys
 from capycommon import management as wire
 from capycommon.credentials import Credentials
-from capycommon.errors import CapyError
+from capycommon.errors import BodyTooLarge, CapyError, IdempotencyConflict, InvalidRequest
 from capycommon.version import __version__
 from capyctl_scheduler.manage import Manager
 
@@ -37,18 +37,6 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
         error=wire.ErrorDetail(code=code, message=message, retryable=status >= 500)
     )
     return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=_SAFE_HEADERS)
-
-
-class IdempotencyConflict(CapyError):
-    code = "idempotency_conflict"
-
-
-class InvalidRequest(CapyError):
-    code = "invalid_request"
-
-
-class BodyTooLarge(CapyError):
-    code = "body_too_large"
 
 
 class Kept(BaseModel):

@@ -19,7 +19,7 @@ from capycommon.deployments import (
     revision_digest,
 )
 from capycommon.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
-from capycommon.errors import CapyError, NotFound
+from capycommon.errors import LifecycleConflict, NotFound, RevisionConflict
 from capycommon.instances import LIVE_STATES, InstanceState
 from capycommon.management import (
     Action,
@@ -39,14 +39,6 @@ from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.snapshot import Snapshot
 
 S = InstanceState
-
-
-class LifecycleConflict(CapyError):
-    code = "lifecycle_conflict"
-
-
-class RevisionConflict(CapyError):
-    code = "revision_conflict"
 
 
 def operation_id() -> str:
