@@ -37,7 +37,8 @@ def sdk(cluster: Cluster, timeout: float = 120.0) -> openai.OpenAI:
 
 
 def ask(cluster: Cluster, model: str) -> str:
-    answer = sdk(cluster).chat.completions.create(model=model, messages=HELLO)  # type: ignore[arg-type]
+    with sdk(cluster) as client:
+        answer = client.chat.completions.create(model=model, messages=HELLO)  # type: ignore[arg-type]
     content = answer.choices[0].message.content
     assert content, f"{model} answered nothing"
     return content
