@@ -11,7 +11,7 @@ from capycommon import hostinfo
 from capycommon.engines import publish, registry
 from capycommon.errors import CapyError
 from capycommon.hostinfo import HostInfo
-from capycommon.service import ServiceContext, run
+from capycommon.service import REDIS_ERRORS, ServiceContext, run, wait_event
 from capycommon.settings import HostSettings, StandaloneSettings
 from capycommon.settingvalues import parse_port_range
 from capycommon.store import InstanceStore
@@ -64,15 +64,24 @@ async def serve(ctx: ServiceContext) -> None:
     assert isinstance(ctx.settings, StandaloneSettings | HostSettings)
     paths = host_paths(ctx)
     deep_park = ctx.settings.host.deep_park == "on"
-    await hostinfo.publish(ctx.redis, ctx.host, HostInfo(deep_park=deep_park))
     shelf = Shelf(ctx.redis, ctx.host, ctx.settings.host.models_root)
-    await shelf.start()
-    await publish_engines(ctx, paths)
     ports = PortLeaser(*parse_port_range(ctx.settings.host.engine_ports))
     runner = Runner(
         ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths, deep_park=deep_park
     )
-    await adopt.adopt_all(runner)
+    # Every step is safe to repeat: a Redis blip while starting is ridden out like one later
+    # (the heartbeat gives up, and hostd exits, only once Redis stays away too long).
+    while True:
+        try:
+            await hostinfo.publish(ctx.redis, ctx.host, HostInfo(deep_park=deep_park))
+            await shelf.start()
+            await publish_engines(ctx, paths)
+            await adopt.adopt_all(runner)
+            break
+        except REDIS_ERRORS as exc:
+            log.warning("lost Redis while starting; trying again: %s", exc)
+            if await wait_event(ctx.stop, 0.5):
+                return
     await asyncio.gather(
         consumer.consume(runner, shelf, ctx.stop),
         adopt.watch(runner, ctx.stop),
