@@ -25,13 +25,18 @@ def idle_timeouts(
 ) -> tuple[float | None, float | None]:
     """The ready and parked idle timeouts in force: the deployment's, else the role's."""
     lifecycle = record.document.lifecycle
-    found = []
-    for own, default in (
-        (lifecycle.ready_idle_timeout, snapshot.tunables.ready_idle_s),
-        (lifecycle.parked_idle_timeout, snapshot.tunables.parked_idle_s),
-    ):
-        found.append(default if own is None else None if own == "never" else own)
-    return found[0], found[1]
+    tunables = snapshot.tunables
+    return (
+        _in_force(lifecycle.ready_idle_timeout, tunables.ready_idle_s),
+        _in_force(lifecycle.parked_idle_timeout, tunables.parked_idle_s),
+    )
+
+
+def _in_force(own: float | str | None, default: float | None) -> float | None:
+    """A deployment's timeout over the role's; `never` is off."""
+    if own is None:
+        return default
+    return None if own == "never" else float(own)
 
 
 def next_idle_step(
