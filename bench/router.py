@@ -29,8 +29,8 @@ import httpx
 import redis
 import yaml
 
-from capycommon import keys
 from capycommon.engines import detect, registry
+from capycommon.state import keys
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
 

@@ -19,9 +19,9 @@ import redis
 import redis.asyncio as aioredis
 import yaml
 
-from capycommon import desired, keys
-from capycommon.instances import InstanceRecord
-from capycommon.store import Event
+from capycommon.state import desired, keys
+from capycommon.state.instances import InstanceRecord
+from capycommon.state.store import Event
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour, CrashAtStart, Faults, ToolCall
 from enginesim.install import install_llama_server, install_python_engine

@@ -15,8 +15,8 @@ import pytest
 import redis
 import yaml
 
+from engines.llamacpp.llama_server import write_wrapper
 from enginesim.install import install_python_engine
-from llamacpp_real.llama_server import write_wrapper
 from support import capyctl, clean_env, short_dir, start_role, wait_for
 
 

@@ -11,9 +11,9 @@ from typing import cast
 
 import redis
 
-from capycommon import keys
-from capycommon.instances import InstanceRecord
-from capycommon.memory import read_reading, read_startup_peak
+from capycommon.state import keys
+from capycommon.state.instances import InstanceRecord
+from capycommon.state.memory import read_reading, read_startup_peak
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from capycommon import places
+from capycommon.state import places
 from cluster import FOURTEEN, SMALL, Cluster, running
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import yaml
 
-from capycommon import desired, keys
-from capycommon.instances import LIVE_STATES
+from capycommon.state import desired, keys
+from capycommon.state.instances import LIVE_STATES
 from cluster import FOURTEEN, HOST, Cluster, GiB, running
 from support import wait_for
 

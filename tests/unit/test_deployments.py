@@ -25,7 +25,7 @@ from capycommon.engines.families import Family
 from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, InvalidConfig
-from capycommon.hostfacts import HostModels, ModelFacts
+from capycommon.state.hostfacts import HostModels, ModelFacts
 from capycommon.units import format_duration, format_size_exact, parse_duration, parse_size
 
 GiB = 1 << 30
@@ -490,7 +490,7 @@ def test_two_deployments_of_one_name_are_refused() -> None:
 
 # --- binding to a host: engine --------------------------------------------------------------
 #
-# A host's models come as the facts its hostd published (tests/hostd/test_model_facts.py
+# A host's models come as the facts its hostd published (tests/integration/hostd/test_model_facts.py
 # checks how it reads them off a disk); binding reads nothing else.
 
 ROOT = "/srv/models"

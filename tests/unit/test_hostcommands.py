@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from capycommon import hostcommands as hc
+from capycommon.state import hostcommands as hc
 
 GiB = 1 << 30
 

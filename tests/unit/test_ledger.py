@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from capycommon.errors import DeviceUnobserved, InsufficientResources
-from capycommon.memory import GpuReading, HostRam, MemoryReading
+from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.ledger import (
     Domain,
     GiB,

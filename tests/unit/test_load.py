@@ -7,8 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from capycommon.engines.control import Load
-from capycommon.instances import InstanceRecord, InstanceState
-from capycommon.load import EngineLoad, decode
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.load import EngineLoad, decode
 from capyctl_hostd.loads import entry
 
 BUSY = EngineLoad(generation=3, running=2, waiting=1, last_active_at=1005.0, read_at=1005.0)

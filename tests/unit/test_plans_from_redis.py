@@ -1,6 +1,6 @@
 """The scheduler plans from Redis alone: it never reads a host's disk.
 
-A host's models reach it as the facts its hostd published (`capycommon.hostfacts`), and
+A host's models reach it as the facts its hostd published (`capycommon.state.hostfacts`), and
 binding a deployment (`capycommon.deployments.resolve`, `checkpoint`) takes them as values.
 So none of that code may touch a filesystem: no `os`, `shutil` or concrete `Path`, no
 `open`, no path method that looks at a disk.
@@ -20,7 +20,7 @@ PLANNING = [
     *sorted(SCHEDULER.glob("*.py")),
     CAPYCOMMON / "deployments" / "resolve.py",
     CAPYCOMMON / "deployments" / "checkpoint.py",
-    CAPYCOMMON / "hostfacts.py",
+    CAPYCOMMON / "state" / "hostfacts.py",
 ]
 
 MODULES = frozenset({"os", "os.path", "shutil", "glob", "io", "tempfile"})
@@ -75,7 +75,7 @@ def _receiver(node: ast.expr) -> str | None:
 def test_planning_code_never_touches_a_filesystem(module: Path) -> None:
     assert disk_uses(module.read_text(encoding="utf-8")) == [], (
         f"{module.relative_to(ROOT)} looks at a disk; a host's facts come from its hostd "
-        "(capycommon.hostfacts)"
+        "(capycommon.state.hostfacts)"
     )
 
 

@@ -6,12 +6,12 @@ from dataclasses import replace
 from typing import Any
 
 from capycommon.deployments import parse_deployment
-from capycommon.desired import Attempts, DeploymentRecord, Inflight
 from capycommon.errors import ProfileNotPublished
-from capycommon.instances import InstanceRecord, InstanceState
-from capycommon.load import EngineLoad
-from capycommon.memory import GpuReading, HostRam, MemoryReading
-from capycommon.places import Places
+from capycommon.state.desired import Attempts, DeploymentRecord, Inflight
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.load import EngineLoad
+from capycommon.state.memory import GpuReading, HostRam, MemoryReading
+from capycommon.state.places import Places
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains, derive_unified

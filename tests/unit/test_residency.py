@@ -15,7 +15,7 @@ from capycommon.engines.families import Family
 from capycommon.engines.launch import MODELOPT_FP4, PARKING, LaunchSpec, Residency, host_tiers
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError
-from capycommon.hostfacts import HostModels, ModelFacts, QuantizationConfig
+from capycommon.state.hostfacts import HostModels, ModelFacts, QuantizationConfig
 
 GiB = 1 << 30
 R = Residency
@@ -126,7 +126,7 @@ def test_a_declared_tier_the_host_bars_resolves_to_restart_only_with_a_note(
 
 
 # --- ModelOpt FP4 checkpoints ---------------------------------------------------------------
-# (tests/hostd/test_model_facts.py reads these statements out of real config files)
+# (tests/integration/hostd/test_model_facts.py reads these statements out of real config files)
 
 NVFP4 = QuantizationConfig(file="config.json", quant_method="modelopt", quant_algo="NVFP4")
 EXPORTED = QuantizationConfig(file="hf_quant_config.json", quant_algo="NVFP4")

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from capycommon.errors import InsufficientResources
-from capycommon.memory import GpuReading, HostRam, MemoryReading
+from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.ledger import GiB, Ledger, derive_domains
 from capyctl_scheduler.switching import Candidate, Release, choose_victims
 

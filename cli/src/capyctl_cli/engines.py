@@ -9,13 +9,14 @@ from typing import Annotated
 import redis
 import typer
 
-from capycommon.engines import detect, publish, registry
+from capycommon.engines import detect, registry
 from capycommon.engines.families import Family, is_verified
 from capycommon.engines.registry import Registry
 from capycommon.errors import EngineNotFound, EngineUnsupported
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import Role
 from capycommon.settingsources import locate_document
+from capycommon.state import enginefacts
 from capyctl_cli import output, record
 from capyctl_cli.launcher import lock_is_held
 from capyctl_cli.options import (
@@ -67,7 +68,7 @@ def publish_if_running(paths: StatePaths, engines: Registry) -> str:
         return f"not published: the {role} role has no host"
     try:
         with record.redis_of(running) as client:
-            publish.publish_sync(client, running.host, engines)
+            enginefacts.publish_sync(client, running.host, engines)
     except (redis.RedisError, OSError) as exc:
         return f"not published ({exc}); it will be when capyctl starts"
     return f"published to the running {running.role} role (revision {engines.revision})"
@@ -80,7 +81,7 @@ def published_revision(paths: StatePaths) -> int | None:
         return None
     try:
         with record.redis_of(running) as client:
-            found = publish.read_published(client, running.host)
+            found = enginefacts.read_published(client, running.host)
     except (redis.RedisError, OSError):
         return None
     return None if found is None else found.revision

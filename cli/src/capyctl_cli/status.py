@@ -9,10 +9,10 @@ from typing import Literal
 import redis
 from pydantic import BaseModel, ValidationError
 
-from capycommon import heartbeats, memory
 from capycommon.errors import RoleNotRunning
-from capycommon.memory import MemoryReading
 from capycommon.paths import StatePaths
+from capycommon.state import heartbeats, memory
+from capycommon.state.memory import MemoryReading
 from capycommon.units import format_size
 from capyctl_cli import output, record, supervisor
 from capyctl_cli.launcher import lock_is_held

@@ -25,13 +25,14 @@ import uvicorn
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from capycommon import heartbeats, logs
+from capycommon import logs
 from capycommon.errors import CapyError, RedisUnreachable, ServicePortInUse
-from capycommon.heartbeats import Heartbeat
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settings import ROLES, AnySettings, Role, host_name, redis_url
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.settingvalues import split_address
+from capycommon.state import heartbeats
+from capycommon.state.heartbeats import Heartbeat
 from capycommon.version import __version__
 
 log = logging.getLogger(__name__)

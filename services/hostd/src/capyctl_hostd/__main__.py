@@ -7,14 +7,14 @@ import logging
 import sys
 from pathlib import Path
 
-from capycommon import hostinfo
-from capycommon.engines import publish, registry
+from capycommon.engines import registry
 from capycommon.errors import CapyError
-from capycommon.hostinfo import HostInfo
 from capycommon.service import REDIS_ERRORS, ServiceContext, run, wait_event
 from capycommon.settings import HostSettings, StandaloneSettings
 from capycommon.settingvalues import parse_port_range
-from capycommon.store import InstanceStore
+from capycommon.state import enginefacts, hostinfo
+from capycommon.state.hostinfo import HostInfo
+from capycommon.state.store import InstanceStore
 from capyctl_hostd import adopt, consumer, loads
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.ports import PortLeaser
@@ -45,7 +45,7 @@ async def publish_engines(ctx: ServiceContext, paths: HostPaths) -> None:
     except CapyError as exc:
         log.error("no engines published: error [%s]: %s", exc.code, exc.message)
         return
-    await publish.publish(ctx.redis, ctx.host, engines)
+    await enginefacts.publish(ctx.redis, ctx.host, engines)
     log.info(
         "published engines",
         extra={"source": str(engines.path), "revision": engines.revision,

@@ -8,12 +8,12 @@ import contextlib
 import logging
 from pathlib import Path
 
-from capycommon import keys
 from capycommon.engines import registry
 from capycommon.engines.launch import LaunchSpec, Residency
-from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.store import Conflict
+from capycommon.state import keys
+from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
+from capycommon.state.store import Conflict
 from capyctl_hostd import procs
 from capyctl_hostd.engines import Engine, tail
 from capyctl_hostd.runner import Runner

@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
-from capycommon import hostcommands, keys
 from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import hostcommands, keys
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.runner import Runner
 

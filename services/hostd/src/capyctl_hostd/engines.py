@@ -26,7 +26,7 @@ from capycommon.engines.control import EngineControl, Timeouts
 from capycommon.engines.environment import PROMETHEUS_DIR
 from capycommon.engines.launch import LaunchPlan, LaunchSpec
 from capycommon.errors import LaunchFailed
-from capycommon.instances import ProcessIdentity
+from capycommon.state.instances import ProcessIdentity
 from capyctl_hostd import procs
 
 LOG_TAIL_LINES = 20

@@ -3,7 +3,7 @@
 The scheduler needs to know which engines are busy (never switch them out) and which have
 been idle longest, without talking to engines itself. hostd already holds each engine's
 address and key, so it reads the engine's own metrics and keeps `keys.engine_load(host)`
-(`capycommon.load`) current: an entry per ready or draining instance it holds, none for the
+(`capycommon.state.load`) current: an entry per ready or draining instance it holds, none for the
 others. Per tick: one pipeline reads the records and the hash, the engines are asked
 together, one transaction writes.
 """
@@ -16,12 +16,12 @@ import logging
 import time
 from typing import cast
 
-from capycommon import keys, load
 from capycommon.engines.control import Load, Timeouts
 from capycommon.errors import CapyError
-from capycommon.instances import InstanceRecord, InstanceState
-from capycommon.load import EngineLoad
 from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import keys, load
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.load import EngineLoad
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.runner import Runner
 

@@ -1,4 +1,4 @@
-"""The host's models as facts for the control plane (`capycommon.hostfacts`).
+"""The host's models as facts for the control plane (`capycommon.state.hostfacts`).
 
 hostd publishes what the scheduler needs to resolve deployments here: every model under the
 models root (a folder holding `config.json` or weights, or a weights file, up to two levels
@@ -27,16 +27,16 @@ from typing import Any
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from capycommon import hostfacts
-from capycommon.hostcommands import Describe
-from capycommon.hostfacts import (
+from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import hostfacts
+from capycommon.state.hostcommands import Describe
+from capycommon.state.hostfacts import (
     WEIGHT_FORMATS,
     WEIGHT_SUFFIXES,
     HostModels,
     ModelFacts,
     QuantizationConfig,
 )
-from capycommon.service import REDIS_ERRORS, wait_event
 
 # How often hostd looks at its models again.
 RESCAN_S = 5.0

@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 from capycommon import procfs
-from capycommon.instances import ProcessIdentity
+from capycommon.state.instances import ProcessIdentity
 
 PROC = procfs.PROC
 SHM = Path("/dev/shm")  # noqa: S108 - the POSIX shared-memory folder, not a temp file

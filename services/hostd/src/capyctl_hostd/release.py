@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from capycommon import memory
-from capycommon.instances import InstanceRecord
-from capycommon.memory import MemoryReading
+from capycommon.state import memory
+from capycommon.state.instances import InstanceRecord
+from capycommon.state.memory import MemoryReading
 from capycommon.units import format_duration, format_size
 from capyctl_hostd import procs
 

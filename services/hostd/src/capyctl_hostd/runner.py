@@ -15,15 +15,15 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from capycommon import hostcommands as hc
-from capycommon import keys
 from capycommon.engines import registry
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
 from capycommon.errors import CapyError, LaunchFailed
-from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
-from capycommon.store import Conflict, InstanceStore
+from capycommon.state import hostcommands as hc
+from capycommon.state import keys
+from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
+from capycommon.state.store import Conflict, InstanceStore
 from capyctl_hostd import engines, procs, release
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.ports import PortLeaser

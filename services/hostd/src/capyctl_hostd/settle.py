@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from capycommon import settlement
 from capycommon.engines.sglang import SglangControl
 from capycommon.errors import CapyError
-from capycommon.instances import InstanceRecord
 from capycommon.service import REDIS_ERRORS
+from capycommon.state import settlement
+from capycommon.state.instances import InstanceRecord
 from capyctl_hostd.engines import Engine
 
 log = logging.getLogger(__name__)

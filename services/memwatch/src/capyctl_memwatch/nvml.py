@@ -19,7 +19,7 @@ from typing import Any, Literal
 import pynvml  # type: ignore[import-untyped]
 
 from capycommon.errors import DeviceUnobserved
-from capycommon.memory import GpuReading, HostRam
+from capycommon.state.memory import GpuReading, HostRam
 from capyctl_memwatch.backends import BackendName, Observation
 from capyctl_memwatch.hostram import HostRamReader
 

@@ -18,8 +18,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from capycommon.instances import InstanceRecord, InstanceState
-from capycommon.memory import StartupPeak
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.memory import StartupPeak
 
 log = logging.getLogger(__name__)
 

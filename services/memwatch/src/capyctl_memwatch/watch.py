@@ -16,11 +16,11 @@ from contextlib import suppress
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from capycommon import keys, memory
 from capycommon.errors import DeviceUnobserved
-from capycommon.instances import InstanceRecord
-from capycommon.memory import MemoryReading, StartupPeak
 from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import keys, memory
+from capycommon.state.instances import InstanceRecord
+from capycommon.state.memory import MemoryReading, StartupPeak
 from capyctl_memwatch import peaks
 from capyctl_memwatch.backends import Backend
 from capyctl_memwatch.peaks import PeakSampler

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from capycommon import desired, hostcommands, load, places, settlement
-from capycommon.desired import DeploymentRecord
 from capycommon.errors import (
     CapyError,
     DeploymentInactive,
@@ -37,8 +35,10 @@ from capycommon.errors import (
     Unavailable,
     UnknownModel,
 )
-from capycommon.places import PlaceBook
 from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import desired, hostcommands, load, places, settlement
+from capycommon.state.desired import DeploymentRecord
+from capycommon.state.places import PlaceBook
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table, Target
 
@@ -82,7 +82,7 @@ class Dispatcher:
     _demanded_at: dict[str, float] = field(default_factory=dict)
     # Cut requests by id until they settle (a stop settles those of its generation).
     _cuts: dict[str, Cut] = field(default_factory=dict)
-    # host -> the cursor in its stream of request ends (`capycommon.settlement`).
+    # host -> the cursor in its stream of request ends (`capycommon.state.settlement`).
     _ends_after: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
 
-from capycommon import keys
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.store import Event
+from capycommon.state import keys
+from capycommon.state.store import Event
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # hostd's transition into a state, and the operation whose end it marks.

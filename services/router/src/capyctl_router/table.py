@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from capycommon import keys
-from capycommon.desired import DeploymentRecord, DeploymentStore
-from capycommon.instances import InstanceRecord, InstanceState
-from capycommon.notify import Notification
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.store import InstanceStore
+from capycommon.state import keys
+from capycommon.state.desired import DeploymentRecord, DeploymentStore
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.notify import Notification
+from capycommon.state.store import InstanceStore
 
 log = logging.getLogger(__name__)
 RESYNC_S = 5.0

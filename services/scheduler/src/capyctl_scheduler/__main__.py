@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from capycommon import credentials, keys
+from capycommon import credentials
 from capycommon.service import ServiceContext, run, serve_http
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.settingvalues import idle_seconds
+from capycommon.state import keys
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.ledger import Limits
 from capyctl_scheduler.loop import Scheduler

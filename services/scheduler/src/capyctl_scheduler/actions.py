@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from capycommon.desired import DeploymentRecord
 from capycommon.engines.launch import Residency
-from capycommon.instances import InstanceRecord, InstanceState
+from capycommon.state.desired import DeploymentRecord
+from capycommon.state.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.charges import footprint_of
 from capyctl_scheduler.snapshot import Snapshot
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from capycommon import hostcommands as hc
-from capycommon import keys
-from capycommon.desired import (
+from capycommon.state import hostcommands as hc
+from capycommon.state import keys
+from capycommon.state.desired import (
     RETRY_COOLDOWNS_S,
     Attempts,
     Decision,
@@ -27,9 +27,9 @@ from capycommon.desired import (
     Operation,
     Refusal,
 )
-from capycommon.instances import InstanceState
-from capycommon.notify import Notification
-from capycommon.store import Conflict, InstanceStore
+from capycommon.state.instances import InstanceState
+from capycommon.state.notify import Notification
+from capycommon.state.store import Conflict, InstanceStore
 from capyctl_scheduler.actions import Action, Kind
 from capyctl_scheduler.snapshot import Snapshot
 

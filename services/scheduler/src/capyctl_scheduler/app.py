@@ -18,10 +18,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from capycommon import httpauth, keys
+from capycommon import httpauth
 from capycommon import management as wire
 from capycommon.credentials import Credentials
 from capycommon.errors import BodyTooLarge, CapyError, IdempotencyConflict, InvalidRequest
+from capycommon.state import keys
 from capycommon.version import __version__
 from capyctl_scheduler.manage import Manager
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from capycommon.instances import InstanceRecord, InstanceState
+from capycommon.state.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.ledger import Footprint, Ledger, Phase
 from capyctl_scheduler.snapshot import HostView, Snapshot
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from capycommon.errors import DeviceUnobserved, InsufficientResources
-from capycommon.memory import MemoryReading
+from capycommon.state.memory import MemoryReading
 from capycommon.units import format_size, parse_size
 
 GiB = 1 << 30

@@ -20,10 +20,10 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
-from capycommon import keys
-from capycommon.desired import DEMAND_FIELD, Demand, DeploymentRecord
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.store import Event
+from capycommon.state import keys
+from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord
+from capycommon.state.store import Event
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan

@@ -11,16 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from capycommon import desired
 from capycommon.deployments import (
     Deployment,
     check_routes,
     parse_deployment,
     revision_digest,
 )
-from capycommon.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
 from capycommon.errors import LifecycleConflict, NotFound, RevisionConflict
-from capycommon.instances import LIVE_STATES, InstanceState
 from capycommon.management import (
     Action,
     ActionAnswer,
@@ -33,7 +30,10 @@ from capycommon.management import (
     HostRow,
     JsonObject,
 )
-from capycommon.memory import aread_reading
+from capycommon.state import desired
+from capycommon.state.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
+from capycommon.state.instances import LIVE_STATES, InstanceState
+from capycommon.state.memory import aread_reading
 from capyctl_scheduler import status
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.snapshot import Snapshot

@@ -1,7 +1,7 @@
 """Reading one Snapshot out of Redis: deployments, instances, readings, engines, loads.
 
 Each deployment is bound to each host against what that host's hostd published: its engines,
-its host info, and its models (`capycommon.hostfacts`). Nothing here reads a host's disk. A
+its host info, and its models (`capycommon.state.hostfacts`). Nothing here reads a host's disk. A
 model path a host has not described yet is asked for (`hostcommands.Describe`, the whole list
 the host's deployments name) and its binding waits, saying so, until the facts arrive.
 """
@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from capycommon import hostcommands, hostfacts, hostinfo, keys, load, places
 from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
-from capycommon.desired import DeploymentRecord, DeploymentStore
 from capycommon.engines.launch import Residency
-from capycommon.engines.publish import PublishedEngines
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, ProfileNotPublished
-from capycommon.hostfacts import HostModels
-from capycommon.instances import LIVE_STATES, InstanceRecord
-from capycommon.memory import MemoryReading, aread_reading, aread_startup_peak
-from capycommon.store import InstanceStore
+from capycommon.state import hostcommands, hostfacts, hostinfo, keys, load, places
+from capycommon.state.desired import DeploymentRecord, DeploymentStore
+from capycommon.state.enginefacts import PublishedEngines
+from capycommon.state.hostfacts import HostModels
+from capycommon.state.instances import LIVE_STATES, InstanceRecord
+from capycommon.state.memory import MemoryReading, aread_reading, aread_startup_peak
+from capycommon.state.store import InstanceStore
 from capyctl_scheduler.ledger import (
     SYSTEM,
     Domain,

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
-from capycommon.desired import DeploymentRecord
 from capycommon.errors import DeviceUnobserved, InsufficientResources
-from capycommon.instances import LIVE_STATES, InstanceRecord, InstanceState
+from capycommon.state.desired import DeploymentRecord
+from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.units import format_duration
 from capyctl_scheduler.actions import Action, can_park, drain, park, stop
 from capyctl_scheduler.charges import charged, footprint_of

@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from capycommon.deployments import Resolved
-from capycommon.desired import DeploymentRecord
 from capycommon.errors import CapyError
-from capycommon.instances import InstanceRecord
-from capycommon.load import EngineLoad
-from capycommon.places import Places
+from capycommon.state.desired import DeploymentRecord
+from capycommon.state.instances import InstanceRecord
+from capycommon.state.load import EngineLoad
+from capycommon.state.places import Places
 from capyctl_scheduler.ledger import Domain, Footprint
 
 

@@ -7,7 +7,6 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from capycommon.instances import LIVE_STATES, InstanceState
 from capycommon.management import (
     Attempts,
     Binding,
@@ -27,7 +26,8 @@ from capycommon.management import (
     Requests,
     Startup,
 )
-from capycommon.memory import MemoryReading
+from capycommon.state.instances import LIVE_STATES, InstanceState
+from capycommon.state.memory import MemoryReading
 from capyctl_scheduler.charges import PHASES, charges, footprint_of
 from capyctl_scheduler.snapshot import Snapshot
 from capyctl_scheduler.usage import idle_timeouts, next_idle_step, protected

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from capycommon.desired import DeploymentRecord
 from capycommon.errors import InsufficientResources
-from capycommon.instances import InstanceState
+from capycommon.state.desired import DeploymentRecord
+from capycommon.state.instances import InstanceState
 from capycommon.units import format_size
 from capyctl_scheduler.actions import Action, can_park, drain, stop
 from capyctl_scheduler.charges import after_releases, footprint_of

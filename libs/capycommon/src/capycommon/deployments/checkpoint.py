@@ -4,7 +4,7 @@ Judged the way SGLang reads them: `config.json`'s `quantization_config` (`quant_
 `modelopt` with a `quant_algo`, or `modelopt_fp4`), else NVIDIA ModelOpt's
 `hf_quant_config.json` (`quantization.quant_algo`). A quant_algo naming FP4 (`NVFP4`,
 `NVFP4_AWQ`, `W4A8_NVFP4_FP8`, ...) is a ModelOpt FP4 checkpoint. hostd reads the files
-(`capycommon.hostfacts`); files that were missing, unreadable or not the expected JSON say
+(`capycommon.state.hostfacts`); files that were missing, unreadable or not the expected JSON say
 nothing: an engine will judge them itself.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from capycommon.engines.launch import MODELOPT_FP4
-from capycommon.hostfacts import ModelFacts
+from capycommon.state.hostfacts import ModelFacts
 
 
 @dataclass(frozen=True)

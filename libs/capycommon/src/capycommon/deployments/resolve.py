@@ -1,7 +1,7 @@
 """Binding a deployment to one host: its engine, its model folder and weights, its park tier.
 
 The host's facts come in as values: `HostFacts`, and the models its hostd described
-(`capycommon.hostfacts.HostModels`). Nothing here reads a disk. Each refusal names the field
+(`capycommon.state.hostfacts.HostModels`). Nothing here reads a disk. Each refusal names the field
 to change.
 """
 
@@ -32,7 +32,7 @@ from capycommon.errors import (
     NotFound,
     ProfileNotPublished,
 )
-from capycommon.hostfacts import HostModels, ModelFacts, under_root
+from capycommon.state.hostfacts import HostModels, ModelFacts, under_root
 from capycommon.units import format_size
 
 # A host_backed copy is charged 1.5 x the weights in the parked room, beside the engine's

@@ -1,0 +1,197 @@
+"""Desired state: the declared deployments, and the demands that ask for them.
+
+The scheduler alone writes deployment records (through its management API and its decision
+loop); routers and the CLI read them and append demands. Observed state (instances) is
+hostd's and lives apart, under each host's prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, cast
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+
+from capycommon.deployments import Deployment
+from capycommon.state import keys
+from capycommon.state.notify import Notification
+
+# Failed starts are retried after these cooldowns; one more failure and the deployment fails.
+RETRY_COOLDOWNS_S = (30.0, 60.0, 120.0)
+
+DEMAND_FIELD = "demand"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Inflight(_Frozen):
+    """The one effect in flight for a deployment's instance, until hostd's record shows it.
+
+    `from_state` and `from_generation` are the instance as it was when the effect began, so
+    the effect is done once the record moved on (or hostd refused it)."""
+
+    kind: Literal["launch", "wake", "park", "stop", "drain"]
+    host: str
+    gpu: str
+    generation: int
+    sent_at: float
+    from_state: str | None = None
+    from_generation: int | None = None
+    # For a drain: what follows it once the engine reads idle.
+    then: Literal["park", "stop"] | None = None
+    reason: str = ""
+
+
+class Attempts(_Frozen):
+    """Failed starts in a row; `failed` once the retries are spent (cleared by a start)."""
+
+    count: int = 0
+    next_at: float | None = None
+    last_error: str | None = None
+    failed: bool = False
+    # The generation whose failure was counted last, so one failure counts once.
+    counted_generation: int = 0
+
+
+class Operation(_Frozen):
+    """The last thing done to a deployment, or why nothing could be."""
+
+    kind: str
+    reason: str
+    at: float
+    operation_id: str | None = None
+
+
+class Refusal(_Frozen):
+    """A demand that cannot be met at all, not merely not yet (the model does not fit even
+    with every model that may be evicted stopped). Routers fail the requests that were
+    waiting when it was written with its code; later requests ask again."""
+
+    code: str
+    message: str
+    at: float
+
+
+class Decision(_Frozen):
+    """One decision of the scheduler, in the control plane's events stream."""
+
+    kind: str
+    deployment: str
+    reason: str
+    host: str | None = None
+    generation: int | None = None
+    at: float
+
+
+class DeploymentRecord(_Frozen):
+    """One declared deployment: its document and what the operator and the scheduler want."""
+
+    name: str
+    revision: int
+    digest: str
+    document: Deployment
+    created_at: float
+    updated_at: float
+    # An operator stop: on-demand activation is suspended (requests get deployment_stopped)
+    # until an operator start.
+    stopped: bool = False
+    # For activation: explicit, the operator's last start (ready) or park (parked).
+    wanted: Literal["ready", "parked"] | None = None
+    # An operator park of an on-demand deployment, for the generation it names.
+    park_requested: int | None = None
+    # A drain of the host the instance of this generation runs on: stop it, stay on demand.
+    stop_requested: int | None = None
+    deleting: bool = False
+    # The last generation drawn; each activation draws the next.
+    generation: int = 0
+    inflight: Inflight | None = None
+    attempts: Attempts = Attempts()
+    last_operation: Operation | None = None
+    refusal: Refusal | None = None
+    version: int = 0
+
+    @property
+    def activation(self) -> str:
+        return self.document.lifecycle.activation
+
+
+class DeploymentStore:
+    """The scheduler's reads and writes of deployment records."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+
+    async def get(self, name: str) -> DeploymentRecord | None:
+        raw = await self.client.get(keys.deployment(name))
+        return None if raw is None else DeploymentRecord.model_validate_json(raw)
+
+    async def all(self) -> dict[str, DeploymentRecord]:
+        names = sorted(_text(n) for n in await self.client.smembers(keys.deployments()))
+        if not names:
+            return {}
+        raws = await self.client.mget([keys.deployment(name) for name in names])
+        return {
+            name: DeploymentRecord.model_validate_json(raw)
+            for name, raw in zip(names, raws, strict=True)
+            if raw is not None
+        }
+
+    async def put(self, record: DeploymentRecord) -> DeploymentRecord:
+        """Write the record (its version bumped) and announce it."""
+        written = record.model_copy(update={"version": record.version + 1})
+        note = Notification(kind="deployment", id=record.name, version=written.version)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(keys.deployment(record.name), written.model_dump_json())
+            pipe.sadd(keys.deployments(), record.name)
+            pipe.publish(keys.notifications(), note.model_dump_json())
+            await pipe.execute()
+        return written
+
+    async def forget(self, name: str) -> None:
+        note = Notification(kind="deployment", id=name, version=0)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.deployment(name))
+            pipe.srem(keys.deployments(), name)
+            pipe.publish(keys.notifications(), note.model_dump_json())
+            await pipe.execute()
+
+
+def read_all(client: redis.Redis) -> dict[str, DeploymentRecord]:
+    """Every deployment record (for readers outside the scheduler)."""
+    names = sorted(_text(n) for n in cast(set[bytes], client.smembers(keys.deployments())))
+    if not names:
+        return {}
+    raws = cast(list[bytes | None], client.mget([keys.deployment(name) for name in names]))
+    return {
+        name: DeploymentRecord.model_validate_json(raw)
+        for name, raw in zip(names, raws, strict=True)
+        if raw is not None
+    }
+
+
+class Demand(_Frozen):
+    """A model is wanted: a request waits for it, or an operator started it. With `restart`,
+    its instance of that generation must be stopped first: cut requests hold every place."""
+
+    deployment: str
+    source: str
+    at: float
+    restart: int | None = None
+
+
+async def demand(
+    client: aioredis.Redis, deployment: str, source: str, restart: int | None = None
+) -> None:
+    """Ask the scheduler to make `deployment` ready (one entry per wave of requests)."""
+    entry = Demand(deployment=deployment, source=source, at=time.time(), restart=restart)
+    await client.xadd(keys.demands(), {DEMAND_FIELD: entry.model_dump_json()}, maxlen=100_000)
+    note = Notification(kind="demand", id=deployment, version=int(entry.at * 1000))
+    await client.publish(keys.notifications(), note.model_dump_json())
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

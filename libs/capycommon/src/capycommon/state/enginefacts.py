@@ -1,0 +1,46 @@
+"""Publishing a host's engine registry to Redis: the key, then a notification."""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+
+from capycommon.engines.registry import EngineProfile, Registry
+from capycommon.state import keys
+from capycommon.state.notify import Notification
+
+
+class PublishedEngines(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    revision: int
+    source: str
+    profiles: list[EngineProfile]
+
+
+def _payload(registry: Registry) -> tuple[str, str]:
+    published = PublishedEngines(
+        revision=registry.revision,
+        source=str(registry.path),
+        profiles=sorted(registry.document.profiles.values(), key=lambda p: p.name),
+    )
+    note = Notification(kind="engines", id="registry", version=registry.revision)
+    return published.model_dump_json(), note.model_dump_json()
+
+
+async def publish(client: aioredis.Redis, host: str, registry: Registry) -> None:
+    value, note = _payload(registry)
+    await client.set(keys.engines(host), value)
+    await client.publish(keys.host_notifications(host), note)
+
+
+def publish_sync(client: redis.Redis, host: str, registry: Registry) -> None:
+    value, note = _payload(registry)
+    client.set(keys.engines(host), value)
+    client.publish(keys.host_notifications(host), note)
+
+
+def read_published(client: redis.Redis, host: str) -> PublishedEngines | None:
+    raw = client.get(keys.engines(host))
+    return None if raw is None else PublishedEngines.model_validate_json(raw)

@@ -1,0 +1,55 @@
+"""Service heartbeats: who is alive, since when, last seen when."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+
+from capycommon.state import keys
+
+INTERVAL_S = 2.0
+TTL_S = 10
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    service: str
+    pid: int
+    version: str
+    started_at: float
+    last_seen: float
+
+
+async def beat(client: aioredis.Redis, host: str, heartbeat: Heartbeat) -> None:
+    await client.set(keys.heartbeat(heartbeat.service, host), heartbeat.model_dump_json(), ex=TTL_S)
+
+
+async def clear(client: aioredis.Redis, host: str, service: str, pid: int) -> None:
+    """Remove a service's heartbeat, unless a newer process already wrote its own."""
+    key = keys.heartbeat(service, host)
+    raw = await client.get(key)
+    if raw is not None and json.loads(raw).get("pid") == pid:
+        await client.delete(key)
+
+
+def read_all(client: redis.Redis, host: str | None, services: list[str]) -> dict[str, Heartbeat]:
+    """The live heartbeats of `services` (host services need `host`)."""
+    found: dict[str, Heartbeat] = {}
+    for service in services:
+        if service not in keys.CONTROL_SERVICES | keys.HOST_SERVICES:
+            continue
+        if service in keys.HOST_SERVICES and host is None:
+            continue
+        raw = client.get(keys.heartbeat(service, host or ""))
+        if raw is not None:
+            found[service] = Heartbeat.model_validate_json(raw)
+    return found
+
+
+def age(heartbeat: Heartbeat, now: float | None = None) -> float:
+    return (time.time() if now is None else now) - heartbeat.last_seen

@@ -1,0 +1,105 @@
+"""Commands from the scheduler to a host's hostd, over the host's Redis stream.
+
+Each instance command names the deployment, the instance and the generation it is for; hostd
+refuses (and records) a command for a stale generation. `Describe` asks for the facts of
+model paths instead (`capycommon.state.hostfacts`). Launch, park, wake and stop carry the
+scheduler's reason, which hostd writes into the events of the transitions it makes, so a
+host's history says why each happened.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from capycommon.state import keys
+
+FIELD = "command"
+
+
+class _Command(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: str
+    instance: int = 0
+    generation: int
+
+
+class Launch(_Command):
+    kind: Literal["launch"] = "launch"
+    reason: str = "requested"
+    revision: int
+    profile: str
+    model_path: str
+    served_name: str
+    residency: Literal["host_backed", "deep", "restart_only"]
+    gpu_uuid: str
+    memory_fraction: float | None = None
+    kv_cache_bytes: int | None = None
+    context_length: int | None = None
+    max_concurrent_requests: int | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    start_deadline_s: float = 1800.0
+
+
+class Park(_Command):
+    """Park a serving engine.
+
+    With `release_bound_bytes` (the scheduler's parked charge: the most device bytes the
+    parked engine may still hold), the park counts only once memwatch shows the engine's
+    processes within it; if that is not seen within `verify_s`, hostd stops the instance, so
+    the charge never understates what the device holds.
+    """
+
+    kind: Literal["park"] = "park"
+    reason: str = "requested"
+    release_bound_bytes: int | None = Field(default=None, ge=0)
+    verify_s: float = Field(default=15.0, gt=0)
+
+
+class Wake(_Command):
+    kind: Literal["wake"] = "wake"
+    reason: str = "requested"
+    wake_deadline_s: float = 900.0
+
+
+class Stop(_Command):
+    kind: Literal["stop"] = "stop"
+    reason: str = "requested"
+
+
+class Abort(_Command):
+    kind: Literal["abort"] = "abort"
+    request_id: str
+
+
+class Describe(BaseModel):
+    """Describe these model paths (`capycommon.state.hostfacts`) besides the models root, each as
+    deployments write it (a name under the models root, `~/...`, or absolute): the whole
+    list the control plane needs, replacing the one before. hostd keeps describing them
+    (re-reading when they change) until a later list leaves them out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["describe"] = "describe"
+    paths: tuple[str, ...]
+
+
+InstanceCommand = Launch | Park | Wake | Stop | Abort
+HostCommand = InstanceCommand | Describe
+COMMAND: TypeAdapter[HostCommand] = TypeAdapter(Annotated[HostCommand, Field(discriminator="kind")])
+
+
+async def send(client: aioredis.Redis, host: str, command: HostCommand) -> str:
+    """Append a command to the host's stream; returns its stream id."""
+    entry = await client.xadd(keys.host_commands(host), {FIELD: command.model_dump_json()})
+    return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+
+def parse(raw: bytes | str) -> HostCommand:
+    return COMMAND.validate_json(raw)

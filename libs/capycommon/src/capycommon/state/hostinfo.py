@@ -1,0 +1,31 @@
+"""What a host says of itself to the control plane: the host settings that decide how its
+deployments resolve. hostd writes it under the host's prefix when it starts, before it
+publishes its engines; the scheduler reads it with each snapshot."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+
+from capycommon.state import keys
+from capycommon.state.notify import Notification
+
+
+class HostInfo(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # False where host.deep_park is off: nothing parks deep there, and no engine runs with
+    # its development controls.
+    deep_park: bool = True
+
+
+async def publish(client: aioredis.Redis, host: str, info: HostInfo) -> None:
+    await client.set(keys.host_info(host), info.model_dump_json())
+    note = Notification(kind="host", id=host, version=0)
+    await client.publish(keys.host_notifications(host), note.model_dump_json())
+
+
+async def aread(client: aioredis.Redis, host: str) -> HostInfo | None:
+    """The host's info; None before its hostd first started."""
+    raw = await client.get(keys.host_info(host))
+    return None if raw is None else HostInfo.model_validate_json(raw)

@@ -1,0 +1,99 @@
+"""Instances: one engine activation of a deployment, and its lifecycle.
+
+Observed state (what hostd saw) lives apart from desired state (the scheduler's
+deployments). Every write of an instance record is a compare-and-set on (state, generation)
+done in one Lua script (`capycommon.state.store`), so a stale writer loses cleanly.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class InstanceState(StrEnum):
+    """The instance lifecycle.
+
+        stopped -> starting -> ready -> draining -> parking -> parked -> waking -> ready
+        ready | parked -> stopping -> stopped        any -> failed
+        (after a restart of hostd) unknown -> reconciling -> a verified state
+
+    The scheduler decides every transition and sends hostd a command. The owner of each
+    write:
+    - starting, parking, waking, stopping: hostd, when it accepts the command for the
+      instance's current generation;
+    - ready, parked, stopped, failed: hostd, once it observed the outcome (readiness and the
+      canary; memory released; processes proven gone; a launch that died);
+    - draining: the scheduler, while the router stops admitting;
+    - reconciling: hostd at start, for records whose processes it must verify.
+    """
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    PARKING = "parking"
+    PARKED = "parked"
+    WAKING = "waking"
+    STOPPING = "stopping"
+    FAILED = "failed"
+    RECONCILING = "reconciling"
+
+
+# States in which the instance's engine processes may be alive and hold memory.
+LIVE_STATES = frozenset(
+    {
+        InstanceState.STARTING,
+        InstanceState.READY,
+        InstanceState.DRAINING,
+        InstanceState.PARKING,
+        InstanceState.PARKED,
+        InstanceState.WAKING,
+        InstanceState.STOPPING,
+        InstanceState.RECONCILING,
+    }
+)
+
+
+class ProcessIdentity(BaseModel):
+    """An engine's process, recognised by PID and start time (so PID reuse is detected)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int
+    pgid: int
+    start_ticks: int  # /proc/<pid>/stat field 22: start time in clock ticks after boot
+
+
+class InstanceRecord(BaseModel):
+    """What hostd observed of one instance."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: str
+    instance: int
+    revision: int
+    generation: int
+    state: InstanceState
+    since: float = Field(description="unix time the instance entered its state")
+    host: str
+    launch_id: str | None = None
+    profile: str | None = None
+    family: str | None = None
+    fingerprint: str | None = None
+    served_name: str | None = None
+    model_path: str | None = None
+    residency: str | None = None
+    gpu_uuid: str | None = None
+    port: int | None = None
+    process: ProcessIdentity | None = None
+    log_path: str | None = None
+    shm_segments: tuple[str, ...] = ()
+    # The canary's answer at first readiness; a wake must answer the same.
+    canary: str | None = None
+    error: str | None = None
+
+    @property
+    def member(self) -> str:
+        return f"{self.deployment}:{self.instance}"

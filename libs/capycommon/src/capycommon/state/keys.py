@@ -1,0 +1,139 @@
+"""Every Redis key and channel name CapyCTL uses. Nothing else spells a key.
+
+Control-plane keys live under `capyctl:`; everything a host's hostd and memwatch write,
+and the command stream they read, lives under `capyctl:host:<host>:`, so a remote host's
+Redis user can be limited to its own prefix.
+"""
+
+from __future__ import annotations
+
+PREFIX = "capyctl"
+
+CONTROL_SERVICES = frozenset({"router", "scheduler"})
+HOST_SERVICES = frozenset({"hostd", "memwatch"})
+
+
+def host_prefix(host: str) -> str:
+    return f"{PREFIX}:host:{host}"
+
+
+def heartbeat(service: str, host: str) -> str:
+    """The heartbeat of one service process; host services under their host's prefix."""
+    if service in HOST_SERVICES:
+        return f"{host_prefix(host)}:heartbeat:{service}"
+    if service in CONTROL_SERVICES:
+        return f"{PREFIX}:heartbeat:{service}"
+    raise ValueError(f"unknown service {service!r}")
+
+
+def engines(host: str) -> str:
+    """The engine registry a host publishes (JSON of `PublishedEngines`)."""
+    return f"{host_prefix(host)}:engines"
+
+
+def host_info(host: str) -> str:
+    """What a host says of itself (JSON of `hostinfo.HostInfo`), written by hostd."""
+    return f"{host_prefix(host)}:info"
+
+
+def host_models(host: str) -> str:
+    """The host's models (JSON of `capycommon.state.hostfacts.HostModels`), written by hostd."""
+    return f"{host_prefix(host)}:models"
+
+
+def host_notifications(host: str) -> str:
+    """The pub/sub channel on which a host's state changes are announced ({kind, id, version})."""
+    return f"{host_prefix(host)}:notify"
+
+
+def host_commands(host: str) -> str:
+    """The stream of commands the scheduler sends to a host's hostd."""
+    return f"{host_prefix(host)}:commands"
+
+
+def host_events(host: str) -> str:
+    """The stream of what happened on a host: transitions, refusals, with durations."""
+    return f"{host_prefix(host)}:events"
+
+
+def instance(host: str, deployment: str, index: int) -> str:
+    """The observed state of one instance, written by the host's hostd only."""
+    return f"{host_prefix(host)}:instance:{deployment}:{index}"
+
+
+def instances(host: str) -> str:
+    """The set of `<deployment>:<index>` members with an instance record on the host."""
+    return f"{host_prefix(host)}:instances"
+
+
+def instance_secret(host: str, deployment: str, index: int) -> str:
+    """The per-launch key of an instance's engine (read by hostd and the router only)."""
+    return f"{host_prefix(host)}:instance-secret:{deployment}:{index}"
+
+
+def instance_log(host: str, deployment: str, index: int) -> str:
+    """The last lines of an instance's engine log (redacted)."""
+    return f"{host_prefix(host)}:instance-log:{deployment}:{index}"
+
+
+def memory(host: str) -> str:
+    """The host's latest memory reading (memwatch)."""
+    return f"{host_prefix(host)}:memory"
+
+
+def startup_peak(host: str, deployment: str, revision: int, fingerprint: str) -> str:
+    """The measured startup peak of a deployment revision on a host with one engine build."""
+    return f"{host_prefix(host)}:startup-peak:{deployment}:{revision}:{fingerprint}"
+
+
+def request_ends(host: str) -> str:
+    """Stream of aborted requests the host's engines have ended (`capycommon.state.settlement`)."""
+    return f"{host_prefix(host)}:request-ends"
+
+
+def engine_load(host: str) -> str:
+    """Hash of `<deployment>:<index>` -> the engine's running and waiting requests (hostd)."""
+    return f"{host_prefix(host)}:engine-load"
+
+
+# The control plane: desired state, demands and decisions (the scheduler owns these keys).
+
+
+def deployment(name: str) -> str:
+    """The desired state of one deployment (`DeploymentRecord`), written by the scheduler."""
+    return f"{PREFIX}:deployment:{name}"
+
+
+def deployments() -> str:
+    """The set of declared deployment names."""
+    return f"{PREFIX}:deployments"
+
+
+def demands() -> str:
+    """The stream of demands (a model is wanted) that routers and the CLI append to."""
+    return f"{PREFIX}:demands"
+
+
+def events() -> str:
+    """The stream of the scheduler's decisions, each with its reason."""
+    return f"{PREFIX}:events"
+
+
+def notifications() -> str:
+    """The pub/sub channel on which control-plane changes are announced ({kind, id, version})."""
+    return f"{PREFIX}:notify"
+
+
+def idempotency(key: str) -> str:
+    """The recorded answer to a management mutation, by its Idempotency-Key."""
+    return f"{PREFIX}:idempotency:{key}"
+
+
+def hosts() -> str:
+    """The set of host names known to the control plane."""
+    return f"{PREFIX}:hosts"
+
+
+def places(deployment: str) -> str:
+    """The request places of a deployment's current generation (`capycommon.state.places`)."""
+    return f"{PREFIX}:places:{deployment}"

@@ -1,0 +1,49 @@
+"""Engine load: the requests each serving engine runs and queues, as hostd publishes it.
+
+hostd reads every ready or draining engine's own metrics once a second and keeps one
+`EngineLoad` per `<deployment>:<index>` member in the hash `keys.engine_load(host)`; a member
+leaves the hash when its instance stops serving. The scheduler reads it to know which
+engines are busy and which have been idle longest. An entry names the instance's generation,
+so a reader can tell it from one left by an earlier launch of the same member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+
+from capycommon.state import keys
+
+
+class EngineLoad(BaseModel):
+    """One engine's requests at `read_at`; `last_active_at` is when it last had any."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    generation: int
+    running: int
+    waiting: int
+    last_active_at: float
+    read_at: float
+
+
+def decode(raw: Mapping[bytes | str, bytes | str]) -> dict[str, EngineLoad]:
+    """The hash's entries by member (as HGETALL gives them, bytes or text)."""
+    return {_text(member): EngineLoad.model_validate_json(value) for member, value in raw.items()}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def read_loads(client: redis.Redis, host: str) -> dict[str, EngineLoad]:
+    """The published load of each serving engine on the host, by member."""
+    return decode(client.hgetall(keys.engine_load(host)))
+
+
+async def aread_loads(client: aioredis.Redis, host: str) -> dict[str, EngineLoad]:
+    """The published load of each serving engine on the host, by member."""
+    return decode(await client.hgetall(keys.engine_load(host)))

@@ -1,0 +1,104 @@
+"""Memory readings (memwatch) and measured startup peaks, and where they live in Redis.
+
+memwatch writes one `MemoryReading` per second per host at `keys.memory(host)` (no
+notification: readers poll or read on demand) and one `StartupPeak` per measured launch at
+`keys.startup_peak(...)`. A reading older than `STALE_AFTER_S` is unobserved.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+
+from capycommon.state import keys
+
+# A reading older than this is unobserved: it admits nothing.
+STALE_AFTER_S = 5.0
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuReading(_Frozen):
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    unified: bool
+    # Per process: device bytes by PID.
+    processes: dict[int, int] = {}
+
+
+class HostRam(_Frozen):
+    total_bytes: int
+    available_bytes: int
+    source: Literal["meminfo", "cgroup", "simulated"]
+
+
+class MemoryReading(_Frozen):
+    host: str
+    taken_at: float
+    backend: Literal["nvml", "simulated", "none"]
+    gpus: list[GpuReading]
+    ram: HostRam
+
+    def is_fresh(self, now: float) -> bool:
+        return now - self.taken_at <= STALE_AFTER_S
+
+
+class StartupPeak(_Frozen):
+    """The most a launch took while starting, device and host apart."""
+
+    deployment: str
+    revision: int
+    host: str
+    fingerprint: str
+    device_bytes: int
+    host_bytes: int
+    provenance: Literal["measured"] = "measured"
+    measured_at: float
+    samples: int
+
+
+async def write_reading(client: aioredis.Redis, reading: MemoryReading) -> None:
+    await client.set(keys.memory(reading.host), reading.model_dump_json())
+
+
+def read_reading(client: redis.Redis, host: str) -> MemoryReading | None:
+    """The host's latest reading, or None when memwatch never wrote one."""
+    raw = client.get(keys.memory(host))
+    return None if raw is None else MemoryReading.model_validate_json(raw)
+
+
+async def aread_reading(client: aioredis.Redis, host: str) -> MemoryReading | None:
+    """The host's latest reading, or None when memwatch never wrote one."""
+    raw = await client.get(keys.memory(host))
+    return None if raw is None else MemoryReading.model_validate_json(raw)
+
+
+def _peak_key(peak: StartupPeak) -> str:
+    return keys.startup_peak(peak.host, peak.deployment, peak.revision, peak.fingerprint)
+
+
+async def write_startup_peak(client: aioredis.Redis, peak: StartupPeak) -> None:
+    await client.set(_peak_key(peak), peak.model_dump_json())
+
+
+def read_startup_peak(
+    client: redis.Redis, host: str, deployment: str, revision: int, fingerprint: str
+) -> StartupPeak | None:
+    raw = client.get(keys.startup_peak(host, deployment, revision, fingerprint))
+    return None if raw is None else StartupPeak.model_validate_json(raw)
+
+
+async def aread_startup_peak(
+    client: aioredis.Redis, host: str, deployment: str, revision: int, fingerprint: str
+) -> StartupPeak | None:
+    raw = await client.get(keys.startup_peak(host, deployment, revision, fingerprint))
+    return None if raw is None else StartupPeak.model_validate_json(raw)

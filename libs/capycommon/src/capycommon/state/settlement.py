@@ -1,0 +1,65 @@
+"""Aborted requests an engine has ended, as hostd proves it, so the router can give back
+each one's place at once instead of waiting for the engine to read idle.
+
+hostd appends one `RequestEnd` to the stream `keys.request_ends(host)` when an engine it
+asked to abort a request shows that it no longer holds that request. `held` says whether
+the engine held the request when it was aborted: only then is it proven that a request cut
+before any answer had reached the engine (one that never reached it may still arrive, so
+only a stop settles it). The router reads the stream after a cursor it takes before sending
+the abort, so no end it waits for is missed.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+
+from capycommon.state import keys
+
+FIELD = "end"
+# About this many ends are kept per host; the router reads them within a second.
+KEEP = 10_000
+
+Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+
+
+class RequestEnd(BaseModel):
+    """The engine of `deployment`'s instance at `generation` no longer holds `request_id`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: str
+    instance: int = 0
+    generation: int
+    request_id: str
+    # The engine held the request when hostd aborted it (so it had reached the engine).
+    held: bool
+    at: float
+
+
+async def publish(client: aioredis.Redis, host: str, end: RequestEnd) -> None:
+    await client.xadd(
+        keys.request_ends(host), {FIELD: end.model_dump_json()}, maxlen=KEEP, approximate=True
+    )
+
+
+async def cursor(client: aioredis.Redis, host: str) -> str:
+    """The id of the host's latest end (ends after it are new), or "0-0"."""
+    latest = cast(
+        list[tuple[bytes, object]], await client.xrevrange(keys.request_ends(host), count=1)
+    )
+    return latest[0][0].decode() if latest else "0-0"
+
+
+async def read_after(
+    client: aioredis.Redis, host: str, after: str, count: int = 500
+) -> tuple[str, list[RequestEnd]]:
+    """The host's ends after the cursor `after`, and the cursor past them."""
+    read = cast(Entries, await client.xread({keys.request_ends(host): after}, count=count))
+    if not read:
+        return after, []
+    entries = read[0][1]
+    ends = [RequestEnd.model_validate_json(fields[FIELD.encode()]) for _, fields in entries]
+    return entries[-1][0].decode(), ends

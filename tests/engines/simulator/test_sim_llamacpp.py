@@ -1,0 +1,251 @@
+"""The simulated llama-server: loading, auth, slots and deferral, metrics, idle sleep, flags."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.simulator.helpers import (
+    FAST,
+    GIB,
+    MIB,
+    Engine,
+    Installs,
+    Launcher,
+    SimGpu,
+    closed_env,
+    make_simgpu,
+    sse_events,
+)
+from enginesim import ToolCall, write_behaviour
+from support import wait_for
+
+BUILD = 6500
+KEY = "sim-key"
+KV = 4096 * (128 << 10) + 1 * (8 << 20)  # -c 4096, -np 1
+RESIDUE = 512 * MIB
+HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+SERVED = FAST.model_copy(
+    update={
+        "reasoning": "Thinking it over.",
+        "tool_call": ToolCall(name="get_weather", arguments={"city": "Paris"}),
+        "tokens_per_second": 40,
+        "answer": "Hello from the engine simulator. " + " ".join(["more"] * 40),
+    }
+)
+
+
+def llama(executable: Path, gguf: Path, *extra: str) -> list[str]:
+    return [str(executable), "-m", str(gguf), "--port", "{port}", *extra]
+
+
+def env_for(home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]:
+    return closed_env(None, home, **gpu.env(), **extra)
+
+
+def claim(gpu: SimGpu, pid: int) -> tuple[int, int] | None:
+    found = gpu.claims().get(pid)
+    return (found.bytes, found.host_bytes) if found else None
+
+
+@pytest.fixture(scope="module")
+def served(
+    installs: Installs, gguf: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    folder = tmp_path_factory.mktemp("llama-served")
+    executable = installs.llama(BUILD)
+    write_behaviour(executable, SERVED)
+    gpu = make_simgpu(folder / "simgpu")
+    argv = llama(executable, gguf, "-np", "1", "-c", "4096", "--metrics", "--alias", "tiny")
+    launcher = Launcher(folder)
+    engine = launcher.start(argv, env_for(folder, gpu, LLAMA_API_KEY=KEY), key=KEY)
+    try:
+        engine.wait_status(200)
+        yield engine
+    finally:
+        launcher.cleanup()
+
+
+def test_auth_leaves_health_and_models_public(served: Engine) -> None:
+    for path in ("/health", "/v1/health", "/models", "/v1/models"):
+        assert httpx.get(served.base + path).status_code == 200, path
+    for path in ("/props", "/slots", "/metrics"):
+        refused = httpx.get(served.base + path)
+        assert refused.status_code == 401, path
+        assert refused.json() == {
+            "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}
+        }
+    assert httpx.get(f"{served.base}/props", headers={"x-api-key": KEY}).status_code == 200
+
+
+def test_models_and_props(served: Engine, gguf: Path) -> None:
+    card = httpx.get(f"{served.base}/v1/models").json()["data"][0]
+    assert (card["id"], card["owned_by"], card["meta"]["size"]) == ("tiny", "llamacpp", GIB)
+    props = served.get("/props").json()
+    assert (props["total_slots"], props["is_sleeping"]) == (1, False)
+    assert props["model_path"] == str(gguf)
+    assert re.fullmatch(r"b6500-[0-9a-f]{8}", props["build_info"])
+
+
+def test_chat_with_reasoning_content_and_timings(served: Engine) -> None:
+    completion = served.openai().chat.completions.create(model="tiny", messages=HELLO, max_tokens=5)
+    assert re.fullmatch(r"chatcmpl-[A-Za-z0-9]{32}", completion.id)
+    message = completion.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == "Thinking it over."
+    assert message.content == "Hello from"
+    assert "timings" in (completion.model_extra or {})
+    body = {
+        "messages": HELLO,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
+    ) as streamed:
+        events = list(sse_events(streamed.iter_lines()))
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert all("timings" in chunk for chunk in chunks)
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_tool_calls(served: Engine) -> None:
+    completion = served.openai().chat.completions.create(model="tiny", messages=HELLO, tools=TOOLS)
+    assert completion.choices[0].finish_reason == "tool_calls"
+    calls: Any = completion.choices[0].message.tool_calls
+    assert calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+
+
+def test_requests_beyond_the_slots_are_deferred_and_hang_ups_free_the_slot(
+    served: Engine,
+) -> None:
+    body = {"messages": HELLO, "stream": True}
+    later: list[str] = []
+    with httpx.stream(
+        "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
+    ) as streamed:
+        lines = streamed.iter_lines()  # kept: dropping it would close the connection
+        next(line for line in lines if "content" in line)
+        second = threading.Thread(target=lambda: later.append(_chat(served, 2)))
+        second.start()
+        wait_for(lambda: served.metric("llamacpp:requests_deferred") == 1, 5, "a deferral")
+        assert served.metric("llamacpp:requests_processing") == 1
+        assert served.get("/slots").json()[0]["is_processing"] is True
+        assert served.get("/slots", params={"fail_on_no_slot": "1"}).status_code == 503
+    second.join(timeout=10)
+    assert later == ["Thinking it"]
+    wait_for(lambda: served.metric("llamacpp:requests_processing") == 0, 5, "a free slot")
+    text = served.get("/metrics").text
+    for name in (
+        "prompt_tokens_total",
+        "tokens_predicted_total",
+        "requests_processing",
+        "requests_deferred",
+        "n_decode_total",
+    ):
+        assert f"\nllamacpp:{name} " in text, name
+    assert "kv_cache" not in text
+
+
+def _chat(engine: Engine, max_tokens: int) -> str:
+    answer = engine.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": max_tokens})
+    return str(answer.json()["choices"][0]["message"]["reasoning_content"])
+
+
+def test_listens_at_once_loads_then_serves_and_stops_cleanly(
+    installs: Installs, gguf: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+) -> None:
+    executable = installs.llama(BUILD)
+    write_behaviour(executable, FAST.model_copy(update={"load_seconds": 1.5}))
+    engine = launcher.start(llama(executable, gguf, "--no-slots"), env_for(tmp_path, gpu))
+    engine.wait_status(503)
+    loading = httpx.get(f"{engine.base}/health")
+    assert loading.json() == LOADING
+    assert httpx.get(f"{engine.base}/v1/models").json()["data"][0]["meta"] is None
+    engine.wait_status(200)
+    assert httpx.get(f"{engine.base}/health").json() == {"status": "ok"}
+    wait_for(
+        lambda: claim(gpu, engine.proc.pid) == (GIB + 4096 * (128 << 10) + 4 * (8 << 20), 0),
+        5,
+        "the model and its KV cache on the device",
+    )
+    assert engine.status("/slots") == 501
+    assert engine.get("/metrics").json()["error"]["type"] == "not_supported_error"
+    assert engine.stop() == 0
+    assert sorted(p.name for p in gpu.folder.iterdir()) == ["devices.json"]
+
+
+def test_idle_sleep_frees_memory_and_the_next_request_reloads(
+    installs: Installs, gguf: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+) -> None:
+    executable = installs.llama(BUILD)
+    write_behaviour(executable, FAST)
+    argv = llama(executable, gguf, "-np", "1", "--sleep-idle-seconds", "1")
+    engine = launcher.start(argv, env_for(tmp_path, gpu))
+    engine.wait_status(200)
+    pid = engine.proc.pid
+    wait_for(lambda: claim(gpu, pid) == (GIB + KV, 0), 5, "the loaded model")
+    # Polling /health and /props neither wakes it nor keeps it awake.
+    wait_for(
+        lambda: engine.status() == 200 and engine.get("/props").json()["is_sleeping"],
+        10,
+        "idle sleep",
+    )
+    wait_for(lambda: claim(gpu, pid) == (RESIDUE, 0), 5, "the memory freed")
+    answer = engine.post("/v1/chat/completions", json={"messages": HELLO}).json()
+    assert answer["choices"][0]["message"]["content"] == FAST.answer
+    assert engine.get("/props").json()["is_sleeping"] is False
+    wait_for(lambda: claim(gpu, pid) == (GIB + KV, 0), 5, "the model reloaded")
+
+
+def test_version_and_unknown_flags(installs: Installs, launcher: Launcher, tmp_path: Path) -> None:
+    executable = str(installs.llama(BUILD))
+    version = launcher.run([executable, "--version"], closed_env(None, tmp_path))
+    assert version.returncode == 0
+    assert re.match(r"version: 6500 \([0-9a-f]{8}\)\nbuilt with .+ for x86_64", version.stderr)
+    bogus = launcher.run([executable, "--bogus"], closed_env(None, tmp_path))
+    assert (bogus.returncode, bogus.stderr) == (1, "error: invalid argument: --bogus\n")
+
+
+@pytest.mark.parametrize(("build", "port", "notice"), [(6850, 8080, True), (6900, 9931, False)])
+def test_default_port_by_build(
+    installs: Installs,
+    gguf: Path,
+    launcher: Launcher,
+    tmp_path: Path,
+    build: int,
+    port: int,
+    notice: bool,
+) -> None:
+    executable = installs.llama(build)
+    engine = launcher.start([str(executable), "-m", str(gguf)], closed_env(None, tmp_path))
+    said = re.compile(rf"(listening on http://127\.0\.0\.1:{port} |port: {port}$)", re.M)
+    wait_for(lambda: said.search(engine.output()), 10, f"the server on port {port}")
+    assert ("NOTICE: server default port will be changed to :9931" in engine.output()) is notice
+
+
+def test_out_of_memory_and_missing_model_exit_1(
+    installs: Installs, gguf: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+) -> None:
+    executable = installs.llama(BUILD)
+    write_behaviour(executable, FAST)
+    gpu.occupy(23 * GIB)
+    full = launcher.start(llama(executable, gguf), env_for(tmp_path, gpu))
+    assert full.wait_exit() == 1
+    assert "cudaMalloc failed: out of memory" in full.output()
+    assert "main: exiting due to model loading error" in full.output()
+    missing = launcher.start(llama(executable, tmp_path / "none.gguf"), env_for(tmp_path, gpu))
+    assert missing.wait_exit() == 1
+    assert "exiting due to model loading error" in missing.output()

@@ -1,0 +1,91 @@
+"""hostd publishes each serving engine's running and waiting requests, once a second."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from capycommon.state.hostcommands import Park, Stop, Wake
+from capycommon.state.load import EngineLoad
+from enginesim.install import write_behaviour
+from integration.hostd.harness import FAST, Hostd, launch
+from support import wait_for
+
+# 40 tokens at 10 a second: a request that runs for about four seconds.
+SLOW = FAST.model_copy(update={"tokens_per_second": 10, "answer": " ".join(["slow"] * 40)})
+
+
+def _load(harness: Hostd, running: int | None = None) -> EngineLoad | None:
+    """a:0's entry; with `running`, only once it shows that many running requests."""
+    found = harness.loads().get("a:0")
+    return found if found is not None and running in (None, found.running) else None
+
+
+def test_the_load_shows_a_request_while_it_runs_and_goes_with_the_engine(
+    hostd: tuple[Hostd, str], model: Path, installs: dict[str, Path]
+) -> None:
+    harness, gpu = hostd
+    write_behaviour(installs["vllm"], SLOW)
+    harness.send(launch("a", 1, gpu, model))
+    ready = harness.wait_state("a", "ready")
+    idle = wait_for(lambda: _load(harness), timeout=5, what="the first entry")
+    assert (idle.generation, idle.running, idle.waiting) == (1, 0, 0)
+    assert idle.last_active_at == ready.since, "idle since it became ready"
+    assert idle.read_at >= ready.since
+
+    chat = openai.OpenAI(base_url=f"http://127.0.0.1:{ready.port}/v1", api_key=harness.secret("a"))
+    with chat, ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(
+            lambda: chat.chat.completions.create(
+                model="a", messages=[{"role": "user", "content": "hi"}]
+            )
+        )
+        busy = wait_for(lambda: _load(harness, 1), timeout=5, what="the running request")
+        assert not reply.done(), "seen while the request ran"
+        assert busy.last_active_at == busy.read_at
+        assert reply.result(timeout=30).choices[0].message.content
+    after = wait_for(lambda: _load(harness, 0), timeout=5, what="the load back to nothing")
+    assert after.waiting == 0
+    assert busy.read_at <= after.last_active_at < after.read_at, "last active while it ran"
+
+    harness.send(Park(deployment="a", generation=1))
+    harness.wait_state("a", "parked")
+    wait_for(lambda: _load(harness) is None, timeout=5, what="no entry while parked")
+    harness.send(Wake(deployment="a", generation=1))
+    awake = harness.wait_state("a", "ready")
+    woken = wait_for(lambda: _load(harness), timeout=5, what="the entry back after the wake")
+    assert (woken.running, woken.last_active_at) == (0, awake.since)
+
+    harness.send(Stop(deployment="a", generation=1))
+    harness.wait_state("a", "stopped")
+    wait_for(lambda: "a:0" not in harness.loads(), timeout=5, what="the entry gone")
+
+
+def test_an_engine_that_does_not_answer_keeps_its_entry(
+    hostd: tuple[Hostd, str], model: Path
+) -> None:
+    harness, gpu = hostd
+    harness.send(launch("a", 1, gpu, model))
+    harness.send(launch("b", 1, gpu, model))
+    frozen = harness.wait_state("a", "ready")
+    harness.wait_state("b", "ready")
+    assert frozen.process is not None
+    wait_for(lambda: "b:0" in harness.loads(), timeout=5, what="b's entry")
+    before = wait_for(lambda: _load(harness), timeout=5, what="a's entry")
+    os.killpg(frozen.process.pgid, signal.SIGSTOP)  # its metrics go unanswered
+    try:
+        stopped_at = time.time()
+        wait_for(
+            lambda: harness.loads()["b:0"].read_at > stopped_at + 2,
+            timeout=10,
+            what="b read twice more",
+        )
+        assert harness.loads()["a:0"] == before, "a keeps the entry it had"
+    finally:
+        os.killpg(frozen.process.pgid, signal.SIGCONT)
+    wait_for(lambda: _load(harness) != before, timeout=10, what="a read again")

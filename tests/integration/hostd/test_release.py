@@ -1,0 +1,67 @@
+"""Judging a park from memwatch's readings: which reading counts, and the reasons' figures."""
+
+from __future__ import annotations
+
+from capycommon.state.memory import GpuReading, HostRam, MemoryReading
+from capyctl_hostd.release import Seen, judge, observe
+
+GiB = 1 << 30
+MiB = 1 << 20
+UUID = "GPU-1"
+PARKED_AT = 1000.0
+
+
+def _reading(taken_at: float, processes: dict[int, int], uuid: str = UUID) -> MemoryReading:
+    gpu = GpuReading(
+        index=1,
+        uuid=uuid,
+        name="NVIDIA H200",
+        total_bytes=141 * GiB,
+        used_bytes=sum(processes.values()),
+        free_bytes=0,
+        unified=False,
+        processes=processes,
+    )
+    ram = HostRam(total_bytes=64 * GiB, available_bytes=64 * GiB, source="meminfo")
+    return MemoryReading(host="h", taken_at=taken_at, backend="nvml", gpus=[gpu], ram=ram)
+
+
+def test_only_the_groups_processes_on_the_instances_gpu_count() -> None:
+    reading = _reading(PARKED_AT + 1, {10: 300 * MiB, 11: 200 * MiB, 99: 40 * GiB})
+    seen = observe(Seen(UUID, None), reading, UUID, [10, 11, 12], PARKED_AT, PARKED_AT + 1.5)
+    assert seen == Seen("gpu1", 500 * MiB)
+    assert seen.within(512 * MiB)
+    assert not seen.within(499 * MiB)
+
+
+def test_a_reading_before_the_park_or_stale_names_the_gpu_but_gives_no_figure() -> None:
+    start = Seen(UUID, None)
+    before = _reading(PARKED_AT - 0.1, {10: 0})
+    assert observe(start, before, UUID, [10], PARKED_AT, PARKED_AT + 1) == Seen("gpu1", None)
+    stale = _reading(PARKED_AT + 1, {10: 0})
+    assert observe(start, stale, UUID, [10], PARKED_AT, PARKED_AT + 7) == Seen("gpu1", None)
+    held = Seen("gpu1", 6 * GiB)
+    assert observe(held, stale, UUID, [10], PARKED_AT, PARKED_AT + 7) == held, "the last figure"
+
+
+def test_no_reading_or_another_gpu_changes_nothing() -> None:
+    start = Seen(UUID, None)
+    assert observe(start, None, UUID, [10], PARKED_AT, PARKED_AT + 1) == start
+    other = _reading(PARKED_AT + 1, {10: 0}, uuid="GPU-2")
+    assert observe(start, other, UUID, [10], PARKED_AT, PARKED_AT + 1) == start
+
+
+def test_the_reasons_give_the_figures() -> None:
+    assert judge(Seen("gpu0", 512 * MiB), GiB, 15, "host_backed") == (
+        True,
+        "parked (host_backed): 512.0 MiB left on gpu0, within the 1.0 GiB parked charge",
+    )
+    assert judge(Seen("gpu0", int(13.5 * GiB)), GiB, 15, "deep") == (
+        False,
+        "park: memory not released: 13.5 GiB still held on gpu0 after 15s (parked charge 1.0 GiB)",
+    )
+    assert judge(Seen("gpu0", None), GiB, 0.5, "deep") == (
+        False,
+        "park: memory release unobserved: no fresh memwatch reading of gpu0 within 500ms "
+        "(parked charge 1.0 GiB)",
+    )

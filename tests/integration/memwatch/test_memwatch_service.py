@@ -1,0 +1,185 @@
+"""memwatch as a real process against a real redis-server, with simulated GPUs and RAM."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from capycommon import simgpu
+from capycommon.state import keys, memory
+from capycommon.state.instances import InstanceState
+from capycommon.state.memory import MemoryReading
+from integration.memwatch.helpers import GIB, Claimer, record
+from support import clean_env, short_dir, wait_for
+
+SPEC = "gpu0:24GiB,gpu1:24GiB"
+GPU0, GPU1 = simgpu.device_uuid("gpu0"), simgpu.device_uuid("gpu1")
+
+
+@dataclass
+class Memwatch:
+    proc: subprocess.Popen[bytes]
+    state: Path
+    log: Path
+    client: redis.Redis
+
+    @property
+    def simgpu(self) -> Path:
+        return self.state / "simgpu"
+
+    def reading(self) -> MemoryReading | None:
+        return memory.read_reading(self.client, "local")
+
+    def newer_reading(self, than: float) -> MemoryReading | None:
+        found = self.reading()
+        return found if found is not None and found.taken_at > than else None
+
+    def logged(self, message: str) -> list[dict[str, Any]]:
+        lines = [json.loads(line) for line in self.log.read_text().splitlines() if line]
+        return [line["fields"] for line in lines if line["message"] == message]
+
+
+@pytest.fixture
+def memwatch(redis_socket: Path) -> Iterator[Memwatch]:
+    state = short_dir("mw")
+    log = state / "memwatch.log"
+    env = clean_env(
+        CAPYCTL_REDIS_URL=f"unix://{redis_socket}",
+        CAPYCTL_SIMULATED_GPUS=SPEC,
+        CAPYCTL_SIMULATED_HOST_RAM="64GiB",
+        CAPYCTL_LOG_LEVEL="debug",
+        CAPYCTL_HOST_NAME="local",
+    )
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "capyctl_memwatch",
+                "--role",
+                "standalone",
+                "--state-dir",
+                str(state),
+            ],
+            env=env,
+            stderr=out,
+        )
+    client = redis.Redis(unix_socket_path=str(redis_socket))
+    try:
+        yield Memwatch(proc, state, log, client)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+        client.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_devices_json_and_a_fresh_reading_every_second(memwatch: Memwatch) -> None:
+    first = wait_for(memwatch.reading, timeout=15, what="memwatch's first reading")
+    devices = simgpu.read_devices(memwatch.simgpu)
+    assert [(d.name, d.uuid, d.total_bytes) for d in devices] == [
+        ("gpu0", GPU0, 24 * GIB),
+        ("gpu1", GPU1, 24 * GIB),
+    ]
+    assert simgpu.parse_devices("gpu0:1GiB")[0].uuid == GPU0, "the same name, the same UUID"
+    taken = [first.taken_at]
+    for _ in range(3):
+        later = wait_for(lambda: memwatch.newer_reading(taken[-1]), 5, "the next reading")
+        assert later.is_fresh(time.time())
+        assert time.time() - later.taken_at < 2
+        taken.append(later.taken_at)
+    gaps = [b - a for a, b in itertools.pairwise(taken)]
+    assert all(0 < gap < 2.5 for gap in gaps), gaps
+    assert 0.8 < (taken[-1] - taken[0]) / len(gaps) < 1.4, gaps
+    assert first.backend == "simulated"
+    assert first.host == "local"
+    assert [g.used_bytes for g in first.gpus] == [0, 0]
+    assert (first.ram.total_bytes, first.ram.available_bytes) == (64 * GIB, 64 * GIB)
+    assert first.ram.source == "simulated"
+    assert not first.is_fresh(first.taken_at + memory.STALE_AFTER_S + 0.1)
+
+
+def used(memwatch: Memwatch) -> tuple[list[int], int] | None:
+    """(device bytes used per GPU, host RAM available) of the latest reading."""
+    found = memwatch.reading()
+    return (
+        None if found is None else ([g.used_bytes for g in found.gpus], found.ram.available_bytes)
+    )
+
+
+def test_a_reading_sums_the_claims_of_live_processes_only(memwatch: Memwatch) -> None:
+    wait_for(memwatch.reading, timeout=15, what="memwatch's first reading")
+    with Claimer(memwatch.simgpu) as one, Claimer(memwatch.simgpu) as two:
+        one.claim(GPU0, 3 * GIB, 2 * GIB)
+        two.claim(GPU0, 5 * GIB, GIB)
+        two.child(GPU1, 4 * GIB, 0)
+        expected = ([8 * GIB, 4 * GIB], 61 * GIB)
+        wait_for(lambda: used(memwatch) == expected, 10, "a reading of the three claims")
+        reading = memwatch.reading()
+        assert reading is not None
+        gpu0, gpu1 = reading.gpus
+        assert gpu0.processes == {one.pid: 3 * GIB, two.pid: 5 * GIB}
+        assert gpu1.processes == {two.pids()[1]: 4 * GIB}
+        assert (gpu0.free_bytes, gpu1.free_bytes) == (16 * GIB, 20 * GIB)
+
+        two.kill()  # SIGKILL: its claims stay on disk, but no live process holds them
+        assert (memwatch.simgpu / f"{two.pid}.json").exists()
+        expected = ([3 * GIB, 0], 62 * GIB)
+        wait_for(lambda: used(memwatch) == expected, 10, "the dead process's claims to drop")
+
+
+def test_a_startup_peak_is_measured_while_starting(memwatch: Memwatch) -> None:
+    wait_for(lambda: memwatch.logged("watching launches"), 15, "the sampler's first step")
+    client = memwatch.client
+    with Claimer(memwatch.simgpu) as engine:
+        starting = record(InstanceState.STARTING, engine.identity(), since=time.time())
+        client.set(keys.instance("local", "chat", 0), starting.model_dump_json())
+        client.sadd(keys.instances("local"), "chat:0")
+
+        def rose_to(device: int, host: int) -> bool:
+            return any(
+                (f["device_bytes"], f["host_bytes"]) == (device, host)
+                for f in memwatch.logged("startup peak rose")
+            )
+
+        engine.claim(GPU0, 2 * GIB, GIB)
+        engine.child(GPU1, GIB, 0)
+        wait_for(lambda: rose_to(3 * GIB, GIB), 10, "a sample of 3 GiB across the group")
+        engine.claim(GPU0, 6 * GIB, 4 * GIB)
+        wait_for(lambda: rose_to(7 * GIB, 4 * GIB), 10, "a sample of the 7 GiB peak")
+        engine.claim(GPU0, 3 * GIB, 2 * GIB)
+        wait_for(lambda: used(memwatch) == ([3 * GIB, GIB], 62 * GIB), 10, "the drop after it")
+        assert memory.read_startup_peak(client, "local", "chat", 3, "fp-1") is None
+
+        ready = starting.model_copy(update={"state": InstanceState.READY, "since": time.time()})
+        client.set(keys.instance("local", "chat", 0), ready.model_dump_json())
+        peak = wait_for(
+            lambda: memory.read_startup_peak(client, "local", "chat", 3, "fp-1"),
+            10,
+            "the startup peak to be stored",
+        )
+    assert (peak.device_bytes, peak.host_bytes) == (7 * GIB, 4 * GIB)
+    assert (peak.deployment, peak.revision, peak.host, peak.fingerprint) == (
+        "chat",
+        3,
+        "local",
+        "fp-1",
+    )
+    assert peak.provenance == "measured"
+    assert peak.samples >= 3
+    assert peak.measured_at >= ready.since
+    assert memwatch.logged("startup peak measured")[0]["device_bytes"] == 7 * GIB

@@ -1,0 +1,265 @@
+"""The router in process (real Redis, the real app) in front of engines that answer with
+errors, in each family's exact shape; the openai SDK as the client. Before the engine's first
+event every failure is the engine's own status in the OpenAI envelope, streamed or not; after
+it, an error event and `[DONE]`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from capycommon.credentials import generate
+from capycommon.deployments.load import parse_deployment
+from capycommon.state import keys, places
+from capycommon.state.desired import DeploymentRecord, DeploymentStore
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capyctl_router.app import Router, create_app
+from capyctl_router.dispatch import Dispatcher
+from capyctl_router.metrics import Metrics
+from capyctl_router.table import Table
+
+CREDENTIALS = generate()
+HOST = "local"
+HI: list[Any] = [{"role": "user", "content": "hi"}]
+TOO_LONG = (
+    "'max_tokens' or 'max_completion_tokens' is too large: 9000. This model's maximum "
+    "context length is 4096 tokens and your request has 2 input tokens (9000 > 4096 - 2)."
+)
+# What each family answers to a request it refuses before streaming.
+REFUSALS = {
+    "vllm": {"error": {"message": TOO_LONG, "type": "BadRequestError", "param": None, "code": 400}},
+    "sglang": {
+        "object": "error",
+        "message": TOO_LONG,
+        "type": "BadRequest",
+        "param": None,
+        "code": 400,
+    },
+    "llamacpp": {"error": {"code": 400, "message": TOO_LONG, "type": "invalid_request_error"}},
+}
+Engine = Callable[[httpx.Request], httpx.Response]
+
+
+def _chunk(content: str, finish: str | None = None) -> str:
+    event = {
+        "id": "chatcmpl-engine",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "served",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+    }
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def _sse(*events: str) -> httpx.Response:
+    body = "".join(events).encode()
+    return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+
+def _error_event(message: str, code: int) -> str:
+    error = {
+        "message": message,
+        "type": "BadRequestError" if code < 500 else "InternalServerError",
+        "param": None,
+        "code": code,
+    }
+    return f"data: {json.dumps({'error': error})}\n\n"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Cluster:
+    """One ready deployment per family, all served by `engine` (a fake engine's answer)."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.engine: Engine = lambda _: _sse(_chunk("hello", "stop"), "data: [DONE]\n\n")
+        self.seen: list[dict[str, Any]] = []
+
+    async def ready(self, family: str) -> None:
+        document = parse_deployment({"name": family, "engine": family, "model": "m"}, "test")
+        now = time.time()
+        record = DeploymentRecord(
+            name=family,
+            revision=1,
+            digest="d",
+            document=document,
+            created_at=now,
+            updated_at=now,
+            generation=1,
+        )
+        await DeploymentStore(self.client).put(record)
+        instance = InstanceRecord(
+            deployment=family,
+            instance=0,
+            revision=1,
+            generation=1,
+            state=InstanceState.READY,
+            since=now,
+            host=HOST,
+            family=family,
+            served_name="served",
+            port=8100,
+        )
+        await self.client.set(keys.instance(HOST, family, 0), instance.model_dump_json())
+        await self.client.sadd(keys.instances(HOST), f"{family}:0")
+        await self.client.set(keys.instance_secret(HOST, family, 0), "engine-key")
+
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(json.loads(request.content))
+        return self.engine(request)
+
+    async def running(self, name: str) -> int:
+        return (await places.aread(self.client, name)).running
+
+
+@pytest.fixture
+async def cluster(redis_socket: Path) -> AsyncIterator[tuple[Cluster, openai.AsyncOpenAI]]:
+    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    cluster = Cluster(client)
+    for family in REFUSALS:
+        await cluster.ready(family)
+    table = Table(client, {HOST})
+    await table.sync()
+    engines = httpx.AsyncClient(transport=httpx.MockTransport(cluster.answer))
+    app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+    # The openai SDK's own HTTP client package (a fork of httpx), with the app as transport.
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
+    sdk = openai.AsyncOpenAI(
+        base_url="http://router/v1", api_key=CREDENTIALS.api_key, http_client=http, max_retries=0
+    )
+    try:
+        yield cluster, sdk
+    finally:
+        await sdk.close()
+        await engines.aclose()
+        await client.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("family", sorted(REFUSALS))
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_engines_refusal_is_its_400_streamed_or_not(
+    cluster: tuple[Cluster, openai.AsyncOpenAI], family: str, stream: bool
+) -> None:
+    engines, sdk = cluster
+    engines.engine = lambda _: httpx.Response(400, json=REFUSALS[family])
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.chat.completions.create(model=family, messages=HI, max_tokens=9000, stream=stream)
+    assert refused.value.status_code == 400
+    assert refused.value.body == {
+        "message": TOO_LONG,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "engine_rejected",
+    }
+    assert refused.value.response.headers["X-CapyCTL-Request-Id"].startswith("chatcmpl-")
+    assert engines.seen[-1]["stream"] is True, "the router always streams from the engine"
+    assert await engines.running(family) == 0, "the engine is done with it: its place is back"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_error_as_the_first_event_after_200_is_that_errors_status(
+    cluster: tuple[Cluster, openai.AsyncOpenAI], stream: bool
+) -> None:
+    engines, sdk = cluster
+    message = "Requested sample logprobs of 30, which is greater than max allowed: 20"
+    engines.engine = lambda _: _sse(_error_event(message, 400), "data: [DONE]\n\n")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.chat.completions.create(
+            model="vllm", messages=HI, stream=stream, logprobs=True, top_logprobs=30
+        )
+    assert refused.value.status_code == 400
+    assert refused.value.message.endswith(message)
+    assert refused.value.code == "engine_rejected"
+    assert await engines.running("vllm") == 0
+
+
+@pytest.mark.anyio
+async def test_an_engine_5xx_keeps_its_status_and_a_401_is_the_routers_problem(
+    cluster: tuple[Cluster, openai.AsyncOpenAI],
+) -> None:
+    engines, sdk = cluster
+    loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    engines.engine = lambda _: httpx.Response(503, json=loading)
+    for stream in (True, False):
+        with pytest.raises(openai.InternalServerError) as failed:
+            await sdk.chat.completions.create(model="llamacpp", messages=HI, stream=stream)
+        assert failed.value.status_code == 503
+        assert failed.value.response.headers["Retry-After"] == "1"
+        assert failed.value.body == {
+            "message": "Loading model",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
+    engines.engine = lambda _: httpx.Response(401, json={"error": "Unauthorized"})
+    with pytest.raises(openai.InternalServerError) as refused:
+        await sdk.chat.completions.create(model="vllm", messages=HI, stream=True)
+    assert refused.value.status_code == 500, "not an AuthenticationError for a good API key"
+
+
+@pytest.mark.anyio
+async def test_after_the_first_event_a_failure_is_an_error_event_and_done(
+    cluster: tuple[Cluster, openai.AsyncOpenAI],
+) -> None:
+    engines, sdk = cluster
+    broken = _error_event("EngineCore encountered an issue.", 500)
+    engines.engine = lambda _: _sse(_chunk("Hello"), _chunk(" there"), broken, "data: [DONE]\n\n")
+    async with sdk.chat.completions.with_streaming_response.create(
+        model="vllm", messages=HI, stream=True
+    ) as response:
+        assert response.http_response.status_code == 200
+        lines = [line async for line in response.http_response.aiter_lines() if line]
+    assert [json.loads(line[6:])["choices"][0]["delta"]["content"] for line in lines[:2]] == [
+        "Hello",
+        " there",
+    ]
+    assert json.loads(lines[2][6:]) == {
+        "error": {
+            "message": "EngineCore encountered an issue.",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
+    }
+    assert lines[3:] == ["data: [DONE]"]
+    with pytest.raises(openai.APIError, match="EngineCore encountered an issue"):
+        async for _ in await sdk.chat.completions.create(model="vllm", messages=HI, stream=True):
+            pass
+    # Not streamed, nothing has gone to the client yet: the engine's status.
+    with pytest.raises(openai.InternalServerError) as failed:
+        await sdk.chat.completions.create(model="vllm", messages=HI)
+    assert failed.value.status_code == 500
+    assert await engines.running("vllm") == 0
+
+
+@pytest.mark.anyio
+async def test_a_stream_the_engine_ends_without_done_still_ends_with_done(
+    cluster: tuple[Cluster, openai.AsyncOpenAI],
+) -> None:
+    engines, sdk = cluster
+    engines.engine = lambda _: _sse(_chunk("Hi", "stop"))
+    chunks = [
+        chunk
+        async for chunk in await sdk.chat.completions.create(
+            model="sglang", messages=HI, stream=True
+        )
+    ]
+    assert [c.choices[0].delta.content for c in chunks] == ["Hi"]
+    assert chunks[0].model == "sglang"
+    answer = await sdk.chat.completions.create(model="sglang", messages=HI)
+    assert answer.choices[0].message.content == "Hi"

@@ -1,0 +1,150 @@
+"""The scheduler binds deployments from the facts hosts publish, over a real Redis: a model
+path a host has not described is asked for on its command stream, and the binding waits,
+saying why, until hostd answers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import cast
+
+import pytest
+import redis.asyncio as aioredis
+
+from capycommon.deployments import parse_deployment, revision_digest
+from capycommon.engines.families import Family
+from capycommon.engines.registry import EngineProfile
+from capycommon.state import hostcommands, hostfacts, keys
+from capycommon.state.desired import DeploymentRecord, DeploymentStore
+from capycommon.state.enginefacts import PublishedEngines
+from capycommon.state.hostfacts import HostModels, ModelFacts
+from capyctl_scheduler.observe import Observer
+from capyctl_scheduler.policy import plan
+
+HOST = "h1"
+GiB = 1 << 30
+ROOT = "/srv/models"
+VLLM = EngineProfile(
+    name="vllm",
+    family=Family.VLLM,
+    version="0.29.0",
+    executable=Path("/opt/vllm/bin/python"),
+    install_path=Path("/opt/vllm"),
+    fingerprint="0.29.0+sha256:" + "0" * 64,
+    verified=False,
+    added_at=datetime(2026, 11, 30, tzinfo=UTC),
+)
+SMALL = ModelFacts(path=f"{ROOT}/small", kind="folder", weights_bytes=2 * GiB)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
+    """Redis as hostd left it: a live host with one engine and the model `small`."""
+    found = aioredis.Redis(unix_socket_path=str(redis_socket))
+    engines = PublishedEngines(revision=1, source="engines.yaml", profiles=[VLLM])
+    await found.set(keys.engines(HOST), engines.model_dump_json())
+    await found.set(keys.heartbeat("hostd", HOST), "{}")
+    await hostfacts.publish(found, HOST, HostModels(models_root=ROOT, models={"small": SMALL}))
+    yield found
+    await found.aclose()
+
+
+def record(name: str, model: str) -> DeploymentRecord:
+    document = parse_deployment({"name": name, "engine": "vllm", "model": model}, "test")
+    return DeploymentRecord(
+        name=name,
+        revision=1,
+        digest=revision_digest(document),
+        document=document,
+        created_at=0.0,
+        updated_at=0.0,
+    )
+
+
+async def describes(client: aioredis.Redis) -> list[tuple[str, ...]]:
+    """The Describe commands on the host's stream, oldest first."""
+    entries = cast(
+        list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.host_commands(HOST))
+    )
+    found = [hostcommands.parse(fields[b"command"]) for _, fields in entries]
+    return [c.paths for c in found if isinstance(c, hostcommands.Describe)]
+
+
+async def answer(client: aioredis.Redis, facts: dict[str, ModelFacts]) -> None:
+    """What hostd does with a Describe: publish the facts of the paths asked for."""
+    models = await hostfacts.aread(client, HOST)
+    assert models is not None
+    await hostfacts.publish(client, HOST, models.model_copy(update={"described": facts}))
+
+
+@pytest.mark.anyio
+async def test_a_path_the_host_has_not_described_waits_and_is_asked_for(
+    client: aioredis.Redis,
+) -> None:
+    await DeploymentStore(client).put(record("listed", "small"))
+    await DeploymentStore(client).put(record("big", "/data/big"))
+    observer = Observer(client, [HOST])
+    snapshot = await observer.snapshot(demands={"big": 0.0})
+    assert snapshot.bindings["listed"][HOST].resolved is not None, "the root's listing serves"
+    waiting = snapshot.bindings["big"][HOST]
+    assert (waiting.resolved, waiting.error) == (None, None)
+    assert waiting.waiting == f"host {HOST} has not described model /data/big yet"
+    assert await describes(client) == [("/data/big",)]
+    (action,) = [a for a in plan(snapshot) if a.deployment == "big"]
+    assert (action.kind, action.reason) == (
+        "wait",
+        f"no host can run it: {HOST}: host {HOST} has not described model /data/big yet",
+    )
+
+    await observer.snapshot()
+    assert await describes(client) == [("/data/big",)], "asked once, not on every plan"
+
+    big = ModelFacts(path="/data/big", kind="folder", weights_bytes=30 * GiB)
+    await answer(client, {"/data/big": big})
+    resolved = (await observer.snapshot()).bindings["big"][HOST].resolved
+    assert resolved is not None
+    assert (resolved.model_path, resolved.weights_bytes) == (PurePosixPath("/data/big"), 30 * GiB)
+
+    await DeploymentStore(client).forget("big")
+    await observer.snapshot()
+    assert (await describes(client))[-1] == (), "a path no deployment names is let go"
+
+
+@pytest.mark.anyio
+async def test_declaring_waits_for_a_live_host_to_describe_the_model(
+    client: aioredis.Redis,
+) -> None:
+    async def hostd() -> None:
+        while not await describes(client):
+            await asyncio.sleep(0.02)
+        gone = ModelFacts(path="/data/gone", kind="missing")
+        await answer(client, {"/data/gone": gone})
+
+    observer = Observer(client, [HOST])
+    helper = asyncio.create_task(hostd())
+    bindings = await observer.bindings_of(record("gone", "/data/gone"))
+    await helper
+    error = bindings[HOST].error
+    assert error is not None
+    assert (error.code, error.message) == (
+        "not_found",
+        "deployment 'gone': model: /data/gone does not exist; put the model there or fix model",
+    )
+
+
+@pytest.mark.anyio
+async def test_a_host_whose_hostd_is_gone_is_not_waited_for(client: aioredis.Redis) -> None:
+    await client.delete(keys.heartbeat("hostd", HOST))
+    observer = Observer(client, [HOST])
+    started = asyncio.get_running_loop().time()
+    bindings = await observer.bindings_of(record("later", "/data/later"))
+    assert asyncio.get_running_loop().time() - started < 1
+    assert bindings[HOST].waiting == f"host {HOST} has not described model /data/later yet"
+    assert bindings[HOST].error is None, "declaring is not refused: it waits for the host"
