@@ -6,7 +6,7 @@ codes and HTTP statuses here, and nowhere else.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Self
 
 
 class CapyError(Exception):
@@ -20,6 +20,13 @@ class CapyError(Exception):
         if code is not None:
             self.code = code  # type: ignore[misc]
 
+    def retold(self, message: str) -> Self:
+        """The same error (class and code) told with `message`."""
+        told = type(self).__new__(type(self))
+        Exception.__init__(told, message)
+        told.__dict__.update(self.__dict__, message=message)
+        return told
+
     @property
     def exit_code(self) -> int:
         return exit_code_for(self.code)
@@ -27,6 +34,18 @@ class CapyError(Exception):
     @property
     def http_status(self) -> int:
         return http_status_for(self.code)
+
+
+class Internal(CapyError):
+    """Something CapyCTL did not expect: a bug, or a peer that broke its own contract."""
+
+    code = "internal"
+
+
+class AgentUnreachable(CapyError):
+    """A CapyCTL service (the management API, a host's agent) did not answer."""
+
+    code = "agent_unreachable"
 
 
 class InvalidConfig(CapyError):
@@ -135,10 +154,21 @@ class EngineError(CapyError):
     code = "engine_error"
 
 
-class CapabilityMissing(CapyError):
-    """`capability_missing:<name>`: the engine, host or checkpoint cannot do it."""
+class CapabilityMissing(InvalidConfig):
+    """`capability_missing:<name>`: a declared value the engine, host or checkpoint cannot do
+    (`capability`)."""
 
     code = "capability_missing"
+
+    def __init__(self, message: str, *, capability: str) -> None:
+        super().__init__(message, code=f"{CapabilityMissing.code}:{capability}")
+        self.capability = capability
+
+
+class EngineRejected(CapyError):
+    """The engine refused a request as sent (its 4xx answer)."""
+
+    code = "engine_rejected"
 
 
 class LaunchFailed(CapyError):

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from capycommon.errors import CapyError, EngineError
+from capycommon.errors import CapyError, EngineError, EngineRejected
 from capyctl_router.errors import error_body
 from capyctl_router.table import Target
 
@@ -38,7 +38,8 @@ class EngineFailed(CapyError):
     for a 5xx."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message, code="engine_rejected" if status < 500 else "engine_error")
+        code = EngineRejected.code if status < 500 else EngineError.code
+        super().__init__(message, code=code)
         self.status = status
         self.param = param
 

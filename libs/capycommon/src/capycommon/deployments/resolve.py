@@ -96,7 +96,7 @@ def resolve(
         return _resolve(deployment, profiles, models, host)
     except CapyError as exc:
         message = f"deployment {deployment.name!r}: {exc.message}"
-        raise type(exc)(message, code=exc.code) from None
+        raise exc.retold(message) from None
 
 
 def _resolve(
@@ -218,7 +218,7 @@ def choose_residency(
             raise CapabilityMissing(
                 f"residency: {profile.family} {profile.version} cannot park ({declared}); "
                 "use restart_only, or drop residency",
-                code="capability_missing:deep_park",
+                capability="deep_park",
             )
         if declared not in host_tiers(capabilities, host.deep_park):
             note = _barred(declared, profile, capabilities)
@@ -254,7 +254,7 @@ def _unparkable_checkpoint(
     if declared in PARKING:
         raise CapabilityMissing(
             f"residency: {declared}: {why}; set residency: restart_only (or drop residency)",
-            code="capability_missing:deep_park",
+            capability="deep_park",
         )
     return Residency.RESTART_ONLY, "declared" if declared is not None else why
 

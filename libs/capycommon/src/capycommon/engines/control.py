@@ -137,24 +137,24 @@ class EngineControl:
     async def park(self, residency: Residency) -> None:
         raise CapabilityMissing(
             f"{self.spec.profile.family} cannot park; deploy it restart_only",
-            code="capability_missing:deep_park",
+            capability="deep_park",
         )
 
     async def wake(self, residency: Residency) -> None:
         raise CapabilityMissing(
             f"{self.spec.profile.family} cannot wake a parked model",
-            code="capability_missing:deep_park",
+            capability="deep_park",
         )
 
     async def abort(self, request_id: str) -> None:
         raise CapabilityMissing(
             f"{self.spec.profile.family} has no abort by request id; close the connection",
-            code="capability_missing:abort_by_id",
+            capability="abort_by_id",
         )
 
     def check_parks(self, residency: Residency) -> None:
         if residency not in self.capabilities.residencies or residency == Residency.RESTART_ONLY:
             raise CapabilityMissing(
                 f"{self.spec.profile.family} cannot park {residency}",
-                code="capability_missing:deep_park",
+                capability="deep_park",
             )

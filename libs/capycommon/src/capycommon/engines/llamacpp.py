@@ -13,7 +13,7 @@ from capycommon.engines.launch import (
     Residency,
     check_extra_args,
 )
-from capycommon.errors import InvalidConfig
+from capycommon.errors import CapabilityMissing, InvalidConfig
 
 DEFAULT_SLOTS = 4
 
@@ -78,9 +78,9 @@ def model_file(path: Path) -> Path:
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
     if spec.residency != Residency.RESTART_ONLY:
-        raise InvalidConfig(
+        raise CapabilityMissing(
             f"residency: llama.cpp cannot park {spec.residency}; use restart_only",
-            code="capability_missing:deep_park",
+            capability="deep_park",
         )
     if spec.context_length is None:
         raise InvalidConfig(
