@@ -110,8 +110,9 @@ def test_a_malformed_setting_refuses_the_start_naming_its_origin(state: Path) ->
     assert result.stderr.startswith("error [invalid_config]: CAPYCTL_INFERENCE_ADDR sets ")
     assert "'nowhere' is not ADDR:PORT" in result.stderr
 
-    flagged = capyctl("start", "standalone", "--state-dir", str(state),
-                      "--management-listen", "0.0.0.0:7443")  # fmt: skip
+    flagged = capyctl(
+        "start", "standalone", "--state-dir", str(state), "--management-listen", "0.0.0.0:7443"
+    )
     assert flagged.returncode == 2
     assert flagged.stderr.startswith("error [invalid_config]: --management-listen sets ")
     assert "not a loopback address" in flagged.stderr

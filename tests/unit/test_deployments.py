@@ -140,10 +140,15 @@ def test_a_dumped_document_reads_back_the_same(tmp_path: Path) -> None:
         ("Qwen3-4B", "Qwen3-4B", None, None, None),
         ({"path": "/srv/m"}, "/srv/m", None, None, None),
         ({"hf": "Qwen/Qwen3-4B"}, None, "Qwen/Qwen3-4B", "Qwen/Qwen3-4B", None),
-        ({"hf": "Qwen/Qwen3-4B@" + "a" * 40}, None, "Qwen/Qwen3-4B@" + "a" * 40, "Qwen/Qwen3-4B",
-         "a" * 40),
+        (
+            {"hf": "Qwen/Qwen3-4B@" + "a" * 40},
+            None,
+            "Qwen/Qwen3-4B@" + "a" * 40,
+            "Qwen/Qwen3-4B",
+            "a" * 40,
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_model_is_a_path_or_a_hugging_face_repository(
     model: object, path: str | None, hf: str | None, repo: str | None, commit: str | None
 ) -> None:
@@ -190,10 +195,12 @@ def test_a_key_this_release_lacks_is_refused_as_such() -> None:
     ("text", "says"),
     [
         ("name: a\nengine: vllm\nmodel: m\nname: b\n", "duplicate key 'name' at line 4"),
-        ("name: a\nengine: vllm\nmodel: m\nlifecycle:\n  warm: true\n  warm: false\n",
-         "duplicate key 'warm' at line 6"),
+        (
+            "name: a\nengine: vllm\nmodel: m\nlifecycle:\n  warm: true\n  warm: false\n",
+            "duplicate key 'warm' at line 6",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_duplicate_key_is_refused_naming_it_and_its_line(
     tmp_path: Path, text: str, says: str
 ) -> None:
@@ -240,29 +247,56 @@ def test_the_required_keys_are_named() -> None:
         ({"routes": ["has space"]}, "routes[0]", "not a route"),
         ({"residency": "auto"}, "residency", "'host_backed', 'deep' or 'restart_only'"),
         ({"devices": [{"id": "cuda:0"}]}, "devices[0].id", "write gpuN"),
-        ({"devices": [{"id": "gpu0", "sharing": "exclusive"}]}, "devices[0].sharing",
-         "unknown key"),
-        ({"engine_config": {"context_length": "8k"}}, "engine_config.context_length",
-         "valid integer"),
-        ({"engine_config": {"context_length": 0}}, "engine_config.context_length",
-         "greater than or equal to 1"),
-        ({"engine_config": {"max_concurrent_requests": True}},
-         "engine_config.max_concurrent_requests", "valid integer"),
-        ({"engine_config": {"tool_call_parser": "her mes"}}, "engine_config.tool_call_parser",
-         "not a parser name"),
-        ({"engine_config": {"extra_args": ["--max-num-batched-tokens", 8192]}},
-         "engine_config.extra_args[1]", "quote it"),
-        ({"engine_config": {"env": {"NCCL DEBUG": "1"}}}, "engine_config.env.NCCL DEBUG",
-         "not a variable name"),
-        ({"engine_config": {"env": {"VLLM_LOGGING_LEVEL": 10}}},
-         "engine_config.env.VLLM_LOGGING_LEVEL", "quote it"),
+        (
+            {"devices": [{"id": "gpu0", "sharing": "exclusive"}]},
+            "devices[0].sharing",
+            "unknown key",
+        ),
+        (
+            {"engine_config": {"context_length": "8k"}},
+            "engine_config.context_length",
+            "valid integer",
+        ),
+        (
+            {"engine_config": {"context_length": 0}},
+            "engine_config.context_length",
+            "greater than or equal to 1",
+        ),
+        (
+            {"engine_config": {"max_concurrent_requests": True}},
+            "engine_config.max_concurrent_requests",
+            "valid integer",
+        ),
+        (
+            {"engine_config": {"tool_call_parser": "her mes"}},
+            "engine_config.tool_call_parser",
+            "not a parser name",
+        ),
+        (
+            {"engine_config": {"extra_args": ["--max-num-batched-tokens", 8192]}},
+            "engine_config.extra_args[1]",
+            "quote it",
+        ),
+        (
+            {"engine_config": {"env": {"NCCL DEBUG": "1"}}},
+            "engine_config.env.NCCL DEBUG",
+            "not a variable name",
+        ),
+        (
+            {"engine_config": {"env": {"VLLM_LOGGING_LEVEL": 10}}},
+            "engine_config.env.VLLM_LOGGING_LEVEL",
+            "quote it",
+        ),
         ({"lifecycle": {"warm": "yes"}}, "lifecycle.warm", "valid boolean"),
-        ({"lifecycle": {"activation": "lazy"}}, "lifecycle.activation",
-         "'on_demand' or 'explicit'"),
+        (
+            {"lifecycle": {"activation": "lazy"}},
+            "lifecycle.activation",
+            "'on_demand' or 'explicit'",
+        ),
         ({"request_deadline": "2h"}, "request_deadline", "the most a request may wait, 1h"),
         ({"kind": "host"}, "kind", "'deployment'"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_value_is_refused_naming_the_field(
     changes: dict[str, Any], field: str, says: str
 ) -> None:
@@ -333,11 +367,27 @@ def test_every_problem_is_named_in_one_message() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["PATH", "HOME", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "CAPYCTL_API_KEY",
-     "LD_PRELOAD", "PYTHONPATH", "PYTHONHOME", "CUDA_VISIBLE_DEVICES", "VLLM_API_KEY",
-     "VLLM_SERVER_DEV_MODE", "HF_HUB_OFFLINE", "LLAMA_API_KEY", "DO_NOT_TRACK",
-     "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "VLLM_PORT"],
-)  # fmt: skip
+    [
+        "PATH",
+        "HOME",
+        "NCCL_DEBUG",
+        "GLOO_SOCKET_IFNAME",
+        "MASTER_ADDR",
+        "CAPYCTL_API_KEY",
+        "LD_PRELOAD",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "CUDA_VISIBLE_DEVICES",
+        "VLLM_API_KEY",
+        "VLLM_SERVER_DEV_MODE",
+        "HF_HUB_OFFLINE",
+        "LLAMA_API_KEY",
+        "DO_NOT_TRACK",
+        "VLLM_NO_USAGE_STATS",
+        "VLLM_DO_NOT_TRACK",
+        "VLLM_PORT",
+    ],
+)
 def test_a_reserved_engine_variable_is_refused_by_name(name: str) -> None:
     error = refusal(engine_config={"env": {"VLLM_LOGGING_LEVEL": "DEBUG", name: "x"}})
     assert isinstance(error, InvalidConfig)
@@ -370,10 +420,17 @@ def test_the_first_problem_sets_the_code() -> None:
 
 @pytest.mark.parametrize(
     ("text", "seconds", "written"),
-    [("500ms", 0.5, "500ms"), ("30s", 30.0, "30s"), ("5m", 300.0, "5m"), ("1h", 3600.0, "1h"),
-     ("90s", 90.0, "90s"), ("1.5h", 5400.0, "90m"), ("0.25s", 0.25, "250ms"),
-     (" 2 m ", 120.0, "2m")],
-)  # fmt: skip
+    [
+        ("500ms", 0.5, "500ms"),
+        ("30s", 30.0, "30s"),
+        ("5m", 300.0, "5m"),
+        ("1h", 3600.0, "1h"),
+        ("90s", 90.0, "90s"),
+        ("1.5h", 5400.0, "90m"),
+        ("0.25s", 0.25, "250ms"),
+        (" 2 m ", 120.0, "2m"),
+    ],
+)
 def test_durations_read_and_write_in_their_exact_unit(
     text: str, seconds: float, written: str
 ) -> None:
@@ -389,9 +446,15 @@ def test_a_bad_duration_names_the_accepted_units(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "written"),
-    [("14GiB", "14GiB"), ("14336MiB", "14GiB"), ("1.5GiB", "1536MiB"), ("1TiB", "1TiB"),
-     ("100B", "100B"), ("2048KiB", "2MiB")],
-)  # fmt: skip
+    [
+        ("14GiB", "14GiB"),
+        ("14336MiB", "14GiB"),
+        ("1.5GiB", "1536MiB"),
+        ("1TiB", "1TiB"),
+        ("100B", "100B"),
+        ("2048KiB", "2MiB"),
+    ],
+)
 def test_sizes_write_back_in_their_exact_unit(text: str, written: str) -> None:
     assert format_size_exact(parse_size(text)) == written
     assert parse_size(written) == parse_size(text)
@@ -526,13 +589,19 @@ def test_a_family_names_the_hosts_one_profile_of_it() -> None:
     ("engine", "profiles", "says"),
     [
         ("vllm", {"sg": engine_profile(Family.SGLANG, "sg")}, "no vllm engine is registered"),
-        ("vllm", {"a": engine_profile(Family.VLLM, "a"), "b": engine_profile(Family.VLLM, "b")},
-         "several registered engines (a, b); name one of them"),
-        ("mystery", {"sg": engine_profile(Family.SGLANG, "sg")},
-         "'mystery' is not a registered engine (registered: sg)"),
+        (
+            "vllm",
+            {"a": engine_profile(Family.VLLM, "a"), "b": engine_profile(Family.VLLM, "b")},
+            "several registered engines (a, b); name one of them",
+        ),
+        (
+            "mystery",
+            {"sg": engine_profile(Family.SGLANG, "sg")},
+            "'mystery' is not a registered engine (registered: sg)",
+        ),
         ("mystery", {}, "(registered: none)"),
     ],
-)  # fmt: skip
+)
 def test_an_engine_the_host_lacks_is_refused_naming_the_registered_ones(
     engine: str, profiles: dict[str, EngineProfile], says: str
 ) -> None:
@@ -659,9 +728,8 @@ def test_llamacpp_is_always_restart_only(host: HostFacts) -> None:
 
 @pytest.mark.parametrize(
     ("host", "residency"),
-    [(DISCRETE, "host_backed"), (DISCRETE, "deep"), (UNIFIED, "deep"),
-     (UNIFIED, "restart_only")],
-)  # fmt: skip
+    [(DISCRETE, "host_backed"), (DISCRETE, "deep"), (UNIFIED, "deep"), (UNIFIED, "restart_only")],
+)
 def test_a_declared_residency_the_host_can_do_is_kept(host: HostFacts, residency: str) -> None:
     resolved = bind(host=host, residency=residency)
     assert resolved.residency == residency

@@ -12,13 +12,23 @@ GiB = 1 << 30
 
 def test_every_command_that_changes_state_carries_a_reason() -> None:
     park = hc.Park(deployment="chat", generation=2)
-    launch = hc.Launch(deployment="chat", generation=2, revision=1, profile="vllm",
-                       model_path="/m", served_name="chat", residency="deep", gpu_uuid="GPU-1",
-                       reason="demanded")  # fmt: skip
+    launch = hc.Launch(
+        deployment="chat",
+        generation=2,
+        revision=1,
+        profile="vllm",
+        model_path="/m",
+        served_name="chat",
+        residency="deep",
+        gpu_uuid="GPU-1",
+        reason="demanded",
+    )
     commands: list[hc.Launch | hc.Park | hc.Wake | hc.Stop] = [
-        launch, park, hc.Wake(deployment="chat", generation=2, reason="demanded"),
+        launch,
+        park,
+        hc.Wake(deployment="chat", generation=2, reason="demanded"),
         hc.Stop(deployment="chat", generation=2, reason="idle"),
-    ]  # fmt: skip
+    ]
     assert [c.reason for c in commands] == ["demanded", "requested", "demanded", "idle"]
     for command in commands:
         assert hc.parse(command.model_dump_json()) == command

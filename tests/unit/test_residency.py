@@ -27,11 +27,15 @@ UNIFIED_OFF = HostFacts(unified=True, parked_room=32 * GiB, gpus=("gpu0",), deep
 def profile(family: Family) -> EngineProfile:
     version = {Family.VLLM: "0.29.0", Family.SGLANG: "0.5.16", Family.LLAMACPP: "6500"}[family]
     return EngineProfile(
-        name=family.value, family=family, version=version,
-        executable=Path(f"/opt/{family}/bin/python"), install_path=Path(f"/opt/{family}"),
-        fingerprint=f"{version}+sha256:" + "0" * 64, verified=False,
+        name=family.value,
+        family=family,
+        version=version,
+        executable=Path(f"/opt/{family}/bin/python"),
+        install_path=Path(f"/opt/{family}"),
+        fingerprint=f"{version}+sha256:" + "0" * 64,
+        verified=False,
         added_at=datetime(2026, 11, 30, tzinfo=UTC),
-    )  # fmt: skip
+    )
 
 
 PROFILES = {family.value: profile(family) for family in Family}
@@ -71,10 +75,15 @@ def test_no_launch_on_such_a_host_has_development_controls(tmp_path: Path, famil
     (tmp_path / "m.gguf").touch()
     for tier in host_tiers(capabilities, deep_park=False):
         spec = LaunchSpec(
-            profile=profile(family), model_path=tmp_path, served_name="m", port=8100,
-            api_key="k" * 64, residency=tier, runtime_dir=tmp_path / "runtime",
+            profile=profile(family),
+            model_path=tmp_path,
+            served_name="m",
+            port=8100,
+            api_key="k" * 64,
+            residency=tier,
+            runtime_dir=tmp_path / "runtime",
             context_length=8192,
-        )  # fmt: skip
+        )
         plan = adapter_for(family).plan(spec)
         assert "VLLM_SERVER_DEV_MODE" not in plan.env
         assert "--enable-sleep-mode" not in plan.argv
@@ -84,19 +93,34 @@ def test_no_launch_on_such_a_host_has_development_controls(tmp_path: Path, famil
     ("engine", "host", "size", "tier", "says"),
     [
         ("vllm", DISCRETE, 8 * GiB, R.HOST_BACKED, "fits the 32.0 GiB parked room"),
-        ("vllm", OFF, 8 * GiB, R.RESTART_ONLY,
-         "fits the 32.0 GiB parked room; deep parking is off on this host (host.deep_park: off), "
-         "and vllm parks host_backed only through its development controls, so it stops "
-         "instead of parking"),
+        (
+            "vllm",
+            OFF,
+            8 * GiB,
+            R.RESTART_ONLY,
+            "fits the 32.0 GiB parked room; deep parking is off on this host "
+            "(host.deep_park: off), and vllm parks host_backed only through its development "
+            "controls, so it stops instead of parking",
+        ),
         ("sglang", OFF, 8 * GiB, R.HOST_BACKED, "fits the 32.0 GiB parked room"),
         ("sglang", DISCRETE, 30 * GiB, R.DEEP, "exceeds the 32.0 GiB parked room"),
-        ("sglang", OFF, 30 * GiB, R.RESTART_ONLY,
-         "exceeds the 32.0 GiB parked room; deep parking is off on this host (host.deep_park: "
-         "off), so it stops instead of parking"),
-        ("sglang", UNIFIED_OFF, 8 * GiB, R.RESTART_ONLY,
-         "unified memory: a host copy would take the GPU's own memory; deep parking is off"),
+        (
+            "sglang",
+            OFF,
+            30 * GiB,
+            R.RESTART_ONLY,
+            "exceeds the 32.0 GiB parked room; deep parking is off on this host (host.deep_park: "
+            "off), so it stops instead of parking",
+        ),
+        (
+            "sglang",
+            UNIFIED_OFF,
+            8 * GiB,
+            R.RESTART_ONLY,
+            "unified memory: a host copy would take the GPU's own memory; deep parking is off",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_default_stops_where_it_would_park_deep(
     engine: str, host: HostFacts, size: int, tier: Residency, says: str
 ) -> None:
@@ -108,16 +132,24 @@ def test_the_default_stops_where_it_would_park_deep(
 @pytest.mark.parametrize(
     ("engine", "declared", "tier", "reason"),
     [
-        ("sglang", "deep", R.RESTART_ONLY,
-         "declared deep, but deep parking is off on this host (host.deep_park: off); it stops "
-         "instead"),
-        ("vllm", "host_backed", R.RESTART_ONLY,
-         "declared host_backed, but deep parking is off on this host (host.deep_park: off), "
-         "and vllm parks host_backed only through its development controls; it stops instead"),
+        (
+            "sglang",
+            "deep",
+            R.RESTART_ONLY,
+            "declared deep, but deep parking is off on this host (host.deep_park: off); it stops "
+            "instead",
+        ),
+        (
+            "vllm",
+            "host_backed",
+            R.RESTART_ONLY,
+            "declared host_backed, but deep parking is off on this host (host.deep_park: off), "
+            "and vllm parks host_backed only through its development controls; it stops instead",
+        ),
         ("sglang", "host_backed", R.HOST_BACKED, "declared"),
         ("vllm", "restart_only", R.RESTART_ONLY, "declared"),
     ],
-)  # fmt: skip
+)
 def test_a_declared_tier_the_host_bars_resolves_to_restart_only_with_a_note(
     engine: str, declared: str, tier: Residency, reason: str
 ) -> None:

@@ -36,13 +36,19 @@ def _reuse_port_socket(port: int = 0) -> socket.socket:
 def test_a_foreign_listener_on_the_engines_port_is_found() -> None:
     with _reuse_port_socket() as ours:
         port = ours.getsockname()[1]
-        engine = subprocess.Popen([sys.executable, "-c", LISTENER, str(port)],
-                                  stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        engine = subprocess.Popen(
+            [sys.executable, "-c", LISTENER, str(port)],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         try:
             assert engine.stdout is not None
             assert engine.stdout.readline() == b"listening\n"
-            wait_for(lambda: len(procfs.listening_inodes(port)) == 2, timeout=5,
-                     what="both listeners in /proc/net/tcp")  # fmt: skip
+            wait_for(
+                lambda: len(procfs.listening_inodes(port)) == 2,
+                timeout=5,
+                what="both listeners in /proc/net/tcp",
+            )
             foreign = procs.foreign_listeners(port, engine.pid)
             assert foreign == procfs.socket_inodes([os.getpid()]) & procfs.listening_inodes(port)
             assert len(foreign) == 1, "this test's socket is the foreign one"
@@ -57,15 +63,17 @@ def test_listeners_are_read_from_proc_net_tcp(tmp_path: Path) -> None:
     net = tmp_path / "net"
     net.mkdir()
     header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
-    (net / "tcp").write_text(header + "".join([
-        "   0: 0100007F:1FA4 00000000:0000 0A 00000000:00000000 00:00000000 00000000  0 0 111 1\n",
-        "   1: 0100007F:1FA4 0100007F:D2F0 01 00000000:00000000 00:00000000 00000000  0 0 222 1\n",
-        "   2: 0100007F:1FA5 00000000:0000 0A 00000000:00000000 00:00000000 00000000  0 0 333 1\n",
-    ]))  # fmt: skip
-    (net / "tcp6").write_text(header + (
+    v4 = (
+        "   0: 0100007F:1FA4 00000000:0000 0A 00000000:00000000 00:00000000 00000000  0 0 111 1\n"
+        "   1: 0100007F:1FA4 0100007F:D2F0 01 00000000:00000000 00:00000000 00000000  0 0 222 1\n"
+        "   2: 0100007F:1FA5 00000000:0000 0A 00000000:00000000 00:00000000 00000000  0 0 333 1\n"
+    )
+    v6 = (
         "   0: 00000000000000000000000000000000:1FA4 00000000000000000000000000000000:0000 0A "
         "00000000:00000000 00:00000000 00000000  0 0 444 1\n"
-    ))  # fmt: skip
+    )
+    (net / "tcp").write_text(header + v4)
+    (net / "tcp6").write_text(header + v6)
     assert procfs.listening_inodes(8100, tmp_path) == {111, 444}, "listening only, v4 and v6"
     fd = tmp_path / "42" / "fd"
     fd.mkdir(parents=True)
