@@ -96,6 +96,24 @@ def host_tiers(capabilities: Capabilities, deep_park: bool) -> tuple[Residency, 
     return tuple(tier for tier in capabilities.residencies if tier not in barred)
 
 
+def python_server_argv(spec: LaunchSpec, module: str, model_flag: str) -> list[str]:
+    """The start both Python engines share: their server module on the model, bound to
+    loopback at the launch's port, answering to the deployment's name."""
+    return [
+        str(spec.profile.executable),
+        "-m",
+        module,
+        model_flag,
+        str(spec.model_path),
+        "--host",
+        ENGINE_HOST,
+        "--port",
+        str(spec.port),
+        "--served-model-name",
+        spec.served_name,
+    ]
+
+
 def options(*pairs: tuple[str, object | None]) -> list[str]:
     """`--flag value` for each pair whose value is set; a True value is a bare `--flag`."""
     argv: list[str] = []

@@ -8,7 +8,6 @@ from capycommon.engines.control import EngineControl, parse_metric
 from capycommon.engines.environment import PROMETHEUS_DIR
 from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
-    ENGINE_HOST,
     MODELOPT_FP4,
     PARKING,
     Capabilities,
@@ -17,6 +16,7 @@ from capycommon.engines.launch import (
     Residency,
     check_extra_args,
     options,
+    python_server_argv,
 )
 
 RESERVED = frozenset(
@@ -76,17 +76,7 @@ def capabilities(version: str) -> Capabilities:
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
     argv = [
-        str(spec.profile.executable),
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(spec.model_path),
-        "--host",
-        ENGINE_HOST,
-        "--port",
-        str(spec.port),
-        "--served-model-name",
-        spec.served_name,
+        *python_server_argv(spec, "sglang.launch_server", "--model-path"),
         f"--api-key={spec.api_key}",  # one token, even if the key were to begin with "-"
         "--enable-metrics",
     ]

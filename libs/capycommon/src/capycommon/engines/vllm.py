@@ -7,7 +7,6 @@ from packaging.version import Version
 from capycommon.engines.control import EngineControl
 from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
-    ENGINE_HOST,
     PARKING,
     Capabilities,
     LaunchPlan,
@@ -15,6 +14,7 @@ from capycommon.engines.launch import (
     Residency,
     check_extra_args,
     options,
+    python_server_argv,
 )
 
 GUARD = "capyctl_vllm_guard.KeyGuard"
@@ -83,17 +83,7 @@ def capabilities(version: str) -> Capabilities:
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
     argv = [
-        str(spec.profile.executable),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(spec.model_path),
-        "--host",
-        ENGINE_HOST,
-        "--port",
-        str(spec.port),
-        "--served-model-name",
-        spec.served_name,
+        *python_server_argv(spec, "vllm.entrypoints.openai.api_server", "--model"),
         "--middleware",
         GUARD,
         "--disable-uvicorn-access-log",
@@ -131,12 +121,6 @@ class VllmControl(EngineControl):
         wake = self.timeouts.wake
         await self._call("POST", "/wake_up", wake, params={"tags": "weights"})
         if residency == Residency.DEEP:
-            rpc: dict[str, object] = {
-                "method": "reload_weights",
-                "args": [],
-                "kwargs": {},
-                "timeout": None,
-            }
-            await self._call("POST", "/collective_rpc", wake, json=rpc)
+            await self._call("POST", "/collective_rpc", wake, json=RELOAD_WEIGHTS)
         await self._call("POST", "/wake_up", wake, params={"tags": "kv_cache"})
         await self._call("POST", "/reset_prefix_cache", wake)
