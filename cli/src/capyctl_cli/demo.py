@@ -24,23 +24,27 @@ import yaml
 from capycommon import credentials
 from capycommon.deployments import load_deployment
 from capycommon.engines import detect, registry
-from capycommon.errors import CapyError
+from capycommon.errors import ActivationTimeout, CapyError, Internal, NotFound
 from capycommon.paths import StatePaths
 from capycommon.yamldoc import load_yaml_document
 from capyctl_cli import output
 from capyctl_cli.management import Management
 from enginesim.behaviour import Behaviour
-from enginesim.install import install_python_engine
+from enginesim.install import PythonFamily, install_python_engine
 
 GiB = 1 << 30
 GPUS = "gpu0:24GiB"
 HOST_RAM = "128GiB"
 # The example models' folders, and the size of their (sparse) weight files.
 MODELS = {"Qwen3-8B": 7 * GiB, "Llama-3.1-8B-Instruct": 7 * GiB, "Mistral-7B-Instruct": 7 * GiB}
-ENGINES = {"vllm": "0.29.0", "sglang": "0.5.16"}
+ENGINES: dict[PythonFamily, str] = {"vllm": "0.29.0", "sglang": "0.5.16"}
 # A simulated engine that feels like a real one: a few seconds to load, quick to answer.
-BEHAVIOUR = Behaviour(load_seconds=3.0, wake_seconds=1.0, tokens_per_second=40,
-                      answer="Hello! I am a simulated model, served by CapyCTL.")  # fmt: skip
+BEHAVIOUR = Behaviour(
+    load_seconds=3.0,
+    wake_seconds=1.0,
+    tokens_per_second=40,
+    answer="Hello! I am a simulated model, served by CapyCTL.",
+)
 
 
 def default_state_dir() -> Path:
@@ -55,9 +59,10 @@ def examples_dir() -> Path:
         found = parent / "examples" / "deployments"
         if found.is_dir():
             return found
-    raise CapyError("the example deployments (examples/deployments) are not beside this "
-                    "installation; run capyctl demo from a clone of the repository",
-                    code="not_found")  # fmt: skip
+    raise NotFound(
+        "the example deployments (examples/deployments) are not beside this "
+        "installation; run capyctl demo from a clone of the repository"
+    )
 
 
 def has_gpu() -> bool:
@@ -71,25 +76,23 @@ def has_gpu() -> bool:
 def prepare(state: Path) -> Path:
     """The demo's role document, engines and model folders (made once, reused after)."""
     demo = state / "demo"
+    models = demo / "models"
     config = state / "config"
     config.mkdir(parents=True, exist_ok=True, mode=0o700)
     document = config / "standalone.yaml"
-    document.write_text(yaml.safe_dump({
-        "kind": "standalone",
-        "host": {"simulated_gpus": GPUS, "simulated_host_ram": HOST_RAM,
-                 "models_root": str(demo / "models")},
-    }))  # fmt: skip
+    host = {"simulated_gpus": GPUS, "simulated_host_ram": HOST_RAM, "models_root": str(models)}
+    document.write_text(yaml.safe_dump({"kind": "standalone", "host": host}))
     engines_file = config / registry.FILE_NAME  # the demo's own, beside its role document
     known = registry.read(engines_file).document.profiles if engines_file.exists() else {}
     for family, version in ENGINES.items():
         if family in known:
             continue
         output.echo(f"demo: installing the engine simulator as {family} {version} ...")
-        venv = install_python_engine(demo / "engines" / family, family, version, BEHAVIOUR)  # type: ignore[arg-type]
+        venv = install_python_engine(demo / "engines" / family, family, version, BEHAVIOUR)
         (found,) = detect.probe(venv)
         registry.add(engines_file, found.profile(family))
     for folder, size in MODELS.items():
-        path = demo / "models" / folder
+        path = models / folder
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
         with (path / "model.safetensors").open("ab") as weights:
@@ -109,17 +112,14 @@ def run(state: Path, listen: str, management: str) -> int:
     examples = sorted(examples_dir().glob("*.yaml"))
     for example in examples:
         load_deployment(example)  # a broken example fails here, naming its file
-    capyctl = [sys.executable, "-m", "capyctl_cli"]
+    start = [sys.executable, "-m", "capyctl_cli", "start", "standalone", "--state-dir", str(state)]
+    start += ["--config", str(document), "--listen", listen, "--management-listen", management]
     log = state / "demo" / "role.log"
     _stop_on_hangup()
     output.echo(f"demo: starting the standalone role (its log: {log}) ...")
     # Its own session: Ctrl-C reaches the demo alone, which stops the engines, then the role.
     with log.open("ab") as out:
-        role = subprocess.Popen(
-            [*capyctl, "start", "standalone", "--state-dir", str(state), "--config",
-             str(document), "--listen", listen, "--management-listen", management],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        role = subprocess.Popen(start, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         paths = StatePaths(state)
         api = _wait_for_api(paths, role)
@@ -161,8 +161,7 @@ def _wait_for_api(paths: StatePaths, role: subprocess.Popen[bytes]) -> Managemen
     deadline = time.monotonic() + 60
     while True:
         if role.poll() is not None:
-            raise CapyError(f"the standalone role exited with {role.returncode}; see its log",
-                            code="internal")  # fmt: skip
+            raise Internal(f"the standalone role exited with {role.returncode}; see its log")
         with contextlib.suppress(CapyError):
             api = Management(paths, timeout=5)
             try:
@@ -171,8 +170,7 @@ def _wait_for_api(paths: StatePaths, role: subprocess.Popen[bytes]) -> Managemen
             except CapyError:
                 api.http.close()
         if time.monotonic() > deadline:
-            raise CapyError("the standalone role did not come up within 60 s; see its log",
-                            code="activation_timeout")  # fmt: skip
+            raise ActivationTimeout("the standalone role did not come up within 60 s; see its log")
         time.sleep(0.5)
 
 

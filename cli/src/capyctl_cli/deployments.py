@@ -7,12 +7,13 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
+from pydantic import BaseModel
 
 from capycommon.deployments import load_deployment
-from capycommon.errors import CapyError
+from capycommon.errors import ActivationTimeout, CapyError, InvalidRequest, NotFound
 from capycommon.management import (
     Action,
     Binding,
@@ -28,24 +29,21 @@ from capycommon.units import format_duration, format_size
 from capycommon.yamldoc import load_yaml_document
 from capyctl_cli import output
 from capyctl_cli.management import Management, wait_for
-from capyctl_cli.options import JsonOpt, StateDirOpt, expected_errors
+from capyctl_cli.options import JsonOpt, StateDirOpt, command_group, expected_errors
 
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait until it is done.")]
 TimeoutOpt = Annotated[
     float, typer.Option("--timeout", help="Seconds --wait waits at most.", min=1)
 ]
 NameArg = Annotated[str, typer.Argument(help="The deployment's name.", show_default=False)]
+Row = TypeVar("Row", bound=BaseModel)
 
-deploy_app = typer.Typer(help="Declare what to serve.", no_args_is_help=True)
-park_app = typer.Typer(help="Park a deployment: its engine gives its GPU memory back.",
-                       no_args_is_help=True)  # fmt: skip
-stop_app = typer.Typer(help="Stop a deployment; requests get deployment_stopped until a start.",
-                       no_args_is_help=True)  # fmt: skip
-delete_app = typer.Typer(help="Stop and forget a deployment (model files stay).",
-                         no_args_is_help=True)  # fmt: skip
-list_app = typer.Typer(help="List deployments, engines or hosts.", no_args_is_help=True)
-drain_app = typer.Typer(help="Stop every engine on a host; deployments stay on demand.",
-                        no_args_is_help=True)  # fmt: skip
+deploy_app = command_group("Declare what to serve.")
+park_app = command_group("Park a deployment: its engine gives its GPU memory back.")
+stop_app = command_group("Stop a deployment; requests get deployment_stopped until a start.")
+delete_app = command_group("Stop and forget a deployment (model files stay).")
+list_app = command_group("List deployments, engines or hosts.")
+drain_app = command_group("Stop every engine on a host; deployments stay on demand.")
 
 
 def _api(state_dir: str | None) -> Management:
@@ -82,39 +80,24 @@ def deploy_model(
         output.show(answer, text, as_json=as_json)
 
 
-def _act(state_dir: str | None, name: str, verb: Action, wait: bool, timeout: float,
-         as_json: bool, done: tuple[str, ...]) -> None:  # fmt: skip
-    with _api(state_dir) as api:
-        since = time.time()
-        answer = api.act(name, verb)
-        text = f"deployment {name}: {verb} accepted"
-        if wait and verb == "delete":
-            _wait_gone(api, name, timeout)
-            text = f"deployment {name}: deleted"
-        elif wait:
-            status = wait_for(api, name, _state_is(*done), timeout, " or ".join(done), since)
-            text = f"deployment {name}: {status.state}"
-        output.show(answer, text, as_json=as_json)
-
-
 def _wait_gone(api: Management, name: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             api.status(name)
         except CapyError as exc:
-            if exc.code == "not_found":
+            if exc.code == NotFound.code:
                 return
             raise
         time.sleep(0.25)
-    raise CapyError(f"deployment {name!r} is still being deleted after {timeout:.0f}s",
-                    code="activation_timeout")  # fmt: skip
+    raise ActivationTimeout(f"deployment {name!r} is still being deleted after {timeout:.0f}s")
 
 
 def verb_command(
-    app: typer.Typer, verb: Action, summary: str, done: tuple[str, ...], timeout_s: float
+    app: typer.Typer, verb: Action, summary: str, done: tuple[str, ...], timeout_s: float = 600.0
 ) -> None:
-    """Register `capyctl <verb> deployment NAME [--wait]` on `app`."""
+    """Register `capyctl <verb> deployment NAME [--wait]` on `app`: --wait waits for one of
+    the `done` states (a delete: until the deployment is gone)."""
 
     @app.command("deployment", help=summary)
     @expected_errors
@@ -125,15 +108,27 @@ def verb_command(
         state_dir: StateDirOpt = None,
         as_json: JsonOpt = False,
     ) -> None:
-        _act(state_dir, name, verb, wait, timeout, as_json, done)
+        with _api(state_dir) as api:
+            since = time.time()
+            answer = api.act(name, verb)
+            text = f"deployment {name}: {verb} accepted"
+            if wait and verb == "delete":
+                _wait_gone(api, name, timeout)
+                text = f"deployment {name}: deleted"
+            elif wait:
+                status = wait_for(api, name, _state_is(*done), timeout, " or ".join(done), since)
+                text = f"deployment {name}: {status.state}"
+            output.show(answer, text, as_json=as_json)
 
 
-verb_command(park_app, "park", "Park a ready deployment at its residency tier.", ("parked",),
-             600.0)  # fmt: skip
-verb_command(stop_app, "stop", "Stop a deployment's engine and keep it stopped until `start "
-             "deployment`.", ("stopped",), 600.0)  # fmt: skip
-verb_command(delete_app, "delete", "Stop a deployment's engine and forget the deployment.",
-             (), 600.0)  # fmt: skip
+verb_command(park_app, "park", "Park a ready deployment at its residency tier.", ("parked",))
+verb_command(
+    stop_app,
+    "stop",
+    "Stop a deployment's engine and keep it stopped until `start deployment`.",
+    ("stopped",),
+)
+verb_command(delete_app, "delete", "Stop a deployment's engine and forget the deployment.", ())
 
 
 def status_deployment(
@@ -149,25 +144,24 @@ def status_deployment(
 
 def render_status(status: DeploymentStatus) -> str:
     last = status.last_operation
-    lines = [
-        output.pairs([
-            ("deployment", status.name),
-            ("state", status.state),
-            ("revision", status.revision),
-            ("routes", ", ".join(status.routes)),
-            ("activation", status.activation),
-            ("startup", _startup(status.startup)),
-            ("last operation", f"{last.kind}: {last.reason}" if last else "-: -"),
-            ("idle", _idle(status.idle)),
-            *_residencies(status.bindings),
-        ]),
-    ]  # fmt: skip
+    summary = [
+        ("deployment", status.name),
+        ("state", status.state),
+        ("revision", status.revision),
+        ("routes", ", ".join(status.routes)),
+        ("activation", status.activation),
+        ("startup", _startup(status.startup)),
+        ("last operation", f"{last.kind}: {last.reason}" if last else "-: -"),
+        ("idle", _idle(status.idle)),
+        *_residencies(status.bindings),
+    ]
+    lines = [output.pairs(summary)]
     if status.instances:
+        headers = ["INSTANCE", "HOST", "GPU", "STATE", "GENERATION", "ERROR"]
         rows = [
             [i.index, i.host, i.gpu, i.state, i.generation, i.last_error] for i in status.instances
         ]
-        lines += ["", output.table(["INSTANCE", "HOST", "GPU", "STATE", "GENERATION", "ERROR"],
-                                   rows)]  # fmt: skip
+        lines += ["", output.table(headers, rows)]
     if status.charges:
         rows = [[c.host, c.domain, c.phase, _size(c.bytes), c.provenance] for c in status.charges]
         lines += ["", output.table(["HOST", "DOMAIN", "PHASE", "CHARGE", "FROM"], rows)]
@@ -223,13 +217,21 @@ def _size(value: int | None) -> str:
     return "-" if value is None else format_size(value)
 
 
-@list_app.command("deployments")
-@expected_errors
-def list_deployments(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
-    """NAME, STATE, READY, REVISION, HOSTS of every deployment."""
-    with _api(state_dir) as api:
-        rows = api.deployments()
-    output.show(rows, lambda: render_deployments(rows), as_json=as_json)
+def list_command(
+    what: str,
+    summary: str,
+    rows_of: Callable[[Management], list[Row]],
+    render: Callable[[list[Row]], str],
+) -> None:
+    """Register `capyctl list <what>`: the rows the management API gives, as `render` shows
+    them (or JSON)."""
+
+    @list_app.command(what, help=summary)
+    @expected_errors
+    def command(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
+        with _api(state_dir) as api:
+            rows = rows_of(api)
+        output.show(rows, lambda: render(rows), as_json=as_json)
 
 
 def render_deployments(rows: list[DeploymentSummary]) -> str:
@@ -239,15 +241,6 @@ def render_deployments(rows: list[DeploymentSummary]) -> str:
     )
 
 
-@list_app.command("engines")
-@expected_errors
-def list_engines(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
-    """The engines each host has published."""
-    with _api(state_dir) as api:
-        rows = api.engines()
-    output.show(rows, lambda: render_engines(rows), as_json=as_json)
-
-
 def render_engines(rows: list[EngineRow]) -> str:
     return output.table(
         ["HOST", "NAME", "FAMILY", "VERSION", "VERIFIED"],
@@ -255,30 +248,31 @@ def render_engines(rows: list[EngineRow]) -> str:
     )
 
 
-@list_app.command("hosts")
-@expected_errors
-def list_hosts(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
-    """Each host: its state and its memory domains (charged / managed limit)."""
-    with _api(state_dir) as api:
-        rows = api.hosts()
-    output.show(rows, lambda: render_hosts(rows), as_json=as_json)
-
-
 def render_hosts(rows: list[HostRow]) -> str:
     return output.table(
-        ["NAME", "STATE", "MEMORY (CHARGED / LIMIT)"],
-        [
-            [
-                r.name,
-                r.state,
-                ", ".join(
-                    f"{d.name} {_size(d.charged)} / {_size(d.managed_limit)}" for d in r.domains
-                )
-                or "-",
-            ]
-            for r in rows
-        ],
+        ["NAME", "STATE", "MEMORY (CHARGED / LIMIT)"], [[r.name, r.state, _memory(r)] for r in rows]
     )
+
+
+def _memory(host: HostRow) -> str:
+    """Each memory domain of a host: its name, what is charged on it, and its managed limit."""
+    domains = (f"{d.name} {_size(d.charged)} / {_size(d.managed_limit)}" for d in host.domains)
+    return ", ".join(domains) or "-"
+
+
+list_command(
+    "deployments",
+    "NAME, STATE, READY, REVISION, HOSTS of every deployment.",
+    Management.deployments,
+    render_deployments,
+)
+list_command("engines", "The engines each host has published.", Management.engines, render_engines)
+list_command(
+    "hosts",
+    "Each host: its state and its memory domains (charged / managed limit).",
+    Management.hosts,
+    render_hosts,
+)
 
 
 def _drain(state_dir: str | None, host: str | None, as_json: bool) -> None:
@@ -286,8 +280,9 @@ def _drain(state_dir: str | None, host: str | None, as_json: bool) -> None:
         if host is None:
             hosts = api.hosts()
             if len(hosts) != 1:
-                raise CapyError("drain standalone needs a standalone role; use drain host NAME",
-                                code="invalid_request")  # fmt: skip
+                raise InvalidRequest(
+                    "drain standalone needs a standalone role; use drain host NAME"
+                )
             host = hosts[0].name
         answer = api.drain(host)
     stopping = ", ".join(answer.stopping) or "nothing was running"

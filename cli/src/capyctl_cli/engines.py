@@ -14,7 +14,6 @@ from capycommon.engines.families import Family, is_verified
 from capycommon.engines.registry import Registry
 from capycommon.errors import EngineNotFound, EngineUnsupported
 from capycommon.paths import StatePaths, resolve_state_dir
-from capycommon.settings import Role
 from capycommon.settingsources import locate_document
 from capycommon.state import enginefacts
 from capyctl_cli import output, record
@@ -24,19 +23,22 @@ from capyctl_cli.options import (
     JsonOpt,
     RoleOpt,
     StateDirOpt,
+    command_group,
     expected_errors,
     role_of,
 )
 from capyctl_cli.record import RoleRecord
 
-app = typer.Typer(help="Register the engines installed on this machine.", no_args_is_help=True)
+app = command_group("Register the engines installed on this machine.")
 
 
-def engines_file(role: Role, state_dir: str | None, config: str | None) -> tuple[Path, StatePaths]:
+def engines_file(role: str, state_dir: str | None, config: str | None) -> tuple[Path, StatePaths]:
+    """The engine registry of the role's document (as the options name them), and the state
+    dir's paths (to publish to a running role)."""
     env = dict(os.environ)
     root, _ = resolve_state_dir(state_dir, env)
     paths = StatePaths(root)
-    document = locate_document(config, env, paths.role_document(role))
+    document = locate_document(config, env, paths.role_document(role_of(role)))
     return registry.locate(document, Path.home()), paths
 
 
@@ -101,7 +103,7 @@ def engine_detect(
     """Find vLLM and SGLang environments and llama-server binaries (executes only probes)."""
     places = detect.candidates(Path.home(), path or [], os.environ.get("PATH", ""))
     found = detect.detect(places)
-    file, _ = engines_file(role_of(role), state_dir, config)
+    file, _ = engines_file(role, state_dir, config)
     known = {p.executable: p.name for p in registry.read(file).document.profiles.values()}
     rows = [
         {
@@ -146,21 +148,24 @@ def engine_add(
     """Register an engine: its family, version, executable and fingerprint."""
     found = choose(detect.probe(path), family, path)
     profile = found.profile(name)
-    file, paths = engines_file(role_of(role), state_dir, config)
+    file, paths = engines_file(role, state_dir, config)
     saved = registry.add(file, profile)
     published = publish_if_running(paths, saved)
-    if as_json:
-        output.emit_json({"profile": profile.model_dump(mode="json"), "file": str(file),
-                          "revision": saved.revision, "published": published})  # fmt: skip
-        return
-    output.echo(f"Registered {profile.family} {profile.version} as {profile.name!r}.")
-    output.echo(output.pairs([
+    answer = {
+        "profile": profile.model_dump(mode="json"),
+        "file": str(file),
+        "revision": saved.revision,
+        "published": published,
+    }
+    details = [
         ("executable", profile.executable),
         ("fingerprint", profile.fingerprint),
         ("verified", "yes" if profile.verified else "no (custom)"),
         ("file", f"{file} (revision {saved.revision})"),
         ("registry", published),
-    ]))  # fmt: skip
+    ]
+    registered = f"Registered {profile.family} {profile.version} as {profile.name!r}."
+    output.show(answer, f"{registered}\n{output.pairs(details)}", as_json=as_json)
 
 
 @app.command("list")
@@ -172,20 +177,23 @@ def engine_list(
     as_json: JsonOpt = False,
 ) -> None:
     """The registered engines."""
-    file, paths = engines_file(role_of(role), state_dir, config)
+    file, paths = engines_file(role, state_dir, config)
     current = registry.read(file)
     live = published_revision(paths)
     published = live is not None and live == current.revision
     profiles = sorted(current.document.profiles.values(), key=lambda p: p.name)
-    if as_json:
-        output.emit_json({"file": str(file), "revision": current.revision, "published": published,
-                          "profiles": [p.model_dump(mode="json") for p in profiles]})  # fmt: skip
-        return
+    answer = {
+        "file": str(file),
+        "revision": current.revision,
+        "published": published,
+        "profiles": [p.model_dump(mode="json") for p in profiles],
+    }
+    headers = ["PROFILE", "ENGINE", "VERSION", "CUSTOM", "PUBLISHED", "PATH"]
     rows = [
         [p.name, p.family, p.version, "no" if p.verified else "yes", published, p.install_path]
         for p in profiles
     ]
-    output.echo(output.table(["PROFILE", "ENGINE", "VERSION", "CUSTOM", "PUBLISHED", "PATH"], rows))
+    output.show(answer, output.table(headers, rows), as_json=as_json)
 
 
 @app.command("remove")
@@ -198,7 +206,7 @@ def engine_remove(
     as_json: JsonOpt = False,
 ) -> None:
     """Remove a registered engine (its installation is left alone)."""
-    file, paths = engines_file(role_of(role), state_dir, config)
+    file, paths = engines_file(role, state_dir, config)
     saved = registry.remove(file, name)
     published = publish_if_running(paths, saved)
     output.show(

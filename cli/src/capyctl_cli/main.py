@@ -24,6 +24,7 @@ from capyctl_cli.options import (
     JsonOpt,
     SettingsCommand,
     StateDirOpt,
+    command_group,
     expected_errors,
     role_of,
     setting_flags,
@@ -36,8 +37,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-start_app = typer.Typer(help="Run a role in the foreground.", no_args_is_help=True)
-config_app = typer.Typer(help="Inspect settings.", no_args_is_help=True)
+start_app = command_group("Run a role in the foreground.")
+config_app = command_group("Inspect settings.")
 app.add_typer(start_app, name="start")
 app.add_typer(config_app, name="config")
 app.add_typer(engines.app, name="engine")
@@ -47,8 +48,13 @@ app.add_typer(deployments.stop_app, name="stop")
 app.add_typer(deployments.delete_app, name="delete")
 app.add_typer(deployments.list_app, name="list")
 app.add_typer(deployments.drain_app, name="drain")
-deployments.verb_command(start_app, "start", "Start (or wake) a deployment; it also lifts an "
-                         "operator stop.", ("ready",), 1800.0)  # fmt: skip
+deployments.verb_command(
+    start_app,
+    "start",
+    "Start (or wake) a deployment; it also lifts an operator stop.",
+    ("ready",),
+    timeout_s=1800.0,
+)
 status_app = typer.Typer(help="Show the running role, or one deployment.")
 app.add_typer(status_app, name="status")
 status_app.command("deployment")(expected_errors(deployments.status_deployment))
@@ -70,68 +76,40 @@ def root(
     """CapyCTL: your models on your GPUs, behind one OpenAI-compatible endpoint."""
 
 
-def _start(
-    role: Role, state_dir: str | None, config: str | None, flags: dict[str, str | None]
-) -> None:
-    env = dict(os.environ)
-    root_dir, _ = resolve_state_dir(state_dir, env)
-    paths = StatePaths(root_dir)
-    logs.configure("capyctl", stream=sys.stdout)
-    code = launcher.start(
-        role, lambda: roles.prepare(role, root_dir, config, env, flags), env, paths
-    )
-    raise typer.Exit(code)
+# The end of each `capyctl start <role>`'s help.
+SETTINGS_HELP = (
+    "Every setting (a.b_c in the role document) is also the flag --a-b-c and the variable "
+    "CAPYCTL_A_B_C; precedence: flag > variable > document > default."
+)
 
 
-@start_app.command("standalone", cls=SettingsCommand)
-@expected_errors
-@setting_flags("standalone")
-def start_standalone(
-    ctx: typer.Context,
-    flags: dict[str, str | None],
-    state_dir: StateDirOpt = None,
-    config: ConfigOpt = None,
-) -> None:
-    """Run everything on this machine: redis, router, scheduler, hostd and memwatch.
+def start_command(role: Role, summary: str) -> None:
+    """Register `capyctl start <role>`, with one flag per setting of the role."""
 
-    Every setting (a.b_c in the role document) is also the flag --a-b-c and the variable
-    CAPYCTL_A_B_C; precedence: flag > variable > document > default.
-    """
-    _start("standalone", state_dir, config, flags)
-
-
-@start_app.command("server", cls=SettingsCommand)
-@expected_errors
-@setting_flags("server")
-def start_server(
-    ctx: typer.Context,
-    flags: dict[str, str | None],
-    state_dir: StateDirOpt = None,
-    config: ConfigOpt = None,
-) -> None:
-    """Run the control plane: redis, router and scheduler.
-
-    Every setting (a.b_c in the role document) is also the flag --a-b-c and the variable
-    CAPYCTL_A_B_C; precedence: flag > variable > document > default.
-    """
-    _start("server", state_dir, config, flags)
+    @start_app.command(role, cls=SettingsCommand, help=f"{summary}\n\n{SETTINGS_HELP}")
+    @expected_errors
+    @setting_flags(role)
+    def command(
+        ctx: typer.Context,
+        flags: dict[str, str | None],
+        state_dir: StateDirOpt = None,
+        config: ConfigOpt = None,
+    ) -> None:
+        env = dict(os.environ)
+        root_dir, _ = resolve_state_dir(state_dir, env)
+        paths = StatePaths(root_dir)
+        logs.configure("capyctl", stream=sys.stdout)
+        code = launcher.start(
+            role, lambda: roles.prepare(role, root_dir, config, env, flags), env, paths
+        )
+        raise typer.Exit(code)
 
 
-@start_app.command("host", cls=SettingsCommand)
-@expected_errors
-@setting_flags("host")
-def start_host(
-    ctx: typer.Context,
-    flags: dict[str, str | None],
-    state_dir: StateDirOpt = None,
-    config: ConfigOpt = None,
-) -> None:
-    """Run a GPU host's agents: hostd and memwatch, joined to a server's Redis.
-
-    Every setting (a.b_c in the role document) is also the flag --a-b-c and the variable
-    CAPYCTL_A_B_C; precedence: flag > variable > document > default.
-    """
-    _start("host", state_dir, config, flags)
+start_command(
+    "standalone", "Run everything on this machine: redis, router, scheduler, hostd and memwatch."
+)
+start_command("server", "Run the control plane: redis, router and scheduler.")
+start_command("host", "Run a GPU host's agents: hostd and memwatch, joined to a server's Redis.")
 
 
 RoleArg = Annotated[str, typer.Argument(help="standalone, server or host.")]
@@ -223,8 +201,9 @@ def config_show(
     rows: list[tuple[str, Any, str, str | None]] = [
         ("state_dir", str(root_dir), state_source, None)
     ]
-    rows += [(row.path, redacted(row.path, row.value), row.source, row.origin)
-             for row in loaded.rows]  # fmt: skip
+    rows += [
+        (row.path, redacted(row.path, row.value), row.source, row.origin) for row in loaded.rows
+    ]
     if as_json:
         output.emit_json(
             {

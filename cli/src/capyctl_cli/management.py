@@ -14,7 +14,16 @@ from pydantic import ValidationError
 
 from capycommon import credentials
 from capycommon import management as wire
-from capycommon.errors import ActivationTimeout, CapyError, LaunchFailed, RoleNotRunning
+from capycommon.errors import (
+    ActivationTimeout,
+    AgentUnreachable,
+    CapyError,
+    DeviceUnobserved,
+    InsufficientResources,
+    Internal,
+    LaunchFailed,
+    RoleNotRunning,
+)
 from capycommon.paths import StatePaths
 from capycommon.settingvalues import split_address
 from capycommon.version import __version__
@@ -104,10 +113,9 @@ class Management:
                 break
             except httpx.TransportError as exc:
                 if attempt == RETRIES - 1:
-                    raise CapyError(
+                    raise AgentUnreachable(
                         f"the management API did not answer: {exc}; is the scheduler running? "
-                        "(capyctl status)",
-                        code="agent_unreachable",
+                        "(capyctl status)"
                     ) from None
                 time.sleep(0.5 * (attempt + 1))
         if response.is_error:
@@ -115,10 +123,9 @@ class Management:
         try:
             return answer.model_validate_json(response.content)
         except ValidationError as exc:
-            raise CapyError(
+            raise Internal(
                 f"the management API's answer to {request.method} {request.url.path} is not one "
-                f"capyctl {__version__} reads ({_first(exc)}); is the scheduler the same version?",
-                code="internal",
+                f"capyctl {__version__} reads ({_first(exc)}); is the scheduler the same version?"
             ) from None
 
 
@@ -171,9 +178,9 @@ def wait_for(
             if errors and len(errors) == len(status.bindings):
                 raise CapyError(errors[0].message, code=errors[0].code)
         if time.monotonic() > deadline:
-            if reason.startswith(("insufficient_resources", "device_unobserved")):
-                code = reason.split(":", 1)[0]
-                raise CapyError(f"deployment {name!r} is not {what}: {reason}", code=code)
+            for memory in (InsufficientResources, DeviceUnobserved):
+                if reason.startswith(memory.code):
+                    raise memory(f"deployment {name!r} is not {what}: {reason}")
             raise ActivationTimeout(
                 f"deployment {name!r} is {status.state}, not {what}, after "
                 f"{timeout:.0f}s; last: {reason or 'nothing yet'} (capyctl status deployment "

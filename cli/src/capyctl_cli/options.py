@@ -36,6 +36,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 _CONTEXT = "_context"
 
 
+def command_group(summary: str) -> typer.Typer:
+    """A group of commands (`capyctl <group> ...`) that shows its help when given none."""
+    return typer.Typer(help=summary, no_args_is_help=True)
+
+
 def expected_errors(fn: F) -> F:
     """Print a CapyError as one line (or JSON, for a command given --json) and exit with its
     code; `capyctl --debug` shows its traceback first.
@@ -102,8 +107,8 @@ def setting_flags(role: Role) -> Callable[[Callable[..., Any]], Callable[..., An
     options = [(f"setting_{index}", name, spec) for index, (name, spec) in enumerate(named)]
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
-               if p.name != "flags"]  # fmt: skip
+        signature = inspect.signature(fn, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "flags"]
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -123,10 +128,10 @@ def _option(param: str, name: str, spec: SettingSpec) -> inspect.Parameter:
     if name == spec.flag and len(spec.variables) > 1:
         text += f" Also {', '.join(spec.variables[1:])}."
     option = typer.Option(name, metavar=spec.metavar, help=text, show_default=False)
+    annotation = Annotated[str | None, option]
     return inspect.Parameter(
-        param, inspect.Parameter.KEYWORD_ONLY, default=None,
-        annotation=Annotated[str | None, option],
-    )  # fmt: skip
+        param, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation
+    )
 
 
 def _extras(args: list[str]) -> dict[str, str]:

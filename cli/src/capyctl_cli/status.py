@@ -137,13 +137,7 @@ def host_memory(host: str, reading: MemoryReading | None, now: float) -> HostMem
         return HostMemory(
             host=host, state="unobserved", reading_age_s=age, backend=None, gpus=[], ram=None
         )
-    gpus = [
-        GpuStatus(
-            index=g.index, uuid=g.uuid, name=g.name, unified=g.unified,
-            total_bytes=g.total_bytes, used_bytes=g.used_bytes, free_bytes=g.free_bytes,
-        )
-        for g in reading.gpus
-    ]  # fmt: skip
+    gpus = [GpuStatus.model_validate(gpu, from_attributes=True) for gpu in reading.gpus]
     ram = RamStatus(
         source=reading.ram.source,
         total_bytes=reading.ram.total_bytes,
@@ -165,25 +159,22 @@ def render(report: StatusReport) -> str:
         ("redis", report.redis),
     ]
     rows = [
-        (
-            p.name,
-            p.state,
-            p.pid,
-            output.duration(p.uptime_s),
-            "-"
-            if p.name == "redis"
-            else (f"{p.heartbeat_age_s:.0f}s ago" if p.heartbeat_age_s is not None else "missing"),
-        )
+        (p.name, p.state, p.pid, output.duration(p.uptime_s), _heartbeat(p))
         for p in report.processes
     ]
-    text = (
-        output.pairs(summary)
-        + "\n\n"
-        + output.table(["PROCESS", "STATE", "PID", "UPTIME", "HEARTBEAT"], rows)
-    )
+    processes = output.table(["PROCESS", "STATE", "PID", "UPTIME", "HEARTBEAT"], rows)
+    text = f"{output.pairs(summary)}\n\n{processes}"
     if report.hosts:
         text += "\n\n" + render_memory(report.hosts)
     return text
+
+
+def _heartbeat(process: ProcessStatus) -> str:
+    """How old a service's last heartbeat is; redis, not a service of ours, sends none."""
+    if process.name == "redis":
+        return "-"
+    age = process.heartbeat_age_s
+    return "missing" if age is None else f"{age:.0f}s ago"
 
 
 MEMORY_HEADERS = ["HOST", "MEMORY", "UUID", "TOTAL", "USED", "FREE", "SOURCE"]
@@ -194,19 +185,20 @@ def render_memory(hosts: list[HostMemory]) -> str:
     rows: list[tuple[object, ...]] = []
     for host in hosts:
         if host.state == "unobserved":
-            seen = "no reading" if host.reading_age_s is None else (
-                f"last reading {output.duration(host.reading_age_s)} ago"
-            )  # fmt: skip
+            age = host.reading_age_s
+            seen = "no reading" if age is None else f"last reading {output.duration(age)} ago"
             rows.append((host.host, "unobserved", None, None, None, None, seen))
             continue
         for gpu in host.gpus:
             label = f"gpu {gpu.index} {gpu.name}" + (" (unified)" if gpu.unified else "")
-            rows.append((host.host, label, gpu.uuid, format_size(gpu.total_bytes),
-                         format_size(gpu.used_bytes), format_size(gpu.free_bytes),
-                         host.backend))  # fmt: skip
+            sizes = _sizes(gpu.total_bytes, gpu.used_bytes, gpu.free_bytes)
+            rows.append((host.host, label, gpu.uuid, *sizes, host.backend))
         if host.ram is not None:
             ram = host.ram
-            rows.append((host.host, "host RAM", None, format_size(ram.total_bytes),
-                         format_size(ram.used_bytes), format_size(ram.available_bytes),
-                         ram.source))  # fmt: skip
+            sizes = _sizes(ram.total_bytes, ram.used_bytes, ram.available_bytes)
+            rows.append((host.host, "host RAM", None, *sizes, ram.source))
     return output.table(MEMORY_HEADERS, rows)
+
+
+def _sizes(*values: int) -> tuple[str, ...]:
+    return tuple(format_size(value) for value in values)
