@@ -11,7 +11,6 @@ from pathlib import Path
 from capycommon.engines import registry
 from capycommon.engines.launch import LaunchSpec, Residency
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import keys
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import procs
@@ -51,9 +50,7 @@ async def adopt(runner: Runner, record: InstanceRecord) -> None:
 
 async def _rebuild(runner: Runner, record: InstanceRecord) -> Engine | None:
     profile = registry.read(runner.paths.engines_file).document.profiles.get(record.profile or "")
-    secret = await runner.client.get(
-        keys.instance_secret(runner.host, record.deployment, record.instance)
-    )
+    secret = await runner.store.secret(record.deployment, record.instance)
     if profile is None or secret is None or record.port is None or record.process is None:
         return None
     assert record.launch_id is not None
@@ -62,7 +59,7 @@ async def _rebuild(runner: Runner, record: InstanceRecord) -> Engine | None:
         model_path=Path(record.model_path or ""),
         served_name=record.served_name or record.deployment,
         port=record.port,
-        api_key=secret.decode() if isinstance(secret, bytes) else str(secret),
+        api_key=secret,
         residency=Residency(record.residency or Residency.RESTART_ONLY),
         runtime_dir=runner.paths.runtime_dir / record.launch_id,
     )

@@ -2,10 +2,10 @@
 
 The scheduler needs to know which engines are busy (never switch them out) and which have
 been idle longest, without talking to engines itself. hostd already holds each engine's
-address and key, so it reads the engine's own metrics and keeps `keys.engine_load(host)`
-(`capycommon.state.load`) current: an entry per ready or draining instance it holds, none for the
-others. Per tick: one pipeline reads the records and the hash, the engines are asked
-together, one transaction writes.
+address and key, so it reads the engine's own metrics and keeps the host's load hash
+(`capycommon.state.load`) current: an entry per ready or draining instance it holds, none
+for the others. Per tick: the records and the hash are read, the engines are asked together,
+one transaction writes.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import cast
 
 from capycommon.engines.control import Load, Timeouts
 from capycommon.errors import CapyError
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import keys, load
+from capycommon.state import load
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
 from capyctl_hostd.engines import Engine
@@ -66,13 +65,7 @@ async def tick(runner: Runner) -> bool:
     draining = any(record.state == S.DRAINING for record in serving)
     if not entries and not gone:
         return draining
-    key = keys.engine_load(runner.host)
-    async with runner.client.pipeline(transaction=True) as pipe:
-        if entries:
-            pipe.hset(key, mapping={m: e.model_dump_json() for m, e in entries.items()})
-        if gone:
-            pipe.hdel(key, *gone)
-        await pipe.execute()
+    await load.publish_loads(runner.client, runner.host, entries, gone)
     return draining
 
 
@@ -100,18 +93,8 @@ async def _read(
     runner: Runner, members: list[str]
 ) -> tuple[list[InstanceRecord], dict[str, EngineLoad]]:
     """The records of these members, and the load hash as published."""
-    wanted = []
-    for member in members:
-        deployment, _, index = member.rpartition(":")
-        wanted.append(keys.instance(runner.host, deployment, int(index)))
-    async with runner.client.pipeline(transaction=False) as pipe:
-        if wanted:
-            pipe.mget(wanted)
-        pipe.hgetall(keys.engine_load(runner.host))
-        results = await pipe.execute()
-    raws = cast(list[bytes | None], results[0]) if wanted else []
-    records = [InstanceRecord.model_validate_json(raw) for raw in raws if raw is not None]
-    return records, load.decode(results[-1])
+    records = await runner.store.get_many(members)
+    return records, await load.aread_loads(runner.client, runner.host)
 
 
 async def _load(engine: Engine) -> tuple[Load | None, float]:

@@ -21,7 +21,6 @@ from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
 from capycommon.errors import CapyError, LaunchFailed
 from capycommon.state import hostcommands as hc
-from capycommon.state import keys
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict, InstanceStore
 from capyctl_hostd import engines, procs, release
@@ -235,9 +234,7 @@ class Runner:
                 simgpu_dir=self.paths.simgpu_dir,
             ),
         }
-        await self.client.set(
-            keys.instance_secret(self.host, command.deployment, command.instance), secret
-        )
+        await self.store.keep_secret(command.deployment, command.instance, secret)
         engine = engines.spawn(spec, plan, env, log_path, secret)
         self.engines[record.member] = engine
         log.info(
@@ -373,9 +370,7 @@ class Runner:
         elif record.process is not None and procs.group_members(record.process.pgid):
             await procs.stop_group(record.process.pgid)
         self.ports.release(record.port)
-        await self.client.delete(
-            keys.instance_secret(self.host, record.deployment, record.instance)
-        )
+        await self.store.drop_secret(record.deployment, record.instance)
         return removed
 
     async def _refuse_record(self, record: InstanceRecord, kind: str, why: str) -> None:
@@ -387,12 +382,7 @@ class Runner:
         if record.log_path is None:
             return
         lines = engines.tail(Path(record.log_path), LOG_LINES_IN_REDIS)
-        key = keys.instance_log(self.host, record.deployment, record.instance)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            if lines:
-                pipe.rpush(key, *lines)
-            await pipe.execute()
+        await self.store.publish_log(record.deployment, record.instance, lines)
 
 
 def _check_port_is_ours(port: int | None, pgid: int) -> None:

@@ -18,9 +18,10 @@ from pydantic import ValidationError
 
 from capycommon.errors import DeviceUnobserved
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import keys, memory
+from capycommon.state import memory
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.memory import MemoryReading, StartupPeak
+from capycommon.state.store import InstanceStore
 from capyctl_memwatch import peaks
 from capyctl_memwatch.backends import Backend
 from capyctl_memwatch.peaks import PeakSampler
@@ -44,7 +45,7 @@ async def every(interval: float, stop: asyncio.Event, step: Callable[[], Awaitab
 
 
 class Readings:
-    """Takes one reading of the host and writes it to `keys.memory(host)`."""
+    """Takes one reading of the host and writes it to Redis (`memory.write_reading`)."""
 
     def __init__(self, client: aioredis.Redis, host: str, backend: Backend) -> None:
         self.client = client
@@ -106,15 +107,8 @@ class Peaks:
 
     async def load(self) -> list[InstanceRecord]:
         """The host's instance records (hostd writes them; a malformed one is skipped)."""
-        members = await self.client.smembers(keys.instances(self.host))
-        found = [parsed for m in sorted(map(_text, members)) if (parsed := _member(m))]
-        if not found:
-            return []
-        raws = await self.client.mget([keys.instance(self.host, d, i) for _, d, i in found])
         records = []
-        for (member, _, _), raw in zip(found, raws, strict=True):
-            if raw is None:
-                continue
+        for member, raw in await InstanceStore(self.client, self.host).raws():
             try:
                 records.append(InstanceRecord.model_validate_json(raw))
             except ValidationError as exc:
@@ -123,16 +117,6 @@ class Peaks:
                     log.warning("unreadable instance record", extra=extra)
                 self.refused.add(member)
         return records
-
-
-def _member(member: str) -> tuple[str, str, int] | None:
-    """`<deployment>:<index>` -> (member, deployment, index)."""
-    deployment, _, index = member.rpartition(":")
-    return (member, deployment, int(index)) if deployment and index.isdigit() else None
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 async def watch(client: aioredis.Redis, host: str, backend: Backend, stop: asyncio.Event) -> None:

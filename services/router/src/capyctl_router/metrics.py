@@ -5,18 +5,14 @@ durations the hosts' event streams report."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
-from typing import cast
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import ValidationError
 
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import keys
-from capycommon.state.store import Event
+from capycommon.state.store import Event, read_host_events
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # hostd's transition into a state, and the operation whose end it marks.
@@ -25,8 +21,6 @@ OPERATIONS = {
     ("waking", "ready"): "wake",
     ("parking", "parked"): "park",
 }
-
-Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
 class Metrics:
@@ -100,20 +94,19 @@ class Metrics:
         cursors: dict[str, str] = {}
         while not stop.is_set():
             for host in hosts():
-                cursors.setdefault(keys.host_events(host), start)
+                cursors.setdefault(host, start)
             if not cursors:
                 await wait_event(stop, 1.0)
                 continue
             try:
-                read = cast(Entries, await client.xread(cursors, count=100, block=1000))  # type: ignore[arg-type]
+                found = await read_host_events(client, cursors, count=100, block_ms=1000)
             except REDIS_ERRORS:
                 await wait_event(stop, 1.0)
                 continue
-            for stream, entries in read or []:
-                for entry_id, fields in entries:
-                    cursors[stream.decode()] = entry_id.decode()
-                    with contextlib.suppress(KeyError, ValidationError):
-                        self._event(Event.model_validate_json(fields[b"event"]))
+            for host, entry_id, event in found:
+                cursors[host] = entry_id
+                if event is not None:
+                    self._event(event)
 
     def _event(self, event: Event) -> None:
         operation = OPERATIONS.get((event.from_state or "", event.to_state or ""))

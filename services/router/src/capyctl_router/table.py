@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import keys
+from capycommon.state import hostinfo, notify
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
@@ -90,7 +90,7 @@ class Table:
 
     async def sync(self) -> None:
         """Read everything again."""
-        hosts = self.hosts | {_text(h) for h in await self.client.smembers(keys.hosts())}
+        hosts = self.hosts | await hostinfo.hosts(self.client)
         records = await DeploymentStore(self.client).all()
         instances: dict[str, InstanceRecord] = {}
         for host in sorted(hosts):
@@ -103,9 +103,9 @@ class Table:
         secrets = {}
         for name, instance in instances.items():
             if instance.state == InstanceState.READY:
-                secret = await self.client.get(keys.instance_secret(instance.host, name, 0))
+                secret = await InstanceStore(self.client, instance.host).secret(name, 0)
                 if secret is not None:
-                    secrets[(name, instance.generation)] = _text(secret)
+                    secrets[(name, instance.generation)] = secret
         self.hosts = hosts
         self.records = records
         self.routes = {route: n for n, r in records.items() for route in r.document.routes}
@@ -121,14 +121,15 @@ class Table:
         deployment, _, index = member.rpartition(":")
         if index != "0":
             return
-        record = await InstanceStore(self.client, host).get(deployment, 0)
+        store = InstanceStore(self.client, host)
+        record = await store.get(deployment, 0)
         known = self.instances.get(deployment)
         if record is None or (known is not None and record.generation < known.generation):
             return
         if record.state == InstanceState.READY:
-            secret = await self.client.get(keys.instance_secret(host, deployment, 0))
+            secret = await store.secret(deployment, 0)
             if secret is not None:
-                self.secrets[(deployment, record.generation)] = _text(secret)
+                self.secrets[(deployment, record.generation)] = secret
         self.instances[deployment] = record
         self.wake(deployment)
 
@@ -158,15 +159,13 @@ class Table:
                 await resync
 
     async def _follow(self, stop: asyncio.Event) -> None:
-        channels = {keys.notifications(): ""}
-        channels.update({keys.host_notifications(host): host for host in self.hosts})
-        async with self.client.pubsub() as pubsub:
-            await pubsub.subscribe(*channels)
+        channels = notify.channels(self.hosts)
+        async with notify.subscribed(self.client, channels) as pubsub:
             await self.sync()
             while not stop.is_set():
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if message is None:
-                    if set(channels) != self._channels():
+                    if channels != notify.channels(self.hosts):
                         return  # a host joined: subscribe again
                     continue
                 host = channels.get(_text(message["channel"]), "")
@@ -178,9 +177,6 @@ class Table:
                     await self._instance(host, note.id)
                 elif note.kind == "deployment":
                     await self._deployment(note.id)
-
-    def _channels(self) -> set[str]:
-        return {keys.notifications()} | {keys.host_notifications(h) for h in self.hosts}
 
     async def _resync(self, stop: asyncio.Event) -> None:
         while not await wait_event(stop, RESYNC_S):

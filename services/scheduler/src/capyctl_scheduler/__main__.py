@@ -9,7 +9,7 @@ from capycommon import credentials
 from capycommon.service import ServiceContext, run, serve_http
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.settingvalues import idle_seconds
-from capycommon.state import keys
+from capycommon.state import hostinfo
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.ledger import Limits
 from capyctl_scheduler.loop import Scheduler
@@ -44,7 +44,7 @@ async def serve(ctx: ServiceContext) -> None:
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     scheduler = scheduler_for(ctx)
     for host in scheduler.observer.hosts:
-        await ctx.redis.sadd(keys.hosts(), host)
+        await hostinfo.join(ctx.redis, host)
     app = create_app(credentials.load(ctx.paths.credentials), Manager(scheduler))
     await asyncio.gather(
         serve_http(app, ctx.settings.server.listeners.management.bind, ctx.stop),

@@ -16,7 +16,6 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from capycommon.state import hostcommands as hc
-from capycommon.state import keys
 from capycommon.state.desired import (
     RETRY_COOLDOWNS_S,
     Attempts,
@@ -28,7 +27,6 @@ from capycommon.state.desired import (
     Refusal,
 )
 from capycommon.state.instances import InstanceState
-from capycommon.state.notify import Notification
 from capycommon.state.store import Conflict, InstanceStore
 from capyctl_scheduler.actions import Action, Kind
 from capyctl_scheduler.snapshot import Snapshot
@@ -76,18 +74,25 @@ class Actuator:
         config = record.document.engine_config
         total = view.domains[view.domain_of(action.gpu)].capacity
         command = hc.Launch(
-            deployment=record.name, generation=action.generation, revision=record.revision,
-            profile=resolved.profile.name, model_path=str(resolved.model_path),
-            served_name=record.document.routes[0], residency=resolved.residency.value,
+            deployment=record.name,
+            generation=action.generation,
+            revision=record.revision,
+            profile=resolved.profile.name,
+            model_path=str(resolved.model_path),
+            served_name=record.document.routes[0],
+            residency=resolved.residency.value,
             gpu_uuid=view.gpus[action.gpu],
             memory_fraction=_fraction(footprint.engine_budget, total),
             kv_cache_bytes=footprint.kv_cache if config.memory.kv_cache else None,
             context_length=config.context_length,
             max_concurrent_requests=config.max_concurrent_requests,
-            tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
-            extra_args=resolved.extra_args, env=dict(config.env), reason=action.reason,
+            tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
+            extra_args=resolved.extra_args,
+            env=dict(config.env),
+            reason=action.reason,
             start_deadline_s=snapshot.tunables.start_deadline_s,
-        )  # fmt: skip
+        )
         instance = snapshot.instances.get(record.name)
         await self._send(
             record.model_copy(
@@ -95,30 +100,43 @@ class Actuator:
             ),
             action,
             command,
-            Inflight(kind="launch", host=action.host, gpu=action.gpu,
-                     generation=action.generation, sent_at=time.time(),
-                     from_state=instance.state if instance else None,
-                     from_generation=instance.generation if instance else None,
-                     reason=action.reason),
-        )  # fmt: skip
+            Inflight(
+                kind="launch",
+                host=action.host,
+                gpu=action.gpu,
+                generation=action.generation,
+                sent_at=time.time(),
+                from_state=instance.state if instance else None,
+                from_generation=instance.generation if instance else None,
+                reason=action.reason,
+            ),
+        )
 
     async def _wake(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
-        command = hc.Wake(deployment=record.name, generation=action.generation,
-                          reason=action.reason,
-                          wake_deadline_s=snapshot.tunables.wake_deadline_s)  # fmt: skip
+        command = hc.Wake(
+            deployment=record.name,
+            generation=action.generation,
+            reason=action.reason,
+            wake_deadline_s=snapshot.tunables.wake_deadline_s,
+        )
         await self._send(record, action, command, self._effect("wake", action, S.PARKED))
 
     async def _park(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         instance = snapshot.instances[record.name]
-        command = hc.Park(deployment=record.name, generation=action.generation,
-                          reason=action.reason, release_bound_bytes=action.release_bound,
-                          verify_s=snapshot.tunables.park_verify_s)  # fmt: skip
+        command = hc.Park(
+            deployment=record.name,
+            generation=action.generation,
+            reason=action.reason,
+            release_bound_bytes=action.release_bound,
+            verify_s=snapshot.tunables.park_verify_s,
+        )
         await self._send(record, action, command, self._effect("park", action, instance.state))
 
     async def _stop(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         instance = snapshot.instances[record.name]
-        command = hc.Stop(deployment=record.name, generation=action.generation,
-                          reason=action.reason)  # fmt: skip
+        command = hc.Stop(
+            deployment=record.name, generation=action.generation, reason=action.reason
+        )
         await self._send(record, action, command, self._effect("stop", action, instance.state))
 
     async def _stop_orphan(self, snapshot: Snapshot, action: Action) -> None:
@@ -127,8 +145,9 @@ class Actuator:
         if sent is not None and time.time() - sent < snapshot.tunables.command_timeout_s:
             return
         self._orphan_stops[member] = time.time()
-        command = hc.Stop(deployment=action.deployment, generation=action.generation,
-                          reason=action.reason)  # fmt: skip
+        command = hc.Stop(
+            deployment=action.deployment, generation=action.generation, reason=action.reason
+        )
         await hc.send(self.client, action.host, command)
         await self._event(action)
 
@@ -141,9 +160,11 @@ class Actuator:
         try:
             await InstanceStore(self.client, action.host).transition(
                 instance.model_copy(update={"state": S.DRAINING, "since": time.time()}),
-                allowed=[S.READY], generation=instance.generation,
-                reason=f"drain: {action.reason}", previous=instance,
-            )  # fmt: skip
+                allowed=[S.READY],
+                generation=instance.generation,
+                reason=f"drain: {action.reason}",
+                previous=instance,
+            )
         except Conflict:
             await self._write(record, action, inflight=None)
             raise
@@ -152,9 +173,11 @@ class Actuator:
         instance = snapshot.instances[record.name]
         await InstanceStore(self.client, action.host).transition(
             instance.model_copy(update={"state": S.READY, "since": time.time()}),
-            allowed=[S.DRAINING], generation=instance.generation, reason=action.reason,
+            allowed=[S.DRAINING],
+            generation=instance.generation,
+            reason=action.reason,
             previous=instance,
-        )  # fmt: skip
+        )
         await self._write(record, action, inflight=None)
 
     # Bookkeeping ----------------------------------------------------------------------------
@@ -165,8 +188,13 @@ class Actuator:
         count = record.attempts.count + 1
         failed = count > len(RETRY_COOLDOWNS_S)
         next_at = None if failed else snapshot.now + RETRY_COOLDOWNS_S[count - 1]
-        attempts = Attempts(count=count, next_at=next_at, last_error=action.error,
-                            failed=failed, counted_generation=action.generation)  # fmt: skip
+        attempts = Attempts(
+            count=count,
+            next_at=next_at,
+            last_error=action.error,
+            failed=failed,
+            counted_generation=action.generation,
+        )
         reason = (
             f"failed after {count} starts: {action.error}"
             if failed
@@ -215,20 +243,24 @@ class Actuator:
         await self._event(action)
         await DeploymentStore(self.client).forget(record.name)
         for host in snapshot.hosts:
-            await self.client.delete(keys.instance(host, record.name, 0))
-            await self.client.srem(keys.instances(host), f"{record.name}:0")
-            await self.client.hdel(keys.engine_load(host), f"{record.name}:0")
+            await InstanceStore(self.client, host).forget(record.name, 0)
         await self.ack_demands(record.name)
 
     # Writing --------------------------------------------------------------------------------
 
     def _effect(self, kind: str, action: Action, from_state: str) -> Inflight:
         return Inflight.model_validate(
-            {"kind": kind, "host": action.host, "gpu": action.gpu,
-             "generation": action.generation, "sent_at": time.time(),
-             "from_state": from_state, "from_generation": action.generation,
-             "reason": action.reason}
-        )  # fmt: skip
+            {
+                "kind": kind,
+                "host": action.host,
+                "gpu": action.gpu,
+                "generation": action.generation,
+                "sent_at": time.time(),
+                "from_state": from_state,
+                "from_generation": action.generation,
+                "reason": action.reason,
+            }
+        )
 
     async def _send(
         self,
@@ -238,29 +270,18 @@ class Actuator:
         inflight: Inflight,
     ) -> None:
         """The record with its effect in flight and the command, in one transaction."""
-        written = _with_operation(record, action).model_copy(
-            update={"inflight": inflight, "version": record.version + 1}
-        )
-        note = Notification(kind="deployment", id=record.name, version=written.version)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(keys.deployment(record.name), written.model_dump_json())
-            pipe.xadd(keys.host_commands(action.host), {hc.FIELD: command.model_dump_json()})
-            pipe.xadd(keys.events(), {"event": _event_json(action)}, maxlen=10_000)
-            pipe.publish(keys.notifications(), note.model_dump_json())
-            await pipe.execute()
+        sending = _with_operation(record, action).model_copy(update={"inflight": inflight})
+        await DeploymentStore(self.client).send(sending, _event_json(action), action.host, command)
         log.info("%s %s on %s: %s", action.kind, record.name, action.host, action.reason)
 
     async def _write(
         self, record: DeploymentRecord, action: Action, **changes: object
     ) -> DeploymentRecord:
-        written = await DeploymentStore(self.client).put(
-            _with_operation(record, action).model_copy(update=changes)
-        )
-        await self._event(action)
-        return written
+        changed = _with_operation(record, action).model_copy(update=changes)
+        return await DeploymentStore(self.client).put(changed, _event_json(action))
 
     async def _event(self, action: Action) -> None:
-        await self.client.xadd(keys.events(), {"event": _event_json(action)}, maxlen=10_000)
+        await DeploymentStore(self.client).decided(_event_json(action))
 
 
 Handler = Callable[[Actuator, Snapshot, DeploymentRecord, Action], Coroutine[Any, Any, None]]
@@ -290,9 +311,13 @@ def _with_operation(record: DeploymentRecord, action: Action) -> DeploymentRecor
 
 def _event_json(action: Action) -> str:
     return Decision(
-        kind=action.kind, deployment=action.deployment, reason=action.reason,
-        host=action.host or None, generation=action.generation or None, at=time.time(),
-    ).model_dump_json(exclude_none=True)  # fmt: skip
+        kind=action.kind,
+        deployment=action.deployment,
+        reason=action.reason,
+        host=action.host or None,
+        generation=action.generation or None,
+        at=time.time(),
+    ).model_dump_json(exclude_none=True)
 
 
 def _fraction(budget: int, total: int) -> float:

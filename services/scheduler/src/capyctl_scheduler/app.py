@@ -22,12 +22,11 @@ from capycommon import httpauth
 from capycommon import management as wire
 from capycommon.credentials import Credentials
 from capycommon.errors import BodyTooLarge, CapyError, IdempotencyConflict, InvalidRequest
-from capycommon.state import keys
+from capycommon.state.idempotency import Answers
 from capycommon.version import __version__
 from capyctl_scheduler.manage import Manager
 
 _SAFE_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
-IDEMPOTENCY_TTL_S = 86_400
 MAX_BODY = 1 << 20
 Answer = TypeVar("Answer", bound=wire.Versioned)
 Body = TypeVar("Body", bound=wire.Request)
@@ -53,7 +52,7 @@ class Idempotency:
     """Replays the recorded answer of a mutation retried with the same key."""
 
     def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
+        self.answers = Answers(client)
 
     async def begin(
         self, key: str | None, request: Request, body: bytes, answer: type[Answer]
@@ -66,9 +65,9 @@ class Idempotency:
             )
         digest = _digest(request, body)
         claim = Kept(digest=digest).model_dump_json()
-        if await self.client.set(keys.idempotency(key), claim, nx=True, ex=IDEMPOTENCY_TTL_S):
+        if await self.answers.claim(key, claim):
             return None
-        raw = await self.client.get(keys.idempotency(key))
+        raw = await self.answers.get(key)
         found = Kept.model_validate_json(raw) if raw else Kept(digest=None)
         if found.digest != digest:
             raise IdempotencyConflict(
@@ -80,10 +79,10 @@ class Idempotency:
 
     async def finish(self, key: str, request: Request, body: bytes, answer: BaseModel) -> None:
         kept = Kept(digest=_digest(request, body), answer=answer.model_dump(mode="json"))
-        await self.client.set(keys.idempotency(key), kept.model_dump_json(), ex=IDEMPOTENCY_TTL_S)
+        await self.answers.keep(key, kept.model_dump_json())
 
     async def abandon(self, key: str) -> None:
-        await self.client.delete(keys.idempotency(key))
+        await self.answers.release(key)
 
 
 def _digest(request: Request, body: bytes) -> str:

@@ -9,34 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import cast
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from redis.exceptions import ResponseError
 
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import keys
-from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord
-from capycommon.state.store import Event
+from capycommon.state import notify
+from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, demand_group
+from capycommon.state.store import read_host_events
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan
 from capyctl_scheduler.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
-GROUP = "scheduler"
-CONSUMER = "scheduler"
 TICK_S = 1.0
 # Refusals are remembered this long: long enough for the plan to see them once.
 REFUSAL_MEMORY_S = 600.0
-
-Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
 @dataclass
@@ -52,17 +45,15 @@ class Demands:
     _cursor: str = "0"
 
     async def read(self) -> None:
-        stream = keys.demands()
-        with contextlib.suppress(ResponseError):
-            await self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        group = demand_group(self.client)
+        await group.ensure()
         while True:
-            read = await self.client.xreadgroup(GROUP, CONSUMER, {stream: self._cursor}, count=1000)
-            entries = cast(Entries, read)[0][1] if read else []
+            entries = await group.read(self._cursor, count=1000)
             for entry_id, fields in entries:
-                self._take(entry_id.decode(), fields)
+                self._take(entry_id, fields)
             if self._cursor != ">":
                 # First the entries delivered but never acknowledged, then new ones.
-                self._cursor = entries[-1][0].decode() if entries else ">"
+                self._cursor = entries[-1][0] if entries else ">"
             elif len(entries) < 1000:
                 return
 
@@ -84,10 +75,11 @@ class Demands:
         self.restarts.pop(deployment, None)
         found = self.open.pop(deployment, [])
         if found:
-            await self.client.xack(keys.demands(), GROUP, *(entry for entry, _ in found))
+            await demand_group(self.client).ack(*(entry for entry, _ in found))
 
-    async def expire(self, deployments: Mapping[str, DeploymentRecord], now: float,
-                     default_deadline: float) -> None:  # fmt: skip
+    async def expire(
+        self, deployments: Mapping[str, DeploymentRecord], now: float, default_deadline: float
+    ) -> None:
         """Drop demands older than their deployment's request deadline, and those for a
         deployment that does not exist."""
         for name in list(self.open):
@@ -103,7 +95,7 @@ class Demands:
                     self.open[name] = kept
                 else:
                     del self.open[name]
-                await self.client.xack(keys.demands(), GROUP, *stale)
+                await demand_group(self.client).ack(*stale)
 
 
 @dataclass
@@ -119,16 +111,11 @@ class Refusals:
         if not self.hosts:
             return frozenset()
         start = f"{int((time.time() - REFUSAL_MEMORY_S) * 1000)}-0"
-        streams = {keys.host_events(h): self._cursors.get(h, start) for h in self.hosts}
-        read = cast(Entries, await self.client.xread(streams, count=1000))  # type: ignore[arg-type]
-        for stream, entries in read or []:
-            host = stream.decode().split(":")[2]
-            for entry_id, fields in entries:
-                self._cursors[host] = entry_id.decode()
-                with contextlib.suppress(KeyError, ValidationError, json.JSONDecodeError):
-                    event = Event.model_validate_json(fields[b"event"])
-                    if event.kind == "refused":
-                        self.seen[(event.deployment, event.generation)] = event.at
+        cursors = {host: self._cursors.get(host, start) for host in self.hosts}
+        for host, entry_id, event in await read_host_events(self.client, cursors, count=1000):
+            self._cursors[host] = entry_id
+            if event is not None and event.kind == "refused":
+                self.seen[(event.deployment, event.generation)] = event.at
         now = time.time()
         self.seen = {k: at for k, at in self.seen.items() if now - at < REFUSAL_MEMORY_S}
         return frozenset(self.seen)
@@ -180,13 +167,10 @@ class Scheduler:
 
     async def _listen(self, stop: asyncio.Event) -> None:
         """Every notification of the control plane or of a host wakes the loop."""
-        channels = [keys.notifications()] + [
-            keys.host_notifications(host) for host in self.refusals.hosts
-        ]
+        channels = notify.channels(self.refusals.hosts)
         while not stop.is_set():
             try:
-                async with self.client.pubsub() as pubsub:
-                    await pubsub.subscribe(*channels)
+                async with notify.subscribed(self.client, channels) as pubsub:
                     self.wake.set()  # re-sync on (re)connect: messages may have been lost
                     async for message in pubsub.listen():
                         if message.get("type") == "message":

@@ -87,9 +87,13 @@ class Manager:
             change = "created" if current is None else "updated"
             revision = 1 if current is None else current.revision + 1
             base = current or DeploymentRecord(
-                name=deployment.name, revision=0, digest=digest, document=deployment,
-                created_at=now, updated_at=now,
-            )  # fmt: skip
+                name=deployment.name,
+                revision=0,
+                digest=digest,
+                document=deployment,
+                created_at=now,
+                updated_at=now,
+            )
             record = await self.store.put(
                 base.model_copy(
                     update={
@@ -119,8 +123,14 @@ class Manager:
     async def _check_runnable(self, deployment: Deployment) -> None:
         """Refuse a document no host can run (its engine, its model, its park tier), naming
         the first host's reason; hosts not yet observed are not asked."""
-        record = DeploymentRecord(name=deployment.name, revision=0, digest="", document=deployment,
-                                  created_at=0.0, updated_at=0.0)  # fmt: skip
+        record = DeploymentRecord(
+            name=deployment.name,
+            revision=0,
+            digest="",
+            document=deployment,
+            created_at=0.0,
+            updated_at=0.0,
+        )
         bindings = await self.scheduler.observer.bindings_of(record)
         errors = [b.error for b in bindings.values() if b.error is not None]
         if errors and len(errors) == len(bindings):
@@ -163,8 +173,9 @@ class Manager:
             update = {"stopped": True, "wanted": None, "park_requested": None}
         else:
             update = {"deleting": True}
-        update["last_operation"] = Operation(kind=verb, reason=f"operator {verb}", at=now,
-                                             operation_id=op)  # fmt: skip
+        update["last_operation"] = Operation(
+            kind=verb, reason=f"operator {verb}", at=now, operation_id=op
+        )
         written = await self.store.put(record.model_copy(update=update))
         self.scheduler.wake.set()
         return ActionAnswer(
@@ -181,11 +192,17 @@ class Manager:
             if instance.host != host or instance.state not in LIVE_STATES:
                 continue
             record = snap.deployments[name]
-            await self.store.put(record.model_copy(update={
-                "stop_requested": instance.generation, "park_requested": None,
-                "last_operation": Operation(kind="drain", reason=f"host {host} drained",
-                                            at=time.time()),
-            }))  # fmt: skip
+            await self.store.put(
+                record.model_copy(
+                    update={
+                        "stop_requested": instance.generation,
+                        "park_requested": None,
+                        "last_operation": Operation(
+                            kind="drain", reason=f"host {host} drained", at=time.time()
+                        ),
+                    }
+                )
+            )
             stopping.append(name)
         self.scheduler.wake.set()
         return DrainAnswer(operation_id=operation_id(), host=host, stopping=sorted(stopping))

@@ -19,7 +19,15 @@ from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
 from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, ProfileNotPublished
-from capycommon.state import hostcommands, hostfacts, hostinfo, keys, load, places
+from capycommon.state import (
+    enginefacts,
+    heartbeats,
+    hostcommands,
+    hostfacts,
+    hostinfo,
+    load,
+    places,
+)
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.enginefacts import PublishedEngines
 from capycommon.state.hostfacts import HostModels
@@ -144,11 +152,10 @@ class Observer:
         return found
 
     async def engines(self, host: str) -> PublishedEngines | None:
-        raw = await self.client.get(keys.engines(host))
-        return None if raw is None else PublishedEngines.model_validate_json(raw)
+        return await enginefacts.aread_published(self.client, host)
 
     async def _host(self, host: str, reading: MemoryReading | None, now: float) -> HostView:
-        alive = await self.client.exists(keys.heartbeat("hostd", host)) > 0
+        alive = await heartbeats.alive(self.client, "hostd", host)
         info = await hostinfo.aread(self.client, host)
         deep_park = info.deep_park if info is not None else True
         if reading is None:
@@ -238,20 +245,27 @@ class Observer:
         if view.unified:
             pool = view.domains["unified"]
             footprint = derive_unified(
-                weights=weights, domain=pool, request=memory.request,
-                kv_cache=memory.kv_cache, startup=startup,
-            )  # fmt: skip
+                weights=weights,
+                domain=pool,
+                request=memory.request,
+                kv_cache=memory.kv_cache,
+                startup=startup,
+            )
             return dict.fromkeys(view.gpus, footprint)
         return {
             gpu: derive_discrete(
-                gpu=gpu, weights=weights, device=view.domains[gpu],
+                gpu=gpu,
+                weights=weights,
+                device=view.domains[gpu],
                 host_backed=resolved.residency == Residency.HOST_BACKED,
-                request=memory.request, kv_cache=memory.kv_cache, startup=startup,
+                request=memory.request,
+                kv_cache=memory.kv_cache,
+                startup=startup,
                 startup_host=startup_host,
             )
             for gpu in view.gpus
             if gpu in view.domains
-        }  # fmt: skip
+        }
 
 
 def _paths(records: Iterable[DeploymentRecord]) -> list[str]:

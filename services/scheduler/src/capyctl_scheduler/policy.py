@@ -114,9 +114,14 @@ def _deployment(  # noqa: PLR0911 (a decision table: one return per case)
         and record.attempts.counted_generation != instance.generation
     ):
         return [
-            Action("count_failure", name, "start failed", generation=instance.generation,
-                   error=instance.error or "failed")
-        ]  # fmt: skip
+            Action(
+                "count_failure",
+                name,
+                "start failed",
+                generation=instance.generation,
+                error=instance.error or "failed",
+            )
+        ]
     if record.attempts.failed:
         return [Action("drop_demand", name, "failed")] if demanded else []
     return _steady(snapshot, record, instance, ledgers)
@@ -184,9 +189,14 @@ def _while_in_flight(
         return []
     if record.name in snapshot.demands and effect.then == "park" and not record.stopped:
         return [
-            Action("undrain", record.name, "requests are waiting for it: it serves again",
-                   host=instance.host, generation=instance.generation)
-        ]  # fmt: skip
+            Action(
+                "undrain",
+                record.name,
+                "requests are waiting for it: it serves again",
+                host=instance.host,
+                generation=instance.generation,
+            )
+        ]
     return _drain_step(snapshot, record, instance, effect.then or "park", effect.reason)
 
 
@@ -215,11 +225,15 @@ def _drain_step(
     if waited > snapshot.tunables.drain_timeout_s:
         running = load.running + load.waiting if load is not None else 0
         return [
-            Action("undrain", record.name,
-                   f"drain timed out after {format_duration(waited)} with {running} requests "
-                   "still running; it serves again", host=instance.host,
-                   generation=instance.generation)
-        ]  # fmt: skip
+            Action(
+                "undrain",
+                record.name,
+                f"drain timed out after {format_duration(waited)} with {running} requests "
+                "still running; it serves again",
+                host=instance.host,
+                generation=instance.generation,
+            )
+        ]
     return []
 
 
@@ -257,9 +271,13 @@ def _make_ready(
     retry_at = record.attempts.next_at
     if retry_at is not None and snapshot.now < retry_at:
         return [
-            Action("wait", name, f"retry in {format_duration(retry_at - snapshot.now)} after: "
-                   f"{record.attempts.last_error}")
-        ]  # fmt: skip
+            Action(
+                "wait",
+                name,
+                f"retry in {format_duration(retry_at - snapshot.now)} after: "
+                f"{record.attempts.last_error}",
+            )
+        ]
     return _start(snapshot, record, ledgers)
 
 
@@ -285,9 +303,15 @@ def _wake(
     except InsufficientResources:
         return switch(snapshot, record, view, gpu, charge, ledger, "wake")
     return [
-        Action("wake", record.name, "demanded", host=instance.host, gpu=gpu,
-               generation=instance.generation)
-    ]  # fmt: skip
+        Action(
+            "wake",
+            record.name,
+            "demanded",
+            host=instance.host,
+            gpu=gpu,
+            generation=instance.generation,
+        )
+    ]
 
 
 def _start(

@@ -15,13 +15,17 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
 from capycommon.deployments import Deployment
-from capycommon.state import keys
+from capycommon.state import hostcommands, keys
+from capycommon.state.hostcommands import HostCommand
 from capycommon.state.notify import Notification
+from capycommon.state.streams import Group
 
 # Failed starts are retried after these cooldowns; one more failure and the deployment fails.
 RETRY_COOLDOWNS_S = (30.0, 60.0, 120.0)
 
 DEMAND_FIELD = "demand"
+# The decision stream keeps about this many of the scheduler's last decisions.
+EVENTS_MAXLEN = 10_000
 
 
 class _Frozen(BaseModel):
@@ -140,13 +144,38 @@ class DeploymentStore:
             if raw is not None
         }
 
-    async def put(self, record: DeploymentRecord) -> DeploymentRecord:
-        """Write the record (its version bumped) and announce it."""
+    async def put(self, record: DeploymentRecord, decision: str | None = None) -> DeploymentRecord:
+        """Write the record (its version bumped) and announce it; with `decision` (the JSON
+        of the scheduler's decision) append that to the decision stream too."""
+        return await self._write(record, decision, None)
+
+    async def send(
+        self, record: DeploymentRecord, decision: str, host: str, command: HostCommand
+    ) -> DeploymentRecord:
+        """As `put`, and send `command` to `host`, all in one transaction: the record with its
+        effect in flight never stands without the command, nor the command without it."""
+        return await self._write(record, decision, (host, command))
+
+    async def decided(self, decision: str) -> None:
+        """Append a decision that changed no record to the decision stream."""
+        await self.client.xadd(keys.events(), {"event": decision}, maxlen=EVENTS_MAXLEN)
+
+    async def _write(
+        self,
+        record: DeploymentRecord,
+        decision: str | None,
+        command: tuple[str, HostCommand] | None,
+    ) -> DeploymentRecord:
         written = record.model_copy(update={"version": record.version + 1})
         note = Notification(kind="deployment", id=record.name, version=written.version)
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.set(keys.deployment(record.name), written.model_dump_json())
             pipe.sadd(keys.deployments(), record.name)
+            if command is not None:
+                host, sent = command
+                pipe.xadd(keys.host_commands(host), {hostcommands.FIELD: sent.model_dump_json()})
+            if decision is not None:
+                pipe.xadd(keys.events(), {"event": decision}, maxlen=EVENTS_MAXLEN)
             pipe.publish(keys.notifications(), note.model_dump_json())
             await pipe.execute()
         return written
@@ -191,6 +220,11 @@ async def demand(
     await client.xadd(keys.demands(), {DEMAND_FIELD: entry.model_dump_json()}, maxlen=100_000)
     note = Notification(kind="demand", id=deployment, version=int(entry.at * 1000))
     await client.publish(keys.notifications(), note.model_dump_json())
+
+
+def demand_group(client: aioredis.Redis) -> Group:
+    """The scheduler's reading of the demand stream."""
+    return Group(client, keys.demands(), name="scheduler", consumer="scheduler")
 
 
 def _text(value: bytes | str) -> str:

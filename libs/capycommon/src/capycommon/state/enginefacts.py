@@ -44,3 +44,9 @@ def publish_sync(client: redis.Redis, host: str, registry: Registry) -> None:
 def read_published(client: redis.Redis, host: str) -> PublishedEngines | None:
     raw = client.get(keys.engines(host))
     return None if raw is None else PublishedEngines.model_validate_json(raw)
+
+
+async def aread_published(client: aioredis.Redis, host: str) -> PublishedEngines | None:
+    """The host's published engines; None before its hostd first published them."""
+    raw = await client.get(keys.engines(host))
+    return None if raw is None else PublishedEngines.model_validate_json(raw)

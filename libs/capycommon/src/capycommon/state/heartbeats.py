@@ -37,6 +37,11 @@ async def clear(client: aioredis.Redis, host: str, service: str, pid: int) -> No
         await client.delete(key)
 
 
+async def alive(client: aioredis.Redis, service: str, host: str) -> bool:
+    """Whether `service` on `host` beat within the heartbeat's time to live."""
+    return bool(await client.exists(keys.heartbeat(service, host)))
+
+
 def read_all(client: redis.Redis, host: str | None, services: list[str]) -> dict[str, Heartbeat]:
     """The live heartbeats of `services` (host services need `host`)."""
     found: dict[str, Heartbeat] = {}

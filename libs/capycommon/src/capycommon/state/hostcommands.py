@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from capycommon.state import keys
+from capycommon.state.streams import Group
 
 FIELD = "command"
 
@@ -99,6 +100,11 @@ async def send(client: aioredis.Redis, host: str, command: HostCommand) -> str:
     """Append a command to the host's stream; returns its stream id."""
     entry = await client.xadd(keys.host_commands(host), {FIELD: command.model_dump_json()})
     return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+
+def group(client: aioredis.Redis, host: str) -> Group:
+    """hostd's reading of its host's command stream."""
+    return Group(client, keys.host_commands(host), name="hostd", consumer="hostd")
 
 
 def parse(raw: bytes | str) -> HostCommand:

@@ -29,3 +29,17 @@ async def aread(client: aioredis.Redis, host: str) -> HostInfo | None:
     """The host's info; None before its hostd first started."""
     raw = await client.get(keys.host_info(host))
     return None if raw is None else HostInfo.model_validate_json(raw)
+
+
+async def join(client: aioredis.Redis, host: str) -> None:
+    """Count `host` among the hosts the control plane plans for and routes to."""
+    await client.sadd(keys.hosts(), host)
+
+
+async def hosts(client: aioredis.Redis) -> set[str]:
+    """The hosts that joined."""
+    return {_text(host) for host in await client.smembers(keys.hosts())}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -9,7 +9,7 @@ so a reader can tell it from one left by an earlier launch of the same member.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import redis
 import redis.asyncio as aioredis
@@ -47,3 +47,17 @@ def read_loads(client: redis.Redis, host: str) -> dict[str, EngineLoad]:
 async def aread_loads(client: aioredis.Redis, host: str) -> dict[str, EngineLoad]:
     """The published load of each serving engine on the host, by member."""
     return decode(await client.hgetall(keys.engine_load(host)))
+
+
+async def publish_loads(
+    client: aioredis.Redis, host: str, entries: Mapping[str, EngineLoad], gone: Iterable[str]
+) -> None:
+    """Write these members' entries and remove those of engines no longer serving."""
+    key = keys.engine_load(host)
+    gone = list(gone)
+    async with client.pipeline(transaction=True) as pipe:
+        if entries:
+            pipe.hset(key, mapping={m: e.model_dump_json() for m, e in entries.items()})
+        if gone:
+            pipe.hdel(key, *gone)
+        await pipe.execute()

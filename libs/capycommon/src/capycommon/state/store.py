@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Literal, cast
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from capycommon.state import keys
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
 
 ABSENT = "absent"
+_Read = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 # KEYS: instance, instances set, events stream, notify channel.
 # ARGV: allowed states (comma list, may include "absent"), expected generation ("" = any),
@@ -82,14 +83,55 @@ class InstanceStore:
         return None if raw is None else InstanceRecord.model_validate_json(raw)
 
     async def all(self) -> list[InstanceRecord]:
+        return [InstanceRecord.model_validate_json(raw) for _, raw in await self.raws()]
+
+    async def raws(self) -> list[tuple[str, bytes]]:
+        """Each record on the host as written, by member (for readers that skip a malformed
+        one rather than fail); a member that names no instance is passed over."""
         members = sorted(_text(m) for m in await self.client.smembers(keys.instances(self.host)))
-        records = []
-        for member in members:
-            deployment, _, index = member.rpartition(":")
-            record = await self.get(deployment, int(index))
-            if record is not None:
-                records.append(record)
-        return records
+        return await self._raws([m for m in members if _split(m) is not None])
+
+    async def get_many(self, members: Iterable[str]) -> list[InstanceRecord]:
+        """The records of these members that exist."""
+        found = await self._raws([m for m in members if _split(m) is not None])
+        return [InstanceRecord.model_validate_json(raw) for _, raw in found]
+
+    async def _raws(self, members: list[str]) -> list[tuple[str, bytes]]:
+        if not members:
+            return []
+        named = [keys.instance(self.host, *cast(tuple[str, int], _split(m))) for m in members]
+        raws = cast(list[bytes | None], await self.client.mget(named))
+        return [(m, raw) for m, raw in zip(members, raws, strict=True) if raw is not None]
+
+    async def forget(self, deployment: str, index: int) -> None:
+        """Remove every trace of the instance on the host: its record, its membership and its
+        load (for a deployment that is deleted)."""
+        member = f"{deployment}:{index}"
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.instance(self.host, deployment, index))
+            pipe.srem(keys.instances(self.host), member)
+            pipe.hdel(keys.engine_load(self.host), member)
+            await pipe.execute()
+
+    async def secret(self, deployment: str, index: int) -> str | None:
+        """The key the instance's engine was launched with; None once it is stopped."""
+        raw = await self.client.get(keys.instance_secret(self.host, deployment, index))
+        return None if raw is None else _text(raw)
+
+    async def keep_secret(self, deployment: str, index: int, secret: str) -> None:
+        await self.client.set(keys.instance_secret(self.host, deployment, index), secret)
+
+    async def drop_secret(self, deployment: str, index: int) -> None:
+        await self.client.delete(keys.instance_secret(self.host, deployment, index))
+
+    async def publish_log(self, deployment: str, index: int, lines: list[str]) -> None:
+        """Replace the engine's last log lines kept in Redis with `lines`."""
+        key = keys.instance_log(self.host, deployment, index)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            if lines:
+                pipe.rpush(key, *lines)
+            await pipe.execute()
 
     async def transition(
         self,
@@ -153,6 +195,12 @@ class InstanceStore:
         )
 
 
+def _split(member: str) -> tuple[str, int] | None:
+    """(deployment, index) of a member `deployment:index`; None for anything else."""
+    deployment, _, index = member.rpartition(":")
+    return (deployment, int(index)) if deployment and index.isdigit() else None
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -163,3 +211,25 @@ async def read_events(client: aioredis.Redis, host: str, count: int = 1000) -> l
         await client.xrange(keys.host_events(host), count=count),
     )
     return [Event.model_validate(json.loads(fields[b"event"])) for _, fields in entries]
+
+
+async def read_host_events(
+    client: aioredis.Redis, cursors: Mapping[str, str], count: int, block_ms: int | None = None
+) -> list[tuple[str, str, Event | None]]:
+    """The events after each host's cursor (a stream id), as (host, entry id, event); the
+    event is None where the entry is malformed."""
+    streams = {keys.host_events(host): cursor for host, cursor in cursors.items()}
+    hosts = {stream: host for host, stream in zip(cursors, streams, strict=True)}
+    read = cast(_Read, await client.xread(streams, count=count, block=block_ms))  # type: ignore[arg-type]
+    found: list[tuple[str, str, Event | None]] = []
+    for stream, entries in read or []:
+        for entry_id, fields in entries:
+            found.append((hosts[stream.decode()], entry_id.decode(), _event(fields)))
+    return found
+
+
+def _event(fields: dict[bytes, bytes]) -> Event | None:
+    try:
+        return Event.model_validate_json(fields[b"event"])
+    except (KeyError, ValidationError):
+        return None
