@@ -48,9 +48,12 @@ async def publish_engines(ctx: ServiceContext, paths: HostPaths) -> None:
     await enginefacts.publish(ctx.redis, ctx.host, engines)
     log.info(
         "published engines",
-        extra={"source": str(engines.path), "revision": engines.revision,
-               "profiles": sorted(engines.document.profiles)},
-    )  # fmt: skip
+        extra={
+            "source": str(engines.path),
+            "revision": engines.revision,
+            "profiles": sorted(engines.document.profiles),
+        },
+    )
 
 
 async def serve(ctx: ServiceContext) -> None:
