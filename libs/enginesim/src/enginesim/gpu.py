@@ -18,9 +18,12 @@ import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from capycommon import simgpu
+
+if TYPE_CHECKING:
+    from enginesim.process import Process
 
 SIMGPU_DIR = "CAPYCTL_SIMGPU_DIR"
 GIB = 1 << 30
@@ -67,6 +70,14 @@ def find_device(env: Mapping[str, str]) -> SimDevice | None:
         if wanted in (device.uuid, str(device.index)):
             return SimDevice(Path(folder), device)
     raise NoDevice(f"CUDA_VISIBLE_DEVICES={visible!r} names no simulated device")
+
+
+def cuda_device(process: Process) -> SimDevice | None:
+    """The device as torch finds it in vLLM and SGLang: none visible is a crash at start."""
+    try:
+        return find_device(os.environ)
+    except NoDevice as exc:
+        process.die(f"RuntimeError: No CUDA GPUs are available ({exc})")
 
 
 def gib(size: int) -> str:

@@ -25,7 +25,7 @@ from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour
 from enginesim.engine import Engine
 from enginesim.gpu import LocalHolder, NoDevice, NoHolder, find_device
-from enginesim.memory import Regions, weight_bytes
+from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.metrics import Exposition
 from enginesim.openai_chat import (
     ChatRequest,
@@ -122,12 +122,8 @@ class LlamaFrontend(Frontend):
         self.model_size = weight_bytes(model)
         self.regions = self._plan_memory()
         self.regions.loading(self.regions.sizes["weights"])
-        if await self.process.pause(self.behaviour.load_seconds):
+        if not await finish_loading(self.process, self.behaviour, self.regions):
             return
-        crash = self.behaviour.faults.crash_at_start
-        if crash is not None:
-            self.process.die(crash.message, crash.exit_code)
-        self.regions.publish()
         self.ready = True
         self.say("main: model loaded")
         self.say(
@@ -136,8 +132,7 @@ class LlamaFrontend(Frontend):
         )
         self.say("srv  update_slots: all slots are idle")
         self._arm_idle()
-        if self.behaviour.faults.die_after_seconds is not None:
-            self.process.later(self.behaviour.faults.die_after_seconds, lambda: self.fatal("died"))
+        self.arm_death()
 
     def _plan_memory(self) -> Regions:
         try:
@@ -149,14 +144,13 @@ class LlamaFrontend(Frontend):
             )
         kv = self.args.ctx_size * KV_PER_TOKEN + self.args.parallel * COMPUTE_PER_SLOT
         sizes = {"weights": self.model_size, "kv_cache": kv}
-        keeps = self.behaviour.faults.sleep_keeps_memory
         if device is None:
-            return Regions(NoHolder(), sizes, self.behaviour.residue_bytes, keeps)
+            return Regions.of(NoHolder(), sizes, self.behaviour)
         holder = LocalHolder(device, self.behaviour.memory_lag_seconds)
         self.process.at_exit(holder.close)
         if self.args.n_gpu_layers == "0":
             holder.set(0, self.model_size + kv)
-            return Regions(NoHolder(), sizes, 0, keeps)
+            return Regions(NoHolder(), sizes, 0, self.behaviour.faults.sleep_keeps_memory)
         need = self.model_size + kv
         if device.free_bytes(exclude={os.getpid()}) < need:
             mib = need / (1 << 20)
@@ -167,7 +161,7 @@ class LlamaFrontend(Frontend):
                 f"srv    load_model: failed to load model, '{self.args.model}'\n"
                 "main: exiting due to model loading error"
             )
-        return Regions(holder, sizes, self.behaviour.residue_bytes, keeps)
+        return Regions.of(holder, sizes, self.behaviour)
 
     def _arm_idle(self) -> None:
         if self.args.sleep_idle_seconds <= 0:

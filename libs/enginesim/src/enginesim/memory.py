@@ -12,7 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
+from enginesim.behaviour import Behaviour
 from enginesim.gpu import Holder
+from enginesim.process import Process
 
 Place = Literal["gpu", "host", "gone"]
 WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".gguf"})
@@ -38,6 +40,11 @@ class Regions:
         self.residue = residue
         self.keeps_memory = keeps_memory
         self.place: dict[str, Place] = dict.fromkeys(sizes, "gpu")
+
+    @classmethod
+    def of(cls, holder: Holder, sizes: dict[str, int], behaviour: Behaviour) -> Regions:
+        """The regions as the behaviour has them: its residue, its `sleep_keeps_memory`."""
+        return cls(holder, sizes, behaviour.residue_bytes, behaviour.faults.sleep_keeps_memory)
 
     @property
     def full(self) -> int:
@@ -75,3 +82,15 @@ class Regions:
 
     def is_gone(self, name: str) -> bool:
         return self.place.get(name) == "gone"
+
+
+async def finish_loading(process: Process, behaviour: Behaviour, regions: Regions) -> bool:
+    """Every family's end of loading: the load's time, then the `crash_at_start` fault, or
+    every region on the device. False when told to stop while loading."""
+    if await process.pause(behaviour.load_seconds):
+        return False
+    crash = behaviour.faults.crash_at_start
+    if crash is not None:
+        process.die(crash.message, crash.exit_code)
+    regions.publish()
+    return True

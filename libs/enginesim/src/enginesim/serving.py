@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from enginesim.behaviour import Behaviour
-from enginesim.engine import Engine, Work
+from enginesim.engine import Engine, Finish, Token, Work
 from enginesim.openai_chat import (
     Answer,
     ChatRequest,
@@ -64,6 +64,10 @@ class Frontend:
     def error(self, status: int, message: str, kind: str = "BadRequestError") -> Response:
         raise NotImplementedError
 
+    def fatal(self, reason: str) -> None:
+        """The engine dies as the family shows it."""
+        raise NotImplementedError
+
     def precheck(self, request: Request) -> Response | None:
         return None
 
@@ -103,43 +107,31 @@ class Frontend:
         """Stop the work of a client that went away."""
         self.engine.abort(work)
 
+    def arm_death(self) -> None:
+        """The `die_after_seconds` fault: the engine dies that long after it is up."""
+        after = self.behaviour.faults.die_after_seconds
+        if after is not None:
+            self.process.later(after, lambda: self.fatal("died"))
+
     # Handlers ---------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
         body = await self._parse(request, ChatRequest)
         if isinstance(body, Response):
             return body
-        refusal = self.check(body) or await self.admit()
-        if refusal is not None:
-            return refusal
-        reasoning = self.behaviour.reasoning if self.reasoning_on() else ""
-        tokens, finish = plan(self.engine.answer(), reasoning, self._tool(body), body.limit)
-        rid, response_id = self.request_ids(request, body, "chatcmpl-")
-        work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
-        answer = Answer(
-            work, response_id, self.model_name(body), self.dialect, self._include_usage(body)
-        )
-        self.submit(work)
-        return await self._respond(
-            request, work, bool(body.stream), answer.chat_events, answer.chat_body
-        )
+
+        def planned() -> tuple[list[Token], Finish]:
+            reasoning = self.behaviour.reasoning if self.reasoning_on() else ""
+            return plan(self.engine.answer(), reasoning, self._tool(body), body.limit)
+
+        return await self._generate(request, body, planned)
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
         if isinstance(body, Response):
             return body
-        refusal = self.check(body) or await self.admit()
-        if refusal is not None:
-            return refusal
-        tokens, finish = plan(self.engine.answer(), "", None, body.max_tokens)
-        rid, response_id = self.request_ids(request, body, "cmpl-")
-        work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
-        answer = Answer(
-            work, response_id, self.model_name(body), self.dialect, self._include_usage(body)
-        )
-        self.submit(work)
-        return await self._respond(
-            request, work, bool(body.stream), answer.text_events, answer.text_body
+        return await self._generate(
+            request, body, lambda: plan(self.engine.answer(), "", None, body.max_tokens)
         )
 
     async def embeddings(self, request: Request) -> Response:
@@ -179,6 +171,31 @@ class Frontend:
             return model.model_validate(data)
         except ValidationError as exc:
             return self.error(400, explain(exc))
+
+    async def _generate(
+        self,
+        request: Request,
+        body: ChatRequest | CompletionRequest,
+        planned: Callable[[], tuple[list[Token], Finish]],
+    ) -> Response:
+        """Chat and text completions alike: refused, or planned once admitted (the answer is
+        what the engine says by then), handed to the engine, and answered as it runs."""
+        refusal = self.check(body) or await self.admit()
+        if refusal is not None:
+            return refusal
+        tokens, finish = planned()
+        chat = isinstance(body, ChatRequest)
+        rid, response_id = self.request_ids(request, body, "chatcmpl-" if chat else "cmpl-")
+        work = Work(rid, count_prompt_tokens(body.prompt_text()), tokens, finish)
+        answer = Answer(
+            work, response_id, self.model_name(body), self.dialect, self._include_usage(body)
+        )
+        self.submit(work)
+        if chat:
+            events, whole = answer.chat_events, answer.chat_body
+        else:
+            events, whole = answer.text_events, answer.text_body
+        return await self._respond(request, work, bool(body.stream), events, whole)
 
     def _include_usage(self, body: ChatRequest | CompletionRequest) -> bool:
         options = body.stream_options

@@ -31,15 +31,8 @@ from pathlib import Path
 
 from enginesim import process as proc
 from enginesim.behaviour import Behaviour, SchedulerDies
-from enginesim.gpu import (
-    Holder,
-    LocalHolder,
-    NoDevice,
-    NoHolder,
-    SimDevice,
-    find_device,
-)
-from enginesim.memory import Regions, weight_bytes
+from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice, cuda_device
+from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.process import Process
 from enginesim.sglang_app import SglangFrontend, build_app
 
@@ -221,10 +214,8 @@ def plan_memory(
     device: SimDevice | None,
 ) -> Regions:
     weights = weight_bytes(Path(args.model_path))
-    keeps = behaviour.faults.sleep_keeps_memory
     if device is None:
-        sizes = {"weights": weights, "kv_cache": 0, "cuda_graph": 0}
-        return Regions(holder, sizes, behaviour.residue_bytes, keeps)
+        return Regions.of(holder, {"weights": weights, "kv_cache": 0, "cuda_graph": 0}, behaviour)
     budget = int(args.mem_fraction_static * device.total)
     rest = budget - weights
     if rest <= 0 or device.free_bytes(exclude={os.getpid()}) < budget:
@@ -233,7 +224,7 @@ def plan_memory(
         )
     graphs = min(256 * MIB, rest // 4)
     sizes = {"weights": weights, "kv_cache": rest - graphs, "cuda_graph": graphs}
-    return Regions(holder, sizes, behaviour.residue_bytes, keeps)
+    return Regions.of(holder, sizes, behaviour)
 
 
 def _prometheus_dir(process: Process) -> None:
@@ -288,10 +279,7 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     _shared_memory(process, args)
     if args.enable_metrics:
         _prometheus_dir(process)
-    try:
-        device = find_device(os.environ)
-    except NoDevice as exc:
-        process.die(f"RuntimeError: No CUDA GPUs are available ({exc})")
+    device = cuda_device(process)
     holder: Holder = NoHolder()
     if device is not None:
         holder = LocalHolder(device, behaviour.memory_lag_seconds)
@@ -301,12 +289,8 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     log.info("Load weight begin.")
     if behaviour.faults.scheduler_dies is not None:
         return await _scheduler_dies(process, behaviour.faults.scheduler_dies)
-    if await process.pause(behaviour.load_seconds):
+    if not await finish_loading(process, behaviour, regions):
         return 0
-    crash = behaviour.faults.crash_at_start
-    if crash is not None:
-        process.die(crash.message, crash.exit_code)
-    regions.publish()
     log.info("Load weight end.")
     try:
         sock = proc.open_socket(args.host, args.port, reuse_port=False)
@@ -316,7 +300,6 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     frontend = SglangFrontend(args, version, behaviour, process, regions)
     app = build_app(frontend)
     process.spawn(frontend.warm_up())
-    if behaviour.faults.die_after_seconds is not None:
-        process.later(behaviour.faults.die_after_seconds, lambda: frontend.fatal("died"))
+    frontend.arm_death()
     await proc.serve(app, sock, process, frontend.shutdown, access_log=True)
     return 0

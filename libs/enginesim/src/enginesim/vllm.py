@@ -21,8 +21,8 @@ from pathlib import Path
 
 from enginesim import process as proc
 from enginesim.behaviour import Behaviour
-from enginesim.gpu import ChildHolder, NoDevice, SimDevice, find_device, gib
-from enginesim.memory import Regions, weight_bytes
+from enginesim.gpu import ChildHolder, SimDevice, cuda_device, gib
+from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.process import Process
 from enginesim.vllm_app import VllmFrontend, build_app
 
@@ -232,10 +232,9 @@ def plan_memory(
     behaviour: Behaviour,
 ) -> Regions:
     weights = weight_bytes(Path(args.model))
-    keeps = behaviour.faults.sleep_keeps_memory
     if device is None:
         sizes = {"weights": weights, "kv_cache": args.kv_cache_memory_bytes or 0}
-        return Regions(child, sizes, behaviour.residue_bytes, keeps)
+        return Regions.of(child, sizes, behaviour)
     budget = int(args.gpu_memory_utilization * device.total)
     free = device.free_bytes(exclude={os.getpid(), child.pid})
     extra = behaviour.startup_extra_bytes
@@ -258,7 +257,7 @@ def plan_memory(
             "ValueError: No available memory for the cache blocks. Try increasing "
             "`gpu_memory_utilization` when initializing the engine."
         )
-    return Regions(child, {"weights": weights, "kv_cache": kv}, behaviour.residue_bytes, keeps)
+    return Regions.of(child, {"weights": weights, "kv_cache": kv}, behaviour)
 
 
 async def _start(process: Process, args: VllmArgs, version: str, behaviour: Behaviour) -> int:
@@ -271,10 +270,7 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
     except OSError as exc:
         process.die(f"OSError: {exc}")
     process.at_exit(sock.close)
-    try:
-        device = find_device(os.environ)
-    except NoDevice as exc:
-        process.die(f"RuntimeError: No CUDA GPUs are available ({exc})")
+    device = cuda_device(process)
     child = ChildHolder(
         device, behaviour.memory_lag_seconds, behaviour.faults.leave_child_on_sigkill
     )
@@ -282,17 +278,12 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
     regions = plan_memory(process, args, device, child, behaviour)
     extra = behaviour.startup_extra_bytes
     regions.loading(regions.full + extra if extra else regions.sizes["weights"])
-    if await process.pause(behaviour.load_seconds):
+    if not await finish_loading(process, behaviour, regions):
         return 0
-    crash = behaviour.faults.crash_at_start
-    if crash is not None:
-        process.die(crash.message, crash.exit_code)
-    regions.publish()
     frontend = VllmFrontend(args, version, behaviour, process, regions, dev_mode)
     app = build_app(frontend)
     _watch_child(process, child, frontend)
-    if behaviour.faults.die_after_seconds is not None:
-        process.later(behaviour.faults.die_after_seconds, lambda: frontend.fatal("died"))
+    frontend.arm_death()
     log.info("Starting vLLM server on http://%s:%d", host, args.port)
     log.info("Available routes are: %s", ", ".join(sorted(frontend.paths(app))))
     await proc.serve(app, sock, process, frontend.shutdown, not args.disable_uvicorn_access_log)
