@@ -94,6 +94,8 @@ class Stand:
                 self.inference,
                 "--management-listen",
                 f"127.0.0.1:{_free_port()}",
+                "--host-name",
+                "local",
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
