@@ -1,21 +1,29 @@
-"""Helpers for tests that run real processes: waiting on conditions, running roles."""
+"""Helpers for tests that run real processes (waiting on conditions, running roles and
+services), and the engine profile that tests of several folders register."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from capycommon.engines.families import Family
+from capycommon.engines.registry import EngineProfile
 
 T = TypeVar("T")
 
@@ -36,6 +44,23 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+async def wait_for_async(
+    condition: Callable[[], Awaitable[T | None]],
+    timeout: float,
+    what: str,
+    interval: float = 0.1,
+) -> T:
+    """`wait_for` for a condition read through an asyncio client: the event loop serves
+    others between the polls."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not (result := await condition()):
+                await asyncio.sleep(interval)
+            return result
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
 def free_port() -> int:
@@ -76,6 +101,35 @@ def capyctl(
         env=env if env is not None else clean_env(),
         timeout=timeout,
         check=False,
+    )
+
+
+def service_command(service: str, state: Path) -> list[str]:
+    """One service of a standalone role run on its own, as supervisord runs it."""
+    return [
+        sys.executable,
+        "-m",
+        f"capyctl_{service}",
+        "--role",
+        "standalone",
+        "--state-dir",
+        str(state),
+    ]
+
+
+def engine_profile(family: Family, name: str | None = None) -> EngineProfile:
+    """A registered engine of `family` at a supported version, as found at /opt/<family>;
+    named after its family unless `name` says otherwise."""
+    version = {Family.VLLM: "0.29.0", Family.SGLANG: "0.5.16", Family.LLAMACPP: "6500"}[family]
+    return EngineProfile(
+        name=name or family.value,
+        family=family,
+        version=version,
+        executable=Path(f"/opt/{family}/bin/python"),
+        install_path=Path(f"/opt/{family}"),
+        fingerprint=f"{version}+sha256:" + "0" * 64,
+        verified=False,
+        added_at=datetime(2026, 11, 30, tzinfo=UTC),
     )
 
 
@@ -232,6 +286,18 @@ def start_role(
         handle.stop()
         raise
     return handle
+
+
+@contextmanager
+def role_running(role: str = "standalone", env: dict[str, str] | None = None) -> Iterator[Role]:
+    """A role of its own folder for the length of a `with`: stopped, and its folder removed,
+    on leaving it."""
+    handle = start_role(role, env=env)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+        shutil.rmtree(handle.state_dir.parent, ignore_errors=True)
 
 
 def _failed(handle: Role) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import textwrap
-from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -27,6 +26,7 @@ from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, InvalidConfig
 from capycommon.state.hostfacts import HostModels, ModelFacts
 from capycommon.units import format_duration, format_size_exact, parse_duration, parse_size
+from support import engine_profile
 
 GiB = 1 << 30
 MINIMAL = {"name": "qwen3-4b", "engine": "vllm", "model": "Qwen3-4B"}
@@ -70,20 +70,6 @@ def refusal(**changes: Any) -> CapyError:
     with pytest.raises(CapyError) as caught:
         parse(**changes)
     return caught.value
-
-
-def engine_profile(family: Family, name: str | None = None) -> EngineProfile:
-    version = {Family.VLLM: "0.29.0", Family.SGLANG: "0.5.16", Family.LLAMACPP: "6500"}[family]
-    return EngineProfile(
-        name=name or family.value,
-        family=family,
-        version=version,
-        executable=Path(f"/opt/{family}/bin/python"),
-        install_path=Path(f"/opt/{family}"),
-        fingerprint=f"{version}+sha256:" + "0" * 64,
-        verified=False,
-        added_at=datetime(2026, 11, 30, tzinfo=UTC),
-    )
 
 
 PROFILES = {family.value: engine_profile(family) for family in Family}

@@ -2,35 +2,21 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from capycommon.engines import registry
 from capycommon.engines.families import Family, check_supported, is_verified
-from capycommon.engines.registry import EngineProfile
 from capycommon.errors import EngineUnsupported, InvalidConfig, ProfileExists, ProfileNotFound
-
-
-def _profile(name: str = "vllm") -> EngineProfile:
-    return EngineProfile(
-        name=name,
-        family=Family.VLLM,
-        version="0.29.0",
-        executable=Path("/opt/vllm/bin/python"),
-        install_path=Path("/opt/vllm"),
-        fingerprint="0.29.0+sha256:" + "a" * 64,
-        verified=True,
-        added_at=datetime(2026, 11, 30, tzinfo=UTC),
-    )
+from support import engine_profile
 
 
 def test_revisions_count_writes(tmp_path: Path) -> None:
     path = tmp_path / "engines.yaml"
     assert registry.read(path).revision == 0
-    registry.add(path, _profile("a"))
-    registry.add(path, _profile("b"))
+    registry.add(path, engine_profile(Family.VLLM, "a"))
+    registry.add(path, engine_profile(Family.VLLM, "b"))
     saved = registry.remove(path, "a")
     assert saved.revision == 3
     text = path.read_text()
@@ -41,9 +27,9 @@ def test_revisions_count_writes(tmp_path: Path) -> None:
 
 def test_a_taken_name_and_an_unknown_name_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "engines.yaml"
-    registry.add(path, _profile())
+    registry.add(path, engine_profile(Family.VLLM))
     with pytest.raises(ProfileExists, match="choose another with --name") as caught:
-        registry.add(path, _profile())
+        registry.add(path, engine_profile(Family.VLLM))
     assert caught.value.exit_code == 19
     with pytest.raises(
         ProfileNotFound, match=r"no engine named 'x' is registered \(registered: vllm\)"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from capycommon.errors import DeviceUnobserved, InsufficientResources
-from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.ledger import (
     Domain,
     GiB,
@@ -16,46 +15,25 @@ from capyctl_scheduler.ledger import (
     derive_unified,
 )
 from capyctl_scheduler.placement import place
-
-
-def _gpu(index: int, size: int, unified: bool) -> GpuReading:
-    return GpuReading(
-        index=index,
-        uuid=f"GPU-{index}",
-        name=f"gpu{index}",
-        total_bytes=size,
-        used_bytes=0,
-        free_bytes=size,
-        unified=unified,
-    )
-
-
-def reading(*gpus: tuple[int, bool], ram: int = 64 * GiB) -> MemoryReading:
-    return MemoryReading(
-        host="local",
-        taken_at=0.0,
-        backend="simulated",
-        gpus=[_gpu(i, size, unified) for i, (size, unified) in enumerate(gpus)],
-        ram=HostRam(total_bytes=ram, available_bytes=ram, source="simulated"),
-    )
+from unit.readings import idle_reading
 
 
 def test_discrete_domains_follow_the_standalone_policy() -> None:
-    system, gpu0 = derive_domains(reading((24 * GiB, False)))
+    system, gpu0 = derive_domains(idle_reading((24 * GiB, False)))
     assert system == Domain("system", 64 * GiB, 32 * GiB, 64 * GiB // 5, 16 * GiB)
     reserve = 24 * GiB * 8 // 100  # 8% beats the 1 GiB floor
     assert gpu0 == Domain("gpu0", 24 * GiB, 24 * GiB - reserve, reserve, 6 * GiB)
-    _, small = derive_domains(reading((8 * GiB, False)))
+    _, small = derive_domains(idle_reading((8 * GiB, False)))
     assert small.free_reserve == GiB, "a small card keeps at least 1 GiB"
 
 
 def test_a_unified_machine_has_one_domain() -> None:
-    (domain,) = derive_domains(reading((128 * GiB, True), ram=128 * GiB))
+    (domain,) = derive_domains(idle_reading((128 * GiB, True), ram=128 * GiB))
     assert domain == Domain("unified", 128 * GiB, 64 * GiB, 128 * GiB // 5, 32 * GiB)
 
 
 def test_three_models_of_14_gib_take_turns_on_one_24_gib_card() -> None:
-    ledger = Ledger({d.name: d for d in derive_domains(reading((24 * GiB, False)))})
+    ledger = Ledger({d.name: d for d in derive_domains(idle_reading((24 * GiB, False)))})
     charge = {"gpu0": 14 * GiB, "system": 4 * GiB}
     ledger = ledger.admit("a:0", charge)
     with pytest.raises(InsufficientResources) as caught:
@@ -74,13 +52,15 @@ def test_three_models_of_14_gib_take_turns_on_one_24_gib_card() -> None:
 
 
 def test_every_domain_must_fit() -> None:
-    ledger = Ledger({d.name: d for d in derive_domains(reading((80 * GiB, False), ram=16 * GiB))})
+    ledger = Ledger(
+        {d.name: d for d in derive_domains(idle_reading((80 * GiB, False), ram=16 * GiB))}
+    )
     with pytest.raises(InsufficientResources, match="on system"):
         ledger.admit("a:0", {"gpu0": 10 * GiB, "system": 12 * GiB})
 
 
 def test_an_unobserved_domain_admits_nothing() -> None:
-    ledger = Ledger({d.name: d for d in derive_domains(reading((24 * GiB, False)))})
+    ledger = Ledger({d.name: d for d in derive_domains(idle_reading((24 * GiB, False)))})
     with pytest.raises(DeviceUnobserved):
         ledger.admit("a:0", {"gpu1": GiB})
 
@@ -107,7 +87,9 @@ def test_derived_footprint_of_a_discrete_deployment() -> None:
 
 
 def test_placement() -> None:
-    two = Ledger({d.name: d for d in derive_domains(reading((24 * GiB, False), (24 * GiB, False)))})
+    two = Ledger(
+        {d.name: d for d in derive_domains(idle_reading((24 * GiB, False), (24 * GiB, False)))}
+    )
     assert place(two, ["gpu0", "gpu1"]) == "gpu0", "a tie goes to the lowest index"
     busy = two.admit("a:0", {"gpu0": 10 * GiB})
     assert place(busy, ["gpu0", "gpu1"]) == "gpu1", "the most headroom"
@@ -171,7 +153,7 @@ def test_unified_footprint() -> None:
 
 def test_limits_override_the_derived_policy() -> None:
     found = derive_domains(
-        reading((24 * GiB, False)),
+        idle_reading((24 * GiB, False)),
         system=Limits(managed_limit="80%", parked_limit="10GiB"),
         gpu=Limits(free_reserve="3GiB"),
     )

@@ -10,13 +10,13 @@ from capycommon.errors import ProfileNotPublished
 from capycommon.state.desired import Attempts, DeploymentRecord, Inflight
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
-from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capycommon.state.places import Places
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains, derive_unified
 from capyctl_scheduler.policy import plan
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
+from unit.readings import idle_reading
 
 S = InstanceState
 HOST = "local"
@@ -25,24 +25,7 @@ REQUEST = 12 * GiB + 3 * GiB // 4
 
 
 def view(*sizes: int, unified: bool = False, ram: int = 256 * GiB) -> HostView:
-    reading = MemoryReading(
-        host=HOST,
-        taken_at=0.0,
-        backend="simulated",
-        gpus=[
-            GpuReading(
-                index=i,
-                uuid=f"GPU-{i}",
-                name=f"gpu{i}",
-                total_bytes=size,
-                used_bytes=0,
-                free_bytes=size,
-                unified=unified,
-            )
-            for i, size in enumerate(sizes)
-        ],
-        ram=HostRam(total_bytes=ram, available_bytes=ram, source="simulated"),
-    )
+    reading = idle_reading(*((size, unified) for size in sizes), ram=ram)
     domains = {domain.name: domain for domain in derive_domains(reading)}
     gpus = {f"gpu{i}": f"GPU-{i}" for i in range(len(sizes))}
     return HostView(HOST, domains, gpus, unified=unified)
@@ -153,6 +136,33 @@ def load(generation: int, running: int, at: float, active: float = 0.0) -> Engin
     )
 
 
+def drain_to_park(sent_at: float, reason: str) -> Inflight:
+    """The drain of a ready a (generation 1, on gpu0) sent at `sent_at`, to park it after."""
+    return Inflight(
+        kind="drain",
+        host=HOST,
+        gpu="gpu0",
+        generation=1,
+        sent_at=sent_at,
+        from_state="ready",
+        from_generation=1,
+        then="park",
+        reason=reason,
+    )
+
+
+def b_demanded(
+    now: float = 50.0,
+    records: list[DeploymentRecord] | None = None,
+    a: InstanceRecord | None = None,
+    **fields: Any,
+) -> Snapshot:
+    """A switch in the making: a (ready unless said) holds the 24 GiB gpu0 and b, demanded
+    at 49 s, needs its memory; both are charged 14 GiB."""
+    records = records or [deployment("a"), deployment("b")]
+    return snapshot(now, records, [a or instance("a", S.READY)], demands={"b": 49.0}, **fields)
+
+
 # Starting and waking on demand --------------------------------------------------------------
 
 
@@ -248,48 +258,22 @@ def test_an_unobserved_host_admits_nothing() -> None:
 def test_three_14gib_models_on_a_24gib_gpu_switch_in_turn() -> None:
     records = [deployment("a"), deployment("b"), deployment("c")]
     # a serves, b is demanded: a (idle) drains to park, and b waits for its memory.
-    actions = plan(
-        snapshot(
-            50.0,
-            records,
-            [instance("a", S.READY, since=10.0)],
-            demands={"b": 49.0},
-            loads={"a": load(1, 0, 49.0, active=20.0)},
-        )
-    )
+    ready = instance("a", S.READY, since=10.0)
+    actions = plan(b_demanded(50.0, records, ready, loads={"a": load(1, 0, 49.0, active=20.0)}))
     drain = next(a for a in actions if a.kind == "drain")
     assert (drain.deployment, drain.then) == ("a", "park")
     assert "switch to b" in drain.reason
     assert waits(actions) == ["switch: releasing a to start b on gpu0"]
     # a drains (the draining record and the effect in flight): b keeps waiting.
-    effect = Inflight(
-        kind="drain",
-        host=HOST,
-        gpu="gpu0",
-        generation=1,
-        sent_at=50.0,
-        from_state="ready",
-        from_generation=1,
-        then="park",
-        reason=drain.reason,
-    )
+    effect = drain_to_park(50.0, drain.reason)
     drained = [records[0].model_copy(update={"inflight": effect}), *records[1:]]
-    actions = plan(
-        snapshot(
-            51.0,
-            drained,
-            [instance("a", S.DRAINING, since=50.0)],
-            demands={"b": 49.0},
-            loads={"a": load(1, 0, 50.5)},
-        )
-    )
+    draining = instance("a", S.DRAINING, since=50.0)
+    actions = plan(b_demanded(51.0, drained, draining, loads={"a": load(1, 0, 50.5)}))
     park = next(a for a in actions if a.kind == "park")
     assert park.release_bound == GiB, "the parked charge bounds what it may keep"
     assert waits(actions) == ["switch: waiting for memory being released to start"]
     # a parked: b starts beside a's 1 GiB residue.
-    actions = plan(
-        snapshot(60.0, records, [instance("a", S.PARKED, since=55.0)], demands={"b": 49.0})
-    )
+    actions = plan(b_demanded(60.0, records, instance("a", S.PARKED, since=55.0)))
     assert kinds(actions) == [("start", "b")]
     # c comes: b (ready, least recently used is a but a is parked already) is the victim.
     state = [instance("a", S.PARKED, since=55.0), instance("b", S.READY, since=70.0)]
@@ -300,28 +284,11 @@ def test_three_14gib_models_on_a_24gib_gpu_switch_in_turn() -> None:
 
 
 def test_a_busy_victim_is_never_chosen_and_the_switch_waits() -> None:
-    records = [deployment("a"), deployment("b")]
-    actions = plan(
-        snapshot(
-            50.0,
-            records,
-            [instance("a", S.READY)],
-            demands={"b": 49.0},
-            loads={"a": load(1, 3, 49.5)},
-        )
-    )
+    actions = plan(b_demanded(loads={"a": load(1, 3, 49.5)}))
     assert kinds(actions) == []
     assert "1 busy, warm or explicit kept" in waits(actions)[0]
     # Once it reads idle, it is chosen.
-    actions = plan(
-        snapshot(
-            55.0,
-            records,
-            [instance("a", S.READY)],
-            demands={"b": 49.0},
-            loads={"a": load(1, 0, 54.5, active=53.0)},
-        )
-    )
+    actions = plan(b_demanded(55.0, loads={"a": load(1, 0, 54.5, active=53.0)}))
     assert kinds(actions) == [("drain", "a")]
 
 
@@ -330,11 +297,7 @@ def test_warm_and_explicit_deployments_are_never_victims() -> None:
         deployment("a", lifecycle={"warm": True}),
         deployment("a", lifecycle={"activation": "explicit"}, wanted="ready"),
     ):
-        actions = plan(
-            snapshot(
-                50.0, [protected, deployment("b")], [instance("a", S.READY)], demands={"b": 49.0}
-            )
-        )
+        actions = plan(b_demanded(records=[protected, deployment("b")]))
         assert kinds(actions) == [("refuse", "b")], "it can never fit beside a: refused at once"
         assert actions[0].error == "insufficient_resources"
         assert (
@@ -344,11 +307,7 @@ def test_warm_and_explicit_deployments_are_never_victims() -> None:
 
 
 def test_a_busy_holder_is_waited_for_not_refused() -> None:
-    busy = {"a": load(1, 3, 49.5)}
-    records = [deployment("a"), deployment("b")]
-    actions = plan(
-        snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0}, loads=busy)
-    )
+    actions = plan(b_demanded(loads={"a": load(1, 3, 49.5)}))
     assert kinds(actions) == []
     assert waits(actions)[0].startswith("insufficient_resources: ")
 
@@ -376,8 +335,7 @@ def test_a_document_no_host_can_run_is_refused_at_once() -> None:
 def test_a_first_start_stops_the_victim_that_parking_would_not_shrink_enough() -> None:
     # Three 6 GiB models on a 24 GiB card: a derived peak of 21.5 GiB fits an empty card, not
     # beside a parked residue. The ready one stops instead of parking.
-    records = [deployment("a"), deployment("b")]
-    found = snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0})
+    found = b_demanded()
     six = derived(found.hosts[HOST], weights=6 * GiB)
     found = replace(found, bindings={name: {HOST: six} for name in ("a", "b")})
     actions = plan(found)
@@ -397,12 +355,7 @@ def test_the_least_recently_used_goes_first() -> None:
 
 
 def test_a_victim_that_cannot_park_stops() -> None:
-    records = [deployment("a"), deployment("b")]
-    actions = plan(
-        snapshot(
-            50.0, records, [instance("a", S.READY, residency="restart_only")], demands={"b": 49.0}
-        )
-    )
+    actions = plan(b_demanded(a=instance("a", S.READY, residency="restart_only")))
     drain = next(a for a in actions if a.kind == "drain")
     assert drain.then == "stop"
     assert "cannot park" in drain.reason
@@ -422,18 +375,7 @@ def test_a_parked_victim_stops() -> None:
 
 
 def test_a_drain_that_outlasts_its_timeout_serves_again() -> None:
-    effect = Inflight(
-        kind="drain",
-        host=HOST,
-        gpu="gpu0",
-        generation=1,
-        sent_at=10.0,
-        from_state="ready",
-        from_generation=1,
-        then="park",
-        reason="idle",
-    )
-    records = [deployment("a", inflight=effect)]
+    records = [deployment("a", inflight=drain_to_park(10.0, "idle"))]
     draining = [instance("a", S.DRAINING, since=10.0)]
     busy = {"a": load(1, 2, 30.0)}
     assert kinds(plan(snapshot(30.0, records, draining, loads=busy))) == []
@@ -443,18 +385,7 @@ def test_a_drain_that_outlasts_its_timeout_serves_again() -> None:
 
 
 def test_a_drain_parks_only_on_a_load_read_after_it_began() -> None:
-    effect = Inflight(
-        kind="drain",
-        host=HOST,
-        gpu="gpu0",
-        generation=1,
-        sent_at=10.0,
-        from_state="ready",
-        from_generation=1,
-        then="park",
-        reason="idle",
-    )
-    records = [deployment("a", inflight=effect)]
+    records = [deployment("a", inflight=drain_to_park(10.0, "idle"))]
     draining = [instance("a", S.DRAINING, since=10.0)]
     assert kinds(plan(snapshot(11.0, records, draining, loads={"a": load(1, 0, 9.5)}))) == []
     actions = plan(snapshot(11.0, records, draining, loads={"a": load(1, 0, 10.5)}))
@@ -624,48 +555,29 @@ def test_unified_memory_charges_one_pool() -> None:
 
 
 def test_router_places_make_a_model_busy_and_cut_requests_make_it_stop_not_park() -> None:
-    records = [deployment("a"), deployment("b")]
     serving = {"a": Places(generation=1, running=2)}
-    actions = plan(
-        snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0}, places=serving)
-    )
+    actions = plan(b_demanded(places=serving))
     assert kinds(actions) == [], "a router has requests on it"
     cut = {"a": Places(generation=1, running=1, settle_at_stop=1)}
-    actions = plan(
-        snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0}, places=cut)
-    )
+    actions = plan(b_demanded(places=cut))
     drain = next(a for a in actions if a.kind == "drain")
     assert drain.then == "stop", "a request cut before any answer may still be on the engine"
     stale = {"a": Places(generation=0, running=5, settle_at_stop=5)}
-    actions = plan(
-        snapshot(50.0, records, [instance("a", S.READY)], demands={"b": 49.0}, places=stale)
-    )
+    actions = plan(b_demanded(places=stale))
     assert next(a for a in actions if a.kind == "drain").then == "park", "another generation's"
 
 
 def test_a_restart_is_asked_when_cut_requests_hold_every_place() -> None:
-    actions = plan(
-        snapshot(
-            5.0,
-            [deployment("a")],
-            [instance("a", S.READY, generation=3)],
-            demands={"a": 4.0},
-            restarts={"a": 3},
-        )
-    )
-    assert [(a.kind, a.reason) for a in actions] == [
+    def ready_at(generation: int) -> list[Action]:
+        """The plan for a demanded a, ready at `generation`, when generation 3 is asked to
+        restart."""
+        ready = [instance("a", S.READY, generation=generation)]
+        return plan(snapshot(5.0, [deployment("a")], ready, demands={"a": 4.0}, restarts={"a": 3}))
+
+    assert [(a.kind, a.reason) for a in ready_at(3)] == [
         ("stop", "cancelled requests hold every place: restarting it")
     ]
-    actions = plan(
-        snapshot(
-            5.0,
-            [deployment("a")],
-            [instance("a", S.READY, generation=4)],
-            demands={"a": 4.0},
-            restarts={"a": 3},
-        )
-    )
-    assert kinds(actions) == [("satisfied", "a")], "the restart happened"
+    assert kinds(ready_at(4)) == [("satisfied", "a")], "the restart happened"
 
 
 def test_a_park_without_parked_room_stops() -> None:

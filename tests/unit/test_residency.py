@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,9 @@ from capycommon.deployments.checkpoint import quantization
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import Family
 from capycommon.engines.launch import MODELOPT_FP4, PARKING, LaunchSpec, Residency, host_tiers
-from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError
 from capycommon.state.hostfacts import HostModels, ModelFacts, QuantizationConfig
+from support import engine_profile
 
 GiB = 1 << 30
 R = Residency
@@ -24,21 +23,7 @@ OFF = HostFacts(unified=False, parked_room=32 * GiB, gpus=("gpu0",), deep_park=F
 UNIFIED_OFF = HostFacts(unified=True, parked_room=32 * GiB, gpus=("gpu0",), deep_park=False)
 
 
-def profile(family: Family) -> EngineProfile:
-    version = {Family.VLLM: "0.29.0", Family.SGLANG: "0.5.16", Family.LLAMACPP: "6500"}[family]
-    return EngineProfile(
-        name=family.value,
-        family=family,
-        version=version,
-        executable=Path(f"/opt/{family}/bin/python"),
-        install_path=Path(f"/opt/{family}"),
-        fingerprint=f"{version}+sha256:" + "0" * 64,
-        verified=False,
-        added_at=datetime(2026, 11, 30, tzinfo=UTC),
-    )
-
-
-PROFILES = {family.value: profile(family) for family in Family}
+PROFILES = {family.value: engine_profile(family) for family in Family}
 
 
 ROOT = "/srv/models"
@@ -71,11 +56,11 @@ def test_a_host_with_deep_parking_off_bars_deep_and_dev_control_tiers() -> None:
 
 @pytest.mark.parametrize("family", list(Family))
 def test_no_launch_on_such_a_host_has_development_controls(tmp_path: Path, family: Family) -> None:
-    capabilities = adapter_for(family).capabilities(profile(family).version)
+    capabilities = adapter_for(family).capabilities(engine_profile(family).version)
     (tmp_path / "m.gguf").touch()
     for tier in host_tiers(capabilities, deep_park=False):
         spec = LaunchSpec(
-            profile=profile(family),
+            profile=engine_profile(family),
             model_path=tmp_path,
             served_name="m",
             port=8100,

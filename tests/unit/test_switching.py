@@ -7,31 +7,16 @@ from dataclasses import replace
 import pytest
 
 from capycommon.errors import InsufficientResources
-from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.ledger import GiB, Ledger, derive_domains
 from capyctl_scheduler.switching import Candidate, Release, choose_victims
+from unit.readings import idle_reading
 
 NEEDS = {"gpu0": 14 * GiB, "system": 4 * GiB}
 PARKED = {"gpu0": GiB, "system": 4 * GiB}
 
 
 def ledger_with(*owners: str) -> Ledger:
-    gpu = GpuReading(
-        index=0,
-        uuid="GPU-0",
-        name="gpu0",
-        total_bytes=48 * GiB,
-        used_bytes=0,
-        free_bytes=48 * GiB,
-        unified=False,
-    )
-    reading = MemoryReading(
-        host="local",
-        taken_at=0.0,
-        backend="simulated",
-        gpus=[gpu],
-        ram=HostRam(total_bytes=64 * GiB, available_bytes=64 * GiB, source="simulated"),
-    )
+    reading = idle_reading((48 * GiB, False))
     ledger = Ledger({d.name: d for d in derive_domains(reading)})
     for owner in owners:
         ledger = ledger.admit(owner, NEEDS)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import cast
 
@@ -15,27 +14,18 @@ import redis.asyncio as aioredis
 
 from capycommon.deployments import parse_deployment, revision_digest
 from capycommon.engines.families import Family
-from capycommon.engines.registry import EngineProfile
 from capycommon.state import hostcommands, hostfacts, keys
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.enginefacts import PublishedEngines
 from capycommon.state.hostfacts import HostModels, ModelFacts
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan
+from support import engine_profile, wait_for_async
 
 HOST = "h1"
 GiB = 1 << 30
 ROOT = "/srv/models"
-VLLM = EngineProfile(
-    name="vllm",
-    family=Family.VLLM,
-    version="0.29.0",
-    executable=Path("/opt/vllm/bin/python"),
-    install_path=Path("/opt/vllm"),
-    fingerprint="0.29.0+sha256:" + "0" * 64,
-    verified=False,
-    added_at=datetime(2026, 11, 30, tzinfo=UTC),
-)
+VLLM = engine_profile(Family.VLLM)
 SMALL = ModelFacts(path=f"{ROOT}/small", kind="folder", weights_bytes=2 * GiB)
 
 
@@ -122,8 +112,9 @@ async def test_declaring_waits_for_a_live_host_to_describe_the_model(
     client: aioredis.Redis,
 ) -> None:
     async def hostd() -> None:
-        while not await describes(client):
-            await asyncio.sleep(0.02)
+        await wait_for_async(
+            lambda: describes(client), timeout=10, what="the scheduler's Describe", interval=0.02
+        )
         gone = ModelFacts(path="/data/gone", kind="missing")
         await answer(client, {"/data/gone": gone})
 
