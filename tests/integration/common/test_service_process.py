@@ -6,7 +6,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -14,7 +13,7 @@ from typing import cast
 import pytest
 import redis
 
-from support import clean_env, short_dir, wait_for
+from support import clean_env, service_command, short_dir, wait_for
 
 HEARTBEAT = "capyctl:host:local:heartbeat:hostd"
 
@@ -32,7 +31,7 @@ def state() -> Iterator[Path]:
 
 def _hostd(state: Path, redis_url: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "capyctl_hostd", "--role", "standalone", "--state-dir", str(state)],
+        service_command("hostd", state),
         env=clean_env(CAPYCTL_REDIS_URL=redis_url, CAPYCTL_HOST_NAME="local"),
         stderr=subprocess.PIPE,
         text=True,

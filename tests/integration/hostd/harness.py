@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -20,7 +18,7 @@ from capycommon.state.hostcommands import Abort, Launch, Park, Stop, Wake
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.load import EngineLoad, read_loads
 from enginesim.behaviour import Behaviour
-from support import clean_env, wait_for
+from support import clean_env, group_members, service_command, wait_for
 from support import engine_ports as port_range
 
 HOST = "local"
@@ -73,21 +71,7 @@ class Hostd:
             CAPYCTL_HOST_NAME=HOST,
             **self.settings,
         )
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "capyctl_hostd",
-                    "--role",
-                    "standalone",
-                    "--state-dir",
-                    str(self.state),
-                ],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        self.proc = self._spawn("hostd", env, self.log)
         wait_for(
             lambda: self.client.exists(keys.heartbeat("hostd", HOST)), timeout=15, what="hostd"
         )
@@ -100,24 +84,18 @@ class Hostd:
             CAPYCTL_SIMULATED_HOST_RAM="64GiB",
             CAPYCTL_HOST_NAME=HOST,
         )
-        with (self.state / "memwatch.out").open("ab") as out:
-            self.memwatch = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "capyctl_memwatch",
-                    "--role",
-                    "standalone",
-                    "--state-dir",
-                    str(self.state),
-                ],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        self.memwatch = self._spawn("memwatch", env, self.state / "memwatch.out")
         wait_for(
             lambda: memory.read_reading(self.client, HOST), timeout=15, what="memwatch's reading"
         )
+
+    def _spawn(self, service: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        """The service on this state folder, its output added to `log` (a restart's after
+        the last run's)."""
+        with log.open("ab") as out:
+            return subprocess.Popen(
+                service_command(service, self.state), env=env, stdout=out, stderr=subprocess.STDOUT
+            )
 
     def kill9(self) -> None:
         assert self.proc is not None
@@ -172,8 +150,6 @@ class Hostd:
         usage = simgpu.usage(self.simgpu_dir).get(record.gpu_uuid or "")
         if usage is None:
             return (0, 0)
-        from support import group_members
-
         mine = [c for pid, c in usage.by_pid.items() if pid in group_members(record.process.pgid)]
         return (sum(c.bytes for c in mine), sum(c.host_bytes for c in mine))
 
@@ -202,9 +178,7 @@ def launch(deployment: str, generation: int, gpu: str, model: Path, **changes: o
     return Launch.model_validate(values)
 
 
-def pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def assert_group_gone(record: InstanceRecord) -> None:
+    """The engine's whole process group has exited."""
+    assert record.process is not None
+    assert group_members(record.process.pgid) == []

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from enginesim import Faults, SchedulerDies, write_behaviour
-from integration.hostd.harness import FAST, Hostd, launch
-from support import group_members
+from integration.hostd.harness import FAST, Hostd, assert_group_gone, launch
 
 SHM = Path("/dev/shm")
 
@@ -37,8 +36,7 @@ def test_a_dead_scheduler_fails_the_launch_at_once_and_leaves_nothing(
     error = failed.error or ""
     assert "lost its child process" in error
     assert "CUDA error: out of memory" in error, "with the engine's own log lines"
-    assert failed.process is not None
-    assert group_members(failed.process.pgid) == []
+    assert_group_gone(failed)
     assert harness.device_bytes(failed) == (0, 0), "its memory released"
     made = {
         name for name in set(os.listdir(SHM)) - before if name.startswith(("sglang_loads_", "psm_"))

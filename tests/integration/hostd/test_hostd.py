@@ -17,7 +17,7 @@ from capycommon.state.hostcommands import Park, Stop, Wake
 from capyctl_hostd.ports import is_free
 from enginesim.behaviour import CrashAtStart, Faults
 from enginesim.install import write_behaviour
-from integration.hostd.harness import FAST, GiB, Hostd, environ, launch
+from integration.hostd.harness import FAST, GiB, Hostd, assert_group_gone, environ, launch
 from support import group_members, short_dir, wait_for
 
 
@@ -59,8 +59,7 @@ def test_launch_park_wake_stop(
 
     harness.send(Stop(deployment="a", generation=1, reason="test"))
     stopped = harness.wait_state("a", "stopped")
-    assert stopped.process is not None
-    assert group_members(stopped.process.pgid) == []
+    assert_group_gone(stopped)
     assert is_free(stopped.port or 0), "the port is free again"
 
     transitions = [
@@ -147,8 +146,7 @@ def test_an_engine_crashing_at_start_fails_the_launch_at_once(
     assert failed.error is not None
     assert "exited with code 3 while starting" in failed.error
     assert "CUDA error: no kernel image" in failed.error, "the last log lines are in the error"
-    assert failed.process is not None
-    assert group_members(failed.process.pgid) == []
+    assert_group_gone(failed)
     assert harness.device_bytes(failed) == (0, 0)
 
 
@@ -185,8 +183,7 @@ def test_a_restarted_hostd_readopts_running_engines(hostd: tuple[Hostd, str], mo
         harness.send(Stop(deployment=name, generation=1, reason="after re-adoption"))
     for record in (first, second):
         stopped = harness.wait_state(record.deployment, "stopped")
-        assert stopped.process is not None
-        assert group_members(stopped.process.pgid) == []
+        assert_group_gone(stopped)
 
 
 def test_stale_and_impossible_commands_are_refused_and_recorded(
@@ -246,8 +243,7 @@ def test_a_wake_that_answers_differently_is_a_mismatch(
     harness.send(Wake(deployment="a", generation=1))
     failed = harness.wait_state("a", "failed")
     assert (failed.error or "").startswith("wake_mismatch: the canary answered")
-    assert failed.process is not None
-    assert group_members(failed.process.pgid) == []
+    assert_group_gone(failed)
 
 
 def test_an_engine_that_died_while_hostd_was_down_is_reaped(

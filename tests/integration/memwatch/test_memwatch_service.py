@@ -7,7 +7,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from capycommon.state import keys, memory
 from capycommon.state.instances import InstanceState
 from capycommon.state.memory import MemoryReading
 from integration.memwatch.helpers import GIB, Claimer, record
-from support import clean_env, short_dir, wait_for
+from support import clean_env, service_command, short_dir, wait_for
 
 SPEC = "gpu0:24GiB,gpu1:24GiB"
 GPU0, GPU1 = simgpu.device_uuid("gpu0"), simgpu.device_uuid("gpu1")
@@ -63,19 +62,7 @@ def memwatch(redis_socket: Path) -> Iterator[Memwatch]:
         CAPYCTL_HOST_NAME="local",
     )
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "capyctl_memwatch",
-                "--role",
-                "standalone",
-                "--state-dir",
-                str(state),
-            ],
-            env=env,
-            stderr=out,
-        )
+        proc = subprocess.Popen(service_command("memwatch", state), env=env, stderr=out)
     client = redis.Redis(unix_socket_path=str(redis_socket))
     try:
         yield Memwatch(proc, state, log, client)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from capycommon.state import keys, memory
 from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_cli.status import host_memory, render_memory
 from integration.memwatch.helpers import GIB, Claimer
-from support import Role, clean_env, start_role, wait_for
+from support import Role, clean_env, role_running, wait_for
 
 NOW = 1_800_000_000.0
 GPU0 = simgpu.device_uuid("gpu0")
@@ -139,12 +138,8 @@ def simulated() -> Iterator[Role]:
     env = clean_env(
         CAPYCTL_SIMULATED_GPUS="gpu0:24GiB,gpu1:48GiB", CAPYCTL_SIMULATED_HOST_RAM="64GiB"
     )
-    role = start_role("standalone", env=env)
-    try:
+    with role_running(env=env) as role:
         yield role
-    finally:
-        role.stop()
-        shutil.rmtree(role.state_dir.parent, ignore_errors=True)
 
 
 def test_status_shows_the_simulated_gpus_and_host_ram(simulated: Role) -> None:

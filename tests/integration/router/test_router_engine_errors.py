@@ -75,6 +75,11 @@ def _error_event(message: str, code: int) -> str:
     return f"data: {json.dumps({'error': error})}\n\n"
 
 
+def _engine_error(message: str) -> dict[str, Any]:
+    """The OpenAI error object the router answers an engine's failure with."""
+    return {"message": message, "type": "server_error", "param": None, "code": "engine_error"}
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -200,12 +205,7 @@ async def test_an_engine_5xx_keeps_its_status_and_a_401_is_the_routers_problem(
             await sdk.chat.completions.create(model="llamacpp", messages=HI, stream=stream)
         assert failed.value.status_code == 503
         assert failed.value.response.headers["Retry-After"] == "1"
-        assert failed.value.body == {
-            "message": "Loading model",
-            "type": "server_error",
-            "param": None,
-            "code": "engine_error",
-        }
+        assert failed.value.body == _engine_error("Loading model")
     engines.engine = lambda _: httpx.Response(401, json={"error": "Unauthorized"})
     with pytest.raises(openai.InternalServerError) as refused:
         await sdk.chat.completions.create(model="vllm", messages=HI, stream=True)
@@ -228,14 +228,7 @@ async def test_after_the_first_event_a_failure_is_an_error_event_and_done(
         "Hello",
         " there",
     ]
-    assert json.loads(lines[2][6:]) == {
-        "error": {
-            "message": "EngineCore encountered an issue.",
-            "type": "server_error",
-            "param": None,
-            "code": "engine_error",
-        }
-    }
+    assert json.loads(lines[2][6:]) == {"error": _engine_error("EngineCore encountered an issue.")}
     assert lines[3:] == ["data: [DONE]"]
     with pytest.raises(openai.APIError, match="EngineCore encountered an issue"):
         async for _ in await sdk.chat.completions.create(model="vllm", messages=HI, stream=True):
