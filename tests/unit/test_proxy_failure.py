@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from capycommon.errors import EngineError
+from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.proxy import Cut, Failure, failure
-from capyctl_router.relay import EngineFailed
 
 
 def test_an_engines_own_error_keeps_its_status_message_and_param() -> None:

@@ -9,7 +9,8 @@ import json
 import httpx
 import pytest
 
-from capycommon.errors import EngineError
+from capycommon.errors import EngineError, EngineFailed
+from capyctl_router.errors import error_body
 from capyctl_router.relay import JsonDict, engine_failure, event_failure, events
 
 TOO_LONG = (
@@ -20,6 +21,11 @@ TOO_LONG = (
 
 def _envelope(message: str, kind: str, code: str, param: str | None = None) -> JsonDict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _body(failure: EngineFailed) -> JsonDict:
+    """The envelope the router answers the engine's error with."""
+    return error_body(failure.status, failure.code, failure.message, failure.param)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +52,7 @@ def test_an_engines_refusal_keeps_its_status_and_message(body: JsonDict) -> None
     failure = engine_failure(400, json.dumps(body).encode())
     assert failure.http_status == 400
     assert failure.code == "engine_rejected"
-    assert failure.body() == _envelope(TOO_LONG, "invalid_request_error", "engine_rejected")
+    assert _body(failure) == _envelope(TOO_LONG, "invalid_request_error", "engine_rejected")
 
 
 def test_an_engines_own_status_is_kept_and_its_param_too() -> None:
@@ -59,18 +65,18 @@ def test_an_engines_own_status_is_kept_and_its_param_too() -> None:
         }
     }
     failure = engine_failure(404, json.dumps(body).encode())
-    assert failure.body() == _envelope(
+    assert _body(failure) == _envelope(
         "no such model", "not_found_error", "engine_rejected", "model"
     )
     loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
     failure = engine_failure(503, json.dumps(loading).encode())
     assert failure.http_status == 503
-    assert failure.body() == _envelope("Loading model", "server_error", "engine_error")
+    assert _body(failure) == _envelope("Loading model", "server_error", "engine_error")
 
 
 def test_an_engine_error_that_is_not_json_is_its_text() -> None:
     failure = engine_failure(500, b"Internal Server Error\n")
-    assert failure.body() == _envelope("Internal Server Error", "server_error", "engine_error")
+    assert _body(failure) == _envelope("Internal Server Error", "server_error", "engine_error")
     assert engine_failure(502, b"").message == "the engine answered HTTP 502"
 
 
@@ -86,7 +92,7 @@ def test_an_error_event_has_the_status_its_code_names() -> None:
     failure = event_failure(nested)
     assert failure is not None
     assert failure.http_status == 400
-    assert failure.body() == _envelope(TOO_LONG, "invalid_request_error", "engine_rejected")
+    assert _body(failure) == _envelope(TOO_LONG, "invalid_request_error", "engine_rejected")
     old = {
         "error": {
             "object": "error",

@@ -171,6 +171,22 @@ class EngineRejected(CapyError):
     code = "engine_rejected"
 
 
+class EngineFailed(CapyError):
+    """The engine's own error answer to an inference request: its HTTP status and message,
+    whatever shape it gave them. Code `engine_rejected` for a 4xx (the engine refused the
+    request as sent), `engine_error` for a 5xx; the client gets the engine's status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        code = EngineRejected.code if status < 500 else EngineError.code
+        super().__init__(message, code=code)
+        self.status = status
+        self.param = param
+
+    @property
+    def http_status(self) -> int:
+        return self.status
+
+
 class LaunchFailed(CapyError):
     code = "launch_failed"
 

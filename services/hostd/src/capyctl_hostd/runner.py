@@ -32,6 +32,17 @@ log = logging.getLogger(__name__)
 S = InstanceState
 LOG_LINES_IN_REDIS = 50
 
+# What a launch command says that the instance record keeps, and what it says of the engine's
+# tuning, passed to the adapter as it came.
+RECORDED = {
+    "deployment", "instance", "revision", "generation", "profile", "served_name", "model_path",
+    "residency", "gpu_uuid",
+}  # fmt: skip
+TUNING = {
+    "served_name", "memory_fraction", "kv_cache_bytes", "context_length",
+    "max_concurrent_requests", "tool_call_parser", "reasoning_parser", "extra_args",
+}  # fmt: skip
+
 
 @dataclass
 class HostPaths:
@@ -136,19 +147,11 @@ class Runner:
         port = self.ports.lease()
         log_path = self.paths.logs_dir / command.deployment / f"{launch_id}.log"
         record = InstanceRecord(
-            deployment=command.deployment,
-            instance=command.instance,
-            revision=command.revision,
-            generation=command.generation,
+            **command.model_dump(include=RECORDED),
             state=S.STARTING,
             since=time.time(),
             host=self.host,
             launch_id=launch_id,
-            profile=command.profile,
-            served_name=command.served_name,
-            model_path=command.model_path,
-            residency=command.residency,
-            gpu_uuid=command.gpu_uuid,
             port=port,
             log_path=str(log_path),
         )
@@ -210,18 +213,11 @@ class Runner:
         spec = LaunchSpec(
             profile=profile,
             model_path=Path(command.model_path),
-            served_name=command.served_name,
             port=record.port,
             api_key=secret,
             residency=Residency(command.residency),
             runtime_dir=runtime,
-            memory_fraction=command.memory_fraction,
-            kv_cache_bytes=command.kv_cache_bytes,
-            context_length=command.context_length,
-            max_concurrent_requests=command.max_concurrent_requests,
-            tool_call_parser=command.tool_call_parser,
-            reasoning_parser=command.reasoning_parser,
-            extra_args=command.extra_args,
+            **command.model_dump(include=TUNING),
         )
         plan = adapter_for(profile.family).plan(spec)
         env = {

@@ -23,13 +23,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from capycommon.errors import EngineError
+from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers
 from capyctl_router.relay import (
     Assembly,
     Call,
-    EngineFailed,
     JsonDict,
     engine_failure,
     engine_request,

@@ -20,8 +20,7 @@ from typing import Any
 
 import httpx
 
-from capycommon.errors import CapyError, EngineError, EngineRejected
-from capyctl_router.errors import error_body
+from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.table import Target
 
 JsonDict = dict[str, Any]
@@ -30,25 +29,6 @@ MAX_EVENT = 1 << 20
 MAX_ANSWER = 16 << 20
 # What the router reads of an engine's error answer.
 MAX_ERROR = 64 << 10
-
-
-class EngineFailed(CapyError):
-    """The engine's own error: its HTTP status and message, whatever shape it gave them.
-    Code `engine_rejected` for a 4xx (the engine refused the request as sent), `engine_error`
-    for a 5xx."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        code = EngineRejected.code if status < 500 else EngineError.code
-        super().__init__(message, code=code)
-        self.status = status
-        self.param = param
-
-    @property
-    def http_status(self) -> int:
-        return self.status
-
-    def body(self) -> JsonDict:
-        return error_body(self.status, self.code, self.message, self.param)
 
 
 def engine_failure(status: int, raw: bytes) -> EngineFailed:

@@ -3,6 +3,7 @@ as the management API's answers (`capycommon.management`)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -231,16 +232,7 @@ def host_rows(snapshot: Snapshot, readings: dict[str, MemoryReading | None]) -> 
         domains = []
         for domain in view.domains.values():
             used = sum(c.get(domain.name, 0) for c in charged.values())
-            domains.append(
-                HostDomain(
-                    name=domain.name,
-                    capacity=domain.capacity,
-                    managed_limit=domain.managed_limit,
-                    free_reserve=domain.free_reserve,
-                    parked_limit=domain.parked_limit,
-                    charged=used,
-                )
-            )
+            domains.append(HostDomain(**asdict(domain), charged=used))
         reading = readings.get(host)
         state = "ready" if view.alive and view.domains else ("unobserved" if view.alive else "down")
         rows.append(
