@@ -217,6 +217,12 @@ class InvalidRequest(CapyError):
     code = "invalid_request"
 
 
+class MethodNotAllowed(CapyError):
+    """A route asked with a method it does not answer."""
+
+    code = "method_not_allowed"
+
+
 class UnsupportedParameter(CapyError):
     code = "unsupported_parameter"
 
@@ -278,6 +284,7 @@ CODES: dict[str, tuple[int, int]] = {
     "route_conflict": (2, 409),
     "host_name_changed": (2, 409),
     "invalid_request": (2, 400),
+    "method_not_allowed": (2, 405),
     "unsupported_parameter": (2, 400),
     "body_too_large": (2, 413),
     "unknown_model": (2, 404),
@@ -340,3 +347,9 @@ def exit_code_for(code: str) -> int:
 def http_status_for(code: str) -> int:
     """The HTTP status of an error code; unknown codes are internal errors (500)."""
     return CODES.get(_stem(code), (13, 500))[1]
+
+
+def http_code_for(status: int) -> str:
+    """The code of an HTTP error the web framework raised itself (no route, wrong method)."""
+    known = {404: NotFound.code, 405: MethodNotAllowed.code}
+    return known.get(status, InvalidRequest.code)

@@ -213,7 +213,7 @@ def bind(address: str) -> socket.socket:
         sock.close()
         raise ServicePortInUse(
             f"cannot listen on {address}: {exc.strerror}; free the port or choose another",
-            code=f"service_port_in_use:{port}",
+            code=f"{ServicePortInUse.code}:{port}",
         ) from None
     sock.listen(2048)
     sock.set_inheritable(True)

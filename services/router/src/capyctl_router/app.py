@@ -30,6 +30,7 @@ from capycommon.errors import (
     Unauthenticated,
     UnknownModel,
     UnsupportedParameter,
+    http_code_for,
 )
 from capycommon.version import __version__
 from capyctl_router.dispatch import Dispatcher
@@ -67,7 +68,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Any, exc: StarletteHTTPException) -> Any:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        code = http_code_for(exc.status_code)
         return envelope(exc.status_code, code, str(exc.detail))
 
     @app.get("/health")

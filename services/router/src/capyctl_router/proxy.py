@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from capycommon.errors import EngineError, EngineFailed
+from capycommon.errors import EngineError, EngineFailed, EngineRejected
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers
 from capyctl_router.relay import (
@@ -42,7 +42,7 @@ from capyctl_router.table import Target
 
 T = TypeVar("T")
 # Outcomes after which the engine is done with the request: its place is given back at once.
-FINISHED = ("ok", "engine_rejected", "engine_error")
+FINISHED = ("ok", EngineRejected.code, EngineError.code)
 
 
 class Cut(Exception):
@@ -76,7 +76,7 @@ def failure(exc: BaseException) -> Failure:
         return Failure(exc.code, exc.status, exc.code, exc.message, exc.param)
     if isinstance(exc, Cut):
         return Failure(exc.why, 503, "unavailable", f"no answer in time ({exc.why})")
-    return Failure("engine_error", 500, "engine_error", f"the engine failed: {exc}")
+    return Failure(EngineError.code, 500, EngineError.code, f"the engine failed: {exc}")
 
 
 @dataclass

@@ -21,7 +21,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capycommon import httpauth
 from capycommon import management as wire
 from capycommon.credentials import Credentials
-from capycommon.errors import BodyTooLarge, CapyError, IdempotencyConflict, InvalidRequest
+from capycommon.errors import (
+    BodyTooLarge,
+    CapyError,
+    IdempotencyConflict,
+    InvalidRequest,
+    http_code_for,
+)
 from capycommon.state.idempotency import Answers
 from capycommon.version import __version__
 from capyctl_scheduler.manage import Manager
@@ -111,7 +117,7 @@ def create_app(credentials: Credentials, manager: Manager | None = None) -> Fast
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        code = http_code_for(exc.status_code)
         return error_response(exc.status_code, code, str(exc.detail))
 
     @app.middleware("http")
