@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from engines.simulator.helpers import GIB, Installs, Launcher, SimGpu, make_simgpu, sparse_file
+from engines.simulator.helpers import (
+    GIB,
+    Engines,
+    Installs,
+    Launcher,
+    SimGpu,
+    make_simgpu,
+    sparse_file,
+)
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +48,10 @@ def launcher(tmp_path: Path) -> Iterator[Launcher]:
     launched = Launcher(tmp_path)
     yield launched
     launched.cleanup()
+
+
+@pytest.fixture
+def engines(
+    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+) -> Engines:
+    return Engines(installs, model_dir, gpu, launcher, tmp_path)

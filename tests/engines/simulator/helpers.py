@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,15 @@ import httpx
 import openai
 
 from capycommon import simgpu
-from enginesim import Behaviour, install_llama_server, install_python_engine
+from enginesim import (
+    Behaviour,
+    ToolCall,
+    install_llama_server,
+    install_python_engine,
+    write_behaviour,
+)
 from enginesim.install import PythonFamily
-from support import free_port, group_members, wait_for
+from support import children_of, free_port, group_members, wait_for
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -33,6 +40,27 @@ FAST = Behaviour(
 )
 # Slow generation, so a request is still running while the test acts on it.
 SLOW = FAST.model_copy(update={"tokens_per_second": 5, "answer": " ".join(["word"] * 60)})
+# What the engines kept up for a whole test module say: reasoning, and a call when given tools.
+REASONS_AND_CALLS = FAST.model_copy(
+    update={
+        "reasoning": "Thinking it over.",
+        "tool_call": ToolCall(name="get_weather", arguments={"city": "Paris"}),
+    }
+)
+# The same at a readable pace, with an answer long enough to act on while it streams.
+TALKATIVE = REASONS_AND_CALLS.model_copy(
+    update={
+        "tokens_per_second": 40,
+        "answer": "Hello from the engine simulator. " + " ".join(["more"] * 40),
+    }
+)
+HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+# Each Python family's server module and its model flag.
+SERVER_MODULES: dict[PythonFamily, tuple[str, str]] = {
+    "vllm": ("vllm.entrypoints.openai.api_server", "--model"),
+    "sglang": ("sglang.launch_server", "--model-path"),
+}
 
 
 def parse_metric(text: str, name: str) -> float:
@@ -88,6 +116,16 @@ class SimGpu:
         simgpu.write_claim(self.folder, os.getpid(), simgpu.Claim(uuid=self.uuid, bytes=size))
 
 
+def claim(gpu: SimGpu, pid: int) -> tuple[int, int] | None:
+    """(device bytes, host bytes) that `pid` claims, or None without a claim."""
+    found = gpu.claims().get(pid)
+    return (found.bytes, found.host_bytes) if found else None
+
+
+def wait_claim(gpu: SimGpu, pid: int, expected: tuple[int, int] | None) -> None:
+    wait_for(lambda: claim(gpu, pid) == expected, 10, f"pid {pid} to claim {expected}")
+
+
 def make_simgpu(folder: Path, total: int = 24 * GIB) -> SimGpu:
     device = simgpu.parse_devices(f"gpu0:{total // GIB}GiB")[0]
     simgpu.write_devices(folder, [device])
@@ -113,6 +151,18 @@ def closed_env(bin_dir: Path | None, home: Path, **extra: str) -> dict[str, str]
         "VLLM_NO_USAGE_STATS": "1",
         **extra,
     }
+
+
+def python_argv(family: PythonFamily, venv: Path, model: Path, *extra: str) -> list[str]:
+    """`python -m <server module> <model flag> MODEL --port {port} EXTRA` from an install."""
+    module, model_flag = SERVER_MODULES[family]
+    python = str(venv / "bin" / "python")
+    return [python, "-m", module, model_flag, str(model), "--port", "{port}", *extra]
+
+
+def env_for(venv: Path, home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]:
+    """The closed environment of an engine from `venv` that sees the simulated `gpu`."""
+    return closed_env(venv / "bin", home, **gpu.env(), **extra)
 
 
 @dataclass
@@ -212,6 +262,51 @@ class Launcher:
                 engine.proc.wait(timeout=10)
 
 
+@dataclass(frozen=True)
+class Engines:
+    """Starts simulated vLLM or SGLang from the session's installs, on the test's GPU."""
+
+    installs: Installs
+    model: Path
+    gpu: SimGpu
+    launcher: Launcher
+    home: Path
+
+    def start(
+        self,
+        family: PythonFamily,
+        version: str,
+        behaviour: Behaviour,
+        *extra: str,
+        key: str | None = None,
+        **env: str,
+    ) -> Engine:
+        """Launch `family` at `version` with `behaviour` (its module form, extra arguments
+        and environment variables added); it may still be loading."""
+        venv = self.installs.python(family, version)
+        write_behaviour(venv, behaviour)
+        argv = python_argv(family, venv, self.model, *extra)
+        return self.launcher.start(argv, env_for(venv, self.home, self.gpu, **env), key=key)
+
+
+@contextmanager
+def serving(folder: Path, argv: list[str], env: dict[str, str], key: str) -> Iterator[Engine]:
+    """An engine up and serving for a module's tests; its process group is killed after."""
+    launcher = Launcher(folder)
+    engine = launcher.start(argv, env, key=key)
+    try:
+        engine.wait_status(200)
+        yield engine
+    finally:
+        launcher.cleanup()
+
+
+def engine_core(engine: Engine, timeout: float = 10) -> int:
+    """vLLM's EngineCore: the API server's child."""
+    found = wait_for(lambda: children_of(engine.proc.pid), timeout, "the EngineCore child")
+    return found[0]
+
+
 def with_group_killed(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -230,6 +325,18 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
         if line.startswith("data: "):
             payload = line.removeprefix("data: ")
             yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+@contextmanager
+def streaming(engine: Engine, body: dict[str, object]) -> Iterator[Iterator[dict[str, Any] | str]]:
+    """A streamed chat request held open once its first content has come: the test acts on
+    the running request, then reads the rest of its events."""
+    with httpx.stream(
+        "POST", f"{engine.base}/v1/chat/completions", json=body, headers=engine.headers
+    ) as streamed:
+        events = sse_events(streamed.iter_lines())
+        next(e for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("content"))
+        yield events
 
 
 def send_and_hang_up(

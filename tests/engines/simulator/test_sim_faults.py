@@ -5,63 +5,55 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from engines.simulator.helpers import (
     FAST,
+    HELLO,
     SLOW,
+    Engine,
+    Engines,
     Installs,
     Launcher,
     SimGpu,
     closed_env,
+    engine_core,
     group_alive,
     send_and_hang_up,
     sse_events,
 )
-from enginesim import CrashAtStart, Faults, SchedulerDies, write_behaviour
+from enginesim import Behaviour, CrashAtStart, Faults, SchedulerDies, write_behaviour
 from enginesim.behaviour import GARBAGE_ANSWER
-from support import children_of, wait_for
+from support import wait_for
 
-HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
 SHM = Path("/dev/shm")
 
 
-def vllm_argv(venv: Path, model: Path, *extra: str) -> list[str]:
-    return [
-        str(venv / "bin" / "python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--port",
-        "{port}",
-        *extra,
-    ]
+def with_faults(behaviour: Behaviour, faults: Faults) -> Behaviour:
+    return behaviour.model_copy(update={"faults": faults})
 
 
-def sglang_argv(venv: Path, model: Path, *extra: str) -> list[str]:
-    return [
-        str(venv / "bin" / "python"),
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(model),
-        "--port",
-        "{port}",
-        "--skip-server-warmup",
-        *extra,
-    ]
+def start_vllm(engines: Engines, faults: Faults, *extra: str, **env: str) -> Engine:
+    """vLLM 0.17.0 with `faults`, launched (it may still be loading)."""
+    return engines.start("vllm", "0.17.0", with_faults(FAST, faults), *extra, **env)
 
 
-def test_vllm_hang_keeps_health_and_shutdown_timeout_bounds_the_drain(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("vllm", "0.17.0")
-    write_behaviour(venv, FAST.model_copy(update={"faults": Faults(hang=True)}))
-    argv = vllm_argv(venv, model_dir, "--shutdown-timeout", "1")
-    engine = launcher.start(argv, closed_env(venv / "bin", tmp_path, **gpu.env()))
+def start_sglang(
+    engines: Engines,
+    version: str,
+    behaviour: Behaviour,
+    *extra: str,
+    key: str | None = None,
+    **env: str,
+) -> Engine:
+    """SGLang without its warm-up, launched (it may still be loading)."""
+    warm_up = "--skip-server-warmup"
+    return engines.start("sglang", version, behaviour, warm_up, *extra, key=key, **env)
+
+
+def test_vllm_hang_keeps_health_and_shutdown_timeout_bounds_the_drain(engines: Engines) -> None:
+    engine = start_vllm(engines, Faults(hang=True), "--shutdown-timeout", "1")
     engine.wait_status(200)
     sock = send_and_hang_up(engine.port, "/v1/chat/completions", {"messages": HELLO}, None)
     wait_for(lambda: engine.metric("vllm:num_requests_running") == 1, 5, "a running request")
@@ -73,15 +65,12 @@ def test_vllm_hang_keeps_health_and_shutdown_timeout_bounds_the_drain(
 
 
 def test_vllm_lying_sleep_garbage_after_wake_and_death_mid_stream(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, gpu: SimGpu
 ) -> None:
     faults = Faults(sleep_keeps_memory=True, garbage_after_wake=True, die_mid_stream=6)
-    venv = installs.python("vllm", "0.17.0")
-    write_behaviour(venv, FAST.model_copy(update={"faults": faults}))
-    env = closed_env(venv / "bin", tmp_path, **gpu.env(), VLLM_SERVER_DEV_MODE="1")
-    engine = launcher.start(vllm_argv(venv, model_dir, "--enable-sleep-mode"), env)
+    engine = start_vllm(engines, faults, "--enable-sleep-mode", VLLM_SERVER_DEV_MODE="1")
     engine.wait_status(200)
-    core = wait_for(lambda: children_of(engine.proc.pid), 5, "the EngineCore")[0]
+    core = engine_core(engine, timeout=5)
     full = int(0.9 * gpu.total)
     wait_for(lambda: core in gpu.claims() and gpu.claims()[core].bytes == full, 5, "the claim")
     written = gpu.claim_file(core).stat().st_mtime_ns
@@ -112,15 +101,11 @@ def test_vllm_lying_sleep_garbage_after_wake_and_death_mid_stream(
 
 
 def test_sglang_busy_release_as_an_error_requests_while_released_fail_admin_key(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines,
 ) -> None:
     faults = Faults(release_while_busy="error", generate_while_released="error")
-    venv = installs.python("sglang", "0.5.10")
-    write_behaviour(venv, SLOW.model_copy(update={"faults": faults}))
-    argv = sglang_argv(
-        venv, model_dir, "--enable-memory-saver", "--api-key", "user", "--admin-api-key", "admin"
-    )
-    engine = launcher.start(argv, closed_env(venv / "bin", tmp_path, **gpu.env()), key="admin")
+    argv = ("--enable-memory-saver", "--api-key", "user", "--admin-api-key", "admin")
+    engine = start_sglang(engines, "0.5.10", with_faults(SLOW, faults), *argv, key="admin")
     engine.wait_status(200)
     user = {"Authorization": "Bearer user"}
     sock = send_and_hang_up(engine.port, "/v1/chat/completions", {"messages": HELLO}, "user")
@@ -141,19 +126,14 @@ def test_sglang_busy_release_as_an_error_requests_while_released_fail_admin_key(
     assert answer.status_code == 200
 
 
-def test_sglang_health_generates_and_marks_a_hung_engine_unhealthy(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("sglang", "0.5.10")
-    write_behaviour(venv, FAST.model_copy(update={"faults": Faults(hang=True)}))
-    env = closed_env(
-        venv / "bin",
-        tmp_path,
-        **gpu.env(),
+def test_sglang_health_generates_and_marks_a_hung_engine_unhealthy(engines: Engines) -> None:
+    engine = start_sglang(
+        engines,
+        "0.5.10",
+        with_faults(FAST, Faults(hang=True)),
         SGLANG_HEALTH_CHECK_TIMEOUT="0.5",
         SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="false",
     )
-    engine = launcher.start(sglang_argv(venv, model_dir), env)
     engine.wait_status(200)  # /health does not generate here
     assert engine.status("/health_generate") == 503
 
@@ -163,7 +143,7 @@ def test_llama_crash_at_start_and_a_leak_on_hang_up(
 ) -> None:
     executable = installs.llama(6500)
     crash = CrashAtStart(exit_code=3, message="error: simulated crash")
-    write_behaviour(executable, FAST.model_copy(update={"faults": Faults(crash_at_start=crash)}))
+    write_behaviour(executable, with_faults(FAST, Faults(crash_at_start=crash)))
     argv = [str(executable), "-m", str(gguf), "--port", "{port}", "--metrics", "-np", "1"]
     crashed = launcher.start(argv, closed_env(None, tmp_path, **gpu.env()))
     assert crashed.wait_exit() == 3
@@ -182,39 +162,23 @@ def test_llama_crash_at_start_and_a_leak_on_hang_up(
     assert engine.wait_exit() == 0
 
 
-def test_vllm_engine_core_can_follow_its_parent_out(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("vllm", "0.17.0")
-    faults = Faults(leave_child_on_sigkill=False)
-    write_behaviour(venv, FAST.model_copy(update={"faults": faults}))
-    engine = launcher.start(
-        vllm_argv(venv, model_dir), closed_env(venv / "bin", tmp_path, **gpu.env())
-    )
+def test_vllm_engine_core_can_follow_its_parent_out(engines: Engines, gpu: SimGpu) -> None:
+    engine = start_vllm(engines, Faults(leave_child_on_sigkill=False))
     engine.wait_status(200)
-    core = wait_for(lambda: children_of(engine.proc.pid), 5, "the EngineCore")[0]
+    core = engine_core(engine, timeout=5)
     wait_for(lambda: core in gpu.claims(), 5, "the EngineCore's claim")
     engine.proc.send_signal(signal.SIGKILL)
     engine.wait_exit()
     wait_for(lambda: not gpu.claim_file(core).exists(), 5, "the orphan to release and exit")
 
 
-def _scheduler_dies(
-    installs: Installs,
-    model_dir: Path,
-    gpu: SimGpu,
-    launcher: Launcher,
-    tmp_path: Path,
-    **env: str,
-) -> tuple[str, set[str], int]:
+def _scheduler_dies(engines: Engines, **env: str) -> tuple[str, set[str], int]:
     """Launch SGLang whose scheduler dies while loading; stop its group once the server is
     seen waiting on; its log, the /dev/shm segments it left, and its PID."""
-    venv = installs.python("sglang", "0.5.22")
     dies = SchedulerDies(after_seconds=1.0, message="RuntimeError: CUDA error: out of memory")
-    write_behaviour(venv, FAST.model_copy(update={"faults": Faults(scheduler_dies=dies)}))
     before = set(os.listdir(SHM))
-    argv = sglang_argv(venv, model_dir, "--enable-metrics")
-    engine = launcher.start(argv, closed_env(venv / "bin", tmp_path, **gpu.env(), **env))
+    behaviour = with_faults(FAST, Faults(scheduler_dies=dies))
+    engine = start_sglang(engines, "0.5.22", behaviour, "--enable-metrics", **env)
     wait_for(lambda: "Scheduler hit an exception" in engine.output(), 10, "the scheduler's death")
     assert engine.proc.poll() is None, "the HTTP server lives on"
     assert engine.status() is None, "and never listens"
@@ -229,9 +193,9 @@ def _scheduler_dies(
 
 
 def test_sglang_scheduler_dies_while_loading_and_leaves_its_segments_and_noise(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines,
 ) -> None:
-    output, left, engine_pid = _scheduler_dies(installs, model_dir, gpu, launcher, tmp_path)
+    output, left, engine_pid = _scheduler_dies(engines)
     assert any(name.startswith("sglang_loads_") for name in left), left
     assert any(name.startswith("psm_") for name in left), left
     assert not any(str(engine_pid) in name for name in left), "no PID in their names"
@@ -242,12 +206,10 @@ def test_sglang_scheduler_dies_while_loading_and_leaves_its_segments_and_noise(
 
 
 def test_sglang_children_write_into_a_given_prometheus_folder_that_stays(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, tmp_path: Path
 ) -> None:
     folder = tmp_path / "prometheus"
     folder.mkdir()
-    output, _, _ = _scheduler_dies(
-        installs, model_dir, gpu, launcher, tmp_path, PROMETHEUS_MULTIPROC_DIR=str(folder)
-    )
+    output, _, _ = _scheduler_dies(engines, PROMETHEUS_MULTIPROC_DIR=str(folder))
     assert "FileNotFoundError" not in output
     assert any(path.name.startswith("gauge_all_") for path in folder.iterdir())

@@ -15,33 +15,28 @@ import pytest
 from engines.simulator.helpers import (
     FAST,
     GIB,
+    HELLO,
     MIB,
+    TALKATIVE,
+    TOOLS,
     Engine,
     Installs,
     Launcher,
     SimGpu,
+    claim,
     closed_env,
     make_simgpu,
+    serving,
     sse_events,
 )
-from enginesim import ToolCall, write_behaviour
+from enginesim import write_behaviour
 from support import wait_for
 
 BUILD = 6500
 KEY = "sim-key"
 KV = 4096 * (128 << 10) + 1 * (8 << 20)  # -c 4096, -np 1
 RESIDUE = 512 * MIB
-HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
-TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
-SERVED = FAST.model_copy(
-    update={
-        "reasoning": "Thinking it over.",
-        "tool_call": ToolCall(name="get_weather", arguments={"city": "Paris"}),
-        "tokens_per_second": 40,
-        "answer": "Hello from the engine simulator. " + " ".join(["more"] * 40),
-    }
-)
 
 
 def llama(executable: Path, gguf: Path, *extra: str) -> list[str]:
@@ -52,27 +47,17 @@ def env_for(home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]:
     return closed_env(None, home, **gpu.env(), **extra)
 
 
-def claim(gpu: SimGpu, pid: int) -> tuple[int, int] | None:
-    found = gpu.claims().get(pid)
-    return (found.bytes, found.host_bytes) if found else None
-
-
 @pytest.fixture(scope="module")
 def served(
     installs: Installs, gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     folder = tmp_path_factory.mktemp("llama-served")
     executable = installs.llama(BUILD)
-    write_behaviour(executable, SERVED)
+    write_behaviour(executable, TALKATIVE)
     gpu = make_simgpu(folder / "simgpu")
     argv = llama(executable, gguf, "-np", "1", "-c", "4096", "--metrics", "--alias", "tiny")
-    launcher = Launcher(folder)
-    engine = launcher.start(argv, env_for(folder, gpu, LLAMA_API_KEY=KEY), key=KEY)
-    try:
-        engine.wait_status(200)
+    with serving(folder, argv, env_for(folder, gpu, LLAMA_API_KEY=KEY), KEY) as engine:
         yield engine
-    finally:
-        launcher.cleanup()
 
 
 def test_auth_leaves_health_and_models_public(served: Engine) -> None:

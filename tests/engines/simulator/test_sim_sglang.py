@@ -7,7 +7,6 @@ import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -15,18 +14,27 @@ import pytest
 from engines.simulator.helpers import (
     FAST,
     GIB,
+    HELLO,
     MIB,
     SLOW,
+    TALKATIVE,
+    TOOLS,
     Engine,
+    Engines,
     Installs,
     Launcher,
     SimGpu,
+    claim,
     closed_env,
+    env_for,
     make_simgpu,
+    python_argv,
     send_and_hang_up,
-    sse_events,
+    serving,
+    streaming,
+    wait_claim,
 )
-from enginesim import DisconnectLag, Faults, ToolCall, write_behaviour
+from enginesim import Behaviour, DisconnectLag, Faults, write_behaviour
 from enginesim.behaviour import GARBAGE_ANSWER
 from support import wait_for
 
@@ -35,46 +43,17 @@ KEY = "sim-key"
 WEIGHTS = 2 * GIB
 RESIDUE = 512 * MIB
 GRAPHS = 256 * MIB
-HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
-TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
-SERVED = FAST.model_copy(
-    update={
-        "reasoning": "Thinking it over.",
-        "tool_call": ToolCall(name="get_weather", arguments={"city": "Paris"}),
-        "tokens_per_second": 40,
-        "answer": "Hello from the engine simulator. " + " ".join(["more"] * 40),
-    }
-)
 
 
-def launch_server(venv: Path, model: Path, *extra: str) -> list[str]:
-    return [
-        str(venv / "bin" / "python"),
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(model),
-        "--port",
-        "{port}",
-        *extra,
-    ]
-
-
-def env_for(venv: Path, home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]:
-    return closed_env(venv / "bin", home, **gpu.env(), **extra)
+def start(engines: Engines, behaviour: Behaviour, *extra: str, version: str = VERSION) -> Engine:
+    """SGLang launched and serving."""
+    engine = engines.start("sglang", version, behaviour, *extra)
+    engine.wait_status(200)
+    return engine
 
 
 def budget(gpu: SimGpu) -> int:
     return int(0.88 * gpu.total)
-
-
-def claim(gpu: SimGpu, pid: int) -> tuple[int, int] | None:
-    found = gpu.claims().get(pid)
-    return (found.bytes, found.host_bytes) if found else None
-
-
-def wait_claim(gpu: SimGpu, pid: int, expected: tuple[int, int]) -> None:
-    wait_for(lambda: claim(gpu, pid) == expected, 10, f"pid {pid} to claim {expected}")
 
 
 def segment(pid: int) -> Path:
@@ -87,9 +66,10 @@ def served(
 ) -> Iterator[Engine]:
     folder = tmp_path_factory.mktemp("sglang-served")
     venv = installs.python("sglang", VERSION)
-    write_behaviour(venv, SERVED)
+    write_behaviour(venv, TALKATIVE)
     gpu = make_simgpu(folder / "simgpu")
-    argv = launch_server(
+    argv = python_argv(
+        "sglang",
         venv,
         model_dir,
         "--served-model-name",
@@ -103,13 +83,8 @@ def served(
         "qwen3",
         "--skip-server-warmup",
     )
-    launcher = Launcher(folder)
-    engine = launcher.start(argv, env_for(venv, folder, gpu), key=KEY)
-    try:
-        engine.wait_status(200)
+    with serving(folder, argv, env_for(venv, folder, gpu), KEY) as engine:
         yield engine
-    finally:
-        launcher.cleanup()
 
 
 def test_auth_guards_everything_but_health_and_metrics(served: Engine) -> None:
@@ -199,11 +174,7 @@ def test_flat_errors_and_json_only(served: Engine) -> None:
 
 def test_abort_by_rid_flush_when_busy_and_metrics(served: Engine) -> None:
     body = {"messages": HELLO, "stream": True, "rid": "abort-me"}
-    with httpx.stream(
-        "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
-    ) as streamed:
-        events = sse_events(streamed.iter_lines())
-        next(e for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("content"))
+    with streaming(served, body) as events:
         assert served.metric("sglang:num_running_reqs") == 1
         assert served.post("/flush_cache").status_code == 400
         assert served.post("/abort_request", json={"rid": "nobody"}).status_code == 200
@@ -235,11 +206,7 @@ def test_aborts_count_only_requests_the_engine_holds(served: Engine) -> None:
     assert served.post("/abort_request", json={"rid": "never-came"}).status_code == 200
     assert served.metric(aborted) == start
     body = {"messages": HELLO, "stream": True, "rid": "held-1"}
-    with httpx.stream(
-        "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
-    ) as streamed:
-        events = sse_events(streamed.iter_lines())
-        next(e for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("content"))
+    with streaming(served, body) as events:
         assert served.post("/abort_request", json={"rid": "held-1"}).content == b""
         assert served.metric(aborted) == start + 1
         list(events)
@@ -283,20 +250,9 @@ def test_phases_serve_form_and_metrics_off_by_default(
     assert engine.stop() == 0
 
 
-def test_release_and_resume_by_tags(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("sglang", VERSION)
-    write_behaviour(venv, FAST)
-    argv = launch_server(
-        venv,
-        model_dir,
-        "--enable-memory-saver",
-        "--enable-weights-cpu-backup",
-        "--skip-server-warmup",
-    )
-    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    engine.wait_status(200)
+def test_release_and_resume_by_tags(engines: Engines, gpu: SimGpu) -> None:
+    saver = ("--enable-memory-saver", "--enable-weights-cpu-backup", "--skip-server-warmup")
+    engine = start(engines, FAST, *saver)
     pid = engine.proc.pid
     kv = budget(gpu) - WEIGHTS - GRAPHS
     released = engine.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
@@ -314,13 +270,9 @@ def test_release_and_resume_by_tags(
 
 
 def test_release_without_backup_needs_a_weight_reload(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, model_dir: Path, gpu: SimGpu
 ) -> None:
-    venv = installs.python("sglang", VERSION)
-    write_behaviour(venv, FAST)
-    argv = launch_server(venv, model_dir, "--enable-memory-saver", "--skip-server-warmup")
-    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    engine.wait_status(200)
+    engine = start(engines, FAST, "--enable-memory-saver", "--skip-server-warmup")
     assert engine.post("/release_memory_occupation").status_code == 200
     wait_claim(gpu, engine.proc.pid, (RESIDUE, 0))
     assert engine.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
@@ -336,14 +288,8 @@ def test_release_without_backup_needs_a_weight_reload(
     assert garbage["choices"][0]["message"]["content"] == GARBAGE_ANSWER
 
 
-def test_release_while_busy_kills_the_scheduler(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("sglang", VERSION)
-    write_behaviour(venv, SLOW)
-    argv = launch_server(venv, model_dir, "--enable-memory-saver", "--skip-server-warmup")
-    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    engine.wait_status(200)
+def test_release_while_busy_kills_the_scheduler(engines: Engines) -> None:
+    engine = start(engines, SLOW, "--enable-memory-saver", "--skip-server-warmup")
     sock = send_and_hang_up(engine.port, "/v1/chat/completions", {"messages": HELLO}, None)
     wait_for(lambda: engine.get("/get_load").json()[0]["num_reqs"] == 1, 5, "a running request")
     with pytest.raises(httpx.TransportError):
@@ -355,15 +301,10 @@ def test_release_while_busy_kills_the_scheduler(
     )
 
 
-def test_hang_ups_abort_after_sglang_lag(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
+def test_hang_ups_abort_after_sglang_lag(engines: Engines) -> None:
     lag = DisconnectLag(non_stream=0.6, stream=0.4)
-    venv = installs.python("sglang", VERSION)
-    write_behaviour(venv, SLOW.model_copy(update={"faults": Faults(disconnect_abort_lag=lag)}))
-    argv = launch_server(venv, model_dir, "--enable-metrics", "--skip-server-warmup")
-    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    engine.wait_status(200)
+    lagging = SLOW.model_copy(update={"faults": Faults(disconnect_abort_lag=lag)})
+    engine = start(engines, lagging, "--enable-metrics", "--skip-server-warmup")
     running = "sglang:num_running_reqs"
     body = {"messages": HELLO, "stream": True}
     with httpx.stream("POST", f"{engine.base}/v1/chat/completions", json=body) as streamed:
@@ -383,7 +324,9 @@ def test_sigterm_cleans_the_segment_and_memory_sigkill_leaves_the_segment(
 ) -> None:
     venv = installs.python("sglang", VERSION)
     write_behaviour(venv, FAST)
-    argv = launch_server(venv, model_dir, "--tokenizer-worker-num", "2", "--skip-server-warmup")
+    argv = python_argv(
+        "sglang", venv, model_dir, "--tokenizer-worker-num", "2", "--skip-server-warmup"
+    )
     first = launcher.start(argv, env_for(venv, tmp_path, gpu))
     first.wait_status(200)
     assert segment(first.proc.pid).exists()
@@ -406,11 +349,13 @@ def test_refusals_at_start(
 ) -> None:
     venv = installs.python("sglang", VERSION)
     write_behaviour(venv, FAST)
-    argv = [arg.replace("{port}", "30000") for arg in launch_server(venv, model_dir, "--bogus")]
+    argv = [
+        arg.replace("{port}", "30000") for arg in python_argv("sglang", venv, model_dir, "--bogus")
+    ]
     bogus = launcher.run(argv, closed_env(None, tmp_path))
     assert (bogus.returncode, "unrecognized arguments: --bogus" in bogus.stderr) == (2, True)
     gpu.occupy(20 * GIB)
-    full = launcher.start(launch_server(venv, model_dir), env_for(venv, tmp_path, gpu))
+    full = launcher.start(python_argv("sglang", venv, model_dir), env_for(venv, tmp_path, gpu))
     assert full.wait_exit() != 0
     assert (
         "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
@@ -418,20 +363,9 @@ def test_refusals_at_start(
     )
 
 
-def test_v1_loads_takes_its_own_shape_from_0_5_20(
-    installs: Installs,
-    model_dir: Path,
-    gpu: SimGpu,
-    launcher: Launcher,
-    tmp_path: Path,
-    served: Engine,
-) -> None:
+def test_v1_loads_takes_its_own_shape_from_0_5_20(engines: Engines, served: Engine) -> None:
     assert isinstance(served.get("/v1/loads").json(), list), "0.5.10: the /get_load list"
-    venv = installs.python("sglang", "0.5.22")
-    write_behaviour(venv, FAST)
-    argv = launch_server(venv, model_dir, "--skip-server-warmup")
-    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    engine.wait_status(200)
+    engine = start(engines, FAST, "--skip-server-warmup", version="0.5.22")
     loads = engine.get("/v1/loads").json()
     assert loads["version"] == "0.5.22"
     assert {"timestamp", "accelerator", "num_accelerators"} <= set(loads)

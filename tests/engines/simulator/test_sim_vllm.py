@@ -18,22 +18,32 @@ import pytest
 from engines.simulator.helpers import (
     FAST,
     GIB,
+    HELLO,
     MIB,
+    REASONS_AND_CALLS,
     SLOW,
     Engine,
+    Engines,
     Installs,
     Launcher,
     SimGpu,
+    claim,
     closed_env,
+    engine_core,
+    env_for,
     group_alive,
     make_simgpu,
+    python_argv,
     send_and_hang_up,
+    serving,
     sse_events,
+    streaming,
+    wait_claim,
     with_group_killed,
 )
-from enginesim import Behaviour, ToolCall, write_behaviour
+from enginesim import Behaviour, write_behaviour
 from enginesim.behaviour import GARBAGE_ANSWER
-from support import children_of, pid_alive, wait_for
+from support import pid_alive, wait_for
 
 VERSION = "0.17.0"
 KEY = "sim-key"
@@ -48,13 +58,7 @@ TOOLS: list[Any] = [
         },
     }
 ]
-SERVED = FAST.model_copy(
-    update={
-        "reasoning": "Thinking it over.",
-        "tool_call": ToolCall(name="get_weather", arguments={"city": "Paris"}),
-        "tokens_per_second": 100,
-    }
-)
+SERVED = REASONS_AND_CALLS.model_copy(update={"tokens_per_second": 100})
 MIDDLEWARE = """
 class Tagger:
     def __init__(self, app):
@@ -74,40 +78,18 @@ async def stamp(request, call_next):
     response.headers["x-sim-func"] = "yes"
     return response
 """
-HELLO: list[Any] = [{"role": "user", "content": "Say hello to me"}]
+LOOPBACK = ("--host", "127.0.0.1")
 
 
 def api_server(venv: Path, model: Path, *extra: str) -> list[str]:
-    return [
-        str(venv / "bin" / "python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        *extra,
-    ]
+    return python_argv("vllm", venv, model, *LOOPBACK, *extra)
 
 
-def env_for(venv: Path, home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]:
-    return closed_env(venv / "bin", home, **gpu.env(), **extra)
-
-
-def engine_core(engine: Engine) -> int:
-    found = wait_for(lambda: children_of(engine.proc.pid), 10, "the EngineCore child")
-    return found[0]
-
-
-def claim(gpu: SimGpu, pid: int) -> tuple[int, int] | None:
-    found = gpu.claims().get(pid)
-    return (found.bytes, found.host_bytes) if found else None
-
-
-def wait_claim(gpu: SimGpu, pid: int, expected: tuple[int, int] | None) -> None:
-    wait_for(lambda: claim(gpu, pid) == expected, 10, f"pid {pid} to claim {expected}")
+def start(
+    engines: Engines, behaviour: Behaviour, *extra: str, version: str = VERSION, **env: str
+) -> Engine:
+    """vLLM's API server on loopback, launched (it may still be loading)."""
+    return engines.start("vllm", version, behaviour, *LOOPBACK, *extra, **env)
 
 
 def budget(gpu: SimGpu, fraction: float = 0.9) -> int:
@@ -147,13 +129,8 @@ def served(
         "--middleware",
         "sim_middleware.stamp",
     )
-    launcher = Launcher(folder)
-    engine = launcher.start(argv, env, key=KEY)
-    try:
-        engine.wait_status(200)
+    with serving(folder, argv, env, KEY) as engine:
         yield engine
-    finally:
-        launcher.cleanup()
 
 
 def test_auth_guards_only_the_api_prefixes(served: Engine) -> None:
@@ -323,19 +300,13 @@ def test_metrics_carry_vllm_names(served: Engine) -> None:
 
 
 def test_sleep_level_1_aborts_holds_wakes_and_disconnects_abort(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, model_dir: Path, gpu: SimGpu
 ) -> None:
-    venv = installs.python("vllm", VERSION)
-    write_behaviour(venv, SLOW)
-    env = env_for(venv, tmp_path, gpu, VLLM_SERVER_DEV_MODE="1")
-    engine = launcher.start(api_server(venv, model_dir, "--enable-sleep-mode"), env)
+    engine = start(engines, SLOW, "--enable-sleep-mode", VLLM_SERVER_DEV_MODE="1")
     engine.wait_status(200)
     core = engine_core(engine)
     wait_claim(gpu, core, (budget(gpu), 0))
-    body = {"messages": HELLO, "stream": True}
-    with httpx.stream("POST", f"{engine.base}/v1/chat/completions", json=body) as streamed:
-        events = sse_events(streamed.iter_lines())
-        next(e for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("content"))
+    with streaming(engine, {"messages": HELLO, "stream": True}) as events:
         assert engine.post("/sleep", params={"level": "1"}).status_code == 200
         rest = list(events)
     assert rest[-1] == "[DONE]"
@@ -387,13 +358,8 @@ def _hang_up_request(engine: Engine, running: str) -> None:
     wait_for(lambda: engine.metric(running) == 0, 5, "the hung-up request to be aborted")
 
 
-def test_sleep_level_2_discards_the_weights_until_reloaded(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("vllm", VERSION)
-    write_behaviour(venv, FAST)
-    env = env_for(venv, tmp_path, gpu, VLLM_SERVER_DEV_MODE="1")
-    engine = launcher.start(api_server(venv, model_dir, "--enable-sleep-mode"), env)
+def test_sleep_level_2_discards_the_weights_until_reloaded(engines: Engines, gpu: SimGpu) -> None:
+    engine = start(engines, FAST, "--enable-sleep-mode", VLLM_SERVER_DEV_MODE="1")
     engine.wait_status(200)
     core = engine_core(engine)
     assert engine.post("/sleep", params={"level": "2"}).status_code == 200
@@ -441,12 +407,8 @@ def test_serve_form_loads_refusing_connections_then_stops_cleanly_on_sigterm(
     assert not pid_alive(core)
 
 
-def test_sigkill_leaves_the_engine_core_holding_the_memory(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("vllm", VERSION)
-    write_behaviour(venv, FAST)
-    engine = launcher.start(api_server(venv, model_dir), env_for(venv, tmp_path, gpu))
+def test_sigkill_leaves_the_engine_core_holding_the_memory(engines: Engines, gpu: SimGpu) -> None:
+    engine = start(engines, FAST)
     engine.wait_status(200)
     core = engine_core(engine)
     wait_claim(gpu, core, (budget(gpu), 0))
@@ -459,13 +421,9 @@ def test_sigkill_leaves_the_engine_core_holding_the_memory(
     gpu.claim_file(core).unlink()  # SIGKILL runs no clean-up
 
 
-def test_refuses_to_start_without_room_on_the_device(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("vllm", VERSION)
-    write_behaviour(venv, FAST)
+def test_refuses_to_start_without_room_on_the_device(engines: Engines, gpu: SimGpu) -> None:
     gpu.occupy(20 * GIB)
-    engine = launcher.start(api_server(venv, model_dir), env_for(venv, tmp_path, gpu))
+    engine = start(engines, FAST)
     assert engine.wait_exit() == 1
     assert (
         "ValueError: Free memory on device (4.00/24.00 GiB) on startup is less than desired "
@@ -475,10 +433,7 @@ def test_refuses_to_start_without_room_on_the_device(
     assert not group_alive(engine.proc.pid)
     assert list(gpu.claims()) == [os.getpid()]
     gpu.claim_file(os.getpid()).unlink()
-    small = launcher.start(
-        api_server(venv, model_dir, "--gpu-memory-utilization", "0.05"),
-        env_for(venv, tmp_path, gpu),
-    )
+    small = start(engines, FAST, "--gpu-memory-utilization", "0.05")
     assert small.wait_exit() == 1
     assert "No available memory for the cache blocks" in small.output()
 
@@ -521,13 +476,10 @@ def test_cli_form_refuses_unknown_flags(
 
 
 def test_vllm_0_11_0_reasoning_content_old_metrics_and_a_crash_while_asleep(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines,
 ) -> None:
-    venv = installs.python("vllm", "0.11.0")
-    write_behaviour(venv, FAST)
-    env = env_for(venv, tmp_path, gpu, VLLM_SERVER_DEV_MODE="1")
-    argv = api_server(venv, model_dir, "--enable-sleep-mode", "--reasoning-parser", "deepseek_r1")
-    engine = launcher.start(argv, env)
+    sleeps = ("--enable-sleep-mode", "--reasoning-parser", "deepseek_r1")
+    engine = start(engines, FAST, *sleeps, version="0.11.0", VLLM_SERVER_DEV_MODE="1")
     engine.wait_status(200)
     message = engine.post("/v1/chat/completions", json={"messages": HELLO}).json()
     assert message["choices"][0]["message"]["reasoning_content"] == FAST.reasoning
@@ -541,12 +493,8 @@ def test_vllm_0_11_0_reasoning_content_old_metrics_and_a_crash_while_asleep(
     assert "illegal memory access" in engine.output()
 
 
-def test_vllm_0_10_0_answers_flat_errors(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("vllm", "0.10.0")
-    write_behaviour(venv, Behaviour(load_seconds=0.2))
-    engine = launcher.start(api_server(venv, model_dir), env_for(venv, tmp_path, gpu))
+def test_vllm_0_10_0_answers_flat_errors(engines: Engines) -> None:
+    engine = start(engines, Behaviour(load_seconds=0.2), version="0.10.0")
     engine.wait_status(200)
     answer = engine.post("/v1/chat/completions", json={"model": "nope", "messages": HELLO})
     assert answer.status_code == 404
