@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+# No machine holds more than this: a larger size is a mistaken unit or a typo.
+MAX_SIZE = 64 << 40
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)\s*$")
 
 
@@ -15,7 +17,10 @@ def parse_size(text: str) -> int:
         raise ValueError(
             f"{text!r} is not a size; write it like 512MiB or 24GiB (B, KiB, MiB, GiB, TiB)"
         )
-    return int(float(match[1]) * _UNITS[match[2]])
+    size = int(float(match[1]) * _UNITS[match[2]])
+    if size > MAX_SIZE:
+        raise ValueError(f"{text!r} is more than any machine holds (at most 64TiB); check the unit")
+    return size
 
 
 def format_size(size: int) -> str:
