@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -16,18 +15,6 @@ from cluster import Cluster, running
 from support import wait_for
 
 HELLO = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def one_gpu() -> Iterator[Cluster]:
-    with running("promise") as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def cluster(one_gpu: Cluster) -> Iterator[Cluster]:
-    yield one_gpu
-    one_gpu.clean()
 
 
 def sdk(cluster: Cluster, timeout: float = 120.0) -> openai.OpenAI:

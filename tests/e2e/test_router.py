@@ -38,12 +38,6 @@ def one_gpu() -> Iterator[Cluster]:
         yield cluster
 
 
-@pytest.fixture
-def cluster(one_gpu: Cluster) -> Iterator[Cluster]:
-    yield one_gpu
-    one_gpu.clean()
-
-
 def _calls(calls: list[Any] | None) -> list[tuple[str, str]]:
     return [(call.function.name, call.function.arguments) for call in calls or []]
 
@@ -201,10 +195,12 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
                     await asyncio.sleep(60)
 
             task = asyncio.create_task(send())
-            deadline = time.monotonic() + 10
-            while await asyncio.to_thread(cluster.engine_running, name) != 1:
-                assert time.monotonic() < deadline, "the engine never got the request"
-                await asyncio.sleep(0.1)
+            await asyncio.to_thread(
+                wait_for,
+                lambda: cluster.engine_running(name) == 1,
+                timeout=10,
+                what="the engine to get the request",
+            )
             if stream and after_first:
                 await asyncio.wait_for(first.wait(), 10)
             if after_first and not stream:
@@ -313,17 +309,23 @@ def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) 
 
 def _raised_then_back(cluster: Cluster) -> tuple[str, float]:
     """Watch the places hash (what status shows): the cut request counted in one settle
-    field, then settled while the other request runs; which field, and when it settled."""
-    deadline = time.monotonic() + 10
-    raised = ""
-    while time.monotonic() < deadline:
+    field, then settled while the other request runs; which field, and when it settled.
+    Polled every 5 ms: the raised field may hold for a moment only."""
+    raised: list[str] = []
+
+    def settled() -> tuple[str, float] | None:
         found = places.read(cluster.client, "sg22")
         if not raised and found.settle_when_idle + found.settle_at_stop == 1:
-            raised = "settle_when_idle" if found.settle_when_idle else "settle_at_stop"
+            raised.append("settle_when_idle" if found.settle_when_idle else "settle_at_stop")
         if raised and (found.running, found.settle_when_idle, found.settle_at_stop) == (1, 0, 0):
-            return raised, time.monotonic()
-        time.sleep(0.005)
-    raise AssertionError(f"the cut request did not settle: {places.read(cluster.client, 'sg22')}")
+            return raised[0], time.monotonic()
+        return None
+
+    try:
+        return wait_for(settled, timeout=10, what="the cut request to settle", interval=0.005)
+    except AssertionError:
+        left = places.read(cluster.client, "sg22")
+        raise AssertionError(f"the cut request did not settle: {left}") from None
 
 
 def _places(cluster: Cluster) -> tuple[int, int, int]:

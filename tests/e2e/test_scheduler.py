@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import cast
 
 import httpx
@@ -19,18 +18,6 @@ from capycommon.state import desired, keys
 from capycommon.state.instances import LIVE_STATES
 from cluster import FOURTEEN, HOST, Cluster, GiB, running
 from support import wait_for
-
-
-@pytest.fixture(scope="module")
-def one_gpu() -> Iterator[Cluster]:
-    with running("sched") as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def cluster(one_gpu: Cluster) -> Iterator[Cluster]:
-    yield one_gpu
-    one_gpu.clean()
 
 
 def test_three_14gib_models_take_turns_on_one_24gib_gpu(cluster: Cluster) -> None:

@@ -24,6 +24,7 @@ from support import (
     clean_env,
     pid_alive,
     processes_mentioning,
+    role_running,
     short_dir,
     start_role,
     wait_for,
@@ -32,12 +33,8 @@ from support import (
 
 @pytest.fixture
 def standalone() -> Iterator[Role]:
-    role = start_role("standalone")
-    try:
+    with role_running() as role:
         yield role
-    finally:
-        role.stop()
-        shutil.rmtree(role.state_dir.parent, ignore_errors=True)
 
 
 def test_every_process_runs_with_a_heartbeat(standalone: Role) -> None:
@@ -165,8 +162,7 @@ def test_a_killed_redis_restarts_and_keeps_what_was_written(standalone: Role) ->
 
 
 def test_sigterm_stops_everything_and_leaves_no_process() -> None:
-    role = start_role("standalone")
-    try:
+    with role_running() as role:
         pids = [p["pid"] for p in role.status()["processes"]]
         started = time.monotonic()
         assert role.stop(timeout=30) == 0
@@ -177,26 +173,18 @@ def test_sigterm_stops_everything_and_leaves_no_process() -> None:
         assert not (role.state_dir / "run" / "role.json").exists()
         gone = role.capyctl("status")
         assert gone.returncode == 27
-    finally:
-        role.stop()
-        shutil.rmtree(role.state_dir.parent, ignore_errors=True)
 
 
 def test_ctrl_c_stops_everything() -> None:
-    role = start_role("standalone")
-    try:
+    with role_running() as role:
         pids = [p["pid"] for p in role.status()["processes"]]
         role.proc.send_signal(signal.SIGINT)
         assert role.proc.wait(timeout=30) == 0
         assert [pid for pid in pids if pid_alive(pid)] == []
-    finally:
-        role.stop()
-        shutil.rmtree(role.state_dir.parent, ignore_errors=True)
 
 
 def test_two_roles_run_side_by_side_and_a_state_dir_holds_one(standalone: Role) -> None:
-    other = start_role("standalone")
-    try:
+    with role_running() as other:
         assert other.healthy()
         assert standalone.healthy()
         mine = {p["pid"] for p in standalone.status()["processes"]}
@@ -209,9 +197,6 @@ def test_two_roles_run_side_by_side_and_a_state_dir_holds_one(standalone: Role) 
             headers={"Authorization": f"Bearer {keys['api_key']}"},
         )
         assert models.status_code == 200
-    finally:
-        other.stop()
-        shutil.rmtree(other.state_dir.parent, ignore_errors=True)
 
     again = capyctl(
         "start",
@@ -309,8 +294,7 @@ def test_a_host_without_the_servers_redis_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_killed_launcher_takes_its_processes_with_it() -> None:
-    role = start_role("standalone")
-    try:
+    with role_running() as role:
         pids = [p["pid"] for p in role.status()["processes"]]
         role.proc.kill()
         role.proc.wait(timeout=5)
@@ -321,6 +305,3 @@ def test_a_killed_launcher_takes_its_processes_with_it() -> None:
         )
         assert [pid for pid in pids if pid_alive(pid)] == []
         assert role.capyctl("status").returncode == 27
-    finally:
-        role.stop()
-        shutil.rmtree(role.state_dir.parent, ignore_errors=True)
