@@ -58,9 +58,10 @@ def raw_redis(path: Path) -> list[str]:
             names = {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
             if "capycommon.state.keys" in names:
                 found.append(f"{node.lineno}: imports capycommon.state.keys")
-        elif isinstance(node, ast.Import):
-            if any(alias.name == "capycommon.state.keys" for alias in node.names):
-                found.append(f"{node.lineno}: imports capycommon.state.keys")
+        elif isinstance(node, ast.Import) and any(
+            alias.name == "capycommon.state.keys" for alias in node.names
+        ):
+            found.append(f"{node.lineno}: imports capycommon.state.keys")
     return sorted(found, key=lambda line: int(line.split(":")[0]))
 
 
