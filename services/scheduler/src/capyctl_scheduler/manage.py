@@ -134,7 +134,7 @@ class Manager:
         bindings = await self.scheduler.observer.bindings_of(record)
         errors = [b.error for b in bindings.values() if b.error is not None]
         if errors and len(errors) == len(bindings):
-            raise type(errors[0])(errors[0].message, code=errors[0].code)
+            raise errors[0].retold(errors[0].message)
 
     async def act(self, name: str, verb: Action) -> ActionAnswer:
         record = await self._get(name)
