@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import Family
 from capycommon.engines.launch import LaunchSpec, Residency
 from capycommon.engines.registry import EngineProfile
+from capycommon.engines.runtime import capyctl_sglang_launch
 from capycommon.errors import InvalidConfig
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -87,14 +89,11 @@ def test_argv_matches_the_golden_file(tmp_path: Path, family: Family, residency:
 
 
 @pytest.mark.parametrize("family", list(Family))
-def test_the_key_stays_out_of_argv_where_the_engine_allows(tmp_path: Path, family: Family) -> None:
+def test_the_key_stays_out_of_argv(tmp_path: Path, family: Family) -> None:
     residency = Residency.RESTART_ONLY
     plan = adapter_for(family).plan(spec(family, residency, tmp_path))
-    if family == Family.SGLANG:
-        assert f"--api-key={KEY}" in plan.argv, "SGLang reads its key from --api-key only"
-    else:
-        assert KEY not in " ".join(plan.argv)
-        assert KEY in plan.env.values()
+    assert KEY not in " ".join(plan.argv)
+    assert KEY in plan.env.values()
 
 
 @pytest.mark.parametrize(
@@ -118,9 +117,38 @@ def test_reserved_extra_args_are_refused(
         adapter_for(family).plan(spec(family, residency, tmp_path, extra_args=(arg, "1")))
 
 
-def test_a_key_with_a_leading_dash_stays_one_argument(tmp_path: Path) -> None:
+FAKE_SERVER = """
+import json, os, sys
+record = {"argv": sys.argv[1:], "name": __name__, "env": os.environ.get("CAPYCTL_ENGINE_API_KEY")}
+with open(os.environ["FAKE_SERVER_RECORD"], "w") as handle:
+    json.dump(record, handle)
+"""
+
+
+def test_the_sglang_launcher_hands_the_key_to_the_server_as_one_argument(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang reads its key from --api-key only: the launcher moves it from its environment
+    into the server's arguments, one token even with a leading "-", inside the process."""
     dashed = spec(Family.SGLANG, Residency.DEEP, tmp_path, api_key="-" + KEY)
-    assert f"--api-key=-{KEY}" in adapter_for(Family.SGLANG).plan(dashed).argv
+    plan = adapter_for(Family.SGLANG).plan(dashed)
+    assert plan.argv[1:3] == ["-m", "capyctl_sglang_launch"]
+    assert plan.env["PYTHONPATH"] == str(dashed.runtime_dir)
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").touch()
+    (tmp_path / "sglang" / "launch_server.py").write_text(FAKE_SERVER)
+    record = tmp_path / "record.json"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["capyctl_sglang_launch.py", *plan.argv[3:]])
+    monkeypatch.setenv("FAKE_SERVER_RECORD", str(record))
+    for name, value in plan.env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        capyctl_sglang_launch.main()
+    finally:
+        sys.modules.pop("sglang", None)
+    seen = json.loads(record.read_text())
+    assert seen == {"argv": [*plan.argv[3:], f"--api-key=-{KEY}"], "name": "__main__", "env": None}
 
 
 def test_option_values_may_look_like_anything(tmp_path: Path) -> None:

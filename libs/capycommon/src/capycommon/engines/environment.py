@@ -11,7 +11,9 @@ from capycommon.engines.launch import LaunchPlan, LaunchSpec
 
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 TELEMETRY_OFF = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
-GUARD_MODULE = "capyctl_vllm_guard.py"
+# CapyCTL's helper modules (`engines/runtime/`), written into each launch's runtime folder.
+VLLM_GUARD = "capyctl_vllm_guard"
+SGLANG_LAUNCHER = "capyctl_sglang_launch"
 # The launch's own folder for Prometheus' multiprocess files (SGLang), in its runtime folder.
 PROMETHEUS_DIR = "prometheus"
 
@@ -43,12 +45,13 @@ def engine_environment(
 
 
 def install_runtime(runtime_dir: Path) -> None:
-    """Write CapyCTL's helper modules (the vLLM key guard) owner-only into `runtime_dir`, with
-    an empty folder for the engine's Prometheus files."""
+    """Write CapyCTL's helper modules (the vLLM key guard, the SGLang launcher) owner-only into
+    `runtime_dir`, with an empty folder for the engine's Prometheus files."""
     runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     (runtime_dir / PROMETHEUS_DIR).mkdir(mode=0o700, exist_ok=True)
-    source = resources.files("capycommon.engines.runtime").joinpath(GUARD_MODULE)
-    target = runtime_dir / GUARD_MODULE
-    with source.open("rb") as reader, target.open("wb") as writer:
-        shutil.copyfileobj(reader, writer)
-    target.chmod(0o600)
+    for module in (VLLM_GUARD, SGLANG_LAUNCHER):
+        source = resources.files("capycommon.engines.runtime").joinpath(f"{module}.py")
+        target = runtime_dir / f"{module}.py"
+        with source.open("rb") as reader, target.open("wb") as writer:
+            shutil.copyfileobj(reader, writer)
+        target.chmod(0o600)

@@ -12,6 +12,8 @@ from capycommon.engines.registry import EngineProfile
 from capycommon.errors import InvalidConfig
 
 ENGINE_HOST = "127.0.0.1"
+# Where CapyCTL's helper modules (`engines/runtime/`) read the launch's key.
+KEY_VARIABLE = "CAPYCTL_ENGINE_API_KEY"
 
 
 class Residency(StrEnum):
@@ -38,7 +40,8 @@ class LaunchSpec:
     port: int
     api_key: str = field(repr=False)
     residency: Residency
-    # Where CapyCTL's helper modules (the vLLM key guard) are written for this launch.
+    # Where CapyCTL's helper modules (the vLLM key guard, the SGLang launcher) are written for
+    # this launch.
     runtime_dir: Path
     # The share of the device's total memory the engine may take (vLLM, SGLang).
     memory_fraction: float | None = None
@@ -112,6 +115,13 @@ def python_server_argv(spec: LaunchSpec, module: str, model_flag: str) -> list[s
         "--served-model-name",
         spec.served_name,
     ]
+
+
+def helper_env(spec: LaunchSpec) -> dict[str, str]:
+    """What a Python engine needs to run CapyCTL's helper modules: the launch's key, which
+    stays off the command line (open to every local user, where the environment is open to
+    its owner only), and the launch's runtime folder, which holds the modules, on its path."""
+    return {KEY_VARIABLE: spec.api_key, "PYTHONPATH": str(spec.runtime_dir)}
 
 
 def options(*pairs: tuple[str, object | None]) -> list[str]:

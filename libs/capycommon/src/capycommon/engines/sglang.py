@@ -1,11 +1,12 @@
-"""SGLang: `python -m sglang.launch_server`, parked by releasing its memory occupation."""
+"""SGLang: `python -m sglang.launch_server` (through CapyCTL's launcher, which adds the key),
+parked by releasing its memory occupation."""
 
 from __future__ import annotations
 
 from packaging.version import Version
 
 from capycommon.engines.control import EngineControl, parse_metric
-from capycommon.engines.environment import PROMETHEUS_DIR
+from capycommon.engines.environment import PROMETHEUS_DIR, SGLANG_LAUNCHER
 from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
     MODELOPT_FP4,
@@ -15,6 +16,7 @@ from capycommon.engines.launch import (
     LaunchSpec,
     Residency,
     check_extra_args,
+    helper_env,
     options,
     python_server_argv,
 )
@@ -75,11 +77,10 @@ def capabilities(version: str) -> Capabilities:
 
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
-    argv = [
-        *python_server_argv(spec, "sglang.launch_server", "--model-path"),
-        f"--api-key={spec.api_key}",  # one token, even if the key were to begin with "-"
-        "--enable-metrics",
-    ]
+    """SGLang reads its key from --api-key only. The launcher (`engines/runtime/`) takes it
+    from the environment and adds it to the server's arguments inside the process, so the
+    process's command line, open to every local user, never holds it."""
+    argv = [*python_server_argv(spec, SGLANG_LAUNCHER, "--model-path"), "--enable-metrics"]
     argv += options(
         ("--mem-fraction-static", spec.memory_fraction),
         ("--context-length", spec.context_length),
@@ -95,7 +96,8 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
     # removes that folder under children still writing to it, and each of their metric
     # updates prints a FileNotFoundError. A folder of the launch's own, which hostd removes
     # once every process is gone, keeps each launch's metrics apart and ends that noise.
-    return LaunchPlan(argv, {"PROMETHEUS_MULTIPROC_DIR": str(spec.runtime_dir / PROMETHEUS_DIR)})
+    prometheus = str(spec.runtime_dir / PROMETHEUS_DIR)
+    return LaunchPlan(argv, {"PROMETHEUS_MULTIPROC_DIR": prometheus, **helper_env(spec)})
 
 
 class SglangControl(EngineControl):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from packaging.version import Version
 
 from capycommon.engines.control import EngineControl
+from capycommon.engines.environment import VLLM_GUARD
 from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
     PARKING,
@@ -13,11 +14,12 @@ from capycommon.engines.launch import (
     LaunchSpec,
     Residency,
     check_extra_args,
+    helper_env,
     options,
     python_server_argv,
 )
 
-GUARD = "capyctl_vllm_guard.KeyGuard"
+GUARD = f"{VLLM_GUARD}.KeyGuard"
 RELOAD_WEIGHTS: dict[str, object] = {
     "method": "reload_weights",
     "args": [],
@@ -99,12 +101,9 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         ("--reasoning-parser", spec.reasoning_parser),
     )
     argv += check_extra_args("vllm", spec.extra_args, RESERVED)
-    env = {
-        # vLLM's own check on /v1, and the guard on every other path, dev controls included.
-        "VLLM_API_KEY": spec.api_key,
-        "CAPYCTL_ENGINE_API_KEY": spec.api_key,
-        "PYTHONPATH": str(spec.runtime_dir),
-    }
+    # vLLM's own check on /v1, and the guard on every other path, dev controls included; both
+    # read the key from the environment.
+    env = {"VLLM_API_KEY": spec.api_key, **helper_env(spec)}
     if spec.residency in PARKING:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up, /collective_rpc
     return LaunchPlan(argv, env)
