@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
-from capycommon.errors import StateDirInUse, ToolchainMissing
+from capycommon.errors import CapyError, Internal, StateCorrupt, StateDirInUse, ToolchainMissing
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import bind
 from capycommon.settings import HostSettings, Role, host_name, setting_specs
@@ -32,6 +32,8 @@ from capyctl_cli.roles import PROCESSES, Prepared, service_command
 log = logging.getLogger("capyctl.launcher")
 
 STOP_DEADLINE_S = 30.0
+# Redis that exits at once this many times in a row cannot start (its data, most often).
+REDIS_START_RETRIES = 3
 _PR_SET_PDEATHSIG = 1
 
 
@@ -102,9 +104,8 @@ def programs(role: Role, prepared: Prepared) -> list[supervisor.Program]:
                     "(or scripts/setup as root)"
                 )
             write_atomic(prepared.paths.redis_conf, redisconf.render(prepared.paths))
-            result.append(
-                supervisor.Program("redis", [server, str(prepared.paths.redis_conf)], 10, 10)
-            )
+            argv = [server, str(prepared.paths.redis_conf)]
+            result.append(supervisor.Program("redis", argv, 10, 10, REDIS_START_RETRIES))
         else:
             result.append(supervisor.Program(name, service_command(name, role, prepared), 20, 8))
     return result
@@ -152,9 +153,15 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
     log.info(
         "%s role running", role, extra={"state_dir": str(paths.root), "supervisord_pid": proc.pid}
     )
+    watch = RedisWatch(paths) if "redis" in PROCESSES[role] else None
     try:
         while proc.poll() is None and not stop.is_set():
             stop.wait(0.2)
+            failure = watch.failure() if watch is not None else None
+            if failure is not None:
+                log.error("error [%s]: %s", failure.code, failure.message)
+                _stop(proc)
+                return failure.exit_code
         if proc.poll() is not None:
             log.error("supervisord exited with code %s; see %s", proc.returncode, paths.logs_dir)
             return 13
@@ -163,6 +170,55 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
     finally:
         follower.stop()
         paths.role_record.unlink(missing_ok=True)
+
+
+class RedisWatch:
+    """Notices the role's redis-server giving up (it exited at once REDIS_START_RETRIES times
+    in a row) and says why from its log, with the fix when its data is damaged."""
+
+    def __init__(self, paths: StatePaths) -> None:
+        self.paths = paths
+        self._next = 0.0
+
+    def failure(self) -> CapyError | None:
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + 1.0
+        try:
+            found = supervisor.processes(self.paths.supervisor_socket, timeout=2.0)
+        except OSError:
+            return None  # supervisord is not listening yet
+        if not any(p.name == "redis" and p.state == "FATAL" for p in found):
+            return None
+        return redis_failure(self.paths)
+
+
+def redis_failure(paths: StatePaths) -> CapyError:
+    """Why the role's redis-server cannot start, from the last lines of its log."""
+    lines = _tail(supervisor.log_file(paths, "redis"), 40)
+    reason = next((line for line in reversed(lines) if "#" in line), "see its log")
+    reason = reason.split("# ", 1)[-1].split(": make a backup", 1)[0].strip()
+    aof = paths.redis_dir / "appendonly"
+    if not any("AOF" in line or "append only" in line for line in lines):
+        return Internal(
+            f"Redis cannot start: {reason} (its log: {supervisor.log_file(paths, 'redis')})"
+        )
+    manifest = aof / "appendonly.aof.manifest"
+    return StateCorrupt(
+        f"Redis cannot load the role's data in {aof}: {reason}. Back it up first "
+        f"(cp -a {aof} {aof}.bak), then repair it: redis-check-aof --fix {manifest}, and "
+        "start again; what the repair drops (the last writes) CapyCTL re-reads from the hosts"
+    )
+
+
+def _tail(path: Path, count: int) -> list[str]:
+    try:
+        with path.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - 16384))
+            return file.read().decode("utf-8", "replace").splitlines()[-count:]
+    except OSError:
+        return []
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> int:

@@ -23,6 +23,9 @@ class Program:
     argv: list[str]
     priority: int
     stopwaitsecs: int
+    # Quick exits in a row before supervisord gives the program up (FATAL). Services keep
+    # trying while Redis is away; Redis itself gives up, so the launcher can say why.
+    startretries: int = 1000
 
 
 def _escape(value: str) -> str:
@@ -63,7 +66,7 @@ priority={program.priority}
 autostart=true
 autorestart=true
 startsecs=1
-startretries=1000
+startretries={program.startretries}
 stopsignal=TERM
 stopwaitsecs={program.stopwaitsecs}
 stopasgroup=true

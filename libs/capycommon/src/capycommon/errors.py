@@ -84,6 +84,12 @@ class RedisUnreachable(CapyError):
     code = "redis_unreachable"
 
 
+class StateCorrupt(CapyError):
+    """The role's own data (its Redis append-only file) cannot be read: repair it first."""
+
+    code = "state_corrupt"
+
+
 class HostNameChanged(CapyError):
     """A state dir started under another host name than the one it keeps."""
 
@@ -326,6 +332,7 @@ CODES: dict[str, tuple[int, int]] = {
     "toolchain_missing": (26, 500),
     "role_not_running": (27, 503),
     "state_dir_in_use": (28, 409),
+    "state_corrupt": (30, 500),
     # 29: the request conflicts with what the deployment is doing or with an earlier request.
     "lifecycle_conflict": (29, 409),
     "revision_conflict": (29, 409),
