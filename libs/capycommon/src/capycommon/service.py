@@ -27,8 +27,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capycommon import logs
 from capycommon.errors import CapyError, RedisUnreachable, ServicePortInUse
+from capycommon.httpguard import disconnects_quiet, guarded_protocol
 from capycommon.paths import StatePaths, resolve_state_dir
-from capycommon.settings import ROLES, AnySettings, Role, host_name, redis_url
+from capycommon.settings import (
+    ROLES,
+    AnySettings,
+    ConnectionLimits,
+    Role,
+    host_name,
+    redis_url,
+)
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.settingvalues import split_address
 from capycommon.state import heartbeats
@@ -38,6 +46,12 @@ from capycommon.version import __version__
 log = logging.getLogger(__name__)
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# Each service's connections to Redis: enough for its few blocking readers (pub/sub, stream
+# reads) and many short commands at once; a command waits this long for a free one.
+REDIS_CONNECTIONS = 32
+REDIS_WAIT_S = 10.0
+# A listener's limits where no setting states them (the management API's).
+DEFAULT_LIMITS = ConnectionLimits()
 
 
 @dataclass(frozen=True)
@@ -97,7 +111,7 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     url = redis_url(settings, paths.redis_url)
-    client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    client = redis_client(url)
     try:
         await _reach_redis(client, url, settings.redis.unreachable_after, stop)
         if stop.is_set():
@@ -108,6 +122,20 @@ async def _serve(
         return await _supervise(ctx, body)
     finally:
         await client.aclose()
+
+
+def redis_client(url: str, connections: int = REDIS_CONNECTIONS) -> aioredis.Redis:
+    """A client on at most `connections` connections: a command finding them all in use
+    waits for one (up to REDIS_WAIT_S), so a service's Redis use never grows with its load,
+    such as the router's requests."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=connections,
+        timeout=REDIS_WAIT_S,
+        socket_connect_timeout=2,
+        socket_timeout=5,
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 async def _reach_redis(
@@ -220,12 +248,20 @@ def bind(address: str) -> socket.socket:
     return sock
 
 
-async def serve_http(app: Any, address: str, stop: asyncio.Event) -> None:
-    """Serve an ASGI app on `address` until `stop` is set."""
+async def serve_http(
+    app: Any, address: str, stop: asyncio.Event, limits: ConnectionLimits = DEFAULT_LIMITS
+) -> None:
+    """Serve an ASGI app on `address` until `stop` is set, each connection held to `limits`."""
     sock = bind(address)
     # A stop waits this long for requests in flight, then closes their connections.
     config = uvicorn.Config(
-        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
+        disconnects_quiet(app),
+        http=guarded_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_timeout,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
     )
     server = _Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -46,7 +46,38 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class InferenceListener(Strict):
+class ConnectionLimits(Strict):
+    """What one client's connections may hold of a listener, beyond what HTTP itself bounds:
+    a connection that sends no request head in time (or sends it too slowly), one left idle
+    between requests, and one client's pile of connections are closed or refused, so they
+    cannot hold the listener's file descriptors."""
+
+    header_timeout: Seconds = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Seconds a client has to send a request's head, from connecting or from "
+        "the first byte of its next request; a slower connection is closed.",
+        examples=["30"],
+    )
+    keep_alive_timeout: Annotated[int, Setting(metavar="SECONDS")] = Field(
+        default=5,
+        ge=1,
+        le=3600,
+        description="Seconds a connection may stay idle between requests before it is closed.",
+        examples=["75"],
+    )
+    connections_per_client: int = Field(
+        default=256,
+        ge=1,
+        le=65536,
+        description="Connections one client address may hold open; one more is answered "
+        "503 unavailable and closed.",
+        examples=["64"],
+    )
+
+
+class InferenceListener(ConnectionLimits):
     bind: Annotated[
         ListenAddress,
         Setting(flags=("--listen",), variables=("CAPYCTL_INFERENCE_ADDR",), metavar="ADDR:PORT"),

@@ -41,7 +41,7 @@ async def serve(ctx: ServiceContext) -> None:
         for name in table.records:  # this router holds no request yet
             await dispatcher.book.reset(name)
         await asyncio.gather(
-            serve_http(app, server.listeners.inference.bind, ctx.stop),
+            serve_http(app, server.listeners.inference.bind, ctx.stop, server.listeners.inference),
             table.run(ctx.stop),
             dispatcher.settle(ctx.stop),
             metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop),

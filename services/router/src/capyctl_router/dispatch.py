@@ -32,6 +32,7 @@ from capycommon.errors import (
     DeploymentInactive,
     DeploymentStopped,
     QueueFull,
+    RedisUnreachable,
     Unavailable,
     UnknownModel,
 )
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 DEMAND_EVERY_S = 5.0
 # Cut requests are checked for settlement this often.
 SETTLE_EVERY_S = 0.25
+# Whether cut requests hold every place of a deployment is read at most this often, however
+# many requests find its places taken.
+ALL_CUT_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class Dispatcher:
     _cuts: dict[str, Cut] = field(default_factory=dict)
     # host -> the cursor in its stream of request ends (`capycommon.state.settlement`).
     _ends_after: dict[str, str] = field(default_factory=dict)
+    # When each deployment's places were last read for cut requests holding them all.
+    _all_cut_read: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.book = PlaceBook(self.client)
@@ -140,6 +146,10 @@ class Dispatcher:
                     )
                 changed = self.table.changed(name)
                 await wait_event_or(changed, min(remaining, 1.0))
+        except REDIS_ERRORS as exc:
+            raise RedisUnreachable(
+                f"the router cannot reach Redis ({exc}); retry shortly"
+            ) from None
         finally:
             if queued:
                 self.waiting[name] -= 1
@@ -185,6 +195,10 @@ class Dispatcher:
 
     async def _all_places_cut(self, name: str, target: Target) -> None:
         """Every place held by requests cut before any answer: restart the instance."""
+        now = time.monotonic()
+        if now - self._all_cut_read.get(name, -ALL_CUT_EVERY_S) < ALL_CUT_EVERY_S:
+            return
+        self._all_cut_read[name] = now
         found = await places.aread(self.client, name)
         if found.generation == target.generation and found.settle_at_stop >= self.limits.running:
             log.warning(
@@ -195,7 +209,15 @@ class Dispatcher:
             await self._demand(name, restart=target.generation)
 
     async def release(self, target: Target) -> None:
-        await self.book.give(target.deployment, target.generation)
+        try:
+            await self.book.give(target.deployment, target.generation)
+        except REDIS_ERRORS as exc:
+            log.warning(
+                "%s: a place could not be given back (%s); the instance's next start, or this "
+                "router's, frees it",
+                target.deployment,
+                exc,
+            )
         self.table.wake(target.deployment)
 
     async def cut(self, target: Target, request_id: str, answered: bool) -> None:
@@ -206,18 +228,27 @@ class Dispatcher:
         settles = "settle_when_idle" if answered else "settle_at_stop"
         reported = target.family == "sglang"
         log.info("request %s on %s cut; it counts as %s", request_id, name, settles)
-        await self.book.cut(name, target.generation, settles)
-        if answered or reported:
-            self._cuts[request_id] = Cut(
-                name, target.generation, target.host, settles, time.time(), reported
+        try:
+            await self.book.cut(name, target.generation, settles)
+            if answered or reported:
+                self._cuts[request_id] = Cut(
+                    name, target.generation, target.host, settles, time.time(), reported
+                )
+            if reported:
+                await self._abort(target, request_id)
+        except REDIS_ERRORS as exc:
+            log.warning(
+                "request %s on %s: its cut was not recorded (Redis: %s)", request_id, name, exc
             )
-        if reported:
-            if target.host not in self._ends_after:  # before the abort: no end is missed
-                self._ends_after[target.host] = await settlement.cursor(self.client, target.host)
-            abort = hostcommands.Abort(
-                deployment=name, generation=target.generation, request_id=request_id
-            )
-            await hostcommands.send(self.client, target.host, abort)
+
+    async def _abort(self, target: Target, request_id: str) -> None:
+        """Have hostd abort the request in its engine and report its end."""
+        if target.host not in self._ends_after:  # before the abort: no end is missed
+            self._ends_after[target.host] = await settlement.cursor(self.client, target.host)
+        abort = hostcommands.Abort(
+            deployment=target.deployment, generation=target.generation, request_id=request_id
+        )
+        await hostcommands.send(self.client, target.host, abort)
 
     async def settle(self, stop: asyncio.Event) -> None:
         """Give back the places of cut requests as they settle: when hostd reports the end

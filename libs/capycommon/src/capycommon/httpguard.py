@@ -1,0 +1,148 @@
+"""What a listener guards against that uvicorn leaves open: connections that never finish
+their request head, and one client piling up connections; and clients that leave.
+
+uvicorn closes a connection idle between requests (its keep-alive timeout), but not one that
+was opened and left silent, nor one that sends its head a byte at a time: each holds a file
+descriptor for as long as the client likes. Its only bound on connections is global (503 to
+everyone past it). `guarded_protocol` adds both at the protocol level, below the app: a
+connection whose request head is not complete within the header timeout (counted from the
+connection's opening, or from the first byte of its next request) is closed, and a
+connection from an address that already holds its bound is answered 503 and closed.
+
+A client that hangs up while sending its request body is an ordinary event: the protocol
+logs it as one line, and `disconnects_quiet` keeps the app's meeting it (starlette's
+ClientDisconnect) from being logged by uvicorn as a failure with its traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter
+
+import h11
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from capycommon.errors import Unavailable
+from capycommon.settings import ConnectionLimits
+
+log = logging.getLogger(__name__)
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with a header timeout and a bound per client address, for
+    one server (the connections it counts are that server's)."""
+    held: Counter[str] = Counter()
+    # Addresses at their bound that were told so in the log (once until they drop below).
+    warned: set[str] = set()
+    refusal = _refusal(limits.connections_per_client)
+
+    class Guarded(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _counted: str | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)  # a stream's, over TLS or not
+            super().connection_made(transport)
+            peer = self.client[0] if self.client else ""
+            if held[peer] >= limits.connections_per_client:
+                if peer not in warned:
+                    warned.add(peer)
+                    log.warning("client %s holds %d connections, its bound", peer, held[peer])
+                self.app = refusal
+            else:
+                held[peer] += 1
+                self._counted = peer
+            self._await_head()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:
+                self._await_head()  # a kept-alive connection's next head has begun
+            else:
+                self._head_done()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not cycle.response_complete:
+                log.info(
+                    "client %s left while sending its request: %s %s",
+                    _address(self.client),
+                    cycle.scope["method"],
+                    cycle.scope["path"],
+                )
+            super().connection_lost(exc)
+            self._head_done()
+            peer, self._counted = self._counted, None
+            if peer is not None:
+                held[peer] -= 1
+                if held[peer] < limits.connections_per_client:
+                    warned.discard(peer)
+                if not held[peer]:
+                    del held[peer]
+
+        def _await_head(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(limits.header_timeout, self._head_late)
+
+        def _head_done(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.debug("closing a connection whose request head took too long")
+                self.transport.close()
+
+    return Guarded
+
+
+def _refusal(bound: int) -> ASGIApp:
+    """The answer to a connection over its client's bound: 503 in the OpenAI envelope."""
+    error = Unavailable(
+        f"this client holds {bound} connections, the most one client may; reuse them or "
+        "close some, then retry"
+    )
+    body = json.dumps(
+        {
+            "error": {
+                "message": error.message,
+                "type": "server_error",
+                "param": None,
+                "code": error.code,
+            }
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+        (b"connection", b"close"),
+    ]
+
+    async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return refuse
+
+
+def disconnects_quiet(app: ASGIApp) -> ASGIApp:
+    """`app`, ending quietly when its client left before its body was read: the listener
+    logs that in one line, where uvicorn would log the app's frames as a failure."""
+
+    async def quiet(scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.suppress(ClientDisconnect):
+            await app(scope, receive, send)
+
+    return quiet
+
+
+def _address(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "unknown"

@@ -1,0 +1,52 @@
+"""A deployment with a ready instance, written to Redis as the scheduler and hostd write them,
+for tests that put the router in front of an engine of their own."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from capycommon.deployments.load import parse_deployment
+from capycommon.state import keys
+from capycommon.state.desired import DeploymentRecord, DeploymentStore
+from capycommon.state.instances import InstanceRecord, InstanceState
+
+
+async def put_ready(
+    client: aioredis.Redis,
+    name: str,
+    family: str = "vllm",
+    host: str = "local",
+    port: int = 8100,
+    secret: str = "engine-key",
+) -> None:
+    """Deployment `name` of `family`, its instance ready at generation 1 on `host`, serving
+    as `served` on `port` behind `secret`."""
+    now = time.time()
+    document = parse_deployment({"name": name, "engine": family, "model": "m"}, "test")
+    record = DeploymentRecord(
+        name=name,
+        revision=1,
+        digest="d",
+        document=document,
+        created_at=now,
+        updated_at=now,
+        generation=1,
+    )
+    await DeploymentStore(client).put(record)
+    instance = InstanceRecord(
+        deployment=name,
+        instance=0,
+        revision=1,
+        generation=1,
+        state=InstanceState.READY,
+        since=now,
+        host=host,
+        family=family,
+        served_name="served",
+        port=port,
+    )
+    await client.set(keys.instance(host, name, 0), instance.model_dump_json())
+    await client.sadd(keys.instances(host), f"{name}:0")
+    await client.set(keys.instance_secret(host, name, 0), secret)
