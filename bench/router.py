@@ -4,14 +4,18 @@ Starts a standalone role on a simulated GPU with the engine simulator as vLLM, t
 - added latency per request (p50, p99) of a short non-streamed chat answer, router / direct;
 - streamed-token throughput of a long answer, router / direct;
 - the time from a request for a parked model to its first token, against the engine's own
-  wake time (hostd's waking -> ready, which includes the wake canary).
+  wake time (hostd's waking -> ready, which includes the wake canary);
+- how N streamed requests sent at once from one client end (200, 429 queue_full; never a
+  500), the time until the last ended, the Redis connections of the role at their peak, and
+  the tracebacks in the role's logs (none). The role lets one client hold N connections.
 
-    .venv/bin/python bench/router.py [--requests N] [--wakes N]
+    .venv/bin/python bench/router.py [--requests N] [--wakes N] [--streams N]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -22,11 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
 import redis
+import redis.asyncio as aioredis
 import yaml
 
 from capycommon.engines import detect, registry
@@ -52,7 +58,7 @@ def _free_port() -> int:
 class Stand:
     """A standalone role with one deployment, `bench`, of the simulated vLLM."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *flags: str) -> None:
         self.root = root
         self.state = root / "state"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
@@ -96,6 +102,7 @@ class Stand:
                 f"127.0.0.1:{_free_port()}",
                 "--host-name",
                 "local",
+                *flags,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -210,14 +217,58 @@ def _first_token_after_park(stand: Stand, url: str) -> tuple[float, float]:
     return first, stand.last_wake_s()
 
 
+def _concurrent(stand: Stand, url: str, n: int) -> tuple[Counter[str], float, int]:
+    """`n` streamed requests at once: how they ended, the seconds until the last did, and the
+    most Redis connections seen meanwhile."""
+    body = {"model": "bench", "messages": HI, "stream": True, "max_tokens": 16}
+    headers = {"Authorization": f"Bearer {stand.api_key}"}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    peak = 0
+
+    async def one(http: httpx.AsyncClient) -> str:
+        try:
+            async with http.stream("POST", "/chat/completions", json=body) as response:
+                async for _ in response.aiter_bytes():
+                    pass
+                return str(response.status_code)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+
+    async def watch(client: aioredis.Redis) -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, int((await client.info("clients"))["connected_clients"]) - 1)
+            await asyncio.sleep(0.02)
+
+    async def run() -> list[str]:
+        socket_path = str(stand.state / "redis" / "redis.sock")
+        async with (
+            aioredis.Redis(unix_socket_path=socket_path) as client,
+            httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=600) as http,
+        ):
+            watching = asyncio.create_task(watch(client))
+            try:
+                return await asyncio.gather(*(one(http) for _ in range(n)))
+            finally:
+                watching.cancel()
+
+    start = time.perf_counter()
+    ends = asyncio.run(run())
+    return Counter(ends), time.perf_counter() - start, peak
+
+
+def _tracebacks(stand: Stand) -> int:
+    return sum(log.read_text().count("Traceback") for log in (stand.state / "logs").glob("*.log"))
+
+
 def _pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
 
 
-def main(requests: int, wakes: int) -> None:
+def main(requests: int, wakes: int, streams: int) -> None:
     root = Path(tempfile.mkdtemp(prefix="capy-bench-"))
-    stand = Stand(root)
+    stand = Stand(root, "--server-listeners-inference-connections-per-client", str(streams + 16))
     try:
         router_url = f"http://{stand.inference}/v1"
         engine_url, secret = stand.engine()
@@ -242,6 +293,12 @@ def main(requests: int, wakes: int) -> None:
             " ready adds its readiness probe and the wake canary"
         )
         print(f"over {requests} requests each; the engine simulator as vLLM on a simulated GPU")
+        if streams:
+            ends, seconds, peak = _concurrent(stand, router_url, streams)
+            shown = ", ".join(f"{end} x {count}" for end, count in sorted(ends.items()))
+            print(f"{streams} streams at once: {shown} in {seconds:.1f} s")
+            print(f"Redis connections at their peak (the role's services and this bench): {peak}")
+            print(f"tracebacks in the role's logs: {_tracebacks(stand)}")
     finally:
         stand.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -251,5 +308,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--wakes", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=1000)
     args = parser.parse_args()
-    main(args.requests, args.wakes)
+    main(args.requests, args.wakes, args.streams)
