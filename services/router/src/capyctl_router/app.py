@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -18,23 +17,22 @@ from typing import Annotated, Any
 
 import httpx
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from capycommon import httpauth
+from capycommon import httpauth, requestbody
 from capycommon.credentials import Credentials
 from capycommon.errors import (
-    BodyTooLarge,
     CapyError,
-    InvalidRequest,
     Unauthenticated,
     UnknownModel,
     UnsupportedParameter,
     http_code_for,
 )
 from capycommon.version import __version__
+from capyctl_router.bodies import BODIES
 from capyctl_router.dispatch import Dispatcher
-from capyctl_router.errors import capy_error_handler, envelope, retry_headers
+from capyctl_router.errors import ERROR_RESPONSES, capy_error_handler, envelope, retry_headers
 from capyctl_router.proxy import Session, disconnected
 from capyctl_router.relay import Call
 from capyctl_router.table import Table, Target
@@ -42,6 +40,8 @@ from capyctl_router.table import Table, Target
 MAX_BODY = 4 << 20
 REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
 PREFIXES = {"chat.completions": "chatcmpl", "completions": "cmpl", "embeddings": "embd"}
+# The bearer token, read by the routes themselves; the OpenAPI document names it once.
+Authorization = Annotated[str | None, Header(include_in_schema=False)]
 
 
 @dataclass
@@ -58,11 +58,16 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
     """The router's ASGI app. Only the API key opens it; the admin token is refused."""
 
     # async: a sync dependency would cost a thread-pool hop on every request (bench/).
-    async def require_api_key(authorization: Annotated[str | None, Header()] = None) -> None:
+    async def require_api_key(authorization: Authorization = None) -> None:
         httpauth.require(authorization, credentials.api_key, "API key")
 
     app = FastAPI(
-        title="CapyCTL", version=__version__, docs_url=None, redoc_url=None, openapi_url=None
+        title="CapyCTL",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        responses=ERROR_RESPONSES,
     )
     app.add_exception_handler(CapyError, capy_error_handler)
 
@@ -71,9 +76,12 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
         code = http_code_for(exc.status_code)
         return envelope(exc.status_code, code, str(exc.detail))
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra={"security": []})
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    # Open to all, as vLLM's is: it holds no secret.
+    requestbody.publish_openapi(app, "/openapi.json", BODIES.values())
 
     if router is None:
 
@@ -98,8 +106,8 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
         ]
         return {"object": "list", "data": data}
 
-    @app.get("/metrics")
-    async def metrics(authorization: Annotated[str | None, Header()] = None) -> Response:
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics(authorization: Authorization = None) -> Response:
         """Prometheus text, for the API key or the admin token."""
         token = httpauth.bearer_token(authorization) or ""
         if not any(
@@ -109,12 +117,14 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
         body = router.dispatcher.metrics.render()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    for kind in PREFIXES:
+    for kind, body in BODIES.items():
         app.add_api_route(
             f"/v1/{kind.replace('.', '/')}",
             _endpoint(router, kind),
             methods=["POST"],
+            name=kind.replace(".", "_"),
             dependencies=[Depends(require_api_key)],
+            openapi_extra=requestbody.openapi_body(body),
         )
     return app
 
@@ -130,48 +140,25 @@ def _endpoint(router: Router, kind: str) -> Callable[[Request], Awaitable[Respon
     return endpoint
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY:
-        raise BodyTooLarge(f"the body is over {MAX_BODY >> 20} MiB")
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise BodyTooLarge(f"the body is over {MAX_BODY >> 20} MiB")
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"the body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return body
-
-
 def _call(kind: str, body: dict[str, Any]) -> Call:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("model is required: the id of a model (GET /v1/models lists them)")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) or (kind == "embeddings" and stream):
-        raise InvalidRequest("stream must be true or false (embeddings are never streamed)")
-    if body.get("n", 1) != 1:
+    """The request as the router relays it: the body as the client sent it, once its model
+    (`capyctl_router.bodies`) found nothing wrong in it."""
+    found = requestbody.validated(BODIES[kind], body)
+    if found.n != 1:
         raise UnsupportedParameter("n must be 1")
-    options = body.get("stream_options") or {}
-    usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
     return Call(
         kind=kind,
         body=body,
-        route=model,
+        route=found.model,
         request_id=f"{PREFIXES[kind]}-{secrets.token_hex(12)}",
-        client_streams=stream,
-        client_usage=usage or not stream,
+        client_streams=found.stream,
+        client_usage=found.client_usage,
     )
 
 
 async def forward(router: Router, kind: str, request: Request) -> Response:
     arrived = time.monotonic()
-    call = _call(kind, await _body(request))
+    call = _call(kind, requestbody.parse_object(await requestbody.read(request, MAX_BODY)))
     record = router.table.deployment_of(call.route)
     if record is None:
         raise UnknownModel(f"no model {call.route!r}; GET /v1/models lists them")

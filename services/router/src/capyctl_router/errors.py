@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from capycommon.errors import CapyError
 
@@ -13,6 +14,25 @@ _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_
 # Refusals a prompt retry cannot change: the openai SDK does not retry an answer that says
 # `x-should-retry: false` (it would otherwise retry a 409 or a 503 twice).
 FINAL_CODES = frozenset({"insufficient_resources", "deployment_stopped", "deployment_inactive"})
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorEnvelope(BaseModel):
+    """Every error answer's body (`error_body`), as the OpenAPI document shows it."""
+
+    error: ErrorObject
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorEnvelope, "description": "a refusal: what is wrong, and the fix"},
+    "5XX": {"model": ErrorEnvelope, "description": "a failure of the router or the engine"},
+}
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:

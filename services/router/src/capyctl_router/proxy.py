@@ -213,7 +213,10 @@ class Session:
 
     async def _embeddings(self) -> JsonDict:
         response = await self._open()
-        body = json.loads(await response.aread())
+        try:
+            body = json.loads(await response.aread())
+        except ValueError:  # not JSON, not UTF-8
+            raise EngineError("the engine's embeddings are not JSON") from None
         if not isinstance(body, dict):
             raise EngineError("the engine's embeddings are not a JSON object")
         return body

@@ -18,16 +18,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from capycommon import httpauth
+from capycommon import httpauth, requestbody
 from capycommon import management as wire
 from capycommon.credentials import Credentials
-from capycommon.errors import (
-    BodyTooLarge,
-    CapyError,
-    IdempotencyConflict,
-    InvalidRequest,
-    http_code_for,
-)
+from capycommon.errors import CapyError, IdempotencyConflict, InvalidRequest, http_code_for
 from capycommon.state.idempotency import Answers
 from capycommon.version import __version__
 from capyctl_scheduler.manage import Manager
@@ -36,6 +30,9 @@ _SAFE_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff
 MAX_BODY = 1 << 20
 Answer = TypeVar("Answer", bound=wire.Versioned)
 Body = TypeVar("Body", bound=wire.Request)
+# The bodies the mutations read themselves (parsed strictly, before the Idempotency-Key).
+BODIES = (wire.DeployRequest, wire.ActionRequest, wire.DrainRequest)
+_FAILED: dict[str, Any] = {"model": wire.ErrorBody, "description": "what failed, and the fix"}
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -99,7 +96,9 @@ def create_app(credentials: Credentials, manager: Manager | None = None) -> Fast
     """The scheduler's management app. Only the admin token opens it."""
 
     # async: a sync dependency would cost a thread-pool hop on every request (bench/).
-    async def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
+    async def require_admin(
+        authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
+    ) -> None:
         httpauth.require(authorization, credentials.admin_token, "admin token")
 
     app = FastAPI(
@@ -109,7 +108,10 @@ def create_app(credentials: Credentials, manager: Manager | None = None) -> Fast
         redoc_url=None,
         openapi_url=None,
         dependencies=[Depends(require_admin)],
+        responses={"4XX": _FAILED, "5XX": _FAILED},
     )
+
+    requestbody.publish_openapi(app, f"{wire.PREFIX}/openapi.json", BODIES)
 
     @app.exception_handler(CapyError)
     async def capy_error(_: Request, exc: CapyError) -> JSONResponse:
@@ -146,22 +148,25 @@ def _routes(app: FastAPI, manager: Manager) -> None:
         act: Callable[[Body], Awaitable[Answer]],
     ) -> Answer:
         """Parse the body, then act once per Idempotency-Key (a retry gets the kept answer)."""
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            raise BodyTooLarge("the body is over 1 MiB")
+        body = await requestbody.read(request, MAX_BODY)
+        found = requestbody.validated(parse_as, requestbody.parse_object(body or b"{}"))
         replay = await idempotency.begin(key, request, body, answer)
         if replay is not None:
             return replay
         assert key is not None
         try:
-            done = await act(_parse(parse_as, body))
+            done = await act(found)
         except BaseException:
             await idempotency.abandon(key)
             raise
         await idempotency.finish(key, request, body, done)
         return done
 
-    @app.post(f"{wire.PREFIX}/deployments", status_code=202)
+    @app.post(
+        f"{wire.PREFIX}/deployments",
+        status_code=202,
+        openapi_extra=requestbody.openapi_body(wire.DeployRequest),
+    )
     async def deploy(
         request: Request, idempotency_key: Annotated[str | None, Header()] = None
     ) -> wire.DeployAnswer:
@@ -170,7 +175,11 @@ def _routes(app: FastAPI, manager: Manager) -> None:
 
         return await mutate(request, idempotency_key, wire.DeployRequest, wire.DeployAnswer, act)
 
-    @app.post(f"{wire.PREFIX}/deployments/{{name}}/actions", status_code=202)
+    @app.post(
+        f"{wire.PREFIX}/deployments/{{name}}/actions",
+        status_code=202,
+        openapi_extra=requestbody.openapi_body(wire.ActionRequest),
+    )
     async def action(
         name: str, request: Request, idempotency_key: Annotated[str | None, Header()] = None
     ) -> wire.ActionAnswer:
@@ -179,7 +188,11 @@ def _routes(app: FastAPI, manager: Manager) -> None:
 
         return await mutate(request, idempotency_key, wire.ActionRequest, wire.ActionAnswer, act)
 
-    @app.post(f"{wire.PREFIX}/hosts/{{host}}/drain", status_code=202)
+    @app.post(
+        f"{wire.PREFIX}/hosts/{{host}}/drain",
+        status_code=202,
+        openapi_extra=requestbody.openapi_body(wire.DrainRequest, required=False),
+    )
     async def drain(
         host: str, request: Request, idempotency_key: Annotated[str | None, Header()] = None
     ) -> wire.DrainAnswer:
@@ -203,11 +216,3 @@ def _routes(app: FastAPI, manager: Manager) -> None:
     @app.get(f"{wire.PREFIX}/engines")
     async def engines() -> wire.EngineList:
         return wire.EngineList(engines=await manager.engines())
-
-
-def _parse(model: type[Body], body: bytes) -> Body:
-    """A request body as its model; an empty body is an empty object."""
-    try:
-        return model.model_validate_json(body or b"{}")
-    except ValueError as exc:
-        raise InvalidRequest(f"the request body is not valid: {exc}") from None
