@@ -1,0 +1,237 @@
+"""The inference API under fuzzing: the real app in process over a real redis-server, one ready
+deployment on a fake engine. Schemathesis draws requests from the API's own OpenAPI document
+(valid ones and ones that break it); a hypothesis strategy draws hostile JSON for the proxy
+routes. Whatever comes in: no 5xx, every refusal in the OpenAI envelope, no place kept after,
+no traceback logged."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
+from schemathesis import Case
+
+from capycommon import requestbody
+from capycommon.credentials import generate
+from capycommon.state import places
+from capyctl_router.app import Router, create_app
+from capyctl_router.dispatch import Dispatcher
+from capyctl_router.metrics import Metrics
+from capyctl_router.table import Table
+from hostile import (
+    BODIES,
+    CHAT_FIELDS,
+    KINDS,
+    MODEL,
+    fuzzing,
+    openapi_cases,
+    send,
+)
+from integration.router.ready import put_ready
+
+CREDENTIALS = generate()
+AUTH = {"Authorization": f"Bearer {CREDENTIALS.api_key}"}
+HOST = "local"
+ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+FUZZ = fuzzing(150)
+CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+EMBEDDINGS = (
+    b'{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5]}]}'
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Served:
+    """The router in front of a fake engine that checks what it gets is JSON anyone reads."""
+
+    http: httpx.AsyncClient
+    client: aioredis.Redis
+    metrics: Metrics
+    sent: list[bytes] = field(default_factory=list)
+    embeddings: bytes = EMBEDDINGS
+
+    def engine(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request.content)
+        json.loads(request.content)  # what the router sends parses anywhere
+        if request.url.path == "/v1/embeddings":
+            return httpx.Response(200, content=self.embeddings)
+        events = f"data: {json.dumps(CHUNK)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, content=events.encode())
+
+    async def post(self, path: str, body: bytes) -> httpx.Response:
+        headers = {**AUTH, "Content-Type": "application/json"}
+        return await self.http.post(path, content=body, headers=headers)
+
+    async def assert_no_place_kept(self) -> None:
+        assert (await places.aread(self.client, MODEL)).running == 0
+        running = self.metrics.registry.get_sample_value(
+            "capyctl_requests_running", {"deployment": MODEL}
+        )
+        assert running in (None, 0.0)
+
+
+@pytest.fixture
+async def served(redis_socket: Path, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Served]:
+    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    await put_ready(client, MODEL, host=HOST)
+    table = Table(client, {HOST})
+    await table.sync()
+    metrics = Metrics()
+    served = Served(httpx.AsyncClient(), client, metrics)
+    engines = httpx.AsyncClient(transport=httpx.MockTransport(served.engine))
+    app = create_app(CREDENTIALS, Router(Dispatcher(client, table, metrics), engines))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    caplog.set_level(logging.INFO)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+        served.http = http
+        yield served
+    await served.assert_no_place_kept()
+    await engines.aclose()
+    await client.aclose()
+    tracebacks = [
+        r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR
+    ]
+    assert tracebacks == []
+
+
+def _refusal(response: httpx.Response) -> dict[str, Any]:
+    """The OpenAI error object of a 4xx answer."""
+    assert 400 <= response.status_code < 500, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.anyio
+async def test_each_hostile_kind_is_a_400_naming_it_before_admission(served: Served) -> None:
+    for name, (body, says) in KINDS.items():
+        error = _refusal(await served.post(ROUTES[0], body))
+        assert (error["code"], error["type"]) == ("invalid_request", "invalid_request_error")
+        assert says in error["message"], name
+        for path in ROUTES[1:] if name not in CHAT_FIELDS else ():
+            assert _refusal(await served.post(path, body))["code"] == "invalid_request", name
+    assert served.sent == [], "nothing reached the engine"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("path", "fields", "code", "says"),
+    [
+        (ROUTES[0], {"n": 2}, "unsupported_parameter", "n must be 1"),
+        (ROUTES[0], {"messages": None}, "invalid_request", "messages: should be a JSON array"),
+        (ROUTES[1], {"prompt": 3}, "invalid_request", "prompt: Input should be a valid string"),
+        (ROUTES[2], {"stream": True}, "invalid_request", "embeddings are never streamed"),
+        (ROUTES[2], {"input": {"text": "hi"}}, "invalid_request", "input takes a text"),
+    ],
+    ids=["n", "messages-null", "prompt-number", "embeddings-streamed", "input-object"],
+)
+async def test_a_wrong_field_is_named(
+    served: Served, path: str, fields: dict[str, Any], code: str, says: str
+) -> None:
+    body = {"model": MODEL, "messages": [], "prompt": "hi", "input": "hi", **fields}
+    error = _refusal(await served.post(path, json.dumps(body).encode()))
+    assert (error["code"], error["type"]) == (code, "invalid_request_error")
+    assert says in error["message"]
+
+
+@pytest.mark.anyio
+async def test_what_the_router_does_not_read_reaches_the_engine_as_sent(served: Served) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "caf\u00e9 \U0001f600"}],
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "seed": 10**99,
+        "temperature": 1e-300,
+        "nested": json.loads("[" * 60 + "]" * 60),
+    }
+    response = await served.post(ROUTES[0], json.dumps(body).encode())
+    assert response.status_code == 200, response.text
+    sent = json.loads(served.sent[-1])
+    assert {key: sent[key] for key in body if key != "model"} == {
+        key: value for key, value in body.items() if key != "model"
+    }
+
+
+@pytest.mark.anyio
+async def test_embeddings_that_are_not_json_are_the_engines_failure(served: Served) -> None:
+    served.embeddings = b"\xff not JSON"
+    response = await served.post(ROUTES[2], b'{"model": "m", "input": "hi"}')
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "engine_error"
+
+
+@pytest.mark.anyio
+@FUZZ
+@given(path=st.sampled_from(ROUTES), body=BODIES)
+async def test_hostile_json_is_never_a_5xx(served: Served, path: str, body: bytes) -> None:
+    response = await served.post(path, body)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        _refusal(response)
+    await served.assert_no_place_kept()
+
+
+@pytest.mark.anyio
+async def test_a_body_shorter_than_its_length_is_a_400(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(requestbody, "READ_IDLE_S", 0.1)
+
+    async def trickle() -> AsyncIterator[bytes]:
+        yield b'{"model": "m", '
+        await asyncio.Event().wait()  # a client that stops sending without hanging up
+
+    headers = {**AUTH, "Content-Length": "100"}
+    response = await served.http.post(ROUTES[0], content=trickle(), headers=headers)
+    error = _refusal(response)
+    assert error["code"] == "invalid_request"
+    assert "stopped after 15 bytes of the 100" in error["message"]
+
+
+@pytest.mark.anyio
+async def test_the_openapi_document_is_open_and_describes_the_bodies(served: Served) -> None:
+    document = (await served.http.get("/openapi.json")).json()
+    body = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatBody"
+    }
+    chat = document["components"]["schemas"]["ChatBody"]
+    assert chat["required"] == ["model", "messages"]
+    assert chat["additionalProperties"] is True, "fields engines take pass through"
+    assert document["paths"]["/health"]["get"]["security"] == []
+
+
+def _openapi_cases() -> st.SearchStrategy[Case[Any]]:
+    """Requests drawn from the API's own OpenAPI document (it reads no state, so an app over
+    a Redis client that never connects serves it)."""
+    idle = aioredis.Redis()
+    router = Router(Dispatcher(idle, Table(idle, set()), Metrics()), httpx.AsyncClient())
+    with TestClient(create_app(CREDENTIALS, router)) as http:
+        return openapi_cases(http.get("/openapi.json").json())
+
+
+@pytest.mark.anyio
+@FUZZ
+@given(case=st.deferred(_openapi_cases))
+async def test_schemathesis_finds_no_5xx(served: Served, case: Case[Any]) -> None:
+    if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
+        case.body["model"] = MODEL  # a model that exists, so valid requests are admitted
+    response = await send(served.http, case, AUTH)
+    assert response.status_code < 500, (case.body, response.text)
+    await served.assert_no_place_kept()
