@@ -47,6 +47,11 @@ async def test_a_request_head_that_does_not_end_in_time_is_closed() -> None:
         dribbling.cancel()
         assert all(seconds < 2 for seconds in waited), waited
         assert await _health(port) == 200, "a head that arrives in time is answered"
+        async with connected(port) as (reader, writer):
+            writer.write(request_head("GET", "/health"))
+            assert (await answer(reader))[0] == 200
+            writer.write(b"GET /health HTTP/1.1\r\n")  # the next request's, never ended
+            assert await closed_after(reader) < 2, "closed long before the keep-alive timeout"
 
 
 @pytest.mark.anyio
