@@ -253,7 +253,6 @@ async def serve_http(
 ) -> None:
     """Serve an ASGI app on `address` until `stop` is set, each connection held to `limits`."""
     sock = bind(address)
-    # A stop waits this long for requests in flight, then closes their connections.
     config = uvicorn.Config(
         disconnects_quiet(app),
         http=guarded_protocol(limits),
@@ -261,6 +260,7 @@ async def serve_http(
         log_config=None,
         access_log=False,
         lifespan="off",
+        # A stop waits this long for requests in flight, then closes their connections.
         timeout_graceful_shutdown=10,
     )
     server = _Server(config)
