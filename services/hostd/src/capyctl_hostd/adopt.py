@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from capycommon.engines import registry
 from capycommon.engines.launch import LaunchSpec, Residency
-from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.service import REDIS_ERRORS
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import procs
@@ -77,11 +79,65 @@ async def _reap(runner: Runner, record: InstanceRecord, why: str) -> None:
 
 
 async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = 1.0) -> None:
-    """Notice engines that die on their own and record the failure."""
-    while not stop.is_set():
-        with contextlib.suppress(*REDIS_ERRORS):  # Redis is back at the next turn, or hostd exits
-            await _check(runner)
-        await wait_event(stop, interval_s)
+    """Notice engines that die on their own and record the failure: at once when an engine's
+    leader exits (a pidfd per leader wakes the watch), and once a second for the rest (a
+    child that died, a group emptied behind a leader hostd did not start)."""
+    deaths = Deaths()
+    try:
+        while not stop.is_set():
+            deaths.follow(engine.pgid for engine in runner.engines.values())
+            deaths.exited.clear()
+            with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
+                await _check(runner)
+            await deaths.wait(stop, interval_s)
+    finally:
+        deaths.close()
+
+
+class Deaths:
+    """A pidfd per engine leader: readable the moment the process exits, child of hostd or
+    not, so the watch need not poll to learn it."""
+
+    def __init__(self) -> None:
+        self.exited = asyncio.Event()
+        self._fds: dict[int, int] = {}
+
+    def follow(self, pids: Iterable[int]) -> None:
+        loop = asyncio.get_running_loop()
+        wanted = set(pids)
+        for pid in wanted - set(self._fds):
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # gone already: the check that follows sees it
+                self.exited.set()
+                continue
+            self._fds[pid] = fd
+            loop.add_reader(fd, self._exit, pid)
+        for pid in set(self._fds) - wanted:
+            self._drop(pid)
+
+    async def wait(self, stop: asyncio.Event, timeout: float) -> None:
+        """Until a leader exited since the last `clear`, `stop` is set, or `timeout` passed."""
+        waits = [asyncio.ensure_future(self.exited.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    def close(self) -> None:
+        for pid in list(self._fds):
+            self._drop(pid)
+
+    def _exit(self, pid: int) -> None:
+        self._drop(pid)
+        self.exited.set()
+
+    def _drop(self, pid: int) -> None:
+        fd = self._fds.pop(pid)
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
 
 
 async def _check(runner: Runner) -> None:
@@ -96,7 +152,9 @@ async def _check(runner: Runner) -> None:
             continue
         async with runner.lock_for(member):
             code = engine.exit_code()
+            lines = " | ".join(tail(engine.log_path, 8)) or "none"
+            why = f"the engine exited on its own (code {code}); last log lines: {lines}"
             try:
-                await runner.fail(record, f"the engine exited on its own (code {code})")
+                await runner.fail(record, why)
             except Conflict:
                 continue

@@ -195,12 +195,13 @@ class Actuator:
             failed=failed,
             counted_generation=action.generation,
         )
-        reason = (
-            f"failed after {count} starts: {action.error}"
-            if failed
-            else f"start {count} failed, retry in {RETRY_COOLDOWNS_S[count - 1]:.0f}s: "
-            f"{action.error}"
-        )
+        if failed:
+            reason = f"failed after {count} starts: {action.error}"
+        elif RETRY_COOLDOWNS_S[count - 1]:
+            cooldown = RETRY_COOLDOWNS_S[count - 1]
+            reason = f"start {count} failed, retry in {cooldown:.0f}s: {action.error}"
+        else:
+            reason = f"start {count} failed, retrying now: {action.error}"
         await self._write(
             record.model_copy(update={"attempts": attempts}),
             Action("count_failure", record.name, reason, generation=action.generation),

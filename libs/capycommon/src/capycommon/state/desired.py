@@ -20,8 +20,10 @@ from capycommon.state.hostcommands import HostCommand
 from capycommon.state.notify import Notification
 from capycommon.state.streams import Group
 
-# Failed starts are retried after these cooldowns; one more failure and the deployment fails.
-RETRY_COOLDOWNS_S = (30.0, 60.0, 120.0)
+# A failed start or a crash is retried after these cooldowns: the first at once (a crash of a
+# serving engine costs its waiting requests no more than a start), then backing off; one more
+# failure and the deployment fails.
+RETRY_COOLDOWNS_S = (0.0, 30.0, 60.0, 120.0)
 
 DEMAND_FIELD = "demand"
 # The decision stream keeps about this many of the scheduler's last decisions.

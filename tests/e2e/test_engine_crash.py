@@ -1,0 +1,89 @@
+"""An engine that crashes while it serves: hostd sees it at once, the request it was answering
+ends with an error that carries its id, the first restart is immediate, and the requests that
+arrive meanwhile are served once it is back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from cluster import Cluster
+from support import wait_for
+
+pytestmark = pytest.mark.slow
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+def _client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=cluster.base_url, api_key=cluster.api_key, timeout=120, max_retries=0
+    )
+
+
+def test_a_crashed_engine_fails_its_request_and_comes_back_at_once(cluster: Cluster) -> None:
+    # 80 words at 8 tokens/s: the first request is still streaming when its engine dies.
+    cluster.deploy("crash", engine="slow", model="small")
+    with _client(cluster) as client:
+        client.chat.completions.create(model="crash", messages=HELLO, max_tokens=1)  # type: ignore[arg-type]
+    instance = cluster.instance("crash")
+    assert instance is not None
+    assert instance.process is not None
+    crashed_generation = instance.generation
+
+    ended: list[BaseException | None] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        try:
+            with _client(cluster) as client:
+                chunks = client.chat.completions.create(
+                    model="crash",
+                    messages=HELLO,  # type: ignore[arg-type]
+                    stream=True,
+                )
+                for _ in chunks:
+                    streaming.set()
+            ended.append(None)
+        except Exception as exc:  # the test reads what it was
+            ended.append(exc)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    assert streaming.wait(30), "the stream began"
+
+    killed_at, killed_wall = time.monotonic(), time.time()
+    os.kill(instance.process.pgid, signal.SIGKILL)
+    streamer.join(timeout=30)
+    cut_after = time.monotonic() - killed_at
+    assert ended, "the stream on the dead engine ended"
+    assert ended[0] is not None, "the stream on the dead engine ended in an error"
+    failed = wait_for(
+        lambda: [e for e in cluster.events("crash") if e.to_state == "failed"],
+        timeout=10,
+        what="hostd to record the crash",
+    )
+    seen_after = failed[-1].at - killed_wall
+    assert "the engine exited on its own" in (failed[-1].reason or "")
+
+    # A request sent now waits for the restart, which does not wait out a cooldown.
+    with _client(cluster) as client:
+        answer = client.chat.completions.create(model="crash", messages=HELLO, max_tokens=1)  # type: ignore[arg-type]
+    stall = time.monotonic() - killed_at
+    assert answer.choices[0].message.content
+    again = cluster.instance("crash")
+    assert again is not None
+    assert again.generation > crashed_generation
+    reasons = [d["reason"] for d in cluster.decisions("crash")]
+    retried = [reason for reason in reasons if "retrying now" in reason]
+    assert retried, reasons
+    assert "the engine exited on its own (code -9); last log lines: " in retried[0]
+    print(
+        f"crash: stream cut after {cut_after:.2f} s, failed recorded after {seen_after:.2f} s, "
+        f"next request served {stall:.2f} s after the kill"
+    )
+    assert stall < 20, f"the next request waited {stall:.1f} s for the restart"
