@@ -1,7 +1,9 @@
 """The inference API: OpenAI-compatible routes behind the API key.
 
 POST /v1/chat/completions, /v1/completions and /v1/embeddings are forwarded to the engine of
-the deployment that serves the request's model; nothing else of an engine is reachable.
+the deployment that serves the request's model; nothing else of an engine is reachable. Each
+body is read and checked whole (`capycommon.requestbody`, by its model in `bodies`) before the
+request takes a place; GET /openapi.json describes them.
 """
 
 from __future__ import annotations
