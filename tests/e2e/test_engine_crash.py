@@ -62,6 +62,7 @@ def test_a_crashed_engine_fails_its_request_and_comes_back_at_once(cluster: Clus
     cut_after = time.monotonic() - killed_at
     assert ended, "the stream on the dead engine ended"
     assert ended[0] is not None, "the stream on the dead engine ended in an error"
+    assert "(request chatcmpl-" in str(ended[0]), "the error names the request"
     failed = wait_for(
         lambda: [e for e in cluster.events("crash") if e.to_state == "failed"],
         timeout=10,
@@ -84,6 +85,6 @@ def test_a_crashed_engine_fails_its_request_and_comes_back_at_once(cluster: Clus
     assert "the engine exited on its own (code -9); last log lines: " in retried[0]
     print(
         f"crash: stream cut after {cut_after:.2f} s, failed recorded after {seen_after:.2f} s, "
-        f"next request served {stall:.2f} s after the kill"
+        f"next request served {stall:.2f} s after the kill; the stream got: {ended[0]}"
     )
     assert stall < 20, f"the next request waited {stall:.1f} s for the restart"

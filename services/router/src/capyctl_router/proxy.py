@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx
@@ -110,7 +110,7 @@ class Session:
         except Gone:
             return Response(status_code=499)
         except FAILURES as exc:
-            failed = failure(exc)
+            failed = self._failure(exc)
             self.outcome = failed.outcome
             retry = retry_headers(failed.code, failed.status)
             return envelope(
@@ -132,7 +132,7 @@ class Session:
                 event = await self._next()
             self.outcome = "ok"
         except FAILURES as exc:
-            failed = failure(exc)
+            failed = self._failure(exc)
             self.outcome = failed.outcome
             yield sse(error_body(failed.status, failed.code, failed.message, failed.param))
         yield sse(None)
@@ -152,6 +152,15 @@ class Session:
             await dispatcher.release(self.target)
         else:
             await dispatcher.cut(self.target, self.call.request_id, self.call.answered)
+
+    def _failure(self, exc: BaseException) -> Failure:
+        """The failure; when it is the router's account of it (the engine died, hung or
+        broke its stream, not the engine's own error answer, relayed as it said it), its
+        message names this request, as the client's headers and the engine's log do."""
+        failed = failure(exc)
+        if isinstance(exc, EngineFailed):
+            return failed
+        return replace(failed, message=f"{failed.message} (request {self.call.request_id})")
 
     # The engine's side ----------------------------------------------------------------------
 
