@@ -70,6 +70,12 @@ class StatePaths:
         return self.run_dir / "role.json"
 
     @property
+    def engines_record(self) -> Path:
+        """hostd's own record of the engines it launched: kept apart from Redis, so an engine
+        whose instance record was lost with Redis's data is still found (and stopped)."""
+        return self.run_dir / "engines.json"
+
+    @property
     def supervisord_conf(self) -> Path:
         return self.run_dir / "supervisord.conf"
 

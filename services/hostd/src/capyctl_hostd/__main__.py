@@ -9,6 +9,7 @@ from pathlib import Path
 
 from capycommon.engines import registry
 from capycommon.errors import CapyError
+from capycommon.paths import ensure_private_dir
 from capycommon.service import REDIS_ERRORS, ServiceContext, run, wait_event
 from capycommon.settings import HostSettings, StandaloneSettings
 from capycommon.settingvalues import parse_port_range
@@ -31,6 +32,7 @@ def host_paths(ctx: ServiceContext) -> HostPaths:
         simgpu = host.simgpu_dir or ctx.paths.root / "simgpu"
     return HostPaths(
         engines_file=registry.locate(ctx.document, Path.home()),
+        engines_record=ctx.paths.engines_record,
         runtime_dir=ctx.paths.root / "runtime",
         logs_dir=ctx.paths.logs_dir / "engines",
         home=Path.home(),
@@ -57,15 +59,17 @@ async def publish_engines(ctx: ServiceContext, paths: HostPaths) -> None:
 
 
 async def serve(ctx: ServiceContext) -> None:
-    """Publish what the host says of itself, its models and its engines, re-adopt what runs,
-    then carry out commands, watch for engines that die, publish the serving engines' load
-    and keep the models' facts current, until stopped.
+    """Publish what the host says of itself, its models and its engines, re-adopt what runs
+    (and stop what runs uncounted), then carry out commands, watch for engines that die or
+    lose their records, publish the serving engines' load and keep the models' facts current,
+    until stopped.
 
     Stopping hostd leaves the engines running: the next hostd re-adopts them.
     """
     assert ctx.host is not None
     assert isinstance(ctx.settings, StandaloneSettings | HostSettings)
     paths = host_paths(ctx)
+    ensure_private_dir(paths.engines_record.parent)
     deep_park = ctx.settings.host.deep_park == "on"
     shelf = Shelf(ctx.redis, ctx.host, ctx.settings.host.models_root)
     ports = PortLeaser(*parse_port_range(ctx.settings.host.engine_ports))

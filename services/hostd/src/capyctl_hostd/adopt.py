@@ -1,5 +1,6 @@
-"""After a restart of hostd: re-adopt the engines that still run, reap the dead ones, and keep
-watching for engines that die."""
+"""After a restart of hostd: stop the engines that run with no record counting them (lost with
+Redis's data), re-adopt the engines that still run, reap the dead ones, and keep watching for
+engines that die or lose their records."""
 
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ STABLE = (S.READY, S.DRAINING, S.PARKED)
 
 
 async def adopt_all(runner: Runner) -> None:
-    for record in await runner.store.all():
+    """First the engines of hostd's own record that no instance record counts (stopped, so
+    their memory is released and a redeploy starts no second copy), then those Redis names."""
+    records = {record.member: record for record in await runner.store.all()}
+    for entry in list(runner.owned.entries.values()):
+        record = records.get(entry.member)
+        if not entry.counted_by(record):
+            await runner.stop_uncounted(entry, record)
+    for record in records.values():
         if record.state not in LIVE_STATES:
             continue
         try:
@@ -40,6 +48,7 @@ async def adopt(runner: Runner, record: InstanceRecord) -> None:
     if engine is not None and record.state in STABLE:
         runner.engines[record.member] = engine
         runner.ports.hold(record.port or 0)
+        runner.own(record)  # an engine launched before hostd kept its own record
         log.info("re-adopted", extra={"member": record.member, "pid": engine.pgid})
         return
     if engine is not None:
@@ -81,7 +90,8 @@ async def _reap(runner: Runner, record: InstanceRecord, why: str) -> None:
 async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = 1.0) -> None:
     """Notice engines that die on their own and record the failure: at once when an engine's
     leader exits (a pidfd per leader wakes the watch), and once a second for the rest (a
-    child that died, a group emptied behind a leader hostd did not start)."""
+    child that died, a group emptied behind a leader hostd did not start). Once a second too,
+    stop the engines whose records Redis lost while hostd ran."""
     deaths = Deaths()
     try:
         while not stop.is_set():
@@ -141,20 +151,41 @@ class Deaths:
 
 
 async def _check(runner: Runner) -> None:
-    for member, engine in list(runner.engines.items()):
-        if engine.exit_code() is None and (
-            engine.process is not None or procs.group_members(engine.pgid)
-        ):
-            continue
+    held = list(runner.engines.items())
+    records = {r.member: r for r in await runner.store.get_many(member for member, _ in held)}
+    for member, engine in held:
+        record = records.get(member)
+        entry = runner.owned.entries.get(member)
+        if entry is not None and not entry.counted_by(record):
+            await _stop_uncounted(runner, member)
+        elif record is not None and record.state in STABLE and not _runs(engine):
+            await _fail(runner, record, engine)
+
+
+def _runs(engine: Engine) -> bool:
+    return engine.exit_code() is None and (
+        engine.process is not None or bool(procs.group_members(engine.pgid))
+    )
+
+
+async def _fail(runner: Runner, record: InstanceRecord, engine: Engine) -> None:
+    async with runner.lock_for(record.member):
+        code = engine.exit_code()
+        lines = " | ".join(tail(engine.log_path, 8)) or "none"
+        why = f"the engine exited on its own (code {code}); last log lines: {lines}"
+        with contextlib.suppress(Conflict):
+            await runner.fail(record, why)
+
+
+async def _stop_uncounted(runner: Runner, member: str) -> None:
+    """Stop the engine of `member` once no record counts it, unless a command for it is
+    under way (it ends at its next write, and the next turn looks again)."""
+    lock = runner.lock_for(member)
+    if lock.locked():
+        return
+    async with lock:
         deployment, _, index = member.rpartition(":")
         record = await runner.store.get(deployment, int(index))
-        if record is None or record.state not in STABLE:
-            continue
-        async with runner.lock_for(member):
-            code = engine.exit_code()
-            lines = " | ".join(tail(engine.log_path, 8)) or "none"
-            why = f"the engine exited on its own (code {code}); last log lines: {lines}"
-            try:
-                await runner.fail(record, why)
-            except Conflict:
-                continue
+        entry = runner.owned.entries.get(member)
+        if entry is not None and not entry.counted_by(record):
+            await runner.stop_uncounted(entry, record)

@@ -183,8 +183,21 @@ async def tear_down(engine: Engine) -> list[str]:
     if engine.writer is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             await asyncio.to_thread(engine.writer.wait, WRITER_END_S)
-    shutil.rmtree(engine.spec.runtime_dir / PROMETHEUS_DIR, ignore_errors=True)
-    return procs.remove_segments(engine.launch_segments())
+    return _clean(engine.spec.runtime_dir, engine.launch_segments())
+
+
+async def tear_down_group(pgid: int, runtime_dir: Path) -> list[str]:
+    """Stop a launch's group that hostd holds no engine for (one its own record names) and
+    clean what it left, as for an adopted engine: the segments named after its processes."""
+    pids = {pgid, *procs.group_members(pgid)}
+    await procs.stop_group(pgid)
+    return _clean(runtime_dir, procs.shm_segments_of(pids))
+
+
+def _clean(runtime_dir: Path, segments: list[str]) -> list[str]:
+    """Remove the launch's Prometheus folder and those of `segments` no process holds."""
+    shutil.rmtree(runtime_dir / PROMETHEUS_DIR, ignore_errors=True)
+    return procs.remove_segments(segments)
 
 
 def end_log(path: Path, line: str) -> None:

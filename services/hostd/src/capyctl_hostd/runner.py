@@ -23,8 +23,9 @@ from capycommon.errors import CapyError, LaunchFailed
 from capycommon.state import hostcommands as hc
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict, InstanceStore
-from capyctl_hostd import engines, procs, release
+from capyctl_hostd import engines, owned, procs, release
 from capyctl_hostd.engines import Engine
+from capyctl_hostd.owned import OwnedEngine, OwnedEngines
 from capyctl_hostd.ports import PortLeaser
 from capyctl_hostd.settle import Settler
 
@@ -47,6 +48,7 @@ TUNING = {
 @dataclass
 class HostPaths:
     engines_file: Path
+    engines_record: Path  # hostd's own record of the engines it launched
     runtime_dir: Path
     logs_dir: Path
     home: Path
@@ -66,9 +68,11 @@ class Runner:
     _member_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _gpu_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     settler: Settler = field(init=False)
+    owned: OwnedEngines = field(init=False)
 
     def __post_init__(self) -> None:
         self.settler = Settler(self.client, self.host)
+        self.owned = OwnedEngines(self.paths.engines_record)
 
     def lock_for(self, member: str) -> asyncio.Lock:
         return self._member_locks.setdefault(member, asyncio.Lock())
@@ -139,6 +143,9 @@ class Runner:
         if current is not None and current.state in LIVE_STATES:
             await self._refuse(command, f"the instance is {current.state}; stop it first")
             return
+        orphan = self.owned.entries.get(f"{command.deployment}:{command.instance}")
+        if orphan is not None:  # never a second copy beside it
+            await self.stop_uncounted(orphan, current)
         async with self._gpu_locks.setdefault(command.gpu_uuid, asyncio.Lock()):
             await self._launch(command, current)
 
@@ -168,14 +175,16 @@ class Runner:
             raise
         try:
             engine = await self._start_engine(command, record, log_path)
+            started = record.model_copy(
+                update={
+                    "process": procs.identity(engine.pgid),
+                    "fingerprint": engine.spec.profile.fingerprint,
+                    "family": engine.spec.profile.family.value,
+                }
+            )
+            self.own(started)  # before Redis hears of it: a loss of Redis cannot hide it
             record = await self.store.transition(
-                record.model_copy(
-                    update={
-                        "process": procs.identity(engine.pgid),
-                        "fingerprint": engine.spec.profile.fingerprint,
-                        "family": engine.spec.profile.family.value,
-                    }
-                ),
+                started,
                 allowed=[S.STARTING],
                 generation=record.generation,
                 reason="engine process started",
@@ -365,9 +374,40 @@ class Runner:
             removed = await engines.tear_down(engine)
         elif record.process is not None and procs.group_members(record.process.pgid):
             await procs.stop_group(record.process.pgid)
+        self.owned.drop(record.member)
         self.ports.release(record.port)
         await self.store.drop_secret(record.deployment, record.instance)
         return removed
+
+    def own(self, record: InstanceRecord) -> None:
+        """Note the engine `record` names in hostd's own record of the engines it holds."""
+        entry = OwnedEngine.of(record, self.paths.runtime_dir)
+        if entry is not None:
+            self.owned.keep(entry)
+
+    async def stop_uncounted(self, entry: OwnedEngine, record: InstanceRecord | None) -> None:
+        """Stop an engine that `record` (its instance's record, if any) does not count, and
+        clean what it left as a reap does: its memory would be held with nothing charging it,
+        and a redeploy would start a second copy beside it. Its entry goes last, once Redis
+        knows why."""
+        engine = self.engines.pop(entry.member, None)
+        running = bool(procs.group_members(entry.process.pgid))
+        if engine is not None:
+            await engines.tear_down(engine)
+        else:
+            await engines.tear_down_group(entry.process.pgid, Path(entry.runtime_dir))
+        self.ports.release(entry.port)
+        if running:
+            why = entry.why_uncounted(record)
+            log.warning("%s: launch %s: %s", entry.member, entry.launch_id, why)
+            if entry.log_path is not None:
+                engines.end_log(Path(entry.log_path), f"capyctl: {why}; its processes are gone")
+            await owned.record_stop(self.client, self.host, entry, why)
+        else:
+            log.info("%s: launch %s is gone; its entry is dropped", entry.member, entry.launch_id)
+        if record is None:  # the key of no other launch
+            await self.store.drop_secret(entry.deployment, entry.instance)
+        self.owned.drop(entry.member)
 
     async def _refuse_record(self, record: InstanceRecord, kind: str, why: str) -> None:
         await self.store.refused(

@@ -1,0 +1,127 @@
+"""hostd's own record of the engines it launched, kept in its state dir.
+
+Redis holds the instance records, and its data can be lost (an append-only file deleted or
+cut short, a flush). An engine whose record went with it would keep its GPU memory with
+nothing charging it, and a redeploy would start a second copy beside it. This record, one
+entry per engine from its launch until its processes are gone, lets hostd find such an
+engine and stop it. It never holds the engine's key: that stays in Redis, and an engine whose
+key was lost cannot be called again anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+from capycommon.paths import write_atomic
+from capycommon.state import keys
+from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState, ProcessIdentity
+from capycommon.state.store import Event
+
+log = logging.getLogger(__name__)
+
+
+class OwnedEngine(BaseModel):
+    """One engine hostd launched: what identifies it and what rebuilding it needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: str
+    instance: int
+    generation: int
+    launch_id: str
+    process: ProcessIdentity
+    port: int
+    gpu_uuid: str | None
+    profile: str | None
+    model_path: str | None
+    served_name: str | None
+    residency: str | None
+    log_path: str | None
+    runtime_dir: str
+
+    @property
+    def member(self) -> str:
+        return f"{self.deployment}:{self.instance}"
+
+    @classmethod
+    def of(cls, record: InstanceRecord, runtime_root: Path) -> OwnedEngine | None:
+        """The entry for the engine `record` names; None while it names no process."""
+        if record.launch_id is None or record.process is None or record.port is None:
+            return None
+        return cls(
+            **record.model_dump(include=set(cls.model_fields) - {"runtime_dir"}),
+            runtime_dir=str(runtime_root / record.launch_id),
+        )
+
+    def counted_by(self, record: InstanceRecord | None) -> bool:
+        """Whether `record` charges this engine: it names this launch in a live state."""
+        return (
+            record is not None
+            and record.launch_id == self.launch_id
+            and record.state in LIVE_STATES
+        )
+
+    def why_uncounted(self, record: InstanceRecord | None) -> str:
+        """Why hostd stops this engine, for its event, its log and hostd's."""
+        if record is None:
+            what = "its record was lost with Redis's data"
+        elif record.launch_id != self.launch_id:
+            what = f"its record names another launch ({record.launch_id})"
+        else:
+            what = f"its record says {record.state}"
+        return f"{what}; stopped so its memory is not left uncounted"
+
+
+_ENTRIES = TypeAdapter(list[OwnedEngine])
+
+
+class OwnedEngines:
+    """The record file: every entry, rewritten whole (atomically, owner-only) on a change."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries = {entry.member: entry for entry in self._read()}
+
+    def keep(self, entry: OwnedEngine) -> None:
+        if self.entries.get(entry.member) != entry:
+            self.entries[entry.member] = entry
+            self._write()
+
+    def drop(self, member: str) -> None:
+        if self.entries.pop(member, None) is not None:
+            self._write()
+
+    def _read(self) -> list[OwnedEngine]:
+        try:
+            return _ENTRIES.validate_json(self.path.read_bytes())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValidationError) as exc:
+            # Redis's records still lead re-adoption; this record starts again from them.
+            log.error("ignoring an unreadable record of engines %s: %s", self.path, exc)
+            return []
+
+    def _write(self) -> None:
+        data = _ENTRIES.dump_json(list(self.entries.values()), indent=2).decode()
+        write_atomic(self.path, data)
+
+
+async def record_stop(client: aioredis.Redis, host: str, entry: OwnedEngine, reason: str) -> None:
+    """Say on the host's event stream why hostd stopped an engine no record counted (there
+    is no record to move, so this event stands alone)."""
+    event = Event(
+        kind="transition",
+        host=host,
+        deployment=entry.deployment,
+        instance=entry.instance,
+        generation=entry.generation,
+        to_state=InstanceState.STOPPED,
+        reason=reason,
+        at=time.time(),
+    )
+    await client.xadd(keys.host_events(host), {"event": event.model_dump_json()}, maxlen=10000)
