@@ -107,7 +107,8 @@ def test_no_engine_process_shows_its_key_and_each_engine_still_needs_it(
         answered = httpx.get(engine + GUARDED[name], headers=bearer, timeout=10)
         assert answered.status_code == 200, f"{name} refused its own key: {answered.text}"
         models = httpx.get(engine + "/v1/models", headers=bearer, timeout=10)
-        assert [card["id"] for card in models.json()["data"]] == [name]
+        assert models.status_code == 200, f"{name}: {models.status_code} {models.text}"
+        assert [card["id"] for card in models.json()["data"]] == [name], models.text
 
 
 def test_another_user_sees_no_key(engines: tuple[Hostd, dict[str, InstanceRecord]]) -> None:
