@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,29 @@ def test_rotation_keeps_three_owner_only_files(tmp_path: Path) -> None:
     assert names == ["engine.log", "engine.log.1", "engine.log.2", "engine.log.3"]
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in tmp_path.iterdir())
     assert "line 049" in path.read_text() or "line 049" in (tmp_path / "engine.log.1").read_text()
+
+
+def test_a_full_disk_loses_lines_not_the_engine_and_says_how_many(tmp_path: Path) -> None:
+    log = RotatingLog(Path("/dev/full"))  # every write: ENOSPC
+    log.write(b"a\n")
+    log.write(b"b\n")
+    log.path = tmp_path / "engine.log"  # room again
+    log.write(b"c\n")  # still on the full handle: lost, and the writer moves on
+    log.write(b"d\n")
+    log.close()
+    lost = "capyctl: 3 lines lost (No space left on device)"
+    assert (tmp_path / "engine.log").read_text() == f"{lost}\nd\n"
+
+
+def test_the_writer_reads_all_its_input_while_the_disk_is_full() -> None:
+    lines = "".join(f"line {n}\n" for n in range(2000))
+    found = subprocess.run(
+        [sys.executable, "-m", "capyctl_hostd.logwriter", "/dev/full"],
+        input=lines,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stderr == "capyctl: /dev/full: No space left on device; dropping lines\n"

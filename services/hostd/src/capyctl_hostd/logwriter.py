@@ -3,10 +3,15 @@
 The engine writes to this process's stdin. It runs in a session of its own, so it outlives a
 restart of hostd, and ends when the engine closes its output. Secrets to redact come in the
 CAPYCTL_REDACT variable, one per line.
+
+A full disk loses lines, never the engine: the writer keeps reading (an engine whose output
+stopped being read would block, and one whose pipe closed would die), says so once on its
+stderr, and when writing works again notes in the log how many lines were lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -43,16 +48,38 @@ class RotatingLog:
         self.path = path
         self.max_bytes = max_bytes
         self.handle = self._open()
+        self.dropped = 0
+        self.why = ""
 
     def _open(self) -> BinaryIO:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         return os.fdopen(fd, "ab")
 
     def write(self, data: bytes) -> None:
+        """Append `data`; a line the disk has no room for is counted, not raised."""
+        try:
+            if self.dropped:
+                self._append(f"capyctl: {self.dropped} lines lost ({self.why})\n".encode())
+                self.dropped = 0
+            self._append(data)
+        except OSError as exc:
+            if not self.dropped:
+                print(f"capyctl: {self.path}: {exc.strerror}; dropping lines", file=sys.stderr)
+            self.dropped += 1
+            self.why = exc.strerror or str(exc)
+            self.handle = self._reopen()
+
+    def _append(self, data: bytes) -> None:
         self.handle.write(data)
         self.handle.flush()
         if self.handle.tell() >= self.max_bytes:
             self.rotate()
+
+    def _reopen(self) -> BinaryIO:
+        """A fresh handle: the old one holds the bytes it could not write in its buffer."""
+        with contextlib.suppress(OSError):  # the buffered bytes are lost with the line
+            self.handle.close()
+        return self._open()
 
     def rotate(self) -> None:
         self.handle.close()
