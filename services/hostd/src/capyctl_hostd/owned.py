@@ -11,16 +11,12 @@ key was lost cannot be called again anyway.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from capycommon.paths import write_atomic
-from capycommon.state import keys
-from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState, ProcessIdentity
-from capycommon.state.store import Event
+from capycommon.state.instances import LIVE_STATES, InstanceRecord, ProcessIdentity
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +63,7 @@ class OwnedEngine(BaseModel):
         )
 
     def why_uncounted(self, record: InstanceRecord | None) -> str:
-        """Why hostd stops this engine, for its event, its log and hostd's."""
+        """Why hostd stops this engine, for its log and hostd's."""
         if record is None:
             what = "its record was lost with Redis's data"
         elif record.launch_id != self.launch_id:
@@ -109,19 +105,3 @@ class OwnedEngines:
     def _write(self) -> None:
         data = _ENTRIES.dump_json(list(self.entries.values()), indent=2).decode()
         write_atomic(self.path, data)
-
-
-async def record_stop(client: aioredis.Redis, host: str, entry: OwnedEngine, reason: str) -> None:
-    """Say on the host's event stream why hostd stopped an engine no record counted (there
-    is no record to move, so this event stands alone)."""
-    event = Event(
-        kind="transition",
-        host=host,
-        deployment=entry.deployment,
-        instance=entry.instance,
-        generation=entry.generation,
-        to_state=InstanceState.STOPPED,
-        reason=reason,
-        at=time.time(),
-    )
-    await client.xadd(keys.host_events(host), {"event": event.model_dump_json()}, maxlen=10000)

@@ -23,7 +23,7 @@ from capycommon.errors import CapyError, LaunchFailed
 from capycommon.state import hostcommands as hc
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict, InstanceStore
-from capyctl_hostd import engines, owned, procs, release
+from capyctl_hostd import engines, procs, release
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.owned import OwnedEngine, OwnedEngines
 from capyctl_hostd.ports import PortLeaser
@@ -388,8 +388,8 @@ class Runner:
     async def stop_uncounted(self, entry: OwnedEngine, record: InstanceRecord | None) -> None:
         """Stop an engine that `record` (its instance's record, if any) does not count, and
         clean what it left as a reap does: its memory would be held with nothing charging it,
-        and a redeploy would start a second copy beside it. Its entry goes last, once Redis
-        knows why."""
+        and a redeploy would start a second copy beside it. Its entry goes last, once the
+        rest is done."""
         engine = self.engines.pop(entry.member, None)
         running = bool(procs.group_members(entry.process.pgid))
         if engine is not None:
@@ -402,7 +402,6 @@ class Runner:
             log.warning("%s: launch %s: %s", entry.member, entry.launch_id, why)
             if entry.log_path is not None:
                 engines.end_log(Path(entry.log_path), f"capyctl: {why}; its processes are gone")
-            await owned.record_stop(self.client, self.host, entry, why)
         else:
             log.info("%s: launch %s is gone; its entry is dropped", entry.member, entry.launch_id)
         if record is None:  # the key of no other launch
