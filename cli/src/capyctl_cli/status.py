@@ -4,6 +4,7 @@ and its host's memory from memwatch's latest reading."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Literal
 
 import redis
@@ -18,6 +19,21 @@ from capyctl_cli import output, record, supervisor
 from capyctl_cli.launcher import lock_is_held
 from capyctl_cli.record import RoleRecord
 
+# The processes that run workers, each with its own heartbeat (`capyctl_router.workers`).
+WORKERS_OF = frozenset({"router"})
+
+
+class WorkerStatus(BaseModel):
+    """A worker process of a service (the router's), as its heartbeat says: RUNNING while
+    its pid lives, EXITED for a heartbeat left by a worker that died (until it expires)."""
+
+    name: str
+    state: str
+    pid: int
+    uptime_s: float
+    heartbeat_age_s: float
+    version: str
+
 
 class ProcessStatus(BaseModel):
     name: str
@@ -27,6 +43,7 @@ class ProcessStatus(BaseModel):
     heartbeat_age_s: float | None
     heartbeat_pid: int | None
     version: str | None
+    workers: list[WorkerStatus] = []
 
 
 class GpuStatus(BaseModel):
@@ -83,7 +100,7 @@ def collect(paths: StatePaths) -> StatusReport:
         infos = {info.name: info for info in supervisor.processes(paths.supervisor_socket)}
     except OSError:
         infos = {}
-    beats, hosts = _observe(found)
+    beats, workers, hosts = _observe(found)
     processes = []
     for name in found.processes:
         info = infos.get(name)
@@ -97,6 +114,7 @@ def collect(paths: StatePaths) -> StatusReport:
                 heartbeat_age_s=round(heartbeats.age(beat), 1) if beat else None,
                 heartbeat_pid=beat.pid if beat else None,
                 version=beat.version if beat else None,
+                workers=[_worker(beat) for _, beat in sorted(workers.get(name, {}).items())],
             )
         )
     return StatusReport(
@@ -113,21 +131,37 @@ def collect(paths: StatePaths) -> StatusReport:
     )
 
 
-def _observe(
-    running: RoleRecord,
-) -> tuple[dict[str, heartbeats.Heartbeat], list[HostMemory]]:
-    """The services' heartbeats and the role's host's memory, read from the role's Redis."""
+Beats = dict[str, heartbeats.Heartbeat]
+
+
+def _observe(running: RoleRecord) -> tuple[Beats, dict[str, Beats], list[HostMemory]]:
+    """The services' heartbeats, their workers' (by service) and the role's host's memory,
+    read from the role's Redis."""
     host = running.host
     readings: dict[str, MemoryReading | None] = {host: None} if host else {}
-    beats: dict[str, heartbeats.Heartbeat] = {}
+    beats: Beats = {}
+    workers: dict[str, Beats] = {}
     try:
         with record.redis_of(running, timeout=2) as client:
             beats = heartbeats.read_all(client, host, running.processes)
+            for name in WORKERS_OF.intersection(running.processes):
+                workers[name] = heartbeats.read_workers(client, name)
             readings = {name: memory.read_reading(client, name) for name in readings}
     except (redis.RedisError, OSError, ValidationError):
         pass  # what could not be read shows as missing or unobserved
     now = time.time()
-    return beats, [host_memory(name, found, now) for name, found in readings.items()]
+    return beats, workers, [host_memory(name, found, now) for name, found in readings.items()]
+
+
+def _worker(beat: heartbeats.Heartbeat) -> WorkerStatus:
+    return WorkerStatus(
+        name=beat.service,
+        state="RUNNING" if Path(f"/proc/{beat.pid}").exists() else "EXITED",
+        pid=beat.pid,
+        uptime_s=time.time() - beat.started_at,
+        heartbeat_age_s=round(heartbeats.age(beat), 1),
+        version=beat.version,
+    )
 
 
 def host_memory(host: str, reading: MemoryReading | None, now: float) -> HostMemory:
@@ -158,10 +192,13 @@ def render(report: StatusReport) -> str:
         *[(name, f"http://{address}") for name, address in report.listeners.items()],
         ("redis", report.redis),
     ]
-    rows = [
-        (p.name, p.state, p.pid, output.duration(p.uptime_s), _heartbeat(p))
-        for p in report.processes
-    ]
+    rows: list[tuple[object, ...]] = []
+    for p in report.processes:
+        rows.append((p.name, p.state, p.pid, output.duration(p.uptime_s), _heartbeat(p)))
+        rows += [
+            (f"  {w.name}", w.state, w.pid, output.duration(w.uptime_s), _age(w.heartbeat_age_s))
+            for w in p.workers
+        ]
     processes = output.table(["PROCESS", "STATE", "PID", "UPTIME", "HEARTBEAT"], rows)
     text = f"{output.pairs(summary)}\n\n{processes}"
     if report.hosts:
@@ -173,7 +210,10 @@ def _heartbeat(process: ProcessStatus) -> str:
     """How old a service's last heartbeat is; redis, not a service of ours, sends none."""
     if process.name == "redis":
         return "-"
-    age = process.heartbeat_age_s
+    return _age(process.heartbeat_age_s)
+
+
+def _age(age: float | None) -> str:
     return "missing" if age is None else f"{age:.0f}s ago"
 
 

@@ -52,6 +52,39 @@ REDIS_CONNECTIONS = 32
 REDIS_WAIT_S = 10.0
 # A listener's limits where no setting states them (the management API's).
 DEFAULT_LIMITS = ConnectionLimits()
+# Failures this soon after an outage ended belong to it (answers that were on their way).
+OUTAGE_QUIET_S = 5.0
+
+
+class Outage:
+    """This process's loss of Redis, logged once: the first failure of an outage is one
+    warning, its end one line, and the failures between (every request may meet one) only
+    debug lines."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.ended = -OUTAGE_QUIET_S
+
+    def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self.since is not None:
+            log.debug("Redis still unreachable: %s", exc)
+            return
+        self.since = now
+        if now - self.ended >= OUTAGE_QUIET_S:
+            log.warning("lost Redis; reconnecting", extra={"error": str(exc)})
+
+    def ok(self) -> None:
+        if self.since is None:
+            return
+        now = time.monotonic()
+        log.info("reconnected to Redis", extra={"after_s": round(now - self.since, 1)})
+        self.since = None
+        self.ended = now
+
+
+# One per process: every part of a service reports to it.
+REDIS_OUTAGE = Outage()
 
 
 @dataclass(frozen=True)
@@ -204,15 +237,12 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
         )
         try:
             await heartbeats.beat(ctx.redis, ctx.host or "", beat)
-            if lost_since is not None:
-                log.info(
-                    "reconnected to Redis", extra={"after_s": round(time.time() - lost_since, 1)}
-                )
-                lost_since = None
+            REDIS_OUTAGE.ok()
+            lost_since = None
         except REDIS_ERRORS as exc:
+            REDIS_OUTAGE.failed(exc)
             if lost_since is None:
                 lost_since = time.time()
-                log.warning("lost Redis; reconnecting", extra={"error": str(exc)})
             elif time.time() - lost_since > patience:
                 raise RedisUnreachable(
                     f"Redis unreachable for {patience:g} s ({exc}); exiting so the "
@@ -249,10 +279,15 @@ def bind(address: str) -> socket.socket:
 
 
 async def serve_http(
-    app: Any, address: str, stop: asyncio.Event, limits: ConnectionLimits = DEFAULT_LIMITS
+    app: Any,
+    address: str,
+    stop: asyncio.Event,
+    limits: ConnectionLimits = DEFAULT_LIMITS,
+    listener: socket.socket | None = None,
 ) -> None:
-    """Serve an ASGI app on `address` until `stop` is set, each connection held to `limits`."""
-    sock = bind(address)
+    """Serve an ASGI app on `address` until `stop` is set, each connection held to `limits`;
+    on `listener` where one is given (bound by a parent that shares it among its workers)."""
+    sock = listener if listener is not None else bind(address)
     config = uvicorn.Config(
         disconnects_quiet(app),
         http=guarded_protocol(limits),

@@ -202,10 +202,22 @@ class RoutingSection(Strict):
     )
 
 
+class RouterSection(Strict):
+    workers: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Router worker processes sharing the inference listener; a killed one "
+        "loses only its own requests while the others serve.",
+        examples=["4"],
+    )
+
+
 class ServerSection(Strict):
     listeners: Listeners = Listeners()
     scheduling: SchedulingSection = SchedulingSection()
     routing: RoutingSection = RoutingSection()
+    router: RouterSection = RouterSection()
 
 
 def machine_host_name(hostname: str | None = None) -> str:

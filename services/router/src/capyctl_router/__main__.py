@@ -1,22 +1,33 @@
-"""`capyctl-router --role ROLE`: serve the inference API."""
+"""`capyctl-router --role ROLE`: serve the inference API, from `server.router.workers`
+worker processes on one listener (`capyctl_router.workers`)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
+import functools
+import os
+import socket
 import sys
+from collections.abc import Sequence
 
 import httpx
 
 from capycommon import credentials
-from capycommon.service import ServiceContext, run, serve_http
+from capycommon.service import REDIS_ERRORS, ServiceContext, run, serve_http
 from capycommon.settings import ServerSettings, StandaloneSettings
+from capycommon.state import places
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher, Limits
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
+from capyctl_router.workers import run_workers, worker_name
 
 
-async def serve(ctx: ServiceContext) -> None:
+async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> None:
+    """One worker: the inference API on the parent's listener. `events`: this worker turns
+    the hosts' events into the lifecycle metrics (one does, for all)."""
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     server = ctx.settings.server
     hosts = {ctx.settings.host.name} if isinstance(ctx.settings, StandaloneSettings) else set()
@@ -28,7 +39,8 @@ async def serve(ctx: ServiceContext) -> None:
         stream_idle_s=server.routing.stream_idle_timeout,
     )
     metrics = Metrics()
-    dispatcher = Dispatcher(ctx.redis, table, metrics, limits)
+    owner = places.owner_id(ctx.name, os.getpid())
+    dispatcher = Dispatcher(ctx.redis, table, metrics, limits, owner=owner)
     # Engines are on loopback (or a host's ingress); no proxy variables apply, no pool limit
     # below the router's own admission, and no overall timeout (deadlines are the router's).
     limits_http = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -38,18 +50,33 @@ async def serve(ctx: ServiceContext) -> None:
         router = Router(dispatcher, http)
         app = create_app(credentials.load(ctx.paths.credentials), router)
         await table.sync()
-        for name in table.records:  # this router holds no request yet
-            await dispatcher.book.reset(name)
-        await asyncio.gather(
-            serve_http(app, server.listeners.inference.bind, ctx.stop, server.listeners.inference),
+        work = [
+            serve_http(
+                app, server.listeners.inference.bind, ctx.stop, server.listeners.inference, listener
+            ),
             table.run(ctx.stop),
             dispatcher.settle(ctx.stop),
-            metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop),
-        )
+        ]
+        if events:
+            work.append(metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop))
+        try:
+            await asyncio.gather(*work)
+        finally:
+            with contextlib.suppress(*REDIS_ERRORS):  # else they expire with this worker
+                await places.drop_owner(ctx.redis, owner)
 
 
-def main() -> None:
-    sys.exit(run("router", serve))
+def main(argv: Sequence[str] | None = None) -> None:
+    """The parent, or (with --worker and --listen-fd, as the parent starts them) a worker."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--worker", type=int)
+    parser.add_argument("--listen-fd", type=int)
+    found, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if found.worker is None:
+        sys.exit(run("router", functools.partial(run_workers, argv=rest), rest))
+    listener = socket.socket(fileno=found.listen_fd)
+    body = functools.partial(serve, listener=listener, events=found.worker == 0)
+    sys.exit(run(worker_name(found.worker), body, rest))
 
 
 if __name__ == "__main__":

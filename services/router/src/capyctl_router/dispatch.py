@@ -21,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import defaultdict
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 
@@ -36,14 +39,15 @@ from capycommon.errors import (
     Unavailable,
     UnknownModel,
 )
-from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import desired, hostcommands, load, places, settlement
+from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
+from capycommon.state import desired, heartbeats, hostcommands, load, places, settlement
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.places import PlaceBook
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table, Target
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # A wave re-asks for its deployment this often while requests still wait.
 DEMAND_EVERY_S = 5.0
 # Cut requests are checked for settlement this often.
@@ -51,6 +55,13 @@ SETTLE_EVERY_S = 0.25
 # Whether cut requests hold every place of a deployment is read at most this often, however
 # many requests find its places taken.
 ALL_CUT_EVERY_S = 1.0
+# A request whose admission meets a Redis failure tries again this often, for this long in
+# all, then gets 503 redis_unreachable (with Retry-After).
+REDIS_RETRY_EVERY_S = 0.1
+REDIS_RETRY_S = 2.0
+# This router writes its own count of places back this often (`PlaceBook.keep`), and at the
+# next settlement round after any Redis failure.
+KEEP_EVERY_S = heartbeats.INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,6 @@ class Dispatcher:
     table: Table
     metrics: Metrics
     limits: Limits = field(default_factory=Limits)
-    waiting: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     _demanded: dict[str, float] = field(default_factory=dict)
     # The wall-clock time of each deployment's last demand, to compare with a refusal's.
     _demanded_at: dict[str, float] = field(default_factory=dict)
@@ -90,13 +100,14 @@ class Dispatcher:
     _ends_after: dict[str, str] = field(default_factory=dict)
     # When each deployment's places were last read for cut requests holding them all.
     _all_cut_read: dict[str, float] = field(default_factory=dict)
+    # Who holds this router's places (`capycommon.state.places`): one id per process.
+    owner: str = field(default_factory=lambda: places.owner_id("router", os.getpid()))
+    # When this router last wrote its count of places back, and whether Redis failed since.
+    _kept: float = -KEEP_EVERY_S
+    _redis_failed: bool = False
 
     def __post_init__(self) -> None:
-        self.book = PlaceBook(self.client)
-
-    @property
-    def waiting_total(self) -> int:
-        return sum(self.waiting.values())
+        self.book = PlaceBook(self.client, self.owner)
 
     def deadline_of(self, record: DeploymentRecord) -> float:
         """How long a request for it may wait for its first output."""
@@ -110,34 +121,27 @@ class Dispatcher:
         queued = False
         started = time.monotonic()
         joined = time.time()
+        failing: float | None = None  # since when Redis fails this request
         try:
             while True:
                 self._check_open(name, joined)
-                target = self.table.target(name)
+                try:
+                    target = await _bounded(self._try_place(name), failing)
+                    if target is None and not queued:
+                        await _bounded(self._join(name), failing)
+                        queued = True
+                    failing = None
+                except (*REDIS_ERRORS, TimeoutError) as exc:
+                    self._failed(exc)
+                    failing = time.monotonic() if failing is None else failing
+                    if time.monotonic() - failing >= REDIS_RETRY_S:
+                        raise RedisUnreachable(
+                            f"the router cannot reach Redis ({exc}); retry shortly"
+                        ) from None
+                    await asyncio.sleep(REDIS_RETRY_EVERY_S)
+                    continue
                 if target is not None:
-                    taken = await self.book.take(
-                        target.host, name, target.generation, self.limits.running
-                    )
-                    if taken == 1:
-                        self._demanded.pop(name, None)  # the wave is served: the next asks anew
-                        return target
-                    if taken == 0:
-                        await self._all_places_cut(name, target)
-                else:
-                    await self._demand(name)
-                if not queued:
-                    if (
-                        self.waiting[name] >= self.limits.waiting_per_deployment
-                        or self.waiting_total >= self.limits.waiting_total
-                    ):
-                        self.metrics.queue_full(name)
-                        raise QueueFull(
-                            f"the queue for {name!r} is full "
-                            f"({self.limits.waiting_per_deployment} waiting); retry shortly",
-                        )
-                    queued = True
-                    self.waiting[name] += 1
-                    self.metrics.set_waiting(name, self.waiting[name])
+                    return target
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise Unavailable(
@@ -146,15 +150,53 @@ class Dispatcher:
                     )
                 changed = self.table.changed(name)
                 await wait_event_or(changed, min(remaining, 1.0))
-        except REDIS_ERRORS as exc:
-            raise RedisUnreachable(
-                f"the router cannot reach Redis ({exc}); retry shortly"
-            ) from None
         finally:
             if queued:
-                self.waiting[name] -= 1
-                self.metrics.set_waiting(name, self.waiting[name])
+                await self._leave(name)
             self.metrics.queue_wait(name, time.monotonic() - started)
+
+    async def _try_place(self, name: str) -> Target | None:
+        """A place on the deployment's ready instance if one is free; else its start, wake or
+        restart is asked for."""
+        target = self.table.target(name)
+        if target is None:
+            await self._demand(name)
+            REDIS_OUTAGE.ok()
+            return None
+        taken = await self.book.take(target.host, name, target.generation, self.limits.running)
+        REDIS_OUTAGE.ok()
+        if taken == 1:
+            self._demanded.pop(name, None)  # the wave is served: the next asks anew
+            return target
+        if taken == 0:
+            await self._all_places_cut(name, target)
+        return None
+
+    async def _join(self, name: str) -> None:
+        """Wait in the deployment's queue; QueueFull if it, or the router's, is full (the
+        workers' waiting requests together)."""
+        limits = self.limits
+        if not await self.book.join(name, limits.waiting_per_deployment, limits.waiting_total):
+            self.metrics.queue_full(name)
+            raise QueueFull(
+                f"the queue for {name!r} is full ({limits.waiting_per_deployment} waiting); "
+                "retry shortly",
+            )
+        REDIS_OUTAGE.ok()
+        self.metrics.set_waiting(name, self.book.waiting[name])
+
+    async def _leave(self, name: str) -> None:
+        try:
+            await self.book.leave(name)
+        except REDIS_ERRORS as exc:
+            self._failed(exc)  # left here: the next keep says so in Redis
+        self.metrics.set_waiting(name, self.book.waiting[name])
+
+    def _failed(self, exc: BaseException) -> None:
+        """Redis failed: said once per outage, and this router's count of places is written
+        back as soon as Redis answers again."""
+        REDIS_OUTAGE.failed(exc)
+        self._redis_failed = True
 
     def _check_open(self, name: str, joined: float) -> None:
         record = self.table.records.get(name)
@@ -212,12 +254,7 @@ class Dispatcher:
         try:
             await self.book.give(target.deployment, target.generation)
         except REDIS_ERRORS as exc:
-            log.warning(
-                "%s: a place could not be given back (%s); the instance's next start, or this "
-                "router's, frees it",
-                target.deployment,
-                exc,
-            )
+            self._failed(exc)  # given back here: the next keep gives it back in Redis
         self.table.wake(target.deployment)
 
     async def cut(self, target: Target, request_id: str, answered: bool) -> None:
@@ -228,18 +265,16 @@ class Dispatcher:
         settles = "settle_when_idle" if answered else "settle_at_stop"
         reported = target.family == "sglang"
         log.info("request %s on %s cut; it counts as %s", request_id, name, settles)
+        if answered or reported:
+            self._cuts[request_id] = Cut(
+                name, target.generation, target.host, settles, time.time(), reported
+            )
         try:
             await self.book.cut(name, target.generation, settles)
-            if answered or reported:
-                self._cuts[request_id] = Cut(
-                    name, target.generation, target.host, settles, time.time(), reported
-                )
             if reported:
                 await self._abort(target, request_id)
         except REDIS_ERRORS as exc:
-            log.warning(
-                "request %s on %s: its cut was not recorded (Redis: %s)", request_id, name, exc
-            )
+            self._failed(exc)  # counted here: the next keep counts it in Redis
 
     async def _abort(self, target: Target, request_id: str) -> None:
         """Have hostd abort the request in its engine and report its end."""
@@ -251,13 +286,28 @@ class Dispatcher:
         await hostcommands.send(self.client, target.host, abort)
 
     async def settle(self, stop: asyncio.Event) -> None:
-        """Give back the places of cut requests as they settle: when hostd reports the end
-        of one it aborted, or when the engine reads idle (a reading taken after the cut)."""
+        """Keep this router's places true: give back those of cut requests as they settle
+        (when hostd reports the end of one it aborted, or when the engine reads idle, a
+        reading taken after the cut), and write its own count back every few seconds, and
+        once Redis answers again after a failure."""
         while not await wait_event(stop, SETTLE_EVERY_S):
-            if not self._cuts:
-                continue
-            with contextlib.suppress(*REDIS_ERRORS):
-                await self._settle_once()
+            try:
+                if self._cuts:
+                    await self._settle_once()
+                await self._keep()
+            except REDIS_ERRORS as exc:
+                self._failed(exc)
+
+    async def _keep(self) -> None:
+        now = time.monotonic()
+        if not self._redis_failed and now - self._kept < KEEP_EVERY_S:
+            return
+        self._redis_failed = False
+        if await self.book.keep(self.table.records):
+            self._kept = now
+            REDIS_OUTAGE.ok()
+        else:
+            self._redis_failed = True  # requests kept their places busy: soon again
 
     async def _settle_once(self) -> None:
         for request_id, cut in list(self._cuts.items()):
@@ -309,6 +359,14 @@ class Dispatcher:
                     for request_id in settled:
                         del self._cuts[request_id]
                     self.table.wake(name)
+
+
+async def _bounded(work: Awaitable[T], failing: float | None) -> T:
+    """`work`, within what is left of REDIS_RETRY_S after Redis began failing (`failing`)."""
+    if failing is None:
+        return await work
+    async with asyncio.timeout(max(0.0, failing + REDIS_RETRY_S - time.monotonic())):
+        return await work
 
 
 async def wait_event_or(event: asyncio.Event, timeout: float) -> None:

@@ -1,15 +1,22 @@
 """The router's Prometheus metrics: requests per deployment by outcome, running and waiting,
 queue wait, time to first token, cancellations, queue_full; and the start, wake and park
-durations the hosts' event streams report."""
+durations the hosts' event streams report.
+
+The router's workers write theirs into one folder (Prometheus's multiprocess mode, on when
+`PROMETHEUS_MULTIPROC_DIR` names it, `capyctl_router.workers`): /metrics sums the counts of
+every worker, and the gauges of the live ones.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state.store import Event, read_host_events
@@ -31,10 +38,18 @@ class Metrics:
             "capyctl_requests", "Requests by outcome.", ["deployment", "outcome"], registry=r
         )
         self.running = Gauge(
-            "capyctl_requests_running", "Requests holding a place.", ["deployment"], registry=r
+            "capyctl_requests_running",
+            "Requests holding a place.",
+            ["deployment"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.waiting = Gauge(
-            "capyctl_requests_waiting", "Requests waiting in the queue.", ["deployment"], registry=r
+            "capyctl_requests_waiting",
+            "Requests waiting in the queue.",
+            ["deployment"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.queue_wait_s = Histogram(
             "capyctl_queue_wait_seconds",
@@ -83,7 +98,13 @@ class Metrics:
         self.queue_fulls.labels(deployment).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This process's metrics, or every worker's in multiprocess mode."""
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if folder is None:
+            return generate_latest(self.registry)
+        every = CollectorRegistry()
+        MultiProcessCollector(every, folder)  # type: ignore[no-untyped-call]
+        return generate_latest(every)
 
     async def follow_events(
         self, client: aioredis.Redis, hosts: Callable[[], set[str]], stop: asyncio.Event

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
 from capycommon.state import hostinfo, notify
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
 
-log = logging.getLogger(__name__)
 RESYNC_S = 5.0
 
 
@@ -151,7 +149,7 @@ class Table:
                 try:
                     await self._follow(stop)
                 except REDIS_ERRORS as exc:
-                    log.warning("routing table: Redis: %s; retrying", exc)
+                    REDIS_OUTAGE.failed(exc)
                     await wait_event(stop, 1.0)
         finally:
             resync.cancel()
@@ -162,6 +160,7 @@ class Table:
         channels = notify.channels(self.hosts)
         async with notify.subscribed(self.client, channels) as pubsub:
             await self.sync()
+            REDIS_OUTAGE.ok()
             while not stop.is_set():
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if message is None:

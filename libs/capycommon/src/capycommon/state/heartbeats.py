@@ -56,5 +56,16 @@ def read_all(client: redis.Redis, host: str | None, services: list[str]) -> dict
     return found
 
 
+def read_workers(client: redis.Redis, service: str) -> dict[str, Heartbeat]:
+    """The live heartbeats of a control service's workers, by worker name."""
+    found: dict[str, Heartbeat] = {}
+    for key in client.scan_iter(match=keys.worker_heartbeats(service)):
+        raw = client.get(key)
+        if raw is not None:
+            beat = Heartbeat.model_validate_json(raw)
+            found[beat.service] = beat
+    return found
+
+
 def age(heartbeat: Heartbeat, now: float | None = None) -> float:
     return (time.time() if now is None else now) - heartbeat.last_seen

@@ -18,12 +18,19 @@ def host_prefix(host: str) -> str:
 
 
 def heartbeat(service: str, host: str) -> str:
-    """The heartbeat of one service process; host services under their host's prefix."""
-    if service in HOST_SERVICES:
+    """The heartbeat of one service process; host services under their host's prefix. A
+    worker of a service beats under its own name, the service's and its number (router-0)."""
+    kind = service.split("-", 1)[0]
+    if kind in HOST_SERVICES:
         return f"{host_prefix(host)}:heartbeat:{service}"
-    if service in CONTROL_SERVICES:
+    if kind in CONTROL_SERVICES:
         return f"{PREFIX}:heartbeat:{service}"
     raise ValueError(f"unknown service {service!r}")
+
+
+def worker_heartbeats(service: str) -> str:
+    """The pattern of the heartbeats of a control service's workers."""
+    return f"{PREFIX}:heartbeat:{service}-*"
 
 
 def engines(host: str) -> str:
@@ -137,3 +144,15 @@ def hosts() -> str:
 def places(deployment: str) -> str:
     """The request places of a deployment's current generation (`capycommon.state.places`)."""
     return f"{PREFIX}:places:{deployment}"
+
+
+def waiting() -> str:
+    """Hash of `<deployment> <owner>` -> the requests a router worker holds waiting for a
+    place (`capycommon.state.places`)."""
+    return f"{PREFIX}:waiting"
+
+
+def place_owners() -> str:
+    """Sorted set of the router workers that hold places, each scored with the time it
+    expires unless refreshed (`capycommon.state.places`)."""
+    return f"{PREFIX}:place-owners"

@@ -1,18 +1,32 @@
-"""Request places: at most 32 requests run on a deployment's instance at once.
+"""Request places: at most 32 requests run on a deployment's instance at once, and the
+requests waiting for one.
 
 Routers take a place through one Lua script that also checks the instance is ready at the
 generation they picked, so no request goes to an engine that is draining, parking or gone.
 The places of one generation live in one hash; a new generation starts from zero, which is
 how a request cut before the engine answered it settles at the instance's next stop.
 
-Fields: `generation`, `running` (places taken), `settle_when_idle` (cut requests the engine
-had started answering: they settle when the engine reads idle) and `settle_at_stop` (cut
-before any answer: they may not have reached the engine's queue yet, so nothing but a stop
-proves them gone).
+Each router worker owns the places it takes, under its own owner id: the hash holds
+`run:<owner>` (requests on their way), `idle:<owner>` (cut requests the engine had started
+answering: they settle when the engine reads idle) and `stop:<owner>` (cut before any answer:
+they may not have reached the engine's queue, so nothing but a stop proves them gone). The
+requests a worker holds waiting for a place are counted the same way, in one hash for every
+deployment (`<deployment> <owner>`), so the queue bounds hold for all workers together.
+
+An owner lives while its entry in the owners' sorted set has not expired: it refreshes it
+every few seconds, and whoever sees it exit (its parent) removes it. Every count is summed
+over live owners only, so a worker that was killed, or a Redis that lost some writes, leaves
+nothing behind: a dead owner's places and waiting requests count for nothing (its cut-at-stop
+places still count until the stop), and every live owner writes its own counts again, from
+its memory, every few seconds (`PlaceBook.keep`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
 from typing import cast
 
 import redis
@@ -22,54 +36,172 @@ from pydantic import BaseModel, ConfigDict
 from capycommon.state import keys
 
 LIMIT = 32
+# An owner that has not refreshed its entry for this long is gone: its counts count no more.
+OWNER_TTL_S = 10.0
+# How long `PlaceBook.keep` waits for the changes in flight to end.
+QUIET_S = 1.0
+# The place fields of an owner, by the settlement they wait for ("" for a running request).
+FIELDS = {"": "run", "settle_when_idle": "idle", "settle_at_stop": "stop"}
 
-# KEYS: the instance record, the places hash. ARGV: generation, limit.
-# Returns 1 (taken), 0 (all places taken) or -1 (not ready at that generation).
-_TAKE = """
+# Lua shared by the scripts: Redis's clock; whether an owner lives (and refreshing it); a
+# count lowered, its field dropped at zero; the counts of a places hash summed over its live
+# owners (cut-at-stop places over every owner).
+_LIB = """
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function alive(owners, owner, at)
+  local expiry = redis.call('ZSCORE', owners, owner)
+  return expiry and tonumber(expiry) > at
+end
+local function refresh(owners, owner, ttl, at)
+  redis.call('ZADD', owners, at + tonumber(ttl), owner)
+end
+local function lower(key, field, n)
+  local left = (tonumber(redis.call('HGET', key, field)) or 0) - n
+  if left > 0 then
+    redis.call('HSET', key, field, left)
+  else
+    redis.call('HDEL', key, field)
+  end
+end
+local function count(places, owners, at)
+  local fields = redis.call('HGETALL', places)
+  local generation, running, idle, stop = 0, 0, 0, 0
+  local live = {}
+  for i = 1, #fields, 2 do
+    local kind, owner = string.match(fields[i], '^(%a+):(.+)$')
+    local value = tonumber(fields[i + 1])
+    if fields[i] == 'generation' then
+      generation = value
+    elseif kind == 'stop' then
+      stop = stop + value
+    elseif kind then
+      if live[owner] == nil then live[owner] = alive(owners, owner, at) end
+      if live[owner] then
+        running = running + value
+        if kind == 'idle' then idle = idle + value end
+      end
+    end
+  end
+  return {generation, running + stop, idle, stop}
+end
+"""
+
+# KEYS: the instance record, the places hash, the owners. ARGV: generation, limit, owner,
+# owner TTL. Returns 1 (taken), 0 (all places taken) or -1 (not ready at that generation).
+_TAKE = (
+    _LIB
+    + """
 local raw = redis.call('GET', KEYS[1])
 if not raw then return -1 end
 local record = cjson.decode(raw)
 if record['state'] ~= 'ready' or tostring(record['generation']) ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[2], 'generation') ~= ARGV[1] then
   redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], 'generation', ARGV[1], 'running', 0,
-             'settle_when_idle', 0, 'settle_at_stop', 0)
+  redis.call('HSET', KEYS[2], 'generation', ARGV[1])
 end
-if tonumber(redis.call('HGET', KEYS[2], 'running')) >= tonumber(ARGV[2]) then return 0 end
-redis.call('HINCRBY', KEYS[2], 'running', 1)
+local at = now()
+refresh(KEYS[3], ARGV[3], ARGV[4], at)
+if count(KEYS[2], KEYS[3], at)[2] >= tonumber(ARGV[2]) then return 0 end
+redis.call('HINCRBY', KEYS[2], 'run:' .. ARGV[3], 1)
 return 1
 """
+)
 
-# KEYS: the places hash. ARGV: generation, places to give back, and the cut field to lower
-# with them ("" for none). Nothing changes for another generation (a stop settled them).
-_GIVE = """
+# KEYS: the places hash. ARGV: generation, owner, places to move, the field they leave (run,
+# idle or stop) and the field they join ("" for none: given back). Nothing changes for
+# another generation (a stop settled them).
+_MOVE = (
+    _LIB
+    + """
 if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
-local n = tonumber(ARGV[2])
-local running = tonumber(redis.call('HGET', KEYS[1], 'running'))
-redis.call('HSET', KEYS[1], 'running', math.max(0, running - n))
-if ARGV[3] ~= '' then
-  local cut = tonumber(redis.call('HGET', KEYS[1], ARGV[3]))
-  redis.call('HSET', KEYS[1], ARGV[3], math.max(0, cut - n))
+lower(KEYS[1], ARGV[4] .. ':' .. ARGV[2], tonumber(ARGV[3]))
+if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[5] .. ':' .. ARGV[2], ARGV[3]) end
+return 1
+"""
+)
+
+# KEYS: the waiting hash, the owners. ARGV: deployment, owner, the most waiting for the
+# deployment, the most waiting in all, owner TTL. Returns 1 (it waits) or 0 (queue full).
+_JOIN = (
+    _LIB
+    + """
+local at = now()
+refresh(KEYS[2], ARGV[2], ARGV[5], at)
+local fields = redis.call('HGETALL', KEYS[1])
+local here, total, live = 0, 0, {}
+for i = 1, #fields, 2 do
+  local deployment, owner = string.match(fields[i], '^(%S+) (%S+)$')
+  if live[owner] == nil then live[owner] = alive(KEYS[2], owner, at) end
+  if live[owner] then
+    total = total + tonumber(fields[i + 1])
+    if deployment == ARGV[1] then here = here + tonumber(fields[i + 1]) end
+  end
+end
+if here >= tonumber(ARGV[3]) or total >= tonumber(ARGV[4]) then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[1] .. ' ' .. ARGV[2], 1)
+return 1
+"""
+)
+
+# KEYS: the waiting hash. ARGV: its field (`<deployment> <owner>`).
+_LEAVE = _LIB + "lower(KEYS[1], ARGV[1], 1)"
+
+# KEYS: the owners, the waiting hash, then the places hash of each deployment. ARGV: owner,
+# owner TTL, then for each deployment its name, the generation of the owner's places (0: it
+# holds none), its run, idle and stop counts, and its waiting requests. Refreshes the owner,
+# forgets expired owners (with their waiting requests and their running and idle-cut
+# places), and writes the owner's counts as they are: a places hash Redis lost, or left at an
+# older generation, starts again at the owner's.
+_KEEP = (
+    _LIB
+    + """
+local at = now()
+local owner = ARGV[1]
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', at)
+refresh(KEYS[1], owner, ARGV[2], at)
+for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if not alive(KEYS[1], string.match(field, ' (%S+)$'), at) then
+    redis.call('HDEL', KEYS[2], field)
+  end
+end
+for i = 3, #KEYS do
+  local base = 3 + (i - 3) * 6
+  local deployment, generation = ARGV[base], ARGV[base + 1]
+  for _, field in ipairs(redis.call('HKEYS', KEYS[i])) do
+    local kind, other = string.match(field, '^(%a+):(.+)$')
+    if (kind == 'run' or kind == 'idle') and not alive(KEYS[1], other, at) then
+      redis.call('HDEL', KEYS[i], field)
+    end
+  end
+  local current = redis.call('HGET', KEYS[i], 'generation')
+  if generation ~= '0' and (not current or tonumber(current) < tonumber(generation)) then
+    redis.call('DEL', KEYS[i])
+    redis.call('HSET', KEYS[i], 'generation', generation)
+    current = generation
+  end
+  for j, kind in ipairs({'run', 'idle', 'stop'}) do
+    if current == generation and ARGV[base + 1 + j] ~= '0' then
+      redis.call('HSET', KEYS[i], kind .. ':' .. owner, ARGV[base + 1 + j])
+    else
+      redis.call('HDEL', KEYS[i], kind .. ':' .. owner)
+    end
+  end
+  if ARGV[base + 5] ~= '0' then
+    redis.call('HSET', KEYS[2], deployment .. ' ' .. owner, ARGV[base + 5])
+  else
+    redis.call('HDEL', KEYS[2], deployment .. ' ' .. owner)
+  end
 end
 return 1
 """
+)
 
-# KEYS: the places hash. ARGV: generation, the cut field to raise.
-_CUT = """
-if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
-redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
-return 1
-"""
-
-
-# KEYS: the places hash. A restarted router forgets the requests it held: their places are
-# freed, except those cut before any answer (only a stop settles them).
-_RESET = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'running', redis.call('HGET', KEYS[1], 'settle_at_stop'),
-           'settle_when_idle', 0)
-return 1
-"""
+# KEYS: the places hash, the owners. Returns generation, running, settle_when_idle and
+# settle_at_stop as live owners hold them.
+_READ = _LIB + "return count(KEYS[1], KEYS[2], now())"
 
 
 class Places(BaseModel):
@@ -89,44 +221,172 @@ class Places(BaseModel):
         return self.running - self.settle_at_stop
 
 
-class PlaceBook:
-    """A router's takes and returns of places."""
+def owner_id(name: str, pid: int) -> str:
+    """A process's owner id: its name and pid, so a restarted worker never takes up the
+    places of the one before it."""
+    return f"{name}:{pid}"
 
-    def __init__(self, client: aioredis.Redis) -> None:
+
+class PlaceBook:
+    """One owner's places and waiting requests, in Redis and in its own count.
+
+    Every change is counted here as it is made in Redis; `keep` writes these counts back as
+    they are, while no change is in flight, so a change whose answer was lost (Redis went
+    away) or that Redis lost (a restart that dropped its last writes) is put right there.
+    """
+
+    def __init__(self, client: aioredis.Redis, owner: str) -> None:
         self.client = client
+        self.owner = owner
+        # (deployment, generation) -> this owner's places by field: run, idle, stop.
+        self.held: dict[tuple[str, int], Counter[str]] = {}
+        # deployment -> this owner's requests waiting for a place.
+        self.waiting: Counter[str] = Counter()
         self._take = client.register_script(_TAKE)
-        self._give = client.register_script(_GIVE)
-        self._cut = client.register_script(_CUT)
-        self._reset = client.register_script(_RESET)
+        self._move = client.register_script(_MOVE)
+        self._join = client.register_script(_JOIN)
+        self._leave = client.register_script(_LEAVE)
+        self._keep = client.register_script(_KEEP)
+        self._open = asyncio.Event()
+        self._open.set()
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self._in_flight = 0
+
+    @contextlib.asynccontextmanager
+    async def _change(self) -> AsyncIterator[None]:
+        """One change in flight; `keep` waits for none."""
+        await self._open.wait()
+        self._in_flight += 1
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._quiet.set()
 
     async def take(self, host: str, deployment: str, generation: int, limit: int = LIMIT) -> int:
         """1 taken, 0 all taken, -1 the instance is not ready at `generation`."""
-        found = await self._take(
-            keys=[keys.instance(host, deployment, 0), keys.places(deployment)],
-            args=[str(generation), str(limit)],
-        )
-        return int(found)
+        async with self._change():
+            found = int(
+                await self._take(
+                    keys=[
+                        keys.instance(host, deployment, 0),
+                        keys.places(deployment),
+                        keys.place_owners(),
+                    ],
+                    args=[str(generation), str(limit), self.owner, str(OWNER_TTL_S)],
+                )
+            )
+            if found == 1:
+                self.held.setdefault((deployment, generation), Counter())["run"] += 1
+        return found
 
     async def give(self, deployment: str, generation: int, count: int = 1, cut: str = "") -> None:
-        await self._give(keys=[keys.places(deployment)], args=[str(generation), str(count), cut])
+        """Give back `count` places: of running requests, or of cut requests that settled
+        (`cut` is the field they count in: settle_when_idle or settle_at_stop)."""
+        await self._moved(deployment, generation, count, FIELDS[cut], "")
 
     async def cut(self, deployment: str, generation: int, settle: str) -> None:
         """Mark one taken place as a cut request that settles `settle_when_idle` or
         `settle_at_stop`."""
-        await self._cut(keys=[keys.places(deployment)], args=[str(generation), settle])
+        await self._moved(deployment, generation, 1, "run", FIELDS[settle])
 
-    async def reset(self, deployment: str) -> None:
-        """At a router's start: it holds no request, so only cut-at-stop places remain."""
-        await self._reset(keys=[keys.places(deployment)], args=[])
+    async def _moved(
+        self, deployment: str, generation: int, count: int, source: str, target: str
+    ) -> None:
+        """Move up to `count` places from one of this owner's fields to another (none for
+        `target`: given back), here first: a move Redis did not confirm is put right by the
+        next `keep`."""
+        async with self._change():
+            held = self.held.get((deployment, generation), Counter())
+            moved = min(count, held[source])
+            if moved == 0:
+                return
+            held[source] -= moved
+            if target:
+                held[target] += moved
+            if held.total() == 0:
+                del self.held[(deployment, generation)]
+            await self._move(
+                keys=[keys.places(deployment)],
+                args=[str(generation), self.owner, str(moved), source, target],
+            )
+
+    async def join(self, deployment: str, per_deployment: int, total: int) -> bool:
+        """Count one more request waiting for `deployment`, unless `per_deployment` wait for
+        it or `total` for any, counting every live owner's."""
+        async with self._change():
+            joined = await self._join(
+                keys=[keys.waiting(), keys.place_owners()],
+                args=[deployment, self.owner, str(per_deployment), str(total), str(OWNER_TTL_S)],
+            )
+            if int(joined) == 1:
+                self.waiting[deployment] += 1
+        return int(joined) == 1
+
+    async def leave(self, deployment: str) -> None:
+        """One request stops waiting for `deployment` (here first, as `_moved`)."""
+        async with self._change():
+            if self.waiting[deployment] == 0:
+                return
+            self.waiting -= Counter([deployment])
+            await self._leave(keys=[keys.waiting()], args=[f"{deployment} {self.owner}"])
+
+    async def keep(self, deployments: Iterable[str]) -> bool:
+        """Refresh this owner and write its counts of `deployments` (and of every deployment
+        it holds places of or has requests waiting for) as it knows them, once no change is
+        in flight. False if changes stayed in flight past QUIET_S: nothing was written."""
+        self._open.clear()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._quiet.wait(), QUIET_S)
+            if not self._quiet.is_set():
+                return False
+            newest = self._newest()
+            names = sorted(set(deployments) | set(newest) | set(self.waiting))
+            args = [self.owner, str(OWNER_TTL_S)]
+            for name in names:
+                generation, held = newest.get(name, (0, Counter()))
+                counts = [generation, held["run"], held["idle"], held["stop"], self.waiting[name]]
+                args += [name, *(str(n) for n in counts)]
+            names_keys = [keys.places(name) for name in names]
+            await self._keep(keys=[keys.place_owners(), keys.waiting(), *names_keys], args=args)
+            return True
+        finally:
+            self._open.set()
+
+    def _newest(self) -> dict[str, tuple[int, Counter[str]]]:
+        """Each deployment's newest generation held here, and its counts. Older ones were
+        settled by their instance's stop: only their running requests stay, until they end."""
+        newest: dict[str, tuple[int, Counter[str]]] = {}
+        for (name, generation), held in sorted(self.held.items()):
+            newest[name] = (generation, held)
+        for (name, generation), held in list(self.held.items()):
+            if generation < newest[name][0] and held["run"] == 0:
+                del self.held[(name, generation)]
+        return newest
 
 
-def _places(raw: dict[bytes, bytes]) -> Places:
-    return Places.model_validate({k.decode(): int(v) for k, v in raw.items()}) if raw else Places()
+async def drop_owner(client: aioredis.Redis, owner: str) -> None:
+    """Remove `owner`, which has exited or is stopping, from the live owners: its places (but
+    those cut before any answer) and its waiting requests count no more."""
+    await client.zrem(keys.place_owners(), owner)
+
+
+def _places(found: list[int]) -> Places:
+    generation, running, idle, stop = (int(n) for n in found)
+    return Places(
+        generation=generation, running=running, settle_when_idle=idle, settle_at_stop=stop
+    )
 
 
 def read(client: redis.Redis, deployment: str) -> Places:
-    return _places(cast(dict[bytes, bytes], client.hgetall(keys.places(deployment))))
+    found = client.eval(_READ, 2, keys.places(deployment), keys.place_owners())
+    return _places(cast(list[int], found))
 
 
 async def aread(client: aioredis.Redis, deployment: str) -> Places:
-    return _places(cast(dict[bytes, bytes], await client.hgetall(keys.places(deployment))))
+    found = await client.eval(_READ, 2, keys.places(deployment), keys.place_owners())
+    return _places(cast(list[int], found))
