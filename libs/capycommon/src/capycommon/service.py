@@ -61,12 +61,13 @@ class Outage:
     warning, its end one line, and the failures between (every request may meet one) only
     debug lines."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.since: float | None = None
         self.ended = -OUTAGE_QUIET_S
 
     def failed(self, exc: BaseException) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if self.since is not None:
             log.debug("Redis still unreachable: %s", exc)
             return
@@ -77,7 +78,7 @@ class Outage:
     def ok(self) -> None:
         if self.since is None:
             return
-        now = time.monotonic()
+        now = self.clock()
         log.info("reconnected to Redis", extra={"after_s": round(now - self.since, 1)})
         self.since = None
         self.ended = now
