@@ -77,6 +77,10 @@ def _assert_stopped_as_uncounted(
     last = Path(ready.log_path).read_text().splitlines()[-1]
     assert last == f"capyctl: {LOST}; its processes are gone"
     assert harness.record("a") is None, "no record is made up in Redis"
+    uncounted = [e for e in harness.events() if e["kind"] == "uncounted"]
+    assert [(e["deployment"], e["generation"], e["reason"]) for e in uncounted] == [
+        ("a", ready.generation, LOST)
+    ], "the host's events say why"
 
 
 def test_an_engine_whose_record_was_lost_while_hostd_was_down_is_stopped_at_start(

@@ -7,6 +7,7 @@ stale generation, or one that arrives after the instance moved on, is refused an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -20,6 +21,7 @@ from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
 from capycommon.errors import CapyError, LaunchFailed
+from capycommon.service import REDIS_ERRORS
 from capycommon.state import hostcommands as hc
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict, InstanceStore
@@ -402,6 +404,8 @@ class Runner:
             log.warning("%s: launch %s: %s", entry.member, entry.launch_id, why)
             if entry.log_path is not None:
                 engines.end_log(Path(entry.log_path), f"capyctl: {why}; its processes are gone")
+            with contextlib.suppress(*REDIS_ERRORS):  # the logs keep it if Redis is away
+                await self.store.uncounted(entry.deployment, entry.instance, entry.generation, why)
         else:
             log.info("%s: launch %s is gone; its entry is dropped", entry.member, entry.launch_id)
         if record is None:  # the key of no other launch

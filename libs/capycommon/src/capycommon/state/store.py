@@ -50,7 +50,9 @@ class Event(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["transition", "refused"]
+    # transition: a record changed state; refused: a command hostd would not carry out;
+    # uncounted: an engine no record counted (Redis lost it) was stopped.
+    kind: Literal["transition", "refused", "uncounted"]
     host: str
     deployment: str
     instance: int
@@ -181,8 +183,23 @@ class InstanceStore:
 
     async def refused(self, deployment: str, index: int, generation: int, reason: str) -> None:
         """Record a command hostd would not carry out."""
+        await self._note("refused", deployment, index, generation, reason)
+
+    async def uncounted(self, deployment: str, index: int, generation: int, reason: str) -> None:
+        """Record an engine stopped because no instance record counted it (no record is
+        written: the record is what Redis lost)."""
+        await self._note("uncounted", deployment, index, generation, reason)
+
+    async def _note(
+        self,
+        kind: Literal["refused", "uncounted"],
+        deployment: str,
+        index: int,
+        generation: int,
+        reason: str,
+    ) -> None:
         event = Event(
-            kind="refused",
+            kind=kind,
             host=self.host,
             deployment=deployment,
             instance=index,
