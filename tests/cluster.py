@@ -29,6 +29,8 @@ from support import Role, capyctl, clean_env, short_dir, start_role
 
 GiB = 1 << 30
 HOST = "local"
+# The role's settings, in the cluster's folder.
+DOCUMENT = "standalone.yaml"
 # Every model here is charged 14 GiB on its card: a 12.75 GiB request and 1.25 GiB of CUDA
 # context; two never fit on one 24 GiB GPU (22.1 GiB managed), so each start is a switch.
 FOURTEEN = {"memory": {"request": "13056MiB", "startup": "14GiB"}}
@@ -141,6 +143,17 @@ class Cluster:
     def base_url(self) -> str:
         return f"http://{self.role.inference}/v1"
 
+    def start_again(self) -> None:
+        """Start the role again once it stopped (its engines ran on), on the same state dir,
+        settings and listeners, as an operator's restart does."""
+        self.role = start_role(
+            "standalone",
+            state_dir=self.role.state_dir,
+            env=self.role.env,
+            extra=["--config", str(self.root / DOCUMENT)],
+            listeners=(self.role.inference, self.role.management),
+        )
+
     def clean(self) -> None:
         for name in desired.read_all(self.client):
             self.ok("delete", "deployment", name, "--wait")
@@ -222,7 +235,7 @@ def start_cluster(
     for name, size in (("m14", 10 * GiB), ("small", 2 * GiB), ("six", 6 * GiB), ("huge", 40 * GiB)):
         sparse_model(root / "models" / name, size)
     sparse_model(root / "models" / "gguf", 1 * GiB, gguf=True)
-    document = root / "standalone.yaml"
+    document = root / DOCUMENT
     document.write_text(
         yaml.safe_dump(
             {

@@ -246,10 +246,12 @@ def start_role(
     state_dir: Path | None = None,
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    listeners: tuple[str, str] | None = None,
 ) -> Role:
+    """Start a role and wait until it is healthy; on free ports unless `listeners` names its
+    inference and management addresses (a restart keeps a role's)."""
     state = state_dir or short_dir() / "state"
-    inference = f"127.0.0.1:{free_port()}"
-    management = f"127.0.0.1:{free_port()}"
+    inference, management = listeners or (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
     log_path = state.parent / f"{role}.out"
     env = env if env is not None else clean_env()
     if "--engine-ports" not in extra and "CAPYCTL_ENGINE_PORTS" not in env:
