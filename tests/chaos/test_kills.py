@@ -368,15 +368,16 @@ def test_a_killed_redis_fails_only_requests_in_flight(two_models: Cluster) -> No
     chaos(two_models, kill_process(two_models, "redis"), said)
 
 
-def test_a_killed_engine_fails_only_its_own_requests(two_models: Cluster) -> None:
-    """The vLLM engine's leader is killed (its engine core stays, as vLLM's does when its
-    parent dies): only that model's requests may fail, each with an answer saying so. Run
-    before hostd is killed: this engine is one hostd started (see the re-adopted case)."""
-    leader = engine_leader(two_models, "alpha")
+@pytest.mark.parametrize("name", ["alpha", "beta"], ids=["vllm", "sglang"])
+def test_a_killed_engine_fails_only_its_own_requests(two_models: Cluster, name: str) -> None:
+    """An engine's leader is killed (vLLM's engine core stays, as it does when its parent
+    dies): only that model's requests may fail, each with an answer saying so. Run before
+    hostd is killed: this engine is one hostd started (see the re-adopted case)."""
+    leader = engine_leader(two_models, name)
     hostd = two_models.role.processes()["hostd"]["pid"]
     assert parent(leader) == hostd, "the engine is hostd's own child"
-    chaos(two_models, lambda: kill("alpha's engine", leader), alpha_only)
-    assert engine_leader(two_models, "alpha") != leader, "the engine was started again"
+    chaos(two_models, lambda: kill(f"{name}'s engine", leader), its_own(name))
+    assert engine_leader(two_models, name) != leader, "the engine was started again"
 
 
 def test_a_killed_hostd_fails_no_request_and_re_adopts_the_engines(two_models: Cluster) -> None:
@@ -413,14 +414,19 @@ def test_a_killed_re_adopted_engine_fails_only_its_own_requests(two_models: Clus
     wait_for(two_models.role.healthy, timeout=RECOVERY_S, what="hostd back")
     leader = engine_leader(two_models, "alpha")
     assert parent(leader) != two_models.role.processes()["hostd"]["pid"], "re-adopted"
-    chaos(two_models, lambda: kill("alpha's re-adopted engine", leader), alpha_only)
+    chaos(two_models, lambda: kill("alpha's re-adopted engine", leader), its_own("alpha"))
 
 
-def alpha_only(outcome: Outcome, killed: Killed, back: float) -> bool:
-    """A request for alpha, sent before alpha answered again, that the router answered with
-    an error saying the engine failed or the model was unavailable."""
-    said = outcome.result in ("500 engine_error", "503 unavailable")
-    return outcome.model == "alpha" and said and before_back(outcome, killed, back)
+def its_own(name: str) -> MayFail:
+    """An engine kill's failures: requests for its deployment, sent before service was
+    back, that the router answered with an error saying the engine failed or the model was
+    unavailable."""
+
+    def may_fail(outcome: Outcome, killed: Killed, back: float) -> bool:
+        said = outcome.result in ("500 engine_error", "503 unavailable")
+        return outcome.model == name and said and before_back(outcome, killed, back)
+
+    return may_fail
 
 
 def engine_leader(cluster: Cluster, name: str) -> int:
