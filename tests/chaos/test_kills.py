@@ -402,12 +402,6 @@ def test_a_role_restart_under_load_re_adopts_every_engine(two_models: Cluster) -
     assert engine_leaders(two_models) == before, "every engine re-adopted as it ran"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hostd never notices that a re-adopted engine's leader died while a child of its "
-    "group lives on (vLLM's engine core does): the instance stays ready and every request "
-    "for the model fails on the dead port",
-)
 def test_a_killed_re_adopted_engine_fails_only_its_own_requests(two_models: Cluster) -> None:
     """As the engine kill above, once hostd was restarted: the engine is not its child."""
     kill_process(two_models, "hostd")()

@@ -158,14 +158,17 @@ async def _check(runner: Runner) -> None:
         entry = runner.owned.entries.get(member)
         if entry is not None and not entry.counted_by(record):
             await _stop_uncounted(runner, member)
-        elif record is not None and record.state in STABLE and not _runs(engine):
+        elif record is not None and record.state in STABLE and not _runs(engine, record):
             await _fail(runner, record, engine)
 
 
-def _runs(engine: Engine) -> bool:
-    return engine.exit_code() is None and (
-        engine.process is not None or bool(procs.group_members(engine.pgid))
-    )
+def _runs(engine: Engine, record: InstanceRecord) -> bool:
+    """The engine's leader runs: hostd's own child, or the re-adopted leader of the record
+    (same PID and start time). Children that outlive their leader (vLLM's EngineCore) do not
+    make an engine: the failure tears them down."""
+    if engine.process is not None:
+        return engine.exit_code() is None
+    return record.process is not None and procs.is_alive(record.process)
 
 
 async def _fail(runner: Runner, record: InstanceRecord, engine: Engine) -> None:
