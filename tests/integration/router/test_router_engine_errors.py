@@ -6,7 +6,6 @@ it, an error event and `[DONE]`."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
-from capycommon.deployments.load import parse_deployment
-from capycommon.state import keys, places
-from capycommon.state.desired import DeploymentRecord, DeploymentStore
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state import places
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
+from integration.router.ready import put_ready
 
 CREDENTIALS = generate()
 HOST = "local"
@@ -94,33 +91,7 @@ class Cluster:
         self.seen: list[dict[str, Any]] = []
 
     async def ready(self, family: str) -> None:
-        document = parse_deployment({"name": family, "engine": family, "model": "m"}, "test")
-        now = time.time()
-        record = DeploymentRecord(
-            name=family,
-            revision=1,
-            digest="d",
-            document=document,
-            created_at=now,
-            updated_at=now,
-            generation=1,
-        )
-        await DeploymentStore(self.client).put(record)
-        instance = InstanceRecord(
-            deployment=family,
-            instance=0,
-            revision=1,
-            generation=1,
-            state=InstanceState.READY,
-            since=now,
-            host=HOST,
-            family=family,
-            served_name="served",
-            port=8100,
-        )
-        await self.client.set(keys.instance(HOST, family, 0), instance.model_dump_json())
-        await self.client.sadd(keys.instances(HOST), f"{family}:0")
-        await self.client.set(keys.instance_secret(HOST, family, 0), "engine-key")
+        await put_ready(self.client, family, family=family, host=HOST)
 
     def answer(self, request: httpx.Request) -> httpx.Response:
         self.seen.append(json.loads(request.content))
