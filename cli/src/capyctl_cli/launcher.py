@@ -7,6 +7,7 @@ log to its own output, and on SIGTERM or Ctrl-C stops everything within 30 s.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -21,10 +22,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
+import redis
+
 from capycommon.errors import CapyError, Internal, StateCorrupt, StateDirInUse, ToolchainMissing
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import bind
 from capycommon.settings import HostSettings, Role, host_name, setting_specs
+from capycommon.state import persistence
+from capycommon.units import format_size
 from capycommon.version import __version__
 from capyctl_cli import record, redisconf, supervisor
 from capyctl_cli.roles import PROCESSES, Prepared, service_command
@@ -34,6 +39,8 @@ log = logging.getLogger("capyctl.launcher")
 STOP_DEADLINE_S = 30.0
 # Redis that exits at once this many times in a row cannot start (its data, most often).
 REDIS_START_RETRIES = 3
+# How often the launcher asks Redis whether it can save.
+REFUSAL_EVERY_S = 2.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -143,10 +150,14 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
         [sys.executable, "-m", "supervisor.supervisord", "-c", str(paths.supervisord_conf)],
         env=child_environment(prepared, env),
         stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         pass_fds=(lock_fd,),
         start_new_session=True,
         preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run yet
     )
+    assert proc.stdout is not None
+    threading.Thread(target=_relay, args=(proc.stdout, sys.stdout), daemon=True).start()
     _write_record(role, prepared, proc.pid)
     follower = LogFollower([supervisor.log_file(paths, p.name) for p in progs], sys.stdout)
     follower.start()
@@ -158,6 +169,8 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
         while proc.poll() is None and not stop.is_set():
             stop.wait(0.2)
             failure = watch.failure() if watch is not None else None
+            if watch is not None:
+                watch.report_refusal()
             if failure is not None:
                 log.error("error [%s]: %s", failure.code, failure.message)
                 _stop(proc)
@@ -168,17 +181,62 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
         log.info("stopping the %s role", role)
         return _stop(proc)
     finally:
+        if watch is not None:
+            watch.close()
         follower.stop()
         paths.role_record.unlink(missing_ok=True)
 
 
+def _relay(source: IO[bytes], out: IO[str]) -> None:
+    """Copy supervisord's own output to the launcher's. It writes there only when it cannot
+    write its log, and an output it cannot write to either would stop it (a full disk under
+    both): here such lines are lost instead."""
+    for line in source:
+        with contextlib.suppress(OSError, ValueError):
+            out.write(line.decode("utf-8", "replace"))
+            out.flush()
+
+
 class RedisWatch:
     """Notices the role's redis-server giving up (it exited at once REDIS_START_RETRIES times
-    in a row) and says why from its log, with the fix when its data is damaged."""
+    in a row) and says why from its log, with the fix when its data is damaged; and says when
+    it refuses writes because it cannot save them, and when it saves again."""
 
     def __init__(self, paths: StatePaths) -> None:
         self.paths = paths
         self._next = 0.0
+        self._next_refusal = 0.0
+        self._refusal: str | None = None
+        self._client = redis.Redis.from_url(
+            paths.redis_url, socket_timeout=2, socket_connect_timeout=2
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def report_refusal(self) -> None:
+        now = time.monotonic()
+        if now < self._next_refusal:
+            return
+        self._next_refusal = now + REFUSAL_EVERY_S
+        try:
+            refusal = persistence.save_failure(self._client)
+        except (redis.RedisError, OSError):
+            return  # not up yet, or restarting: failure() tells
+        if refusal == self._refusal:
+            return
+        self._refusal = refusal
+        if refusal is None:
+            log.info("Redis saves the role's state again")
+            return
+        where = self.paths.redis_dir
+        log.error(
+            "Redis refuses writes: %s (%s free in %s); free space "
+            "there and it takes writes again on its own; until then requests get 503",
+            refusal,
+            format_size(shutil.disk_usage(where).free),
+            where,
+        )
 
     def failure(self) -> CapyError | None:
         now = time.monotonic()

@@ -3,6 +3,7 @@ and its host's memory from memwatch's latest reading."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Literal
@@ -12,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from capycommon.errors import RoleNotRunning
 from capycommon.paths import StatePaths
-from capycommon.state import heartbeats, memory
+from capycommon.state import heartbeats, memory, persistence
 from capycommon.state.memory import MemoryReading
 from capycommon.units import format_size
 from capyctl_cli import output, record, supervisor
@@ -83,6 +84,8 @@ class StatusReport(BaseModel):
     document: str | None
     listeners: dict[str, str]
     redis: str
+    # Why Redis refuses writes (its disk is full, most often), or None while it saves.
+    redis_refuses_writes: str | None = None
     processes: list[ProcessStatus]
     hosts: list[HostMemory]
 
@@ -100,7 +103,7 @@ def collect(paths: StatePaths) -> StatusReport:
         infos = {info.name: info for info in supervisor.processes(paths.supervisor_socket)}
     except OSError:
         infos = {}
-    beats, workers, hosts = _observe(found)
+    beats, workers, hosts, refusal = _observe(found)
     processes = []
     for name in found.processes:
         info = infos.get(name)
@@ -126,6 +129,7 @@ def collect(paths: StatePaths) -> StatusReport:
         document=found.document,
         listeners=found.listeners,
         redis=found.redis_url,
+        redis_refuses_writes=refusal,
         processes=processes,
         hosts=hosts,
     )
@@ -134,15 +138,19 @@ def collect(paths: StatePaths) -> StatusReport:
 Beats = dict[str, heartbeats.Heartbeat]
 
 
-def _observe(running: RoleRecord) -> tuple[Beats, dict[str, Beats], list[HostMemory]]:
-    """The services' heartbeats, their workers' (by service) and the role's host's memory,
-    read from the role's Redis."""
+def _observe(
+    running: RoleRecord,
+) -> tuple[Beats, dict[str, Beats], list[HostMemory], str | None]:
+    """The services' heartbeats, their workers' (by service), the role's host's memory and
+    why Redis refuses writes if it does, read from the role's Redis."""
     host = running.host
     readings: dict[str, MemoryReading | None] = {host: None} if host else {}
     beats: Beats = {}
     workers: dict[str, Beats] = {}
+    refusal: str | None = None
     try:
         with record.redis_of(running, timeout=2) as client:
+            refusal = persistence.save_failure(client)
             beats = heartbeats.read_all(client, host, running.processes)
             for name in WORKERS_OF.intersection(running.processes):
                 workers[name] = heartbeats.read_workers(client, name)
@@ -150,7 +158,8 @@ def _observe(running: RoleRecord) -> tuple[Beats, dict[str, Beats], list[HostMem
     except (redis.RedisError, OSError, ValidationError):
         pass  # what could not be read shows as missing or unobserved
     now = time.time()
-    return beats, workers, [host_memory(name, found, now) for name, found in readings.items()]
+    hosts = [host_memory(name, found, now) for name, found in readings.items()]
+    return beats, workers, hosts, refusal
 
 
 def _worker(beat: heartbeats.Heartbeat) -> WorkerStatus:
@@ -192,6 +201,8 @@ def render(report: StatusReport) -> str:
         *[(name, f"http://{address}") for name, address in report.listeners.items()],
         ("redis", report.redis),
     ]
+    if report.redis_refuses_writes is not None:
+        summary.append(("redis refuses writes", _refusal(report)))
     rows: list[tuple[object, ...]] = []
     for p in report.processes:
         rows.append((p.name, p.state, p.pid, output.duration(p.uptime_s), _heartbeat(p)))
@@ -204,6 +215,15 @@ def render(report: StatusReport) -> str:
     if report.hosts:
         text += "\n\n" + render_memory(report.hosts)
     return text
+
+
+def _refusal(report: StatusReport) -> str:
+    redis_dir = Path(report.state_dir) / "redis"
+    free = format_size(shutil.disk_usage(redis_dir).free) if redis_dir.exists() else "?"
+    return (
+        f"{report.redis_refuses_writes} ({free} free in {redis_dir}); free space there and "
+        "it takes writes again on its own"
+    )
 
 
 def _heartbeat(process: ProcessStatus) -> str:

@@ -22,7 +22,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import uvicorn
+from redis._parsers import _AsyncRESP2Parser
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capycommon import logs
@@ -45,7 +47,23 @@ from capycommon.version import __version__
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+class RedisCannotWrite(ResponseError):
+    """Redis refuses every write because it cannot save them (its MISCONF answer), most often
+    because its disk is full. It takes writes again on its own once it can save."""
+
+
+class _Parser(_AsyncRESP2Parser):
+    """redis-py's parser, raising Redis's MISCONF refusal as RedisCannotWrite."""
+
+    EXCEPTION_CLASSES = {  # noqa: RUF012 - a plain class dict, as in its base
+        **_AsyncRESP2Parser.EXCEPTION_CLASSES,
+        "MISCONF": RedisCannotWrite,
+    }
+
+
+# What a service rides out as an outage: Redis away, slow, or unable to save.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisCannotWrite)
 # Each service's connections to Redis: enough for its few blocking readers (pub/sub, stream
 # reads) and many short commands at once; a command waits this long for a free one.
 REDIS_CONNECTIONS = 32
@@ -65,8 +83,12 @@ class Outage:
         self.clock = clock
         self.since: float | None = None
         self.ended = -OUTAGE_QUIET_S
+        self.unwritable = False  # Redis answers but refuses writes, until one succeeds
 
     def failed(self, exc: BaseException) -> None:
+        if isinstance(exc, RedisCannotWrite):
+            self._refused(exc)
+            return
         now = self.clock()
         if self.since is not None:
             log.debug("Redis still unreachable: %s", exc)
@@ -82,6 +104,24 @@ class Outage:
         log.info("reconnected to Redis", extra={"after_s": round(now - self.since, 1)})
         self.since = None
         self.ended = now
+
+    def wrote(self) -> None:
+        """A write succeeded: Redis is reachable and saves again."""
+        self.ok()
+        if self.unwritable:
+            self.unwritable = False
+            log.info("Redis takes writes again")
+
+    def _refused(self, exc: RedisCannotWrite) -> None:
+        if self.unwritable:
+            log.debug("Redis still refuses writes: %s", exc)
+            return
+        self.unwritable = True
+        log.error(
+            "Redis refuses writes: it cannot save the role's state; free space on the disk "
+            "that holds its data, and it takes writes again on its own",
+            extra={"error": str(exc)},
+        )
 
 
 # One per process: every part of a service reports to it.
@@ -168,6 +208,8 @@ def redis_client(url: str, connections: int = REDIS_CONNECTIONS) -> aioredis.Red
         timeout=REDIS_WAIT_S,
         socket_connect_timeout=2,
         socket_timeout=5,
+        protocol=2,
+        parser_class=_Parser,
     )
     return aioredis.Redis.from_pool(pool)
 
@@ -238,7 +280,10 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
         )
         try:
             await heartbeats.beat(ctx.redis, ctx.host or "", beat)
-            REDIS_OUTAGE.ok()
+            REDIS_OUTAGE.wrote()
+            lost_since = None
+        except RedisCannotWrite as exc:
+            REDIS_OUTAGE.failed(exc)  # reachable: a restart would not help
             lost_since = None
         except REDIS_ERRORS as exc:
             REDIS_OUTAGE.failed(exc)

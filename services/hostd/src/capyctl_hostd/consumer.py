@@ -48,13 +48,13 @@ async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
 async def _read(group: Group, cursor: str, stop: asyncio.Event) -> list[Entry]:
     try:
         return await group.read(cursor, count=16, block_ms=500)
+    except REDIS_ERRORS:
+        await wait_event(stop, 0.5)  # the heartbeat decides when Redis was gone too long
     except ResponseError as exc:
         # Redis lost the group, or the stream under a blocked read: recreate them.
         if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
             raise
         await group.ensure()
-    except REDIS_ERRORS:
-        await wait_event(stop, 0.5)  # the heartbeat decides when Redis was gone too long
     return []
 
 

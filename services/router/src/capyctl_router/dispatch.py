@@ -136,7 +136,7 @@ class Dispatcher:
                     failing = time.monotonic() if failing is None else failing
                     if time.monotonic() - failing >= REDIS_RETRY_S:
                         raise RedisUnreachable(
-                            f"the router cannot reach Redis ({exc}); retry shortly"
+                            f"the router cannot use Redis ({exc}); retry shortly"
                         ) from None
                     await asyncio.sleep(REDIS_RETRY_EVERY_S)
                     continue

@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +32,7 @@ from pathlib import Path
 from prometheus_client import multiprocess
 
 from capycommon import credentials
-from capycommon.paths import ensure_private_dir
+from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, ServiceContext, bind, wait_event
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.state import places
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # Names the folder of Prometheus's multiprocess mode, for the workers' metrics.
 METRICS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+# Memory-backed files, where the machine has them; the folder is made by mkdtemp (0700).
+SHARED_MEMORY = Path("/dev/shm")  # noqa: S108
+METRICS_PREFIX = "capyctl-router-metrics-"
 # A worker that exits within this of its start is started again after a pause that doubles
 # with each such exit in a row (up to RESTART_PAUSE_MAX_S); any other, at once.
 RESTART_QUICK_S = 1.0
@@ -65,7 +69,7 @@ async def run_workers(ctx: ServiceContext, argv: Sequence[str]) -> None:
     server = ctx.settings.server
     credentials.load(ctx.paths.credentials)  # what would stop every worker, said once here
     listener = bind(server.listeners.inference.bind)
-    folder = _metrics_folder(ctx.paths.run_dir / "router-metrics")
+    folder = _metrics_folder(ctx.paths.run_dir)
     log.info("starting %d workers", server.router.workers)
     try:
         async with asyncio.TaskGroup() as workers:
@@ -73,12 +77,22 @@ async def run_workers(ctx: ServiceContext, argv: Sequence[str]) -> None:
                 workers.create_task(_keep_worker(ctx, index, argv, listener, folder))
     finally:
         listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def _metrics_folder(folder: Path) -> Path:
-    """An empty folder for the workers' metrics: what an earlier router counted is gone."""
-    shutil.rmtree(folder, ignore_errors=True)
-    ensure_private_dir(folder)
+def _metrics_folder(run_dir: Path) -> Path:
+    """A new folder for the workers' metrics, in memory where the machine has /dev/shm: the
+    workers write to it through mmap on every request, and a full disk answers such a write
+    with SIGBUS. Its path is kept in the run dir, so that the next router removes it even
+    when this one was killed."""
+    record = run_dir / "router-metrics.path"
+    with contextlib.suppress(OSError):
+        earlier = Path(record.read_text(encoding="utf-8"))
+        if earlier.name.startswith(METRICS_PREFIX):
+            shutil.rmtree(earlier, ignore_errors=True)
+    place = SHARED_MEMORY if SHARED_MEMORY.is_dir() else run_dir
+    folder = Path(tempfile.mkdtemp(prefix=METRICS_PREFIX, dir=place))
+    write_atomic(record, str(folder))
     return folder
 
 

@@ -21,7 +21,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capycommon import httpauth, requestbody
 from capycommon import management as wire
 from capycommon.credentials import Credentials
-from capycommon.errors import CapyError, IdempotencyConflict, InvalidRequest, http_code_for
+from capycommon.errors import (
+    CapyError,
+    IdempotencyConflict,
+    InvalidRequest,
+    RedisUnreachable,
+    http_code_for,
+)
+from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE
 from capycommon.state.idempotency import Answers
 from capycommon.version import __version__
 from capyctl_scheduler.manage import Manager
@@ -116,6 +123,17 @@ def create_app(credentials: Credentials, manager: Manager | None = None) -> Fast
     @app.exception_handler(CapyError)
     async def capy_error(_: Request, exc: CapyError) -> JSONResponse:
         return error_response(exc.http_status, exc.code, exc.message)
+
+    async def redis_failed(_: Request, exc: Exception) -> JSONResponse:
+        REDIS_OUTAGE.failed(exc)
+        failed = RedisUnreachable(f"the scheduler cannot use Redis ({exc}); retry shortly")
+        answer = error_response(failed.http_status, failed.code, failed.message)
+        answer.headers["Retry-After"] = "1"
+        return answer
+
+    for kind in REDIS_ERRORS:
+        if kind is not OSError:  # an OSError of the app's own is no outage
+            app.add_exception_handler(kind, redis_failed)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
