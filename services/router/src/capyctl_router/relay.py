@@ -132,7 +132,8 @@ async def events(response: httpx.Response) -> AsyncIterator[JsonDict | None]:
     """The engine's SSE events as JSON; None for `[DONE]`. A line `error: {...}` (some
     llama.cpp builds) is an error event too."""
     size = 0
-    async for line in response.aiter_lines():
+    lines = response.aiter_lines()
+    async for line in lines:
         if line.startswith("error:"):
             yield _error_line(line[6:].strip())
             continue
@@ -145,6 +146,10 @@ async def events(response: httpx.Response) -> AsyncIterator[JsonDict | None]:
                 "the engine's answer is over the router's limits (1 MiB an event, 16 MiB in all)"
             )
         if data == "[DONE]":
+            # Read to the body's end (its last chunk follows at once), so that the engine
+            # connection goes back to the pool instead of being closed with the response.
+            async for _ in lines:
+                pass
             yield None
             return
         try:

@@ -1,0 +1,118 @@
+"""The router keeps its connections to an engine open across requests: an answer read to its
+`[DONE]` gives the connection back to the pool, so a request costs no new TCP connection (and
+the engine no accept) however many come. The engine here is a real HTTP/1.1 server on a
+loopback socket that counts the connections it is given."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from capycommon.credentials import generate
+from capycommon.state import places
+from capyctl_router.app import Router, create_app
+from capyctl_router.dispatch import Dispatcher
+from capyctl_router.metrics import Metrics
+from capyctl_router.table import Table
+from integration.router.ready import put_ready
+
+CREDENTIALS = generate()
+HI: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+def _chunk(content: str, finish: str | None = None) -> bytes:
+    event = {
+        "id": "chatcmpl-engine",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "served",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+    }
+    data = f"data: {json.dumps(event)}\n\n".encode()
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Engine:
+    """Answers every request with a short SSE stream in chunks, keeping the connection."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.lower().split(b"\r\n")
+                    if line.startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                self.requests += 1
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                writer.write(_chunk("hello") + _chunk("", "stop"))
+                done = b"data: [DONE]\n\n"
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def routed(redis_socket: Path) -> AsyncIterator[tuple[Engine, openai.AsyncOpenAI]]:
+    engine = Engine()
+    server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    await put_ready(client, "m", port=port)
+    table = Table(client, {"local"})
+    await table.sync()
+    engines = httpx.AsyncClient(trust_env=False)
+    app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
+    sdk = openai.AsyncOpenAI(
+        base_url="http://router/v1", api_key=CREDENTIALS.api_key, http_client=http, max_retries=0
+    )
+    try:
+        yield engine, sdk
+        assert (await places.aread(client, "m")).running == 0
+    finally:
+        await sdk.close()
+        await engines.aclose()
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.anyio
+async def test_requests_one_after_another_share_one_engine_connection(
+    routed: tuple[Engine, openai.AsyncOpenAI],
+) -> None:
+    engine, sdk = routed
+    for _ in range(5):
+        answer = await sdk.chat.completions.create(model="m", messages=HI)
+        assert answer.choices[0].message.content == "hello"
+        chunks = await sdk.chat.completions.create(model="m", messages=HI, stream=True)
+        assert [c.choices[0].delta.content async for c in chunks if c.choices] == ["hello", ""]
+    assert engine.requests == 10
+    assert engine.connections == 1
