@@ -21,6 +21,7 @@ import httpx
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from capycommon import httpauth, requestbody
 from capycommon.credentials import Credentials
@@ -34,7 +35,13 @@ from capycommon.errors import (
 from capycommon.version import __version__
 from capyctl_router.bodies import BODIES
 from capyctl_router.dispatch import Dispatcher
-from capyctl_router.errors import ERROR_RESPONSES, capy_error_handler, envelope, retry_headers
+from capyctl_router.errors import (
+    ERROR_RESPONSES,
+    capy_error_handler,
+    capy_error_response,
+    envelope,
+    retry_headers,
+)
 from capyctl_router.proxy import Session, disconnected
 from capyctl_router.relay import Call
 from capyctl_router.table import Table, Target
@@ -56,6 +63,32 @@ class Router:
         return self.dispatcher.table
 
 
+class RouterApp(FastAPI):
+    """FastAPI, with the inference routes served before its routing: a POST to one of them
+    is checked and forwarded at once, without the dependency solving, routing and middleware
+    every other route goes through (they cost more than the forwarding itself). The routes
+    are also declared to FastAPI, for the OpenAPI document."""
+
+    # The inference routes' paths and kinds, the API key and what forwards them (set by
+    # create_app; none without a Router).
+    proxied: dict[str, str]
+    api_key: str
+    inference: Router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = self.proxied.get(scope["path"]) if scope["type"] == "http" else None
+        if kind is None or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            httpauth.require(request.headers.get("authorization"), self.api_key, "API key")
+            response = await forward(self.inference, kind, request)
+        except CapyError as exc:
+            response = capy_error_response(exc)
+        await response(scope, receive, send)
+
+
 def create_app(credentials: Credentials, router: Router | None = None) -> FastAPI:
     """The router's ASGI app. Only the API key opens it; the admin token is refused."""
 
@@ -63,7 +96,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
     async def require_api_key(authorization: Authorization = None) -> None:
         httpauth.require(authorization, credentials.api_key, "API key")
 
-    app = FastAPI(
+    app = RouterApp(
         title="CapyCTL",
         version=__version__,
         docs_url=None,
@@ -71,6 +104,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
         openapi_url=None,
         responses=ERROR_RESPONSES,
     )
+    app.proxied = {}
     app.add_exception_handler(CapyError, capy_error_handler)
 
     @app.exception_handler(StarletteHTTPException)
@@ -128,6 +162,9 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
             dependencies=[Depends(require_api_key)],
             openapi_extra=requestbody.openapi_body(body),
         )
+    app.proxied = {f"/v1/{kind.replace('.', '/')}": kind for kind in BODIES}
+    app.api_key = credentials.api_key
+    app.inference = router
     return app
 
 

@@ -66,7 +66,11 @@ def retry_headers(code: str, status: int) -> dict[str, str]:
     return {}
 
 
-async def capy_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, CapyError)
+def capy_error_response(exc: CapyError) -> JSONResponse:
     headers = retry_headers(exc.code, exc.http_status)
     return envelope(exc.http_status, exc.code, exc.message, headers=headers)
+
+
+async def capy_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, CapyError)
+    return capy_error_response(exc)
