@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
 import pytest
 
 from enginesim.behaviour import Behaviour, version_tuple
+from enginesim.engine import Work
 from enginesim.metrics import Exposition, Histogram
-from enginesim.openai_chat import count_prompt_tokens, plan
+from enginesim.openai_chat import Answer, Dialect, count_prompt_tokens, plan
 from enginesim.vllm_app import reasoning_fields
 
 
@@ -39,6 +44,45 @@ def test_plans_count_pieces_and_stop_at_the_limit() -> None:
     assert ([t.kind for t in tokens], finish) == (["tool_name", "tool_args"], "length")
     assert count_prompt_tokens("") == 1
     assert count_prompt_tokens("x" * 9) == 3
+
+
+async def _joined(events: AsyncIterator[str]) -> str:
+    return "".join([event async for event in events])
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_streamed_pieces_are_the_bytes_json_writes(include_usage: bool) -> None:
+    """A piece's event is its answer's template filled with the piece's text: it must be
+    exactly what json.dumps writes for the whole event, whatever the text holds."""
+    text = 'Plain "quoted" back\\slash tab\there \u00e9 \U0001f600 </script> \\u0000 {"x": 1}'
+    tokens, finish = plan(text, "", None, None)
+    dialect = Dialect(
+        reasoning_fields=("reasoning",),
+        new_tool_call_id=lambda: "call-1",
+        choice_extras={"stop_reason": None},
+    )
+    for kind, field in (("chat", "delta"), ("text", "text")):
+        work = Work("r", 1, tokens, finish)
+        work.produced, work.pending, work.ended, work.finish = (
+            list(tokens),
+            list(tokens),
+            True,
+            finish,
+        )
+        answer = Answer(work, "chatcmpl-r", "tiny", dialect, include_usage)
+        body = asyncio.run(
+            _joined(answer.chat_events() if kind == "chat" else answer.text_events())
+        )
+        payloads = [line.removeprefix("data: ") for line in body.split("\n\n") if line]
+        assert payloads[-1] == "[DONE]"
+        events = [json.loads(payload) for payload in payloads[:-1]]
+        assert [json.dumps(event) for event in events] == payloads[:-1]
+        if field == "delta":
+            parts = [e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]]
+        else:
+            parts = [e["choices"][0]["text"] for e in events if e["choices"]]
+        assert "".join(parts) == text
+        assert ("usage" in events[0]) is include_usage
 
 
 def test_exposition_writes_prometheus_text() -> None:

@@ -87,6 +87,12 @@ class Behaviour(_Strict):
     sleep_seconds: float = Field(default=0.1, ge=0)
     wake_seconds: float = Field(default=0.2, ge=0)
     tokens_per_second: float = Field(default=50.0, gt=0)
+    # Benchmarks of what sits in front of the engine: the whole answer is ready once the
+    # request is admitted (tokens_per_second is ignored), the generation routes skip
+    # FastAPI's routing layers, and each turn of the event loop sends its writes together,
+    # so a short answer costs the engine well under a millisecond. The wire format, the API
+    # key check and every other route stay as they are.
+    instant: bool = False
     # Before a request's first token (the prompt's prefill): nothing is sent meanwhile.
     prefill_seconds: float = Field(default=0.0, ge=0)
     answer: str = "Hello from the engine simulator."

@@ -4,6 +4,12 @@ behaviour's speed, until they finish, are aborted, or the engine stops producing
 Two switches model every way an engine holds work: `admitting` (waiting requests may take a
 slot) and `producing` (running requests get tokens). Sleep closes both; the `hang` fault
 closes only `producing`, so requests stay running and nothing comes.
+
+Tokens are paced by the clock, not by one sleep each: every token whose time has come is
+produced at once, and the answer takes them as one batch (one write of a stream). A sleep
+shorter than the event loop's tick would otherwise last a whole tick (about 1 ms) and cost
+a timer and a task per token, so a fast pace was never reached. With `instant` the whole
+answer is produced as soon as the request is admitted.
 """
 
 from __future__ import annotations
@@ -46,7 +52,10 @@ class Work:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
-    out: asyncio.Queue[Token | None] = field(default_factory=asyncio.Queue)
+    # Produced and not yet taken by the answer; `ended` once nothing more will come.
+    pending: list[Token] = field(default_factory=list)
+    ended: bool = False
+    more: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     scheduled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -55,10 +64,18 @@ class Work:
     def completion_tokens(self) -> int:
         return len(self.produced)
 
-    async def tokens(self) -> AsyncIterator[Token]:
-        """The tokens as they come; ends when the work finishes for any reason."""
-        while (token := await self.out.get()) is not None:
-            yield token
+    async def batches(self) -> AsyncIterator[list[Token]]:
+        """The tokens as they come, those produced together in one list; ends when the work
+        finishes for any reason."""
+        while True:
+            if not self.pending and not self.ended:
+                self.more.clear()
+                await self.more.wait()
+            if self.pending:
+                taken, self.pending = self.pending, []
+                yield taken
+            elif self.ended:
+                return
 
 
 @dataclass
@@ -127,17 +144,40 @@ class Engine:
         try:
             if not await self._until(work.scheduled, work):
                 return
-            if await _within(work, self.behaviour.prefill_seconds):
+            prefill = self.behaviour.prefill_seconds
+            if prefill > 0 and await _within(work, prefill):
                 return
-            delay = 1.0 / self.behaviour.tokens_per_second
-            for token in work.plan:
-                if not await self._until(self.producing, work) or await _within(work, delay):
-                    return
-                self._emit(work, token)
-            self._finish(work, work.planned_finish)
+            if await self._produce(work):
+                self._finish(work, work.planned_finish)
         finally:
-            work.out.put_nowait(None)
+            work.ended = True
+            work.more.set()
             work.done.set()
+
+    async def _produce(self, work: Work) -> bool:
+        """Token i comes (i + 1) / tokens_per_second after the first is begun, the pace
+        resuming where it stopped when production pauses; True once every token came,
+        False when the work is aborted first."""
+        delay = 0.0 if self.behaviour.instant else 1.0 / self.behaviour.tokens_per_second
+        plan, count = work.plan, 0
+        start = time.monotonic()
+        while count < len(plan):
+            if not self.producing.is_set():
+                if not await self._until(self.producing, work):
+                    return False
+                start = time.monotonic() - count * delay
+            wait = start + (count + 1) * delay - time.monotonic()
+            if wait > 0 and await _within(work, wait):
+                return False
+            due = len(plan) if delay == 0 else int((time.monotonic() - start) / delay)
+            for token in plan[count : max(due, count + 1)]:
+                if work.aborted.is_set() or not self.producing.is_set():
+                    break
+                self._emit(work, token)
+                count += 1
+            if work.aborted.is_set():
+                return False
+        return True
 
     async def _until(self, event: asyncio.Event, work: Work) -> bool:
         """Wait for `event`; False when the work is aborted first."""
@@ -158,7 +198,8 @@ class Engine:
             work.first_token_at = now
             self.stats.ttft.observe(now - work.created)
         work.produced.append(token)
-        work.out.put_nowait(token)
+        work.pending.append(token)
+        work.more.set()
         self.stats.generation_tokens += 1
         self.tokens_total += 1
         limit = self.behaviour.faults.die_mid_stream

@@ -207,5 +207,5 @@ async def _start(process: Process, args: LlamaArgs, build: int, behaviour: Behav
     process.at_exit(sock.close)
     app = build_app(front)
     process.spawn(front.load())
-    await proc.serve(app, sock, process, front.shutdown, access_log=False)
+    await proc.serve(app, sock, process, front.shutdown, access_log=False, corked=behaviour.instant)
     return 0

@@ -35,7 +35,7 @@ from enginesim.openai_chat import (
     random_id,
 )
 from enginesim.process import Process
-from enginesim.serving import Frontend
+from enginesim.serving import Frontend, HotPaths
 
 if TYPE_CHECKING:
     from enginesim.llamacpp import LlamaArgs
@@ -324,6 +324,12 @@ def build_app(front: LlamaFrontend) -> FastAPI:
     for path in ("/v1/embeddings", "/embeddings"):
         add(path, front.embeddings, methods=["POST"])
     add("/", front.webui, methods=["GET"])
+    if front.behaviour.instant:
+        generation = {"chat/completions": front.chat, "completions": front.completions}
+        routes = {
+            f"{prefix}/{path}": run for path, run in generation.items() for prefix in ("", "/v1")
+        }
+        app.add_middleware(HotPaths, routes=routes)
     if front.args.api_keys:
         body = {
             "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}

@@ -8,6 +8,7 @@ prompt counts one token per 4 characters of its text (at least 1), and each gene
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -20,10 +21,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from enginesim.engine import Finish, Token, Work
+from enginesim.engine import Finish, Token, TokenKind, Work
 
 JsonDict = dict[str, Any]
 _PIECES = re.compile(r"\s*\S+")
+# Stands for a piece's text while its event's template is made; no answer holds it.
+_HOLE = "\x00piece\x00"
 
 
 class _Tolerant(BaseModel):
@@ -103,6 +106,13 @@ def pieces(text: str) -> list[str]:
     return _PIECES.findall(text)
 
 
+@functools.lru_cache(maxsize=32)
+def _tokens_of(kind: TokenKind, text: str) -> tuple[Token, ...]:
+    """The tokens of one text, made once: the behaviour's answer may be thousands of words,
+    and every request that gets it would otherwise split it anew."""
+    return tuple(Token(kind, piece) for piece in pieces(text))
+
+
 def plan(
     answer: str,
     reasoning: str,
@@ -110,14 +120,14 @@ def plan(
     limit: int | None,
 ) -> tuple[list[Token], Finish]:
     """The tokens a request will get, and how it finishes if nothing stops it."""
-    tokens = [Token("reasoning", piece) for piece in pieces(reasoning)]
+    tokens = list(_tokens_of("reasoning", reasoning))
     if tool is None:
-        tokens += [Token("content", piece) for piece in pieces(answer)]
+        tokens += _tokens_of("content", answer)
         finish: Finish = "stop"
     else:
         name, arguments = tool
         tokens.append(Token("tool_name", name))
-        tokens += [Token("tool_args", piece) for piece in pieces(arguments)]
+        tokens += _tokens_of("tool_args", arguments)
         finish = "tool_calls"
     if limit is not None and len(tokens) > limit:
         return tokens[:limit], "length"
@@ -152,6 +162,8 @@ class Answer:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     tool_call_id: str = ""
+    # The text of a piece's event before and after its JSON string, by event kind.
+    _templates: dict[str, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.tool_call_id = self.dialect.new_tool_call_id()
@@ -273,32 +285,52 @@ class Answer:
             choice.update(self.dialect.choice_extras)
         return choice
 
+    def _piece(self, kind: str, token: Token) -> str:
+        """The event of one generated piece. A content or text piece fills a template made
+        once per answer from `_event` itself (same bytes; only the text differs between
+        them), so a long stream costs little more than its text. llama.cpp's `timings`
+        change with every event, so its pieces are written whole."""
+        text_kind = kind == "text_completion"
+        if self.dialect.timings or not (text_kind or token.kind == "content"):
+            return self._event(kind, [self._piece_choice(kind, token)])
+        template = self._templates.get(kind)
+        if template is None:
+            hole = Token(token.kind, _HOLE)
+            parts = self._event(kind, [self._piece_choice(kind, hole)]).split(json.dumps(_HOLE))
+            if len(parts) != 2:
+                return self._event(kind, [self._piece_choice(kind, token)])
+            template = self._templates[kind] = (parts[0], parts[1])
+        return template[0] + json.dumps(token.text) + template[1]
+
+    def _piece_choice(self, kind: str, token: Token) -> JsonDict:
+        if kind == "text_completion":
+            return {"index": 0, "text": token.text, "logprobs": None, "finish_reason": None}
+        return self._chat_choice(self._delta(token))
+
     async def chat_events(self) -> AsyncIterator[str]:
         """The role chunk comes with the first output, as the engines send it: nothing is
-        sent while the request waits or its prompt is processed."""
+        sent while the request waits or its prompt is processed. Each batch of tokens the
+        engine produced together is one string (one write), and so is the end."""
         kind = "chat.completion.chunk"
         role = self._event(kind, [self._chat_choice({"role": "assistant", "content": ""})])
         started = False
-        async for token in self.work.tokens():
+        async for batch in self.work.batches():
+            events = [self._piece(kind, token) for token in batch]
             if not started:
                 started = True
-                yield role
-            yield self._event(kind, [self._chat_choice(self._delta(token))])
-        if not started:
-            yield role
+                events.insert(0, role)
+            yield "".join(events)
+        end = [] if started else [role]
         if self.work.finish == "error":
-            yield self._error_event()
+            end.append(self._error_event())
         else:
-            yield self._event(kind, [self._chat_choice({}, self.work.finish or "abort")])
-        async for tail in self._tail("chat.completion.chunk"):
-            yield tail
+            end.append(self._event(kind, [self._chat_choice({}, self.work.finish or "abort")]))
+        yield "".join(end + self._tail(kind))
 
     async def text_events(self) -> AsyncIterator[str]:
         kind = "text_completion"
-        async for token in self.work.tokens():
-            yield self._event(
-                kind, [{"index": 0, "text": token.text, "logprobs": None, "finish_reason": None}]
-            )
+        async for batch in self.work.batches():
+            yield "".join(self._piece(kind, token) for token in batch)
         last = {
             "index": 0,
             "text": "",
@@ -306,9 +338,8 @@ class Answer:
             "finish_reason": self.work.finish or "abort",
             **self.dialect.choice_extras,
         }
-        yield self._error_event() if self.work.finish == "error" else self._event(kind, [last])
-        async for tail in self._tail(kind):
-            yield tail
+        end = self._error_event() if self.work.finish == "error" else self._event(kind, [last])
+        yield "".join([end, *self._tail(kind)])
 
     def _error_event(self) -> str:
         error = {
@@ -319,7 +350,6 @@ class Answer:
         }
         return f"data: {json.dumps({'error': error})}\n\n"
 
-    async def _tail(self, kind: str) -> AsyncIterator[str]:
-        if self.include_usage:
-            yield self._event(kind, [], usage=self.usage())
-        yield "data: [DONE]\n\n"
+    def _tail(self, kind: str) -> list[str]:
+        usage = [self._event(kind, [], usage=self.usage())] if self.include_usage else []
+        return [*usage, "data: [DONE]\n\n"]

@@ -16,9 +16,10 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("enginesim")
 
@@ -85,9 +86,13 @@ def run(main: Callable[[Process], Awaitable[int]]) -> int:
 
 
 def open_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """Bound but not listening: a client is refused until `serve` starts (as vLLM loads)."""
+    """Bound but not listening: a client is refused until `serve` starts (as vLLM loads).
+
+    Made with the TCP protocol named, so asyncio turns Nagle's algorithm off on every
+    connection it accepts (it checks `sock.proto`): otherwise an answer written in two parts
+    (head, then body) waits up to 40 ms for the client's delayed ACK."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -98,6 +103,42 @@ def open_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
         raise
     sock.set_inheritable(False)
     return sock
+
+
+class _CorkedTransport:
+    """A connection's transport that gathers the writes of one turn of the event loop and
+    sends them as one: an answer's head and body, or a stream's end and its last chunk,
+    leave in one system call instead of one each."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._parts:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._parts.append(bytes(data))
+
+    def _flush(self) -> None:
+        if self._parts:
+            data = b"".join(self._parts)
+            self._parts.clear()
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _CorkedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol writing through a `_CorkedTransport`."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        corked = _CorkedTransport(cast(asyncio.Transport, transport))
+        super().connection_made(cast(asyncio.Transport, corked))
 
 
 class _Server(uvicorn.Server):
@@ -114,10 +155,13 @@ async def serve(
     process: Process,
     on_stop: Callable[[], Awaitable[None]],
     access_log: bool = True,
+    corked: bool = False,
 ) -> None:
-    """Listen on `sock` and serve `app` until `process.stop`; `on_stop` runs first then."""
+    """Listen on `sock` and serve `app` until `process.stop`; `on_stop` runs first then.
+    `corked` sends the writes of each turn of the event loop together (instant engines)."""
     config = uvicorn.Config(
         app,
+        http=_CorkedH11 if corked else "auto",
         log_config=None,
         access_log=access_log,
         lifespan="on",

@@ -301,5 +301,7 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     app = build_app(frontend)
     process.spawn(frontend.warm_up())
     frontend.arm_death()
-    await proc.serve(app, sock, process, frontend.shutdown, access_log=True)
+    await proc.serve(
+        app, sock, process, frontend.shutdown, access_log=True, corked=behaviour.instant
+    )
     return 0

@@ -42,7 +42,7 @@ from enginesim.openai_chat import (
     EmbeddingRequest,
 )
 from enginesim.process import Process
-from enginesim.serving import Frontend
+from enginesim.serving import Frontend, HotPaths
 
 if TYPE_CHECKING:
     from enginesim.sglang import SglangArgs
@@ -443,6 +443,9 @@ def build_app(front: SglangFrontend) -> FastAPI:
     add("/v1/models/{model_id:path}", front.model, methods=["GET"])
     if front.args.enable_metrics:
         add("/metrics", front.metrics, methods=["GET"])
+    if front.behaviour.instant:
+        routes = {"/v1/chat/completions": front.chat, "/v1/completions": front.completions}
+        app.add_middleware(HotPaths, routes=routes)
     _add_auth(app, front.args)
     return app
 

@@ -286,7 +286,14 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
     frontend.arm_death()
     log.info("Starting vLLM server on http://%s:%d", host, args.port)
     log.info("Available routes are: %s", ", ".join(sorted(frontend.paths(app))))
-    await proc.serve(app, sock, process, frontend.shutdown, not args.disable_uvicorn_access_log)
+    await proc.serve(
+        app,
+        sock,
+        process,
+        frontend.shutdown,
+        not args.disable_uvicorn_access_log,
+        corked=behaviour.instant,
+    )
     return 0
 
 
