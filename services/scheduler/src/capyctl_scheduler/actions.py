@@ -65,8 +65,8 @@ def _parked_room(snapshot: Snapshot, instance: InstanceRecord) -> bool:
     if footprint is None:
         return True
     parked: dict[str, int] = {}
-    for name, other in snapshot.instances.items():
-        if other.host != instance.host or other.state != S.PARKED or name == instance.deployment:
+    for name, other in snapshot.parked.get(instance.host, {}).items():
+        if name == instance.deployment:
             continue
         other_gpu = view.gpu_of(other.gpu_uuid)
         found = footprint_of(snapshot, name, other.host, other_gpu) if other_gpu else None

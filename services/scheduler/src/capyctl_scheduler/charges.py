@@ -39,8 +39,8 @@ def charges(snapshot: Snapshot, host: str) -> dict[str, Mapping[str, int]]:
     yet taken up as if it were, and an engine nobody can size as its whole GPU."""
     view = snapshot.hosts[host]
     found: dict[str, Mapping[str, int]] = {}
-    for name, instance in snapshot.instances.items():
-        if instance.host != host or instance.state not in PHASES:
+    for name, instance in snapshot.on_host.get(host, {}).items():
+        if instance.state not in PHASES:
             continue
         found[name] = _charge(snapshot, view, name, instance, PHASES[instance.state])
     for name, record in snapshot.deployments.items():
@@ -79,9 +79,10 @@ def after_releases(snapshot: Snapshot, view: HostView, ledger: Ledger) -> Ledger
     """The ledger once the releases under way have landed: draining or parking instances at
     their parked charge, or none if they stop."""
     landed = ledger
-    for name, record in snapshot.deployments.items():
+    for name in ledger.charges:  # the order does not matter: each owner changes only its own
+        record = snapshot.deployments.get(name)
         instance = snapshot.instances.get(name)
-        if instance is None or instance.host != view.name or name not in ledger.charges:
+        if record is None or instance is None or instance.host != view.name:
             continue
         effect = record.inflight
         stopping = instance.state == S.STOPPING or (

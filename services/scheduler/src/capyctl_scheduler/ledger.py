@@ -205,9 +205,33 @@ class Ledger:
 
     domains: Mapping[str, Domain]
     charges: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    # Every owner's charges summed per domain, and the headrooms asked for, each worked out
+    # once: a plan asks for them often (each GPU of each host, for each start).
+    _totals: dict[str, int] = field(init=False, repr=False, compare=False)
+    _headrooms: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        totals: dict[str, int] = {}
+        for charge in self.charges.values():
+            for domain, size in charge.items():
+                totals[domain] = totals.get(domain, 0) + size
+        object.__setattr__(self, "_totals", totals)
+        object.__setattr__(self, "_headrooms", {})
+
+    def headroom(self, domain: str) -> int:
+        """What the domain can still take before its managed limit or its free reserve."""
+        found = self._headrooms.get(domain)
+        if found is None:
+            limits = self.domains[domain]
+            ceiling = min(limits.managed_limit, limits.capacity - limits.free_reserve)
+            found = self._headrooms[domain] = ceiling - self.total(domain)
+        return found
 
     def total(self, domain: str, without: str | None = None) -> int:
-        return sum(c.get(domain, 0) for owner, c in self.charges.items() if owner != without)
+        found = self._totals.get(domain, 0)
+        if without is not None and without in self.charges:
+            found -= self.charges[without].get(domain, 0)
+        return found
 
     def refusals(self, owner: str, charge: Mapping[str, int]) -> list[Refusal]:
         """Every domain that would break its managed limit or its free reserve."""

@@ -9,9 +9,7 @@ from capyctl_scheduler.ledger import Ledger
 
 def headroom(ledger: Ledger, domain: str) -> int:
     """What the domain can still take before its managed limit or its free reserve."""
-    found = ledger.domains[domain]
-    ceiling = min(found.managed_limit, found.capacity - found.free_reserve)
-    return ceiling - ledger.total(domain)
+    return ledger.headroom(domain)
 
 
 def place(

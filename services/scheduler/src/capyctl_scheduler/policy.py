@@ -9,6 +9,7 @@ exactly what runs, never twice.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 from typing import Literal
 
 from capycommon.errors import DeviceUnobserved, InsufficientResources
@@ -319,17 +320,19 @@ def _start(
 ) -> list[Action]:
     name = record.name
     why_not: list[str] = []
-    choices: list[tuple[int, str, str]] = []
+    # (headroom, then the tie-breaks: the first host, the lowest GPU index; host, GPU)
+    choices: list[tuple[int, tuple[int, ...], int, str, str]] = []
     for host, binding in sorted(snapshot.bindings.get(name, {}).items()):
         view = snapshot.hosts.get(host)
         reason = _unplaceable(view, binding)
         if reason is not None or view is None:
             why_not.append(f"{host}: {reason}")
             continue
-        for gpu in _gpus(view, record):
-            domain = view.domain_of(gpu)
-            if domain in view.domains and gpu in binding.footprints:
-                choices.append((headroom(ledgers[host], domain), host, gpu))
+        ledger, host_rank, footprints = ledgers[host], _neg(host), binding.footprints
+        for gpu, domain in _gpus(view, record):
+            if domain in view.domains and gpu in footprints:
+                gpu_rank = -int(gpu.removeprefix("gpu"))
+                choices.append((headroom(ledger, domain), host_rank, gpu_rank, host, gpu))
     if not choices:
         bindings = snapshot.bindings.get(name, {}).values()
         errors = [binding.error for binding in bindings if binding.error is not None]
@@ -340,7 +343,7 @@ def _start(
             return [Action("refuse", name, f"{first.code}: {first.message}", error=first.code)]
         return [Action("wait", name, "no host can run it: " + ("; ".join(why_not) or "no hosts"))]
     # The most headroom first; on a tie the first host and the lowest GPU index.
-    _, host, gpu = max(choices, key=lambda c: (c[0], _neg(c[1]), -int(c[2].removeprefix("gpu"))))
+    *_, host, gpu = max(choices, key=lambda c: c[:3])
     view = snapshot.hosts[host]
     starting = _starting_on(snapshot, host, view.domain_of(gpu))
     if starting:
@@ -356,15 +359,17 @@ def _start(
     return [Action("start", name, "demanded", host=host, gpu=gpu, generation=record.generation + 1)]
 
 
+@cache
 def _neg(host: str) -> tuple[int, ...]:
     return tuple(-ord(c) for c in host)
 
 
-def _gpus(view: HostView, record: DeploymentRecord) -> list[str]:
+def _gpus(view: HostView, record: DeploymentRecord) -> list[tuple[str, str]]:
+    """The GPUs a deployment may start on, each with its ledger domain."""
     pinned = record.document.device
     if view.unified:
-        return sorted(view.gpus)[:1]
-    return [pinned] if pinned is not None else sorted(view.gpus)
+        return view.gpu_domains[:1]
+    return [(pinned, view.domain_of(pinned))] if pinned is not None else view.gpu_domains
 
 
 def _unplaceable(view: HostView | None, binding: Binding) -> str | None:
@@ -381,15 +386,4 @@ def _unplaceable(view: HostView | None, binding: Binding) -> str | None:
 
 def _starting_on(snapshot: Snapshot, host: str, domain: str) -> str | None:
     """The deployment starting on a GPU's domain, if any: starts are one at a time per GPU."""
-    view = snapshot.hosts[host]
-    for name, instance in snapshot.instances.items():
-        if instance.host == host and instance.state == S.STARTING:
-            gpu = view.gpu_of(instance.gpu_uuid)
-            if gpu is not None and view.domain_of(gpu) == domain:
-                return name
-    for name, record in snapshot.deployments.items():
-        effect = record.inflight
-        launching = effect is not None and effect.kind == "launch" and effect.host == host
-        if launching and effect is not None and view.domain_of(effect.gpu) == domain:
-            return name
-    return None
+    return snapshot.starting.get((host, domain))

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from capycommon.deployments import Resolved
 from capycommon.errors import CapyError
 from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import InstanceRecord
+from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
 from capycommon.state.places import Places
 from capyctl_scheduler.ledger import Domain, Footprint
@@ -52,8 +53,21 @@ class HostView:
     # False where the host has deep parking off (host.deep_park: off, from its hostd).
     deep_park: bool = True
 
+    @cached_property
+    def gpu_domains(self) -> list[tuple[str, str]]:
+        """Each GPU's name, sorted (gpu0, gpu1, ...), with its ledger domain."""
+        return [(gpu, self.domain_of(gpu)) for gpu in sorted(self.gpus)]
+
     def gpu_of(self, uuid: str | None) -> str | None:
-        return next((name for name, found in self.gpus.items() if found == uuid), None)
+        return self._gpu_names.get(uuid) if uuid is not None else None
+
+    @cached_property
+    def _gpu_names(self) -> Mapping[str, str]:
+        """UUID -> GPU name (the first, should a reading repeat a UUID)."""
+        names: dict[str, str] = {}
+        for name, uuid in self.gpus.items():
+            names.setdefault(uuid, name)
+        return names
 
     def domain_of(self, gpu: str) -> str:
         """The ledger domain that holds a GPU's memory: the GPU's, or the unified pool."""
@@ -96,3 +110,41 @@ class Snapshot:
     # Live instances nobody owns: their deployment is gone, or a newer generation runs.
     orphans: tuple[InstanceRecord, ...] = ()
     tunables: Tunables = Tunables()
+
+    # Views a plan asks for many times, each derived once from the values above (a plan of
+    # many deployments on many hosts would otherwise walk every instance for each of them).
+
+    @cached_property
+    def on_host(self) -> Mapping[str, Mapping[str, InstanceRecord]]:
+        """host -> its instances, by deployment (in the order of `instances`)."""
+        found: dict[str, dict[str, InstanceRecord]] = {}
+        for name, instance in self.instances.items():
+            found.setdefault(instance.host, {})[name] = instance
+        return found
+
+    @cached_property
+    def parked(self) -> Mapping[str, Mapping[str, InstanceRecord]]:
+        """host -> its parked instances, by deployment (in the order of `instances`)."""
+        return {
+            host: {n: i for n, i in found.items() if i.state == InstanceState.PARKED}
+            for host, found in self.on_host.items()
+        }
+
+    @cached_property
+    def starting(self) -> Mapping[tuple[str, str], str]:
+        """(host, ledger domain) -> the deployment starting there: the first instance in
+        `starting`, else the first launch in flight (starts are one at a time per GPU)."""
+        found: dict[tuple[str, str], str] = {}
+        for name, instance in self.instances.items():
+            view = self.hosts.get(instance.host)
+            if view is None or instance.state != InstanceState.STARTING:
+                continue
+            gpu = view.gpu_of(instance.gpu_uuid)
+            if gpu is not None:
+                found.setdefault((instance.host, view.domain_of(gpu)), name)
+        for name, record in self.deployments.items():
+            effect = record.inflight
+            if effect is None or effect.kind != "launch" or effect.host not in self.hosts:
+                continue
+            found.setdefault((effect.host, self.hosts[effect.host].domain_of(effect.gpu)), name)
+        return found

@@ -106,9 +106,9 @@ def _candidates(
     snapshot: Snapshot, view: HostView, requester: str, ledger: Ledger
 ) -> Iterable[Candidate]:
     parked_full = _parked_full(snapshot, view)
-    for name, instance in snapshot.instances.items():
+    for name, instance in snapshot.on_host.get(view.name, {}).items():
         record = snapshot.deployments.get(name)
-        if record is None or name == requester or instance.host != view.name:
+        if record is None or name == requester:
             continue
         if record.inflight is not None or instance.state not in (S.READY, S.PARKED):
             continue
@@ -127,8 +127,7 @@ def _candidates(
 
 
 def _parked_full(snapshot: Snapshot, view: HostView) -> bool:
-    parked = [i for i in snapshot.instances.values() if i.host == view.name and i.state == S.PARKED]
-    return len(parked) >= snapshot.tunables.max_parked
+    return len(snapshot.parked.get(view.name, {})) >= snapshot.tunables.max_parked
 
 
 def bound_parked(snapshot: Snapshot, planned: list[Action]) -> list[Action]:
@@ -139,8 +138,8 @@ def bound_parked(snapshot: Snapshot, planned: list[Action]) -> list[Action]:
         parked = sorted(
             (
                 i
-                for name, i in snapshot.instances.items()
-                if i.host == host and i.state == S.PARKED and name in snapshot.deployments
+                for name, i in snapshot.parked.get(host, {}).items()
+                if name in snapshot.deployments
             ),
             key=lambda i: i.since,
         )
