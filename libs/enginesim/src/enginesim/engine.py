@@ -126,10 +126,30 @@ class Engine:
     def submit(self, work: Work) -> None:
         self.stats.requests += 1
         self.waiting[work.key] = work
+        self._schedule()
+        if self._answers_at_once(work):
+            # Nothing to wait for: the answer is made here, with no task and no turn of the
+            # event loop of its own.
+            for token in work.plan:
+                if work.aborted.is_set():
+                    break
+                self._emit(work, token)
+            if not work.aborted.is_set():
+                self._finish(work, work.planned_finish)
+            self._ended(work)
+            return
         task = asyncio.create_task(self._run(work))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        self._schedule()
+
+    def _answers_at_once(self, work: Work) -> bool:
+        behaviour = self.behaviour
+        return (
+            behaviour.instant
+            and behaviour.prefill_seconds == 0
+            and work.scheduled.is_set()
+            and self.producing.is_set()
+        )
 
     def _schedule(self) -> None:
         while self.admitting and self.waiting and len(self.running) < self.slots:
@@ -150,9 +170,13 @@ class Engine:
             if await self._produce(work):
                 self._finish(work, work.planned_finish)
         finally:
-            work.ended = True
-            work.more.set()
-            work.done.set()
+            self._ended(work)
+
+    @staticmethod
+    def _ended(work: Work) -> None:
+        work.ended = True
+        work.more.set()
+        work.done.set()
 
     async def _produce(self, work: Work) -> bool:
         """Token i comes (i + 1) / tokens_per_second after the first is begun, the pace

@@ -161,12 +161,13 @@ class Answer:
     dialect: Dialect
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
-    tool_call_id: str = ""
     # The text of a piece's event before and after its JSON string, by event kind.
     _templates: dict[str, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.tool_call_id = self.dialect.new_tool_call_id()
+    @functools.cached_property
+    def tool_call_id(self) -> str:
+        """Made the first time a tool call is answered, the same for all its parts."""
+        return self.dialect.new_tool_call_id()
 
     def usage(self) -> JsonDict:
         prompt, completion = self.work.prompt_tokens, self.work.completion_tokens

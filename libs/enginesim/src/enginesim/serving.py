@@ -248,13 +248,15 @@ class Frontend:
         events: Callable[[], AsyncIterator[str]],
         body: Callable[[], JsonDict],
     ) -> Response:
-        watcher = self._watch(request, work, stream)
+        # An answer made whole at admission (an instant engine) has no work left to stop.
+        watcher = None if work.finish is not None else self._watch(request, work, stream)
         headers = self.response_headers(request)
         if not stream:
             try:
                 await work.done.wait()
             finally:
-                watcher.cancel()
+                if watcher is not None:
+                    watcher.cancel()
             if work.finish == "error":
                 return self.error(500, work.error or "internal error", "InternalServerError")
             return JSONResponse(body(), headers=headers)
@@ -265,13 +267,17 @@ class Frontend:
         )
 
     async def _stream(
-        self, events: AsyncIterator[str], work: Work, watcher: asyncio.Task[None]
+        self, events: AsyncIterator[str], work: Work, watcher: asyncio.Task[None] | None
     ) -> AsyncIterator[str]:
         try:
+            if work.finish is not None:  # made whole at admission: sent in one write
+                yield "".join([event async for event in events])
+                return
             async for event in events:
                 yield event
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             if work.finish is None:
                 self.client_gone(work, stream=True)
 
