@@ -298,7 +298,7 @@ def test_the_schedulers_reasons_are_in_the_events(hostd: tuple[Hostd, str], mode
         ("parking", "park: switch: least recently used"),
         ("parked", "parked (host_backed)"),
         ("waking", "wake: demanded again"),
-        ("ready", "ready after wake: health and canary passed"),
+        ("ready", "ready after wake: wake calls and canary passed"),
         ("stopping", "stop: idle for 10m"),
         ("stopped", "stopped: idle for 10m"),
     ]

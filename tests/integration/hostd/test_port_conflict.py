@@ -59,6 +59,29 @@ def test_a_foreign_listener_on_the_engines_port_is_found() -> None:
     assert procs.foreign_listeners(port, engine.pid) == set(), "nobody listens any more"
 
 
+def test_an_engine_alone_on_its_port_has_no_foreign_listener() -> None:
+    with _reuse_port_socket() as probe:
+        port = probe.getsockname()[1]
+    engine = subprocess.Popen(
+        [sys.executable, "-c", LISTENER, str(port)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert engine.stdout is not None
+        assert engine.stdout.readline() == b"listening\n"
+        wait_for(
+            lambda: len(procfs.listening_inodes(port)) == 1,
+            timeout=5,
+            what="its listener in /proc/net/tcp",
+        )
+        assert procs.foreign_listeners(port, engine.pid) == set()
+    finally:
+        os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait()
+        engine.stdout.close()  # type: ignore[union-attr]
+
+
 def test_listeners_are_read_from_proc_net_tcp(tmp_path: Path) -> None:
     net = tmp_path / "net"
     net.mkdir()

@@ -6,6 +6,10 @@ say its children live as long as it does (SGLang's scheduler and detokenizer), l
 while starting fails the launch at once: SGLang's HTTP server would wait on. Tearing down
 removes the segments named after the launch's processes and those its processes held that
 were not there before it started, once no process holds them.
+
+A starting engine is asked whether it is ready every `READY_POLL_S`, so it is seen ready
+within tens of milliseconds of its own readiness; the walk of /proc that notes its processes
+runs less often (`REMEMBER_EVERY_S`): on a busy host it takes longer than a probe.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +38,11 @@ LOG_TAIL_LINES = 20
 CHILD_SETTLED_S = 1.0
 # The log writer ends once the engine's processes closed their output.
 WRITER_END_S = 5.0
+# A probe of a starting engine: a refused connection or a 503 costs it next to nothing.
+READY_POLL_S = 0.02
+REMEMBER_EVERY_S = 0.2
+# The end of an engine's log that `tail` reads: enough for its last lines, however long it is.
+TAIL_BYTES = 64 * 1024
 
 
 @dataclass
@@ -121,24 +129,32 @@ def spawn(
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
-    """The last lines of an engine log (already redacted by the log writer)."""
+    """The last lines of an engine log (already redacted by the log writer), read from its
+    end: a long-running engine's log may be large, and hostd reads its tail at each state."""
     try:
-        with path.open(errors="replace") as handle:
-            return [line.rstrip("\n") for line in deque(handle, maxlen=lines)]
+        with path.open("rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            start = max(0, size - TAIL_BYTES)
+            handle.seek(start)
+            found = handle.read().decode(errors="replace").splitlines()
     except OSError:
         return []
+    if start > 0:
+        found = found[1:]  # the first line read may be the end of a longer one
+    return found[-lines:] if lines > 0 else []
 
 
-async def wait_ready(engine: Engine, deadline_s: float) -> None:
+async def wait_ready(engine: Engine, control: EngineControl, deadline_s: float) -> None:
     """Until the engine reports ready; fail at once if it exits, or at the deadline."""
     started = time.monotonic()
-    control = engine.control()
+    remembered = float("-inf")
     children_live = control.capabilities.children_live_with_engine
-    try:
-        while True:
-            code = engine.exit_code()
-            if code is not None:
-                raise LaunchFailed(_exited(engine, f"exited with code {code} while starting"))
+    while True:
+        check_running(engine, "while starting")
+        if await control.ready():
+            return
+        if time.monotonic() - remembered >= REMEMBER_EVERY_S:
+            remembered = time.monotonic()
             if engine.process is None and not procs.group_members(engine.pgid):
                 raise LaunchFailed(_exited(engine, "is gone"))
             engine.remember()
@@ -151,13 +167,16 @@ async def wait_ready(engine: Engine, deadline_s: float) -> None:
                         "or detokenizer) while starting",
                     )
                 )
-            if await control.ready():
-                return
-            if time.monotonic() - started > deadline_s:
-                raise LaunchFailed(_exited(engine, f"was not ready within {deadline_s:g} s"))
-            await asyncio.sleep(0.2)
-    finally:
-        await control.aclose()
+        if time.monotonic() - started > deadline_s:
+            raise LaunchFailed(_exited(engine, f"was not ready within {deadline_s:g} s"))
+        await asyncio.sleep(READY_POLL_S)
+
+
+def check_running(engine: Engine, when: str) -> None:
+    """Fail with the engine's last log lines if the process hostd started has exited."""
+    code = engine.exit_code()
+    if code is not None:
+        raise LaunchFailed(_exited(engine, f"exited with code {code} {when}"))
 
 
 def _exited(engine: Engine, what: str) -> str:
@@ -165,12 +184,28 @@ def _exited(engine: Engine, what: str) -> str:
     return f"the {engine.spec.profile.family} engine {what}; last log lines: {lines}"
 
 
-async def canary(engine: Engine) -> str:
-    control = engine.control()
+async def first_canary(engine: Engine, control: EngineControl) -> str:
+    """A new engine's canary, while a thread checks that the engine alone listens on its port
+    (a walk of /proc; the two overlap). A second listener fails the launch whatever the
+    canary answered: the answer may have come from that listener."""
+    alone = asyncio.create_task(
+        asyncio.to_thread(check_port_is_ours, engine.spec.port, engine.pgid)
+    )
     try:
         return await control.canary()
     finally:
-        await control.aclose()
+        await alone  # its port_conflict is the error to tell, even when the canary failed
+
+
+def check_port_is_ours(port: int, pgid: int) -> None:
+    """The engine alone listens on its port; a second listener would take part of its
+    connections (and answer them with another key)."""
+    if procs.foreign_listeners(port, pgid):
+        raise LaunchFailed(
+            f"port_conflict: another process also listens on 127.0.0.1:{port}, so requests "
+            "would be split between them; give each CapyCTL host on this machine its own "
+            "host.engine_ports"
+        )
 
 
 async def tear_down(engine: Engine) -> list[str]:

@@ -6,6 +6,12 @@ address and key, so it reads the engine's own metrics and keeps the host's load 
 (`capycommon.state.load`) current: an entry per ready or draining instance it holds, none
 for the others. Per tick: the records and the hash are read, the engines are asked together,
 one transaction writes.
+
+A drain is the scheduler's write; a switch waits for a reading taken after it began. So
+hostd follows its host's notifications and reads at once when one of its instances starts
+draining, then every `DRAINING_INTERVAL_S` while any drains, and says on the host's channel
+that a draining engine's reading was written, so the scheduler re-plans without waiting for
+its next tick.
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ import contextlib
 import logging
 import time
 
+from pydantic import ValidationError
+
 from capycommon.engines.control import Load, Timeouts
 from capycommon.errors import CapyError
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import load
+from capycommon.state import load, notify
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
+from capycommon.state.notify import Notification
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.runner import Runner
 
@@ -36,12 +45,61 @@ TIMEOUTS = Timeouts(metrics=INTERVAL_S)
 
 
 async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTERVAL_S) -> None:
-    """Every `interval_s` until `stop`; a tick Redis interrupts is retried at the next."""
+    """Every `interval_s` until `stop`, and at once when a drain begins; a tick Redis
+    interrupts is retried at the next."""
+    drained = asyncio.Event()
+    follower = asyncio.create_task(follow_drains(runner, drained, stop))
+    try:
+        while not stop.is_set():
+            drained.clear()
+            draining = False
+            with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
+                draining = await tick(runner)
+            wait = min(interval_s, DRAINING_INTERVAL_S) if draining else interval_s
+            await _either(drained, stop, wait)
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+
+
+async def follow_drains(runner: Runner, drained: asyncio.Event, stop: asyncio.Event) -> None:
+    """Set `drained` whenever one of the instances hostd holds is notified as draining."""
+    channels = [name for name, host in notify.channels([runner.host]).items() if host]
     while not stop.is_set():
-        draining = False
-        with contextlib.suppress(*REDIS_ERRORS):  # Redis is back at the next turn, or hostd exits
-            draining = await tick(runner)
-        await wait_event(stop, min(interval_s, DRAINING_INTERVAL_S) if draining else interval_s)
+        try:
+            async with notify.subscribed(runner.client, channels) as pubsub:
+                drained.set()  # (re)subscribed: a drain may have begun meanwhile
+                while not stop.is_set():
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+                    if message is not None and await _drains(runner, message["data"]):
+                        drained.set()
+        except REDIS_ERRORS:
+            await wait_event(stop, 1.0)
+
+
+async def _drains(runner: Runner, data: bytes | str) -> bool:
+    """Whether a notification says an instance hostd holds may have begun to drain."""
+    try:
+        note = Notification.model_validate_json(data)
+    except ValidationError:
+        return False
+    if note.kind != "instance" or note.id not in runner.engines:
+        return False
+    deployment, _, index = note.id.rpartition(":")
+    record = await runner.store.get(deployment, int(index))
+    return record is not None and record.state == S.DRAINING
+
+
+async def _either(first: asyncio.Event, second: asyncio.Event, timeout: float) -> None:
+    """Until either event is set, or `timeout` passed."""
+    waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
 
 async def tick(runner: Runner) -> bool:
@@ -49,7 +107,8 @@ async def tick(runner: Runner) -> bool:
     an instance is draining.
 
     An entry written for an instance that stopped serving while its engine was asked lives
-    until the next tick removes it; its generation tells a reader which launch it was.
+    until the next tick removes it; its generation tells a reader which launch it was. When
+    a draining instance's entry is written, the host's channel says so.
     """
     held = dict(runner.engines)
     records, published = await _read(runner, list(held))
@@ -62,11 +121,13 @@ async def tick(runner: Runner) -> bool:
     }
     serving_members = {record.member for record in serving}
     gone = [member for member in published if member not in serving_members]
-    draining = any(record.state == S.DRAINING for record in serving)
+    draining = {record.member for record in serving if record.state == S.DRAINING}
     if not entries and not gone:
-        return draining
-    await load.publish_loads(runner.client, runner.host, entries, gone)
-    return draining
+        return bool(draining)
+    await load.publish_loads(
+        runner.client, runner.host, entries, gone, notify=bool(draining & set(entries))
+    )
+    return bool(draining)
 
 
 def entry(

@@ -41,8 +41,14 @@ def group_members(pgid: int) -> list[int]:
 def foreign_listeners(port: int, pgid: int) -> set[int]:
     """Sockets listening on `port` that the process group does not hold: another process
     shares the port (engines bind with SO_REUSEPORT, so the kernel lets both listen and
-    splits the connections between them)."""
-    return procfs.listening_inodes(port) - procfs.socket_inodes(group_members(pgid))
+    splits the connections between them).
+
+    The group's leader (the engine's server, which listens) is asked first; the whole group
+    is looked for, a walk of /proc, only when the leader does not hold every listener."""
+    listening = procfs.listening_inodes(port)
+    if not listening - procfs.socket_inodes([pgid]):
+        return set()
+    return listening - procfs.socket_inodes(group_members(pgid))
 
 
 def _signal_group(pgid: int, signum: int) -> None:

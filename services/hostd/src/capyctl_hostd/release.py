@@ -21,7 +21,10 @@ from capycommon.state.memory import MemoryReading
 from capycommon.units import format_duration, format_size
 from capyctl_hostd import procs
 
-POLL_S = 0.25
+# memwatch writes a reading a second and says nothing when it does: a park (and the switch
+# waiting on it) counts within this long of the first reading that shows it released. One
+# small GET each time, and only while a park is being verified.
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,11 @@
 
 Every change of state goes through the instance store's compare-and-set, so a command for a
 stale generation, or one that arrives after the instance moved on, is refused and recorded.
+
+A wake or a start costs what the engine's own calls cost: a wake is the engine's wake calls,
+then the canary as soon as they return; a start probes the engine's health every few tens of
+milliseconds, then runs the canary while the port check walks /proc beside it. hostd's log
+line for each (`woke`, `started`) gives the moment each step ended (`steps`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import redis.asyncio as aioredis
 
 from capycommon.engines import registry
 from capycommon.engines.adapters import adapter_for
+from capycommon.engines.control import EngineControl
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
 from capycommon.errors import CapyError, LaunchFailed
@@ -152,6 +158,7 @@ class Runner:
             await self._launch(command, current)
 
     async def _launch(self, command: hc.Launch, current: InstanceRecord | None) -> None:
+        steps = Steps()
         launch_id = f"{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
         port = self.ports.lease()
         log_path = self.paths.logs_dir / command.deployment / f"{launch_id}.log"
@@ -175,8 +182,10 @@ class Runner:
         except Conflict:
             self.ports.release(port)
             raise
+        control: EngineControl | None = None
         try:
             engine = await self._start_engine(command, record, log_path)
+            steps.mark("spawned")
             started = record.model_copy(
                 update={
                     "process": procs.identity(engine.pgid),
@@ -192,13 +201,20 @@ class Runner:
                 reason="engine process started",
                 previous=record,
             )
-            await engines.wait_ready(engine, command.start_deadline_s)
-            _check_port_is_ours(record.port, engine.pgid)
-            answer = await engines.canary(engine)
+            control = engine.control()
+            await engines.wait_ready(engine, control, command.start_deadline_s)
+            steps.mark("healthy")
+            answer = await engines.first_canary(engine, control)
+            steps.mark("canary")
         except (CapyError, OSError) as exc:
             await self.fail(record, f"launch failed: {_message(exc)}")
             return
+        finally:
+            if control is not None:
+                await control.aclose()
         await self._to(record, S.READY, "ready: health and canary passed", canary=answer)
+        log.info("started", extra={"member": record.member, "steps": steps.marks})
+        engine.remember()  # its processes as they serve, for the tear-down (once it is ready)
 
     async def _start_engine(
         self, command: hc.Launch, record: InstanceRecord, log_path: Path
@@ -259,7 +275,7 @@ class Runner:
         if engine is None:
             await self._refuse_record(record, "park", "hostd does not hold this engine")
             return
-        record = await self._to(record, S.PARKING, f"park: {command.reason}")
+        record = await self._to(record, S.PARKING, f"park: {command.reason}", keep_log=False)
         residency = Residency(record.residency or Residency.RESTART_ONLY)
         control = engine.control()
         try:
@@ -291,17 +307,27 @@ class Runner:
         await self.stop_finish(record, reason)
 
     async def wake(self, record: InstanceRecord, command: hc.Wake) -> None:
+        """The engine's wake calls, then the canary the moment they return: its answer, the
+        same as at launch, is what lets requests through again."""
+        steps = Steps()
         engine = self.engines.get(record.member)
         if record.state != S.PARKED or engine is None:
             await self._refuse_record(record, "wake", f"the instance is {record.state}")
             return
-        record = await self._to(record, S.WAKING, f"wake: {command.reason}")
+        record = await self._to(record, S.WAKING, f"wake: {command.reason}", keep_log=False)
         residency = Residency(record.residency or Residency.RESTART_ONLY)
         control = engine.control()
+        steps.mark("wake call")
         try:
-            await control.wake(residency)
-            await engines.wait_ready(engine, command.wake_deadline_s)
-            answer = await engines.canary(engine)
+            async with asyncio.timeout(command.wake_deadline_s):
+                await control.wake(residency)
+                steps.mark("woke")
+                engines.check_running(engine, "while waking")
+                answer = await control.canary()
+                steps.mark("canary")
+        except TimeoutError:
+            await self.fail(record, f"wake failed: not awake within {command.wake_deadline_s:g} s")
+            return
         except CapyError as exc:
             await self.fail(record, f"wake failed: {exc.message}")
             return
@@ -312,7 +338,8 @@ class Runner:
                 record, f"wake_mismatch: the canary answered {answer!r}, not {record.canary!r}"
             )
             return
-        await self._to(record, S.READY, "ready after wake: health and canary passed")
+        await self._to(record, S.READY, "ready after wake: wake calls and canary passed")
+        log.info("woke", extra={"member": record.member, "steps": steps.marks})
 
     async def stop(self, record: InstanceRecord, reason: str) -> None:
         if record.state not in LIVE_STATES:
@@ -346,8 +373,17 @@ class Runner:
     # Shared steps ----------------------------------------------------------------------------
 
     async def _to(
-        self, record: InstanceRecord, state: InstanceState, reason: str, **changes: object
+        self,
+        record: InstanceRecord,
+        state: InstanceState,
+        reason: str,
+        *,
+        keep_log: bool = True,
+        **changes: object,
     ) -> InstanceRecord:
+        """Move the record to `state`, then keep the engine's last log lines in Redis, unless
+        `keep_log` is False: a park or wake under way keeps them at its next state, and its
+        engine call starts sooner."""
         new = record.model_copy(update={"state": state, "since": time.time(), **changes})
         written = await self.store.transition(
             new,
@@ -356,7 +392,8 @@ class Runner:
             reason=reason,
             previous=record,
         )
-        await self._publish_log(written)
+        if keep_log:
+            await self._publish_log(written)
         return written
 
     async def fail(self, record: InstanceRecord, error: str) -> None:
@@ -424,15 +461,15 @@ class Runner:
         await self.store.publish_log(record.deployment, record.instance, lines)
 
 
-def _check_port_is_ours(port: int | None, pgid: int) -> None:
-    """The engine alone listens on its port; a second listener would take part of its
-    connections (and answer them with another key)."""
-    if port is not None and procs.foreign_listeners(port, pgid):
-        raise LaunchFailed(
-            f"port_conflict: another process also listens on 127.0.0.1:{port}, so requests "
-            "would be split between them; give each CapyCTL host on this machine its own "
-            "host.engine_ports"
-        )
+@dataclass
+class Steps:
+    """When each step of a start or wake ended (wall clock, from when hostd took it up), for
+    hostd's log: where the time went."""
+
+    marks: dict[str, float] = field(default_factory=lambda: {"received": round(time.time(), 4)})
+
+    def mark(self, step: str) -> None:
+        self.marks[step] = round(time.time(), 4)
 
 
 def _message(exc: BaseException) -> str:

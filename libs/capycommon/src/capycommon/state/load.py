@@ -9,6 +9,7 @@ so a reader can tell it from one left by an earlier launch of the same member.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 
 import redis
@@ -16,6 +17,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
 from capycommon.state import keys
+from capycommon.state.notify import Notification
 
 
 class EngineLoad(BaseModel):
@@ -50,9 +52,16 @@ async def aread_loads(client: aioredis.Redis, host: str) -> dict[str, EngineLoad
 
 
 async def publish_loads(
-    client: aioredis.Redis, host: str, entries: Mapping[str, EngineLoad], gone: Iterable[str]
+    client: aioredis.Redis,
+    host: str,
+    entries: Mapping[str, EngineLoad],
+    gone: Iterable[str],
+    *,
+    notify: bool = False,
 ) -> None:
-    """Write these members' entries and remove those of engines no longer serving."""
+    """Write these members' entries and remove those of engines no longer serving; with
+    `notify`, say so on the host's channel (`{kind: load}`): the scheduler waits on a draining
+    engine's reading to park or stop it, and re-plans the moment it comes."""
     key = keys.engine_load(host)
     gone = list(gone)
     async with client.pipeline(transaction=True) as pipe:
@@ -60,4 +69,7 @@ async def publish_loads(
             pipe.hset(key, mapping={m: e.model_dump_json() for m, e in entries.items()})
         if gone:
             pipe.hdel(key, *gone)
+        if notify:
+            note = Notification(kind="load", id=host, version=int(time.time() * 1000))
+            pipe.publish(keys.host_notifications(host), note.model_dump_json())
         await pipe.execute()

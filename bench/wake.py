@@ -1,0 +1,549 @@
+"""What CapyCTL adds to a wake, a switch and a cold start, against the engine's own calls.
+
+Starts a standalone role on a simulated 24 GiB GPU with the engine simulator as vLLM and two
+host_backed deployments, `a` and `b`, that do not both fit ready (each 14 GiB). Each figure is
+printed beside its baseline, measured on the same engine in the same run:
+
+- wake: a request for a parked `a` to its first token (through the router), against the
+  engine's own wake calls (those hostd makes: /wake_up weights, /wake_up kv_cache,
+  /reset_prefix_cache, timed here directly) plus a one-token chat's first token;
+- switch: a request for the parked one of `a` and `b` while the other is ready, to its first
+  token, against the engine's own park call (/sleep) plus its wake calls and first token;
+- cold start: from the engine's own readiness (its /health first answering 200, polled here
+  every few milliseconds) to hostd recording it ready, and to the request's first token.
+
+Each round also shows where the time went, in milliseconds after the request was sent: from
+Redis (the demand, the scheduler's decisions and commands, hostd's transitions) and hostd's
+log (when it took a command up, its engine calls and canary).
+
+    .venv/bin/python bench/wake.py [--rounds N] [--only wake switch cold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import redis
+import yaml
+
+from capycommon.engines import detect, registry
+from capycommon.state import keys
+from enginesim.behaviour import Behaviour
+from enginesim.install import install_python_engine
+
+GiB = 1 << 30
+HOST = "local"
+CAPYCTL = [sys.executable, "-m", "capyctl_cli"]
+# Short engine calls, so what CapyCTL adds is visible beside them; fast tokens, so the first
+# token is the engine's work of one token, not the answer's length.
+BEHAVIOUR = Behaviour(
+    load_seconds=0.5,
+    sleep_seconds=0.25,
+    wake_seconds=0.25,
+    tokens_per_second=1000,
+    memory_lag_seconds=0.1,
+)
+# 14 GiB charged on the card each (12.75 GiB asked, 1.25 GiB CUDA context): two never fit on
+# a 24 GiB GPU, so a request for the parked one is a switch.
+MEMORY = {"request": "13056MiB", "startup": "14GiB"}
+ONE_TOKEN = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}
+# What hostd's vLLM adapter calls to wake a host_backed engine, and to park it.
+WAKE_CALLS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("/wake_up", {"tags": "weights"}),
+    ("/wake_up", {"tags": "kv_cache"}),
+    ("/reset_prefix_cache", {}),
+)
+PARK_CALL = ("/sleep", {"level": "1"})
+HEALTH_POLL_S = 0.002
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _until(check: Callable[[], Any], what: str, timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return found
+
+
+class Stand:
+    """A standalone role with the deployments `a` and `b` of the simulated vLLM."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+        self.env["HOME"] = str(root)
+        config = self.state / "config"
+        config.mkdir(parents=True)
+        document = config / "standalone.yaml"
+        ports = random.randrange(20_000, 30_000, 10)
+        document.write_text(
+            yaml.safe_dump(
+                {
+                    "kind": "standalone",
+                    "host": {
+                        "simulated_gpus": "gpu0:24GiB",
+                        "simulated_host_ram": "256GiB",
+                        "models_root": str(root / "models"),
+                        # Ports of its own: other roles on this machine use the default range.
+                        "engine_ports": f"{ports}-{ports + 9}",
+                    },
+                }
+            )
+        )
+        venv = install_python_engine(root / "vllm", "vllm", "0.29.0", BEHAVIOUR)
+        (found,) = detect.probe(venv)
+        registry.add(config / registry.FILE_NAME, found.profile("vllm"))
+        model = root / "models" / "m10"
+        model.mkdir(parents=True)
+        with (model / "model.safetensors").open("wb") as weights:
+            weights.truncate(10 * GiB)
+        self.inference = f"127.0.0.1:{_free_port()}"
+        self.log = (root / "role.log").open("wb")
+        self.role = subprocess.Popen(
+            [
+                *CAPYCTL,
+                "start",
+                "standalone",
+                "--state-dir",
+                str(self.state),
+                "--config",
+                str(document),
+                "--listen",
+                self.inference,
+                "--management-listen",
+                f"127.0.0.1:{_free_port()}",
+                "--host-name",
+                HOST,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+        )
+        self.redis = redis.Redis(unix_socket_path=str(self.state / "redis" / "redis.sock"))
+        _until(lambda: self.cli("list", "deployments").returncode == 0, "the role")
+        for name in ("a", "b"):
+            path = root / f"{name}.yaml"
+            path.write_text(
+                yaml.safe_dump(
+                    {
+                        "name": name,
+                        "engine": "vllm",
+                        "model": "m10",
+                        "residency": "host_backed",
+                        "engine_config": {"memory": MEMORY},
+                    }
+                )
+            )
+            self.cli("deploy", "model", "--file", str(path), check=True)
+        self.api_key = cast(
+            dict[str, str], yaml.safe_load((self.state / "identity" / "credentials").read_text())
+        )["api_key"]
+        self.router = httpx.Client(
+            base_url=f"http://{self.inference}/v1",
+            headers={"Authorization": f"Bearer {self.api_key}"},
+            timeout=120,
+        )
+
+    def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+        found = subprocess.run(
+            [*CAPYCTL, *args, "--state-dir", str(self.state)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if check and found.returncode:
+            raise SystemExit(f"capyctl {' '.join(args)}: {found.stdout}{found.stderr}")
+        return found
+
+    def record(self, name: str) -> dict[str, Any] | None:
+        raw = self.redis.get(keys.instance(HOST, name, 0))
+        return None if raw is None else cast(dict[str, Any], json.loads(raw))
+
+    def state_of(self, name: str) -> str | None:
+        record = self.record(name)
+        return None if record is None else str(record["state"])
+
+    def engine(self, name: str) -> httpx.Client:
+        """A client of the deployment's engine, directly, with its per-launch key."""
+        record = self.record(name)
+        assert record is not None
+        assert record["port"] is not None
+        secret = cast(bytes, self.redis.get(keys.instance_secret(HOST, name, 0))).decode()
+        return httpx.Client(
+            base_url=f"http://127.0.0.1:{record['port']}",
+            headers={"Authorization": f"Bearer {secret}"},
+            timeout=120,
+        )
+
+    def close(self) -> None:
+        self.router.close()
+        self.cli("drain", "standalone")
+        _until(
+            lambda: all(self.state_of(n) in (None, "stopped", "failed") for n in ("a", "b")),
+            "the engines to stop",
+        )
+        self.role.send_signal(signal.SIGTERM)
+        self.role.wait(timeout=60)
+        self.log.close()
+
+
+# Timing -------------------------------------------------------------------------------------
+
+
+def first_token(http: httpx.Client, path: str, body: dict[str, Any]) -> float:
+    """Seconds from sending a streamed chat to its first event that carries text."""
+    start = time.perf_counter()
+    with http.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"{path} answered {response.status_code}: {response.read()!r}")
+        lines = response.iter_lines()
+        for line in lines:
+            if not line.startswith("data: {"):
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"]
+            if delta.get("content") or delta.get("reasoning"):
+                elapsed = time.perf_counter() - start
+                for _ in lines:  # the rest of the stream, untimed
+                    pass
+                return elapsed
+    raise SystemExit(f"{path}: the stream ended without a token")
+
+
+def timed_calls(http: httpx.Client, calls: tuple[tuple[str, dict[str, str]], ...]) -> float:
+    start = time.perf_counter()
+    for path, params in calls:
+        response = http.post(path, params=params)
+        if response.status_code != 200:
+            raise SystemExit(f"{path} answered {response.status_code}: {response.text}")
+    return time.perf_counter() - start
+
+
+@dataclass
+class Engine:
+    """What the engine's own calls took, timed directly against it."""
+
+    park_s: float = 0.0
+    wake_s: float = 0.0
+    token_s: float = 0.0
+
+
+def engine_wake(stand: Stand, name: str) -> Engine:
+    """The engine's own wake and first token, then its park: back asleep as hostd left it."""
+    with stand.engine(name) as http:
+        wake_s = timed_calls(http, WAKE_CALLS)
+        token_s = first_token(http, "/v1/chat/completions", {"model": name, **ONE_TOKEN})
+        park_s = timed_calls(http, (PARK_CALL,))
+    return Engine(park_s=park_s, wake_s=wake_s, token_s=token_s)
+
+
+def engine_park_wake(stand: Stand, name: str) -> Engine:
+    """The ready engine's own park, then its wake and first token: ready again, as it was."""
+    with stand.engine(name) as http:
+        park_s = timed_calls(http, (PARK_CALL,))
+        wake_s = timed_calls(http, WAKE_CALLS)
+        token_s = first_token(http, "/v1/chat/completions", {"model": name, **ONE_TOKEN})
+    return Engine(park_s=park_s, wake_s=wake_s, token_s=token_s)
+
+
+def through_router(stand: Stand, name: str) -> tuple[float, float]:
+    """(when the request was sent, wall clock; seconds to its first token)."""
+    sent = time.time()
+    return sent, first_token(stand.router, "/chat/completions", {"model": name, **ONE_TOKEN})
+
+
+# Where the time went -------------------------------------------------------------------------
+
+
+@dataclass
+class Timeline:
+    """Moments (wall clock) of one request's way, from Redis and hostd's log."""
+
+    sent: float
+    marks: list[tuple[str, float]] = field(default_factory=list)
+
+    def add(self, what: str, at: float | None) -> None:
+        if at is not None:
+            self.marks.append((what, at))
+
+    def show(self, end: float) -> str:
+        marks = sorted([*self.marks, ("first token", self.sent + end)], key=lambda m: m[1])
+        return "  ".join(f"{what} +{(at - self.sent) * 1000:.0f}" for what, at in marks)
+
+
+def _entries(stand: Stand, stream: str, since: float) -> list[tuple[float, dict[str, Any]]]:
+    """The JSON entries of a stream since `since`, each with the moment Redis added it."""
+    found = cast(
+        list[tuple[bytes, dict[bytes, bytes]]],
+        stand.redis.xrange(stream, min=f"{int(since * 1000)}-0"),
+    )
+    out = []
+    for entry_id, fields in found:
+        millis = int(entry_id.decode().split("-")[0])
+        try:
+            out.append((millis / 1000, json.loads(next(iter(fields.values())))))
+        except ValueError:
+            continue
+    return out
+
+
+def timeline(stand: Stand, sent: float, names: tuple[str, ...]) -> Timeline:
+    """The demand, decisions, commands and hostd's transitions and engine calls since `sent`."""
+    line = Timeline(sent)
+    demands = [
+        at for at, d in _entries(stand, keys.demands(), sent - 0.01) if d.get("deployment") in names
+    ]
+    line.add("demand", min((d for d in demands if d >= sent - 0.005), default=None))
+    for _, decision in _entries(stand, keys.events(), sent - 0.01):
+        if decision.get("deployment") in names and decision.get("at", 0) >= sent:
+            line.add(f"decide {decision['kind']} {decision['deployment']}", decision["at"])
+    for _, event in _entries(stand, keys.host_events(HOST), sent - 0.01):
+        mine = event.get("deployment") in names and event.get("at", 0) >= sent
+        if mine and event.get("kind") == "transition" and event["from_state"] != event["to_state"]:
+            line.add(f"{event['deployment']} {event['to_state']}", event["at"])
+    for record in hostd_phases(stand, sent):
+        for what, at in record.items():
+            line.add(what, at)
+    return line
+
+
+def hostd_phases(stand: Stand, since: float) -> list[dict[str, float]]:
+    """The steps of the starts and wakes hostd's log tells since `since` (its `steps`)."""
+    found = []
+    log = stand.state / "logs" / "hostd.log"
+    for raw in log.read_text(errors="replace").splitlines():
+        if '"steps"' not in raw:
+            continue
+        try:
+            fields = json.loads(raw)["fields"]
+        except (ValueError, KeyError):
+            continue
+        steps = fields.get("steps") or {}
+        member = str(fields.get("member", "")).split(":")[0]
+        if all(isinstance(v, int | float) and v >= since for v in steps.values()):
+            found.append({f"{member} {k}": float(v) for k, v in steps.items()})
+    return found
+
+
+# The measurements ----------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    title: str
+    baseline: str
+    rows: list[tuple[float, float]] = field(default_factory=list)  # (ours, engine's), s
+
+    def print(self) -> None:
+        ours = [a for a, _ in self.rows]
+        base = [b for _, b in self.rows]
+        added = [a - b for a, b in self.rows]
+        print(f"\n{self.title} ({len(self.rows)} rounds; milliseconds)")
+        print(f"{'':<8}{'capyctl':>10}{self.baseline:>26}{'added':>8}{'ratio':>8}")
+        for label, pick in (("median", statistics.median), ("max", max)):
+            a, b, d = pick(ours) * 1000, pick(base) * 1000, pick(added) * 1000
+            ratio = pick(ours) / pick(base) if pick(base) else float("nan")
+            print(f"{label:<8}{a:>10.0f}{b:>26.0f}{d:>8.0f}{ratio:>8.2f}")
+
+
+def wakes(stand: Stand, rounds: int) -> Figures:
+    """A request for the parked `a`, against its engine's own wake and first token."""
+    figures = Figures("wake: request for a parked model -> first token", "engine wake+token")
+    stand.cli("start", "deployment", "a", "--wait", check=True)
+    steady(stand, "a", 20)
+    for i in range(rounds):
+        # An operator park stays asked for its generation: the scheduler may park it again
+        # once the request that woke it is served.
+        if _steady(stand, "a") == "ready":
+            stand.cli("park", "deployment", "a", "--wait", check=True)
+        own = engine_wake(stand, "a")
+        time.sleep(0.3)  # the role at rest, as a request would find it
+        sent, ours = through_router(stand, "a")
+        base = own.wake_s + own.token_s
+        figures.rows.append((ours, base))
+        print(
+            f"wake {i + 1}: {ours * 1000:.0f} ms (engine: wake {own.wake_s * 1000:.0f} + "
+            f"token {own.token_s * 1000:.0f} = {base * 1000:.0f}; added "
+            f"{(ours - base) * 1000:+.0f})"
+        )
+        time.sleep(0.3)
+        print("   ", timeline(stand, sent, ("a",)).show(ours))
+    return figures
+
+
+def steady(stand: Stand, name: str, rounds: int) -> None:
+    """What the router adds to a one-token request for a ready model: the part of a wake's
+    added time that is not the wake's."""
+    with stand.engine(name) as http:
+        direct = [first_token(http, "/v1/chat/completions", {"model": name, **ONE_TOKEN})]
+        routed = [through_router(stand, name)[1]]
+        for _ in range(rounds):
+            direct.append(first_token(http, "/v1/chat/completions", {"model": name, **ONE_TOKEN}))
+            routed.append(through_router(stand, name)[1])
+    a, b = statistics.median(routed[1:]), statistics.median(direct[1:])
+    print(
+        f"a ready model, one token ({rounds} each, median): through the router "
+        f"{a * 1000:.0f} ms, directly {b * 1000:.0f} ms (the router adds {(a - b) * 1000:.0f})"
+    )
+
+
+def switches(stand: Stand, rounds: int) -> Figures:
+    """A request for the parked one of `a` and `b` while the other is ready, against the ready
+    engine's own park plus wake and first token."""
+    figures = Figures("switch: park one, wake the other -> first token", "engine park+wake+token")
+    stand.cli("start", "deployment", "a", "--wait", check=True)
+    through_router(stand, "b")  # b starts; a is parked for it
+    _until(lambda: stand.state_of("a") == "parked", "a to park")
+    ready, parked = "b", "a"
+    for i in range(rounds):
+        time.sleep(0.3)
+        own = engine_park_wake(stand, ready)
+        time.sleep(0.3)
+        sent, ours = through_router(stand, parked)
+        base = own.park_s + own.wake_s + own.token_s
+        figures.rows.append((ours, base))
+        print(
+            f"switch {i + 1} ({ready} -> {parked}): {ours * 1000:.0f} ms (engine: park "
+            f"{own.park_s * 1000:.0f} + wake {own.wake_s * 1000:.0f} + token "
+            f"{own.token_s * 1000:.0f} = {base * 1000:.0f}; added {(ours - base) * 1000:+.0f})"
+        )
+        _until(partial(_is_parked, stand, ready), f"{ready} to park")
+        print("   ", timeline(stand, sent, ("a", "b")).show(ours))
+        ready, parked = parked, ready
+    return figures
+
+
+def cold_starts(stand: Stand, rounds: int) -> Figures:
+    """A request for a stopped `a`: from the engine's own readiness (/health 200) to hostd's
+    ready record, and on to the request's first token."""
+    figures = Figures(
+        "cold start: engine ready (/health 200) -> hostd ready", "engine start->health"
+    )
+    for i in range(rounds):
+        stand.cli("drain", "standalone", check=True)
+        _until(
+            lambda: all(stand.state_of(n) in (None, "stopped") for n in ("a", "b")),
+            "the engines to stop",
+        )
+        time.sleep(0.3)
+        with ThreadPoolExecutor(1) as pool:
+            request = pool.submit(through_router, stand, "a")
+            record = _until(lambda: _starting(stand), "the launch", timeout=60)
+            launched = float(record["since"])
+            healthy = _health(stand, "a", deadline=time.monotonic() + 120)
+            sent, first = request.result()
+        ready = _until(partial(_ready_at, stand, sent), "hostd's ready record", timeout=5)
+        figures.rows.append((ready - launched, healthy - launched))
+        print(
+            f"cold start {i + 1}: engine /health 200 at +{(healthy - sent) * 1000:.0f} ms, "
+            f"hostd ready at +{(ready - sent) * 1000:.0f} ms (added "
+            f"{(ready - healthy) * 1000:+.0f}), first token at +{first * 1000:.0f} ms"
+        )
+        line = timeline(stand, sent, ("a",))
+        line.add("engine /health 200", healthy)
+        print("   ", line.show(first))
+    return figures
+
+
+def _steady(stand: Stand, name: str, hold_s: float = 1.5) -> str:
+    """The deployment's state once it stayed ready or parked for `hold_s`."""
+    deadline = time.monotonic() + 60
+    seen, since = stand.state_of(name), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = stand.state_of(name)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif seen in ("ready", "parked") and time.monotonic() - since >= hold_s:
+            return seen
+    raise SystemExit(f"{name} did not settle (it is {seen})")
+
+
+def _is_parked(stand: Stand, name: str) -> bool:
+    return stand.state_of(name) == "parked"
+
+
+def _starting(stand: Stand) -> dict[str, Any] | None:
+    record = stand.record("a")
+    if record is None or record["state"] != "starting" or not record.get("port"):
+        return None
+    if stand.redis.get(keys.instance_secret(HOST, "a", 0)) is not None:  # written before spawn
+        return record
+    return None
+
+
+def _health(stand: Stand, name: str, deadline: float) -> float:
+    """The wall-clock moment the engine's /health first answered 200 (polled every 2 ms)."""
+    with stand.engine(name) as http:
+        while time.monotonic() < deadline:
+            try:
+                if http.get("/health", timeout=1).status_code == 200:
+                    return time.time()
+            except httpx.TransportError:
+                pass
+            time.sleep(HEALTH_POLL_S)
+    raise SystemExit("the engine never answered /health")
+
+
+def _ready_at(stand: Stand, since: float) -> float | None:
+    for _, event in _entries(stand, keys.host_events(HOST), since):
+        if event.get("deployment") == "a" and event.get("to_state") == "ready":
+            return float(event["at"])
+        if event.get("deployment") == "a" and event.get("to_state") == "failed":
+            raise SystemExit(f"the launch failed: {event.get('reason')}")
+    return None
+
+
+def main(rounds: int, phases: list[str]) -> None:
+    root = Path(tempfile.mkdtemp(prefix="capy-wake-"))
+    stand = Stand(root)
+    try:
+        runs = {"wake": wakes, "switch": switches, "cold": cold_starts}
+        results = [runs[name](stand, rounds) for name in phases]
+        for figures in results:
+            figures.print()
+        print(
+            f"\nthe simulator as vLLM: wake_up {BEHAVIOUR.wake_seconds:g} s per tag (two tags), "
+            f"sleep {BEHAVIOUR.sleep_seconds:g} s, load {BEHAVIOUR.load_seconds:g} s; "
+            "each request streamed, max_tokens 1"
+        )
+    finally:
+        stand.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--only", nargs="+", choices=("wake", "switch", "cold"), default=["wake", "switch", "cold"]
+    )
+    args = parser.parse_args()
+    main(args.rounds, args.only)
