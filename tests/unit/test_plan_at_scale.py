@@ -12,7 +12,7 @@ from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains
-from capyctl_scheduler.policy import plan
+from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
 
 S = InstanceState
@@ -167,3 +167,4 @@ def test_a_plan_of_100_deployments_on_10_hosts_is_sane() -> None:
                 a.kind == "drain" and a.reason.startswith(f"switch to {name}")
                 for a in by_name[victim]
             )
+    assert quiet_until(scene, actions) is None, "demands keep the loop at its pace"

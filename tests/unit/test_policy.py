@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -14,7 +15,7 @@ from capycommon.state.places import Places
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains, derive_unified
-from capyctl_scheduler.policy import plan
+from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
 from unit.readings import idle_reading
 
@@ -428,6 +429,44 @@ def test_the_roles_idle_defaults_apply_unless_the_deployment_says_never() -> Non
     assert kinds(plan(snapshot(60.0, [own], ready, tunables=off))) == [("drain", "a")]
     warm = deployment("a", lifecycle={"ready_idle_timeout": "1m", "warm": True})
     assert plan(snapshot(1e6, [warm], ready)) == []
+
+
+def test_a_quiet_plan_is_next_looked_at_when_an_idle_step_comes_due() -> None:
+    record = deployment("a", lifecycle={"ready_idle_timeout": "5m", "parked_idle_timeout": "30m"})
+    assert quiet_until(snapshot(1.0, [record]), []) == math.inf, "nothing runs: nothing due"
+    ready = [instance("a", S.READY, since=0.0)]
+    active = {"a": load(1, 0, 200.0, active=100.0)}
+    quiet = snapshot(200.0, [record], ready, loads=active)
+    assert plan(quiet) == []
+    assert quiet_until(quiet, []) == 400.0, "the ready idle step: last used + 5m"
+    parked = snapshot(600.0, [record], [instance("a", S.PARKED, since=500.0)])
+    assert quiet_until(parked, []) == 2300.0, "the parked idle step: parked + 30m"
+    never = deployment(
+        "a", lifecycle={"ready_idle_timeout": "never", "parked_idle_timeout": "never"}
+    )
+    assert quiet_until(snapshot(1e6, [never], ready), []) == math.inf
+
+
+def test_a_plan_with_anything_under_way_is_looked_at_each_second() -> None:
+    record = deployment("a", lifecycle={"ready_idle_timeout": "5m"})
+    ready = [instance("a", S.READY, since=0.0)]
+    busy = {"a": load(1, 1, 400.0, active=0.0)}
+    due = snapshot(400.0, [record], ready, loads=busy)
+    assert plan(due) == [], "due, but it serves: nothing yet"
+    assert quiet_until(due, []) is None, "the step waits for the requests to end"
+    assert quiet_until(snapshot(1.0, [record], demands={"a": 0.5}), []) is None
+    acted = plan(snapshot(1.0, [record], demands={"a": 0.5}))
+    assert quiet_until(snapshot(1.0, [record]), acted) is None, "an action was asked for"
+    for state in (S.STARTING, S.WAKING, S.PARKING, S.DRAINING, S.STOPPING, S.RECONCILING):
+        moving = snapshot(1.0, [record], [instance("a", state)])
+        assert quiet_until(moving, []) is None, state
+    flying = deployment("a", inflight=drain_to_park(0.5, "idle"))
+    assert quiet_until(snapshot(1.0, [flying], ready), []) is None
+    revised = snapshot(1.0, [deployment("a", revision=2)], ready, loads=busy)
+    assert plan(revised) == [], "a new revision waits for the requests to end"
+    assert quiet_until(revised, []) is None
+    orphan = instance("gone", S.READY)
+    assert quiet_until(snapshot(1.0, [record], orphans=(orphan,)), []) is None
 
 
 def test_a_restart_only_model_stops_when_idle() -> None:

@@ -129,6 +129,27 @@ def test_a_blind_gap_spoils_the_launches_under_way(
     assert sampler.tick([record(READY, RELAUNCH, since=now)], now + 12.5) == []
 
 
+def test_a_launch_announced_after_a_long_quiet_is_whole_but_one_under_way_is_not(
+    sampler: PeakSampler, meter: ScriptedMeter
+) -> None:
+    # The service steps the moment hostd announces a change: with the announcements followed
+    # throughout (watched), a launch new after a 60 s quiet was seen from its start.
+    assert sampler.tick([], 40.0) == []
+    meter.now[ENGINE.pgid] = GroupUse(2 * GIB, GIB, pids=2)
+    assert sampler.tick([record(STARTING, ENGINE, since=99.99)], 100.0, watched=True) == []
+    (peak,) = sampler.tick([record(READY, ENGINE, since=100.4)], 100.5, watched=True)
+    assert (peak.device_bytes, peak.host_bytes, peak.samples) == (2 * GIB, GIB, 1)
+    # Steps far apart while a launch is under way miss its samples, announced or not.
+    meter.now[RELAUNCH.pgid] = GroupUse(GIB, 0)
+    sampler.tick([record(STARTING, RELAUNCH, since=100.9)], 101.0, watched=True)
+    sampler.tick([record(STARTING, RELAUNCH, since=100.9)], 110.0, watched=True)
+    assert sampler.tick([record(READY, RELAUNCH, since=110.2)], 110.5, watched=True) == []
+    # Without the announcements followed, a long quiet is a blind gap for a new launch too.
+    sampler.tick([], 111.0)
+    sampler.tick([record(STARTING, ENGINE, since=119.9)], 120.0)
+    assert sampler.tick([record(READY, ENGINE, since=120.2)], 120.5) == []
+
+
 def test_no_fingerprint_or_no_sample_stores_nothing(
     sampler: PeakSampler, meter: ScriptedMeter
 ) -> None:

@@ -18,8 +18,9 @@ import redis
 
 from capycommon import simgpu
 from capycommon.state import keys, memory
-from capycommon.state.instances import InstanceState
+from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.memory import MemoryReading
+from capycommon.state.notify import Notification
 from integration.memwatch.helpers import GIB, Claimer, record
 from support import clean_env, service_command, short_dir, wait_for
 
@@ -129,13 +130,24 @@ def test_a_reading_sums_the_claims_of_live_processes_only(memwatch: Memwatch) ->
         wait_for(lambda: used(memwatch) == expected, 10, "the dead process's claims to drop")
 
 
-def test_a_startup_peak_is_measured_while_starting(memwatch: Memwatch) -> None:
+def put(client: redis.Redis, found: InstanceRecord) -> None:
+    """Write an instance record and announce it, as hostd's every transition does."""
+    client.set(keys.instance("local", found.deployment, found.instance), found.model_dump_json())
+    client.sadd(keys.instances("local"), found.member)
+    note = Notification(kind="instance", id=found.member, version=found.generation)
+    client.publish(keys.host_notifications("local"), note.model_dump_json())
+
+
+@pytest.mark.parametrize("quiet_s", [0.0, 3.0], ids=["at-once", "after-a-quiet-longer-than-2s"])
+def test_a_startup_peak_is_measured_while_starting(memwatch: Memwatch, quiet_s: float) -> None:
     wait_for(lambda: memwatch.logged("watching launches"), 15, "the sampler's first step")
+    # With nothing starting, memwatch waits for hostd's announcement; a launch announced
+    # after a quiet longer than a blind gap is still watched whole.
+    time.sleep(quiet_s)
     client = memwatch.client
     with Claimer(memwatch.simgpu) as engine:
         starting = record(InstanceState.STARTING, engine.identity(), since=time.time())
-        client.set(keys.instance("local", "chat", 0), starting.model_dump_json())
-        client.sadd(keys.instances("local"), "chat:0")
+        put(client, starting)
 
         def rose_to(device: int, host: int) -> bool:
             return any(
@@ -153,7 +165,7 @@ def test_a_startup_peak_is_measured_while_starting(memwatch: Memwatch) -> None:
         assert memory.read_startup_peak(client, "local", "chat", 3, "fp-1") is None
 
         ready = starting.model_copy(update={"state": InstanceState.READY, "since": time.time()})
-        client.set(keys.instance("local", "chat", 0), ready.model_dump_json())
+        put(client, ready)
         peak = wait_for(
             lambda: memory.read_startup_peak(client, "local", "chat", 3, "fp-1"),
             10,

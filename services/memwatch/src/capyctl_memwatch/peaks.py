@@ -1,14 +1,17 @@
 """Measured startup peaks: the most a launch's process group held while it was starting.
 
-`PeakSampler.tick(records, now)` is one step (every 500 ms in the service): it samples the
-process group of every instance in `starting`, device and host bytes apart, keeping each
-maximum, and returns a `StartupPeak` for each launch it saw become `ready`. The clock and
-the meter are injected, so the sampler is tested without processes or time passing.
+`PeakSampler.tick(records, now)` is one step (every 500 ms in the service while a launch is
+starting, and whenever hostd says an instance changed): it samples the process group of
+every instance in `starting`, device and host bytes apart, keeping each maximum, and returns
+a `StartupPeak` for each launch it saw become `ready`. The clock and the meter are injected,
+so the sampler is tested without processes or time passing.
 
 Only a launch watched whole gets a figure: one that appeared in `starting` after the
 sampler's first step, with no blind gap between steps since. A launch already starting when
 memwatch (re)started, or one that went on while memwatch could not read the records, may
-have peaked unseen; storing its figure as measured would understate the peak.
+have peaked unseen; storing its figure as measured would understate the peak. Steps far
+apart are no blind gap for a launch that appears after them when the caller followed hostd's
+instance notifications throughout (`watched`): it stepped the moment the launch began.
 """
 
 from __future__ import annotations
@@ -91,11 +94,18 @@ class PeakSampler:
         self.launches: dict[str, Launch] = {}
         self.last_step: float | None = None
 
-    def tick(self, records: Iterable[InstanceRecord], now: float) -> list[StartupPeak]:
-        """One step over the host's instance records; the peaks of launches now ready."""
-        seeing = self.last_step is not None and now - self.last_step <= self.blind_after_s
+    def tick(
+        self, records: Iterable[InstanceRecord], now: float, watched: bool = False
+    ) -> list[StartupPeak]:
+        """One step over the host's instance records; the peaks of launches now ready.
+
+        `watched`: no instance changed unannounced since the last step (the caller followed
+        the host's notifications without a break), so a launch new at this step is whole
+        however long ago that step was. A launch already under way is spoiled by any gap."""
+        steady = self.last_step is not None and now - self.last_step <= self.blind_after_s
+        seeing = steady or (watched and self.last_step is not None)
         self.last_step = now
-        if not seeing:
+        if not steady:
             for launch in self.launches.values():
                 launch.whole = False
         current = {record.member: record for record in records}

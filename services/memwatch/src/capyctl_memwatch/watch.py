@@ -1,8 +1,14 @@
-"""memwatch's two loops: a reading every second, startup-peak samples every 500 ms.
+"""memwatch's two loops: a reading every second, and startup-peak samples every 500 ms while
+a launch is starting.
 
 memwatch observes and writes; it decides nothing. A reading it cannot take is not written,
 so the host's memory goes unobserved after `STALE_AFTER_S` rather than being guessed.
 Readings are not announced on pub/sub: they come every second, readers read the key.
+
+The sampler reads the host's instance records only when hostd announces that one changed
+(its channel, `capyctl:host:<host>:notify`) and every 500 ms while a launch is starting, so a
+host with nothing starting costs nothing; it still looks every QUIET_S, should an
+announcement be lost.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pydantic import ValidationError
 
 from capycommon.errors import DeviceUnobserved
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import memory
+from capycommon.state import memory, notify
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.memory import MemoryReading, StartupPeak
 from capycommon.state.store import InstanceStore
@@ -30,6 +36,8 @@ from capyctl_memwatch.procs import GroupMeter
 log = logging.getLogger(__name__)
 
 READING_INTERVAL_S = 1.0
+# With no launch starting, the sampler waits this long at most for hostd's announcement.
+QUIET_S = 30.0
 
 
 async def every(interval: float, stop: asyncio.Event, step: Callable[[], Awaitable[None]]) -> None:
@@ -77,7 +85,9 @@ class Readings:
 
 
 class Peaks:
-    """Feeds the host's instance records to the sampler and stores the peaks it measures."""
+    """Feeds the host's instance records to the sampler and stores the peaks it measures:
+    each time hostd announces that an instance changed, and every 500 ms while a launch is
+    starting."""
 
     def __init__(self, client: aioredis.Redis, host: str, sampler: PeakSampler) -> None:
         self.client = client
@@ -85,14 +95,57 @@ class Peaks:
         self.sampler = sampler
         self.pending: list[StartupPeak] = []
         self.refused: set[str] = set()
+        self.changed = asyncio.Event()
+        # Which subscription to the host's channel is confirmed (a new one after each break),
+        # or None while there is none; and which one the last step began under.
+        self.subscription: int | None = None
+        self._subscriptions = 0
+        self._last_under: int | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Step on every announcement, every 500 ms while a launch is starting, and at least
+        every QUIET_S, until `stop` is set."""
+        listener = asyncio.create_task(self.listen(stop))
+        try:
+            while not stop.is_set():
+                await self.step()
+                interval = peaks.INTERVAL_S if self.sampler.launches else QUIET_S
+                await _first(self.changed, stop, interval)
+                self.changed.clear()
+        finally:
+            listener.cancel()
+            with suppress(asyncio.CancelledError):
+                await listener
+
+    async def listen(self, stop: asyncio.Event) -> None:
+        """Follow the host's channel; every message wakes the sampler."""
+        # The host's own channel (hostd's announcements), not the control plane's.
+        channels = [name for name, host in notify.channels([self.host]).items() if host]
+        while not stop.is_set():
+            try:
+                async with notify.subscribed(self.client, channels) as pubsub:
+                    async for message in pubsub.listen():
+                        if message.get("type") == "subscribe":
+                            self._subscriptions += 1
+                            self.subscription = self._subscriptions
+                        self.changed.set()  # re-read: something may have changed unheard
+            except REDIS_ERRORS:
+                pass
+            self.subscription = None
+            self.changed.set()
+            await wait_event(stop, 1.0)
 
     async def step(self) -> None:
+        under = self.subscription  # before reading: a change after the read is announced
+        watched = under is not None and under == self._last_under
+        self._last_under = None
         try:
             records = await self.load()
         except REDIS_ERRORS:
             return
         first = self.sampler.last_step is None
-        measured = await asyncio.to_thread(self.sampler.tick, records, time.time())
+        measured = await asyncio.to_thread(self.sampler.tick, records, time.time(), watched)
+        self._last_under = under
         if first:
             log.info("watching launches", extra={"interval_s": peaks.INTERVAL_S})
         self.pending.extend(measured)
@@ -119,12 +172,19 @@ class Peaks:
         return records
 
 
+async def _first(event: asyncio.Event, stop: asyncio.Event, timeout: float) -> None:
+    """Wait until `event` or `stop` is set, or `timeout` seconds passed."""
+    waits = [asyncio.create_task(event.wait()), asyncio.create_task(stop.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+
+
 async def watch(client: aioredis.Redis, host: str, backend: Backend, stop: asyncio.Event) -> None:
     """Run both loops until `stop` is set."""
     readings = Readings(client, host, backend)
     sampler = PeakSampler(host, GroupMeter(backend.read))
     startup = Peaks(client, host, sampler)
-    await asyncio.gather(
-        every(READING_INTERVAL_S, stop, readings.step),
-        every(peaks.INTERVAL_S, stop, startup.step),
-    )
+    await asyncio.gather(every(READING_INTERVAL_S, stop, readings.step), startup.run(stop))

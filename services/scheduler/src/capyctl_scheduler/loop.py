@@ -1,8 +1,11 @@
 """The decision loop: read the demands and hostd's refusals, take a snapshot, plan, apply.
 
-It runs on every notification (a deployment, an instance or a demand changed) and at least
-once a second (idle timeouts, retries, fresh readings). Everything it needs to resume is in
-Redis: a scheduler killed at any moment picks up the same snapshot and plans again.
+It runs on every notification (a deployment, an instance or a demand changed), and at least
+once a second while anything is under way (a demand, an effect in flight, an engine moving
+between states: retries, deadlines, drains and fresh readings need the clock). When nothing
+is (`policy.quiet_until`), it waits for a notification until the next idle step is due, and
+at most QUIET_MAX_S. Everything it needs to resume is in Redis: a scheduler killed at any
+moment picks up the same snapshot and plans again.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, dem
 from capycommon.state.store import read_host_events
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.observe import Observer
-from capyctl_scheduler.policy import plan
+from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 TICK_S = 1.0
+# The longest a quiet loop waits without a notification: a bound on what a lost notification
+# could delay, short enough to be no risk, long enough to cost nothing.
+QUIET_MAX_S = 30.0
 # Refusals are remembered this long: long enough for the plan to see them once.
 REFUSAL_MEMORY_S = 600.0
 
@@ -127,6 +133,8 @@ class Scheduler:
     observer: Observer
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last: Snapshot | None = None
+    # When the last plan may next change by the clock alone; None while anything is under way.
+    quiet_until: float | None = None
 
     def __post_init__(self) -> None:
         self.demands = Demands(self.client)
@@ -145,7 +153,18 @@ class Scheduler:
         actions = plan(snapshot)
         await self.actuator.apply(snapshot, actions)
         self.last = snapshot
+        if self.demands.open or self.observer.describing:
+            self.quiet_until = None  # a malformed demand to drop, a host to ask again
+        else:
+            self.quiet_until = quiet_until(snapshot, actions)
         return snapshot
+
+    def pause(self, now: float) -> float:
+        """How long the loop may wait for a notification before it plans again."""
+        if self.quiet_until is None:
+            return TICK_S
+        # A little past the step, so the plan sees it due.
+        return min(QUIET_MAX_S, max(TICK_S, self.quiet_until - now + 0.01))
 
     async def run(self, stop: asyncio.Event) -> None:
         listener = asyncio.create_task(self._listen(stop))
@@ -158,7 +177,7 @@ class Scheduler:
                     await wait_event(stop, 1.0)
                     continue
                 await asyncio.sleep(0.05)  # let a burst of notifications settle
-                await wait_event(self.wake, TICK_S)
+                await wait_event(self.wake, self.pause(time.time()))
                 self.wake.clear()
         finally:
             listener.cancel()

@@ -68,6 +68,14 @@ class Observer:
     _asked: dict[tuple[str, str], float] = field(default_factory=dict)
     # host -> the last list of paths sent it to describe, and when (monotonic).
     _sent: dict[str, tuple[tuple[str, ...], float]] = field(default_factory=dict)
+    # The hosts whose facts still lack a path they were asked to describe.
+    _undescribed: set[str] = field(default_factory=set)
+
+    @property
+    def describing(self) -> bool:
+        """Whether a host has yet to describe a path it was sent (the loop sends it again
+        after DESCRIBE_RESEND_S)."""
+        return bool(self._undescribed)
 
     async def snapshot(
         self,
@@ -219,7 +227,11 @@ class Observer:
         described = tuple(sorted(models.described)) if models is not None else ()
         sent = self._sent.get(host)
         just_sent = sent is not None and sent[0] == wanted and now - sent[1] < DESCRIBE_RESEND_S
-        if wanted == described or just_sent:
+        if wanted == described:
+            self._undescribed.discard(host)
+            return
+        self._undescribed.add(host)
+        if just_sent:
             return
         await hostcommands.send(self.client, host, hostcommands.Describe(paths=wanted))
         self._sent[host] = (wanted, now)

@@ -8,6 +8,7 @@ exactly what runs, never twice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import cache
 from typing import Literal
@@ -47,6 +48,44 @@ def plan(snapshot: Snapshot) -> list[Action]:
         actions += _deployment(snapshot, snapshot.deployments[name], ledgers)
     actions += bound_parked(snapshot, actions)
     return actions
+
+
+# Instance states that stay as they are until a command or an engine moves them, which hostd
+# announces on its channel; any other state is under way.
+SETTLED = frozenset({S.READY, S.PARKED, S.STOPPED, S.FAILED})
+
+
+def quiet_until(snapshot: Snapshot, actions: list[Action]) -> float | None:
+    """When the clock alone can next change a plan that asked for nothing: the earliest idle
+    step (math.inf when none is due ever). None while anything is under way, which the loop
+    must look at again within a second.
+
+    Quiet means no action, no demand, no effect in flight, no orphan, every instance in a
+    settled state, and no new revision held back by requests: then a plan changes only by a
+    notification (a deployment, an instance, a demand) or when an idle step comes due. What
+    else a plan reads without a notification (engine loads, request places, memory readings,
+    hostd's heartbeat) matters only to a start, a wake, a drain, a busy model's idle step or a
+    new revision, and each of those keeps the loop at its one-second pace.
+    """
+    if actions or snapshot.demands or snapshot.orphans or snapshot.restarts:
+        return None
+    due = math.inf
+    for name, record in snapshot.deployments.items():
+        if record.inflight is not None:
+            return None
+        instance = snapshot.instances.get(name)
+        if instance is None:
+            continue
+        if instance.state not in SETTLED:
+            return None
+        if instance.state in (S.READY, S.PARKED) and instance.revision < record.revision:
+            return None  # replaced once its requests end
+        step = next_idle_step(snapshot, record, instance)
+        if step is not None:
+            if step.at <= snapshot.now:
+                return None  # due but held back by requests: look again each second
+            due = min(due, step.at)
+    return due
 
 
 def _order(snapshot: Snapshot) -> list[str]:
