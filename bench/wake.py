@@ -293,6 +293,16 @@ class Timeline:
         if at is not None:
             self.marks.append((what, at))
 
+    def at(self, what: str) -> float | None:
+        """The first moment marked `what` (None when hostd's log does not say it)."""
+        return min((at for name, at in self.marks if name == what), default=None)
+
+    def gap(self, start: str | float, end: str | float, less: float = 0.0) -> float | None:
+        """Seconds from `start` to `end` (marks or moments), less `less`."""
+        a = self.at(start) if isinstance(start, str) else start
+        b = self.at(end) if isinstance(end, str) else end
+        return None if a is None or b is None else b - a - less
+
     def show(self, end: float) -> str:
         marks = sorted([*self.marks, ("first token", self.sent + end)], key=lambda m: m[1])
         return "  ".join(f"{what} +{(at - self.sent) * 1000:.0f}" for what, at in marks)
@@ -360,6 +370,12 @@ class Figures:
     title: str
     baseline: str
     rows: list[tuple[float, float]] = field(default_factory=list)  # (ours, engine's), s
+    # Where the added time went, per round: each part in seconds.
+    parts: dict[str, list[float]] = field(default_factory=dict)
+
+    def part(self, name: str, seconds: float | None) -> None:
+        if seconds is not None:
+            self.parts.setdefault(name, []).append(seconds)
 
     def print(self) -> None:
         ours = [a for a, _ in self.rows]
@@ -371,6 +387,11 @@ class Figures:
             a, b, d = pick(ours) * 1000, pick(base) * 1000, pick(added) * 1000
             ratio = pick(ours) / pick(base) if pick(base) else float("nan")
             print(f"{label:<8}{a:>10.0f}{b:>26.0f}{d:>8.0f}{ratio:>8.2f}")
+        if self.parts:
+            print(f"  where it went{'median':>60}{'max':>8}")
+        for name, values in self.parts.items():
+            median, most = statistics.median(values) * 1000, max(values) * 1000
+            print(f"  {name:<64}{median:>8.0f}{most:>8.0f}")
 
 
 def wakes(stand: Stand, rounds: int) -> Figures:
@@ -394,7 +415,18 @@ def wakes(stand: Stand, rounds: int) -> Figures:
             f"{(ours - base) * 1000:+.0f})"
         )
         time.sleep(0.3)
-        print("   ", timeline(stand, sent, ("a",)).show(ours))
+        line = timeline(stand, sent, ("a",))
+        print("   ", line.show(ours))
+        end = sent + ours
+        figures.part(
+            "request -> hostd has the wake (router, scheduler)", line.gap(sent, "a received")
+        )
+        figures.part(
+            "hostd has it -> engine awake, less the engine's wake calls",
+            line.gap("a received", "a woke", less=own.wake_s),
+        )
+        figures.part("engine awake -> ready record (the canary)", line.gap("a woke", "a ready"))
+        figures.part("ready record -> first token (router, engine)", line.gap("a ready", end))
     return figures
 
 
@@ -435,7 +467,29 @@ def switches(stand: Stand, rounds: int) -> Figures:
             f"{own.token_s * 1000:.0f} = {base * 1000:.0f}; added {(ours - base) * 1000:+.0f})"
         )
         _until(partial(_is_parked, stand, ready), f"{ready} to park")
-        print("   ", timeline(stand, sent, ("a", "b")).show(ours))
+        line = timeline(stand, sent, ("a", "b"))
+        print("   ", line.show(ours))
+        x, y = ready, parked
+        end = sent + ours
+        figures.part(
+            "request -> the ready one parking (drain, idle reading, decision)",
+            line.gap(sent, f"{x} parking"),
+        )
+        figures.part(
+            "parking -> parked, less the engine's park call (memwatch)",
+            line.gap(f"{x} parking", f"{x} parked", less=own.park_s),
+        )
+        figures.part(
+            "parked -> hostd has the wake (scheduler)", line.gap(f"{x} parked", f"{y} received")
+        )
+        figures.part(
+            "hostd has it -> engine awake, less the engine's wake calls",
+            line.gap(f"{y} received", f"{y} woke", less=own.wake_s),
+        )
+        figures.part(
+            "engine awake -> ready record (the canary)", line.gap(f"{y} woke", f"{y} ready")
+        )
+        figures.part("ready record -> first token (router, engine)", line.gap(f"{y} ready", end))
         ready, parked = parked, ready
     return figures
 
@@ -469,6 +523,13 @@ def cold_starts(stand: Stand, rounds: int) -> Figures:
         line = timeline(stand, sent, ("a",))
         line.add("engine /health 200", healthy)
         print("   ", line.show(first))
+        figures.part(
+            "engine /health 200 -> hostd sees it (its probe)", line.gap(healthy, "a healthy")
+        )
+        figures.part(
+            "hostd sees it -> ready record (canary, port check)", line.gap("a healthy", "a ready")
+        )
+        figures.part("ready record -> first token (router, engine)", line.gap(ready, sent + first))
     return figures
 
 

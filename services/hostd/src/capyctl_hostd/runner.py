@@ -214,7 +214,6 @@ class Runner:
                 await control.aclose()
         await self._to(record, S.READY, "ready: health and canary passed", canary=answer)
         log.info("started", extra={"member": record.member, "steps": steps.marks})
-        engine.remember()  # its processes as they serve, for the tear-down (once it is ready)
 
     async def _start_engine(
         self, command: hc.Launch, record: InstanceRecord, log_path: Path
