@@ -215,6 +215,7 @@ class Engine:
     key: str
     model: str
     pid: int
+    pgid: int
 
 
 class Stand:
@@ -286,6 +287,7 @@ class Stand:
         credentials = yaml.safe_load((self.state / "identity" / "credentials").read_text())
         self.api_key = cast(dict[str, str], credentials)["api_key"]
         self.port = int(self.inference.rsplit(":", 1)[1])
+        self.engines = [self.engine("bench"), self.engine("bench-paced")]
 
     def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
         found = subprocess.run(
@@ -310,7 +312,8 @@ class Stand:
             if record is None or record.port is None or record.process is None or not secret:
                 raise SystemExit(f"the deployment {deployment} has no serving engine")
             model = record.served_name or deployment
-            return Engine(record.port, secret, model, record.process.pid)
+            process = record.process
+            return Engine(record.port, secret, model, process.pid, process.pgid)
 
         return asyncio.run(read())
 
@@ -331,10 +334,18 @@ class Stand:
         return sorted(pids)
 
     def close(self) -> None:
-        """Stop both engines (a role's stop leaves them running), then the role."""
+        """Stop both engines (a role's stop leaves them running), then the role; an engine
+        still there after a minute is killed with its process group."""
         self.cli("drain", "standalone")
+
+        def running() -> list[Engine]:
+            return [engine for engine in self.engines if Path(f"/proc/{engine.pid}").exists()]
+
         with contextlib.suppress(SystemExit):
-            _wait(lambda: self._stopped("bench") and self._stopped("bench-paced"), 60, "engines")
+            _wait(lambda: not running(), 60, "the engines to stop")
+        for engine in running():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(engine.pgid, signal.SIGKILL)
         self.role.send_signal(signal.SIGTERM)
         try:
             self.role.wait(timeout=60)
@@ -342,10 +353,6 @@ class Stand:
             os.killpg(self.role.pid, signal.SIGKILL)
             self.role.wait()
         self.log.close()
-
-    def _stopped(self, deployment: str) -> bool:
-        found = self.cli("status", "deployment", deployment, "--json")
-        return found.returncode != 0 or '"ready"' not in found.stdout
 
 
 # The other sides: a canned server, nginx, LiteLLM ---------------------------------------------
@@ -868,10 +875,12 @@ def capacity_part(
             continue
         folder = root / name.lower()
         folder.mkdir()
+        begun = time.monotonic()
         found = start(folder, instant)
         if isinstance(found, str):
             notes.append(f"{name}: not measured: {found}")
             continue
+        notes.append(f"{name} took {time.monotonic() - begun:.0f} s to start")
         sides.append(found)
         try:  # a first request, so that a proxy that cannot answer says why
             asyncio.run(_series(found.target, SHORT, 1, warm=2))
@@ -897,7 +906,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         print(f"starting a standalone role in {root} ...", flush=True)
         stand = Stand(root, args.pace, args.streams)
-        instant, paced = stand.engine("bench"), stand.engine("bench-paced")
+        instant, paced = stand.engines
         print(
             f"the engine simulator as vLLM 0.29.0 on a simulated GPU; {os.cpu_count()} CPUs "
             f"({_cpu_model()}); router workers: {len(stand.router_pids()) - 1}; "
@@ -921,7 +930,10 @@ def main(args: argparse.Namespace) -> None:
             sides.pop().stop()
         if stand is not None:
             stand.close()
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"kept {root} (the role's state dir and logs, the proxies' logs)")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     print(
         f"the whole run took {time.monotonic() - started:.0f} s, the role's start and stop included"
     )
@@ -961,4 +973,5 @@ if __name__ == "__main__":
     parser.add_argument("--stream-tokens", type=int, default=32, help="streams: tokens each")
     parser.add_argument("--no-litellm", action="store_true", help="capacity: leave LiteLLM out")
     parser.add_argument("--no-nginx", action="store_true", help="capacity: leave nginx out")
+    parser.add_argument("--keep", action="store_true", help="keep the run's folder and logs")
     main(parser.parse_args())
