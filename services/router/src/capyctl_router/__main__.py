@@ -24,6 +24,9 @@ from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
 from capyctl_router.workers import run_workers, worker_name
 
+# How long the router keeps an idle connection to an engine for the next request.
+ENGINE_KEEPALIVE_S = 2.0
+
 
 async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> None:
     """One worker: the inference API on the parent's listener. `events`: this worker turns
@@ -43,7 +46,11 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
     dispatcher = Dispatcher(ctx.redis, table, metrics, limits, owner=owner)
     # Engines are on loopback (or a host's ingress); no proxy variables apply, no pool limit
     # below the router's own admission, and no overall timeout (deadlines are the router's).
-    limits_http = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    # An idle connection is dropped well before an engine closes it (uvicorn's keep-alive,
+    # vLLM's and SGLang's, is 5 s), so a request is never sent on one being closed.
+    limits_http = httpx.Limits(
+        max_connections=None, max_keepalive_connections=64, keepalive_expiry=ENGINE_KEEPALIVE_S
+    )
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=10.0), limits=limits_http, trust_env=False
     ) as http:
