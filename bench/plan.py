@@ -176,20 +176,21 @@ def main(repeat: int) -> None:
     assert len(big.hosts) == 10
     base, base_cpu = _times(lambda: plan(small), repeat)
     timed, timed_cpu = _times(lambda: plan(big), repeat)
-    print(f"plan() over {repeat} runs, ms{'':<16}{'p50':>9}{'max':>9}{'CPU p50':>9}")
+    print(f"plan() over {repeat} runs, ms{'':<16}{'p50':>9}{'max':>9}{'CPU p50':>9}{'CPU max':>9}")
     rows = (
         ("1 deployment, 1 host (baseline)", base, base_cpu),
         ("100 deployments, 10 hosts", timed, timed_cpu),
     )
     for label, wall, cpu in rows:
-        p50, most, p50_cpu = (statistics.median(wall), max(wall), statistics.median(cpu))
-        print(f"  {label:<36}{p50 * 1000:>9.3f}{most * 1000:>9.3f}{p50_cpu * 1000:>9.3f}")
+        figures = (statistics.median(wall), max(wall), statistics.median(cpu), max(cpu))
+        print(f"  {label:<36}" + "".join(f"{figure * 1000:>9.3f}" for figure in figures))
     ratio = statistics.median(timed) / statistics.median(base)
     print(f"  100 x 10 / baseline, p50: {ratio:.0f}")
     print(f"  decisions of the 100 x 10 plan: {_summary(plan(big))}")
     p50 = statistics.median(timed) * 1000
     verdict = "met" if p50 <= TARGET_MS else "NOT met"
     print(f"target: a plan of 100 deployments on 10 hosts within {TARGET_MS:g} ms (p50): {verdict}")
+    print("(a wall-clock max above the CPU max is time the machine gave to other processes)")
 
 
 if __name__ == "__main__":
