@@ -190,7 +190,8 @@ class Session:
         answered = self.call.answered
         wait = self.dispatcher.limits.stream_idle_s if answered else self._left()
         try:
-            event = await asyncio.wait_for(anext(self._events), wait)
+            async with asyncio.timeout(wait):  # no task an event, as wait_for would make
+                event = await anext(self._events)
         except StopAsyncIteration:
             return None
         except TimeoutError:
