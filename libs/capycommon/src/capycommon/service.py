@@ -298,11 +298,28 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the service decides when to stop."""
+    """uvicorn without its own signal handling (the service decides when to stop), and
+    ticking once a second instead of ten times: its tick refreshes the Date header (once a
+    second either way) and notices the exit, which `leave` now wakes it for; an idle service
+    should not wake for it."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._leaving = asyncio.Event()
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    def leave(self) -> None:
+        self.should_exit = True
+        self._leaving.set()
+
+    async def main_loop(self) -> None:
+        counter = 0  # in tenths of a second, as uvicorn counts: a multiple of 10 refreshes Date
+        while not await self.on_tick(counter):
+            counter += 10
+            await wait_event(self._leaving, 1.0)
 
 
 def bind(address: str) -> socket.socket:
@@ -353,6 +370,6 @@ async def serve_http(
     await asyncio.wait(
         [serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED
     )
-    server.should_exit = True
+    server.leave()
     await serving
     sock.close()
