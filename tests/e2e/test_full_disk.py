@@ -49,6 +49,11 @@ def _ask(cluster: Cluster) -> httpx.Response:
     )
 
 
+def _served(cluster: Cluster) -> httpx.Response | None:
+    found = _ask(cluster)
+    return found if found.status_code == 200 else None
+
+
 def _ride_out(cluster: Cluster, root: Path, state: Path) -> None:
     cluster.deploy("a", engine="vllm", model="small")
     with openai.OpenAI(base_url=cluster.base_url, api_key=cluster.api_key) as client:
@@ -89,11 +94,7 @@ def _ride_out(cluster: Cluster, root: Path, state: Path) -> None:
         timeout=15,
         what="Redis to take writes again",
     )
-    answer = wait_for(
-        lambda: (found := _ask(cluster)).status_code == 200 and found,
-        timeout=15,
-        what="a request to be served again",
-    )
+    answer = wait_for(lambda: _served(cluster), timeout=15, what="a request to be served again")
     assert answer.json()["choices"][0]["message"]["content"]
     assert _pids(cluster) == before, "no process restarted"
     assert "Redis saves the role's state again" in cluster.role.output()
