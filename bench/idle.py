@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,12 +35,10 @@ from typing import cast
 import httpx
 import yaml
 
-from capycommon.engines import detect, registry
+import benchrole
+from benchrole import GiB
 from enginesim.behaviour import Behaviour
-from enginesim.install import install_python_engine
 
-GiB = 1 << 30
-CAPYCTL = [sys.executable, "-m", "capyctl_cli"]
 TICK = os.sysconf("SC_CLK_TCK")
 MODELS = ("idle-a", "idle-b", "idle-c")
 # Each model is charged 2 GiB: all three fit ready on the 24 GiB simulated GPU, and parked
@@ -52,12 +49,6 @@ DOCUMENT = (
 BEHAVIOUR = Behaviour(load_seconds=0.5, wake_seconds=0.5, tokens_per_second=10_000)
 TARGET = 1.0  # per cent of one core, all services together
 SERVICES = ("supervisord", "redis-server", "router", "scheduler", "hostd", "memwatch")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -182,8 +173,7 @@ class Stand:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.state = root / "state"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-        self.env["HOME"] = str(root)
+        self.env = benchrole.role_env(root)
         config = self.state / "config"
         config.mkdir(parents=True)
         document = config / "standalone.yaml"
@@ -199,52 +189,20 @@ class Stand:
                 }
             )
         )
-        venv = install_python_engine(root / "vllm", "vllm", "0.29.0", BEHAVIOUR)
-        (found,) = detect.probe(venv)
-        registry.add(config / registry.FILE_NAME, found.profile("vllm"))
+        benchrole.install_vllm(root, config, "vllm", BEHAVIOUR)
         for name in MODELS:
-            model = root / "models" / name
-            model.mkdir(parents=True)
-            with (model / "model.safetensors").open("wb") as weights:
-                weights.truncate(GiB)
-        self.inference = f"127.0.0.1:{_free_port()}"
+            benchrole.sparse_model(root / "models" / name, GiB)
+        self.inference = f"127.0.0.1:{benchrole.free_port()}"
         self.log = (root / "role.log").open("wb")
-        self.role = subprocess.Popen(
-            [
-                *CAPYCTL,
-                "start",
-                "standalone",
-                "--state-dir",
-                str(self.state),
-                "--config",
-                str(document),
-                "--listen",
-                self.inference,
-                "--management-listen",
-                f"127.0.0.1:{_free_port()}",
-                "--host-name",
-                "local",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
+        self.role = benchrole.start_standalone(
+            self.state, document, self.inference, self.log, self.env
         )
 
     def wait_started(self) -> None:
         self._until(lambda: self.cli("list", "deployments").returncode == 0, "the role")
 
     def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
-        found = subprocess.run(
-            [*CAPYCTL, *args, "--state-dir", str(self.state)],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        if check and found.returncode:
-            raise SystemExit(f"capyctl {' '.join(args)}: {found.stderr}")
-        return found
+        return benchrole.cli(self.state, self.env, *args, check=check)
 
     def park_three(self) -> None:
         """Deploy each model, make it ready with one request, then park it."""

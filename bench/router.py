@@ -51,14 +51,12 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 import yaml
 
-from capycommon.engines import detect, registry
+import benchrole
+from benchrole import GiB
 from capycommon.state.store import InstanceStore
 from enginesim.behaviour import Behaviour
-from enginesim.install import install_python_engine
 
-GiB = 1 << 30
 BENCH = Path(__file__).resolve().parent
-CAPYCTL = [sys.executable, "-m", "capyctl_cli"]
 HI = [{"role": "user", "content": "hi"}]
 ANSWER = " ".join(["tok"] * 2000)
 INSTANT = Behaviour(load_seconds=0.5, instant=True, answer=ANSWER)
@@ -67,12 +65,6 @@ CONTENT = re.compile(rb'"content":\s*"[^"]')
 PARTS = ("latency", "capacity", "relay", "streams")
 LITELLM_VENV = BENCH / ".venv-litellm"
 LITELLM_KEY = "sk-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -225,8 +217,7 @@ class Stand:
     def __init__(self, root: Path, pace: float, streams: int) -> None:
         self.root = root
         self.state = root / "state"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-        self.env["HOME"] = str(root)
+        self.env = benchrole.role_env(root)
         config = self.state / "config"
         config.mkdir(parents=True)
         document = config / "standalone.yaml"
@@ -238,27 +229,17 @@ class Stand:
         document.write_text(yaml.safe_dump({"kind": "standalone", "host": host}))
         paced = INSTANT.model_copy(update={"instant": False, "tokens_per_second": pace})
         for profile, behaviour in (("vllm", INSTANT), ("vllm-paced", paced)):
-            venv = install_python_engine(root / profile, "vllm", "0.29.0", behaviour)
-            (found,) = detect.probe(venv)
-            registry.add(config / registry.FILE_NAME, found.profile(profile))
-        self.inference = f"127.0.0.1:{_free_port()}"
+            benchrole.install_vllm(root, config, profile, behaviour)
+        self.inference = f"127.0.0.1:{benchrole.free_port()}"
         self.log = (root / "role.log").open("wb")
         waiting = str(min(4096, max(256, streams)))
-        self.role = subprocess.Popen(
-            [
-                *CAPYCTL,
-                "start",
-                "standalone",
-                "--state-dir",
-                str(self.state),
-                "--config",
-                str(document),
-                "--listen",
-                self.inference,
-                "--management-listen",
-                f"127.0.0.1:{_free_port()}",
-                "--host-name",
-                "local",
+        self.role = benchrole.start_standalone(
+            self.state,
+            document,
+            self.inference,
+            self.log,
+            self.env,
+            extra_flags=[
                 # One client (this bench) holds every stream of the streams part.
                 "--server-listeners-inference-connections-per-client",
                 str(streams + 64),
@@ -267,17 +248,11 @@ class Stand:
                 "--server-routing-max-pending-total",
                 waiting,
             ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
+            new_session=True,
         )
         _wait(lambda: self.cli("list", "deployments").returncode == 0, 120, "the role")
         for name, profile in (("bench", "vllm"), ("bench-paced", "vllm-paced")):
-            model = root / "models" / name
-            model.mkdir(parents=True)
-            with (model / "model.safetensors").open("wb") as weights:
-                weights.truncate(2 * GiB)
+            benchrole.sparse_model(root / "models" / name, 2 * GiB)
             deployment = root / f"{name}.yaml"
             deployment.write_text(
                 f"name: {name}\nengine: {profile}\nmodel: {name}\n"
@@ -290,17 +265,7 @@ class Stand:
         self.engines = [self.engine("bench"), self.engine("bench-paced")]
 
     def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
-        found = subprocess.run(
-            [*CAPYCTL, *args, "--state-dir", str(self.state)],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        if check and found.returncode:
-            raise SystemExit(f"capyctl {' '.join(args)}: {found.stderr}")
-        return found
+        return benchrole.cli(self.state, self.env, *args, check=check)
 
     def engine(self, deployment: str) -> Engine:
         async def read() -> Engine:
@@ -534,7 +499,7 @@ def start_nginx(folder: Path, engine: Engine) -> Side | str:
     binary, why = _nginx_binary()
     if binary is None:
         return why
-    port = _free_port()
+    port = benchrole.free_port()
     conf = folder / "nginx.conf"
     conf.write_text(
         NGINX_CONF.format(workers=os.cpu_count() or 1, folder=folder, engine=engine.port, port=port)
@@ -551,7 +516,7 @@ def start_litellm(folder: Path, engine: Engine) -> Side | str:
     binary, why = _litellm_binary()
     if binary is None:
         return why
-    port = _free_port()
+    port = benchrole.free_port()
     config = folder / "litellm.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -641,7 +606,7 @@ def latency(stand: Stand, engine: Engine, requests: int, folder: Path) -> None:
     sent = blocks * len(kinds) * (block + warm)  # by each side, warm-ups included
     # The client's floor: the same requests against a server that only sends the engine's
     # own answers back, from a process of its own.
-    canned_port = _free_port()
+    canned_port = benchrole.free_port()
     answers = _canned_replies(folder, found["direct", "chat"][0], found["direct", "stream"][0])
     canned = _start(
         [sys.executable, "-c", CANNED_SERVER, str(canned_port), *answers],

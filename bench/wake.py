@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,14 +41,12 @@ import httpx
 import redis
 import yaml
 
-from capycommon.engines import detect, registry
+import benchrole
+from benchrole import GiB
 from capycommon.state import keys
 from enginesim.behaviour import Behaviour
-from enginesim.install import install_python_engine
 
-GiB = 1 << 30
 HOST = "local"
-CAPYCTL = [sys.executable, "-m", "capyctl_cli"]
 # Short engine calls, so what CapyCTL adds is visible beside them; fast tokens, so the first
 # token is the engine's work of one token, not the answer's length.
 BEHAVIOUR = Behaviour(
@@ -75,12 +70,6 @@ PARK_CALL = ("/sleep", {"level": "1"})
 HEALTH_POLL_S = 0.002
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _until(check: Callable[[], Any], what: str, timeout: float = 120) -> Any:
     deadline = time.monotonic() + timeout
     while not (found := check()):
@@ -96,8 +85,7 @@ class Stand:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.state = root / "state"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-        self.env["HOME"] = str(root)
+        self.env = benchrole.role_env(root)
         config = self.state / "config"
         config.mkdir(parents=True)
         document = config / "standalone.yaml"
@@ -116,34 +104,12 @@ class Stand:
                 }
             )
         )
-        venv = install_python_engine(root / "vllm", "vllm", "0.29.0", BEHAVIOUR)
-        (found,) = detect.probe(venv)
-        registry.add(config / registry.FILE_NAME, found.profile("vllm"))
-        model = root / "models" / "m10"
-        model.mkdir(parents=True)
-        with (model / "model.safetensors").open("wb") as weights:
-            weights.truncate(10 * GiB)
-        self.inference = f"127.0.0.1:{_free_port()}"
+        benchrole.install_vllm(root, config, "vllm", BEHAVIOUR)
+        benchrole.sparse_model(root / "models" / "m10", 10 * GiB)
+        self.inference = f"127.0.0.1:{benchrole.free_port()}"
         self.log = (root / "role.log").open("wb")
-        self.role = subprocess.Popen(
-            [
-                *CAPYCTL,
-                "start",
-                "standalone",
-                "--state-dir",
-                str(self.state),
-                "--config",
-                str(document),
-                "--listen",
-                self.inference,
-                "--management-listen",
-                f"127.0.0.1:{_free_port()}",
-                "--host-name",
-                HOST,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
+        self.role = benchrole.start_standalone(
+            self.state, document, self.inference, self.log, self.env, HOST
         )
         self.redis = redis.Redis(unix_socket_path=str(self.state / "redis" / "redis.sock"))
         _until(lambda: self.cli("list", "deployments").returncode == 0, "the role")
@@ -171,17 +137,7 @@ class Stand:
         )
 
     def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
-        found = subprocess.run(
-            [*CAPYCTL, *args, "--state-dir", str(self.state)],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        if check and found.returncode:
-            raise SystemExit(f"capyctl {' '.join(args)}: {found.stdout}{found.stderr}")
-        return found
+        return benchrole.cli(self.state, self.env, *args, check=check)
 
     def record(self, name: str) -> dict[str, Any] | None:
         raw = self.redis.get(keys.instance(HOST, name, 0))
