@@ -9,9 +9,11 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
+
+import yaml
 
 from capycommon.engines import detect, registry
 from enginesim.behaviour import Behaviour
@@ -34,6 +36,16 @@ def role_env(root: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
     env["HOME"] = str(root)
     return env
+
+
+def write_document(state: Path, host: Mapping[str, str]) -> Path:
+    """The role's document, `kind: standalone` with `host`, written into the state dir's
+    config dir (made here, where the engines are registered too); its path."""
+    config = state / "config"
+    config.mkdir(parents=True)
+    document = config / "standalone.yaml"
+    document.write_text(yaml.safe_dump({"kind": "standalone", "host": dict(host)}))
+    return document
 
 
 def install_vllm(root: Path, config: Path, profile: str, behaviour: Behaviour) -> None:

@@ -174,22 +174,13 @@ class Stand:
         self.root = root
         self.state = root / "state"
         self.env = benchrole.role_env(root)
-        config = self.state / "config"
-        config.mkdir(parents=True)
-        document = config / "standalone.yaml"
-        document.write_text(
-            yaml.safe_dump(
-                {
-                    "kind": "standalone",
-                    "host": {
-                        "simulated_gpus": "gpu0:24GiB",
-                        "simulated_host_ram": "128GiB",
-                        "models_root": str(root / "models"),
-                    },
-                }
-            )
-        )
-        benchrole.install_vllm(root, config, "vllm", BEHAVIOUR)
+        host = {
+            "simulated_gpus": "gpu0:24GiB",
+            "simulated_host_ram": "128GiB",
+            "models_root": str(root / "models"),
+        }
+        document = benchrole.write_document(self.state, host)
+        benchrole.install_vllm(root, document.parent, "vllm", BEHAVIOUR)
         for name in MODELS:
             benchrole.sparse_model(root / "models" / name, GiB)
         self.inference = f"127.0.0.1:{benchrole.free_port()}"

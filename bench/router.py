@@ -218,18 +218,15 @@ class Stand:
         self.root = root
         self.state = root / "state"
         self.env = benchrole.role_env(root)
-        config = self.state / "config"
-        config.mkdir(parents=True)
-        document = config / "standalone.yaml"
         host = {
             "simulated_gpus": "gpu0:24GiB",
             "simulated_host_ram": "64GiB",
             "models_root": str(root / "models"),
         }
-        document.write_text(yaml.safe_dump({"kind": "standalone", "host": host}))
+        document = benchrole.write_document(self.state, host)
         paced = INSTANT.model_copy(update={"instant": False, "tokens_per_second": pace})
         for profile, behaviour in (("vllm", INSTANT), ("vllm-paced", paced)):
-            benchrole.install_vllm(root, config, profile, behaviour)
+            benchrole.install_vllm(root, document.parent, profile, behaviour)
         self.inference = f"127.0.0.1:{benchrole.free_port()}"
         self.log = (root / "role.log").open("wb")
         waiting = str(min(4096, max(256, streams)))

@@ -86,25 +86,16 @@ class Stand:
         self.root = root
         self.state = root / "state"
         self.env = benchrole.role_env(root)
-        config = self.state / "config"
-        config.mkdir(parents=True)
-        document = config / "standalone.yaml"
         ports = random.randrange(20_000, 30_000, 10)
-        document.write_text(
-            yaml.safe_dump(
-                {
-                    "kind": "standalone",
-                    "host": {
-                        "simulated_gpus": "gpu0:24GiB",
-                        "simulated_host_ram": "256GiB",
-                        "models_root": str(root / "models"),
-                        # Ports of its own: other roles on this machine use the default range.
-                        "engine_ports": f"{ports}-{ports + 9}",
-                    },
-                }
-            )
-        )
-        benchrole.install_vllm(root, config, "vllm", BEHAVIOUR)
+        host = {
+            "simulated_gpus": "gpu0:24GiB",
+            "simulated_host_ram": "256GiB",
+            "models_root": str(root / "models"),
+            # Ports of its own: other roles on this machine use the default range.
+            "engine_ports": f"{ports}-{ports + 9}",
+        }
+        document = benchrole.write_document(self.state, host)
+        benchrole.install_vllm(root, document.parent, "vllm", BEHAVIOUR)
         benchrole.sparse_model(root / "models" / "m10", 10 * GiB)
         self.inference = f"127.0.0.1:{benchrole.free_port()}"
         self.log = (root / "role.log").open("wb")
