@@ -182,3 +182,35 @@ def test_a_startup_peak_is_measured_while_starting(memwatch: Memwatch, quiet_s: 
     assert peak.samples >= 3
     assert peak.measured_at >= ready.since
     assert memwatch.logged("startup peak measured")[0]["device_bytes"] == 7 * GIB
+
+
+def _readings_over(memwatch: Memwatch, seconds: float) -> int:
+    """How many readings memwatch wrote within `seconds`."""
+    seen: set[float] = set()
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        found = memwatch.reading()
+        if found is not None:
+            seen.add(found.taken_at)
+        time.sleep(0.01)
+    return len(seen)
+
+
+def test_readings_come_every_50_ms_while_an_instance_parks(memwatch: Memwatch) -> None:
+    """A park counts only once a reading taken after the engine's park call shows the memory
+    released, so a switch waiting on it would wait up to a second for the next reading."""
+    wait_for(lambda: memwatch.logged("watching launches"), 15, "the sampler's first step")
+    client = memwatch.client
+    with Claimer(memwatch.simgpu) as engine:
+        ready = record(InstanceState.READY, engine.identity(), since=time.time())
+        put(client, ready)
+        assert _readings_over(memwatch, 2.0) <= 3, "one a second while nothing parks"
+
+        parking = ready.model_copy(update={"state": InstanceState.PARKING, "since": time.time()})
+        put(client, parking)
+        assert _readings_over(memwatch, 1.0) >= 8, "about one every 50 ms while it parks"
+
+        parked = ready.model_copy(update={"state": InstanceState.PARKED, "since": time.time()})
+        put(client, parked)
+        time.sleep(0.5)  # the announcement is taken up
+        assert _readings_over(memwatch, 2.0) <= 3, "one a second again once it parked"

@@ -1,5 +1,5 @@
-"""memwatch's two loops: a reading every second, and startup-peak samples every 500 ms while
-a launch is starting.
+"""memwatch's two loops: a reading every second (every 50 ms while an instance parks), and
+startup-peak samples every 500 ms while a launch is starting.
 
 memwatch observes and writes; it decides nothing. A reading it cannot take is not written,
 so the host's memory goes unobserved after `STALE_AFTER_S` rather than being guessed.
@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from capycommon.errors import DeviceUnobserved
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import memory, notify
-from capycommon.state.instances import InstanceRecord
+from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.memory import MemoryReading, StartupPeak
 from capycommon.state.store import InstanceStore
 from capyctl_memwatch import peaks
@@ -36,20 +36,35 @@ from capyctl_memwatch.procs import GroupMeter
 log = logging.getLogger(__name__)
 
 READING_INTERVAL_S = 1.0
+# While an instance parks, a reading this often: its park counts (and a switch waiting on it
+# goes on) only once a reading taken after the engine's park call shows the memory released.
+PARKING_READING_S = 0.05
 # With no launch starting, the sampler waits this long at most for hostd's announcement.
 QUIET_S = 30.0
 
 
-async def every(interval: float, stop: asyncio.Event, step: Callable[[], Awaitable[None]]) -> None:
-    """Run `step` every `interval` seconds on a steady schedule until `stop` is set."""
+async def every(
+    interval: Callable[[], float],
+    stop: asyncio.Event,
+    step: Callable[[], Awaitable[None]],
+    hurry: asyncio.Event | None = None,
+) -> None:
+    """Run `step` every `interval()` seconds on a steady schedule until `stop` is set; at
+    once when `hurry` is set (then cleared)."""
     next_at = time.monotonic()
     while not stop.is_set():
         await step()
-        next_at += interval
+        next_at += interval()
         now = time.monotonic()
         next_at = max(next_at, now)  # fell behind: carry on from now, without a burst
-        if await wait_event(stop, next_at - now):
-            return
+        if hurry is None:
+            if await wait_event(stop, next_at - now):
+                return
+            continue
+        await _first(hurry, stop, next_at - now)
+        if hurry.is_set():
+            hurry.clear()
+            next_at = time.monotonic()
 
 
 class Readings:
@@ -101,6 +116,10 @@ class Peaks:
         self.subscription: int | None = None
         self._subscriptions = 0
         self._last_under: int | None = None
+        # Whether an instance of the host is parking, as of the last step; `parking_began` is
+        # set when one begins to, for the readings to hurry.
+        self.parking = False
+        self.parking_began = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Step on every announcement, every 500 ms while a launch is starting, and at least
@@ -109,7 +128,8 @@ class Peaks:
         try:
             while not stop.is_set():
                 await self.step()
-                interval = peaks.INTERVAL_S if self.sampler.launches else QUIET_S
+                busy = self.sampler.launches or self.parking
+                interval = peaks.INTERVAL_S if busy else QUIET_S
                 await _first(self.changed, stop, interval)
                 self.changed.clear()
         finally:
@@ -143,6 +163,10 @@ class Peaks:
             records = await self.load()
         except REDIS_ERRORS:
             return
+        parking = any(record.state == InstanceState.PARKING for record in records)
+        if parking and not self.parking:
+            self.parking_began.set()
+        self.parking = parking
         first = self.sampler.last_step is None
         measured = await asyncio.to_thread(self.sampler.tick, records, time.time(), watched)
         self._last_under = under
@@ -187,4 +211,10 @@ async def watch(client: aioredis.Redis, host: str, backend: Backend, stop: async
     readings = Readings(client, host, backend)
     sampler = PeakSampler(host, GroupMeter(backend.read))
     startup = Peaks(client, host, sampler)
-    await asyncio.gather(every(READING_INTERVAL_S, stop, readings.step), startup.run(stop))
+
+    def interval() -> float:
+        return PARKING_READING_S if startup.parking else READING_INTERVAL_S
+
+    await asyncio.gather(
+        every(interval, stop, readings.step, startup.parking_began), startup.run(stop)
+    )
