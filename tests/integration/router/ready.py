@@ -3,6 +3,7 @@ for tests that put the router in front of an engine of their own."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import redis.asyncio as aioredis
@@ -50,3 +51,15 @@ async def put_ready(
     await client.set(keys.instance(host, name, 0), instance.model_dump_json())
     await client.sadd(keys.instances(host), f"{name}:0")
     await client.set(keys.instance_secret(host, name, 0), secret)
+
+
+def chunk(content: str, finish: str | None = None) -> str:
+    """One SSE event of a chat completion stream, as an engine serving as `served` sends it."""
+    event = {
+        "id": "chatcmpl-engine",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "served",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+    }
+    return f"data: {json.dumps(event)}\n\n"

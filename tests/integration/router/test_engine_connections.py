@@ -6,7 +6,6 @@ loopback socket that counts the connections it is given."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,21 +22,15 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from integration.router.ready import put_ready
+from integration.router.ready import chunk, put_ready
 
 CREDENTIALS = generate()
 HI: list[Any] = [{"role": "user", "content": "hi"}]
 
 
 def _chunk(content: str, finish: str | None = None) -> bytes:
-    event = {
-        "id": "chatcmpl-engine",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "served",
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
-    }
-    data = f"data: {json.dumps(event)}\n\n".encode()
+    """The event as one HTTP/1.1 chunk."""
+    data = chunk(content, finish).encode()
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 

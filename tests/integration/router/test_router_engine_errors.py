@@ -22,7 +22,7 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from integration.router.ready import put_ready
+from integration.router.ready import chunk, put_ready
 
 CREDENTIALS = generate()
 HOST = "local"
@@ -44,17 +44,6 @@ REFUSALS = {
     "llamacpp": {"error": {"code": 400, "message": TOO_LONG, "type": "invalid_request_error"}},
 }
 Engine = Callable[[httpx.Request], httpx.Response]
-
-
-def _chunk(content: str, finish: str | None = None) -> str:
-    event = {
-        "id": "chatcmpl-engine",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "served",
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
-    }
-    return f"data: {json.dumps(event)}\n\n"
 
 
 def _sse(*events: str) -> httpx.Response:
@@ -87,7 +76,7 @@ class Cluster:
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
-        self.engine: Engine = lambda _: _sse(_chunk("hello", "stop"), "data: [DONE]\n\n")
+        self.engine: Engine = lambda _: _sse(chunk("hello", "stop"), "data: [DONE]\n\n")
         self.seen: list[dict[str, Any]] = []
 
     async def ready(self, family: str) -> None:
@@ -189,7 +178,7 @@ async def test_after_the_first_event_a_failure_is_an_error_event_and_done(
 ) -> None:
     engines, sdk = cluster
     broken = _error_event("EngineCore encountered an issue.", 500)
-    engines.engine = lambda _: _sse(_chunk("Hello"), _chunk(" there"), broken, "data: [DONE]\n\n")
+    engines.engine = lambda _: _sse(chunk("Hello"), chunk(" there"), broken, "data: [DONE]\n\n")
     async with sdk.chat.completions.with_streaming_response.create(
         model="vllm", messages=HI, stream=True
     ) as response:
@@ -216,7 +205,7 @@ async def test_a_stream_the_engine_ends_without_done_still_ends_with_done(
     cluster: tuple[Cluster, openai.AsyncOpenAI],
 ) -> None:
     engines, sdk = cluster
-    engines.engine = lambda _: _sse(_chunk("Hi", "stop"))
+    engines.engine = lambda _: _sse(chunk("Hi", "stop"))
     chunks = [
         chunk
         async for chunk in await sdk.chat.completions.create(
