@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import openai
 import pytest
 
 from cluster import Cluster, start_cluster
-from support import short_dir, wait_for
+from support import processes_mentioning, short_dir, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -118,5 +119,8 @@ def test_a_full_disk_is_reported_and_ridden_out() -> None:
                     cluster.clean()
                 cluster.role.stop()
         finally:
+            for pid in processes_mentioning(str(root)):  # engines a failed clean left running
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             subprocess.run(["umount", "-l", str(state)], check=False)
             shutil.rmtree(root, ignore_errors=True)
