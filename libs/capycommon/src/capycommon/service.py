@@ -241,6 +241,17 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return True
 
 
+async def wait_either(first: asyncio.Event, second: asyncio.Event, timeout: float) -> None:
+    """Wait until either event is set, or `timeout` seconds passed."""
+    waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
 async def _supervise(ctx: ServiceContext, body: Body | None) -> int:
     tasks = [asyncio.create_task(_keep_heartbeat(ctx), name="heartbeat")]
     if body is not None:

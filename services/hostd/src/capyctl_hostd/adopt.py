@@ -13,7 +13,7 @@ from pathlib import Path
 
 from capycommon.engines import registry
 from capycommon.engines.launch import LaunchSpec, Residency
-from capycommon.service import REDIS_ERRORS
+from capycommon.service import REDIS_ERRORS, wait_either
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import procs
@@ -128,13 +128,7 @@ class Deaths:
 
     async def wait(self, stop: asyncio.Event, timeout: float) -> None:
         """Until a leader exited since the last `clear`, `stop` is set, or `timeout` passed."""
-        waits = [asyncio.ensure_future(self.exited.wait()), asyncio.ensure_future(stop.wait())]
-        try:
-            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiting in waits:
-                waiting.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+        await wait_either(self.exited, stop, timeout)
 
     def close(self) -> None:
         for pid in list(self._fds):

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from capycommon.engines.control import Load, Timeouts
 from capycommon.errors import CapyError
-from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.service import REDIS_ERRORS, wait_either, wait_event
 from capycommon.state import load, notify
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
@@ -56,7 +56,7 @@ async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTER
             with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
                 draining = await tick(runner)
             wait = min(interval_s, DRAINING_INTERVAL_S) if draining else interval_s
-            await _either(drained, stop, wait)
+            await wait_either(drained, stop, wait)
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -89,17 +89,6 @@ async def _drains(runner: Runner, data: bytes | str) -> bool:
     deployment, _, index = note.id.rpartition(":")
     record = await runner.store.get(deployment, int(index))
     return record is not None and record.state == S.DRAINING
-
-
-async def _either(first: asyncio.Event, second: asyncio.Event, timeout: float) -> None:
-    """Until either event is set, or `timeout` passed."""
-    waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiting in waits:
-            waiting.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
 
 
 async def tick(runner: Runner) -> bool:

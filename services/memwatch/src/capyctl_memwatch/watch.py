@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon.errors import DeviceUnobserved
-from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.service import REDIS_ERRORS, wait_either, wait_event
 from capycommon.state import memory, notify
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.memory import MemoryReading, StartupPeak
@@ -61,7 +61,7 @@ async def every(
             if await wait_event(stop, next_at - now):
                 return
             continue
-        await _first(hurry, stop, next_at - now)
+        await wait_either(hurry, stop, next_at - now)
         if hurry.is_set():
             hurry.clear()
             next_at = time.monotonic()
@@ -130,7 +130,7 @@ class Peaks:
                 await self.step()
                 busy = self.sampler.launches or self.parking
                 interval = peaks.INTERVAL_S if busy else QUIET_S
-                await _first(self.changed, stop, interval)
+                await wait_either(self.changed, stop, interval)
                 self.changed.clear()
         finally:
             listener.cancel()
@@ -194,16 +194,6 @@ class Peaks:
                     log.warning("unreadable instance record", extra=extra)
                 self.refused.add(member)
         return records
-
-
-async def _first(event: asyncio.Event, stop: asyncio.Event, timeout: float) -> None:
-    """Wait until `event` or `stop` is set, or `timeout` seconds passed."""
-    waits = [asyncio.create_task(event.wait()), asyncio.create_task(stop.wait())]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiting in waits:
-            waiting.cancel()
 
 
 async def watch(client: aioredis.Redis, host: str, backend: Backend, stop: asyncio.Event) -> None:
