@@ -11,12 +11,13 @@ import time
 from typing import cast
 
 import httpx
+import openai
 import pytest
 import yaml
 
 from capycommon.state import desired, keys
 from capycommon.state.instances import LIVE_STATES
-from cluster import FOURTEEN, HOST, Cluster, GiB, running
+from cluster import FOURTEEN, HOST, SMALL, Cluster, GiB, running
 from support import wait_for
 
 
@@ -67,6 +68,26 @@ def test_park_and_wake_at_each_residency(cluster: Cluster) -> None:
     cluster.ok("start", "deployment", "ro", "--wait")
     assert "parked" in cluster.ok("park", "deployment", "ro", "--wait"), "a restart_only park"
     assert cluster.state("ro") == "stopped", "it parks by stopping"
+
+
+def test_a_request_after_an_operator_park_wakes_it_for_good(cluster: Cluster) -> None:
+    cluster.deploy("p", model="small", engine_config=SMALL)
+    cluster.ok("start", "deployment", "p", "--wait")
+    assert "parked" in cluster.ok("park", "deployment", "p", "--wait")
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=cluster.api_key, max_retries=0)
+    answer = client.chat.completions.create(
+        model="p", messages=[{"role": "user", "content": "hi"}], max_tokens=1, timeout=60
+    )
+    assert answer.choices[0].finish_reason
+    # The scheduler parked it again within a second of the demand's end before; it now
+    # stays ready like any demanded model (its idle timeout is the role's 5 minutes).
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        assert cluster.state("p") == "ready", cluster.transitions("p")
+        time.sleep(0.1)
+    woke = [to for _, to, _ in cluster.transitions("p")]
+    assert woke[-2:] == ["waking", "ready"]
+    assert desired.read_all(cluster.client)["p"].park_requested is None, "the park was done"
 
 
 def test_idle_models_park_then_stop(cluster: Cluster) -> None:

@@ -119,7 +119,10 @@ class Actuator:
             reason=action.reason,
             wake_deadline_s=snapshot.tunables.wake_deadline_s,
         )
-        await self._send(record, action, command, self._effect("wake", action, S.PARKED))
+        # A wake ends an operator's park: that park was done (the model parked), and the
+        # demand that wakes it overrides it, so the model stays ready like any demanded one.
+        woken = record.model_copy(update={"park_requested": None})
+        await self._send(woken, action, command, self._effect("wake", action, S.PARKED))
 
     async def _park(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         instance = snapshot.instances[record.name]

@@ -107,7 +107,8 @@ class DeploymentRecord(_Frozen):
     stopped: bool = False
     # For activation: explicit, the operator's last start (ready) or park (parked).
     wanted: Literal["ready", "parked"] | None = None
-    # An operator park of an on-demand deployment, for the generation it names.
+    # An operator park of an on-demand deployment, for the generation it names, until a
+    # demand wakes it (the wake clears it) or a start draws a new generation.
     park_requested: int | None = None
     # A drain of the host the instance of this generation runs on: stop it, stay on demand.
     stop_requested: int | None = None
