@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import httpx
-
 from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.proxy import Cut, Failure, failure
+from capyctl_router.upstream import EngineConnectionError
 
 
 def test_an_engines_own_error_keeps_its_status_message_and_param() -> None:
@@ -24,7 +23,7 @@ def test_a_cut_is_unavailable_with_its_reason_as_the_outcome() -> None:
 
 
 def test_a_broken_engine_or_connection_is_an_engine_error() -> None:
-    for exc in (EngineError("not JSON"), httpx.ReadError("connection reset")):
+    for exc in (EngineError("not JSON"), EngineConnectionError("connection reset")):
         found = failure(exc)
         assert (found.outcome, found.status, found.code) == ("engine_error", 500, "engine_error")
         assert found.message.startswith("the engine failed: ")

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import httpx2
 import openai
 import pytest
@@ -22,6 +21,7 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
+from capyctl_router.upstream import Engines
 from integration.router.ready import chunk, put_ready
 
 CREDENTIALS = generate()
@@ -80,7 +80,7 @@ async def routed(redis_socket: Path) -> AsyncIterator[tuple[Engine, openai.Async
     await put_ready(client, "m", port=port)
     table = Table(client, {"local"})
     await table.sync()
-    engines = httpx.AsyncClient(trust_env=False)
+    engines = Engines()
     app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
     sdk = openai.AsyncOpenAI(
@@ -91,7 +91,7 @@ async def routed(redis_socket: Path) -> AsyncIterator[tuple[Engine, openai.Async
         assert (await places.aread(client, "m")).running == 0
     finally:
         await sdk.close()
-        await engines.aclose()
+        engines.close()
         await client.aclose()
         server.close()
         await server.wait_closed()

@@ -29,6 +29,7 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
+from capyctl_router.upstream import Engines
 from hostile import (
     BODIES,
     CHAT_FIELDS,
@@ -38,6 +39,7 @@ from hostile import (
     openapi_cases,
     send,
 )
+from integration.router.fakeengine import engine_serving
 from integration.router.ready import put_ready
 
 CREDENTIALS = generate()
@@ -89,20 +91,21 @@ class Served:
 @pytest.fixture
 async def served(redis_socket: Path, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Served]:
     client = aioredis.Redis(unix_socket_path=str(redis_socket))
-    await put_ready(client, MODEL, host=HOST)
-    table = Table(client, {HOST})
-    await table.sync()
     metrics = Metrics()
     served = Served(httpx.AsyncClient(), client, metrics)
-    engines = httpx.AsyncClient(transport=httpx.MockTransport(served.engine))
-    app = create_app(CREDENTIALS, Router(Dispatcher(client, table, metrics), engines))
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    caplog.set_level(logging.INFO)
-    async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
-        served.http = http
-        yield served
-    await served.assert_no_place_kept()
-    await engines.aclose()
+    engines = Engines()
+    async with engine_serving(served.engine) as port:
+        await put_ready(client, MODEL, host=HOST, port=port)
+        table = Table(client, {HOST})
+        await table.sync()
+        app = create_app(CREDENTIALS, Router(Dispatcher(client, table, metrics), engines))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        caplog.set_level(logging.INFO)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            served.http = http
+            yield served
+        await served.assert_no_place_kept()
+    engines.close()
     await client.aclose()
     tracebacks = [
         r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR
@@ -221,7 +224,7 @@ def _openapi_cases() -> st.SearchStrategy[Case[Any]]:
     """Requests drawn from the API's own OpenAPI document (it reads no state, so an app over
     a Redis client that never connects serves it)."""
     idle = aioredis.Redis()
-    router = Router(Dispatcher(idle, Table(idle, set()), Metrics()), httpx.AsyncClient())
+    router = Router(Dispatcher(idle, Table(idle, set()), Metrics()), Engines())
     with TestClient(create_app(CREDENTIALS, router)) as http:
         return openapi_cases(http.get("/openapi.json").json())
 

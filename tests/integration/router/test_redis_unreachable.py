@@ -16,6 +16,7 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import REDIS_RETRY_S, Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
+from capyctl_router.upstream import Engines
 from integration.router.ready import put_ready
 from support import short_dir
 
@@ -37,7 +38,7 @@ async def test_a_request_gets_a_503_to_retry_within_2_s(redis_socket: Path) -> N
     await put_ready(live, NAME, host=HOST)
     table = Table(live, {HOST})
     await table.sync()  # the table was read before Redis went away
-    app = create_app(CREDENTIALS, Router(Dispatcher(gone, table, Metrics()), httpx.AsyncClient()))
+    app = create_app(CREDENTIALS, Router(Dispatcher(gone, table, Metrics()), Engines()))
     body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
     headers = {"Authorization": f"Bearer {CREDENTIALS.api_key}"}
     transport = httpx.ASGITransport(app=app)

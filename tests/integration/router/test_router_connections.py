@@ -24,7 +24,9 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
+from capyctl_router.upstream import Engines
 from integration.common.served import connected, request_head, served
+from integration.router.fakeengine import engine_serving
 from integration.router.ready import put_ready
 from support import wait_for_async
 
@@ -87,26 +89,27 @@ async def stand(redis_socket: Path) -> AsyncIterator[Stand]:
     """The router as its service runs it (the routing table followed, cut requests settled),
     on a Redis pool of POOL connections, in front of one `Engine`."""
     client = redis_client(f"unix://{redis_socket}", connections=POOL)
-    await put_ready(client, NAME, host=HOST)
-    table = Table(client, {HOST})
-    await table.sync()
-    dispatcher = Dispatcher(client, table, Metrics())
     engine = Engine()
-    engines = httpx.AsyncClient(transport=httpx.MockTransport(engine.answer))
-    app = create_app(CREDENTIALS, Router(dispatcher, engines))
-    stop = asyncio.Event()
-    background = [
-        asyncio.create_task(table.run(stop)),
-        asyncio.create_task(dispatcher.settle(stop)),
-    ]
-    try:
-        async with served(app, ConnectionLimits(connections_per_client=1000)) as port:
-            yield Stand(client, dispatcher, port)
-    finally:
-        stop.set()
-        await asyncio.gather(*background)
-        await engines.aclose()
-        await client.aclose()
+    async with engine_serving(engine.answer) as engine_port:
+        await put_ready(client, NAME, host=HOST, port=engine_port)
+        table = Table(client, {HOST})
+        await table.sync()
+        dispatcher = Dispatcher(client, table, Metrics())
+        engines = Engines()
+        app = create_app(CREDENTIALS, Router(dispatcher, engines))
+        stop = asyncio.Event()
+        background = [
+            asyncio.create_task(table.run(stop)),
+            asyncio.create_task(dispatcher.settle(stop)),
+        ]
+        try:
+            async with served(app, ConnectionLimits(connections_per_client=1000)) as port:
+                yield Stand(client, dispatcher, port)
+        finally:
+            stop.set()
+            await asyncio.gather(*background)
+            engines.close()
+            await client.aclose()
 
 
 @pytest.mark.anyio

@@ -22,6 +22,8 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
+from capyctl_router.upstream import Engines
+from integration.router.fakeengine import engine_serving
 from integration.router.ready import chunk, put_ready
 
 CREDENTIALS = generate()
@@ -79,8 +81,8 @@ class Cluster:
         self.engine: Engine = lambda _: _sse(chunk("hello", "stop"), "data: [DONE]\n\n")
         self.seen: list[dict[str, Any]] = []
 
-    async def ready(self, family: str) -> None:
-        await put_ready(self.client, family, family=family, host=HOST)
+    async def ready(self, family: str, port: int) -> None:
+        await put_ready(self.client, family, family=family, host=HOST, port=port)
 
     def answer(self, request: httpx.Request) -> httpx.Response:
         self.seen.append(json.loads(request.content))
@@ -94,23 +96,27 @@ class Cluster:
 async def cluster(redis_socket: Path) -> AsyncIterator[tuple[Cluster, openai.AsyncOpenAI]]:
     client = aioredis.Redis(unix_socket_path=str(redis_socket))
     cluster = Cluster(client)
-    for family in REFUSALS:
-        await cluster.ready(family)
-    table = Table(client, {HOST})
-    await table.sync()
-    engines = httpx.AsyncClient(transport=httpx.MockTransport(cluster.answer))
-    app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
-    # The openai SDK's own HTTP client package (a fork of httpx), with the app as transport.
-    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
-    sdk = openai.AsyncOpenAI(
-        base_url="http://router/v1", api_key=CREDENTIALS.api_key, http_client=http, max_retries=0
-    )
-    try:
-        yield cluster, sdk
-    finally:
-        await sdk.close()
-        await engines.aclose()
-        await client.aclose()
+    engines = Engines()
+    async with engine_serving(cluster.answer) as port:
+        for family in REFUSALS:
+            await cluster.ready(family, port)
+        table = Table(client, {HOST})
+        await table.sync()
+        app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+        # The openai SDK's own HTTP client package (a fork of httpx), with the app as transport.
+        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
+        sdk = openai.AsyncOpenAI(
+            base_url="http://router/v1",
+            api_key=CREDENTIALS.api_key,
+            http_client=http,
+            max_retries=0,
+        )
+        try:
+            yield cluster, sdk
+        finally:
+            await sdk.close()
+            engines.close()
+            await client.aclose()
 
 
 @pytest.mark.anyio

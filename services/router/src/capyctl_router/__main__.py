@@ -12,8 +12,6 @@ import socket
 import sys
 from collections.abc import Sequence
 
-import httpx
-
 from capycommon import credentials
 from capycommon.service import REDIS_ERRORS, ServiceContext, run, serve_http
 from capycommon.settings import ServerSettings, StandaloneSettings
@@ -22,6 +20,7 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher, Limits
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
+from capyctl_router.upstream import Engines
 from capyctl_router.workers import run_workers, worker_name
 
 # How long the router keeps an idle connection to an engine for the next request.
@@ -44,33 +43,27 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
     metrics = Metrics()
     owner = places.owner_id(ctx.name, os.getpid())
     dispatcher = Dispatcher(ctx.redis, table, metrics, limits, owner=owner)
-    # Engines are on loopback (or a host's ingress); no proxy variables apply, no pool limit
-    # below the router's own admission, and no overall timeout (deadlines are the router's).
-    # An idle connection is dropped well before an engine closes it (uvicorn's keep-alive,
-    # vLLM's and SGLang's, is 5 s), so a request is never sent on one being closed.
-    limits_http = httpx.Limits(
-        max_connections=None, max_keepalive_connections=64, keepalive_expiry=ENGINE_KEEPALIVE_S
-    )
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=10.0), limits=limits_http, trust_env=False
-    ) as http:
-        router = Router(dispatcher, http)
-        app = create_app(credentials.load(ctx.paths.credentials), router)
-        await table.sync()
-        work = [
-            serve_http(
-                app, server.listeners.inference.bind, ctx.stop, server.listeners.inference, listener
-            ),
-            table.run(ctx.stop),
-            dispatcher.settle(ctx.stop),
-        ]
-        if events:
-            work.append(metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop))
-        try:
-            await asyncio.gather(*work)
-        finally:
-            with contextlib.suppress(*REDIS_ERRORS):  # else they expire with this worker
-                await places.drop_owner(ctx.redis, owner)
+    # An idle connection to an engine is dropped well before the engine closes it (uvicorn's
+    # keep-alive, vLLM's and SGLang's, is 5 s), so a request is never sent on one being closed.
+    engines = Engines(keepalive_s=ENGINE_KEEPALIVE_S)
+    router = Router(dispatcher, engines)
+    app = create_app(credentials.load(ctx.paths.credentials), router)
+    await table.sync()
+    work = [
+        serve_http(
+            app, server.listeners.inference.bind, ctx.stop, server.listeners.inference, listener
+        ),
+        table.run(ctx.stop),
+        dispatcher.settle(ctx.stop),
+    ]
+    if events:
+        work.append(metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop))
+    try:
+        await asyncio.gather(*work)
+    finally:
+        engines.close()
+        with contextlib.suppress(*REDIS_ERRORS):  # else they expire with this worker
+            await places.drop_owner(ctx.redis, owner)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

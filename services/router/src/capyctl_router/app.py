@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-import httpx
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,6 +44,7 @@ from capyctl_router.errors import (
 from capyctl_router.proxy import Session, disconnected
 from capyctl_router.relay import Call
 from capyctl_router.table import Table, Target
+from capyctl_router.upstream import Engines
 
 MAX_BODY = 4 << 20
 REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
@@ -56,7 +56,7 @@ Authorization = Annotated[str | None, Header(include_in_schema=False)]
 @dataclass
 class Router:
     dispatcher: Dispatcher
-    http: httpx.AsyncClient
+    engines: Engines
 
     @property
     def table(self) -> Table:
@@ -215,7 +215,7 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
         dispatcher.metrics.outcome(name, "client_gone")
         return Response(status_code=499)
     dispatcher.metrics.running.labels(name).inc()
-    session = Session(dispatcher, router.http, call, target, arrived, deadline)
+    session = Session(dispatcher, router.engines, call, target, arrived, deadline)
     return await session.answer(request, headers)
 
 

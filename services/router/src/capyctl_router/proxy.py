@@ -12,37 +12,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from capycommon.errors import EngineError, EngineFailed, EngineRejected
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers
 from capyctl_router.relay import (
+    MAX_ANSWER,
+    MAX_ERROR,
     Assembly,
     Call,
+    Events,
     JsonDict,
+    dumps,
     engine_failure,
     engine_request,
-    error_answer,
     event_failure,
-    events,
     for_client,
+    loads,
     sse,
 )
 from capyctl_router.table import Target
+from capyctl_router.upstream import Answer, EngineConnectionError, Engines
 
 T = TypeVar("T")
 # Outcomes after which the engine is done with the request: its place is given back at once.
 FINISHED = ("ok", EngineRejected.code, EngineError.code)
+# Where the engines listen, from the router's side.
+ENGINE_ADDRESS = "127.0.0.1"
 
 
 class Cut(Exception):
@@ -55,7 +59,7 @@ class Gone(Exception):
     """The client hung up before its answer began."""
 
 
-FAILURES = (EngineFailed, EngineError, httpx.HTTPError, Cut)
+FAILURES = (EngineFailed, EngineError, EngineConnectionError, Cut)
 
 
 @dataclass(frozen=True)
@@ -84,14 +88,14 @@ class Session:
     """One admitted request: relayed, then its place settled (once, however it ended)."""
 
     dispatcher: Dispatcher
-    http: httpx.AsyncClient
+    engines: Engines
     call: Call
     target: Target
     arrived: float
     deadline: float
     outcome: str = "cancelled"
-    response: httpx.Response | None = None
-    _events: AsyncIterator[JsonDict | None] | None = None
+    response: Answer | None = None
+    _events: Events | None = None
     _finished: bool = field(default=False, repr=False)
 
     async def answer(self, request: Request, headers: dict[str, str]) -> Response:
@@ -106,7 +110,7 @@ class Session:
                 relayed = True
                 return Relay(self, found, headers)
             self.outcome = "ok"
-            return JSONResponse(found, headers=headers)
+            return Response(dumps(found), media_type="application/json", headers=headers)
         except Gone:
             return Response(status_code=499)
         except FAILURES as exc:
@@ -122,20 +126,30 @@ class Session:
 
     async def stream(self, first: JsonDict | None) -> AsyncGenerator[bytes, None]:
         """The client's stream from the first event on; a failure from here on is an error
-        event, and every stream ends with `[DONE]`."""
+        event, and every stream ends with `[DONE]`. The events at hand go out together, in
+        one write: an engine's burst costs the client one wake, not one an event."""
         event = first
+        ready: list[bytes] = []
         try:
             while event is not None:
                 shown = for_client(self.call, event)
                 if shown is not None:
-                    yield sse(shown)
+                    ready.append(sse(shown))
+                if ready and not self._at_hand():
+                    yield b"".join(ready)
+                    ready.clear()
                 event = await self._next()
             self.outcome = "ok"
         except FAILURES as exc:
             failed = self._failure(exc)
             self.outcome = failed.outcome
-            yield sse(error_body(failed.status, failed.code, failed.message, failed.param))
-        yield sse(None)
+            ready.append(sse(error_body(failed.status, failed.code, failed.message, failed.param)))
+        ready.append(sse(None))
+        yield b"".join(ready)
+
+    def _at_hand(self) -> bool:
+        """Whether the engine's next event (or its end) is here already."""
+        return self._events is not None and self._events.ready
 
     async def finish(self) -> None:
         """Close the engine connection (at once, if the client left), then settle the place:
@@ -144,7 +158,7 @@ class Session:
             return
         self._finished = True
         if self.response is not None:
-            await self.response.aclose()
+            self.response.close()
         dispatcher = self.dispatcher
         dispatcher.metrics.running.labels(self.target.deployment).dec()
         dispatcher.metrics.outcome(self.target.deployment, self.outcome)
@@ -164,14 +178,14 @@ class Session:
 
     # The engine's side ----------------------------------------------------------------------
 
-    async def _open(self) -> httpx.Response:
+    async def _open(self) -> Answer:
         """Send the request; the engine's error status raises as what it said."""
         body, headers = engine_request(self.call, self.target)
-        url = f"http://127.0.0.1:{self.target.port}{self.call.path}"
-        request = self.http.build_request("POST", url, json=body, headers=headers)
-        self.response = await self.http.send(request, stream=True)
-        if self.response.status_code >= 400:
-            raise engine_failure(self.response.status_code, await error_answer(self.response))
+        self.response = await self.engines.post(
+            ENGINE_ADDRESS, self.target.port, self.call.path, dumps(body), headers
+        )
+        if self.response.status >= 400:
+            raise engine_failure(self.response.status, await self.response.read(MAX_ERROR))
         return self.response
 
     async def _first(self) -> JsonDict | None:
@@ -180,7 +194,7 @@ class Session:
             response = await asyncio.wait_for(self._open(), self._left())
         except TimeoutError:
             raise Cut("deadline") from None
-        self._events = events(response).__aiter__()
+        self._events = Events(response)
         return await self._next()
 
     async def _next(self) -> JsonDict | None:
@@ -188,12 +202,11 @@ class Session:
         then by the idle bound between events. An error event raises as what it said."""
         assert self._events is not None
         answered = self.call.answered
-        wait = self.dispatcher.limits.stream_idle_s if answered else self._left()
+        until = (
+            time.monotonic() + self.dispatcher.limits.stream_idle_s if answered else self.deadline
+        )
         try:
-            async with asyncio.timeout(wait):  # no task an event, as wait_for would make
-                event = await anext(self._events)
-        except StopAsyncIteration:
-            return None
+            event = await self._events.next(until)
         except TimeoutError:
             raise Cut("stream idle" if answered else "deadline") from None
         if event is None:
@@ -223,8 +236,11 @@ class Session:
 
     async def _embeddings(self) -> JsonDict:
         response = await self._open()
+        raw = await response.read(MAX_ANSWER + 1)
+        if len(raw) > MAX_ANSWER:
+            raise EngineError("the engine's embeddings are over the router's limit (16 MiB)")
         try:
-            body = json.loads(await response.aread())
+            body = loads(raw)
         except ValueError:  # not JSON, not UTF-8
             raise EngineError("the engine's embeddings are not JSON") from None
         if not isinstance(body, dict):

@@ -14,14 +14,14 @@ each into one `EngineFailed`: the engine's status and message, in the OpenAI env
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import orjson
 
 from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.table import Target
+from capyctl_router.upstream import Answer
 
 JsonDict = dict[str, Any]
 # The one SSE event the router accepts from an engine, and the whole answer it collects.
@@ -83,16 +83,6 @@ def _error_fields(found: object) -> tuple[str | None, str | None, int | None]:
     )
 
 
-async def error_answer(response: httpx.Response) -> bytes:
-    """The start of an engine's error answer (its first 64 KiB)."""
-    raw = b""
-    async for chunk in response.aiter_bytes():
-        raw += chunk
-        if len(raw) >= MAX_ERROR:
-            break
-    return raw[:MAX_ERROR]
-
-
 @dataclass
 class Call:
     """One request on its way to an engine."""
@@ -128,39 +118,99 @@ def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]
     return body, headers
 
 
-async def events(response: httpx.Response) -> AsyncIterator[JsonDict | None]:
-    """The engine's SSE events as JSON; None for `[DONE]`. A line `error: {...}` (some
-    llama.cpp builds) is an error event too."""
-    size = 0
-    lines = response.aiter_lines()
-    async for line in lines:
-        if line.startswith("error:"):
-            yield _error_line(line[6:].strip())
-            continue
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        size += len(data)
-        if len(data) > MAX_EVENT or size > MAX_ANSWER:
-            raise EngineError(
-                "the engine's answer is over the router's limits (1 MiB an event, 16 MiB in all)"
-            )
-        if data == "[DONE]":
-            # Read to the body's end (its last chunk follows at once), so that the engine
-            # connection goes back to the pool instead of being closed with the response.
-            async for _ in lines:
-                pass
-            yield None
-            return
+class Events:
+    """The engine's SSE events as JSON, read from its answer as they arrive. A line
+    `error: {...}` (some llama.cpp builds) is an error event too."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self._lines: list[bytes] = []
+        self._partial = b""
+        self._size = 0
+        self._ended = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether `next` would answer at once (a line in hand, or in what arrived)."""
+        return bool(self._lines) or self._ended or self.answer.ready
+
+    async def next(self, until: float) -> JsonDict | None:
+        """The next event; None at `[DONE]` or at the answer's end. TimeoutError if it has
+        not come by `until` (time.monotonic)."""
+        while True:
+            while self._lines:
+                line = self._lines.pop()
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        await self._to_end(until)
+                        return None
+                    return self._event(data)
+                if line.startswith(b"error:"):
+                    return _error_line(line[6:].strip().decode(errors="replace"))
+            if self._ended:
+                return None
+            await self._read(until)
+
+    async def _read(self, until: float) -> None:
+        chunk = await self.answer.receive(until)
+        if not chunk:
+            self._ended = True
+            lines = [self._partial] if self._partial else []
+            self._partial = b""
+        else:
+            lines = (self._partial + chunk).split(b"\n")
+            self._partial = lines.pop()
+            if len(self._partial) > MAX_EVENT:
+                raise _over_limits()
+        lines.reverse()  # popped from the end, in order
+        self._lines = lines
+
+    async def _to_end(self, until: float) -> None:
+        """Read to the body's end (its last chunk follows at once), so that the engine
+        connection goes back to the pool instead of being closed with the answer."""
+        self._lines = []
+        while not self._ended and await self.answer.receive(until):
+            pass
+        self._ended = True
+
+    def _event(self, data: bytes) -> JsonDict:
+        self._size += len(data)
+        if len(data) > MAX_EVENT or self._size > MAX_ANSWER:
+            raise _over_limits()
         try:
-            event = json.loads(data)
-        except json.JSONDecodeError:
+            event = loads(data)
+        except ValueError:
             raise EngineError(
                 f"the engine sent an event that is not JSON: {data[:200]!r}"
             ) from None
         if not isinstance(event, dict):
             raise EngineError("the engine sent an event that is not a JSON object")
-        yield event
+        return event
+
+
+def _over_limits() -> EngineError:
+    return EngineError(
+        "the engine's answer is over the router's limits (1 MiB an event, 16 MiB in all)"
+    )
+
+
+def loads(data: bytes | str) -> Any:
+    """JSON, by orjson; by the standard parser what orjson refuses and it takes (NaN, an
+    integer past 64 bits), as engines written in Python may send."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
+def dumps(value: Any) -> bytes:
+    """JSON, by orjson; by the standard encoder what orjson cannot write (an integer past 64
+    bits, which a client's body may hold)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False).encode()
 
 
 def _error_line(data: str) -> JsonDict:
@@ -187,7 +237,7 @@ def for_client(call: Call, event: JsonDict) -> JsonDict | None:
 
 
 def sse(event: JsonDict | None) -> bytes:
-    return b"data: [DONE]\n\n" if event is None else f"data: {json.dumps(event)}\n\n".encode()
+    return b"data: [DONE]\n\n" if event is None else b"data: " + dumps(event) + b"\n\n"
 
 
 @dataclass

@@ -1,0 +1,288 @@
+"""The router's client to its engines: HTTP/1.1 POSTs on kept-alive connections.
+
+A general HTTP client (httpx, with httpcore, anyio and h11 beneath it) cost more CPU per
+request than everything else the router does (bench/router.py). The router needs little of
+it: one kind of request, to addresses it knows, on plain TCP, one request at a time on a
+connection. So this is an asyncio protocol with httptools' parser (llhttp, as uvicorn's
+faster path uses) and a pool of idle connections per address.
+
+An answer is read as it arrives; closing one before its end closes its connection, which is
+how an engine learns at once that a client left. One read to its end gives the connection
+back to the pool, where it waits at most `keepalive_s` (less than the engines' own 5 s, so a
+request is never sent on a connection the engine is closing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+import httptools
+
+# An answer's body is buffered up to this much before the engine's connection stops being
+# read, until the router takes it.
+HIGH_WATER = 1 << 20
+# Idle connections kept to one engine; more are closed as their answers end.
+MAX_IDLE = 64
+
+
+class EngineConnectionError(Exception):
+    """The engine's connection failed: refused, reset, closed mid-answer, or not HTTP."""
+
+
+class Answer:
+    """One engine answer: its status and headers, then its body as it arrives."""
+
+    def __init__(self, connection: _Connection) -> None:
+        self._connection = connection
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._complete = False
+        self._error: EngineConnectionError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._closed = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether `receive` would answer at once: with bytes that arrived, the end, or the
+        connection's failure."""
+        return bool(self._chunks) or self._complete or self._error is not None
+
+    async def receive(self, until: float | None = None) -> bytes:
+        """What arrived of the body since the last call, waiting for some (TimeoutError if
+        none came by `until`, in time.monotonic); b"" at its end. Only a wait arms a timer:
+        most calls find their bytes already there."""
+        while not self._chunks:
+            if self._complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = (
+                None
+                if until is None
+                else loop.call_later(until - time.monotonic(), _expire, waiter)
+            )
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        chunks, self._chunks, self._buffered = self._chunks, [], 0
+        self._connection.resume()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def read(self, limit: int) -> bytes:
+        """The body, or its first `limit` bytes when it is longer (the rest is not read)."""
+        found = bytearray()
+        while len(found) < limit and (chunk := await self.receive()):
+            found += chunk
+        return bytes(found[:limit])
+
+    def close(self) -> None:
+        """Done with the answer: its connection goes back to the pool if the answer was read
+        to its end, else it is closed (the engine sees the request abandoned)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._connection.finished(self._complete and self._error is None)
+
+    # Called by the connection ----------------------------------------------------------------
+
+    def _headers_done(self, status: int) -> None:
+        self.status = status
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def _body(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        if self._buffered >= HIGH_WATER:
+            self._connection.pause()
+        self._wake()
+
+    def _end(self) -> None:
+        self._complete = True
+        self._wake()
+
+    def _fail(self, error: EngineConnectionError) -> None:
+        if self._complete:
+            return
+        self._error = error
+        if not self._head.done():
+            self._head.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to an engine, with the answer it is reading, if any."""
+
+    def __init__(self, pool: Engines, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.answer: Answer | None = None
+        self.idle_since = 0.0
+        self.lost = False
+        self._keep_alive = False
+        self._paused = False
+
+    def send(self, request: bytes) -> Answer:
+        assert self.transport is not None
+        self.answer = Answer(self)
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport.write(request)
+        return self.answer
+
+    def finished(self, reusable: bool) -> None:
+        self.answer = None
+        self.resume()
+        if reusable and self._keep_alive and not self.lost:
+            self.idle_since = time.monotonic()
+            self.pool.give_back(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    # asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.answer is None:  # nothing was asked: an engine that talks out of turn
+            self.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.answer._fail(EngineConnectionError(f"the engine's answer is not HTTP ({exc})"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.forget(self)
+        if self.answer is not None:
+            why = f": {exc}" if exc is not None else ""
+            self.answer._fail(EngineConnectionError(f"the engine closed the connection{why}"))
+
+    # httptools' callbacks ------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.answer is not None:
+            self.answer.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self._keep_alive = self.parser.should_keep_alive()
+        if self.answer is not None:
+            self.answer._headers_done(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        if self.answer is not None:
+            self.answer._body(body)
+
+    def on_message_complete(self) -> None:
+        self._keep_alive = self.parser.should_keep_alive()
+        if self.answer is not None:
+            self.answer._end()
+
+
+class Engines:
+    """Connections to engines, kept between requests; one request at a time on each."""
+
+    def __init__(self, keepalive_s: float = 2.0, connect_timeout_s: float = 10.0) -> None:
+        self.keepalive_s = keepalive_s
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+
+    async def post(
+        self, host: str, port: int, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> Answer:
+        """Send the request; its answer once its status and headers arrived."""
+        connection = self._idle_connection((host, port)) or await self._connect(host, port)
+        head = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {host}:{port}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+        ]
+        head += [f"{name}: {value}" for name, value in headers.items()]
+        answer = connection.send("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
+        try:
+            await answer._head
+        except BaseException:
+            answer.close()
+            raise
+        return answer
+
+    def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()
+            if not connection.lost and now - connection.idle_since < self.keepalive_s:
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self, host: str, port: int) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self, (host, port)), host, port
+                )
+        except (OSError, TimeoutError) as exc:
+            raise EngineConnectionError(
+                f"cannot connect to the engine at {host}:{port} ({exc or 'timed out'})"
+            ) from None
+        return connection
+
+    def give_back(self, connection: _Connection) -> None:
+        idle = self._idle.setdefault(connection.key, [])
+        if len(idle) < MAX_IDLE:
+            idle.append(connection)
+        else:
+            connection.close()
+
+    def forget(self, connection: _Connection) -> None:
+        idle = self._idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
