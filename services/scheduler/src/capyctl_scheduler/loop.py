@@ -176,7 +176,8 @@ class Scheduler:
                     log.warning("decision loop paused: Redis: %s", exc)
                     await wait_event(stop, 1.0)
                     continue
-                await asyncio.sleep(0.05)  # let a burst of notifications settle
+                # A notification that came during the tick has set `wake`: plan again at
+                # once, with everything it and any others told (a burst costs one tick).
                 await wait_event(self.wake, self.pause(time.time()))
                 self.wake.clear()
         finally:
