@@ -43,6 +43,7 @@ import yaml
 
 import benchrole
 from benchrole import GiB
+from capycommon import procfs, simgpu
 from capycommon.state import keys
 from enginesim.behaviour import Behaviour
 
@@ -68,6 +69,8 @@ WAKE_CALLS: tuple[tuple[str, dict[str, str]], ...] = (
 )
 PARK_CALL = ("/sleep", {"level": "1"})
 HEALTH_POLL_S = 0.002
+# What the scheduler charges a parked model on its card (hostd's park counts within it).
+PARKED_CHARGE = GiB
 
 
 def _until(check: Callable[[], Any], what: str, timeout: float = 120) -> Any:
@@ -200,6 +203,9 @@ class Engine:
     park_s: float = 0.0
     wake_s: float = 0.0
     token_s: float = 0.0
+    # From the park call's return until the simulated device shows the engine's memory within
+    # its parked charge (it shows a release late, as NVML does): a park counts only then.
+    release_s: float = 0.0
 
 
 def engine_wake(stand: Stand, name: str) -> Engine:
@@ -212,12 +218,37 @@ def engine_wake(stand: Stand, name: str) -> Engine:
 
 
 def engine_park_wake(stand: Stand, name: str) -> Engine:
-    """The ready engine's own park, then its wake and first token: ready again, as it was."""
+    """The ready engine's own park (and when its device shows the memory released), then its
+    wake and first token: ready again, as it was."""
     with stand.engine(name) as http:
         park_s = timed_calls(http, (PARK_CALL,))
+        release_s = _released_after(stand, name)
         wake_s = timed_calls(http, WAKE_CALLS)
         token_s = first_token(http, "/v1/chat/completions", {"model": name, **ONE_TOKEN})
-    return Engine(park_s=park_s, wake_s=wake_s, token_s=token_s)
+    return Engine(park_s=park_s, wake_s=wake_s, token_s=token_s, release_s=release_s)
+
+
+def _released_after(stand: Stand, name: str) -> float:
+    """Seconds until the engine's process group holds at most its parked charge on the
+    simulated GPU (its claim files, read every HEALTH_POLL_S)."""
+    record = stand.record(name)
+    assert record is not None
+    assert record["process"] is not None
+    pgid = int(record["process"]["pgid"])
+    start = time.perf_counter()
+    while True:
+        members = set(procfs.group_members([pgid])[pgid])
+        held = sum(
+            claim.bytes
+            for usage in simgpu.usage(stand.state / "simgpu").values()
+            for pid, claim in usage.by_pid.items()
+            if pid in members
+        )
+        if held <= PARKED_CHARGE:
+            return time.perf_counter() - start
+        if time.perf_counter() - start > 10:
+            raise SystemExit(f"{name}'s engine still holds {held} bytes 10 s after its park")
+        time.sleep(HEALTH_POLL_S)
 
 
 def through_router(stand: Stand, name: str) -> tuple[float, float]:
@@ -292,7 +323,8 @@ def timeline(stand: Stand, sent: float, names: tuple[str, ...]) -> Timeline:
 
 
 def hostd_phases(stand: Stand, since: float) -> list[dict[str, float]]:
-    """The steps of the starts and wakes hostd's log tells since `since` (its `steps`)."""
+    """The steps of the starts, parks and wakes hostd's log tells since `since` (its
+    `steps`)."""
     found = []
     log = stand.state / "logs" / "hostd.log"
     for raw in log.read_text(errors="replace").splitlines():
@@ -319,6 +351,9 @@ class Figures:
     rows: list[tuple[float, float]] = field(default_factory=list)  # (ours, engine's), s
     # Where the added time went, per round: each part in seconds.
     parts: dict[str, list[float]] = field(default_factory=dict)
+    # Per round, the part of the added time the engine's device spent showing its park's
+    # release late, which a park must wait for (the engine's own, timed directly).
+    late_release: list[float] = field(default_factory=list)
 
     def part(self, name: str, seconds: float | None) -> None:
         if seconds is not None:
@@ -334,6 +369,12 @@ class Figures:
             a, b, d = pick(ours) * 1000, pick(base) * 1000, pick(added) * 1000
             ratio = pick(ours) / pick(base) if pick(base) else float("nan")
             print(f"{label:<8}{a:>10.0f}{b:>26.0f}{d:>8.0f}{ratio:>8.2f}")
+        if self.late_release:
+            beyond = [d - late for d, late in zip(added, self.late_release, strict=True)]
+            print(
+                "  added beyond the device's late release (the engine's own): median "
+                f"{statistics.median(beyond) * 1000:.0f}, max {max(beyond) * 1000:.0f}"
+            )
         if self.parts:
             print(f"  where it went{'median':>60}{'max':>8}")
         for name, values in self.parts.items():
@@ -408,10 +449,12 @@ def switches(stand: Stand, rounds: int) -> Figures:
         sent, ours = through_router(stand, parked)
         base = own.park_s + own.wake_s + own.token_s
         figures.rows.append((ours, base))
+        figures.late_release.append(own.release_s)
         print(
             f"switch {i + 1} ({ready} -> {parked}): {ours * 1000:.0f} ms (engine: park "
             f"{own.park_s * 1000:.0f} + wake {own.wake_s * 1000:.0f} + token "
-            f"{own.token_s * 1000:.0f} = {base * 1000:.0f}; added {(ours - base) * 1000:+.0f})"
+            f"{own.token_s * 1000:.0f} = {base * 1000:.0f}; added {(ours - base) * 1000:+.0f}; "
+            f"its memory showed released {own.release_s * 1000:.0f} after its park call)"
         )
         _until(partial(_is_parked, stand, ready), f"{ready} to park")
         line = timeline(stand, sent, ("a", "b"))
@@ -423,9 +466,28 @@ def switches(stand: Stand, rounds: int) -> Figures:
             line.gap(sent, f"{x} parking"),
         )
         figures.part(
+            "  request -> drain decided (router, scheduler)", line.gap(sent, f"decide drain {x}")
+        )
+        figures.part(
+            "  drain decided -> park decided (hostd's idle reading, scheduler)",
+            line.gap(f"decide drain {x}", f"decide park {x}"),
+        )
+        figures.part(
+            "  park decided -> parking (hostd)", line.gap(f"decide park {x}", f"{x} parking")
+        )
+        figures.part(
             "parking -> parked, less the engine's park call (memwatch)",
             line.gap(f"{x} parking", f"{x} parked", less=own.park_s),
         )
+        figures.part(
+            "  park call returned -> memwatch shows it released",
+            line.gap(f"{x} slept", f"{x} released"),
+        )
+        figures.part(
+            "    of which the device's late release (the engine's own)",
+            own.release_s,
+        )
+        figures.part("  released -> parked record", line.gap(f"{x} released", f"{x} parked"))
         figures.part(
             "parked -> hostd has the wake (scheduler)", line.gap(f"{x} parked", f"{y} received")
         )

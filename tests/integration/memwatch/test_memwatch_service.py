@@ -185,18 +185,39 @@ def test_a_startup_peak_is_measured_while_starting(memwatch: Memwatch, quiet_s: 
 
 
 def _readings_over(memwatch: Memwatch, seconds: float) -> int:
-    """How many readings memwatch wrote within `seconds`."""
-    seen: set[float] = set()
-    until = time.monotonic() + seconds
-    while time.monotonic() < until:
-        found = memwatch.reading()
-        if found is not None:
-            seen.add(found.taken_at)
-        time.sleep(0.01)
-    return len(seen)
+    """How many readings memwatch announced on the host's memory channel within `seconds`,
+    each written before it was announced."""
+    pubsub = memwatch.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+    pubsub.subscribe(keys.memory_notifications("local"))
+    try:
+        while pubsub.get_message(timeout=1) is not None:
+            pass  # the subscription is confirmed
+        seen: set[int] = set()
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            message = pubsub.get_message(timeout=left)
+            if message is None:
+                continue
+            note = Notification.model_validate_json(message["data"])
+            if note.kind == "reading":
+                written = memwatch.reading()
+                assert written is not None
+                assert int(written.taken_at * 1000) >= note.version
+                seen.add(note.version)
+        return len(seen)
+    finally:
+        pubsub.close()
 
 
-def test_readings_come_every_50_ms_while_an_instance_parks(memwatch: Memwatch) -> None:
+def _ask(client: redis.Redis, member: str) -> None:
+    """Ask for readings, as hostd does once an engine's park call returned."""
+    note = Notification(kind="verify", id=member, version=int(time.time() * 1000))
+    client.publish(keys.memory_notifications("local"), note.model_dump_json())
+
+
+def test_readings_come_every_20_ms_once_hostd_asks_while_an_instance_parks(
+    memwatch: Memwatch,
+) -> None:
     """A park counts only once a reading taken after the engine's park call shows the memory
     released, so a switch waiting on it would wait up to a second for the next reading."""
     wait_for(lambda: memwatch.logged("watching launches"), 15, "the sampler's first step")
@@ -208,7 +229,10 @@ def test_readings_come_every_50_ms_while_an_instance_parks(memwatch: Memwatch) -
 
         parking = ready.model_copy(update={"state": InstanceState.PARKING, "since": time.time()})
         put(client, parking)
-        assert _readings_over(memwatch, 1.0) >= 8, "about one every 50 ms while it parks"
+        assert _readings_over(memwatch, 2.0) <= 3, "one a second while the park call runs"
+
+        _ask(client, parking.member)
+        assert _readings_over(memwatch, 1.0) >= 20, "about one every 20 ms once asked"
 
         parked = ready.model_copy(update={"state": InstanceState.PARKED, "since": time.time()})
         put(client, parked)

@@ -14,6 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
 
 from capycommon.state import memory
 from capycommon.state.instances import InstanceRecord
@@ -21,10 +22,9 @@ from capycommon.state.memory import MemoryReading
 from capycommon.units import format_duration, format_size
 from capyctl_hostd import procs
 
-# memwatch writes a reading a second and says nothing when it does: a park (and the switch
-# waiting on it) counts within this long of the first reading that shows it released. One
-# small GET each time, and only while a park is being verified.
-POLL_S = 0.05
+# memwatch announces each reading, and reads often once asked; should an announcement be
+# lost (a memwatch restarting, a broken subscription), hostd reads again after this long.
+UNANNOUNCED_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -64,19 +64,33 @@ async def watch(
     verify_s: float,
     since: float,
 ) -> Seen:
-    """Read memwatch's reading every `POLL_S` until one taken after `since` shows the live
-    members of process group `pgid` holding at most `bound` bytes on the instance's GPU, or
-    until `verify_s` passed; returns the last figures seen."""
+    """Ask memwatch for readings, and read each it announces, until one taken after `since`
+    shows the live members of process group `pgid` holding at most `bound` bytes on the
+    instance's GPU, or until `verify_s` passed; returns the last figures seen."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + verify_s
     gpu_uuid = record.gpu_uuid or ""
     seen = Seen(gpu_uuid or "the instance's GPU", None)
-    while True:
-        reading = await memory.aread_reading(client, record.host)
-        seen = observe(seen, reading, gpu_uuid, procs.group_members(pgid), since, time.time())
-        if seen.within(bound) or loop.time() >= deadline:
-            return seen
-        await asyncio.sleep(POLL_S)
+    # Subscribed before asking, so no reading taken after the ask goes unheard.
+    async with memory.announced(client, record.host) as pubsub:
+        await memory.ask_readings(client, record.host, record.member)
+        while True:
+            reading = await memory.aread_reading(client, record.host)
+            members = procs.group_members(pgid)
+            seen = observe(seen, reading, gpu_uuid, members, since, time.time())
+            if seen.within(bound) or loop.time() >= deadline:
+                return seen
+            wait = min(UNANNOUNCED_S, deadline - loop.time())
+            await _next_reading(pubsub, loop.time() + wait)
+
+
+async def _next_reading(pubsub: PubSub, until: float) -> None:
+    """Return when memwatch announces a reading, or at `until` (loop time)."""
+    loop = asyncio.get_running_loop()
+    while (left := until - loop.time()) > 0:
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
+        if memory.kind_of(message) == "reading":
+            return
 
 
 def judge(seen: Seen, bound: int, verify_s: float, residency: str) -> tuple[bool, str]:

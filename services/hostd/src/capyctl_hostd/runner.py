@@ -267,6 +267,9 @@ class Runner:
     # Park, wake, stop, abort ---------------------------------------------------------------
 
     async def park(self, record: InstanceRecord, command: hc.Park) -> None:
+        """The engine's park call, then, when the scheduler sent a parked charge, memwatch's
+        word that the memory is released; hostd logs when each step ended (`steps`)."""
+        steps = Steps()
         if record.state not in (S.READY, S.DRAINING):
             await self._refuse_record(record, "park", f"the instance is {record.state}")
             return
@@ -277,6 +280,7 @@ class Runner:
         record = await self._to(record, S.PARKING, f"park: {command.reason}", keep_log=False)
         residency = Residency(record.residency or Residency.RESTART_ONLY)
         control = engine.control()
+        steps.mark("park call")
         try:
             await control.park(residency)
         except CapyError as exc:
@@ -284,26 +288,36 @@ class Runner:
             return
         finally:
             await control.aclose()
+        steps.mark("slept")
         if command.release_bound_bytes is None:
             await self._to(record, S.PARKED, f"parked ({residency})")
-        else:
-            await self._settle_park(
-                record, engine.pgid, residency, command.release_bound_bytes, command.verify_s
-            )
+        elif not await self._settle_park(
+            record, engine.pgid, residency, command.release_bound_bytes, command.verify_s, steps
+        ):
+            return
+        log.info("parked", extra={"member": record.member, "steps": steps.marks})
 
     async def _settle_park(
-        self, record: InstanceRecord, pgid: int, residency: Residency, bound: int, verify_s: float
-    ) -> None:
-        """Parked once memwatch shows the memory released; else stopped, so the scheduler's
-        parked charge never stands for memory the engine still holds."""
+        self,
+        record: InstanceRecord,
+        pgid: int,
+        residency: Residency,
+        bound: int,
+        verify_s: float,
+        steps: Steps,
+    ) -> bool:
+        """Parked once memwatch shows the memory released (True); else stopped, so the
+        scheduler's parked charge never stands for memory the engine still holds."""
         seen = await release.watch(self.client, record, pgid, bound, verify_s, since=time.time())
         released, reason = release.judge(seen, bound, verify_s, residency)
         if released:
+            steps.mark("released")
             await self._to(record, S.PARKED, reason)
-            return
+            return True
         log.error("%s: %s", record.member, reason)
         record = await self._to(record, S.STOPPING, reason)
         await self.stop_finish(record, reason)
+        return False
 
     async def wake(self, record: InstanceRecord, command: hc.Wake) -> None:
         """The engine's wake calls, then the canary the moment they return: its answer, the

@@ -1,9 +1,11 @@
-"""memwatch's two loops: a reading every second (every 50 ms while an instance parks), and
-startup-peak samples every 500 ms while a launch is starting.
+"""memwatch's two loops: a reading every second (every 20 ms once hostd verifies a park),
+and startup-peak samples every 500 ms while a launch is starting.
 
 memwatch observes and writes; it decides nothing. A reading it cannot take is not written,
-so the host's memory goes unobserved after `STALE_AFTER_S` rather than being guessed.
-Readings are not announced on pub/sub: they come every second, readers read the key.
+so the host's memory goes unobserved after `STALE_AFTER_S` rather than being guessed. Each
+reading is announced on the host's memory channel, where hostd, once an engine's park call
+returned, asks for a reading at once and often until no instance parks: a park counts only
+once a reading taken after that call shows the memory released, and a switch waits on it.
 
 The sampler reads the host's instance records only when hostd announces that one changed
 (its channel, `capyctl:host:<host>:notify`) and every 500 ms while a launch is starting, so a
@@ -36,9 +38,9 @@ from capyctl_memwatch.procs import GroupMeter
 log = logging.getLogger(__name__)
 
 READING_INTERVAL_S = 1.0
-# While an instance parks, a reading this often: its park counts (and a switch waiting on it
-# goes on) only once a reading taken after the engine's park call shows the memory released.
-PARKING_READING_S = 0.05
+# Once hostd asks (an engine's park call returned), a reading at once and then this often
+# while an instance parks: the device can show a release late, and each reading tells hostd.
+VERIFY_READING_S = 0.02
 # With no launch starting, the sampler waits this long at most for hostd's announcement.
 QUIET_S = 30.0
 
@@ -68,13 +70,39 @@ async def every(
 
 
 class Readings:
-    """Takes one reading of the host and writes it to Redis (`memory.write_reading`)."""
+    """Takes one reading of the host and writes it to Redis (`memory.write_reading`), and
+    follows hostd's asks for readings while it verifies a park."""
 
     def __init__(self, client: aioredis.Redis, host: str, backend: Backend) -> None:
         self.client = client
         self.host = host
         self.backend = backend
         self.failing: str | None = None
+        # When hostd last asked for readings (monotonic), until a step of the sampler begun
+        # after it finds no instance parking; `asked` is set on each ask, for the loop to hurry.
+        self.asked_at: float | None = None
+        self.asked = asyncio.Event()
+
+    def interval(self) -> float:
+        return READING_INTERVAL_S if self.asked_at is None else VERIFY_READING_S
+
+    def parked(self, looked_at: float) -> None:
+        """No instance was parking at `looked_at` (monotonic): asks before it are answered."""
+        if self.asked_at is not None and self.asked_at < looked_at:
+            self.asked_at = None
+
+    async def listen(self, stop: asyncio.Event) -> None:
+        """Follow the host's memory channel: each ask hurries a reading."""
+        while not stop.is_set():
+            try:
+                async with memory.announced(self.client, self.host) as pubsub:
+                    async for message in pubsub.listen():
+                        if memory.kind_of(message) == "verify":
+                            self.asked_at = time.monotonic()
+                            self.asked.set()
+            except REDIS_ERRORS:
+                pass
+            await wait_event(stop, 1.0)
 
     async def step(self) -> None:
         try:
@@ -116,10 +144,10 @@ class Peaks:
         self.subscription: int | None = None
         self._subscriptions = 0
         self._last_under: int | None = None
-        # Whether an instance of the host is parking, as of the last step; `parking_began` is
-        # set when one begins to, for the readings to hurry.
+        # Whether an instance of the host is parking, as of the last step, which tells the
+        # readings (`on_parked`) when none is.
         self.parking = False
-        self.parking_began = asyncio.Event()
+        self.on_parked: Callable[[float], None] = lambda looked_at: None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Step on every announcement, every 500 ms while a launch is starting, and at least
@@ -159,14 +187,14 @@ class Peaks:
         under = self.subscription  # before reading: a change after the read is announced
         watched = under is not None and under == self._last_under
         self._last_under = None
+        looked_at = time.monotonic()
         try:
             records = await self.load()
         except REDIS_ERRORS:
             return
-        parking = any(record.state == InstanceState.PARKING for record in records)
-        if parking and not self.parking:
-            self.parking_began.set()
-        self.parking = parking
+        self.parking = any(record.state == InstanceState.PARKING for record in records)
+        if not self.parking:
+            self.on_parked(looked_at)
         first = self.sampler.last_step is None
         measured = await asyncio.to_thread(self.sampler.tick, records, time.time(), watched)
         self._last_under = under
@@ -201,10 +229,13 @@ async def watch(client: aioredis.Redis, host: str, backend: Backend, stop: async
     readings = Readings(client, host, backend)
     sampler = PeakSampler(host, GroupMeter(backend.read))
     startup = Peaks(client, host, sampler)
-
-    def interval() -> float:
-        return PARKING_READING_S if startup.parking else READING_INTERVAL_S
-
-    await asyncio.gather(
-        every(interval, stop, readings.step, startup.parking_began), startup.run(stop)
-    )
+    startup.on_parked = readings.parked
+    listener = asyncio.create_task(readings.listen(stop))
+    try:
+        await asyncio.gather(
+            every(readings.interval, stop, readings.step, readings.asked), startup.run(stop)
+        )
+    finally:
+        listener.cancel()
+        with suppress(asyncio.CancelledError):
+            await listener

@@ -88,6 +88,12 @@ def memory(host: str) -> str:
     return f"{host_prefix(host)}:memory"
 
 
+def memory_notifications(host: str) -> str:
+    """The pub/sub channel on which memwatch announces each reading of the host and hostd asks
+    for readings while it verifies a park ({kind, id, version})."""
+    return f"{host_prefix(host)}:memory-notify"
+
+
 def startup_peak(host: str, deployment: str, revision: int, fingerprint: str) -> str:
     """The measured startup peak of a deployment revision on a host with one engine build."""
     return f"{host_prefix(host)}:startup-peak:{deployment}:{revision}:{fingerprint}"

@@ -1,19 +1,27 @@
 """Memory readings (memwatch) and measured startup peaks, and where they live in Redis.
 
-memwatch writes one `MemoryReading` per second per host at `keys.memory(host)` (no
-notification: readers poll or read on demand) and one `StartupPeak` per measured launch at
-`keys.startup_peak(...)`. A reading older than `STALE_AFTER_S` is unobserved.
+memwatch writes one `MemoryReading` per second per host at `keys.memory(host)`, more often
+while hostd verifies a park, and announces each on the host's memory channel
+(`keys.memory_notifications(host)`: `{kind: reading}`), where hostd asks for them
+(`{kind: verify}`) when an engine's park call returned; it writes one `StartupPeak` per
+measured launch at `keys.startup_peak(...)`. A reading older than `STALE_AFTER_S` is
+unobserved.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Literal
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+from redis.asyncio.client import PubSub
 
-from capycommon.state import keys
+from capycommon.state import keys, notify
+from capycommon.state.notify import Notification
 
 # A reading older than this is unobserved: it admits nothing.
 STALE_AFTER_S = 5.0
@@ -67,7 +75,39 @@ class StartupPeak(_Frozen):
 
 
 async def write_reading(client: aioredis.Redis, reading: MemoryReading) -> None:
-    await client.set(keys.memory(reading.host), reading.model_dump_json())
+    """Write the host's reading and announce it, in one round trip."""
+    note = Notification(kind="reading", id=reading.host, version=int(reading.taken_at * 1000))
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.set(keys.memory(reading.host), reading.model_dump_json())
+        pipe.publish(keys.memory_notifications(reading.host), note.model_dump_json())
+        await pipe.execute()
+
+
+async def ask_readings(client: aioredis.Redis, host: str, member: str) -> None:
+    """Ask the host's memwatch for a reading now, and often until no instance parks: an
+    engine's park call returned and hostd waits to see the memory released."""
+    note = Notification(kind="verify", id=member, version=int(time.time() * 1000))
+    await client.publish(keys.memory_notifications(host), note.model_dump_json())
+
+
+@asynccontextmanager
+async def announced(client: aioredis.Redis, host: str) -> AsyncIterator[PubSub]:
+    """A subscription to the host's memory channel, closed on leaving (see `kind_of`)."""
+    async with notify.subscribed(client, [keys.memory_notifications(host)]) as pubsub:
+        yield pubsub
+
+
+def kind_of(message: dict[str, object] | None) -> str | None:
+    """The kind of a message on a memory channel (`reading` or `verify`), else None."""
+    if message is None or message.get("type") != "message":
+        return None
+    data = message.get("data")
+    if not isinstance(data, bytes | str):
+        return None
+    try:
+        return Notification.model_validate_json(data).kind
+    except ValidationError:
+        return None
 
 
 def read_reading(client: redis.Redis, host: str) -> MemoryReading | None:
