@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.errors import error_body
-from capyctl_router.relay import JsonDict, engine_failure, event_failure, events
+from capyctl_router.relay import Events, JsonDict, engine_failure, event_failure
+from capyctl_router.upstream import Engines
+from integration.router.fakeengine import engine_serving
 
 TOO_LONG = (
     "'max_tokens' or 'max_completion_tokens' is too large: 9000. This model's maximum "
@@ -113,9 +117,28 @@ def test_an_error_event_has_the_status_its_code_names() -> None:
 
 
 def _parse(body: bytes) -> list[JsonDict | None]:
+    """The events of `body` as the router reads them from an engine on a real socket that
+    sends it in pieces of 7 bytes, each its own HTTP chunk (lines and events cut anywhere);
+    None for its end, `[DONE]` or not."""
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for start in range(0, len(body), 7):
+            yield body[start : start + 7]
+            await asyncio.sleep(0)
+
     async def read() -> list[JsonDict | None]:
-        response = httpx.Response(200, content=body)
-        return [event async for event in events(response)]
+        async with engine_serving(lambda _: httpx.Response(200, content=pieces())) as port:
+            engines = Engines()
+            answer = await engines.post("127.0.0.1", port, "/v1/chat/completions", b"{}", {})
+            events = Events(answer)
+            found: list[JsonDict | None] = []
+            try:
+                while (event := await events.next(time.monotonic() + 10)) is not None:
+                    found.append(event)
+            finally:
+                answer.close()
+                engines.close()
+            return [*found, None]
 
     return asyncio.run(read())
 
@@ -134,8 +157,11 @@ def test_events_are_the_data_lines_up_to_done() -> None:
 
 def test_an_error_line_is_an_error_event() -> None:
     found = _parse(b'error: {"code": 500, "message": "slot failed", "type": "server_error"}\n\n')
-    assert found == [{"error": {"code": 500, "message": "slot failed", "type": "server_error"}}]
-    assert _parse(b"error: broken\n\n") == [{"error": {"message": "broken"}}]
+    assert found == [
+        {"error": {"code": 500, "message": "slot failed", "type": "server_error"}},
+        None,
+    ]
+    assert _parse(b"error: broken\n\n") == [{"error": {"message": "broken"}}, None]
 
 
 @pytest.mark.parametrize("line", [b"data: not json\n\n", b"data: [1, 2]\n\n"])

@@ -10,18 +10,22 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import httpx2
 import openai
 import pytest
 import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
+from capycommon.settings import ConnectionLimits
 from capycommon.state import places
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
+from integration.common.served import served
+from integration.router.fakeengine import engine_serving
 from integration.router.ready import chunk, put_ready
 
 CREDENTIALS = generate()
@@ -109,3 +113,47 @@ async def test_requests_one_after_another_share_one_engine_connection(
         assert [c.choices[0].delta.content async for c in chunks if c.choices] == ["hello", ""]
     assert engine.requests == 10
     assert engine.connections == 1
+
+
+@pytest.mark.anyio
+async def test_each_event_reaches_the_client_before_the_engine_sends_the_next(
+    redis_socket: Path,
+) -> None:
+    """The router sends the events it has at once: the engine sends its second event only
+    once the client got the first, through the router's real listener."""
+    seen = asyncio.Event()
+
+    async def paced() -> AsyncIterator[bytes]:
+        yield chunk("one").encode()
+        await seen.wait()
+        yield chunk("two", "stop").encode() + b"data: [DONE]\n\n"
+
+    headers = {"content-type": "text/event-stream"}
+    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    engines = Engines()
+    async with engine_serving(
+        lambda _: httpx.Response(200, content=paced(), headers=headers)
+    ) as port:
+        await put_ready(client, "m", port=port)
+        table = Table(client, {"local"})
+        await table.sync()
+        app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+        async with served(app, ConnectionLimits()) as router_port:
+            http = httpx2.AsyncClient(timeout=10)
+            sdk = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{router_port}/v1",
+                api_key=CREDENTIALS.api_key,
+                http_client=http,
+                max_retries=0,
+            )
+            words = []
+            async with asyncio.timeout(10):
+                async for part in await sdk.chat.completions.create(
+                    model="m", messages=HI, stream=True
+                ):
+                    words.append(part.choices[0].delta.content)
+                    seen.set()
+            await sdk.close()
+    engines.close()
+    await client.aclose()
+    assert words == ["one", "two"]

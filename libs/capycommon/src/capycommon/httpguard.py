@@ -1,5 +1,7 @@
 """What a listener guards against that uvicorn leaves open: connections that never finish
-their request head, and one client piling up connections; and clients that leave.
+their request head, and one client piling up connections; and clients that leave. And how it
+writes: uvicorn's fast protocol (httptools' parser), its writes of one turn of the event loop
+sent together (`CorkedTransport`).
 
 uvicorn closes a connection idle between requests (its keep-alive timeout), but not one that
 was opened and left silent, nor one that sends its head a byte at a time: each holds a file
@@ -21,11 +23,11 @@ import contextlib
 import json
 import logging
 from collections import Counter
+from typing import Any, cast
 
-import h11
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from capycommon.errors import Unavailable
 from capycommon.settings import ConnectionLimits
@@ -33,21 +35,50 @@ from capycommon.settings import ConnectionLimits
 log = logging.getLogger(__name__)
 
 
-def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
-    """uvicorn's HTTP/1.1 protocol with a header timeout and a bound per client address, for
-    one server (the connections it counts are that server's)."""
+class CorkedTransport:
+    """A connection's transport that gathers the writes of one turn of the event loop and
+    sends them as one: an answer's head and body, or a stream's events and its end, leave in
+    one system call (and wake the client once) instead of one each."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._parts:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._parts.append(bytes(data))
+
+    def _flush(self) -> None:
+        if self._parts:
+            data = b"".join(self._parts)
+            self._parts.clear()
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP/1.1 protocol (httptools) with a header timeout and a bound per client
+    address, for one server (the connections it counts are that server's), writing through
+    a `CorkedTransport`."""
     held: Counter[str] = Counter()
     # Addresses at their bound that were told so in the log (once until they drop below).
     warned: set[str] = set()
     refusal = _refusal(limits.connections_per_client)
 
-    class Guarded(H11Protocol):
+    class Guarded(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _counted: str | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             assert isinstance(transport, asyncio.Transport)  # a stream's, over TLS or not
-            super().connection_made(transport)
+            super().connection_made(cast(asyncio.Transport, CorkedTransport(transport)))
             peer = self.client[0] if self.client else ""
             if held[peer] >= limits.connections_per_client:
                 if peer not in warned:
@@ -59,12 +90,13 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
                 self._counted = peer
             self._await_head()
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE:
-                self._await_head()  # a kept-alive connection's next head has begun
-            else:
-                self._head_done()
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._await_head()  # a kept-alive connection's next head has begun
+
+        def on_headers_complete(self) -> None:
+            self._head_done()
+            super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             cycle = self.cycle
@@ -95,8 +127,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
                 self._head_timer = None
 
         def _head_late(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._head_timer = None  # the head's end would have cancelled it
+            if not self.transport.is_closing():
                 log.debug("closing a connection whose request head took too long")
                 self.transport.close()
 

@@ -21,6 +21,8 @@ from typing import Any, NoReturn, cast
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from capycommon.httpguard import CorkedTransport
+
 log = logging.getLogger("enginesim")
 
 
@@ -105,39 +107,11 @@ def open_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-class _CorkedTransport:
-    """A connection's transport that gathers the writes of one turn of the event loop and
-    sends them as one: an answer's head and body, or a stream's end and its last chunk,
-    leave in one system call instead of one each."""
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._parts: list[bytes] = []
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not self._parts:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._parts.append(bytes(data))
-
-    def _flush(self) -> None:
-        if self._parts:
-            data = b"".join(self._parts)
-            self._parts.clear()
-            self._transport.write(data)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
 class _CorkedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol writing through a `_CorkedTransport`."""
+    """uvicorn's HTTP/1.1 protocol writing through a `CorkedTransport`."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        corked = _CorkedTransport(cast(asyncio.Transport, transport))
+        corked = CorkedTransport(cast(asyncio.Transport, transport))
         super().connection_made(cast(asyncio.Transport, corked))
 
 

@@ -131,40 +131,45 @@ class Events:
 
     @property
     def ready(self) -> bool:
-        """Whether `next` would answer at once (a line in hand, or in what arrived)."""
-        return bool(self._lines) or self._ended or self.answer.ready
+        """Whether `next` would answer at once: an event in hand (looking at what arrived,
+        without waiting), or the answer's end."""
+        if not self._lines and (chunk := self.answer.take()):
+            self._absorb(chunk)
+        return bool(self._lines) or self._ended or self.answer.over
 
     async def next(self, until: float) -> JsonDict | None:
         """The next event; None at `[DONE]` or at the answer's end. TimeoutError if it has
         not come by `until` (time.monotonic)."""
         while True:
-            while self._lines:
+            if self._lines:
                 line = self._lines.pop()
-                if line.startswith(b"data:"):
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        await self._to_end(until)
-                        return None
-                    return self._event(data)
                 if line.startswith(b"error:"):
                     return _error_line(line[6:].strip().decode(errors="replace"))
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    await self._to_end(until)
+                    return None
+                return self._event(data)
             if self._ended:
                 return None
-            await self._read(until)
+            chunk = await self.answer.receive(until)
+            if chunk:
+                self._absorb(chunk)
+            else:
+                self._ended = True
+                if self._partial:
+                    self._absorb(b"\n")
 
-    async def _read(self, until: float) -> None:
-        chunk = await self.answer.receive(until)
-        if not chunk:
-            self._ended = True
-            lines = [self._partial] if self._partial else []
-            self._partial = b""
-        else:
-            lines = (self._partial + chunk).split(b"\n")
-            self._partial = lines.pop()
-            if len(self._partial) > MAX_EVENT:
-                raise _over_limits()
-        lines.reverse()  # popped from the end, in order
-        self._lines = lines
+    def _absorb(self, chunk: bytes) -> None:
+        """Take in a piece of the answer: its complete lines that are events, kept in
+        order (popped from the end), the rest until its line ends."""
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > MAX_EVENT:
+            raise _over_limits()
+        events = [line for line in lines if line.startswith((b"data:", b"error:"))]
+        events.reverse()
+        self._lines = events + self._lines
 
     async def _to_end(self, until: float) -> None:
         """Read to the body's end (its last chunk follows at once), so that the engine

@@ -47,10 +47,17 @@ class Answer:
         self._closed = False
 
     @property
-    def ready(self) -> bool:
-        """Whether `receive` would answer at once: with bytes that arrived, the end, or the
-        connection's failure."""
-        return bool(self._chunks) or self._complete or self._error is not None
+    def over(self) -> bool:
+        """Whether nothing more will arrive: the body ended, or the connection failed."""
+        return self._complete or self._error is not None
+
+    def take(self) -> bytes:
+        """What arrived of the body and was not taken yet, without waiting (b"" if none)."""
+        if not self._chunks:
+            return b""
+        chunks, self._chunks, self._buffered = self._chunks, [], 0
+        self._connection.resume()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def receive(self, until: float | None = None) -> bytes:
         """What arrived of the body since the last call, waiting for some (TimeoutError if
@@ -63,20 +70,15 @@ class Answer:
                 raise self._error
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
-            timer = (
-                None
-                if until is None
-                else loop.call_later(until - time.monotonic(), _expire, waiter)
-            )
+            delay = None if until is None else until - time.monotonic()
+            timer = None if delay is None else loop.call_later(delay, _expire, waiter)
             try:
                 await waiter
             finally:
                 self._waiter = None
                 if timer is not None:
                     timer.cancel()
-        chunks, self._chunks, self._buffered = self._chunks, [], 0
-        self._connection.resume()
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return self.take()
 
     async def read(self, limit: int) -> bytes:
         """The body, or its first `limit` bytes when it is longer (the rest is not read)."""
