@@ -22,9 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import uvicorn
-from redis._parsers import _AsyncRESP2Parser
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capycommon import logs
@@ -41,25 +39,15 @@ from capycommon.settings import (
 )
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.settingvalues import split_address
-from capycommon.state import heartbeats
+from capycommon.state import heartbeats, pipe
 from capycommon.state.heartbeats import Heartbeat
+from capycommon.state.pipe import ClosingPool, ReplyParser
 from capycommon.version import __version__
 
 log = logging.getLogger(__name__)
 
-
-class RedisCannotWrite(ResponseError):
-    """Redis refuses every write because it cannot save them (its MISCONF answer), most often
-    because its disk is full. It takes writes again on its own once it can save."""
-
-
-class _Parser(_AsyncRESP2Parser):
-    """redis-py's parser, raising Redis's MISCONF refusal as RedisCannotWrite."""
-
-    EXCEPTION_CLASSES = {  # noqa: RUF012 - a plain class dict, as in its base
-        **_AsyncRESP2Parser.EXCEPTION_CLASSES,
-        "MISCONF": RedisCannotWrite,
-    }
+# Redis's MISCONF refusal; it lives beside the Redis connection that raises it too.
+RedisCannotWrite = pipe.RedisCannotWrite
 
 
 # What a service rides out as an outage: Redis away, slow, or unable to save.
@@ -202,14 +190,14 @@ def redis_client(url: str, connections: int = REDIS_CONNECTIONS) -> aioredis.Red
     """A client on at most `connections` connections: a command finding them all in use
     waits for one (up to REDIS_WAIT_S), so a service's Redis use never grows with its load,
     such as the router's requests."""
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool = ClosingPool.from_url(
         url,
         max_connections=connections,
         timeout=REDIS_WAIT_S,
         socket_connect_timeout=2,
         socket_timeout=5,
         protocol=2,
-        parser_class=_Parser,
+        parser_class=ReplyParser,
     )
     return aioredis.Redis.from_pool(pool)
 

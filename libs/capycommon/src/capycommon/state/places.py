@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
 from capycommon.state import keys
+from capycommon.state.pipe import Pipe, Script
 
 LIMIT = 32
 # An owner that has not refreshed its entry for this long is gone: its counts count no more.
@@ -204,6 +205,13 @@ return 1
 _READ = _LIB + "return count(KEYS[1], KEYS[2], now())"
 
 
+_TAKE_SCRIPT = Script.of(_TAKE)
+_MOVE_SCRIPT = Script.of(_MOVE)
+_JOIN_SCRIPT = Script.of(_JOIN)
+_LEAVE_SCRIPT = Script.of(_LEAVE)
+_KEEP_SCRIPT = Script.of(_KEEP)
+
+
 class Places(BaseModel):
     """The places of one deployment's current generation."""
 
@@ -242,11 +250,9 @@ class PlaceBook:
         self.held: dict[tuple[str, int], Counter[str]] = {}
         # deployment -> this owner's requests waiting for a place.
         self.waiting: Counter[str] = Counter()
-        self._take = client.register_script(_TAKE)
-        self._move = client.register_script(_MOVE)
-        self._join = client.register_script(_JOIN)
-        self._leave = client.register_script(_LEAVE)
-        self._keep = client.register_script(_KEEP)
+        # Every request runs two scripts (take, give): they go through the client's pipe,
+        # which costs a fraction of redis-py's pool (`capycommon.state.pipe`).
+        self.pipe = Pipe.of(client)
         self._open = asyncio.Event()
         self._open.set()
         self._quiet = asyncio.Event()
@@ -270,13 +276,14 @@ class PlaceBook:
         """1 taken, 0 all taken, -1 the instance is not ready at `generation`."""
         async with self._change():
             found = int(
-                await self._take(
-                    keys=[
+                await self.pipe.run(
+                    _TAKE_SCRIPT,
+                    [
                         keys.instance(host, deployment, 0),
                         keys.places(deployment),
                         keys.place_owners(),
                     ],
-                    args=[str(generation), str(limit), self.owner, str(OWNER_TTL_S)],
+                    [str(generation), str(limit), self.owner, str(OWNER_TTL_S)],
                 )
             )
             if found == 1:
@@ -309,18 +316,20 @@ class PlaceBook:
                 held[target] += moved
             if held.total() == 0:
                 del self.held[(deployment, generation)]
-            await self._move(
-                keys=[keys.places(deployment)],
-                args=[str(generation), self.owner, str(moved), source, target],
+            await self.pipe.run(
+                _MOVE_SCRIPT,
+                [keys.places(deployment)],
+                [str(generation), self.owner, str(moved), source, target],
             )
 
     async def join(self, deployment: str, per_deployment: int, total: int) -> bool:
         """Count one more request waiting for `deployment`, unless `per_deployment` wait for
         it or `total` for any, counting every live owner's."""
         async with self._change():
-            joined = await self._join(
-                keys=[keys.waiting(), keys.place_owners()],
-                args=[deployment, self.owner, str(per_deployment), str(total), str(OWNER_TTL_S)],
+            joined = await self.pipe.run(
+                _JOIN_SCRIPT,
+                [keys.waiting(), keys.place_owners()],
+                [deployment, self.owner, str(per_deployment), str(total), str(OWNER_TTL_S)],
             )
             if int(joined) == 1:
                 self.waiting[deployment] += 1
@@ -332,7 +341,7 @@ class PlaceBook:
             if self.waiting[deployment] == 0:
                 return
             self.waiting -= Counter([deployment])
-            await self._leave(keys=[keys.waiting()], args=[f"{deployment} {self.owner}"])
+            await self.pipe.run(_LEAVE_SCRIPT, [keys.waiting()], [f"{deployment} {self.owner}"])
 
     async def keep(self, deployments: Iterable[str]) -> bool:
         """Refresh this owner and write its counts of `deployments` (and of every deployment
@@ -352,7 +361,9 @@ class PlaceBook:
                 counts = [generation, held["run"], held["idle"], held["stop"], self.waiting[name]]
                 args += [name, *(str(n) for n in counts)]
             names_keys = [keys.places(name) for name in names]
-            await self._keep(keys=[keys.place_owners(), keys.waiting(), *names_keys], args=args)
+            await self.pipe.run(
+                _KEEP_SCRIPT, [keys.place_owners(), keys.waiting(), *names_keys], args
+            )
             return True
         finally:
             self._open.set()

@@ -1,0 +1,364 @@
+"""One multiplexed connection to Redis for the commands a service sends on every request.
+
+redis-py's asyncio client costs a router worker about a fifth of its CPU a request for the
+two scripts each request runs (a place taken, then given back): its blocking pool takes and
+gives back a connection under an asyncio.Condition, checks that connection with a syscall
+before every command, and arms a wait_for for every read. The scripts need none of that: a
+command is written as soon as it is sent, on one connection that every command shares, and
+Redis answers them in the order they came, so each answer goes to the oldest command waiting.
+
+A command waits at most the client's socket_timeout for its answer. Past it the connection
+is closed and every command on it fails: a later answer could no longer be told from a
+late one. The connection failing (Redis stopped, reset, not speaking RESP) fails the commands
+on it the same way, and the next command opens a new one. Failures are redis-py's own
+exceptions, which callers already catch: ConnectionError, TimeoutError, and ResponseError
+(RedisCannotWrite for Redis's MISCONF refusal) for an error answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias, cast
+
+import redis.asyncio as aioredis
+from redis._parsers import _AsyncRESP2Parser
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# An answer: an integer, a string (bytes), nil, or an array of answers; an error answer
+# inside an array stays there as its exception.
+Reply: TypeAlias = Any
+Arg: TypeAlias = bytes | str | int | float
+
+
+class RedisCannotWrite(ResponseError):
+    """Redis refuses every write because it cannot save them (its MISCONF answer), most often
+    because its disk is full. It takes writes again on its own once it can save."""
+
+
+class ReplyParser(_AsyncRESP2Parser):
+    """redis-py's parser, raising Redis's MISCONF refusal as RedisCannotWrite; its error
+    mapping is the pipe's too."""
+
+    EXCEPTION_CLASSES = {  # noqa: RUF012 - a plain class dict, as in its base
+        **_AsyncRESP2Parser.EXCEPTION_CLASSES,
+        "MISCONF": RedisCannotWrite,
+    }
+
+
+@dataclass(frozen=True)
+class Script:
+    """A Lua script, sent by its SHA1 and loaded on Redis's NOSCRIPT answer."""
+
+    source: bytes
+    sha: bytes
+
+    @classmethod
+    def of(cls, source: str) -> Script:
+        encoded = source.encode()
+        return cls(encoded, hashlib.sha1(encoded, usedforsecurity=False).hexdigest().encode())
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where Redis listens and how to open a session there, as a redis-py client has it."""
+
+    path: str | None = None
+    host: str = "localhost"
+    port: int = 6379
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+
+    @classmethod
+    def of(cls, client: aioredis.Redis) -> Address:
+        found = client.connection_pool.connection_kwargs
+        timeout = found.get("socket_timeout") or 5.0
+        return cls(
+            path=found.get("path"),
+            host=found.get("host", "localhost"),
+            port=int(found.get("port", 6379)),
+            db=int(found.get("db", 0)),
+            username=found.get("username"),
+            password=found.get("password"),
+            timeout_s=float(timeout),
+            connect_timeout_s=float(found.get("socket_connect_timeout") or timeout),
+        )
+
+    def __str__(self) -> str:
+        return self.path if self.path is not None else f"{self.host}:{self.port}"
+
+
+def pack(args: Sequence[Arg]) -> bytes:
+    """One command as RESP: an array of bulk strings."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        else:
+            data = arg.encode() if isinstance(arg, str) else repr(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+# An error answer's exception, by its first word (redis-py's mapping, and MISCONF's).
+_error = cast(Callable[[str], Exception], ReplyParser.parse_error)
+
+
+class _Incomplete(Exception):
+    """The buffer ends within an answer: wait for more bytes."""
+
+
+def _parse(buf: bytes, pos: int) -> tuple[Reply, int]:
+    """The answer starting at `pos`, and where the next one starts."""
+    end = buf.find(b"\r\n", pos)
+    if end < 0:
+        raise _Incomplete
+    kind = buf[pos]
+    if kind == 58:  # ':' an integer
+        return int(buf[pos + 1 : end]), end + 2
+    if kind == 36:  # '$' a bulk string, or nil
+        size = int(buf[pos + 1 : end])
+        if size < 0:
+            return None, end + 2
+        stop = end + 2 + size
+        if len(buf) < stop + 2:
+            raise _Incomplete
+        return buf[end + 2 : stop], stop + 2
+    if kind in {43, 45}:  # '+' a simple string, '-' an error
+        line = buf[pos + 1 : end]
+        return (line if kind == 43 else _error(line.decode(errors="replace"))), end + 2
+    if kind == 42:  # '*' an array, or nil
+        count = int(buf[pos + 1 : end])
+        if count < 0:
+            return None, end + 2
+        items = []
+        pos = end + 2
+        for _ in range(count):
+            item, pos = _parse(buf, pos)
+            items.append(item)
+        return items, pos
+    raise ValueError(f"not a RESP2 answer: {buf[pos : pos + 20]!r}")
+
+
+class _Connection(asyncio.Protocol):
+    """One connection: its commands waiting for answers, oldest first, each with its
+    deadline (they come in order, so only the oldest's needs a timer)."""
+
+    def __init__(self, address: Address) -> None:
+        self.address = address
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.waiting: deque[asyncio.Future[Reply]] = deque()
+        self.deadlines: deque[float] = deque()
+        self.buffer = b""
+        self.out: list[bytes] = []
+        self.failure: Exception | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def send(self, command: bytes) -> asyncio.Future[Reply]:
+        """Queue a command; every command sent in one turn of the loop goes out in one write."""
+        future: asyncio.Future[Reply] = self.loop.create_future()
+        if self.failure is not None:
+            future.set_exception(self.failure)
+            return future
+        if not self.out:
+            self.loop.call_soon(self._flush)
+        self.out.append(command)
+        self.waiting.append(future)
+        self.deadlines.append(self.loop.time() + self.address.timeout_s)
+        if self.timer is None:
+            self.timer = self.loop.call_at(self.deadlines[0], self._check_deadline)
+        return future
+
+    def close(self) -> None:
+        self.fail(RedisConnectionError(f"the connection to Redis at {self.address} closed"))
+
+    def fail(self, error: Exception, first: Exception | None = None) -> None:
+        """Close the connection and fail every command on it: the oldest with `first` where
+        given, the rest with `error`; later commands fail at once with `error`."""
+        if self.failure is None:
+            self.failure = error
+        if self.transport is not None:
+            self.transport.close()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.out.clear()
+        self.deadlines.clear()
+        while self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():  # each its own exception: each is raised on its own way
+                found = first or error
+                future.set_exception(type(found)(*found.args))
+            first = None
+
+    def _flush(self) -> None:
+        if self.out and self.transport is not None:
+            self.transport.write(b"".join(self.out) if len(self.out) > 1 else self.out[0])
+        self.out.clear()
+
+    def _check_deadline(self) -> None:
+        self.timer = None
+        if not self.deadlines:
+            return
+        if self.deadlines[0] > self.loop.time():
+            self.timer = self.loop.call_at(self.deadlines[0], self._check_deadline)
+            return
+        self.fail(
+            RedisConnectionError(
+                f"the connection to Redis at {self.address} was closed: a command before "
+                "this one timed out"
+            ),
+            first=RedisTimeoutError(
+                f"Redis at {self.address} did not answer in {self.address.timeout_s:g} s"
+            ),
+        )
+
+    # asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buffer + data if self.buffer else data
+        pos = 0
+        try:
+            while pos < len(buf):
+                reply, pos = _parse(buf, pos)
+                if not self.waiting:
+                    raise ValueError("an answer to no command")
+                future = self.waiting.popleft()
+                self.deadlines.popleft()
+                if future.done():  # its caller was cancelled: the answer is dropped
+                    continue
+                if isinstance(reply, Exception):  # an error answer
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
+        except _Incomplete:
+            pass
+        except ValueError as exc:
+            self.fail(RedisConnectionError(f"Redis at {self.address} broke the protocol: {exc}"))
+            return
+        self.buffer = buf[pos:] if pos < len(buf) else b""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = f": {exc}" if exc is not None else ""
+        self.fail(RedisConnectionError(f"Redis at {self.address} closed the connection{why}"))
+
+
+class Pipe:
+    """Commands to Redis on one shared connection, opened at the first command and again at
+    the first after a failure."""
+
+    def __init__(self, address: Address) -> None:
+        self.address = address
+        self._connection: _Connection | None = None
+        self._opening: asyncio.Future[_Connection] | None = None
+
+    @classmethod
+    def of(cls, client: aioredis.Redis) -> Pipe:
+        """The pipe of `client`'s Redis, one for the client's pool: closing the client
+        (`aclose`) closes it when the pool is a ClosingPool, as `redis_client` makes."""
+        pool = client.connection_pool
+        found = _PIPES.get(pool)
+        if found is None:
+            found = _PIPES[pool] = cls(Address.of(client))
+        return found
+
+    async def execute(self, *args: Arg) -> Reply:
+        """Send one command and wait for its answer."""
+        connection = self._connection
+        if connection is None or connection.failure is not None:
+            connection = await self._open()
+        return await connection.send(pack(args))
+
+    async def run(self, script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Reply:
+        """Run a Lua script by its SHA1, sending its source where Redis does not have it
+        (a restart or SCRIPT FLUSH emptied its cache)."""
+        try:
+            return await self.execute(b"EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.execute(b"EVAL", script.source, len(keys), *keys, *args)
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    async def _open(self) -> _Connection:
+        """The connection, opened once for every command waiting for it."""
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._connect())
+            # Its failure is seen by the commands waiting, if any are left to see it.
+            self._opening.add_done_callback(_seen)
+        opening = self._opening
+        try:
+            return await asyncio.shield(opening)
+        finally:
+            if opening.done() and self._opening is opening:
+                self._opening = None
+
+    async def _connect(self) -> _Connection:
+        address = self.address
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(address.connect_timeout_s):
+                if address.path is not None:
+                    _, connection = await loop.create_unix_connection(
+                        lambda: _Connection(address), address.path
+                    )
+                else:
+                    _, connection = await loop.create_connection(
+                        lambda: _Connection(address), address.host, address.port
+                    )
+        except TimeoutError:
+            raise RedisTimeoutError(
+                f"cannot connect to Redis at {address} in {address.connect_timeout_s:g} s"
+            ) from None
+        except OSError as exc:
+            raise RedisConnectionError(f"cannot connect to Redis at {address}: {exc}") from None
+        hello: list[asyncio.Future[Reply]] = []
+        if address.password is not None:
+            login = [address.username] if address.username else []
+            hello.append(connection.send(pack([b"AUTH", *login, address.password])))
+        if address.db:
+            hello.append(connection.send(pack([b"SELECT", address.db])))
+        try:
+            for answer in hello:
+                await answer
+        except BaseException:
+            connection.close()
+            raise
+        self._connection = connection
+        return connection
+
+
+def _seen(opening: asyncio.Future[_Connection]) -> None:
+    if not opening.cancelled():
+        opening.exception()
+
+
+# Each client pool's pipe; the pool going away takes its pipe along.
+_PIPES: weakref.WeakKeyDictionary[Any, Pipe] = weakref.WeakKeyDictionary()
+
+
+class ClosingPool(aioredis.BlockingConnectionPool):
+    """redis-py's blocking pool, closing the pipe made of it (`Pipe.of`) when it closes its
+    own connections, as a client's `aclose` does."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        found = _PIPES.pop(self, None)
+        if found is not None:
+            found.close()
+        await super().disconnect(inuse_connections)
