@@ -12,6 +12,7 @@ import ctypes
 import fcntl
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -39,8 +40,12 @@ log = logging.getLogger("capyctl.launcher")
 STOP_DEADLINE_S = 30.0
 # Redis that exits at once this many times in a row cannot start (its data, most often).
 REDIS_START_RETRIES = 3
-# How often the launcher asks Redis whether it can save.
-REFUSAL_EVERY_S = 2.0
+# How often the launcher asks Redis whether it can save (more often once it cannot, to say
+# soon when it saves again).
+REFUSAL_EVERY_S = 5.0
+REFUSED_EVERY_S = 2.0
+# How often it asks supervisord about Redis while it has no running redis-server to follow.
+REDIS_CHECK_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -165,9 +170,12 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
         "%s role running", role, extra={"state_dir": str(paths.root), "supervisord_pid": proc.pid}
     )
     watch = RedisWatch(paths) if "redis" in PROCESSES[role] else None
+    wake = Wake()
+    signal.set_wakeup_fd(wake.writer, warn_on_full_buffer=False)  # a signal wakes the wait
+    waiter = threading.Thread(target=_wake_on_exit, args=(proc, wake), daemon=True)
+    waiter.start()
     try:
         while proc.poll() is None and not stop.is_set():
-            stop.wait(0.2)
             failure = watch.failure() if watch is not None else None
             if watch is not None:
                 watch.report_refusal()
@@ -175,16 +183,56 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
                 log.error("error [%s]: %s", failure.code, failure.message)
                 _stop(proc)
                 return failure.exit_code
+            if watch is None:
+                wake.wait([], None)
+            else:
+                wake.wait(watch.fds(), max(0.0, watch.due() - time.monotonic()))
         if proc.poll() is not None:
             log.error("supervisord exited with code %s; see %s", proc.returncode, paths.logs_dir)
             return 13
         log.info("stopping the %s role", role)
         return _stop(proc)
     finally:
+        signal.set_wakeup_fd(-1)
+        waiter.join(timeout=1)  # supervisord is gone: its waiter writes no more
+        if not waiter.is_alive():
+            wake.close()
         if watch is not None:
             watch.close()
         follower.stop()
         paths.role_record.unlink(missing_ok=True)
+
+
+class Wake:
+    """A pipe the launcher's main loop waits on (with any other descriptors): written by a
+    signal (`signal.set_wakeup_fd`) and when supervisord exits, so the loop sleeps until
+    something happens instead of looking every few hundred milliseconds."""
+
+    def __init__(self) -> None:
+        self.reader, self.writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def wait(self, fds: list[int], timeout: float | None) -> None:
+        """Until the pipe or one of `fds` is readable, or `timeout` seconds passed."""
+        poller = select.poll()
+        for fd in [self.reader, *fds]:
+            poller.register(fd, select.POLLIN)
+        poller.poll(None if timeout is None else timeout * 1000)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.reader, 512):
+                pass
+
+    def set(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.writer, b"x")
+
+    def close(self) -> None:
+        os.close(self.reader)
+        os.close(self.writer)
+
+
+def _wake_on_exit(proc: subprocess.Popen[bytes], wake: Wake) -> None:
+    proc.wait()
+    wake.set()
 
 
 def _relay(source: IO[bytes], out: IO[str]) -> None:
@@ -200,19 +248,34 @@ def _relay(source: IO[bytes], out: IO[str]) -> None:
 class RedisWatch:
     """Notices the role's redis-server giving up (it exited at once REDIS_START_RETRIES times
     in a row) and says why from its log, with the fix when its data is damaged; and says when
-    it refuses writes because it cannot save them, and when it saves again."""
+    it refuses writes because it cannot save them, and when it saves again.
+
+    While a redis-server runs, a pidfd on it tells the moment it exits; supervisord is asked
+    about Redis only until one runs and after it exited (every REDIS_CHECK_S)."""
 
     def __init__(self, paths: StatePaths) -> None:
         self.paths = paths
         self._next = 0.0
         self._next_refusal = 0.0
         self._refusal: str | None = None
+        self._pidfd: int | None = None
         self._client = redis.Redis.from_url(
             paths.redis_url, socket_timeout=2, socket_connect_timeout=2
         )
 
     def close(self) -> None:
+        self._unfollow()
         self._client.close()
+
+    def fds(self) -> list[int]:
+        """What to wait on: the running redis-server's pidfd, readable once it exits."""
+        return [] if self._pidfd is None else [self._pidfd]
+
+    def due(self) -> float:
+        """When (monotonic) the watch next has something to ask."""
+        return (
+            self._next_refusal if self._pidfd is not None else min(self._next, self._next_refusal)
+        )
 
     def report_refusal(self) -> None:
         now = time.monotonic()
@@ -223,6 +286,8 @@ class RedisWatch:
             refusal = persistence.save_failure(self._client)
         except (redis.RedisError, OSError):
             return  # not up yet, or restarting: failure() tells
+        if refusal is not None:
+            self._next_refusal = now + REFUSED_EVERY_S
         if refusal == self._refusal:
             return
         self._refusal = refusal
@@ -239,17 +304,36 @@ class RedisWatch:
         )
 
     def failure(self) -> CapyError | None:
+        if self._pidfd is not None:
+            if not select.select([self._pidfd], [], [], 0)[0]:
+                return None  # the redis-server followed still runs
+            self._unfollow()
+            self._next = 0.0  # it exited: ask supervisord at once
         now = time.monotonic()
         if now < self._next:
             return None
-        self._next = now + 1.0
+        self._next = now + REDIS_CHECK_S
         try:
             found = supervisor.processes(self.paths.supervisor_socket, timeout=2.0)
         except OSError:
             return None  # supervisord is not listening yet
-        if not any(p.name == "redis" and p.state == "FATAL" for p in found):
-            return None
-        return redis_failure(self.paths)
+        redis_info = next((p for p in found if p.name == "redis"), None)
+        if redis_info is not None and redis_info.state == "FATAL":
+            return redis_failure(self.paths)
+        if redis_info is not None and redis_info.state == "RUNNING" and redis_info.pid:
+            self._follow(redis_info.pid)
+        return None
+
+    def _follow(self, pid: int) -> None:
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:
+            self._pidfd = None  # gone already: the next check sees why
+
+    def _unfollow(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def redis_failure(paths: StatePaths) -> CapyError:
@@ -319,26 +403,48 @@ def _write_record(role: Role, prepared: Prepared, supervisord_pid: int) -> None:
 
 
 class LogFollower:
-    """Echo the lines appended to each process's log file onto one stream."""
+    """Echo the lines appended to each process's log file onto one stream.
+
+    inotify on the logs' folder wakes it when a file there is written, created or renamed in
+    (a rotation); it still looks every UNHEARD_S, and every FALLBACK_S where inotify is not
+    to be had."""
+
+    UNHEARD_S = 5.0
+    FALLBACK_S = 0.5
 
     def __init__(self, files: list[Path], out: IO[str]) -> None:
         self.files = files
         self.out = out
         self.offsets = {path: path.stat().st_size if path.exists() else 0 for path in files}
-        self._stop = threading.Event()
+        self._stop = Wake()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="log-follower", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
+        self._stopped = True
         self._stop.set()
         self._thread.join(timeout=2)
+        if not self._thread.is_alive():
+            self._stop.close()
         self._poll()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            self._poll()
+        folders = {path.parent for path in self.files}
+        watch = _inotify(folders)
+        fds = [] if watch is None else [watch]
+        timeout = self.FALLBACK_S if watch is None else self.UNHEARD_S
+        try:
+            while not self._stopped:
+                self._poll()
+                self._stop.wait(fds, timeout)
+                if watch is not None:
+                    _drain(watch)
+        finally:
+            if watch is not None:
+                os.close(watch)
 
     def _poll(self) -> None:
         for path in self.files:
@@ -361,6 +467,34 @@ class LogFollower:
                     self.out.flush()
                 except (OSError, ValueError):
                     return
+
+
+# inotify(7): a file in the folder was written, created, or renamed into it.
+_IN_MODIFY, _IN_CREATE, _IN_MOVED_TO = 0x2, 0x100, 0x80
+
+
+def _inotify(folders: set[Path]) -> int | None:
+    """An inotify descriptor watching `folders`, or None where the kernel or libc has none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
+    except (OSError, AttributeError):
+        return None
+    if fd < 0:
+        return None
+    mask = _IN_MODIFY | _IN_CREATE | _IN_MOVED_TO
+    for folder in folders:
+        if libc.inotify_add_watch(fd, os.fsencode(folder), mask) < 0:
+            os.close(fd)
+            return None
+    return fd
+
+
+def _drain(fd: int) -> None:
+    """Read the events waiting on an inotify descriptor: which file changed is not needed."""
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 65536):
+            pass
 
 
 def start(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from capycommon.engines import registry
 from capycommon.engines.launch import LaunchSpec, Residency
-from capycommon.service import REDIS_ERRORS, wait_either
+from capycommon.service import REDIS_ERRORS
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import procs
@@ -87,21 +87,39 @@ async def _reap(runner: Runner, record: InstanceRecord, why: str) -> None:
     await runner.fail(record, f"{why}; last log lines: {lines or 'none'}")
 
 
-async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+# How often the watch looks without being woken: for engines whose records Redis lost while
+# hostd ran (a flush, a deleted append-only file), which nothing announces.
+CHECK_S = 5.0
+
+
+async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = CHECK_S) -> None:
     """Notice engines that die on their own and record the failure: at once when an engine's
-    leader exits (a pidfd per leader wakes the watch), and once a second for the rest (a
-    child that died, a group emptied behind a leader hostd did not start). Once a second too,
-    stop the engines whose records Redis lost while hostd ran."""
+    leader exits (a pidfd per leader, whether hostd started it or re-adopted it, wakes the
+    watch). Every `interval_s` too, stop the engines whose records Redis lost while hostd ran
+    (and look at the leaders again)."""
     deaths = Deaths()
     try:
         while not stop.is_set():
+            runner.spawned.clear()
             deaths.follow(engine.pgid for engine in runner.engines.values())
             deaths.exited.clear()
             with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
                 await _check(runner)
-            await deaths.wait(stop, interval_s)
+            # A launch wakes the watch too, so its engine's leader is followed from the start.
+            await _first(interval_s, deaths.exited, runner.spawned, stop)
     finally:
         deaths.close()
+
+
+async def _first(timeout: float, *events: asyncio.Event) -> None:
+    """Wait until one of `events` is set, or `timeout` seconds passed."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
 
 class Deaths:
@@ -125,10 +143,6 @@ class Deaths:
             loop.add_reader(fd, self._exit, pid)
         for pid in set(self._fds) - wanted:
             self._drop(pid)
-
-    async def wait(self, stop: asyncio.Event, timeout: float) -> None:
-        """Until a leader exited since the last `clear`, `stop` is set, or `timeout` passed."""
-        await wait_either(self.exited, stop, timeout)
 
     def close(self) -> None:
         for pid in list(self._fds):

@@ -45,9 +45,26 @@ async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# How long one read of the stream blocks for new commands: a command wakes it at once, so
+# only an idle hostd's round trips depend on it; under the Redis client's 5 s socket timeout.
+BLOCK_MS = 4000
+
+
 async def _read(group: Group, cursor: str, stop: asyncio.Event) -> list[Entry]:
+    """The next commands, or none once `stop` is set (the blocked read is cancelled then)."""
+    read = asyncio.ensure_future(group.read(cursor, count=16, block_ms=BLOCK_MS))
+    stopped = asyncio.ensure_future(stop.wait())
     try:
-        return await group.read(cursor, count=16, block_ms=500)
+        await asyncio.wait([read, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not read.done():
+            read.cancel()
+        await asyncio.gather(read, stopped, return_exceptions=True)
+    if read.cancelled():
+        return []
+    try:
+        return read.result()
     except REDIS_ERRORS:
         await wait_event(stop, 0.5)  # the heartbeat decides when Redis was gone too long
     except ResponseError as exc:

@@ -8,10 +8,11 @@ for the others. Per tick: the records and the hash are read, the engines are ask
 one transaction writes.
 
 A drain is the scheduler's write; a switch waits for a reading taken after it began. So
-hostd follows its host's notifications and reads at once when one of its instances starts
-draining, then every `DRAINING_INTERVAL_S` while any drains, and says on the host's channel
-that a draining engine's reading was written, so the scheduler re-plans without waiting for
-its next tick.
+hostd follows its host's notifications and reads at once when one of its instances changes
+(starts draining, becomes ready, stops serving), then every `DRAINING_INTERVAL_S` while any
+drains, and says on the host's channel that a draining engine's reading was written, so the
+scheduler re-plans without waiting for its next tick. With no engine serving there is
+nothing to read: it waits for the next change (at most `QUIET_S`).
 """
 
 from __future__ import annotations
@@ -39,61 +40,64 @@ INTERVAL_S = 1.0
 # While an instance drains, the scheduler waits for a reading taken after the drain began to
 # park or stop it (a switch waits on that): read more often then.
 DRAINING_INTERVAL_S = 0.2
+# With no engine serving, the longest it waits for an instance's change; a bound on what a
+# lost notification could leave stale.
+QUIET_S = 30.0
 SERVING = (S.READY, S.DRAINING)
 # An engine slower than a tick to answer keeps its previous entry; the next tick asks again.
 TIMEOUTS = Timeouts(metrics=INTERVAL_S)
 
 
 async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTERVAL_S) -> None:
-    """Every `interval_s` until `stop`, and at once when a drain begins; a tick Redis
-    interrupts is retried at the next."""
-    drained = asyncio.Event()
-    follower = asyncio.create_task(follow_drains(runner, drained, stop))
+    """Every `interval_s` while an engine serves (every DRAINING_INTERVAL_S while one drains),
+    and at once when an instance changes; a tick Redis interrupts is retried at the next."""
+    changed = asyncio.Event()
+    follower = asyncio.create_task(follow_changes(runner, changed, stop))
     try:
         while not stop.is_set():
-            drained.clear()
-            draining = False
+            changed.clear()
+            serving, draining = True, False
             with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
-                draining = await tick(runner)
-            wait = min(interval_s, DRAINING_INTERVAL_S) if draining else interval_s
-            await wait_either(drained, stop, wait)
+                serving, draining = await tick(runner)
+            if draining:
+                wait = min(interval_s, DRAINING_INTERVAL_S)
+            else:
+                wait = interval_s if serving else QUIET_S
+            await wait_either(changed, stop, wait)
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await follower
 
 
-async def follow_drains(runner: Runner, drained: asyncio.Event, stop: asyncio.Event) -> None:
-    """Set `drained` whenever one of the instances hostd holds is notified as draining."""
+async def follow_changes(runner: Runner, changed: asyncio.Event, stop: asyncio.Event) -> None:
+    """Set `changed` whenever an instance of the host is announced (it may have begun to
+    drain, to serve or to stop serving)."""
     channels = [name for name, host in notify.channels([runner.host]).items() if host]
     while not stop.is_set():
         try:
             async with notify.subscribed(runner.client, channels) as pubsub:
-                drained.set()  # (re)subscribed: a drain may have begun meanwhile
-                while not stop.is_set():
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
-                    if message is not None and await _drains(runner, message["data"]):
-                        drained.set()
+                changed.set()  # (re)subscribed: something may have changed meanwhile
+                async for message in pubsub.listen():
+                    if _an_instance(message.get("data")):
+                        changed.set()
         except REDIS_ERRORS:
             await wait_event(stop, 1.0)
 
 
-async def _drains(runner: Runner, data: bytes | str) -> bool:
-    """Whether a notification says an instance hostd holds may have begun to drain."""
+def _an_instance(data: object) -> bool:
+    """Whether a message of the host's channel announces an instance (not an engine load)."""
+    if not isinstance(data, bytes | str):
+        return False
     try:
-        note = Notification.model_validate_json(data)
+        return Notification.model_validate_json(data).kind == "instance"
     except ValidationError:
         return False
-    if note.kind != "instance" or note.id not in runner.engines:
-        return False
-    deployment, _, index = note.id.rpartition(":")
-    record = await runner.store.get(deployment, int(index))
-    return record is not None and record.state == S.DRAINING
 
 
-async def tick(runner: Runner) -> bool:
-    """Read every serving engine's load and bring the host's load hash up to date; True when
-    an instance is draining.
+async def tick(runner: Runner) -> tuple[bool, bool]:
+    """Read every serving engine's load and bring the host's load hash up to date; whether an
+    instance serves, and whether one is draining.
 
     An entry written for an instance that stopped serving while its engine was asked lives
     until the next tick removes it; its generation tells a reader which launch it was. When
@@ -112,11 +116,11 @@ async def tick(runner: Runner) -> bool:
     gone = [member for member in published if member not in serving_members]
     draining = {record.member for record in serving if record.state == S.DRAINING}
     if not entries and not gone:
-        return bool(draining)
+        return bool(serving), bool(draining)
     await load.publish_loads(
         runner.client, runner.host, entries, gone, notify=bool(draining & set(entries))
     )
-    return bool(draining)
+    return bool(serving), bool(draining)
 
 
 def entry(

@@ -73,6 +73,8 @@ class Runner:
     # host.deep_park: off bars deep parking and the engines' development controls.
     deep_park: bool = True
     engines: dict[str, Engine] = field(default_factory=dict)
+    # Set when an engine is spawned, for the death watch to follow its leader at once.
+    spawned: asyncio.Event = field(default_factory=asyncio.Event)
     _member_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _gpu_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     settler: Settler = field(init=False)
@@ -259,6 +261,7 @@ class Runner:
         await self.store.keep_secret(command.deployment, command.instance, secret)
         engine = engines.spawn(spec, plan, env, log_path, secret)
         self.engines[record.member] = engine
+        self.spawned.set()
         log.info(
             "launched", extra={"member": record.member, "pid": engine.pgid, "port": record.port}
         )
