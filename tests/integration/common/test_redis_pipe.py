@@ -208,7 +208,9 @@ async def test_a_timeout_fails_the_connection_and_the_next_command_reconnects(
 
 
 @pytest.mark.anyio
-async def test_a_cancelled_command_leaves_the_answers_in_order(server: Server) -> None:
+async def test_a_cancelled_command_leaves_the_answers_in_order_or_is_not_sent(
+    server: Server,
+) -> None:
     pipe = Pipe(Address(path=str(server.socket)))
     try:
         assert await pipe.execute("SET", "k", "v") == b"OK"
@@ -218,6 +220,10 @@ async def test_a_cancelled_command_leaves_the_answers_in_order(server: Server) -
         slow.cancel()
         assert await behind == b"v"
         assert await pipe.execute("ECHO", "next") == b"next"
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0):  # given up before it was written
+                await pipe.execute("SET", "k", "changed")
+        assert await pipe.execute("GET", "k") == b"v", "a command given up is not sent"
     finally:
         pipe.close()
 

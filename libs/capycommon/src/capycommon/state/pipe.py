@@ -10,7 +10,8 @@ Redis answers them in the order they came, so each answer goes to the oldest com
 A command waits at most the client's socket_timeout for its answer. Past it the connection
 is closed and every command on it fails: a later answer could no longer be told from a
 late one. The connection failing (Redis stopped, reset, not speaking RESP) fails the commands
-on it the same way, and the next command opens a new one. Failures are redis-py's own
+on it the same way, and the next command opens a new one. A command whose caller gave up
+(cancelled, or out of time) before it was written is not sent at all. Failures are redis-py's own
 exceptions, which callers already catch: ConnectionError, TimeoutError, and ResponseError
 (RedisCannotWrite for Redis's MISCONF refusal) for an error answer.
 """
@@ -160,23 +161,21 @@ class _Connection(asyncio.Protocol):
         self.waiting: deque[asyncio.Future[Reply]] = deque()
         self.deadlines: deque[float] = deque()
         self.buffer = b""
-        self.out: list[bytes] = []
+        # Commands sent in this turn of the loop, not written yet, with their deadlines.
+        self.out: list[tuple[asyncio.Future[Reply], bytes, float]] = []
         self.failure: Exception | None = None
         self.timer: asyncio.TimerHandle | None = None
 
     def send(self, command: bytes) -> asyncio.Future[Reply]:
-        """Queue a command; every command sent in one turn of the loop goes out in one write."""
+        """Queue a command; every command sent in one turn of the loop goes out in one write,
+        but for those whose callers gave up before it."""
         future: asyncio.Future[Reply] = self.loop.create_future()
         if self.failure is not None:
-            future.set_exception(self.failure)
+            future.set_exception(type(self.failure)(*self.failure.args))
             return future
         if not self.out:
             self.loop.call_soon(self._flush)
-        self.out.append(command)
-        self.waiting.append(future)
-        self.deadlines.append(self.loop.time() + self.address.timeout_s)
-        if self.timer is None:
-            self.timer = self.loop.call_at(self.deadlines[0], self._check_deadline)
+        self.out.append((future, command, self.loop.time() + self.address.timeout_s))
         return future
 
     def close(self) -> None:
@@ -192,6 +191,7 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        self.waiting.extend(future for future, _, _ in self.out)
         self.out.clear()
         self.deadlines.clear()
         while self.waiting:
@@ -202,9 +202,21 @@ class _Connection(asyncio.Protocol):
             first = None
 
     def _flush(self) -> None:
-        if self.out and self.transport is not None:
-            self.transport.write(b"".join(self.out) if len(self.out) > 1 else self.out[0])
-        self.out.clear()
+        out, self.out = self.out, []
+        if self.failure is not None:
+            return
+        commands = []
+        for future, command, deadline in out:
+            if not future.done():  # a caller that gave up already: its command is not sent
+                self.waiting.append(future)
+                self.deadlines.append(deadline)
+                commands.append(command)
+        if not commands:
+            return
+        assert self.transport is not None
+        self.transport.write(commands[0] if len(commands) == 1 else b"".join(commands))
+        if self.timer is None:
+            self.timer = self.loop.call_at(self.deadlines[0], self._check_deadline)
 
     def _check_deadline(self) -> None:
         self.timer = None
