@@ -8,8 +8,6 @@ request takes a place; GET /openapi.json describes them.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import secrets
 import time
@@ -39,15 +37,13 @@ from capyctl_router.errors import (
     capy_error_handler,
     capy_error_response,
     envelope,
-    retry_headers,
 )
-from capyctl_router.proxy import Session, disconnected
+from capyctl_router.proxy import Exchange
 from capyctl_router.relay import Call
-from capyctl_router.table import Table, Target
+from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
 
 MAX_BODY = 4 << 20
-REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
 PREFIXES = {"chat.completions": "chatcmpl", "completions": "cmpl", "embeddings": "embd"}
 # The bearer token, read by the routes themselves; the OpenAPI document names it once.
 Authorization = Annotated[str | None, Header(include_in_schema=False)]
@@ -196,43 +192,11 @@ def _call(kind: str, body: dict[str, Any]) -> Call:
 
 
 async def forward(router: Router, kind: str, request: Request) -> Response:
+    """The answer to an inference request: its body read and checked here, then (`Exchange`)
+    a place on its deployment's engine and the engine's answer."""
     arrived = time.monotonic()
     call = _call(kind, requestbody.parse_object(await requestbody.read(request, MAX_BODY)))
     record = router.table.deployment_of(call.route)
     if record is None:
         raise UnknownModel(f"no model {call.route!r}; GET /v1/models lists them")
-    name = record.name
-    dispatcher = router.dispatcher
-    deadline = arrived + dispatcher.deadline_of(record)
-    headers = {REQUEST_ID_HEADER: call.request_id}
-    try:
-        target = await _until_disconnect(request, dispatcher, dispatcher.acquire(record, deadline))
-    except CapyError as exc:
-        dispatcher.metrics.outcome(name, exc.code)
-        retry = retry_headers(exc.code, exc.http_status)
-        return envelope(exc.http_status, exc.code, exc.message, headers={**headers, **retry})
-    if target is None:
-        dispatcher.metrics.outcome(name, "client_gone")
-        return Response(status_code=499)
-    dispatcher.metrics.running.labels(name).inc()
-    session = Session(dispatcher, router.engines, call, target, arrived, deadline)
-    return await session.answer(request, headers)
-
-
-async def _until_disconnect(
-    request: Request, dispatcher: Dispatcher, work: Awaitable[Target]
-) -> Target | None:
-    """`work`'s result, or None (after cancelling it) if the client hangs up first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, CapyError):
-        target = await task
-        await dispatcher.release(target)  # a place taken just as the client left
-    return None
+    return Exchange(router.dispatcher, router.engines, call, record, arrived)

@@ -5,7 +5,9 @@ fails before it is a real HTTP error in the OpenAI envelope: the engine's own er
 (in whatever shape its family gives it), an error event the engine sent first after its 200
 (vLLM does, for some validation errors), the deadline (503), a broken engine (500). After the
 first event has gone to a streaming client, a failure is an error event and `[DONE]`. A
-client that hangs up, at any point, closes the engine connection at once.
+client that hangs up, at any point, closes the engine connection at once: one task a request
+(`Watch`) waits for the hang-up and cancels the request's own task wherever it waits. The
+place is settled once the answer's last byte went out.
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from capycommon.errors import EngineError, EngineFailed, EngineRejected
+from capycommon.errors import CapyError, EngineError, EngineFailed, EngineRejected
+from capycommon.state.desired import DeploymentRecord
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers
 from capyctl_router.relay import (
@@ -43,6 +45,7 @@ from capyctl_router.table import Target
 from capyctl_router.upstream import Answer, EngineConnectionError, Engines
 
 T = TypeVar("T")
+REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
 # Outcomes after which the engine is done with the request: its place is given back at once.
 FINISHED = ("ok", EngineRejected.code, EngineError.code)
 # Where the engines listen, from the router's side.
@@ -53,10 +56,6 @@ class Cut(Exception):
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
-
-
-class Gone(Exception):
-    """The client hung up before its answer began."""
 
 
 FAILURES = (EngineFailed, EngineError, EngineConnectionError, Cut)
@@ -83,6 +82,56 @@ def failure(exc: BaseException) -> Failure:
     return Failure(EngineError.code, 500, EngineError.code, f"the engine failed: {exc}")
 
 
+class Exchange(Response):
+    """A request whose body was read and checked, as the answer the client gets (an ASGI
+    app of its own): a place on its deployment's engine, waited for within its deadline,
+    then the engine's answer relayed (`Session`). A hang-up at any point cuts it."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        engines: Engines,
+        call: Call,
+        record: DeploymentRecord,
+        arrived: float,
+    ) -> None:  # no body and no status yet: they are the engine's
+        self.background = None
+        self.dispatcher = dispatcher
+        self.engines = engines
+        self.call = call
+        self.record = record
+        self.arrived = arrived
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = Watch(receive)
+        try:
+            await self._exchange(scope, receive, send, watch)
+        finally:
+            watch.stop()
+
+    async def _exchange(self, scope: Scope, receive: Receive, send: Send, watch: Watch) -> None:
+        dispatcher, name = self.dispatcher, self.record.name
+        deadline = self.arrived + dispatcher.deadline_of(self.record)
+        try:
+            target = await dispatcher.acquire(self.record, deadline)
+        except CapyError as exc:
+            dispatcher.metrics.outcome(name, exc.code)
+            headers = {REQUEST_ID_HEADER: self.call.request_id}
+            headers.update(retry_headers(exc.code, exc.http_status))
+            watch.ending()
+            await envelope(exc.http_status, exc.code, exc.message, headers)(scope, receive, send)
+            return
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            _uncancel()
+            dispatcher.metrics.outcome(name, "client_gone")  # nobody to answer
+            return
+        dispatcher.metrics.running.labels(name).inc()
+        session = Session(dispatcher, self.engines, self.call, target, self.arrived, deadline)
+        await session.respond(scope, receive, send, watch)
+
+
 @dataclass
 class Session:
     """One admitted request: relayed, then its place settled (once, however it ended)."""
@@ -98,31 +147,50 @@ class Session:
     _events: Events | None = None
     _finished: bool = field(default=False, repr=False)
 
-    async def answer(self, request: Request, headers: dict[str, str]) -> Response:
-        """The client's answer: a stream that begins with the engine's first event, or one
-        JSON body; an HTTP error when anything failed before the first event."""
-        streams = self.call.client_streams
-        relayed = False
+    async def respond(self, scope: Scope, receive: Receive, send: Send, watch: Watch) -> None:
+        """Answer the client: a stream that begins with the engine's first event, or one JSON
+        body; an HTTP error when anything failed before the first event. However it ends,
+        the engine connection is closed and the place settled (after the answer went out)."""
+        stopping = False
         try:
-            work = self._first() if streams else self._collect()
-            found = await until_gone(request, work)
-            if streams:
-                relayed = True
-                return Relay(self, found, headers)
-            self.outcome = "ok"
-            return Response(dumps(found), media_type="application/json", headers=headers)
-        except Gone:
-            return Response(status_code=499)
+            await self._answer(scope, receive, send, watch)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                stopping = True  # the router is stopping: settled all the same, shielded
+                raise
+            _uncancel()  # the client's hang-up: the request ends here, as a cut one
+        finally:
+            await (settled(self.finish()) if stopping else self.finish())
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, watch: Watch) -> None:
+        headers = {REQUEST_ID_HEADER: self.call.request_id}
+        streams = self.call.client_streams
+        try:
+            found = await (self._first() if streams else self._collect())
         except FAILURES as exc:
             failed = self._failure(exc)
             self.outcome = failed.outcome
             retry = retry_headers(failed.code, failed.status)
-            return envelope(
+            watch.ending()
+            answer = envelope(
                 failed.status, failed.code, failed.message, {**headers, **retry}, failed.param
             )
-        finally:
-            if not relayed:
-                await settled(self.finish())
+            await answer(scope, receive, send)
+            return
+        if not streams:
+            assert found is not None
+            self.outcome = "ok"
+            watch.ending()
+            whole = Response(dumps(found), media_type="application/json", headers=headers)
+            await whole(scope, receive, send)
+            return
+        start = {"type": "http.response.start", "status": 200, "headers": _stream_head(headers)}
+        await send(start)
+        async with contextlib.aclosing(self.stream(found)) as pieces:
+            async for piece in pieces:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        watch.ending()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def stream(self, first: JsonDict | None) -> AsyncGenerator[bytes, None]:
         """The client's stream from the first event on; a failure from here on is an error
@@ -153,7 +221,8 @@ class Session:
 
     async def finish(self) -> None:
         """Close the engine connection (at once, if the client left), then settle the place:
-        given back if the engine finished the request, else as a cut request settles."""
+        given back if the engine finished the request or never got it, else as a cut request
+        settles."""
         if self._finished:
             return
         self._finished = True
@@ -162,7 +231,7 @@ class Session:
         dispatcher = self.dispatcher
         dispatcher.metrics.running.labels(self.target.deployment).dec()
         dispatcher.metrics.outcome(self.target.deployment, self.outcome)
-        if self.outcome in FINISHED:
+        if self.outcome in FINISHED or self.response is None:  # done, or never sent
             await dispatcher.release(self.target)
         else:
             await dispatcher.cut(self.target, self.call.request_id, self.call.answered)
@@ -181,9 +250,9 @@ class Session:
     async def _open(self) -> Answer:
         """Send the request; the engine's error status raises as what it said."""
         body, headers = engine_request(self.call, self.target)
-        self.response = await self.engines.post(
-            ENGINE_ADDRESS, self.target.port, self.call.path, dumps(body), headers
-        )
+        connection = await self.engines.connect(ENGINE_ADDRESS, self.target.port)
+        self.response = connection.post(self.call.path, dumps(body), headers)
+        await self.response.head()
         if self.response.status >= 400:
             raise engine_failure(self.response.status, await self.response.read(MAX_ERROR))
         return self.response
@@ -258,52 +327,43 @@ class Session:
             )
 
 
-class Relay(StreamingResponse):
-    """A streamed answer that begins with the engine's first event. However it ends (also
-    when the client left before it began), the engine connection is closed and the place
-    settled."""
+class Watch:
+    """The client's hang-up, waited for by one task for the whole request: it cancels the
+    request's own task, wherever that waits (a place, the engine, the client's socket)."""
 
-    def __init__(self, session: Session, first: JsonDict | None, headers: dict[str, str]) -> None:
-        self.session = session
-        self.events = session.stream(first)
-        super().__init__(self.events, media_type="text/event-stream", headers=headers)
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self._ending = False
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.events.aclose()
-            await settled(self.session.finish())
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._ending:
+            self.gone = True
+            self._task.cancel()
 
+    def ending(self) -> None:
+        """The answer's last part goes out: the connection's end after it is no hang-up."""
+        self._ending = True
 
-async def until_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """`work`'s result; Gone (after cancelling it) if the client hangs up first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this request's own task is cancelled (a shutdown)
-        await _cancelled(task)
-        raise
-    finally:
-        gone.cancel()
-    if task in done:
-        return task.result()
-    await _cancelled(task)  # closes the engine connection at once
-    raise Gone
+    def stop(self) -> None:
+        self._watcher.cancel()
 
 
-async def _cancelled(task: asyncio.Future[Any]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
+def _uncancel() -> None:
+    """Take back the cancellation a hang-up made (`Watch`): the task goes on to settle."""
+    task = asyncio.current_task()
+    assert task is not None
+    task.uncancel()
 
 
-async def disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+def _stream_head(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    head = [(b"content-type", b"text/event-stream; charset=utf-8")]
+    return head + [(name.lower().encode(), value.encode()) for name, value in headers.items()]
 
 
 _settling: set[asyncio.Task[None]] = set()

@@ -34,7 +34,7 @@ class EngineConnectionError(Exception):
 class Answer:
     """One engine answer: its status and headers, then its body as it arrives."""
 
-    def __init__(self, connection: _Connection) -> None:
+    def __init__(self, connection: Connection) -> None:
         self._connection = connection
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -45,6 +45,14 @@ class Answer:
         self._waiter: asyncio.Future[None] | None = None
         self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._closed = False
+
+    async def head(self) -> None:
+        """Wait for the answer's status and headers (closing it if that fails)."""
+        try:
+            await self._head
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def over(self) -> bool:
@@ -131,7 +139,7 @@ def _expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(TimeoutError())
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One connection to an engine, with the answer it is reading, if any."""
 
     def __init__(self, pool: Engines, key: tuple[str, int]) -> None:
@@ -145,11 +153,21 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self._paused = False
 
-    def send(self, request: bytes) -> Answer:
+    def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+        """Send the request, at once (before anything is waited for); its answer, whose
+        status and headers `Answer.head` waits for."""
         assert self.transport is not None
+        host, port = self.key
+        head = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {host}:{port}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+        ]
+        head += [f"{name}: {value}" for name, value in headers.items()]
         self.answer = Answer(self)
         self.parser = httptools.HttpResponseParser(self)
-        self.transport.write(request)
+        self.transport.write("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
         return self.answer
 
     def finished(self, reusable: bool) -> None:
@@ -226,29 +244,21 @@ class Engines:
     def __init__(self, keepalive_s: float = 2.0, connect_timeout_s: float = 10.0) -> None:
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._idle: dict[tuple[str, int], list[Connection]] = {}
 
     async def post(
         self, host: str, port: int, path: str, body: bytes, headers: Mapping[str, str]
     ) -> Answer:
         """Send the request; its answer once its status and headers arrived."""
-        connection = self._idle_connection((host, port)) or await self._connect(host, port)
-        head = [
-            f"POST {path} HTTP/1.1",
-            f"Host: {host}:{port}",
-            "Content-Type: application/json",
-            f"Content-Length: {len(body)}",
-        ]
-        head += [f"{name}: {value}" for name, value in headers.items()]
-        answer = connection.send("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
-        try:
-            await answer._head
-        except BaseException:
-            answer.close()
-            raise
+        answer = (await self.connect(host, port)).post(path, body, headers)
+        await answer.head()
         return answer
 
-    def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
+    async def connect(self, host: str, port: int) -> Connection:
+        """A connection to the engine at `host`:`port`: an idle one, else a new one."""
+        return self._idle_connection((host, port)) or await self._connect(host, port)
+
+    def _idle_connection(self, key: tuple[str, int]) -> Connection | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
@@ -258,12 +268,12 @@ class Engines:
             connection.close()
         return None
 
-    async def _connect(self, host: str, port: int) -> _Connection:
+    async def _connect(self, host: str, port: int) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self, (host, port)), host, port
+                    lambda: Connection(self, (host, port)), host, port
                 )
         except (OSError, TimeoutError) as exc:
             raise EngineConnectionError(
@@ -271,14 +281,14 @@ class Engines:
             ) from None
         return connection
 
-    def give_back(self, connection: _Connection) -> None:
+    def give_back(self, connection: Connection) -> None:
         idle = self._idle.setdefault(connection.key, [])
         if len(idle) < MAX_IDLE:
             idle.append(connection)
         else:
             connection.close()
 
-    def forget(self, connection: _Connection) -> None:
+    def forget(self, connection: Connection) -> None:
         idle = self._idle.get(connection.key)
         if idle and connection in idle:
             idle.remove(connection)
