@@ -81,3 +81,34 @@ async def _one(
 
 def _fields(lines: list[str]) -> list[tuple[str, str]]:
     return [(line.split(":", 1)[0], line.split(":", 1)[1]) for line in lines if ":" in line]
+
+
+class RawEngine:
+    """A loopback HTTP/1.1 server that answers every request with the same bytes (`answer`,
+    status line and head included) on a kept-alive connection, counting the connections it
+    was given, the requests, and the connections that ended."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.requests = 0
+        self.ended = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.lower().split(b"\r\n")
+                    if line.startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                self.requests += 1
+                writer.write(self.answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.ended += 1
+            writer.close()

@@ -25,7 +25,7 @@ from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
 from integration.common.served import served
-from integration.router.fakeengine import engine_serving
+from integration.router.fakeengine import RawEngine, engine_serving
 from integration.router.ready import chunk, put_ready
 
 CREDENTIALS = generate()
@@ -38,36 +38,16 @@ def _chunk(content: str, finish: str | None = None) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-class Engine:
+def _engine() -> RawEngine:
     """Answers every request with a short SSE stream in chunks, keeping the connection."""
-
-    def __init__(self) -> None:
-        self.connections = 0
-        self.requests = 0
-
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while head := await reader.readuntil(b"\r\n\r\n"):
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.lower().split(b"\r\n")
-                    if line.startswith(b"content-length:")
-                )
-                await reader.readexactly(length)
-                self.requests += 1
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    b"transfer-encoding: chunked\r\n\r\n"
-                )
-                writer.write(_chunk("hello") + _chunk("", "stop"))
-                done = b"data: [DONE]\n\n"
-                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    done = b"data: [DONE]\n\n"
+    return RawEngine(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+        + _chunk("hello")
+        + _chunk("", "stop")
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done)
+    )
 
 
 @pytest.fixture
@@ -76,8 +56,8 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-async def routed(redis_socket: Path) -> AsyncIterator[tuple[Engine, openai.AsyncOpenAI]]:
-    engine = Engine()
+async def routed(redis_socket: Path) -> AsyncIterator[tuple[RawEngine, openai.AsyncOpenAI]]:
+    engine = _engine()
     server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     client = aioredis.Redis(unix_socket_path=str(redis_socket))
@@ -103,7 +83,7 @@ async def routed(redis_socket: Path) -> AsyncIterator[tuple[Engine, openai.Async
 
 @pytest.mark.anyio
 async def test_requests_one_after_another_share_one_engine_connection(
-    routed: tuple[Engine, openai.AsyncOpenAI],
+    routed: tuple[RawEngine, openai.AsyncOpenAI],
 ) -> None:
     engine, sdk = routed
     for _ in range(5):

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from capyctl_router.upstream import HIGH_WATER, EngineConnectionError, Engines
-from integration.router.fakeengine import engine_serving
+from integration.router.fakeengine import RawEngine, engine_serving
 
 
 @pytest.fixture
@@ -22,41 +22,17 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class Counted:
-    """A server answering `body` to every request, framed by Content-Length, that counts the
-    connections it was given and sees each one end."""
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.connections = 0
-        self.ended = 0
-
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while head := await reader.readuntil(b"\r\n\r\n"):
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.lower().split(b"\r\n")
-                    if line.startswith(b"content-length:")
-                )
-                await reader.readexactly(length)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(self.body))
-                writer.write(self.body)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self.ended += 1
-            writer.close()
+def _counted(body: bytes) -> RawEngine:
+    """An engine answering `body` to every request, framed by Content-Length."""
+    return RawEngine(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
 
 
-async def _serving(counted: Counted) -> tuple[asyncio.Server, int]:
+async def _serving(counted: RawEngine) -> tuple[asyncio.Server, int]:
     server = await asyncio.start_server(counted.serve, "127.0.0.1", 0)
     return server, int(server.sockets[0].getsockname()[1])
 
 
-async def _closed(engines: Engines, server: asyncio.Server, counted: Counted) -> None:
+async def _closed(engines: Engines, server: asyncio.Server, counted: RawEngine) -> None:
     """Close the client's connections, then the server once it saw them all end."""
     engines.close()
     await _until(lambda: counted.ended == counted.connections)
@@ -96,7 +72,7 @@ async def test_a_long_answer_read_slowly_arrives_whole_on_a_paused_connection() 
 
 @pytest.mark.anyio
 async def test_a_connection_is_reused_while_fresh_and_not_once_idle_too_long() -> None:
-    counted = Counted(b'{"ok": true}')
+    counted = _counted(b'{"ok": true}')
     server, port = await _serving(counted)
     engines = Engines(keepalive_s=0.3)
     try:
@@ -116,7 +92,7 @@ async def test_a_connection_is_reused_while_fresh_and_not_once_idle_too_long() -
 
 @pytest.mark.anyio
 async def test_an_answer_closed_before_its_end_closes_its_connection() -> None:
-    counted = Counted(b"x" * (16 * HIGH_WATER))  # more than what arrives before it is read
+    counted = _counted(b"x" * (16 * HIGH_WATER))  # more than what arrives before it is read
     server, port = await _serving(counted)
     engines = Engines()
     try:
