@@ -6,6 +6,8 @@ loopback socket that counts the connections it is given."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +26,10 @@ from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
-from integration.common.served import served
+from integration.common.served import connected, request_head, served
 from integration.router.fakeengine import RawEngine, engine_serving
 from integration.router.ready import chunk, put_ready
+from support import wait_for_async
 
 CREDENTIALS = generate()
 HI: list[Any] = [{"role": "user", "content": "hi"}]
@@ -137,3 +140,63 @@ async def test_each_event_reaches_the_client_before_the_engine_sends_the_next(
     engines.close()
     await client.aclose()
     assert words == ["one", "two"]
+
+
+@pytest.mark.anyio
+async def test_a_request_cut_before_it_was_sent_gives_its_place_back_at_once(
+    redis_socket: Path,
+) -> None:
+    """The engine's listener takes no more connections (its queue is full), so the router
+    is still connecting when the client hangs up: the engine never got the request, and its
+    place comes back at once instead of waiting for the instance's stop."""
+    engine = socket.socket()
+    engine.bind(("127.0.0.1", 0))
+    engine.listen(0)
+    port = engine.getsockname()[1]
+    fillers = []
+    for _ in range(2):  # the accept queue, full: a new SYN goes unanswered
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    await put_ready(client, "m", port=port)
+    table = Table(client, {"local"})
+    await table.sync()
+    engines = Engines()
+    app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+    body = json.dumps({"model": "m", "messages": HI}).encode()
+    head = request_head(
+        "POST",
+        "/v1/chat/completions",
+        authorization=f"Bearer {CREDENTIALS.api_key}",
+        content_type="application/json",
+        content_length=str(len(body)),
+    )
+    try:
+        async with served(app, ConnectionLimits()) as router_port:
+            async with connected(router_port) as (_, writer):
+                writer.write(head + body)
+                await writer.drain()
+                await wait_for_async(
+                    lambda: _running(client), timeout=10, what="the request to take its place"
+                )
+                await asyncio.sleep(0.3)  # the router connects to the engine meanwhile
+            await wait_for_async(
+                lambda: _given_back(client), timeout=5, what="the place given back"
+            )
+    finally:
+        engines.close()
+        await client.aclose()
+        for filler in fillers:
+            filler.close()
+        engine.close()
+
+
+async def _running(client: aioredis.Redis) -> bool:
+    return (await places.aread(client, "m")).running == 1
+
+
+async def _given_back(client: aioredis.Redis) -> bool:
+    found = await places.aread(client, "m")
+    return (found.running, found.settle_at_stop) == (0, 0)
