@@ -388,8 +388,7 @@ def wakes(stand: Stand, rounds: int) -> Figures:
     stand.cli("start", "deployment", "a", "--wait", check=True)
     steady(stand, "a", 20)
     for i in range(rounds):
-        # An operator park stays asked for its generation: the scheduler may park it again
-        # once the request that woke it is served.
+        # The request of the round before woke it, and it stays ready: park it again.
         if _steady(stand, "a") == "ready":
             stand.cli("park", "deployment", "a", "--wait", check=True)
         own = engine_wake(stand, "a")

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.exceptions import ResponseError
 
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import notify
 from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, demand_group
 from capycommon.state.store import read_host_events
+from capycommon.state.streams import Group
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan, quiet_until
@@ -49,10 +51,24 @@ class Demands:
     # deployment -> the generation a router asked to restart (its places all held by cuts).
     restarts: dict[str, int] = field(default_factory=dict)
     _cursor: str = "0"
+    # Whether the group was made (once; again only when a read finds it gone).
+    _ensured: bool = False
 
     async def read(self) -> None:
         group = demand_group(self.client)
-        await group.ensure()
+        if not self._ensured:
+            await group.ensure()
+            self._ensured = True
+        try:
+            await self._read(group)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await group.ensure()  # Redis lost the group (its data): make it, read it whole
+            self._cursor = "0"
+            await self._read(group)
+
+    async def _read(self, group: Group) -> None:
         while True:
             entries = await group.read(self._cursor, count=1000)
             for entry_id, fields in entries:

@@ -85,31 +85,40 @@ class Observer:
         restarts: Mapping[str, int] | None = None,
     ) -> Snapshot:
         now = time.time() if now is None else now
-        deployments = await DeploymentStore(self.client).all()
+        # The reads are independent: sent together, they wait on Redis once, not in turn.
+        deployments, per_host = await asyncio.gather(
+            DeploymentStore(self.client).all(),
+            asyncio.gather(*(self._host_reads(host, now) for host in sorted(self.hosts))),
+        )
         hosts: dict[str, HostView] = {}
         records: list[InstanceRecord] = []
         loads: dict[str, load.EngineLoad] = {}
         engines: dict[str, PublishedEngines | None] = {}
         models: dict[str, HostModels | None] = {}
-        for host in sorted(self.hosts):
-            hosts[host] = await self._host(host, await aread_reading(self.client, host), now)
-            records += await InstanceStore(self.client, host).all()
-            for member, found in (await load.aread_loads(self.client, host)).items():
+        for host, view, found_records, found_loads, found_engines, found_models in per_host:
+            hosts[host], engines[host], models[host] = view, found_engines, found_models
+            records += found_records
+            for member, found in found_loads.items():
                 deployment, _, index = member.rpartition(":")
                 if index == "0":
                     loads[deployment] = found
-            engines[host] = await self.engines(host)
-            models[host] = await hostfacts.aread(self.client, host)
             await self._ask(host, models[host], _paths(deployments.values()))
         instances, orphans = _owners(records, deployments)
-        held = {name: await places.aread(self.client, name) for name in instances}
-        bindings = {
-            name: {
-                host: await self._binding(record, host, hosts[host], engines[host], models[host])
-                for host in hosts
-            }
-            for name, record in deployments.items()
-        }
+        names = list(instances)
+        pairs = [(name, host) for name in deployments for host in hosts]
+        found_places, found_bindings = await asyncio.gather(
+            asyncio.gather(*(places.aread(self.client, name) for name in names)),
+            asyncio.gather(
+                *(
+                    self._binding(deployments[name], host, hosts[host], engines[host], models[host])
+                    for name, host in pairs
+                )
+            ),
+        )
+        held = dict(zip(names, found_places, strict=True))
+        bindings: dict[str, dict[str, Binding]] = {name: {} for name in deployments}
+        for (name, host), binding in zip(pairs, found_bindings, strict=True):
+            bindings[name][host] = binding
         return Snapshot(
             now=now,
             deployments=deployments,
@@ -124,6 +133,26 @@ class Observer:
             orphans=tuple(orphans),
             tunables=self.tunables,
         )
+
+    async def _host_reads(
+        self, host: str, now: float
+    ) -> tuple[
+        str,
+        HostView,
+        list[InstanceRecord],
+        dict[str, load.EngineLoad],
+        PublishedEngines | None,
+        HostModels | None,
+    ]:
+        """What a snapshot reads of one host, read together."""
+        reading, records, loads, engines, models = await asyncio.gather(
+            aread_reading(self.client, host),
+            InstanceStore(self.client, host).all(),
+            load.aread_loads(self.client, host),
+            self.engines(host),
+            hostfacts.aread(self.client, host),
+        )
+        return host, await self._host(host, reading, now), records, loads, engines, models
 
     async def bindings_of(self, record: DeploymentRecord) -> dict[str, Binding]:
         """How a deployment would run on each host, resolved now. A live host that has not
@@ -163,8 +192,9 @@ class Observer:
         return await enginefacts.aread_published(self.client, host)
 
     async def _host(self, host: str, reading: MemoryReading | None, now: float) -> HostView:
-        alive = await heartbeats.alive(self.client, "hostd", host)
-        info = await hostinfo.aread(self.client, host)
+        alive, info = await asyncio.gather(
+            heartbeats.alive(self.client, "hostd", host), hostinfo.aread(self.client, host)
+        )
         deep_park = info.deep_park if info is not None else True
         if reading is None:
             return HostView(host, {}, {}, unified=False, alive=alive, deep_park=deep_park)
