@@ -122,6 +122,7 @@ class Dispatcher:
         started = time.monotonic()
         joined = time.time()
         failing: float | None = None  # since when Redis fails this request
+        reason = ""  # what Redis's failure was (not the retries' own deadline, which ends them)
         try:
             while True:
                 self._check_open(name, joined)
@@ -133,10 +134,12 @@ class Dispatcher:
                     failing = None
                 except (*REDIS_ERRORS, TimeoutError) as exc:
                     self._failed(exc)
+                    if type(exc) is not TimeoutError or not reason:
+                        reason = str(exc) or type(exc).__name__
                     failing = time.monotonic() if failing is None else failing
                     if time.monotonic() - failing >= REDIS_RETRY_S:
                         raise RedisUnreachable(
-                            f"the router cannot use Redis ({exc}); retry shortly"
+                            f"the router cannot use Redis ({reason}); retry shortly"
                         ) from None
                     await asyncio.sleep(REDIS_RETRY_EVERY_S)
                     continue
