@@ -237,7 +237,7 @@ def test_the_scheduler_killed_mid_switch_neither_double_charges_nor_orphans(
     cluster.deploy("y", engine_config=FOURTEEN)
     cluster.ok("start", "deployment", "x", "--wait")
     cluster.ok("start", "deployment", "y")
-    # x drains and parks in a few hundred ms (memwatch reads every 50 ms while it parks);
+    # x drains and parks in a few hundred ms (memwatch reads every 20 ms after the park call);
     # y's start, which follows, takes longer: the kill lands in the switch either way.
     wait_for(
         lambda: cluster.state("x") in ("draining", "parking", "parked"),
