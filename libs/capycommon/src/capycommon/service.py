@@ -221,9 +221,14 @@ async def _reach_redis(
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
-    """Wait up to `timeout` seconds for `event`; True if it is set."""
+    """Wait up to `timeout` seconds for `event`; True if it is set. A timeout of this task's
+    own, not wait_for's task a wait: an idle service's loops wake several times a second, and
+    each such wake cost several turns of the event loop."""
+    if event.is_set():
+        return True
     try:
-        await asyncio.wait_for(event.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await event.wait()
     except TimeoutError:
         return False
     return True

@@ -19,7 +19,6 @@ only, if it did not (one cut before any answer may still reach the engine).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -39,7 +38,7 @@ from capycommon.errors import (
     Unavailable,
     UnknownModel,
 )
-from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
+from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_either, wait_event
 from capycommon.state import desired, heartbeats, hostcommands, load, places, settlement
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.places import PlaceBook
@@ -108,6 +107,7 @@ class Dispatcher:
 
     def __post_init__(self) -> None:
         self.book = PlaceBook(self.client, self.owner)
+        self._cut_made = asyncio.Event()
 
     def deadline_of(self, record: DeploymentRecord) -> float:
         """How long a request for it may wait for its first output."""
@@ -152,7 +152,7 @@ class Dispatcher:
                         f"({self.deadline_of(record):.0f}s); retry shortly",
                     )
                 changed = self.table.changed(name)
-                await wait_event_or(changed, min(remaining, 1.0))
+                await wait_event(changed, min(remaining, 1.0))
         finally:
             if queued:
                 await self._leave(name)
@@ -272,6 +272,7 @@ class Dispatcher:
             self._cuts[request_id] = Cut(
                 name, target.generation, target.host, settles, time.time(), reported
             )
+            self._cut_made.set()
         try:
             await self.book.cut(name, target.generation, settles)
             if reported:
@@ -293,13 +294,26 @@ class Dispatcher:
         (when hostd reports the end of one it aborted, or when the engine reads idle, a
         reading taken after the cut), and write its own count back every few seconds, and
         once Redis answers again after a failure."""
-        while not await wait_event(stop, SETTLE_EVERY_S):
+        while not stop.is_set():
+            await wait_either(stop, self._cut_made, self._settle_wait())
+            self._cut_made.clear()
+            if stop.is_set():
+                return
             try:
                 if self._cuts:
                     await self._settle_once()
                 await self._keep()
             except REDIS_ERRORS as exc:
                 self._failed(exc)
+
+    def _settle_wait(self) -> float:
+        """Cut requests, or a Redis failure, are looked at every SETTLE_EVERY_S; otherwise
+        nothing is due before the next keep, or a new cut (`cut` wakes the loop): an idle
+        router wakes a few times less a second."""
+        if self._cuts or self._redis_failed:
+            return SETTLE_EVERY_S
+        due = self._kept + KEEP_EVERY_S - time.monotonic()
+        return min(KEEP_EVERY_S, max(SETTLE_EVERY_S, due))
 
     async def _keep(self) -> None:
         now = time.monotonic()
@@ -370,8 +384,3 @@ async def _bounded(work: Awaitable[T], failing: float | None) -> T:
         return await work
     async with asyncio.timeout(max(0.0, failing + REDIS_RETRY_S - time.monotonic())):
         return await work
-
-
-async def wait_event_or(event: asyncio.Event, timeout: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout)
