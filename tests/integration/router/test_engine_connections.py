@@ -17,6 +17,7 @@ import httpx2
 import openai
 import pytest
 import redis.asyncio as aioredis
+from fastapi import FastAPI
 
 from capycommon.credentials import generate
 from capycommon.settings import ConnectionLimits
@@ -53,6 +54,14 @@ def _engine() -> RawEngine:
     )
 
 
+async def _app(client: aioredis.Redis, port: int, engines: Engines) -> FastAPI:
+    """The router's app in front of the engine on `port`, serving deployment `m`."""
+    await put_ready(client, "m", port=port)
+    table = Table(client, {"local"})
+    await table.sync()
+    return create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -64,11 +73,8 @@ async def routed(redis_socket: Path) -> AsyncIterator[tuple[RawEngine, openai.As
     server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     client = aioredis.Redis(unix_socket_path=str(redis_socket))
-    await put_ready(client, "m", port=port)
-    table = Table(client, {"local"})
-    await table.sync()
     engines = Engines()
-    app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+    app = await _app(client, port, engines)
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
     sdk = openai.AsyncOpenAI(
         base_url="http://router/v1", api_key=CREDENTIALS.api_key, http_client=http, max_retries=0
@@ -117,10 +123,7 @@ async def test_each_event_reaches_the_client_before_the_engine_sends_the_next(
     async with engine_serving(
         lambda _: httpx.Response(200, content=paced(), headers=headers)
     ) as port:
-        await put_ready(client, "m", port=port)
-        table = Table(client, {"local"})
-        await table.sync()
-        app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+        app = await _app(client, port, engines)
         async with served(app, ConnectionLimits()) as router_port:
             http = httpx2.AsyncClient(timeout=10)
             sdk = openai.AsyncOpenAI(
@@ -160,11 +163,8 @@ async def test_a_request_cut_before_it_was_sent_gives_its_place_back_at_once(
         filler.connect_ex(("127.0.0.1", port))
         fillers.append(filler)
     client = aioredis.Redis(unix_socket_path=str(redis_socket))
-    await put_ready(client, "m", port=port)
-    table = Table(client, {"local"})
-    await table.sync()
     engines = Engines()
-    app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+    app = await _app(client, port, engines)
     body = json.dumps({"model": "m", "messages": HI}).encode()
     head = request_head(
         "POST",

@@ -234,9 +234,9 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return True
 
 
-async def wait_either(first: asyncio.Event, second: asyncio.Event, timeout: float) -> None:
-    """Wait until either event is set, or `timeout` seconds passed."""
-    waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
+async def wait_any(*events: asyncio.Event, timeout: float) -> None:
+    """Wait until one of `events` is set, or `timeout` seconds passed."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:

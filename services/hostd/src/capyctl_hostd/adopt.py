@@ -13,7 +13,7 @@ from pathlib import Path
 
 from capycommon.engines import registry
 from capycommon.engines.launch import LaunchSpec, Residency
-from capycommon.service import REDIS_ERRORS
+from capycommon.service import REDIS_ERRORS, wait_any
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import procs
@@ -106,20 +106,9 @@ async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = CHECK_S
             with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
                 await _check(runner)
             # A launch wakes the watch too, so its engine's leader is followed from the start.
-            await _first(interval_s, deaths.exited, runner.spawned, stop)
+            await wait_any(deaths.exited, runner.spawned, stop, timeout=interval_s)
     finally:
         deaths.close()
-
-
-async def _first(timeout: float, *events: asyncio.Event) -> None:
-    """Wait until one of `events` is set, or `timeout` seconds passed."""
-    waits = [asyncio.ensure_future(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiting in waits:
-            waiting.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
 
 
 class Deaths:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from capycommon.engines.control import Load, Timeouts
 from capycommon.errors import CapyError
-from capycommon.service import REDIS_ERRORS, wait_either, wait_event
+from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import load, notify
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
@@ -63,7 +63,7 @@ async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTER
                 wait = min(interval_s, DRAINING_INTERVAL_S)
             else:
                 wait = interval_s if serving else QUIET_S
-            await wait_either(changed, stop, wait)
+            await wait_any(changed, stop, timeout=wait)
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):

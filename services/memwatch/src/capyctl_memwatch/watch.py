@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon.errors import DeviceUnobserved
-from capycommon.service import REDIS_ERRORS, wait_either, wait_event
+from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import memory, notify
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.memory import MemoryReading, StartupPeak
@@ -63,7 +63,7 @@ async def every(
             if await wait_event(stop, next_at - now):
                 return
             continue
-        await wait_either(hurry, stop, next_at - now)
+        await wait_any(hurry, stop, timeout=next_at - now)
         if hurry.is_set():
             hurry.clear()
             next_at = time.monotonic()
@@ -158,7 +158,7 @@ class Peaks:
                 await self.step()
                 busy = self.sampler.launches or self.parking
                 interval = peaks.INTERVAL_S if busy else QUIET_S
-                await wait_either(self.changed, stop, interval)
+                await wait_any(self.changed, stop, timeout=interval)
                 self.changed.clear()
         finally:
             listener.cancel()

@@ -38,7 +38,7 @@ from capycommon.errors import (
     Unavailable,
     UnknownModel,
 )
-from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_either, wait_event
+from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_any, wait_event
 from capycommon.state import desired, heartbeats, hostcommands, load, places, settlement
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.places import PlaceBook
@@ -295,7 +295,7 @@ class Dispatcher:
         reading taken after the cut), and write its own count back every few seconds, and
         once Redis answers again after a failure."""
         while not stop.is_set():
-            await wait_either(stop, self._cut_made, self._settle_wait())
+            await wait_any(stop, self._cut_made, timeout=self._settle_wait())
             self._cut_made.clear()
             if stop.is_set():
                 return
