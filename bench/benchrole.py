@@ -9,7 +9,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -38,13 +38,21 @@ def role_env(root: Path) -> dict[str, str]:
     return env
 
 
-def write_document(state: Path, host: Mapping[str, str]) -> Path:
-    """The role's document, `kind: standalone` with `host`, written into the state dir's
-    config dir (made here, where the engines are registered too); its path."""
-    config = state / "config"
+def write_document(root: Path, host_ram: str, **host: str) -> Path:
+    """The role's document, `kind: standalone` on one simulated 24 GiB GPU with `host_ram` of
+    host RAM, its models under `root`/models (and any other `host` fields), written into the
+    config dir of the state dir `root`/state (made here, where the engines are registered
+    too); its path."""
+    config = root / "state" / "config"
     config.mkdir(parents=True)
     document = config / "standalone.yaml"
-    document.write_text(yaml.safe_dump({"kind": "standalone", "host": dict(host)}))
+    fields = {
+        "simulated_gpus": "gpu0:24GiB",
+        "simulated_host_ram": host_ram,
+        "models_root": str(root / "models"),
+        **host,
+    }
+    document.write_text(yaml.safe_dump({"kind": "standalone", "host": fields}))
     return document
 
 

@@ -174,12 +174,7 @@ class Stand:
         self.root = root
         self.state = root / "state"
         self.env = benchrole.role_env(root)
-        host = {
-            "simulated_gpus": "gpu0:24GiB",
-            "simulated_host_ram": "128GiB",
-            "models_root": str(root / "models"),
-        }
-        document = benchrole.write_document(self.state, host)
+        document = benchrole.write_document(root, "128GiB")
         benchrole.install_vllm(root, document.parent, "vllm", BEHAVIOUR)
         for name in MODELS:
             benchrole.sparse_model(root / "models" / name, GiB)

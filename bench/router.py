@@ -218,12 +218,7 @@ class Stand:
         self.root = root
         self.state = root / "state"
         self.env = benchrole.role_env(root)
-        host = {
-            "simulated_gpus": "gpu0:24GiB",
-            "simulated_host_ram": "64GiB",
-            "models_root": str(root / "models"),
-        }
-        document = benchrole.write_document(self.state, host)
+        document = benchrole.write_document(root, "64GiB")
         paced = INSTANT.model_copy(update={"instant": False, "tokens_per_second": pace})
         for profile, behaviour in (("vllm", INSTANT), ("vllm-paced", paced)):
             benchrole.install_vllm(root, document.parent, profile, behaviour)

@@ -90,14 +90,8 @@ class Stand:
         self.state = root / "state"
         self.env = benchrole.role_env(root)
         ports = random.randrange(20_000, 30_000, 10)
-        host = {
-            "simulated_gpus": "gpu0:24GiB",
-            "simulated_host_ram": "256GiB",
-            "models_root": str(root / "models"),
-            # Ports of its own: other roles on this machine use the default range.
-            "engine_ports": f"{ports}-{ports + 9}",
-        }
-        document = benchrole.write_document(self.state, host)
+        # Ports of its own: other roles on this machine use the default range.
+        document = benchrole.write_document(root, "256GiB", engine_ports=f"{ports}-{ports + 9}")
         benchrole.install_vllm(root, document.parent, "vllm", BEHAVIOUR)
         benchrole.sparse_model(root / "models" / "m10", 10 * GiB)
         self.inference = f"127.0.0.1:{benchrole.free_port()}"

@@ -17,7 +17,6 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -44,7 +43,6 @@ from capyctl_router.relay import (
 from capyctl_router.table import Target
 from capyctl_router.upstream import Answer, EngineConnectionError, Engines
 
-T = TypeVar("T")
 REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
 # Outcomes after which the engine is done with the request: its place is given back at once.
 FINISHED = ("ok", EngineRejected.code, EngineError.code)
@@ -260,7 +258,8 @@ class Session:
     async def _first(self) -> JsonDict | None:
         """The engine's first event (None if it ended without one), within the deadline."""
         try:
-            response = await asyncio.wait_for(self._open(), self._left())
+            async with asyncio.timeout(self._left()):  # no task of its own, as wait_for's
+                response = await self._open()
         except TimeoutError:
             raise Cut("deadline") from None
         self._events = Events(response)
@@ -291,7 +290,8 @@ class Session:
         assembled from the engine's stream."""
         if self.call.kind == "embeddings":
             try:
-                raw = await asyncio.wait_for(self._embeddings(), self._left())
+                async with asyncio.timeout(self._left()):
+                    raw = await self._embeddings()
             except TimeoutError:
                 raise Cut("deadline") from None
             self._first_output()
