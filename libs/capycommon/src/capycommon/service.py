@@ -234,6 +234,16 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return True
 
 
+async def until_stop(work: asyncio.Future[Any], stop: asyncio.Event) -> None:
+    """Wait until `work` is done or `stop` is set; `work` goes on either way."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([work, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        await asyncio.gather(stopped, return_exceptions=True)
+
+
 async def wait_any(*events: asyncio.Event, timeout: float) -> None:
     """Wait until one of `events` is set, or `timeout` seconds passed."""
     waits = [asyncio.ensure_future(event.wait()) for event in events]

@@ -14,7 +14,7 @@ import logging
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
-from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.service import REDIS_ERRORS, until_stop, wait_event
 from capycommon.state import hostcommands
 from capycommon.state.streams import Entry, Fields, Group
 from capyctl_hostd.modelfacts import Shelf
@@ -53,14 +53,12 @@ BLOCK_MS = 4000
 async def _read(group: Group, cursor: str, stop: asyncio.Event) -> list[Entry]:
     """The next commands, or none once `stop` is set (the blocked read is cancelled then)."""
     read = asyncio.ensure_future(group.read(cursor, count=16, block_ms=BLOCK_MS))
-    stopped = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait([read, stopped], return_when=asyncio.FIRST_COMPLETED)
+        await until_stop(read, stop)
     finally:
-        stopped.cancel()
         if not read.done():
             read.cancel()
-        await asyncio.gather(read, stopped, return_exceptions=True)
+        await asyncio.gather(read, return_exceptions=True)
     if read.cancelled():
         return []
     try:

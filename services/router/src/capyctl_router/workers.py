@@ -33,7 +33,7 @@ from prometheus_client import multiprocess
 
 from capycommon import credentials
 from capycommon.paths import write_atomic
-from capycommon.service import REDIS_ERRORS, ServiceContext, bind, wait_event
+from capycommon.service import REDIS_ERRORS, ServiceContext, bind, until_stop, wait_event
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.state import places
 
@@ -136,11 +136,7 @@ async def _until_exit(proc: asyncio.subprocess.Process, stop: asyncio.Event) -> 
     """The worker's exit status; on the stop, it is asked to stop (then killed, if it has
     not after WORKER_STOP_S)."""
     exited = asyncio.ensure_future(proc.wait())
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait([exited, stopping], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
+    await until_stop(exited, stop)
     if not exited.done():
         proc.terminate()
         done, _ = await asyncio.wait([exited], timeout=WORKER_STOP_S)
