@@ -278,6 +278,21 @@ class ActivationTimeout(CapyError):
     code = "activation_timeout"
 
 
+# Certificates: the server's authority and the certificates it issues ----------------------
+
+
+class CertificateInvalid(CapyError):
+    """A certificate that does not check: not issued by the expected authority, outside its
+    validity, not the kind it must be, or not a certificate at all."""
+
+    code = "certificate_invalid"
+
+
+class CertificateRequestRefused(InvalidRequest):
+    """A certificate request the authority will not sign: a bad signature, another name than
+    the invitation's, or a weak key."""
+
+
 # Every code CapyCTL raises or records: (CLI exit code, HTTP status). A code carrying a
 # suffix (`engine_env_reserved:<name>`) maps by its stem. docs/errors.md lists this table, and
 # a test holds the two (and the codes raised in the source) together.
@@ -298,6 +313,7 @@ CODES: dict[str, tuple[int, int]] = {
     "engine_rejected": (2, 400),
     # 3: the caller is not who it must be.
     "unauthenticated": (3, 401),
+    "certificate_invalid": (3, 401),
     # 4: no room, or no way to know there is room.
     "insufficient_resources": (4, 503),
     "device_unobserved": (4, 503),
