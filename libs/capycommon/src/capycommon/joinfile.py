@@ -1,0 +1,200 @@
+"""The join file: what `capyctl invite host NAME` on the server hands a host, and `capyctl
+join host --join-file F` reads there.
+
+It holds where the server is (its bootstrap URL and its Redis TLS port), the server's
+certificate authority (so the host trusts that server and no other), the host's name, and a
+single-use invitation secret with its expiry. The secret is a credential: the file is
+owner-only, and one that others can read is refused. The server keeps only the invitation
+id, the SHA-256 of the secret's 32 bytes, so what it stores cannot be used to join.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import re
+import secrets
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Self
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from capycommon import pki
+from capycommon.errors import CertificateInvalid, CredentialsUnusable
+from capycommon.paths import write_atomic
+
+SECRET_BYTES = 32
+HEX_PATTERN = re.compile(r"[0-9a-f]{64}")
+DNS_NAME_PATTERN = re.compile(r"(?=.{1,253}$)([A-Za-z0-9-]{1,63}\.)*[A-Za-z0-9-]{1,63}")
+
+
+def new_invitation_secret() -> tuple[str, str]:
+    """A new invitation: its secret (32 random bytes, hex) and its id (hex)."""
+    secret = secrets.token_hex(SECRET_BYTES)
+    return secret, invitation_id(secret)
+
+
+def invitation_id(secret: str) -> str:
+    """The id of an invitation: SHA-256 of the secret's bytes, hex. The server stores and
+    looks up this, never the secret."""
+    return hashlib.sha256(bytes.fromhex(secret)).hexdigest()
+
+
+def _check_hex(value: str) -> str:
+    if not HEX_PATTERN.fullmatch(value):
+        raise ValueError("must be 64 lower-case hex characters")
+    return value
+
+
+def _check_host(host: str) -> None:
+    """A host another machine can dial: an IP address (not a wildcard) or a DNS name."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if not DNS_NAME_PATTERN.fullmatch(host):
+            raise ValueError(f"{host!r} is neither an IP address nor a DNS name") from None
+        return
+    if ip.is_unspecified:
+        raise ValueError(f"{host!r} names every interface, not one a host can dial")
+
+
+def _check_server_address(value: str) -> str:
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme != "https" or not parts.hostname:
+        raise ValueError(f"{value!r} is not an https:// URL (for example https://10.0.0.5:7444)")
+    if port == 0:
+        raise ValueError(f"{value!r} has port 0")
+    _check_host(parts.hostname)
+    return value
+
+
+def _check_redis_address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT (for example 10.0.0.5:6380)")
+    _check_host(host)
+    return value
+
+
+def _check_certificate(value: str) -> str:
+    try:
+        pki.read_certificate(value.encode())
+    except (CertificateInvalid, UnicodeEncodeError):
+        raise ValueError("is not a PEM certificate") from None
+    return value
+
+
+def _check_host_name(value: str) -> str:
+    if not pki.NAME_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a host name (lower-case letters, digits and hyphens, at most "
+            "63, starting with a letter or digit)"
+        )
+    return value
+
+
+def _check_host_id(value: str | None) -> str | None:
+    if value is not None and not pki.IDENTITY_PATTERN.fullmatch(value):
+        raise ValueError(f"{value!r} is not a host id")
+    return value
+
+
+class JoinFile(BaseModel):
+    """One invitation for one host, as the server wrote it. Fields the file has and this
+    version does not know are ignored, so a newer server's file still reads here."""
+
+    model_config = ConfigDict(frozen=True, strict=True)
+
+    version: str = Field(min_length=1, description="The CapyCTL version of the server.")
+    server_address: Annotated[str, AfterValidator(_check_server_address)] = Field(
+        description="The server's bootstrap URL (https)."
+    )
+    redis_address: Annotated[str, AfterValidator(_check_redis_address)] = Field(
+        description="HOST:PORT of the server's Redis TLS port."
+    )
+    server_ca: Annotated[str, AfterValidator(_check_certificate)] = Field(
+        description="The server's certificate authority (PEM): the only one the host trusts."
+    )
+    invitation_id: Annotated[str, AfterValidator(_check_hex)]
+    invitation_secret: Annotated[str, AfterValidator(_check_hex)] = Field(repr=False)
+    host_name: Annotated[str, AfterValidator(_check_host_name)]
+    expires_unix: int = Field(description="When the invitation expires, in unix seconds.")
+    recover_host_id: Annotated[str | None, AfterValidator(_check_host_id)] = Field(
+        default=None,
+        description="The id of a host this invitation replaces the certificate of, if any.",
+    )
+
+    @model_validator(mode="after")
+    def _id_is_the_secrets(self) -> Self:
+        if invitation_id(self.invitation_secret) != self.invitation_id:
+            raise ValueError("invitation_id is not the SHA-256 of invitation_secret")
+        return self
+
+
+def write(path: Path, join: JoinFile) -> None:
+    """Write `join` to `path`, owner-only, through a rename (never half a file)."""
+    write_atomic(path, join.model_dump_json(indent=2) + "\n", mode=0o600)
+
+
+def read(path: Path) -> JoinFile:
+    """Read and check the join file at `path`; anything wrong refuses, naming the field."""
+    again = (
+        "copy the join file again as the server wrote it, or make a new one with "
+        "`capyctl invite host NAME` on the server"
+    )
+    try:
+        info = path.stat()
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CredentialsUnusable(
+            f"{path} does not exist; give the join file `capyctl invite host NAME` wrote on "
+            "the server"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise CredentialsUnusable(f"cannot read {path}: {reason}; {again}") from None
+    mode = info.st_mode & 0o777
+    if mode & 0o077:
+        raise CredentialsUnusable(
+            f"{path} is readable or writable by group or others (mode {mode:04o}) and holds "
+            f"an invitation secret; run `chmod 600 {path}`"
+        )
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CredentialsUnusable(
+            f"{path} is not JSON (line {exc.lineno}: {exc.msg}); {again}"
+        ) from None
+    if not isinstance(data, dict):
+        raise CredentialsUnusable(f"{path} is not a JSON object; {again}")
+    try:
+        return JoinFile.model_validate(data)
+    except ValidationError as exc:
+        raise CredentialsUnusable(f"{path}: {_first_problem(exc)}; {again}") from None
+
+
+def expired(join: JoinFile, now: datetime) -> bool:
+    """Whether the invitation has expired at `now` (an aware datetime)."""
+    if now.tzinfo is None:
+        raise ValueError("now must be an aware datetime")
+    return now.timestamp() >= join.expires_unix
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """The first of pydantic's errors in plain words, naming the field (and never echoing
+    the secret's value)."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    field = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "missing":
+        return f"field {field} is missing"
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    return f"field {field}: {message}" if field else message
