@@ -256,6 +256,15 @@ def start_role(
     env = env if env is not None else clean_env()
     if "--engine-ports" not in extra and "CAPYCTL_ENGINE_PORTS" not in env:
         env = {**env, "CAPYCTL_ENGINE_PORTS": engine_ports()}
+    if role == "server" and "--enrollment-control-bind" not in extra:
+        # Where joined hosts reach the server: free ports too, so servers run side by side.
+        extra = (
+            "--enrollment-control-bind",
+            f"127.0.0.1:{free_port()}",
+            "--enrollment-bootstrap-bind",
+            f"127.0.0.1:{free_port()}",
+            *extra,
+        )
     if role != "server" and "--host-name" not in extra and "CAPYCTL_HOST_NAME" not in env:
         # The tests know the host as `local`; a role is named after the machine otherwise.
         extra = ("--host-name", "local", *extra)

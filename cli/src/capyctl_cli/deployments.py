@@ -250,7 +250,18 @@ def render_engines(rows: list[EngineRow]) -> str:
 
 def render_hosts(rows: list[HostRow]) -> str:
     return output.table(
-        ["NAME", "STATE", "MEMORY (CHARGED / LIMIT)"], [[r.name, r.state, _memory(r)] for r in rows]
+        ["NAME", "STATE", "VERSION", "GPUS", "MEMORY (CHARGED / LIMIT)", "ENGINES"],
+        [
+            [
+                r.name,
+                r.state,
+                r.version or "-",
+                ", ".join(f"{g.name} {_size(g.used)}/{_size(g.total)}" for g in r.gpus) or "-",
+                _memory(r),
+                ", ".join(r.engines) or "-",
+            ]
+            for r in rows
+        ],
     )
 
 
@@ -269,7 +280,7 @@ list_command(
 list_command("engines", "The engines each host has published.", Management.engines, render_engines)
 list_command(
     "hosts",
-    "Each host: its state and its memory domains (charged / managed limit).",
+    "Each host: its state, version, GPUs, memory domains (charged / managed limit), engines.",
     Management.hosts,
     render_hosts,
 )

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import fcntl
 import logging
+import math
 import os
 import select
 import shutil
@@ -25,10 +26,18 @@ from typing import IO
 
 import redis
 
-from capycommon.errors import CapyError, Internal, StateCorrupt, StateDirInUse, ToolchainMissing
+from capycommon.errors import (
+    CapyError,
+    HostRevoked,
+    Internal,
+    StateCorrupt,
+    StateDirInUse,
+    ToolchainMissing,
+)
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
+from capycommon.redistarget import RedisTarget, control_target, target_for
 from capycommon.service import bind
-from capycommon.settings import HostSettings, Role, host_name, setting_specs
+from capycommon.settings import HostSettings, Role, ServerSettings, host_name, setting_specs
 from capycommon.state import persistence
 from capycommon.units import format_size
 from capycommon.version import __version__
@@ -115,11 +124,14 @@ def programs(role: Role, prepared: Prepared) -> list[supervisor.Program]:
                     "redis-server is not installed; run `sudo apt-get install -y redis-server` "
                     "(or scripts/setup as root)"
                 )
-            write_atomic(prepared.paths.redis_conf, redisconf.render(prepared.paths))
+            conf = redisconf.render(prepared.paths, prepared.control)
+            write_atomic(prepared.paths.redis_conf, conf)
             argv = [server, str(prepared.paths.redis_conf)]
             result.append(supervisor.Program("redis", argv, 10, 10, REDIS_START_RETRIES))
         else:
-            result.append(supervisor.Program(name, service_command(name, role, prepared), 20, 8))
+            final = (HostRevoked("").exit_code,) if role == "host" else ()
+            argv = service_command(name, role, prepared)
+            result.append(supervisor.Program(name, argv, 20, 8, final_exits=final))
     return result
 
 
@@ -132,6 +144,8 @@ def check_listeners(prepared: Prepared) -> list[str]:
         settings.server.listeners.inference.bind,
         settings.server.listeners.management.bind,
     ]
+    if isinstance(settings, ServerSettings):
+        addresses += [settings.enrollment.control_bind, settings.enrollment.bootstrap_bind]
     for address in addresses:
         bind(address).close()
     return addresses
@@ -169,7 +183,11 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
     log.info(
         "%s role running", role, extra={"state_dir": str(paths.root), "supervisord_pid": proc.pid}
     )
-    watch = RedisWatch(paths) if "redis" in PROCESSES[role] else None
+    watch: RedisWatch | RevocationWatch | None = None
+    if "redis" in PROCESSES[role]:
+        watch = RedisWatch(paths, role == "server")
+    elif role == "host":
+        watch = RevocationWatch(paths)
     wake = Wake()
     signal.set_wakeup_fd(wake.writer, warn_on_full_buffer=False)  # a signal wakes the wait
     waiter = threading.Thread(target=_wake_on_exit, args=(proc, wake), daemon=True)
@@ -216,7 +234,7 @@ class Wake:
         poller = select.poll()
         for fd in [self.reader, *fds]:
             poller.register(fd, select.POLLIN)
-        poller.poll(None if timeout is None else timeout * 1000)
+        poller.poll(None if timeout is None or math.isinf(timeout) else timeout * 1000)
         with contextlib.suppress(BlockingIOError):
             while os.read(self.reader, 512):
                 pass
@@ -245,6 +263,41 @@ def _relay(source: IO[bytes], out: IO[str]) -> None:
             out.flush()
 
 
+class RevocationWatch:
+    """Notices a host service finding the host revoked: it leaves `run/host-revoked` and
+    exits 14, which supervisord does not restart; the launcher then stops the role with 14.
+    inotify on the run folder wakes it when the file appears."""
+
+    def __init__(self, paths: StatePaths) -> None:
+        self.paths = paths
+        paths.host_revoked.unlink(missing_ok=True)
+        self._watch = _inotify({paths.run_dir})
+
+    def fds(self) -> list[int]:
+        return [] if self._watch is None else [self._watch]
+
+    def due(self) -> float:
+        """When to look again without being woken: at once never, unless inotify is
+        missing (then every REDIS_CHECK_S)."""
+        return math.inf if self._watch is not None else time.monotonic() + REDIS_CHECK_S
+
+    def report_refusal(self) -> None:
+        """Nothing to report: a host has no Redis of its own."""
+
+    def failure(self) -> CapyError | None:
+        if self._watch is not None:
+            _drain(self._watch)
+        try:
+            said = self.paths.host_revoked.read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+        return HostRevoked(said or "the server revoked this host")
+
+    def close(self) -> None:
+        if self._watch is not None:
+            os.close(self._watch)
+
+
 class RedisWatch:
     """Notices the role's redis-server giving up (it exited at once REDIS_START_RETRIES times
     in a row) and says why from its log, with the fix when its data is damaged; and says when
@@ -253,14 +306,15 @@ class RedisWatch:
     While a redis-server runs, a pidfd on it tells the moment it exits; supervisord is asked
     about Redis only until one runs and after it exited (every REDIS_CHECK_S)."""
 
-    def __init__(self, paths: StatePaths) -> None:
+    def __init__(self, paths: StatePaths, server: bool = False) -> None:
         self.paths = paths
         self._next = 0.0
         self._next_refusal = 0.0
         self._refusal: str | None = None
         self._pidfd: int | None = None
+        target = control_target(paths) if server else RedisTarget(paths.redis_url)
         self._client = redis.Redis.from_url(
-            paths.redis_url, socket_timeout=2, socket_connect_timeout=2
+            target.url, socket_timeout=2, socket_connect_timeout=2, **target.client_options()
         )
 
     def close(self) -> None:
@@ -395,7 +449,7 @@ def _write_record(role: Role, prepared: Prepared, supervisord_pid: int) -> None:
             state_dir=str(prepared.paths.root),
             document=str(prepared.loaded.document) if prepared.loaded.document else None,
             processes=list(PROCESSES[role]),
-            redis_url=settings.redis.url or prepared.paths.redis_url,
+            redis_url=target_for(settings, prepared.paths).url,
             host=host_name(settings),
             listeners=listeners,
         ),

@@ -16,7 +16,7 @@ from capycommon.settings import Role, redacted
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.version import __version__
 from capyctl_cli import demo as demo_cmd
-from capyctl_cli import deployments, engines, launcher, output, roles
+from capyctl_cli import deployments, engines, hosts, launcher, output, roles
 from capyctl_cli import status as status_cmd
 from capyctl_cli.options import (
     ConfigOpt,
@@ -58,6 +58,10 @@ deployments.verb_command(
 status_app = typer.Typer(help="Show the running role, or one deployment.")
 app.add_typer(status_app, name="status")
 status_app.command("deployment")(expected_errors(deployments.status_deployment))
+status_app.command("host")(expected_errors(hosts.status_host))
+app.add_typer(hosts.invite_app, name="invite")
+app.add_typer(hosts.join_app, name="join")
+app.add_typer(hosts.revoke_app, name="revoke")
 
 
 def _version(value: bool) -> None:

@@ -81,6 +81,12 @@ class Management:
     def drain(self, host: str) -> wire.DrainAnswer:
         return self._post(f"/hosts/{host}/drain", wire.DrainRequest(), wire.DrainAnswer)
 
+    def invite(self, request: wire.InvitationRequest) -> wire.InvitationAnswer:
+        return self._post("/host-invitations", request, wire.InvitationAnswer)
+
+    def revoke(self, host: str) -> wire.RevokeAnswer:
+        return self._post(f"/hosts/{host}/revoke", wire.RevokeRequest(), wire.RevokeAnswer)
+
     def status(self, name: str) -> wire.DeploymentStatus:
         return self._get(f"/deployments/{name}", wire.DeploymentStatus)
 

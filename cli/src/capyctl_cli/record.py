@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import redis
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from capycommon.paths import StatePaths, write_atomic
+from capycommon.redistarget import RedisTarget, control_target, joined_target
 
 
 class RoleRecord(BaseModel):
@@ -42,10 +44,26 @@ def read(paths: StatePaths) -> RoleRecord | None:
 @contextmanager
 def redis_of(record: RoleRecord, timeout: float = 5.0) -> Iterator[redis.Redis]:
     """A client of the role's Redis, closed on exit."""
+    target = target_of(record)
     client = redis.Redis.from_url(
-        record.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+        target.url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        **target.client_options(),
     )
     try:
         yield client
     finally:
         client.close()
+
+
+def target_of(record: RoleRecord) -> RedisTarget:
+    """As whom the CLI talks to a running role's Redis: as the role's own services do."""
+    paths = StatePaths(Path(record.state_dir))
+    if record.role == "server" and record.redis_url == paths.redis_url:
+        return control_target(paths)
+    if record.role == "host" and paths.joined.exists():
+        target = joined_target(paths)
+        if target.url == record.redis_url:
+            return target
+    return RedisTarget(record.redis_url)

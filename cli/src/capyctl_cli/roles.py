@@ -8,12 +8,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from capycommon import credentials
+from capycommon import credentials, joined
 from capycommon.credentials import Credentials
 from capycommon.errors import HostNameChanged, InvalidConfig, ToolchainMissing
 from capycommon.paths import StatePaths, check_socket_path, ensure_private_dir, write_atomic
+from capycommon.redistarget import joined_target
 from capycommon.settings import HostSettings, Role, ServerSettings, template
 from capycommon.settingsources import LoadedSettings, load_settings, locate_document
+from capyctl_cli import serveridentity
+from capyctl_cli.redisconf import ControlPort
 
 SERVICES = ("router", "scheduler", "hostd", "memwatch")
 
@@ -30,6 +33,8 @@ class Prepared:
     paths: StatePaths
     loaded: LoadedSettings
     credentials: Credentials | None
+    # A server's TLS port for joined hosts.
+    control: ControlPort | None = None
 
 
 def prepare(
@@ -51,17 +56,38 @@ def prepare(
     loaded = load_settings(role, document=document, env=env, flags=flags)
     if isinstance(loaded.settings, HostSettings):
         if loaded.settings.redis.url is None:
-            raise InvalidConfig(
-                "the host role needs the server's Redis: set redis.url in the host document "
-                "or CAPYCTL_REDIS_URL"
-            )
+            # A joined host is the host it joined as, unless a name was given on purpose.
+            found = joined.read(paths)
+            named = next(row for row in loaded.rows if row.path == "host.name")
+            if found is not None and named.source == "default":
+                flags = {**flags, "--host-name": found.host_name}
+                loaded = load_settings(role, document=document, env=env, flags=flags)
         keep_host_name(paths, loaded)
+        if isinstance(loaded.settings, HostSettings) and loaded.settings.redis.url is None:
+            check_joined(paths, loaded.settings)
         return Prepared(paths, loaded, None)
     check_socket_path(paths.redis_socket)
     check_socket_path(paths.supervisor_socket)
-    if not isinstance(loaded.settings, ServerSettings):
+    control = None
+    if isinstance(loaded.settings, ServerSettings):
+        control = serveridentity.prepare(paths, loaded.settings)
+    else:
         keep_host_name(paths, loaded)
-    return Prepared(paths, loaded, credentials.ensure(paths.credentials))
+    return Prepared(paths, loaded, credentials.ensure(paths.credentials), control)
+
+
+def check_joined(paths: StatePaths, settings: HostSettings) -> None:
+    """A host without `redis.url` must have joined a server, under the name it starts with."""
+    target = joined_target(paths)  # refuses a host that never joined, naming the fix
+    found = joined.read(paths)
+    assert found is not None
+    assert target.tls is not None
+    if found.host_name != settings.host.name:
+        raise HostNameChanged(
+            f"this state dir joined the server as host {found.host_name!r} "
+            f"({paths.joined}), but this start is host {settings.host.name!r}; start it "
+            f"as {found.host_name} (--host-name {found.host_name})"
+        )
 
 
 def keep_host_name(paths: StatePaths, loaded: LoadedSettings) -> None:

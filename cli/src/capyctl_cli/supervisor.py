@@ -26,6 +26,16 @@ class Program:
     # Quick exits in a row before supervisord gives the program up (FATAL). Services keep
     # trying while Redis is away; Redis itself gives up, so the launcher can say why.
     startretries: int = 1000
+    # Exit codes after which the program stays down (a revoked host's services exit 14).
+    final_exits: tuple[int, ...] = ()
+
+
+def _restart(program: Program) -> str:
+    if not program.final_exits:
+        return "autorestart=true"
+    # supervisord restarts on the codes not listed when told `unexpected`.
+    listed = ",".join(str(code) for code in program.final_exits)
+    return f"autorestart=unexpected\nexitcodes={listed}"
 
 
 def _escape(value: str) -> str:
@@ -64,7 +74,7 @@ serverurl=unix://{_escape(str(paths.supervisor_socket))}
 command={_escape(command)}
 priority={program.priority}
 autostart=true
-autorestart=true
+{_restart(program)}
 startsecs=1
 startretries={program.startretries}
 stopsignal=TERM

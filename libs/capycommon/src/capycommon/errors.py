@@ -293,6 +293,40 @@ class CertificateRequestRefused(InvalidRequest):
     the invitation's, or a weak key."""
 
 
+# Hosts joining a server ----------------------------------------------------------------
+
+
+class InvitationRefused(CapyError):
+    """A join the server will not take: an unknown, used or expired invitation, or another
+    host name than the invitation's."""
+
+    code = "invitation_refused"
+
+
+class HostRevoked(CapyError):
+    """The server revoked this host: its Redis user is gone and its certificate refused."""
+
+    code = "host_revoked"
+
+
+class IdentityConflict(CapyError):
+    """A name already held by a joined host: a name never replaces an identity."""
+
+    code = "identity_conflict"
+
+
+class HostNotRevoked(CapyError):
+    """A recovery for a host that was never revoked."""
+
+    code = "host_not_revoked"
+
+
+class HostVersionIncompatible(CapyError):
+    """A host and a server whose versions cannot talk."""
+
+    code = "host_version_incompatible"
+
+
 # Every code CapyCTL raises or records: (CLI exit code, HTTP status). A code carrying a
 # suffix (`engine_env_reserved:<name>`) maps by its stem. docs/errors.md lists this table, and
 # a test holds the two (and the codes raised in the source) together.
@@ -314,6 +348,7 @@ CODES: dict[str, tuple[int, int]] = {
     # 3: the caller is not who it must be.
     "unauthenticated": (3, 401),
     "certificate_invalid": (3, 401),
+    "invitation_refused": (3, 403),
     # 4: no room, or no way to know there is room.
     "insufficient_resources": (4, 503),
     "device_unobserved": (4, 503),
@@ -323,6 +358,7 @@ CODES: dict[str, tuple[int, int]] = {
     "capability_missing": (5, 409),
     "host_backed_unavailable": (5, 400),
     "multi_gpu_unsupported": (5, 400),
+    "host_version_incompatible": (5, 409),
     # This release downloads no models: the document must name a local folder instead.
     "model_source_pending": (5, 409),
     # 10: something did not happen in time.
@@ -344,6 +380,8 @@ CODES: dict[str, tuple[int, int]] = {
     "agent_unreachable": (22, 503),
     "engine_unreachable": (22, 503),
     "redis_unreachable": (22, 503),
+    # 14: a host the server revoked; its units do not restart it.
+    "host_revoked": (14, 403),
     "profile_not_published": (24, 409),
     "toolchain_missing": (26, 500),
     "role_not_running": (27, 503),
@@ -353,6 +391,8 @@ CODES: dict[str, tuple[int, int]] = {
     "lifecycle_conflict": (29, 409),
     "revision_conflict": (29, 409),
     "idempotency_conflict": (29, 409),
+    "identity_conflict": (29, 409),
+    "host_not_revoked": (29, 409),
     "deployment_stopped": (29, 409),
     "deployment_inactive": (29, 409),
 }

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     JsonValue,
     SerializerFunctionWrapHandler,
     model_serializer,
@@ -68,6 +69,20 @@ class ActionRequest(Request):
 
 class DrainRequest(Request):
     """POST /hosts/{host}/drain: nothing to say."""
+
+
+class InvitationRequest(Request):
+    """POST /host-invitations: invite a host to join (a server only)."""
+
+    host_name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    # Seconds the invitation may wait; none: the server's enrollment.invitation_ttl.
+    lifetime_seconds: int | None = Field(default=None, ge=1, le=3600)
+    # Give a revoked host back its id with a new certificate.
+    recover: bool = False
+
+
+class RevokeRequest(Request):
+    """POST /hosts/{host}/revoke: nothing to say."""
 
 
 # Errors.
@@ -313,10 +328,32 @@ class HostDomain(Answer):
 
 class HostRow(Answer):
     name: str
-    # ready, unobserved (alive, no memory reading yet) or down.
+    # ready, unobserved (alive, no memory reading yet) or down; a joined host also revoked.
     state: str
     gpus: list[HostGpu]
     domains: list[HostDomain]
+    # A host that joined the server (none of these for a standalone role's own host).
+    joined: bool = False
+    host_id: str | None = None
+    version: str | None = None
+    connected: bool = False
+    last_heartbeat: float | None = None
+    engines: list[str] = []
+    revoked: bool = False
+    certificate_expires: float | None = None
+
+
+class InvitationAnswer(Versioned):
+    """A join file's content: the host's operator gives it to `capyctl join host`."""
+
+    join: JsonObject
+
+
+class RevokeAnswer(Versioned):
+    host_id: str
+    name: str
+    revoked: bool
+    newly_revoked: bool
 
 
 class HostList(Versioned):

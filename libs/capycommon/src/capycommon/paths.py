@@ -57,6 +57,49 @@ class StatePaths:
         """The host's name, kept from the state dir's first start."""
         return self.identity_dir / "host-name"
 
+    # The server's certificate authority and its own certificate (the Redis TLS port and the
+    # bootstrap listener present it), and the password of the control plane's Redis user.
+
+    @property
+    def authority_dir(self) -> Path:
+        return self.identity_dir / "ca"
+
+    @property
+    def server_certificate(self) -> Path:
+        return self.identity_dir / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.identity_dir / "server.key"
+
+    @property
+    def redis_password(self) -> Path:
+        """The password of the server's `capyctl` Redis user (the router and the scheduler)."""
+        return self.identity_dir / "redis-password"
+
+    @property
+    def redis_users(self) -> Path:
+        """The server Redis's ACL file: its users, one per joined host besides its own."""
+        return self.redis_dir / "users.acl"
+
+    # What a host keeps once it joined a server.
+
+    @property
+    def host_certificate(self) -> Path:
+        """The host's certificate and its private key, in one file: a renewal replaces both
+        with one rename."""
+        return self.identity_dir / "host.pem"
+
+    @property
+    def joined_authority(self) -> Path:
+        """The CA of the server this host joined (from its join file)."""
+        return self.identity_dir / "server-ca.pem"
+
+    @property
+    def joined(self) -> Path:
+        """The host's enrollment: its id, the server's addresses and its Redis credentials."""
+        return self.identity_dir / "joined.json"
+
     @property
     def run_dir(self) -> Path:
         return self.root / "run"
@@ -64,6 +107,12 @@ class StatePaths:
     @property
     def role_lock(self) -> Path:
         return self.run_dir / "role.lock"
+
+    @property
+    def host_revoked(self) -> Path:
+        """Left by a host service that found the host revoked, for the launcher to stop the
+        role with code 14 (supervisord does not restart a service that exits 14)."""
+        return self.run_dir / "host-revoked"
 
     @property
     def role_record(self) -> Path:

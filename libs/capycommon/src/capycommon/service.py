@@ -22,24 +22,33 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import uvicorn
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capycommon import logs
-from capycommon.errors import CapyError, RedisUnreachable, ServicePortInUse
+from capycommon.enrollment import incompatibility
+from capycommon.errors import (
+    CapyError,
+    CredentialsUnusable,
+    HostRevoked,
+    HostVersionIncompatible,
+    RedisUnreachable,
+    ServicePortInUse,
+)
 from capycommon.httpguard import disconnects_quiet, guarded_protocol
-from capycommon.paths import StatePaths, resolve_state_dir
+from capycommon.paths import StatePaths, resolve_state_dir, write_atomic
+from capycommon.redistarget import RedisTarget, target_for
 from capycommon.settings import (
     ROLES,
     AnySettings,
     ConnectionLimits,
     Role,
     host_name,
-    redis_url,
 )
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.settingvalues import split_address
-from capycommon.state import heartbeats, pipe
+from capycommon.state import heartbeats, identities, pipe
 from capycommon.state.heartbeats import Heartbeat
 from capycommon.state.pipe import ClosingPool, ReplyParser
 from capycommon.version import __version__
@@ -157,6 +166,9 @@ def run(name: str, body: Body | None, argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_serve(name, args.role, settings, paths, document, body))
     except CapyError as exc:
         log.error("error [%s]: %s", exc.code, exc.message)
+        if isinstance(exc, HostRevoked):
+            with suppress(OSError):
+                write_atomic(paths.host_revoked, exc.message + "\n")
         return exc.exit_code
 
 
@@ -172,26 +184,32 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    url = redis_url(settings, paths.redis_url)
-    client = redis_client(url)
+    target = target_for(settings, paths)
+    client = redis_client(target)
     try:
-        await _reach_redis(client, url, settings.redis.unreachable_after, stop)
+        await _reach_redis(client, target, settings.redis.unreachable_after, stop)
         if stop.is_set():
             return 0
+        if joined_host(role, settings):
+            await _check_server_version(client)
         host = host_name(settings)
         ctx = ServiceContext(name, role, settings, paths, document, host, client, stop)
-        log.info("started", extra={"pid": os.getpid(), "version": __version__, "redis": url})
+        extra = {"pid": os.getpid(), "version": __version__, "redis": target.described}
+        log.info("started", extra=extra)
         return await _supervise(ctx, body)
     finally:
         await client.aclose()
 
 
-def redis_client(url: str, connections: int = REDIS_CONNECTIONS) -> aioredis.Redis:
+def redis_client(target: RedisTarget | str, connections: int = REDIS_CONNECTIONS) -> aioredis.Redis:
     """A client on at most `connections` connections: a command finding them all in use
     waits for one (up to REDIS_WAIT_S), so a service's Redis use never grows with its load,
     such as the router's requests."""
+    if isinstance(target, str):
+        target = RedisTarget(target)
     pool = ClosingPool.from_url(
-        url,
+        target.url,
+        **target.client_options(),
         max_connections=connections,
         timeout=REDIS_WAIT_S,
         socket_connect_timeout=2,
@@ -203,21 +221,51 @@ def redis_client(url: str, connections: int = REDIS_CONNECTIONS) -> aioredis.Red
 
 
 async def _reach_redis(
-    client: aioredis.Redis, url: str, patience: float, stop: asyncio.Event
+    client: aioredis.Redis, target: RedisTarget, patience: float, stop: asyncio.Event
 ) -> None:
     deadline = time.monotonic() + patience
     while True:
         try:
             await client.ping()
             return
+        except AuthenticationError:
+            if target.tls is not None:  # a joined host, whose user the server removed
+                raise revoked(None) from None
+            raise CredentialsUnusable(
+                f"Redis at {target.described} refused this role's credentials; check "
+                "redis.url's user and password"
+            ) from None
         except REDIS_ERRORS as exc:
             if time.monotonic() >= deadline:
                 raise RedisUnreachable(
-                    f"cannot reach Redis at {url} after {patience:g} s ({exc}); "
+                    f"cannot reach Redis at {target.described} after {patience:g} s ({exc}); "
                     "is the role's redis-server running?"
                 ) from None
         if await wait_event(stop, 0.25):
             return
+
+
+async def _check_server_version(client: aioredis.Redis) -> None:
+    """A joined host refuses to run beside a server of a release line it cannot talk to."""
+    server = await identities.server_version(client)
+    reason = None if server is None else incompatibility(server, __version__)
+    if reason is not None:
+        raise HostVersionIncompatible(reason)
+
+
+def joined_host(role: Role, settings: AnySettings) -> bool:
+    """Whether this is a host that joined a server (not one given a redis.url)."""
+    return role == "host" and settings.redis.url is None
+
+
+def revoked(host: str | None) -> HostRevoked:
+    name = host or "NAME"
+    return HostRevoked(
+        f"the server refused this host's Redis credentials: host {name} was revoked "
+        "(capyctl revoke host). Its engines keep running. To bring it back: on the server "
+        f"`capyctl invite host {name} --recover`, then here `capyctl join host --join-file "
+        "FILE --recover`"
+    )
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -296,6 +344,13 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
             await heartbeats.beat(ctx.redis, ctx.host or "", beat)
             REDIS_OUTAGE.wrote()
             lost_since = None
+        except AuthenticationError as exc:
+            if joined_host(ctx.role, ctx.settings):
+                raise revoked(ctx.host) from None
+            raise CredentialsUnusable(
+                f"Redis refused this service's credentials ({exc}); exiting so the supervisor "
+                "restarts it with the role's current ones"
+            ) from None
         except RedisCannotWrite as exc:
             REDIS_OUTAGE.failed(exc)  # reachable: a restart would not help
             lost_since = None
@@ -364,9 +419,11 @@ async def serve_http(
     stop: asyncio.Event,
     limits: ConnectionLimits = DEFAULT_LIMITS,
     listener: socket.socket | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> None:
     """Serve an ASGI app on `address` until `stop` is set, each connection held to `limits`;
-    on `listener` where one is given (bound by a parent that shares it among its workers)."""
+    on `listener` where one is given (bound by a parent that shares it among its workers);
+    over TLS with `tls` (a certificate file and its key file)."""
     sock = listener if listener is not None else bind(address)
     config = uvicorn.Config(
         disconnects_quiet(app),
@@ -377,6 +434,8 @@ async def serve_http(
         lifespan="off",
         # A stop waits this long for requests in flight, then closes their connections.
         timeout_graceful_shutdown=10,
+        ssl_certfile=None if tls is None else str(tls[0]),
+        ssl_keyfile=None if tls is None else str(tls[1]),
     )
     server = _Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from capycommon.settingnames import Setting, SettingSpec, specs_of
 from capycommon.settingvalues import (
+    DialAddress,
     HostName,
     IdleTimeout,
     Limit,
@@ -343,9 +344,54 @@ class StandaloneSettings(RoleSettings):
     host: HostSection = Field(default_factory=HostSection)
 
 
+class EnrollmentSection(Strict):
+    """How hosts join this server (the bootstrap listener, server TLS) and then reach its
+    Redis (its TLS port, mutual TLS with a certificate its authority signed)."""
+
+    control_bind: ListenAddress = Field(
+        "0.0.0.0:7445",
+        description="The server Redis's TLS port for joined hosts; only a client certificate "
+        "from this server's authority gets through.",
+        examples=["100.64.0.10:7445"],
+    )
+    bootstrap_bind: ListenAddress = Field(
+        "127.0.0.1:7444",
+        description="Where hosts join with an invitation (server TLS); set a LAN or tailnet "
+        "address for hosts on other machines.",
+        examples=["100.64.0.10:7444"],
+    )
+    control_address: DialAddress = Field(
+        None,
+        description="The HOST:PORT that hosts dial for the TLS port (none: control_bind, "
+        "unless it binds every interface).",
+        examples=["gpu-server.lan:7445"],
+    )
+    bootstrap_address: DialAddress = Field(
+        None,
+        description="The HOST:PORT that hosts join at (none: bootstrap_bind, unless it binds "
+        "every interface).",
+        examples=["gpu-server.lan:7444"],
+    )
+    invitation_ttl: Seconds = Field(
+        default=900.0,
+        ge=1,
+        le=3600,
+        description="Seconds an invitation may wait for its host to join.",
+        examples=["300"],
+    )
+    certificate_lifetime: Seconds = Field(
+        default=30 * 86400.0,
+        ge=10,
+        le=365 * 86400.0,
+        description="Seconds a host certificate is valid; hosts renew theirs after two thirds.",
+        examples=["604800"],
+    )
+
+
 class ServerSettings(RoleSettings):
     kind: Literal["server"] = "server"
     server: ServerSection = ServerSection()
+    enrollment: EnrollmentSection = EnrollmentSection()
 
 
 class HostSettings(RoleSettings):
@@ -369,7 +415,7 @@ def setting_specs(role: Role) -> dict[str, SettingSpec]:
 
 
 def all_setting_specs() -> dict[str, SettingSpec]:
-    """Every setting of any role (the standalone role has them all)."""
+    """Every setting of any role (the standalone role has all but the server's enrollment)."""
     found: dict[str, SettingSpec] = {}
     for role in ROLES:
         found.update(setting_specs(role))

@@ -46,6 +46,36 @@ def _check_address(value: str) -> str:
     return value
 
 
+def split_dial_address(value: str) -> tuple[str, int]:
+    """`gpu-server.lan:7445` -> ("gpu-server.lan", 7445): an address another machine dials,
+    a DNS name or an IP address (not a wildcard)."""
+    host, sep, port_text = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT (for example gpu-server.lan:7445)")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if not re.fullmatch(r"(?=.{1,253}$)([A-Za-z0-9-]{1,63}\.)*[A-Za-z0-9-]{1,63}", host):
+            raise ValueError(
+                f"{host!r} in {value!r} is neither an IP address nor a DNS name"
+            ) from None
+    else:
+        if ip.is_unspecified:
+            raise ValueError(
+                f"{value!r} names every interface; give an address hosts can dial, such as "
+                "the server's LAN address or DNS name"
+            )
+    return host, int(port_text)
+
+
+def _check_dial_address(value: str | None) -> str | None:
+    if value is not None:
+        split_dial_address(value)
+    return value
+
+
 def _check_loopback_address(value: str) -> str:
     host, _ = split_address(value)
     if not is_loopback(host):
@@ -133,6 +163,9 @@ LoopbackAddress = Annotated[str, AfterValidator(_check_loopback_address)]
 PortRange = Annotated[str, AfterValidator(_check_port_range)]
 IdleTimeout = Annotated[str, AfterValidator(_check_idle_timeout)]
 RedisUrl = Annotated[str | None, AfterValidator(_check_redis_url)]
+DialAddress = Annotated[
+    str | None, AfterValidator(_check_dial_address), Setting(metavar="HOST:PORT")
+]
 HostName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$"), Setting(metavar="NAME")]
 Seconds = Annotated[float, Setting(metavar="SECONDS")]
 Limit = Annotated[str | None, AfterValidator(_check_limit), Setting(metavar="SIZE|N%")]

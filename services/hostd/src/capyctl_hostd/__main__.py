@@ -10,13 +10,13 @@ from pathlib import Path
 from capycommon.engines import registry
 from capycommon.errors import CapyError
 from capycommon.paths import ensure_private_dir
-from capycommon.service import REDIS_ERRORS, ServiceContext, run, wait_event
+from capycommon.service import REDIS_ERRORS, ServiceContext, joined_host, run, wait_event
 from capycommon.settings import HostSettings, StandaloneSettings
 from capycommon.settingvalues import parse_port_range
 from capycommon.state import enginefacts, hostinfo
 from capycommon.state.hostinfo import HostInfo
 from capycommon.state.store import InstanceStore
-from capyctl_hostd import adopt, consumer, loads
+from capyctl_hostd import adopt, consumer, loads, renewal
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.ports import PortLeaser
 from capyctl_hostd.runner import HostPaths, Runner
@@ -89,12 +89,15 @@ async def serve(ctx: ServiceContext) -> None:
             log.warning("lost Redis while starting; trying again: %s", exc)
             if await wait_event(ctx.stop, 0.5):
                 return
-    await asyncio.gather(
+    work = [
         consumer.consume(runner, shelf, ctx.stop),
         adopt.watch(runner, ctx.stop),
         loads.publish(runner, ctx.stop),
         shelf.watch(ctx.stop),
-    )
+    ]
+    if joined_host(ctx.role, ctx.settings):
+        work.append(renewal.keep_certificate(ctx))
+    await asyncio.gather(*work)
 
 
 def main() -> None:

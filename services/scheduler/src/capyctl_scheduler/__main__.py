@@ -9,8 +9,10 @@ from capycommon import credentials
 from capycommon.service import ServiceContext, run, serve_http
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.settingvalues import idle_seconds
-from capycommon.state import hostinfo
+from capycommon.state import hostinfo, identities
+from capycommon.version import __version__
 from capyctl_scheduler.app import create_app
+from capyctl_scheduler.enroll import Enrollment, bootstrap_app
 from capyctl_scheduler.ledger import Limits
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.manage import Manager
@@ -45,11 +47,18 @@ async def serve(ctx: ServiceContext) -> None:
     scheduler = scheduler_for(ctx)
     for host in scheduler.observer.hosts:
         await hostinfo.join(ctx.redis, host)
-    app = create_app(credentials.load(ctx.paths.credentials), Manager(scheduler))
-    await asyncio.gather(
-        serve_http(app, ctx.settings.server.listeners.management.bind, ctx.stop),
-        scheduler.run(ctx.stop),
-    )
+    enrollment = None
+    work = [scheduler.run(ctx.stop)]
+    if isinstance(ctx.settings, ServerSettings):
+        enrollment = Enrollment(ctx.redis, ctx.paths, ctx.settings)
+        await identities.set_server_version(ctx.redis, __version__)
+        tls = (ctx.paths.server_certificate, ctx.paths.server_key)
+        bootstrap = ctx.settings.enrollment.bootstrap_bind
+        work.append(serve_http(bootstrap_app(enrollment), bootstrap, ctx.stop, tls=tls))
+        work.append(enrollment.watch_renewals(ctx.stop))
+    app = create_app(credentials.load(ctx.paths.credentials), Manager(scheduler), enrollment)
+    management = ctx.settings.server.listeners.management.bind
+    await asyncio.gather(serve_http(app, management, ctx.stop), *work)
 
 
 def main() -> None:

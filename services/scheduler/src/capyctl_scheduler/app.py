@@ -25,12 +25,14 @@ from capycommon.errors import (
     CapyError,
     IdempotencyConflict,
     InvalidRequest,
+    NotFound,
     RedisUnreachable,
     http_code_for,
 )
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE
 from capycommon.state.idempotency import Answers
 from capycommon.version import __version__
+from capyctl_scheduler.enroll import Enrollment
 from capyctl_scheduler.manage import Manager
 
 _SAFE_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
@@ -38,7 +40,13 @@ MAX_BODY = 1 << 20
 Answer = TypeVar("Answer", bound=wire.Versioned)
 Body = TypeVar("Body", bound=wire.Request)
 # The bodies the mutations read themselves (parsed strictly, before the Idempotency-Key).
-BODIES = (wire.DeployRequest, wire.ActionRequest, wire.DrainRequest)
+BODIES = (
+    wire.DeployRequest,
+    wire.ActionRequest,
+    wire.DrainRequest,
+    wire.InvitationRequest,
+    wire.RevokeRequest,
+)
 _FAILED: dict[str, Any] = {"model": wire.ErrorBody, "description": "what failed, and the fix"}
 
 
@@ -99,7 +107,9 @@ def _digest(request: Request, body: bytes) -> str:
     return hashlib.sha256(request.method.encode() + request.url.path.encode() + body).hexdigest()
 
 
-def create_app(credentials: Credentials, manager: Manager | None = None) -> FastAPI:
+def create_app(
+    credentials: Credentials, manager: Manager | None = None, enrollment: Enrollment | None = None
+) -> FastAPI:
     """The scheduler's management app. Only the admin token opens it."""
 
     # async: a sync dependency would cost a thread-pool hop on every request (bench/).
@@ -151,11 +161,11 @@ def create_app(credentials: Credentials, manager: Manager | None = None) -> Fast
         return wire.Health(status="ok", version=__version__)
 
     if manager is not None:
-        _routes(app, manager)
+        _routes(app, manager, enrollment)
     return app
 
 
-def _routes(app: FastAPI, manager: Manager) -> None:
+def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> None:
     idempotency = Idempotency(manager.scheduler.client)
 
     async def mutate(
@@ -229,7 +239,41 @@ def _routes(app: FastAPI, manager: Manager) -> None:
 
     @app.get(f"{wire.PREFIX}/hosts")
     async def hosts() -> wire.HostList:
-        return wire.HostList(hosts=await manager.hosts())
+        rows = await manager.hosts()
+        if enrollment is not None:
+            rows += await enrollment.rows({row.name for row in rows})
+        return wire.HostList(hosts=rows)
+
+    def joined_hosts() -> Enrollment:
+        if enrollment is None:
+            raise NotFound(
+                "hosts join a server role, not this one; start the server role "
+                "(capyctl start server) to invite hosts"
+            )
+        return enrollment
+
+    @app.post(
+        f"{wire.PREFIX}/host-invitations",
+        status_code=201,
+        openapi_extra=requestbody.openapi_body(wire.InvitationRequest),
+    )
+    async def invite(request: Request) -> wire.InvitationAnswer:
+        # No Idempotency-Key: each call is a new single-use secret, and a lost answer is
+        # simply asked for again.
+        body = await requestbody.read(request, MAX_BODY)
+        found = requestbody.validated(
+            wire.InvitationRequest, requestbody.parse_object(body or b"{}")
+        )
+        return await joined_hosts().invite(found)
+
+    @app.post(
+        f"{wire.PREFIX}/hosts/{{host}}/revoke",
+        openapi_extra=requestbody.openapi_body(wire.RevokeRequest, required=False),
+    )
+    async def revoke(host: str, request: Request) -> wire.RevokeAnswer:
+        body = await requestbody.read(request, MAX_BODY)
+        requestbody.validated(wire.RevokeRequest, requestbody.parse_object(body or b"{}"))
+        return await joined_hosts().revoke(host)
 
     @app.get(f"{wire.PREFIX}/engines")
     async def engines() -> wire.EngineList:

@@ -42,6 +42,12 @@ async def alive(client: aioredis.Redis, service: str, host: str) -> bool:
     return bool(await client.exists(keys.heartbeat(service, host)))
 
 
+async def aread(client: aioredis.Redis, service: str, host: str) -> Heartbeat | None:
+    """The live heartbeat of `service` on `host`, or None."""
+    raw = await client.get(keys.heartbeat(service, host))
+    return None if raw is None else Heartbeat.model_validate_json(raw)
+
+
 def read_all(client: redis.Redis, host: str | None, services: list[str]) -> dict[str, Heartbeat]:
     """The live heartbeats of `services` (host services need `host`)."""
     found: dict[str, Heartbeat] = {}

@@ -162,3 +162,37 @@ def place_owners() -> str:
     """Sorted set of the router workers that hold places, each scored with the time it
     expires unless refreshed (`capycommon.state.places`)."""
     return f"{PREFIX}:place-owners"
+
+
+# Joined hosts: the server's own records of them (never under a host's prefix, so no host
+# can write them), and the renewal exchange under each host's prefix.
+
+
+def server_version() -> str:
+    """The server's CapyCTL version: the one key outside their prefix that hosts may read."""
+    return f"{PREFIX}:server-version"
+
+
+def invitation(invitation_id: str) -> str:
+    """A pending invitation by its id (sha256 of its secret), expiring with it."""
+    return f"{PREFIX}:invitation:{invitation_id}"
+
+
+def host_identity(host: str) -> str:
+    """What the server knows of a joined host (`capycommon.state.identities.HostIdentity`)."""
+    return f"{PREFIX}:host-identity:{host}"
+
+
+def revoked_serials() -> str:
+    """The serials of every certificate revoked, kept for ever."""
+    return f"{PREFIX}:revoked-serials"
+
+
+def certificate_request(host: str) -> str:
+    """A host's request for a renewed certificate (its CSR), which the scheduler signs."""
+    return f"{host_prefix(host)}:certificate-request"
+
+
+def certificate(host: str) -> str:
+    """The host's renewed certificate, written by the scheduler for the host to take."""
+    return f"{host_prefix(host)}:certificate"

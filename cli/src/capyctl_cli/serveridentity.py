@@ -1,0 +1,57 @@
+"""A server's identity, made ready at each start: its certificate authority (made once), a
+fresh server certificate for the Redis TLS port and the bootstrap listener, the control
+plane's Redis password (made once), and the Redis ACL file."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from datetime import timedelta
+
+from capycommon import pki
+from capycommon.enrollment import WILDCARDS
+from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
+from capycommon.settings import ServerSettings
+from capycommon.settingvalues import split_address, split_dial_address
+from capycommon.state import acl
+from capyctl_cli.redisconf import ControlPort
+
+# The server certificate is issued anew at each start, for about 13 months (the most that
+# common TLS clients accept).
+SERVER_CERTIFICATE_LIFETIME = timedelta(days=397)
+
+
+def prepare(paths: StatePaths, settings: ServerSettings) -> ControlPort:
+    ensure_private_dir(paths.identity_dir)
+    authority = pki.Authority.ensure(paths.authority_dir, "CapyCTL server authority")
+    certificate, key = authority.issue_server(server_names(settings), SERVER_CERTIFICATE_LIFETIME)
+    write_atomic(paths.server_key, key.decode(), mode=0o600)
+    write_atomic(paths.server_certificate, certificate.decode(), mode=0o644)
+    password = ensure_secret(paths)
+    try:
+        kept = acl.host_lines(paths.redis_users.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        kept = []
+    write_atomic(paths.redis_users, acl.acl_file(password, kept), mode=0o600)
+    return ControlPort(settings.enrollment.control_bind, str(authority.folder / pki.CERT_FILE))
+
+
+def ensure_secret(paths: StatePaths) -> str:
+    if not paths.redis_password.exists():
+        write_atomic(paths.redis_password, secrets.token_urlsafe(32) + "\n", mode=0o600)
+    return paths.redis_password.read_text(encoding="utf-8").strip()
+
+
+def server_names(settings: ServerSettings) -> list[str]:
+    """Every name hosts may dial the server by: the enrollment addresses, the listeners'
+    own addresses, loopback and this machine's hostname."""
+    enrollment = settings.enrollment
+    names = ["127.0.0.1", "::1", "localhost", socket.gethostname()]
+    for bind in (enrollment.control_bind, enrollment.bootstrap_bind):
+        host, _ = split_address(bind)
+        if host not in WILDCARDS:
+            names.append(host)
+    for address in (enrollment.control_address, enrollment.bootstrap_address):
+        if address is not None:
+            names.append(split_dial_address(address)[0])
+    return list(dict.fromkeys(names))

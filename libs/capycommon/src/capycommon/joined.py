@@ -1,0 +1,66 @@
+"""What a host keeps once it joined a server: its id, where the server is, and its Redis
+user. `capyctl join host` writes it (owner-only) beside the host's key and certificate;
+`capyctl start host` reads it, so a joined host needs no `redis.url`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from capycommon.errors import CredentialsUnusable
+from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
+
+
+class Joined(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host_name: str
+    host_id: str
+    server_version: str
+    bootstrap_address: str
+    redis_address: str
+    redis_user: str
+    redis_password: str = Field(repr=False)
+    joined_at: float
+
+
+def write(paths: StatePaths, joined: Joined) -> None:
+    ensure_private_dir(paths.identity_dir)
+    write_atomic(paths.joined, joined.model_dump_json(indent=2), mode=0o600)
+
+
+def read(paths: StatePaths) -> Joined | None:
+    """The host's enrollment; None when it never joined. A file that cannot be trusted
+    refuses: it holds the host's Redis password."""
+    file = paths.joined
+    try:
+        info = file.stat()
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise CredentialsUnusable(
+            f"cannot read {file}: {reason}; join again with `capyctl join host --recover`"
+        ) from None
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise CredentialsUnusable(
+            f"{file} holds this host's Redis password but others may read it "
+            f"(mode {info.st_mode & 0o777:04o}, uid {info.st_uid}); run `chmod 600 {file}`"
+        )
+    try:
+        return Joined.model_validate(json.loads(text))
+    except (ValueError, ValidationError):
+        raise CredentialsUnusable(
+            f"{file} is damaged; join again: `capyctl invite host NAME --recover` on the "
+            "server, then `capyctl join host --join-file FILE --recover` here"
+        ) from None
+
+
+def files_present(paths: StatePaths) -> list[Path]:
+    """The identity files a joined host cannot connect without, that are missing."""
+    needed = (paths.host_certificate, paths.joined_authority)
+    return [path for path in needed if not path.exists()]

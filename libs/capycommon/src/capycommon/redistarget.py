@@ -1,0 +1,128 @@
+"""Which Redis a process of a role talks to, and as whom.
+
+- `redis.url`, when set, decides alone.
+- A standalone role's services use its private Redis on a unix socket as its default user.
+- A server's router and scheduler use its Redis on the unix socket too, but as the `capyctl`
+  user: its default user is off, since the TLS port that joined hosts use would otherwise let
+  any holder of a host certificate in as a user with every right.
+- A joined host's hostd and memwatch reach the server's Redis over mutual TLS, as the host's
+  own ACL user, with the certificate and password `capyctl join host` left in its state dir.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from capycommon import joined as joined_file
+from capycommon.errors import CredentialsUnusable, InvalidConfig
+from capycommon.paths import StatePaths
+from capycommon.settings import AnySettings, HostSettings, ServerSettings
+
+# The server's own Redis user: the router, the scheduler and the CLI on the server.
+CONTROL_USER = "capyctl"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A client certificate with its key in the same file, and the only authority the
+    server may present."""
+
+    certificate: Path
+    authority: Path
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    url: str
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: TlsFiles | None = None
+
+    @property
+    def described(self) -> str:
+        """The URL fit for a log line: user kept, password out."""
+        parts = urlsplit(self.url)
+        if parts.password is None:
+            return self.url if self.username is None else f"{self.url} (user {self.username})"
+        host = parts.netloc.rsplit("@", 1)[1]
+        return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+
+    def client_options(self) -> dict[str, Any]:
+        """What a redis-py client (or pool) needs besides the URL. Certificate files are read
+        at each new connection, so a renewed certificate is used without a restart."""
+        options: dict[str, Any] = {}
+        if self.username is not None:
+            options["username"] = self.username
+        if self.password is not None:
+            options["password"] = self.password
+        if self.tls is not None:
+            options.update(
+                ssl_certfile=str(self.tls.certificate),
+                ssl_ca_certs=str(self.tls.authority),
+                ssl_cert_reqs="required",
+                ssl_check_hostname=True,
+            )
+        return options
+
+
+def target_for(settings: AnySettings, paths: StatePaths) -> RedisTarget:
+    if settings.redis.url is not None:
+        return RedisTarget(settings.redis.url)
+    if isinstance(settings, ServerSettings):
+        return control_target(paths)
+    if isinstance(settings, HostSettings):
+        return joined_target(paths)
+    return RedisTarget(paths.redis_url)
+
+
+def control_target(paths: StatePaths) -> RedisTarget:
+    """The server's Redis, on its unix socket, as the control plane's user."""
+    return RedisTarget(paths.redis_url, CONTROL_USER, read_secret(paths.redis_password))
+
+
+def joined_target(paths: StatePaths) -> RedisTarget:
+    """The Redis of the server this host joined, over mutual TLS as the host's user."""
+    found = joined_file.read(paths)
+    if found is None:
+        raise InvalidConfig(
+            f"this host has not joined a server ({paths.joined} does not exist): on the server "
+            "run `capyctl invite host NAME --output NAME.join`, then here `capyctl join host "
+            "--join-file NAME.join`; or set redis.url to a Redis this host may use"
+        )
+    missing = joined_file.files_present(paths)
+    if missing:
+        names = ", ".join(str(path) for path in missing)
+        raise CredentialsUnusable(
+            f"this host joined a server but {names} is missing; join again: "
+            "`capyctl invite host NAME --recover` on the server, then "
+            "`capyctl join host --join-file FILE --recover` here"
+        )
+    files = TlsFiles(paths.host_certificate, paths.joined_authority)
+    return RedisTarget(
+        f"rediss://{found.redis_address}", found.redis_user, found.redis_password, files
+    )
+
+
+def read_secret(path: Path) -> str:
+    """A one-line secret kept owner-only in the state dir."""
+    try:
+        info = path.stat()
+        value = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise CredentialsUnusable(
+            f"{path} does not exist; start the server role once to create it"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise CredentialsUnusable(f"cannot read {path}: {reason}") from None
+    if info.st_mode & 0o077:
+        raise CredentialsUnusable(
+            f"{path} is readable by group or others (mode {info.st_mode & 0o777:04o}); "
+            f"run `chmod 600 {path}`"
+        )
+    if not value:
+        raise CredentialsUnusable(f"{path} is empty; delete it and start the server again")
+    return value

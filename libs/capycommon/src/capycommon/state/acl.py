@@ -1,0 +1,142 @@
+"""The server Redis's users: the control plane's own, and one per joined host limited to
+its host's prefix.
+
+A host's hostd and memwatch write only under `capyctl:host:<name>:`, read their command
+stream there, and announce on their own channels; the one key they read outside it is the
+server's version. So a host's user may touch exactly that prefix, read that one key, and
+run only the commands hostd and memwatch send. Nothing else: no other host's keys, no
+desired state, no key names of others (no SCAN, KEYS, RANDOMKEY), no server commands (no
+CONFIG, ACL, CLIENT LIST, MONITOR, FLUSHALL), no SCRIPT FLUSH or FUNCTION.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from capycommon.state import keys
+
+CONTROL_USER = "capyctl"
+HOST_USER_PREFIX = "host-"
+
+# Exactly what hostd and memwatch send. (redis-py also sends CLIENT SETINFO on connect,
+# which Redis 7.0 does not have; it ignores the refusal either way.)
+HOST_COMMANDS = (
+    "ping",
+    "auth",
+    "hello",
+    "client|setname",
+    "get",
+    "set",
+    "del",
+    "unlink",
+    "exists",
+    "expire",
+    "pexpire",
+    "mget",
+    "hset",
+    "hget",
+    "hgetall",
+    "hdel",
+    "hincrby",
+    "sadd",
+    "srem",
+    "smembers",
+    "rpush",
+    "lrange",
+    "ltrim",
+    "xadd",
+    "xread",
+    "xreadgroup",
+    "xack",
+    "xgroup|create",
+    "xautoclaim",
+    "xrange",
+    "xrevrange",
+    "xtrim",
+    "xlen",
+    "publish",
+    "subscribe",
+    "unsubscribe",
+    "evalsha",
+    "eval",
+    "script|load",
+    "script|exists",
+    "multi",
+    "exec",
+    "discard",
+    "watch",
+    "unwatch",
+    "time",
+)
+
+
+def host_user(host: str) -> str:
+    return f"{HOST_USER_PREFIX}{host}"
+
+
+def password_hash(password: str) -> str:
+    """How an ACL file keeps a password: `#` and its SHA-256, never the password."""
+    return "#" + hashlib.sha256(password.encode()).hexdigest()
+
+
+def host_rules(host: str, password: str) -> list[str]:
+    """The ACL SETUSER rules of a host's user, from nothing (`reset`)."""
+    prefix = keys.host_prefix(host)
+    return [
+        "reset",
+        "on",
+        f">{password}",
+        f"~{prefix}:*",
+        f"%R~{keys.server_version()}",
+        f"&{prefix}:*",
+        "-@all",
+        *(f"+{command}" for command in HOST_COMMANDS),
+    ]
+
+
+def acl_file(control_password: str, kept_lines: list[str]) -> str:
+    """The server Redis's ACL file: its default user off (a TLS client that never logs in
+    can do nothing), the control plane's user with every right, and the host users kept
+    from the file as Redis last saved it."""
+    lines = [
+        "user default off resetpass resetchannels -@all",
+        f"user {CONTROL_USER} on {password_hash(control_password)} ~* &* +@all",
+        *kept_lines,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def host_lines(text: str) -> list[str]:
+    """The host users' lines of an ACL file Redis saved."""
+    return [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip().startswith(f"user {HOST_USER_PREFIX}")
+    ]
+
+
+async def set_host_user(client: aioredis.Redis, host: str, password: str) -> None:
+    """Make (or remake) a host's user, and save the ACL file so a restart keeps it."""
+    await _command(client, "ACL", "SETUSER", host_user(host), *host_rules(host, password))
+    await _command(client, "ACL", "SAVE")
+
+
+async def remove_host_user(client: aioredis.Redis, host: str) -> None:
+    """Close a host user's connections and delete it; nothing happens for one that is gone."""
+    user = host_user(host)
+    with suppress(ResponseError):  # no such user
+        await _command(client, "CLIENT", "KILL", "USER", user)
+    await _command(client, "ACL", "DELUSER", user)
+    await _command(client, "ACL", "SAVE")
+
+
+async def _command(client: aioredis.Redis, *args: str) -> Any:
+    # redis-py leaves execute_command untyped; these commands go to Redis as written.
+    command: Callable[..., Awaitable[Any]] = client.execute_command
+    return await command(*args)

@@ -1,0 +1,139 @@
+"""The server's records of hosts: pending invitations and joined hosts' identities.
+
+Both live under the control plane's keys, which no host's Redis user can touch. An
+invitation is kept by its id (sha256 of its secret; the secret itself is never stored) and
+expires with it; taking it is one atomic GETDEL, so it works once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+from redis.asyncio.client import PubSub
+
+from capycommon.joinfile import invitation_id
+from capycommon.state import keys
+from capycommon.state.notify import Notification
+
+
+class Invitation(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host_name: str
+    expires_unix: int
+    # The host id a recovery invitation gives back; None for a new host.
+    recover_host_id: str | None = None
+
+
+class HostIdentity(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    host_id: str
+    # The serial (hex) and the end of the certificate in use; every earlier one is revoked
+    # or superseded.
+    serial: str
+    not_after: float
+    version: str
+    joined_at: float
+    renewed_at: float | None = None
+    revoked_at: float | None = None
+
+
+async def invite(client: aioredis.Redis, secret: str, invitation: Invitation, ttl: int) -> None:
+    await client.set(keys.invitation(invitation_id(secret)), invitation.model_dump_json(), ex=ttl)
+
+
+async def take_invitation(client: aioredis.Redis, secret: str) -> Invitation | None:
+    """The invitation of `secret`, gone from then on; None when it is unknown, already used
+    or expired."""
+    raw = await client.getdel(keys.invitation(invitation_id(secret)))
+    return None if raw is None else Invitation.model_validate_json(raw)
+
+
+async def read(client: aioredis.Redis, host: str) -> HostIdentity | None:
+    raw = await client.get(keys.host_identity(host))
+    return None if raw is None else HostIdentity.model_validate_json(raw)
+
+
+async def write(client: aioredis.Redis, identity: HostIdentity) -> None:
+    await client.set(keys.host_identity(identity.name), identity.model_dump_json())
+
+
+async def revoke_serial(client: aioredis.Redis, serial: str) -> None:
+    await client.sadd(keys.revoked_serials(), serial)
+
+
+async def is_revoked(client: aioredis.Redis, serial: str) -> bool:
+    return bool(await client.sismember(keys.revoked_serials(), serial))
+
+
+async def peek_invitation(client: aioredis.Redis, secret: str) -> Invitation | None:
+    """The invitation of `secret`, left in place (checks come before it is taken)."""
+    raw = await client.get(keys.invitation(invitation_id(secret)))
+    return None if raw is None else Invitation.model_validate_json(raw)
+
+
+async def set_server_version(client: aioredis.Redis, version: str) -> None:
+    await client.set(keys.server_version(), version)
+
+
+async def server_version(client: aioredis.Redis) -> str | None:
+    raw = await client.get(keys.server_version())
+    return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+# Renewal: the host leaves a certificate request under its prefix and announces it; the
+# scheduler signs it, leaves the certificate there and announces that.
+
+
+REQUEST_KIND = "certificate-request"
+ISSUED_KIND = "certificate"
+
+
+async def request_certificate(client: aioredis.Redis, host: str, request: bytes) -> None:
+    note = Notification(kind=REQUEST_KIND, id=host, version=0)
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.certificate(host))
+        pipe.set(keys.certificate_request(host), request)
+        pipe.publish(keys.host_notifications(host), note.model_dump_json())
+        await pipe.execute()
+
+
+async def certificate_request(client: aioredis.Redis, host: str) -> bytes | None:
+    raw = await client.get(keys.certificate_request(host))
+    return raw if isinstance(raw, bytes) else None
+
+
+async def drop_certificate_request(client: aioredis.Redis, host: str) -> None:
+    await client.delete(keys.certificate_request(host))
+
+
+async def issue_certificate(
+    client: aioredis.Redis, identity: HostIdentity, certificate: bytes
+) -> None:
+    """Leave the renewed certificate for the host, with its new serial on record."""
+    note = Notification(kind=ISSUED_KIND, id=identity.name, version=0)
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.set(keys.certificate(identity.name), certificate)
+        pipe.delete(keys.certificate_request(identity.name))
+        pipe.set(keys.host_identity(identity.name), identity.model_dump_json())
+        pipe.publish(keys.host_notifications(identity.name), note.model_dump_json())
+        await pipe.execute()
+
+
+async def take_certificate(client: aioredis.Redis, host: str) -> bytes | None:
+    """The renewed certificate the scheduler left, gone from then on."""
+    raw = await client.getdel(keys.certificate(host))
+    return raw if isinstance(raw, bytes) else None
+
+
+@asynccontextmanager
+async def hosts_announcing(client: aioredis.Redis) -> AsyncIterator[PubSub]:
+    """A subscription to every host's announcements (the scheduler's, for renewals)."""
+    async with client.pubsub() as pubsub:
+        await pubsub.psubscribe(keys.host_notifications("*"))
+        yield pubsub
