@@ -313,3 +313,51 @@ def role_running(role: str = "standalone", env: dict[str, str] | None = None) ->
 
 def _failed(handle: Role) -> bool:
     raise AssertionError(f"the role exited with {handle.proc.returncode}:\n{handle.output()}")
+
+
+def join_host(server: Role, name: str, state: Path, *extra: str) -> Path:
+    """Invite host `name` on `server` and join it from `state`; the join file's path."""
+    join_file = state.parent / f"{name}.join"
+    join_file.unlink(missing_ok=True)
+    invited = server.capyctl("invite", "host", name, "--output", str(join_file), *extra)
+    assert invited.returncode == 0, invited.stderr
+    recover = ("--recover",) if "--recover" in extra else ()
+    joined = capyctl(
+        "join", "host", "--join-file", str(join_file), "--state-dir", str(state), *recover
+    )
+    assert joined.returncode == 0, joined.stderr
+    return join_file
+
+
+def start_host(
+    state: Path, gpus: str = "gpu0:24GiB", ports_base: int = 24100, wait: bool = True
+) -> Role:
+    """Start a joined host's role on simulated GPUs; wait until its agents beat in the
+    server's Redis (unless not `wait`)."""
+    log_path = state.parent / f"host-{state.name}.out"
+    env = clean_env(
+        CAPYCTL_SIMULATED_GPUS=gpus,
+        CAPYCTL_SIMULATED_HOST_RAM="64GiB",
+        CAPYCTL_ENGINE_PORTS=engine_ports(ports_base),
+        CAPYCTL_MODELS_ROOT=str(state.parent / "models"),
+    )
+    (state.parent / "models").mkdir(exist_ok=True)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [CAPYCTL, "start", "host", "--state-dir", str(state)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    handle = Role("host", state, "", "", proc, log_path, env)
+    if wait:
+        try:
+            wait_for(
+                lambda: handle.healthy() or (proc.poll() is not None and _failed(handle)),
+                timeout=30,
+                what="the host's agents to beat in the server's Redis",
+            )
+        except BaseException:
+            handle.stop()
+            raise
+    return handle
