@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,6 @@ import pytest
 import redis
 
 from support import (
-    CAPYCTL,
     SERVICES,
     Role,
     capyctl,
@@ -26,7 +24,6 @@ from support import (
     processes_mentioning,
     role_running,
     short_dir,
-    start_role,
     wait_for,
 )
 
@@ -245,52 +242,11 @@ def test_a_taken_port_refuses_the_start(standalone: Role) -> None:
         shutil.rmtree(state.parent, ignore_errors=True)
 
 
-def test_a_server_and_a_host_share_the_servers_redis() -> None:
-    server = start_role("server")
-    host_state = short_dir() / "host"
-    sock = server.state_dir / "redis" / "redis.sock"
-    env = clean_env(CAPYCTL_REDIS_URL=f"unix://{sock}")
-    log_path = host_state.parent / "host.out"
-    try:
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [CAPYCTL, "start", "host", "--state-dir", str(host_state), "--host-name", "gpu-1"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        host = Role("host", host_state, "", "", proc, log_path, env)
-
-        def joined() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(host.output())
-            result = host.capyctl("status", "--json")
-            if result.returncode != 0:
-                return False
-            procs = {p["name"]: p for p in json.loads(result.stdout)["processes"]}
-            return all(
-                procs[s]["state"] == "RUNNING" and procs[s]["heartbeat_pid"] == procs[s]["pid"]
-                for s in ("hostd", "memwatch")
-            )
-
-        wait_for(joined, timeout=30, what="the host's agents to beat in the server's Redis")
-        client = redis.Redis(unix_socket_path=str(sock))
-        assert client.exists("capyctl:host:gpu-1:heartbeat:hostd") == 1
-        assert client.exists("capyctl:host:gpu-1:heartbeat:memwatch") == 1
-        client.close()
-        assert not (host_state / "identity" / "credentials").exists(), "no API credentials"
-        assert (host_state / "identity" / "host-name").read_text() == "gpu-1\n"
-        assert host.stop() == 0
-    finally:
-        server.stop()
-        shutil.rmtree(server.state_dir.parent, ignore_errors=True)
-        shutil.rmtree(host_state.parent, ignore_errors=True)
-
-
-def test_a_host_without_the_servers_redis_is_refused(tmp_path: Path) -> None:
+def test_a_host_that_never_joined_is_refused(tmp_path: Path) -> None:
     result = capyctl("start", "host", "--state-dir", str(tmp_path / "h"))
     assert result.returncode == 2
-    assert "the host role needs the server's Redis: set redis.url" in result.stderr
+    assert "this host has not joined a server" in result.stderr
+    assert "capyctl join host --join-file" in result.stderr
 
 
 def test_a_killed_launcher_takes_its_processes_with_it() -> None:

@@ -150,7 +150,8 @@ def _observe(
     refusal: str | None = None
     try:
         with record.redis_of(running, timeout=2) as client:
-            refusal = persistence.save_failure(client)
+            if running.role != "host":  # a host's own Redis user may not ask (INFO)
+                refusal = persistence.save_failure(client)
             beats = heartbeats.read_all(client, host, running.processes)
             for name in WORKERS_OF.intersection(running.processes):
                 workers[name] = heartbeats.read_workers(client, name)

@@ -14,6 +14,8 @@ import logging
 import time
 from datetime import UTC, datetime
 
+from redis.exceptions import RedisError
+
 from capycommon import pki
 from capycommon.errors import CapyError
 from capycommon.paths import write_atomic
@@ -47,7 +49,7 @@ async def keep_certificate(ctx: ServiceContext) -> None:
             continue
         try:
             await renew(ctx, ctx.host)
-        except (*REDIS_ERRORS, CapyError, TimeoutError, ValueError) as exc:
+        except (*REDIS_ERRORS, RedisError, CapyError, TimeoutError, ValueError) as exc:
             log.warning("could not renew the host certificate; trying again: %s", exc)
             await wait_event(ctx.stop, RETRY_S)
 
