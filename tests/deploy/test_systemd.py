@@ -9,6 +9,9 @@ fails the test.
 capyctl. The user units name %h/.local/bin/capyctl: they are verified as they are, with
 HOME pointing at a folder whose .local/bin/capyctl is the venv's capyctl. `--user verify`
 works without a user manager once XDG_RUNTIME_DIR names a private folder.
+
+A template (`capyctl-host@.service`) is verified as an instance, `capyctl-host@gpu-a.service`:
+verify loads the template beside the instance's path, with %i expanded.
 """
 
 from __future__ import annotations
@@ -40,8 +43,16 @@ ROLE_UNITS: dict[str, str] = {role: f"capyctl-{role}.service" for role in ROLES}
 PROCESS_UNITS = {name: f"capyctl-{name}.service" for name in PROCESS_NAMES}
 TARGET = "capyctl.target"
 REDIS_UNIT = PROCESS_UNITS["redis"]
+# One host role per joined host on a machine, each instance with its own state dir.
+HOST_TEMPLATE = "capyctl-host@.service"
+INSTANCE = "gpu-a"
 # The units whose hostd starts engines, which keep running when the unit stops.
-ENGINE_UNITS = {ROLE_UNITS["standalone"], ROLE_UNITS["host"], PROCESS_UNITS["hostd"]}
+ENGINE_UNITS = {
+    ROLE_UNITS["standalone"],
+    ROLE_UNITS["host"],
+    HOST_TEMPLATE,
+    PROCESS_UNITS["hostd"],
+}
 
 # A configuration or credentials error: restarting cannot fix it. The host adds 14 (revoked).
 NO_RESTART = {"2", "3", "5"}
@@ -98,8 +109,24 @@ def environment(unit: Unit) -> dict[str, str]:
 
 def role_of(unit_name: str) -> str:
     """The role a unit runs; a unit per process runs the standalone role's process."""
+    if unit_name == HOST_TEMPLATE:
+        return "host"
     name = unit_name.removeprefix("capyctl-").removesuffix(".service")
     return name if name in ROLES else "standalone"
+
+
+def state_name(unit_name: str) -> str:
+    """What names a unit's state dir and environment file: its role, or for the host
+    template `host-%i`, one per instance."""
+    return "host-%i" if unit_name == HOST_TEMPLATE else role_of(unit_name)
+
+
+def as_instances(units: list[Path]) -> list[Path]:
+    """The units to verify: a template as its instance INSTANCE, a path beside it."""
+    return [
+        unit.with_name(unit.name.replace("@.", f"@{INSTANCE}.")) if "@." in unit.name else unit
+        for unit in units
+    ]
 
 
 def clean_environment() -> dict[str, str]:
@@ -139,7 +166,7 @@ def test_system_units_verify(tmp_path: Path, venv_capyctl: Path) -> None:
         copy = tmp_path / source.name
         copy.write_text(text.replace(SYSTEM_BINARY, str(venv_capyctl)), encoding="utf-8")
         copies.append(copy)
-    run_verify(copies, clean_environment(), user=False)
+    run_verify(as_instances(copies), clean_environment(), user=False)
 
 
 @needs_analyze
@@ -150,7 +177,19 @@ def test_user_units_verify(tmp_path: Path, venv_capyctl: Path) -> None:
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     env = clean_environment() | {"HOME": str(home), "XDG_RUNTIME_DIR": str(runtime)}
-    run_verify(unit_files("user"), env, user=True)
+    run_verify(as_instances(unit_files("user")), env, user=True)
+
+
+@needs_analyze
+def test_verify_checks_a_template_through_its_instance(tmp_path: Path) -> None:
+    """The instance's path need not exist: verify reads the template beside it."""
+    unit = tmp_path / "capyctl-probe@.service"
+    unit.write_text("[Service]\nExecStart=/bin/true %i\nNoSuchKey=1\n", encoding="utf-8")
+    (instance,) = as_instances([unit])
+    assert instance.name == f"capyctl-probe@{INSTANCE}.service"
+    assert not instance.exists()
+    with pytest.raises(pytest.fail.Exception, match="NoSuchKey"):
+        run_verify([instance], clean_environment(), user=False)
 
 
 @needs_analyze
@@ -164,7 +203,7 @@ def test_verify_check_catches_a_warning(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_every_role_and_process_has_a_unit(folder: str) -> None:
-    expected = {*ROLE_UNITS.values(), *PROCESS_UNITS.values(), TARGET}
+    expected = {*ROLE_UNITS.values(), *PROCESS_UNITS.values(), TARGET, HOST_TEMPLATE}
     assert {p.name for p in unit_files(folder)} == expected
 
 
@@ -180,6 +219,25 @@ def test_role_unit(folder: str, role: str) -> None:
         assert "14" in prevented
     assert one(unit, "Service", "KillMode") == "process"
     assert one(unit, "Service", "TimeoutStopSec") == "35"
+    wanted_by = "multi-user.target" if folder == "system" else "default.target"
+    assert words(unit, "Install", "WantedBy") == [wanted_by]
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_host_template_runs_a_host_per_instance(folder: str) -> None:
+    unit = parse_unit(SYSTEMD / folder / HOST_TEMPLATE)
+    assert one(unit, "Service", "ExecStart") == f"{BINARIES[folder]} start host"
+    # The instance is the host's name; the environment file may still name another.
+    assert environment(unit)["CAPYCTL_HOST_NAME"] == "%i"
+    assert one(unit, "Service", "Restart") == "on-failure"
+    # 14: a revoked host stays stopped until it joins again.
+    assert set(words(unit, "Service", "RestartPreventExitStatus")) >= NO_RESTART | {"14"}
+    # Engines keep running when the unit stops, and after a revocation.
+    assert one(unit, "Service", "KillMode") == "process"
+    assert one(unit, "Service", "TimeoutStopSec") == "35"
+    assert one(unit, "Service", "NoNewPrivileges") == "yes"
+    # Each instance has its own state dir, so instances and role units run side by side.
+    assert "Conflicts" not in unit.get("Unit", {})
     wanted_by = "multi-user.target" if folder == "system" else "default.target"
     assert words(unit, "Install", "WantedBy") == [wanted_by]
 
@@ -218,13 +276,13 @@ def test_target_wants_every_process(folder: str) -> None:
 def test_system_unit_state_and_hardening(name: str) -> None:
     unit = parse_unit(SYSTEMD / "system" / name)
     service = unit["Service"]
-    role = role_of(name)
-    state_dir = f"/var/lib/capyctl/{role}"
+    state = state_name(name)
+    state_dir = f"/var/lib/capyctl/{state}"
     assert one(unit, "Service", "User") == "capyctl"
-    assert one(unit, "Service", "StateDirectory") == f"capyctl/{role}"
+    assert one(unit, "Service", "StateDirectory") == f"capyctl/{state}"
     assert one(unit, "Service", "StateDirectoryMode") == "0700"
     assert environment(unit)["CAPYCTL_STATE_DIR"] == state_dir
-    assert one(unit, "Service", "EnvironmentFile") == f"-/etc/capyctl/{role}.env"
+    assert one(unit, "Service", "EnvironmentFile") == f"-/etc/capyctl/{state}.env"
     assert one(unit, "Service", "NoNewPrivileges") == "yes"
     assert one(unit, "Service", "ProtectSystem") == "strict"
     assert state_dir in words(unit, "Service", "ReadWritePaths")
@@ -233,6 +291,10 @@ def test_system_unit_state_and_hardening(name: str) -> None:
     assert "PrivateDevices" not in service, "hostd, memwatch and the engines use the GPUs"
     # systemd empties a private /tmp when the unit stops, under engines that keep running.
     assert ("PrivateTmp" in service) is (name not in ENGINE_UNITS)
+    if name in ENGINE_UNITS:
+        # The engines' caches: the home is read-only, the state dir is CapyCTL's.
+        assert one(unit, "Service", "CacheDirectory") == f"capyctl/{state}"
+        assert environment(unit)["XDG_CACHE_HOME"] == f"/var/cache/capyctl/{state}"
 
 
 @pytest.mark.parametrize("name", service_names("user"))
@@ -240,8 +302,10 @@ def test_user_unit_state(name: str) -> None:
     unit = parse_unit(SYSTEMD / "user" / name)
     service = unit["Service"]
     assert "User" not in service
-    assert one(unit, "Service", "StateDirectory") == "capyctl"
-    assert environment(unit)["CAPYCTL_STATE_DIR"] == "%S/capyctl"
-    assert one(unit, "Service", "EnvironmentFile") == f"-%E/capyctl/{role_of(name)}.env"
+    # The role units share the one default state dir; each host instance has its own.
+    state_dir = "capyctl-host-%i" if name == HOST_TEMPLATE else "capyctl"
+    assert one(unit, "Service", "StateDirectory") == state_dir
+    assert environment(unit)["CAPYCTL_STATE_DIR"] == f"%S/{state_dir}"
+    assert one(unit, "Service", "EnvironmentFile") == f"-%E/capyctl/{state_name(name)}.env"
     for key in ("ExecStartPre", "ExecStart"):
         assert all(value.startswith(f"{USER_BINARY} ") for value in service.get(key, []))
