@@ -97,7 +97,11 @@ async def serve(ctx: ServiceContext) -> None:
     ]
     if joined_host(ctx.role, ctx.settings):
         work.append(renewal.keep_certificate(ctx))
-    await asyncio.gather(*work)
+    try:
+        await asyncio.gather(*work)
+    finally:
+        for engine in runner.engines.values():  # the engines run on; hostd's clients end
+            await engine.close_controls()
 
 
 def main() -> None:

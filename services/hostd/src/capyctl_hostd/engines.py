@@ -10,19 +10,29 @@ were not there before it started, once no process holds them.
 A starting engine is asked whether it is ready every `READY_POLL_S`, so it is seen ready
 within tens of milliseconds of its own readiness; the walk of /proc that notes its processes
 runs less often (`REMEMBER_EVERY_S`): on a busy host it takes longer than a probe.
+
+hostd talks to an engine through one HTTP client per kind of timeouts, made at the first call
+and kept until the engine is torn down: a client and a connection made per load reading, park
+or wake cost CPU on the path of every switch. A kept connection is dropped after
+`KEEPALIVE_S` idle, well before the engine's own server closes it (uvicorn's 5 s), so a call
+never goes out on a connection the engine is closing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl, Timeouts
@@ -43,6 +53,8 @@ READY_POLL_S = 0.02
 REMEMBER_EVERY_S = 0.2
 # The end of an engine's log that `tail` reads: enough for its last lines, however long it is.
 TAIL_BYTES = 64 * 1024
+# An idle connection to an engine is kept this long for the next call.
+KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -61,9 +73,28 @@ class Engine:
     segments: set[str] = field(default_factory=set)
     # Settled children of the leader: PID -> start ticks.
     children: dict[int, int] = field(default_factory=dict)
+    # The engine's control clients, by their timeouts (None: the defaults), kept until
+    # `close_controls`.
+    controls: dict[Timeouts | None, EngineControl] = field(default_factory=dict)
 
     def control(self, timeouts: Timeouts | None = None) -> EngineControl:
-        return adapter_for(self.spec.profile.family).control(self.spec, timeouts)
+        """The engine's control client for these timeouts: made at the first call, then the
+        same one (and its kept connection) until the engine is torn down."""
+        found = self.controls.get(timeouts)
+        if found is None:
+            transport = httpx.AsyncHTTPTransport(
+                verify=_tls(), limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+            )
+            adapter = adapter_for(self.spec.profile.family)
+            found = self.controls[timeouts] = adapter.control(self.spec, timeouts, transport)
+        return found
+
+    async def close_controls(self) -> None:
+        """Close the engine's control clients (and their connections)."""
+        controls = list(self.controls.values())
+        self.controls.clear()
+        for control in controls:
+            await control.aclose()
 
     def remember(self) -> None:
         """Note the group's processes, the /dev/shm segments they hold and the leader's
@@ -91,6 +122,13 @@ class Engine:
     def exit_code(self) -> int | None:
         """The exit code once the engine ended (None while it runs or when unknown)."""
         return None if self.process is None else self.process.poll()
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """One TLS context for every transport: each would load the CA bundle otherwise (tens of
+    milliseconds of CPU), for engines reached over plain HTTP on loopback."""
+    return ssl.create_default_context()
 
 
 def spawn(
@@ -211,6 +249,7 @@ def check_port_is_ours(port: int, pgid: int) -> None:
 async def tear_down(engine: Engine) -> list[str]:
     """Stop the group, wait until it is gone (and its log written), remove the /dev/shm
     segments the launch made and its Prometheus folder."""
+    await engine.close_controls()
     engine.remember()
     await procs.stop_group(engine.pgid)
     if engine.process is not None:

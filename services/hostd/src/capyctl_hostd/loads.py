@@ -146,18 +146,17 @@ def entry(
 async def _read(
     runner: Runner, members: list[str]
 ) -> tuple[list[InstanceRecord], dict[str, EngineLoad]]:
-    """The records of these members, and the load hash as published."""
-    records = await runner.store.get_many(members)
-    return records, await load.aread_loads(runner.client, runner.host)
+    """The records of these members, and the load hash as published (read together: a
+    switch waits on the reading of its draining engine)."""
+    return await asyncio.gather(
+        runner.store.get_many(members), load.aread_loads(runner.client, runner.host)
+    )
 
 
 async def _load(engine: Engine) -> tuple[Load | None, float]:
     """The engine's load (None when it cannot be read now) and when it was read."""
-    control = engine.control(TIMEOUTS)
     try:
-        return await control.load(), time.time()
+        return await engine.control(TIMEOUTS).load(), time.time()
     except (CapyError, ValueError) as exc:  # ValueError: a metric that is not a number
         log.debug("no load from the engine on port %s: %s", engine.spec.port, exc)
         return None, time.time()
-    finally:
-        await control.aclose()

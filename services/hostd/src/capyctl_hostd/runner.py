@@ -23,7 +23,6 @@ import redis.asyncio as aioredis
 
 from capycommon.engines import registry
 from capycommon.engines.adapters import adapter_for
-from capycommon.engines.control import EngineControl
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
 from capycommon.errors import CapyError, LaunchFailed
@@ -184,7 +183,6 @@ class Runner:
         except Conflict:
             self.ports.release(port)
             raise
-        control: EngineControl | None = None
         try:
             engine = await self._start_engine(command, record, log_path)
             steps.mark("spawned")
@@ -211,9 +209,6 @@ class Runner:
         except (CapyError, OSError) as exc:
             await self.fail(record, f"launch failed: {_message(exc)}")
             return
-        finally:
-            if control is not None:
-                await control.aclose()
         await self._to(record, S.READY, "ready: health and canary passed", canary=answer)
         log.info("started", extra={"member": record.member, "steps": steps.marks})
 
@@ -289,8 +284,6 @@ class Runner:
         except CapyError as exc:
             await self.fail(record, f"park failed: {exc.message}")
             return
-        finally:
-            await control.aclose()
         steps.mark("slept")
         if command.release_bound_bytes is None:
             await self._to(record, S.PARKED, f"parked ({residency})")
@@ -347,8 +340,6 @@ class Runner:
         except CapyError as exc:
             await self.fail(record, f"wake failed: {exc.message}")
             return
-        finally:
-            await control.aclose()
         if record.canary is not None and answer != record.canary:
             await self.fail(
                 record, f"wake_mismatch: the canary answered {answer!r}, not {record.canary!r}"
@@ -378,13 +369,10 @@ class Runner:
         if adapter_for(profile.family).capabilities(profile.version).abort_reports_end:
             self.settler.follow(engine, record, request_id)
             return
-        control = engine.control()
         try:
-            await control.abort(request_id)
+            await engine.control().abort(request_id)
         except CapyError as exc:
             await self._refuse_record(record, "abort", exc.message)
-        finally:
-            await control.aclose()
 
     # Shared steps ----------------------------------------------------------------------------
 

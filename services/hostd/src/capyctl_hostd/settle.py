@@ -80,8 +80,6 @@ class Settler:
             log.warning(
                 "%s: the end of request %s not reported: %s", record.member, request_id, exc
             )
-        finally:
-            await control.aclose()
 
 
 async def _until_gone(control: SglangControl, lock: asyncio.Lock, request_id: str) -> bool:
