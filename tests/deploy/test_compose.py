@@ -1,4 +1,5 @@
-"""The container setup: the Dockerfile, compose/docker-compose.yml and its GPU override.
+"""The container setup: the Dockerfile, compose/docker-compose.yml and its GPU override, and
+compose/docker-compose.server.yml (a server role and a host that joins it).
 
 No Docker engine is needed: the compose files are validated against the Compose
 Specification's JSON schema (vendored in check-jsonschema), then read for what the
@@ -7,6 +8,7 @@ architecture asks of them.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,12 +18,15 @@ from typing import Any
 import pytest
 import yaml
 
+from capycommon.settings import EnrollmentSection
+from capycommon.settingvalues import split_address
 from capyctl_cli.roles import PROCESSES
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "compose"
 COMPOSE = COMPOSE_DIR / "docker-compose.yml"
 GPU_OVERRIDE = COMPOSE_DIR / "docker-compose.gpu.yml"
+SERVER_COMPOSE = COMPOSE_DIR / "docker-compose.server.yml"
 DOCKERFILE = REPO / "Dockerfile"
 CHECK_JSONSCHEMA = Path(sys.executable).parent / "check-jsonschema"
 
@@ -66,7 +71,7 @@ def test_the_monorepo_has_seven_packages() -> None:
     assert all((REPO / package / "pyproject.toml").is_file() for package in PACKAGES)
 
 
-@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, SERVER_COMPOSE], ids=lambda p: p.name)
 def test_compose_file_matches_the_compose_schema(path: Path) -> None:
     assert CHECK_JSONSCHEMA.is_file(), f"{CHECK_JSONSCHEMA} is missing; run scripts/setup"
     result = subprocess.run(
@@ -87,8 +92,9 @@ def test_compose_runs_every_process_of_the_architecture() -> None:
         assert found[name]["command"] == ["capyctl", "run", name, "--role", "standalone"]
 
 
-def test_every_service_uses_the_one_image_built_from_the_dockerfile() -> None:
-    found = services(COMPOSE)
+@pytest.mark.parametrize("path", [COMPOSE, SERVER_COMPOSE], ids=lambda p: p.name)
+def test_every_service_uses_the_one_image_built_from_the_dockerfile(path: Path) -> None:
+    found = services(path)
     images = {service["image"] for service in found.values()}
     assert len(images) == 1, f"the services use several images: {images}"
     for name, service in found.items():
@@ -176,3 +182,123 @@ def test_dockerignore_keeps_local_environments_out() -> None:
     ignored = (REPO / ".dockerignore").read_text(encoding="utf-8").split()
     assert ".git" in ignored
     assert ".venv" in ignored
+
+
+# The server and its joined host: docker-compose.server.yml.
+JOIN_DIR = "/run/join"
+JOIN_FILE = f"{JOIN_DIR}/host.join"
+JOINED = f"{STATE_DIR}/identity/joined.json"
+# The uid of the image's capyctl user (the Dockerfile's useradd).
+CAPYCTL_UID = "1000"
+SERVER_NAME = "${CAPYCTL_SERVER_NAME:-server}"
+
+
+def port_of(bind: str) -> int:
+    return split_address(bind)[1]
+
+
+def test_server_compose_runs_a_server_and_a_host_that_joins_it() -> None:
+    found = services(SERVER_COMPOSE)
+    assert set(found) == {"join-dir", "server", "host"}
+    assert found["server"]["command"] == ["capyctl", "start", "server"]
+    for name in ("server", "host"):
+        assert found[name]["environment"]["CAPYCTL_STATE_DIR"] == STATE_DIR, name
+    # Each role has a state dir of its own: the host never sees the server's authority key.
+    assert f"server-state:{STATE_DIR}" in found["server"]["volumes"]
+    assert found["host"]["volumes"] == [f"host-state:{STATE_DIR}", f"join:{JOIN_DIR}:ro"]
+    assert f"join:{JOIN_DIR}" in found["server"]["volumes"]
+    assert set(load(SERVER_COMPOSE)["volumes"]) == {"server-state", "host-state", "join"}
+
+
+def test_server_compose_publishes_inference_bootstrap_and_control() -> None:
+    server = services(SERVER_COMPOSE)["server"]
+    environment = server["environment"]
+    defaults = EnrollmentSection()
+    bootstrap = port_of(defaults.bootstrap_bind)
+    control = port_of(defaults.control_bind)
+    assert (bootstrap, control) == (7444, 7445)
+    assert environment["CAPYCTL_INFERENCE_ADDR"] == "0.0.0.0:8443"
+    # Other containers and machines reach the enrollment listeners; the bootstrap default
+    # is loopback only.
+    assert environment["CAPYCTL_ENROLLMENT_BOOTSTRAP_BIND"] == f"0.0.0.0:{bootstrap}"
+    assert environment["CAPYCTL_ENROLLMENT_CONTROL_BIND"] == f"0.0.0.0:{control}"
+    assert server["ports"] == ["8443:8443", f"{bootstrap}:{bootstrap}", f"{control}:{control}"]
+    # Join files name the server as the host container resolves it.
+    assert environment["CAPYCTL_ENROLLMENT_BOOTSTRAP_ADDRESS"] == f"{SERVER_NAME}:{bootstrap}"
+    assert environment["CAPYCTL_ENROLLMENT_CONTROL_ADDRESS"] == f"{SERVER_NAME}:{control}"
+    assert server["networks"]["default"]["aliases"] == [SERVER_NAME]
+    # The management API stays on loopback, inside the server's container.
+    assert environment["CAPYCTL_MANAGEMENT_ADDR"].startswith("127.0.0.1:")
+    assert "ports" not in services(SERVER_COMPOSE)["host"]
+
+
+def test_server_compose_orders_the_join_volume_the_server_and_the_host() -> None:
+    found = services(SERVER_COMPOSE)
+    join_dir = found["join-dir"]
+    # A new volume is root's: only this one-shot runs as root, to hand it to capyctl.
+    assert join_dir["user"] == "0"
+    assert join_dir["restart"] == "no"
+    script = join_dir["command"][-1]
+    assert f"chown {CAPYCTL_UID}:{CAPYCTL_UID} {JOIN_DIR}" in script
+    assert f"chmod 0700 {JOIN_DIR}" in script
+    assert all("user" not in found[name] for name in ("server", "host"))
+    completed = {"condition": "service_completed_successfully"}
+    assert found["server"]["depends_on"] == {"join-dir": completed}
+    # The host joins once the server's scheduler answers, and with it the bootstrap listener.
+    assert found["host"]["depends_on"] == {"server": {"condition": "service_healthy"}}
+    assert found["server"]["healthcheck"]["test"] == ["CMD", "capyctl", "list", "hosts"]
+
+
+def host_entrypoint() -> list[str]:
+    command = services(SERVER_COMPOSE)["host"]["command"]
+    assert isinstance(command, list)
+    assert command[:2] == ["sh", "-c"]
+    return [str(word) for word in command]
+
+
+def run_entrypoint(tmp_path: Path, *, joined: bool, join_exit: int) -> tuple[int, list[str]]:
+    """Run the host's entrypoint with its state dir and join folder under tmp_path and a
+    stand-in capyctl on PATH that records each command and, for `join`, exits join_exit
+    (a real join needs a running server: tests/e2e/test_hosts_join.py)."""
+    state = tmp_path / "state"
+    (state / "identity").mkdir(parents=True)
+    if joined:
+        (state / "identity" / "joined.json").write_text("{}", encoding="utf-8")
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "capyctl"
+    stand_in.write_text(
+        '#!/bin/sh\nprintf "%s\\n" "$*" >> "$CALLS"\n'
+        f'[ "$1" = join ] && exit {join_exit}\nexit 0\n',
+        encoding="utf-8",
+    )
+    stand_in.chmod(0o755)
+    argv = host_entrypoint()
+    assert STATE_DIR in argv[2]
+    argv[2] = argv[2].replace(STATE_DIR, str(state)).replace(JOIN_DIR, str(tmp_path / "join"))
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls)}
+    result = subprocess.run(argv, env=env, capture_output=True, timeout=30, check=False)
+    lines = calls.read_text(encoding="utf-8").splitlines() if calls.exists() else []
+    return result.returncode, lines
+
+
+def test_the_host_entrypoint_joins_once_then_starts_the_host(tmp_path: Path) -> None:
+    script = host_entrypoint()[2]
+    assert f"[ ! -e {JOINED} ]" in script
+    assert f"capyctl join host --join-file {JOIN_FILE}" in script
+
+    new = tmp_path / "new"
+    code, calls = run_entrypoint(new, joined=False, join_exit=0)
+    assert code == 0
+    assert calls == [f"join host --join-file {new / 'join' / 'host.join'}", "start host"]
+
+    code, calls = run_entrypoint(tmp_path / "joined", joined=True, join_exit=0)
+    assert (code, calls) == (0, ["start host"])
+
+
+def test_the_host_entrypoint_stops_when_the_join_fails(tmp_path: Path) -> None:
+    code, calls = run_entrypoint(tmp_path, joined=False, join_exit=3)
+    # The join's own exit code (3: invitation_refused), and no start without an identity.
+    assert code == 3
+    assert calls == [f"join host --join-file {tmp_path / 'join' / 'host.join'}"]
