@@ -40,7 +40,7 @@ from capycommon.errors import (
     http_code_for,
 )
 from capycommon.paths import StatePaths
-from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.service import REDIS_ERRORS, until_stop, wait_event
 from capycommon.settings import ServerSettings
 from capycommon.state import acl, heartbeats, hostinfo, identities
 from capycommon.state.enginefacts import aread_published
@@ -258,13 +258,16 @@ class Enrollment:
                     due = time.monotonic() + RENEWAL_SWEEP_S
                     while not stop.is_set():
                         wait = max(0.0, due - time.monotonic())
-                        message = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=min(wait, 1.0)
+                        getting = asyncio.ensure_future(
+                            pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
                         )
-                        if message is not None:
-                            note = _notification(message.get("data"))
-                            if note is not None and note.kind == identities.REQUEST_KIND:
-                                await self.renew(note.id)
+                        await until_stop(getting, stop)
+                        if not getting.done():
+                            getting.cancel()
+                            return
+                        note = _notification((getting.result() or {}).get("data"))
+                        if note is not None and note.kind == identities.REQUEST_KIND:
+                            await self.renew(note.id)
                         if time.monotonic() >= due:
                             await self._sweep()
                             due = time.monotonic() + RENEWAL_SWEEP_S
