@@ -76,7 +76,7 @@ def memwatch(redis_socket: Path) -> Iterator[Memwatch]:
         shutil.rmtree(state, ignore_errors=True)
 
 
-def test_devices_json_and_a_fresh_reading_every_second(memwatch: Memwatch) -> None:
+def test_devices_json_and_a_fresh_reading_every_two_seconds(memwatch: Memwatch) -> None:
     first = wait_for(memwatch.reading, timeout=15, what="memwatch's first reading")
     devices = simgpu.read_devices(memwatch.simgpu)
     assert [(d.name, d.uuid, d.total_bytes) for d in devices] == [
@@ -91,8 +91,9 @@ def test_devices_json_and_a_fresh_reading_every_second(memwatch: Memwatch) -> No
         assert time.time() - later.taken_at < 2
         taken.append(later.taken_at)
     gaps = [b - a for a, b in itertools.pairwise(taken)]
-    assert all(0 < gap < 2.5 for gap in gaps), gaps
-    assert 0.8 < (taken[-1] - taken[0]) / len(gaps) < 1.4, gaps
+    # Two readings within a reading's freshness, so one late never leaves the host unobserved.
+    assert all(0 < gap < memory.STALE_AFTER_S / 2 for gap in gaps), gaps
+    assert 1.6 < (taken[-1] - taken[0]) / len(gaps) < 2.4, gaps
     assert first.backend == "simulated"
     assert first.host == "local"
     assert [g.used_bytes for g in first.gpus] == [0, 0]
@@ -215,26 +216,26 @@ def _ask(client: redis.Redis, member: str) -> None:
     client.publish(keys.memory_notifications("local"), note.model_dump_json())
 
 
-def test_readings_come_every_20_ms_once_hostd_asks_while_an_instance_parks(
+def test_readings_come_every_10_ms_once_hostd_asks_while_an_instance_parks(
     memwatch: Memwatch,
 ) -> None:
     """A park counts only once a reading taken after the engine's park call shows the memory
-    released, so a switch waiting on it would wait up to a second for the next reading."""
+    released, so a switch waiting on it would wait up to 2 s for the next reading."""
     wait_for(lambda: memwatch.logged("watching launches"), 15, "the sampler's first step")
     client = memwatch.client
     with Claimer(memwatch.simgpu) as engine:
         ready = record(InstanceState.READY, engine.identity(), since=time.time())
         put(client, ready)
-        assert _readings_over(memwatch, 2.0) <= 3, "one a second while nothing parks"
+        assert _readings_over(memwatch, 2.0) <= 2, "one every 2 s while nothing parks"
 
         parking = ready.model_copy(update={"state": InstanceState.PARKING, "since": time.time()})
         put(client, parking)
-        assert _readings_over(memwatch, 2.0) <= 3, "one a second while the park call runs"
+        assert _readings_over(memwatch, 2.0) <= 2, "one every 2 s while the park call runs"
 
         _ask(client, parking.member)
-        assert _readings_over(memwatch, 1.0) >= 20, "about one every 20 ms once asked"
+        assert _readings_over(memwatch, 1.0) >= 40, "about one every 10 ms once asked"
 
         parked = ready.model_copy(update={"state": InstanceState.PARKED, "since": time.time()})
         put(client, parked)
         time.sleep(0.5)  # the announcement is taken up
-        assert _readings_over(memwatch, 2.0) <= 3, "one a second again once it parked"
+        assert _readings_over(memwatch, 2.0) <= 2, "one every 2 s again once it parked"
