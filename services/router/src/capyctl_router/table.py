@@ -4,6 +4,9 @@ Requests never read Redis to find their engine. The table is filled at start, ch
 notifications of the control plane and of each host (each names what to re-read), and read
 in full again every few seconds and on every reconnect, since pub/sub loses messages while
 disconnected. Waiters for a deployment are woken whenever anything about it changes.
+
+The notifications are read as they come, with no timeout to wake an idle worker: the full
+read finds a host that joined, and the subscription is then made again with its channel.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.asyncio.client import PubSub
 
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
 from capycommon.state import hostinfo, notify
@@ -49,6 +53,8 @@ class Table:
     secrets: dict[tuple[str, int], str] = field(default_factory=dict)
     _events: dict[str, asyncio.Event] = field(default_factory=dict)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when a full read finds a host whose channel the subscription lacks.
+    _joined: asyncio.Event = field(default_factory=asyncio.Event)
 
     # Reading --------------------------------------------------------------------------------
 
@@ -104,6 +110,8 @@ class Table:
                 secret = await InstanceStore(self.client, instance.host).secret(name, 0)
                 if secret is not None:
                     secrets[(name, instance.generation)] = secret
+        if hosts - self.hosts:
+            self._joined.set()
         self.hosts = hosts
         self.records = records
         self.routes = {route: n for n, r in records.items() for route in r.document.routes}
@@ -120,14 +128,13 @@ class Table:
         if index != "0":
             return
         store = InstanceStore(self.client, host)
-        record = await store.get(deployment, 0)
+        # Read together: a request waiting for a wake goes on once both are known.
+        record, secret = await asyncio.gather(store.get(deployment, 0), store.secret(deployment, 0))
         known = self.instances.get(deployment)
         if record is None or (known is not None and record.generation < known.generation):
             return
-        if record.state == InstanceState.READY:
-            secret = await store.secret(deployment, 0)
-            if secret is not None:
-                self.secrets[(deployment, record.generation)] = secret
+        if record.state == InstanceState.READY and secret is not None:
+            self.secrets[(deployment, record.generation)] = secret
         self.instances[deployment] = record
         self.wake(deployment)
 
@@ -157,25 +164,39 @@ class Table:
                 await resync
 
     async def _follow(self, stop: asyncio.Event) -> None:
+        """Subscribe, read everything, then follow the notifications until the stop, or until
+        a host joined (the caller subscribes again, with its channel)."""
         channels = notify.channels(self.hosts)
         async with notify.subscribed(self.client, channels) as pubsub:
+            self._joined.clear()
             await self.sync()
             REDIS_OUTAGE.ok()
-            while not stop.is_set():
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if message is None:
-                    if channels != notify.channels(self.hosts):
-                        return  # a host joined: subscribe again
-                    continue
-                host = channels.get(_text(message["channel"]), "")
-                try:
-                    note = Notification.model_validate_json(message["data"])
-                except ValidationError:
-                    continue
-                if note.kind == "instance" and host:
-                    await self._instance(host, note.id)
-                elif note.kind == "deployment":
-                    await self._deployment(note.id)
+            reading = asyncio.ensure_future(self._read(pubsub, channels))
+            stopped = asyncio.ensure_future(stop.wait())
+            joined = asyncio.ensure_future(self._joined.wait())
+            try:
+                await asyncio.wait([reading, stopped, joined], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in (reading, stopped, joined):
+                    waiting.cancel()
+                await asyncio.gather(reading, stopped, joined, return_exceptions=True)
+            if reading.done() and not reading.cancelled():
+                reading.result()  # raises what ended the read (Redis: the caller retries)
+
+    async def _read(self, pubsub: PubSub, channels: dict[str, str]) -> None:
+        """Apply each notification as it comes."""
+        async for message in pubsub.listen():
+            if message.get("type") != "message":
+                continue
+            host = channels.get(_text(message["channel"]), "")
+            try:
+                note = Notification.model_validate_json(message["data"])
+            except ValidationError:
+                continue
+            if note.kind == "instance" and host:
+                await self._instance(host, note.id)
+            elif note.kind == "deployment":
+                await self._deployment(note.id)
 
     async def _resync(self, stop: asyncio.Event) -> None:
         while not await wait_event(stop, RESYNC_S):
