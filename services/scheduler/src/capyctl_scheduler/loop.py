@@ -158,8 +158,8 @@ class Scheduler:
         self.actuator = Actuator(self.client, self.demands.ack)
 
     async def tick(self) -> Snapshot:
-        await self.demands.read()
-        refused = await self.refusals.read()
+        # Independent reads, sent together: a wake or a switch waits on several ticks.
+        _, refused = await asyncio.gather(self.demands.read(), self.refusals.read())
         snapshot = await self.observer.snapshot(
             self.demands.oldest(), refused, restarts=self.demands.restarts
         )

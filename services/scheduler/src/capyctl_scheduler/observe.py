@@ -31,6 +31,7 @@ from capycommon.state import (
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.enginefacts import PublishedEngines
 from capycommon.state.hostfacts import HostModels
+from capycommon.state.hostinfo import HostInfo
 from capycommon.state.instances import LIVE_STATES, InstanceRecord
 from capycommon.state.memory import MemoryReading, aread_reading, aread_startup_peak
 from capycommon.state.store import InstanceStore
@@ -145,14 +146,20 @@ class Observer:
         HostModels | None,
     ]:
         """What a snapshot reads of one host, read together."""
-        reading, records, loads, engines, models = await asyncio.gather(
-            aread_reading(self.client, host),
-            InstanceStore(self.client, host).all(),
-            load.aread_loads(self.client, host),
-            self.engines(host),
-            hostfacts.aread(self.client, host),
+        (reading, records, loads, engines, models), (alive, info) = await asyncio.gather(
+            asyncio.gather(
+                aread_reading(self.client, host),
+                InstanceStore(self.client, host).all(),
+                load.aread_loads(self.client, host),
+                self.engines(host),
+                hostfacts.aread(self.client, host),
+            ),
+            asyncio.gather(
+                heartbeats.alive(self.client, "hostd", host), hostinfo.aread(self.client, host)
+            ),
         )
-        return host, await self._host(host, reading, now), records, loads, engines, models
+        view = self._view(host, reading, alive, info, now)
+        return host, view, records, loads, engines, models
 
     async def bindings_of(self, record: DeploymentRecord) -> dict[str, Binding]:
         """How a deployment would run on each host, resolved now. A live host that has not
@@ -195,6 +202,16 @@ class Observer:
         alive, info = await asyncio.gather(
             heartbeats.alive(self.client, "hostd", host), hostinfo.aread(self.client, host)
         )
+        return self._view(host, reading, alive, info, now)
+
+    def _view(
+        self,
+        host: str,
+        reading: MemoryReading | None,
+        alive: bool,
+        info: HostInfo | None,
+        now: float,
+    ) -> HostView:
         deep_park = info.deep_park if info is not None else True
         if reading is None:
             return HostView(host, {}, {}, unified=False, alive=alive, deep_park=deep_park)
