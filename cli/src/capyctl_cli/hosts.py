@@ -110,8 +110,8 @@ def invite_host(
 @revoke_app.command("host")
 @expected_errors
 def revoke_host(name: HostArg, state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
-    """Cut a host off: its certificate refused, its Redis user removed; it exits with code 14
-    and its engines keep running. Safe to repeat."""
+    """Cut a host off: its Redis user removed (its connections closed), its certificate's
+    serial revoked; it exits with code 14 and its engines keep running. Safe to repeat."""
     with Management(_paths(state_dir)) as api:
         answer = api.revoke(name)
     said = "revoked" if answer.newly_revoked else "was already revoked"

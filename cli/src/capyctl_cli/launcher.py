@@ -28,7 +28,6 @@ import redis
 
 from capycommon.errors import (
     CapyError,
-    HostRevoked,
     Internal,
     StateCorrupt,
     StateDirInUse,
@@ -36,7 +35,7 @@ from capycommon.errors import (
 )
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.redistarget import RedisTarget, control_target, target_for
-from capycommon.service import bind
+from capycommon.service import HOST_FINAL_EXITS, bind
 from capycommon.settings import HostSettings, Role, ServerSettings, host_name, setting_specs
 from capycommon.state import persistence
 from capycommon.units import format_size
@@ -129,7 +128,7 @@ def programs(role: Role, prepared: Prepared) -> list[supervisor.Program]:
             argv = [server, str(prepared.paths.redis_conf)]
             result.append(supervisor.Program("redis", argv, 10, 10, REDIS_START_RETRIES))
         else:
-            final = (HostRevoked("").exit_code,) if role == "host" else ()
+            final = HOST_FINAL_EXITS if role == "host" else ()
             argv = service_command(name, role, prepared)
             result.append(supervisor.Program(name, argv, 20, 8, final_exits=final))
     return result
@@ -183,11 +182,11 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
     log.info(
         "%s role running", role, extra={"state_dir": str(paths.root), "supervisord_pid": proc.pid}
     )
-    watch: RedisWatch | RevocationWatch | None = None
+    watch: RedisWatch | HostStopWatch | None = None
     if "redis" in PROCESSES[role]:
         watch = RedisWatch(paths, role == "server")
     elif role == "host":
-        watch = RevocationWatch(paths)
+        watch = HostStopWatch(paths)
     wake = Wake()
     signal.set_wakeup_fd(wake.writer, warn_on_full_buffer=False)  # a signal wakes the wait
     waiter = threading.Thread(target=_wake_on_exit, args=(proc, wake), daemon=True)
@@ -263,14 +262,15 @@ def _relay(source: IO[bytes], out: IO[str]) -> None:
             out.flush()
 
 
-class RevocationWatch:
-    """Notices a host service finding the host revoked: it leaves `run/host-revoked` and
-    exits 14, which supervisord does not restart; the launcher then stops the role with 14.
+class HostStopWatch:
+    """Notices a host service that cannot go on (revoked, its certificate refused, a server
+    of another release line): it leaves `run/host-stopped` and exits with the error's code,
+    which supervisord does not restart; the launcher then stops the role with that code.
     inotify on the run folder wakes it when the file appears."""
 
     def __init__(self, paths: StatePaths) -> None:
         self.paths = paths
-        paths.host_revoked.unlink(missing_ok=True)
+        paths.host_stopped.unlink(missing_ok=True)
         self._watch = _inotify({paths.run_dir})
 
     def fds(self) -> list[int]:
@@ -288,10 +288,10 @@ class RevocationWatch:
         if self._watch is not None:
             _drain(self._watch)
         try:
-            said = self.paths.host_revoked.read_text(encoding="utf-8").strip()
+            code, _, said = self.paths.host_stopped.read_text(encoding="utf-8").partition("\n")
         except OSError:
             return None
-        return HostRevoked(said or "the server revoked this host")
+        return CapyError(said.strip() or "a host service stopped", code=code.strip())
 
     def close(self) -> None:
         if self._watch is not None:

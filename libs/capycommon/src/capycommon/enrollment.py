@@ -9,6 +9,8 @@ and the host's Redis user (`JoinAnswer`).
 
 from __future__ import annotations
 
+import socket
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from capycommon.settings import ServerSettings
@@ -41,9 +43,10 @@ class JoinAnswer(BaseModel):
     redis_password: str = Field(repr=False)
 
 
-def dial_addresses(settings: ServerSettings) -> tuple[str | None, str | None]:
-    """What a join file tells hosts to dial: (bootstrap HOST:PORT, Redis TLS HOST:PORT),
-    each None where its listener binds every interface and no address was set."""
+def dial_addresses(settings: ServerSettings) -> tuple[str, str]:
+    """What a join file tells hosts to dial: (bootstrap HOST:PORT, Redis TLS HOST:PORT). A
+    listener on every interface is dialled by this machine's hostname, which the server's
+    certificate names too."""
     enrollment = settings.enrollment
     return (
         _dial(enrollment.bootstrap_address, enrollment.bootstrap_bind),
@@ -51,12 +54,12 @@ def dial_addresses(settings: ServerSettings) -> tuple[str | None, str | None]:
     )
 
 
-def _dial(address: str | None, bind: str) -> str | None:
+def _dial(address: str | None, bind: str) -> str:
     if address is not None:
         return address
     host, port = split_address(bind)
     if host in WILDCARDS:
-        return None
+        host = socket.gethostname()
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -304,7 +304,7 @@ class InvitationRefused(CapyError):
 
 
 class HostRevoked(CapyError):
-    """The server revoked this host: its Redis user is gone and its certificate refused."""
+    """The server revoked this host: its Redis user is gone and its certificate revoked."""
 
     code = "host_revoked"
 

@@ -109,10 +109,11 @@ class StatePaths:
         return self.run_dir / "role.lock"
 
     @property
-    def host_revoked(self) -> Path:
-        """Left by a host service that found the host revoked, for the launcher to stop the
-        role with code 14 (supervisord does not restart a service that exits 14)."""
-        return self.run_dir / "host-revoked"
+    def host_stopped(self) -> Path:
+        """Left by a host service that cannot go on (revoked, its certificate refused, a
+        server of another release line): the error's code and message, for the launcher to
+        stop the role with its exit code (supervisord does not restart such a service)."""
+        return self.run_dir / "host-stopped"
 
     @property
     def role_record(self) -> Path:

@@ -30,6 +30,7 @@ from capycommon import logs
 from capycommon.enrollment import incompatibility
 from capycommon.errors import (
     CapyError,
+    CertificateInvalid,
     CredentialsUnusable,
     HostRevoked,
     HostVersionIncompatible,
@@ -60,6 +61,10 @@ RedisCannotWrite = pipe.RedisCannotWrite
 
 
 # What a service rides out as an outage: Redis away, slow, or unable to save.
+# A host's services stop for good on these: retrying cannot help, and the role stops with the
+# error's exit code, which its units do not restart.
+HOST_FINAL = (HostRevoked, CertificateInvalid, HostVersionIncompatible)
+HOST_FINAL_EXITS = tuple(sorted({kind("").exit_code for kind in HOST_FINAL}))
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisCannotWrite)
 # Each service's connections to Redis: enough for its few blocking readers (pub/sub, stream
 # reads) and many short commands at once; a command waits this long for a free one.
@@ -166,9 +171,9 @@ def run(name: str, body: Body | None, argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_serve(name, args.role, settings, paths, document, body))
     except CapyError as exc:
         log.error("error [%s]: %s", exc.code, exc.message)
-        if isinstance(exc, HostRevoked):
+        if args.role == "host" and isinstance(exc, HOST_FINAL):
             with suppress(OSError):
-                write_atomic(paths.host_revoked, exc.message + "\n")
+                write_atomic(paths.host_stopped, f"{exc.code}\n{exc.message}\n")
         return exc.exit_code
 
 
@@ -236,6 +241,8 @@ async def _reach_redis(
                 "redis.url's user and password"
             ) from None
         except REDIS_ERRORS as exc:
+            if target.tls is not None and (refusal := tls_refusal(exc)) is not None:
+                raise refusal from None
             if time.monotonic() >= deadline:
                 raise RedisUnreachable(
                     f"cannot reach Redis at {target.described} after {patience:g} s ({exc}); "
@@ -251,6 +258,37 @@ async def _check_server_version(client: aioredis.Redis) -> None:
     reason = None if server is None else incompatibility(server, __version__)
     if reason is not None:
         raise HostVersionIncompatible(reason)
+
+
+# What OpenSSL says when a handshake fails on a certificate rather than on the network.
+_CERTIFICATE_FAILURES = (
+    "CERTIFICATE_VERIFY_FAILED",
+    "ALERT_UNKNOWN_CA",
+    "ALERT_CERTIFICATE_EXPIRED",
+    "ALERT_BAD_CERTIFICATE",
+    "ALERT_CERTIFICATE_REVOKED",
+    "ALERT_CERTIFICATE_UNKNOWN",
+    "ALERT_CERTIFICATE_REQUIRED",
+)
+
+
+def tls_refusal(exc: BaseException) -> CertificateInvalid | None:
+    """A joined host's TLS handshake refused on a certificate: the host's expired while it
+    was away, or the server's authority changed. Retrying cannot help, so the host stops
+    (exit 3, which its units do not restart) and says how to come back."""
+    said = str(exc)
+    if not any(marker in said for marker in _CERTIFICATE_FAILURES):
+        return None
+    whose = (
+        "the server's certificate is not from the authority this host joined"
+        if "CERTIFICATE_VERIFY_FAILED" in said
+        else "the server refused this host's certificate (expired, or from another authority)"
+    )
+    return CertificateInvalid(
+        f"{whose}: {said}; join again: on the server `capyctl revoke host NAME` and "
+        "`capyctl invite host NAME --recover`, then here `capyctl join host --join-file FILE "
+        "--recover`"
+    )
 
 
 def joined_host(role: Role, settings: AnySettings) -> bool:
@@ -355,6 +393,8 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
             REDIS_OUTAGE.failed(exc)  # reachable: a restart would not help
             lost_since = None
         except REDIS_ERRORS as exc:
+            if joined_host(ctx.role, ctx.settings) and (refusal := tls_refusal(exc)) is not None:
+                raise refusal from None
             REDIS_OUTAGE.failed(exc)
             if lost_since is None:
                 lost_since = time.time()

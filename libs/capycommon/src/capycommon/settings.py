@@ -362,14 +362,14 @@ class EnrollmentSection(Strict):
     )
     control_address: DialAddress = Field(
         None,
-        description="The HOST:PORT that hosts dial for the TLS port (none: control_bind, "
-        "unless it binds every interface).",
+        description="The HOST:PORT that hosts dial for the TLS port (none: control_bind; on "
+        "every interface, this machine's hostname).",
         examples=["gpu-server.lan:7445"],
     )
     bootstrap_address: DialAddress = Field(
         None,
-        description="The HOST:PORT that hosts join at (none: bootstrap_bind, unless it binds "
-        "every interface).",
+        description="The HOST:PORT that hosts join at (none: bootstrap_bind; on every "
+        "interface, this machine's hostname).",
         examples=["gpu-server.lan:7444"],
     )
     invitation_ttl: Seconds = Field(

@@ -34,7 +34,6 @@ from capycommon.errors import (
     HostNotRevoked,
     HostVersionIncompatible,
     IdentityConflict,
-    InvalidConfig,
     InvitationRefused,
     NotFound,
     http_code_for,
@@ -75,15 +74,6 @@ class Enrollment:
         """A join file for `request.host_name`, valid once, until it expires."""
         name = request.host_name
         bootstrap, control = dial_addresses(self.settings)
-        for address, setting in ((bootstrap, "bootstrap"), (control, "control")):
-            if address is None:
-                raise InvalidConfig(
-                    f"enrollment.{setting}_bind listens on every interface, so a join file "
-                    f"cannot say where hosts reach it; set enrollment.{setting}_address to "
-                    "the server's address that hosts dial (a LAN, tailnet or DNS name)"
-                )
-        assert bootstrap is not None
-        assert control is not None
         existing = await identities.read(self.client, name)
         if request.recover:
             if existing is None:
@@ -137,8 +127,8 @@ class Enrollment:
         if request.host_name != name:
             raise InvitationRefused(
                 f"the invitation is for host {name!r}, but this host is {request.host_name!r}; "
-                f"join with --host-name {name}, or ask for an invitation for "
-                f"{request.host_name!r}"
+                f"join with the join file written for {request.host_name!r} (capyctl invite "
+                f"host {request.host_name})"
             )
         recovery = invitation.recover_host_id is not None
         if request.recover != recovery:
@@ -190,7 +180,6 @@ class Enrollment:
             raise
         log.info("a host joined", extra={"host": name, "host_id": host_id, "recover": recovery})
         _, control = dial_addresses(self.settings)
-        assert control is not None
         return JoinAnswer(
             host_id=host_id,
             host_name=name,
@@ -202,7 +191,8 @@ class Enrollment:
         )
 
     async def revoke(self, name: str) -> wire.RevokeAnswer:
-        """Cut a host off for good: its certificate's serial refused, its Redis user gone and
+        """Cut a host off for good: its certificate's serial revoked (never renewed, and refused
+        wherever the server checks certificates), its Redis user gone and
         its connections closed. Every key it wrote stays as it was. Safe to repeat."""
         existing = await identities.read(self.client, name)
         if existing is None:
