@@ -11,7 +11,10 @@ from pydantic import BaseModel, ConfigDict
 
 from capycommon.state import keys
 
-INTERVAL_S = 2.0
+# Three beats within the time to live, so a late one never makes a live service look gone;
+# every Python process of a role beats (and a router worker keeps its places as often), so a
+# quiet role's CPU counts each wake for it.
+INTERVAL_S = 3.0
 TTL_S = 10
 
 
