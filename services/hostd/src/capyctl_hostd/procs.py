@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Collection
 from pathlib import Path
 
 from capycommon import procfs
@@ -36,6 +37,17 @@ def is_alive(recorded: ProcessIdentity) -> bool:
 def group_members(pgid: int) -> list[int]:
     """Live processes of a process group (the group outlives its leader)."""
     return procfs.group_members([pgid])[pgid]
+
+
+def in_group(pids: Collection[int], pgid: int) -> list[int]:
+    """Those of `pids` that are live processes of the group: the same as the group's members
+    among them, from their own /proc entries rather than a walk of all of /proc."""
+    found = []
+    for pid in pids:
+        fields = procfs.stat(pid)
+        if fields is not None and fields.pgid == pgid and fields.state != "Z":
+            found.append(pid)
+    return sorted(found)
 
 
 def foreign_listeners(port: int, pgid: int) -> set[int]:

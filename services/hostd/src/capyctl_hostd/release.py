@@ -76,12 +76,22 @@ async def watch(
         await memory.ask_readings(client, record.host, record.member)
         while True:
             reading = await memory.aread_reading(client, record.host)
-            members = procs.group_members(pgid)
+            # Only the processes the reading names on the GPU can hold its bytes: those of
+            # the group are found from their own /proc entries, not a walk of /proc per
+            # reading (one every few milliseconds while the park is verified).
+            members = procs.in_group(_on_gpu(reading, gpu_uuid), pgid)
             seen = observe(seen, reading, gpu_uuid, members, since, time.time())
             if seen.within(bound) or loop.time() >= deadline:
                 return seen
             wait = min(UNANNOUNCED_S, deadline - loop.time())
             await _next_reading(pubsub, loop.time() + wait)
+
+
+def _on_gpu(reading: MemoryReading | None, gpu_uuid: str) -> list[int]:
+    """The processes the reading shows holding memory on the GPU."""
+    if reading is None:
+        return []
+    return [pid for gpu in reading.gpus if gpu.uuid == gpu_uuid for pid in gpu.processes]
 
 
 async def _next_reading(pubsub: PubSub, until: float) -> None:
