@@ -29,6 +29,7 @@ from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import memory, notify
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.memory import MemoryReading, StartupPeak
+from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
 from capyctl_memwatch import peaks
 from capyctl_memwatch.backends import Backend
@@ -171,7 +172,9 @@ class Peaks:
                 await listener
 
     async def listen(self, stop: asyncio.Event) -> None:
-        """Follow the host's channel; every message wakes the sampler."""
+        """Follow the host's channel; every message wakes the sampler but an engine's load
+        (hostd writes one every 200 ms while an engine drains, and a switch waits on the
+        steps that follow it)."""
         # The host's own channel (hostd's announcements), not the control plane's.
         channels = [name for name, host in notify.channels([self.host]).items() if host]
         while not stop.is_set():
@@ -181,6 +184,8 @@ class Peaks:
                         if message.get("type") == "subscribe":
                             self._subscriptions += 1
                             self.subscription = self._subscriptions
+                        elif _a_load(message.get("data")):
+                            continue
                         self.changed.set()  # re-read: something may have changed unheard
             except REDIS_ERRORS:
                 pass
@@ -227,6 +232,17 @@ class Peaks:
                     log.warning("unreadable instance record", extra=extra)
                 self.refused.add(member)
         return records
+
+
+def _a_load(data: object) -> bool:
+    """Whether a message of the host's channel announces an engine's load (no instance
+    changed)."""
+    if not isinstance(data, bytes | str):
+        return False
+    try:
+        return Notification.model_validate_json(data).kind == "load"
+    except ValidationError:
+        return False
 
 
 async def watch(client: aioredis.Redis, host: str, backend: Backend, stop: asyncio.Event) -> None:
