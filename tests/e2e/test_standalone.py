@@ -170,6 +170,9 @@ def test_sigterm_stops_everything_and_leaves_no_process() -> None:
         assert not (role.state_dir / "run" / "role.json").exists()
         gone = role.capyctl("status")
         assert gone.returncode == 27
+        # Every service left on its own when told to, none killed for taking too long.
+        supervisord = (role.state_dir / "logs" / "supervisord.log").read_text()
+        assert "SIGKILL" not in supervisord
 
 
 def test_ctrl_c_stops_everything() -> None:

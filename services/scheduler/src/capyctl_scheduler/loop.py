@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
-from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import notify
 from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, demand_group
 from capycommon.state.store import read_host_events
@@ -194,7 +194,9 @@ class Scheduler:
                     continue
                 # A notification that came during the tick has set `wake`: plan again at
                 # once, with everything it and any others told (a burst costs one tick).
-                await wait_event(self.wake, self.pause(time.time()))
+                # The stop too: a quiet loop waits up to QUIET_MAX_S, past supervisord's
+                # patience with a stopping service.
+                await wait_any(self.wake, stop, timeout=self.pause(time.time()))
                 self.wake.clear()
         finally:
             listener.cancel()
