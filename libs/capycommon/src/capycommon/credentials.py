@@ -6,7 +6,6 @@ owner-only. A file that cannot be trusted refuses the start: there is no fallbac
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from capycommon.errors import CredentialsUnusable
-from capycommon.paths import ensure_private_dir, write_atomic
+from capycommon.paths import ensure_private_dir, read_private, write_atomic
 
 TOKEN_PATTERN = re.compile(r"[A-Za-z0-9._~+/=-]{32,256}")
 FIELDS = ("api_key", "admin_token")
@@ -44,28 +43,8 @@ def ensure(path: Path) -> Credentials:
 
 def load(path: Path) -> Credentials:
     """Read and check the credentials file; any doubt refuses."""
-    fix_mode = f"run `chmod 600 {path}`"
     regenerate = f"delete {path} to generate new credentials, or restore a good copy"
-    try:
-        info = path.stat()
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CredentialsUnusable(
-            f"{path} does not exist; start the role once to create it"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
-        raise CredentialsUnusable(f"cannot read {path}: {reason}; {regenerate}") from None
-    if info.st_uid != os.getuid():
-        raise CredentialsUnusable(
-            f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}); "
-            f"run `chown {os.getuid()} {path}`"
-        )
-    mode = info.st_mode & 0o777
-    if mode & 0o077:
-        raise CredentialsUnusable(
-            f"{path} is readable or writable by group or others (mode {mode:04o}); {fix_mode}"
-        )
+    text = read_private(path, missing="start the role once to create it", fix=regenerate)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError:

@@ -5,13 +5,12 @@ user. `capyctl join host` writes it (owner-only) beside the host's key and certi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from capycommon.errors import CredentialsUnusable
-from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
+from capycommon.paths import StatePaths, ensure_private_dir, read_private, write_atomic
 
 
 class Joined(BaseModel):
@@ -36,28 +35,17 @@ def read(paths: StatePaths) -> Joined | None:
     """The host's enrollment; None when it never joined. A file that cannot be trusted
     refuses: it holds the host's Redis password."""
     file = paths.joined
-    try:
-        info = file.stat()
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not file.exists() and not file.is_symlink():
         return None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
-        raise CredentialsUnusable(
-            f"cannot read {file}: {reason}; join again with `capyctl join host --recover`"
-        ) from None
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise CredentialsUnusable(
-            f"{file} holds this host's Redis password but others may read it "
-            f"(mode {info.st_mode & 0o777:04o}, uid {info.st_uid}); run `chmod 600 {file}`"
-        )
+    again = (
+        "join again: `capyctl invite host NAME --recover` on the server, then "
+        "`capyctl join host --join-file FILE --recover` here"
+    )
+    text = read_private(file, missing=again, fix=again)
     try:
         return Joined.model_validate(json.loads(text))
     except (ValueError, ValidationError):
-        raise CredentialsUnusable(
-            f"{file} is damaged; join again: `capyctl invite host NAME --recover` on the "
-            "server, then `capyctl join host --join-file FILE --recover` here"
-        ) from None
+        raise CredentialsUnusable(f"{file} is damaged; {again}") from None
 
 
 def files_present(paths: StatePaths) -> list[Path]:

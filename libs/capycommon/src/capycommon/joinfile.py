@@ -24,7 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from capycommon import pki
 from capycommon.errors import CertificateInvalid, CredentialsUnusable
-from capycommon.paths import write_atomic
+from capycommon.paths import read_private, write_atomic
 
 SECRET_BYTES = 32
 HEX_PATTERN = re.compile(r"[0-9a-f]{64}")
@@ -151,23 +151,11 @@ def read(path: Path) -> JoinFile:
         "copy the join file again as the server wrote it, or make a new one with "
         "`capyctl invite host NAME` on the server"
     )
-    try:
-        info = path.stat()
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CredentialsUnusable(
-            f"{path} does not exist; give the join file `capyctl invite host NAME` wrote on "
-            "the server"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
-        raise CredentialsUnusable(f"cannot read {path}: {reason}; {again}") from None
-    mode = info.st_mode & 0o777
-    if mode & 0o077:
-        raise CredentialsUnusable(
-            f"{path} is readable or writable by group or others (mode {mode:04o}) and holds "
-            f"an invitation secret; run `chmod 600 {path}`"
-        )
+    text = read_private(
+        path,
+        missing="give the join file `capyctl invite host NAME` wrote on the server",
+        fix=again,
+    )
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

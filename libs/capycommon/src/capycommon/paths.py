@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from capycommon.errors import InvalidConfig
+from capycommon.errors import CredentialsUnusable, InvalidConfig
 
 # A unix socket path longer than this does not fit in sockaddr_un on Linux.
 MAX_SOCKET_PATH = 107
@@ -178,6 +178,32 @@ def write_atomic(path: Path, data: str, mode: int = 0o600) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_private(path: Path, *, missing: str, fix: str) -> str:
+    """The text of an owner-only file that holds a secret. Refused, naming the file: missing
+    (`missing` says how to make it), unreadable or not UTF-8 (`fix` says how to mend it),
+    another user's, or open to group or others."""
+    try:
+        info = path.stat()
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CredentialsUnusable(f"{path} does not exist; {missing}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise CredentialsUnusable(f"cannot read {path}: {reason}; {fix}") from None
+    if info.st_uid != os.getuid():
+        raise CredentialsUnusable(
+            f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}); "
+            f"run `chown {os.getuid()} {path}`"
+        )
+    mode = info.st_mode & 0o777
+    if mode & 0o077:
+        raise CredentialsUnusable(
+            f"{path} holds a secret but is readable or writable by group or others (mode "
+            f"{mode:04o}); run `chmod 600 {path}`"
+        )
+    return text
 
 
 def check_socket_path(path: Path) -> None:

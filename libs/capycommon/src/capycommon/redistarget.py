@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from capycommon import joined as joined_file
 from capycommon.errors import CredentialsUnusable, InvalidConfig
-from capycommon.paths import StatePaths
+from capycommon.paths import StatePaths, read_private
 from capycommon.settings import AnySettings, HostSettings, ServerSettings
 
 # The server's own Redis user: the router, the scheduler and the CLI on the server.
@@ -108,21 +108,11 @@ def joined_target(paths: StatePaths) -> RedisTarget:
 
 def read_secret(path: Path) -> str:
     """A one-line secret kept owner-only in the state dir."""
-    try:
-        info = path.stat()
-        value = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        raise CredentialsUnusable(
-            f"{path} does not exist; start the server role once to create it"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
-        raise CredentialsUnusable(f"cannot read {path}: {reason}") from None
-    if info.st_mode & 0o077:
-        raise CredentialsUnusable(
-            f"{path} is readable by group or others (mode {info.st_mode & 0o777:04o}); "
-            f"run `chmod 600 {path}`"
-        )
+    value = read_private(
+        path,
+        missing="start the server role once to create it",
+        fix=f"delete {path} and start the server role again",
+    ).strip()
     if not value:
         raise CredentialsUnusable(f"{path} is empty; delete it and start the server again")
     return value

@@ -33,9 +33,9 @@ from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE
 from capycommon.state.idempotency import Answers
 from capycommon.version import __version__
 from capyctl_scheduler.enroll import Enrollment
+from capyctl_scheduler.errorbody import SAFE_HEADERS, error_response
 from capyctl_scheduler.manage import Manager
 
-_SAFE_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 MAX_BODY = 1 << 20
 Answer = TypeVar("Answer", bound=wire.Versioned)
 Body = TypeVar("Body", bound=wire.Request)
@@ -48,13 +48,6 @@ BODIES = (
     wire.RevokeRequest,
 )
 _FAILED: dict[str, Any] = {"model": wire.ErrorBody, "description": "what failed, and the fix"}
-
-
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    body = wire.ErrorBody(
-        error=wire.ErrorDetail(code=code, message=message, retryable=status >= 500)
-    )
-    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=_SAFE_HEADERS)
 
 
 class Kept(BaseModel):
@@ -153,7 +146,7 @@ def create_app(
     @app.middleware("http")
     async def safe_headers(request: Request, call_next: Any) -> Any:
         response = await call_next(request)
-        response.headers.update(_SAFE_HEADERS)
+        response.headers.update(SAFE_HEADERS)
         return response
 
     @app.get(f"{wire.PREFIX}/health")

@@ -47,6 +47,8 @@ from capycommon.state.identities import HostIdentity, Invitation
 from capycommon.state.memory import aread_reading
 from capycommon.state.notify import Notification
 from capycommon.version import __version__
+from capyctl_scheduler.errorbody import error_response
+from capyctl_scheduler.status import gpus_of
 
 log = logging.getLogger(__name__)
 
@@ -291,17 +293,7 @@ class Enrollment:
                 wire.HostRow(
                     name=name,
                     state=state,
-                    gpus=[
-                        wire.HostGpu(
-                            name=f"gpu{g.index}",
-                            uuid=g.uuid,
-                            total=g.total_bytes,
-                            used=g.used_bytes,
-                            free=g.free_bytes,
-                            unified=g.unified,
-                        )
-                        for g in (reading.gpus if reading else [])
-                    ],
+                    gpus=gpus_of(reading),
                     domains=[],
                     joined=True,
                     host_id=identity.host_id,
@@ -337,19 +329,13 @@ def bootstrap_app(enrollment: Enrollment) -> FastAPI:
         openapi_url=None,
     )
 
-    def failed(status: int, code: str, message: str) -> JSONResponse:
-        body = wire.ErrorBody(
-            error=wire.ErrorDetail(code=code, message=message, retryable=status >= 500)
-        )
-        return JSONResponse(body.model_dump(mode="json"), status_code=status)
-
     @app.exception_handler(CapyError)
     async def capy_error(_: Request, exc: CapyError) -> JSONResponse:
-        return failed(exc.http_status, exc.code, exc.message)
+        return error_response(exc.http_status, exc.code, exc.message)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return failed(exc.status_code, http_code_for(exc.status_code), str(exc.detail))
+        return error_response(exc.status_code, http_code_for(exc.status_code), str(exc.detail))
 
     @app.post(JOIN_PATH)
     async def join(request: Request) -> JoinAnswer:

@@ -224,6 +224,21 @@ def _startup(snapshot: Snapshot, name: str) -> Startup | None:
     return None
 
 
+def gpus_of(reading: MemoryReading | None) -> list[HostGpu]:
+    """A host's GPUs as its latest memory reading has them (none without one)."""
+    return [
+        HostGpu(
+            name=f"gpu{g.index}",
+            uuid=g.uuid,
+            total=g.total_bytes,
+            used=g.used_bytes,
+            free=g.free_bytes,
+            unified=g.unified,
+        )
+        for g in (reading.gpus if reading else [])
+    ]
+
+
 def host_rows(snapshot: Snapshot, readings: dict[str, MemoryReading | None]) -> list[HostRow]:
     """A row per host: whether it is observed, its domains with limits and charges."""
     rows = []
@@ -239,17 +254,7 @@ def host_rows(snapshot: Snapshot, readings: dict[str, MemoryReading | None]) -> 
             HostRow(
                 name=host,
                 state=state,
-                gpus=[
-                    HostGpu(
-                        name=f"gpu{g.index}",
-                        uuid=g.uuid,
-                        total=g.total_bytes,
-                        used=g.used_bytes,
-                        free=g.free_bytes,
-                        unified=g.unified,
-                    )
-                    for g in (reading.gpus if reading else [])
-                ],
+                gpus=gpus_of(reading),
                 domains=domains,
             )
         )
