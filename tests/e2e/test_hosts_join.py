@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 import redis
 
-from support import Role, capyctl, join_host, short_dir, start_host, start_role, wait_for
+from support import (
+    Role,
+    capyctl,
+    free_port,
+    join_host,
+    short_dir,
+    start_host,
+    start_role,
+    wait_for,
+)
 
 # Short enough for a renewal within the test (hosts renew after two thirds of it).
 LIFETIME_S = 15
@@ -169,4 +178,46 @@ def test_a_joined_host_keeps_its_name(server: Role) -> None:
         assert invited.returncode == 29
         assert invited.stderr.startswith("error [identity_conflict]:")
     finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_new_authority_stops_a_joined_host_until_it_recovers() -> None:
+    """The server's authority replaced (its files deleted, the server restarted): a host
+    joined under the old one stops with certificate_invalid (exit 3, which its units do not
+    restart) instead of retrying for ever, and comes back by revoke and recover."""
+    enrollment = (
+        "--enrollment-control-bind",
+        f"127.0.0.1:{free_port()}",
+        "--enrollment-bootstrap-bind",
+        f"127.0.0.1:{free_port()}",
+    )
+    server = start_role("server", extra=enrollment)
+    folder = short_dir()
+    state = folder / "gpu-e"
+    host: Role | None = None
+    try:
+        join_host(server, "gpu-e", state)
+        listeners = (server.inference, server.management)
+        assert server.stop() == 0
+        for name in ("ca.pem", "ca.key"):
+            (server.state_dir / "identity" / "ca" / name).unlink()
+        server = start_role(
+            "server", state_dir=server.state_dir, listeners=listeners, extra=enrollment
+        )
+        host = start_host(state, wait=False)
+        assert host.proc.wait(timeout=60) == 3
+        said = host.output()
+        assert "error [certificate_invalid]" in said
+        assert "not from the authority this host joined" in said
+        assert "--recover" in said
+        assert server.capyctl("revoke", "host", "gpu-e").returncode == 0
+        join_host(server, "gpu-e", state, "--recover")
+        host = start_host(state)
+        assert _hosts(server)["gpu-e"]["connected"] is True
+        assert host.stop() == 0
+    finally:
+        if host is not None:
+            host.stop()
+        server.stop()
+        shutil.rmtree(server.state_dir.parent, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
