@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
@@ -406,15 +407,43 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
         await wait_event(ctx.stop, heartbeats.INTERVAL_S if lost_since is None else 0.5)
 
 
+# With no connection open, uvicorn's tick waits this long at most (a connection wakes it).
+IDLE_TICK_S = 60.0
+
+
+class _Connections(set[Any]):
+    """uvicorn's set of open connections, telling the server as each one opens."""
+
+    def __init__(self, opened: Callable[[], None]) -> None:
+        super().__init__()
+        self._opened = opened
+
+    def add(self, connection: Any) -> None:
+        super().add(connection)
+        self._opened()
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling (the service decides when to stop), and
-    ticking once a second instead of ten times: its tick refreshes the Date header (once a
-    second either way) and notices the exit, which `leave` now wakes it for; an idle service
-    should not wake for it."""
+    ticking once a second instead of ten times, and only while a connection is open: its tick
+    refreshes the Date header (once a second either way) and notices the exit, which `leave`
+    now wakes it for; an idle service should not wake for it. A connection that opens after
+    a quiet spell refreshes the Date at once, before its first answer, and the tick resumes."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self._leaving = asyncio.Event()
+        self._opened = asyncio.Event()
+        self._dated = 0.0
+        self.server_state.connections = _Connections(self._on_open)
+
+    def _on_open(self) -> None:
+        if time.time() - self._dated >= 1.0:
+            self._dated = time.time()
+            date = formatdate(self._dated, usegmt=True).encode()
+            found = [(b"date", date)] if self.config.date_header else []
+            self.server_state.default_headers = found + self.config.encoded_headers
+        self._opened.set()
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -427,8 +456,13 @@ class _Server(uvicorn.Server):
     async def main_loop(self) -> None:
         counter = 0  # in tenths of a second, as uvicorn counts: a multiple of 10 refreshes Date
         while not await self.on_tick(counter):
+            self._dated = time.time()
             counter += 10
-            await wait_event(self._leaving, 1.0)
+            if self.server_state.connections:
+                await wait_event(self._leaving, 1.0)
+            else:
+                self._opened.clear()
+                await wait_any(self._leaving, self._opened, timeout=IDLE_TICK_S)
 
 
 def bind(address: str) -> socket.socket:
