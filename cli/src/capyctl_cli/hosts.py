@@ -147,6 +147,50 @@ def join_host(
 def join(paths: StatePaths, join: joinfile.JoinFile, *, recover: bool) -> joined_file.Joined:
     """Join with `join`; everything that can be checked here is checked before the server
     is asked, so a mistake does not use the invitation up."""
+    _preflight(paths, join, recover=recover)
+    name = join.host_name
+    key = pki.new_private_key()
+    request = JoinRequest(
+        invitation_secret=join.invitation_secret,
+        host_name=name,
+        version=__version__,
+        certificate_request=pki.certificate_request(key, name).decode(),
+        recover=recover,
+    )
+    answer = _ask(join, request)
+    facts = pki.verify_issued(
+        answer.certificate.encode(), join.server_ca.encode(), datetime.now(UTC)
+    )
+    if facts.common_name != name or facts.identity != answer.host_id:
+        raise Internal(
+            f"the server issued a certificate for {facts.common_name!r} (id {facts.identity}), "
+            f"not for host {name!r} (id {answer.host_id})"
+        )
+    if not pki.key_matches(answer.certificate.encode(), key):
+        raise Internal("the server's certificate is not for the key this host sent")
+    ensure_private_dir(paths.root)
+    ensure_private_dir(paths.identity_dir)
+    # The certificate and its key in one file: a renewal replaces both with one rename.
+    write_atomic(paths.host_certificate, answer.certificate + key.decode(), mode=0o600)
+    write_atomic(paths.joined_authority, join.server_ca, mode=0o600)
+    if not paths.host_name.exists():
+        write_atomic(paths.host_name, f"{name}\n")
+    found = joined_file.Joined(
+        host_name=name,
+        host_id=answer.host_id,
+        server_version=answer.server_version,
+        bootstrap_address=join.server_address,
+        redis_address=answer.redis_address,
+        redis_user=answer.redis_user,
+        redis_password=answer.redis_password,
+        joined_at=time.time(),
+    )
+    joined_file.write(paths, found)
+    return found
+
+
+def _preflight(paths: StatePaths, join: joinfile.JoinFile, *, recover: bool) -> None:
+    """What this machine can tell is wrong before the invitation is spent."""
     name = join.host_name
     if joinfile.expired(join, datetime.now(UTC)):
         expired = datetime.fromtimestamp(join.expires_unix, UTC).isoformat(timespec="seconds")
@@ -175,43 +219,6 @@ def join(paths: StatePaths, join: joinfile.JoinFile, *, recover: bool) -> joined
             f"file recovers host id {join.recover_host_id}"
         )
     _check_name(paths, name)
-    key = pki.new_private_key()
-    request = JoinRequest(
-        invitation_secret=join.invitation_secret,
-        host_name=name,
-        version=__version__,
-        certificate_request=pki.certificate_request(key, name).decode(),
-        recover=recover,
-    )
-    answer = _ask(join, request)
-    now = datetime.now(UTC)
-    facts = pki.verify_issued(answer.certificate.encode(), join.server_ca.encode(), now)
-    if facts.common_name != name or facts.identity != answer.host_id:
-        raise Internal(
-            f"the server issued a certificate for {facts.common_name!r} (id {facts.identity}), "
-            f"not for host {name!r} (id {answer.host_id})"
-        )
-    if not pki.key_matches(answer.certificate.encode(), key):
-        raise Internal("the server's certificate is not for the key this host sent")
-    ensure_private_dir(paths.root)
-    ensure_private_dir(paths.identity_dir)
-    # The certificate and its key in one file: a renewal replaces both with one rename.
-    write_atomic(paths.host_certificate, answer.certificate + key.decode(), mode=0o600)
-    write_atomic(paths.joined_authority, join.server_ca, mode=0o600)
-    if not paths.host_name.exists():
-        write_atomic(paths.host_name, f"{name}\n")
-    found = joined_file.Joined(
-        host_name=name,
-        host_id=answer.host_id,
-        server_version=answer.server_version,
-        bootstrap_address=join.server_address,
-        redis_address=answer.redis_address,
-        redis_user=answer.redis_user,
-        redis_password=answer.redis_password,
-        joined_at=time.time(),
-    )
-    joined_file.write(paths, found)
-    return found
 
 
 def _check_name(paths: StatePaths, name: str) -> None:

@@ -114,37 +114,9 @@ class Enrollment:
 
     async def join(self, request: JoinRequest) -> JoinAnswer:
         """Sign the host's certificate and make its Redis user, once per invitation."""
-        invitation = await identities.peek_invitation(self.client, request.invitation_secret)
-        if invitation is None:
-            raise InvitationRefused(
-                "the invitation is unknown, already used or expired; ask the server's operator "
-                "for a new one (`capyctl invite host NAME`)"
-            )
+        invitation, existing = await self._admitted(request)
         name = invitation.host_name
-        if invitation.expires_unix <= time.time():
-            raise InvitationRefused(
-                f"the invitation for host {name!r} expired; ask for a new one "
-                f"(`capyctl invite host {name}`)"
-            )
-        if request.host_name != name:
-            raise InvitationRefused(
-                f"the invitation is for host {name!r}, but this host is {request.host_name!r}; "
-                f"join with the join file written for {request.host_name!r} (capyctl invite "
-                f"host {request.host_name})"
-            )
         recovery = invitation.recover_host_id is not None
-        if request.recover != recovery:
-            raise InvitationRefused(
-                "this is a recovery invitation: join with --recover"
-                if recovery
-                else "this invitation is not a recovery: join without --recover"
-            )
-        reason = incompatibility(__version__, request.version)
-        if reason is not None:
-            raise HostVersionIncompatible(reason)
-        existing = await identities.read(self.client, name)
-        if not recovery and existing is not None:
-            raise IdentityConflict(f"host {name!r} already joined (id {existing.host_id})")
         host_id = invitation.recover_host_id or pki.new_identity()
         certificate = self.authority.sign_request(
             request.certificate_request.encode(),
@@ -191,6 +163,42 @@ class Enrollment:
             redis_user=user,
             redis_password=password,
         )
+
+    async def _admitted(self, request: JoinRequest) -> tuple[Invitation, HostIdentity | None]:
+        """The invitation `request` holds, and the host's identity if it has one, once every
+        check passed; nothing is changed here."""
+        invitation = await identities.peek_invitation(self.client, request.invitation_secret)
+        if invitation is None:
+            raise InvitationRefused(
+                "the invitation is unknown, already used or expired; ask the server's operator "
+                "for a new one (`capyctl invite host NAME`)"
+            )
+        name = invitation.host_name
+        if invitation.expires_unix <= time.time():
+            raise InvitationRefused(
+                f"the invitation for host {name!r} expired; ask for a new one "
+                f"(`capyctl invite host {name}`)"
+            )
+        if request.host_name != name:
+            raise InvitationRefused(
+                f"the invitation is for host {name!r}, but this host is {request.host_name!r}; "
+                f"join with the join file written for {request.host_name!r} (capyctl invite "
+                f"host {request.host_name})"
+            )
+        recovery = invitation.recover_host_id is not None
+        if request.recover != recovery:
+            raise InvitationRefused(
+                "this is a recovery invitation: join with --recover"
+                if recovery
+                else "this invitation is not a recovery: join without --recover"
+            )
+        reason = incompatibility(__version__, request.version)
+        if reason is not None:
+            raise HostVersionIncompatible(reason)
+        existing = await identities.read(self.client, name)
+        if not recovery and existing is not None:
+            raise IdentityConflict(f"host {name!r} already joined (id {existing.host_id})")
+        return invitation, existing
 
     async def revoke(self, name: str) -> wire.RevokeAnswer:
         """Cut a host off for good: its certificate's serial revoked (never renewed, and refused
