@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -470,10 +471,16 @@ class Steps:
     """When each step of a start or wake ended (wall clock, from when hostd took it up), for
     hostd's log: where the time went."""
 
-    marks: dict[str, float] = field(default_factory=lambda: {"received": round(time.time(), 4)})
+    marks: dict[str, float] = field(default_factory=lambda: {"received": _moment()})
 
     def mark(self, step: str) -> None:
-        self.marks[step] = round(time.time(), 4)
+        self.marks[step] = _moment()
+
+
+def _moment() -> float:
+    """Now, to a tenth of a millisecond, rounded down: a step's mark is never later than the
+    record written right after it (its `since`)."""
+    return math.floor(time.time() * 10_000) / 10_000
 
 
 def _message(exc: BaseException) -> str:
