@@ -184,7 +184,7 @@ def run_process(
 
 @config_app.command("show", cls=SettingsCommand)
 @expected_errors
-@setting_flags("standalone")  # every setting of every role; each role takes its own
+@setting_flags(None)  # every setting of every role; each role takes its own
 def config_show(
     ctx: typer.Context,
     flags: dict[str, str | None],

@@ -12,7 +12,7 @@ import typer.core
 
 from capycommon.errors import CapyError, InvalidConfig
 from capycommon.settingnames import SettingSpec
-from capycommon.settings import Role, setting_specs
+from capycommon.settings import Role, all_setting_specs, setting_specs
 from capyctl_cli import output
 
 StateDirOpt = Annotated[
@@ -95,15 +95,17 @@ class SettingsCommand(typer.core.TyperCommand):
         self.rich_markup_mode = None
 
 
-def setting_flags(role: Role) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Give a command one option per flag of `role`'s settings, derived from its tree.
+def setting_flags(role: Role | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command one option per flag of `role`'s settings (of every role's for None),
+    derived from its tree.
 
     The command takes `ctx: typer.Context` and `flags: dict[str, str | None]` (each flag
     name and its value, None when not given, with any flag click did not know, which
     `load_settings` refuses naming it); --help lists the options. Register the command with
     `cls=SettingsCommand`.
     """
-    named = [(name, spec) for spec in setting_specs(role).values() for name in spec.flags]
+    specs = all_setting_specs() if role is None else setting_specs(role)
+    named = [(name, spec) for spec in specs.values() for name in spec.flags]
     options = [(f"setting_{index}", name, spec) for index, (name, spec) in enumerate(named)]
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
