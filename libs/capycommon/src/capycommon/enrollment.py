@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from capycommon.settings import ServerSettings
 from capycommon.settingvalues import split_address
-from capycommon.version import __version__
 
 JOIN_PATH = "/bootstrap/v1/join"
 WILDCARDS = frozenset({"0.0.0.0", "::"})
@@ -73,10 +72,6 @@ def incompatibility(server: str, host: str) -> str | None:
         f"server of its own release line ({_describe_line(server)}): install CapyCTL "
         f"{server} on the host"
     )
-
-
-def this_version() -> str:
-    return __version__
 
 
 def _line(version: str) -> tuple[str, str] | None:

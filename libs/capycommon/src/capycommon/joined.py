@@ -48,7 +48,7 @@ def read(paths: StatePaths) -> Joined | None:
         raise CredentialsUnusable(f"{file} is damaged; {again}") from None
 
 
-def files_present(paths: StatePaths) -> list[Path]:
+def missing_files(paths: StatePaths) -> list[Path]:
     """The identity files a joined host cannot connect without, that are missing."""
     needed = (paths.host_certificate, paths.joined_authority)
     return [path for path in needed if not path.exists()]

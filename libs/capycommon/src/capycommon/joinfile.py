@@ -11,7 +11,6 @@ id, the SHA-256 of the secret's 32 bytes, so what it stores cannot be used to jo
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import json
 import re
 import secrets
@@ -25,10 +24,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from capycommon import pki
 from capycommon.errors import CertificateInvalid, CredentialsUnusable
 from capycommon.paths import read_private, write_atomic
+from capycommon.settingvalues import check_dial_host, split_dial_address
 
 SECRET_BYTES = 32
 HEX_PATTERN = re.compile(r"[0-9a-f]{64}")
-DNS_NAME_PATTERN = re.compile(r"(?=.{1,253}$)([A-Za-z0-9-]{1,63}\.)*[A-Za-z0-9-]{1,63}")
 
 
 def new_invitation_secret() -> tuple[str, str]:
@@ -49,18 +48,6 @@ def _check_hex(value: str) -> str:
     return value
 
 
-def _check_host(host: str) -> None:
-    """A host another machine can dial: an IP address (not a wildcard) or a DNS name."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        if not DNS_NAME_PATTERN.fullmatch(host):
-            raise ValueError(f"{host!r} is neither an IP address nor a DNS name") from None
-        return
-    if ip.is_unspecified:
-        raise ValueError(f"{host!r} names every interface, not one a host can dial")
-
-
 def _check_server_address(value: str) -> str:
     try:
         parts = urlsplit(value)
@@ -71,17 +58,12 @@ def _check_server_address(value: str) -> str:
         raise ValueError(f"{value!r} is not an https:// URL (for example https://10.0.0.5:7444)")
     if port == 0:
         raise ValueError(f"{value!r} has port 0")
-    _check_host(parts.hostname)
+    check_dial_host(parts.hostname)
     return value
 
 
 def _check_redis_address(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{value!r} is not HOST:PORT (for example 10.0.0.5:6380)")
-    _check_host(host)
+    split_dial_address(value)
     return value
 
 

@@ -35,6 +35,7 @@ from capycommon.errors import (
     InvalidConfig,
 )
 from capycommon.paths import ensure_private_dir, write_atomic
+from capycommon.settingvalues import DNS_NAME
 
 Kind = Literal["host", "router"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
@@ -52,11 +53,6 @@ URI_PREFIX = "urn:capyctl:"
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 # An identity in the SAN URI: plain URI-safe characters only (a host id is 26 of them).
 IDENTITY_PATTERN = re.compile(r"[0-9A-Za-z][0-9A-Za-z-]{0,63}")
-# A DNS name in a server certificate: dot-separated labels of letters, digits and hyphens.
-DNS_NAME_PATTERN = re.compile(
-    r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
-)
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
@@ -416,7 +412,7 @@ def _subject_alternative_name(address: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(bare))
     except ValueError:
         pass
-    if not DNS_NAME_PATTERN.fullmatch(bare):
+    if not DNS_NAME.fullmatch(bare):
         raise InvalidConfig(
             f"server address {address!r} is neither an IP address nor a DNS name; give "
             "an address like 192.0.2.10 or gpu-server.example.com, without port or scheme"

@@ -92,7 +92,7 @@ def joined_target(paths: StatePaths) -> RedisTarget:
             "run `capyctl invite host NAME --output NAME.join`, then here `capyctl join host "
             "--join-file NAME.join`; or set redis.url to a Redis this host may use"
         )
-    missing = joined_file.files_present(paths)
+    missing = joined_file.missing_files(paths)
     if missing:
         names = ", ".join(str(path) for path in missing)
         raise CredentialsUnusable(

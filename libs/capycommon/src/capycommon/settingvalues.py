@@ -15,6 +15,11 @@ from capycommon.simgpu import parse_devices
 from capycommon.units import parse_duration, parse_size
 
 LOOPBACK_NAMES = frozenset({"localhost"})
+# A DNS name: dot-separated labels of letters, digits and inner hyphens, 253 characters at most.
+DNS_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
 
 
 def split_address(value: str) -> tuple[str, int]:
@@ -46,6 +51,21 @@ def _check_address(value: str) -> str:
     return value
 
 
+def check_dial_host(host: str) -> None:
+    """A host another machine can dial: an IP address (not a wildcard) or a DNS name."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if not DNS_NAME.fullmatch(host):
+            raise ValueError(f"{host!r} is neither an IP address nor a DNS name") from None
+        return
+    if ip.is_unspecified:
+        raise ValueError(
+            f"{host!r} names every interface; give an address hosts can dial, such as the "
+            "server's LAN address or DNS name"
+        )
+
+
 def split_dial_address(value: str) -> tuple[str, int]:
     """`gpu-server.lan:7445` -> ("gpu-server.lan", 7445): an address another machine dials,
     a DNS name or an IP address (not a wildcard)."""
@@ -54,19 +74,7 @@ def split_dial_address(value: str) -> tuple[str, int]:
         host = host[1:-1]
     if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"{value!r} is not HOST:PORT (for example gpu-server.lan:7445)")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        if not re.fullmatch(r"(?=.{1,253}$)([A-Za-z0-9-]{1,63}\.)*[A-Za-z0-9-]{1,63}", host):
-            raise ValueError(
-                f"{host!r} in {value!r} is neither an IP address nor a DNS name"
-            ) from None
-    else:
-        if ip.is_unspecified:
-            raise ValueError(
-                f"{value!r} names every interface; give an address hosts can dial, such as "
-                "the server's LAN address or DNS name"
-            )
+    check_dial_host(host)
     return host, int(port_text)
 
 

@@ -286,9 +286,11 @@ class Enrollment:
             identity = await identities.read(self.client, name)
             if identity is None:
                 continue
-            beat = await heartbeats.aread(self.client, "hostd", name)
-            reading = await aread_reading(self.client, name)
-            engines = await aread_published(self.client, name)
+            beat, reading, engines = await asyncio.gather(
+                heartbeats.aread(self.client, "hostd", name),
+                aread_reading(self.client, name),
+                aread_published(self.client, name),
+            )
             revoked = identity.revoked_at is not None
             connected = beat is not None and not revoked
             if revoked:

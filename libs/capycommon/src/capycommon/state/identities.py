@@ -67,10 +67,6 @@ async def revoke_serial(client: aioredis.Redis, serial: str) -> None:
     await client.sadd(keys.revoked_serials(), serial)
 
 
-async def is_revoked(client: aioredis.Redis, serial: str) -> bool:
-    return bool(await client.sismember(keys.revoked_serials(), serial))
-
-
 async def peek_invitation(client: aioredis.Redis, secret: str) -> Invitation | None:
     """The invitation of `secret`, left in place (checks come before it is taken)."""
     raw = await client.get(keys.invitation(invitation_id(secret)))
