@@ -73,6 +73,12 @@ class StatePaths:
         return self.identity_dir / "server.key"
 
     @property
+    def router_certificate(self) -> Path:
+        """The router's client certificate and its private key, in one file, issued by the
+        server's authority at each start: what it presents to a host's ingress."""
+        return self.identity_dir / "router.pem"
+
+    @property
     def redis_password(self) -> Path:
         """The password of the server's `capyctl` Redis user (the router and the scheduler)."""
         return self.identity_dir / "redis-password"

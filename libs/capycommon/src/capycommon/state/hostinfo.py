@@ -17,6 +17,9 @@ class HostInfo(BaseModel):
     # False where host.deep_park is off: nothing parks deep there, and no engine runs with
     # its development controls.
     deep_park: bool = True
+    # A joined host's ingress as the router dials it (host:port, `capycommon.ingress`);
+    # None on a standalone role's own host, whose engines the router reaches on loopback.
+    ingress: str | None = None
 
 
 async def publish(client: aioredis.Redis, host: str, info: HostInfo) -> None:
