@@ -1,6 +1,7 @@
 """A server's identity, made ready at each start: its certificate authority (made once), a
-fresh server certificate for the Redis TLS port and the bootstrap listener, the control
-plane's Redis password (made once), and the Redis ACL file."""
+fresh server certificate for the Redis TLS port and the bootstrap listener, a fresh client
+certificate for the router (what it presents to the hosts' ingresses), the control plane's
+Redis password (made once), and the Redis ACL file."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from datetime import timedelta
 
 from capycommon import pki
 from capycommon.enrollment import WILDCARDS
+from capycommon.errors import CredentialsUnusable
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.settings import ServerSettings
 from capycommon.settingvalues import split_address, split_dial_address
@@ -19,6 +21,8 @@ from capyctl_cli.redisconf import ControlPort
 # The server certificate is issued anew at each start, for about 13 months (the most that
 # common TLS clients accept).
 SERVER_CERTIFICATE_LIFETIME = timedelta(days=397)
+# The router's certificate is issued anew at each start too, for as long, to this name.
+ROUTER_NAME = "capyctl-router"
 
 
 def prepare(paths: StatePaths, settings: ServerSettings) -> ControlPort:
@@ -27,6 +31,7 @@ def prepare(paths: StatePaths, settings: ServerSettings) -> ControlPort:
     certificate, key = authority.issue_server(server_names(settings), SERVER_CERTIFICATE_LIFETIME)
     write_atomic(paths.server_key, key.decode(), mode=0o600)
     write_atomic(paths.server_certificate, certificate.decode(), mode=0o644)
+    issue_router_certificate(paths, authority)
     password = ensure_secret(paths)
     try:
         kept = acl.host_lines(paths.redis_users.read_text(encoding="utf-8"))
@@ -34,6 +39,34 @@ def prepare(paths: StatePaths, settings: ServerSettings) -> ControlPort:
         kept = []
     write_atomic(paths.redis_users, acl.acl_file(password, kept), mode=0o600)
     return ControlPort(settings.enrollment.control_bind, str(authority.folder / pki.CERT_FILE))
+
+
+def issue_router_certificate(paths: StatePaths, authority: pki.Authority) -> None:
+    """The router's client certificate (kind router, its identity kept from the first start)
+    and a new private key, in one owner-only file: one rename replaces both."""
+    key = pki.new_private_key()
+    certificate = authority.sign_request(
+        pki.certificate_request(key, ROUTER_NAME),
+        kind="router",
+        name=ROUTER_NAME,
+        identity=router_id(paths),
+        lifetime=SERVER_CERTIFICATE_LIFETIME,
+    )
+    write_atomic(paths.router_certificate, (certificate + key).decode(), mode=0o600)
+
+
+def router_id(paths: StatePaths) -> str:
+    """The router's identity, made on the first start and kept."""
+    file = paths.router_id
+    if not file.exists():
+        write_atomic(file, pki.new_identity() + "\n", mode=0o600)
+    found = file.read_text(encoding="utf-8").strip()
+    if not pki.IDENTITY_PATTERN.fullmatch(found):
+        raise CredentialsUnusable(
+            f"{file} does not hold a router identity ({found[:40]!r}); delete it, and the "
+            "next start makes a new one"
+        )
+    return found
 
 
 def ensure_secret(paths: StatePaths) -> str:

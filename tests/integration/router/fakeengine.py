@@ -1,13 +1,16 @@
 """An engine of the test's own on a real loopback socket, for tests that put the router in
 front of it: every request is answered by a function of the test's, which gets the request
 as httpx builds one and gives an httpx.Response (its content may be an async stream: it is
-sent piece by piece as it comes, in HTTP/1.1 chunks, on a kept-alive connection)."""
+sent piece by piece as it comes, in HTTP/1.1 chunks, on a kept-alive connection). Served
+over TLS, it stands for a host's ingress: each request then carries the certificate the
+router presented (DER) as its extension `peercert`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import inspect
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -18,8 +21,9 @@ FRAMING = ("content-length", "transfer-encoding")
 
 
 @contextlib.asynccontextmanager
-async def engine_serving(answer: Answer) -> AsyncIterator[int]:
-    """Serve `answer` on a free loopback port (yielded) until the block ends."""
+async def engine_serving(answer: Answer, tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
+    """Serve `answer` on a free loopback port (yielded) until the block ends; over TLS with
+    the server context `tls`."""
     handlers: set[asyncio.Task[None]] = set()
 
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -37,7 +41,7 @@ async def engine_serving(answer: Answer) -> AsyncIterator[int]:
             handlers.discard(task)
             writer.close()
 
-    server = await asyncio.start_server(connection, "127.0.0.1", 0)
+    server = await asyncio.start_server(connection, "127.0.0.1", 0, ssl=tls)
     port = int(server.sockets[0].getsockname()[1])
     try:
         yield port
@@ -62,8 +66,13 @@ async def _one(
     headers = [(name.strip(), value.strip()) for name, value in _fields(lines)]
     length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
     body = await reader.readexactly(length)
+    peer = writer.get_extra_info("ssl_object")
     request = httpx.Request(
-        method, f"http://127.0.0.1:{port}{target}", headers=headers, content=body
+        method,
+        f"http://127.0.0.1:{port}{target}",
+        headers=headers,
+        content=body,
+        extensions={"peercert": peer.getpeercert(binary_form=True)} if peer else {},
     )
     found = answer(request)
     response = await found if inspect.isawaitable(found) else found

@@ -79,6 +79,12 @@ class StatePaths:
         return self.identity_dir / "router.pem"
 
     @property
+    def router_id(self) -> Path:
+        """The identity the router's certificate names (`urn:capyctl:router:<id>`), kept
+        from the server's first start."""
+        return self.identity_dir / "router-id"
+
+    @property
     def redis_password(self) -> Path:
         """The password of the server's `capyctl` Redis user (the router and the scheduler)."""
         return self.identity_dir / "redis-password"

@@ -19,6 +19,7 @@ from capycommon.state import places
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher, Limits
 from capyctl_router.metrics import Metrics
+from capyctl_router.remote import client_context
 from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
 from capyctl_router.workers import run_workers, worker_name
@@ -45,7 +46,9 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
     dispatcher = Dispatcher(ctx.redis, table, metrics, limits, owner=owner)
     # An idle connection to an engine is dropped well before the engine closes it (uvicorn's
     # keep-alive, vLLM's and SGLang's, is 5 s), so a request is never sent on one being closed.
-    engines = Engines(keepalive_s=ENGINE_KEEPALIVE_S)
+    # A server's router reaches every engine through its host's ingress, over TLS.
+    tls = client_context(ctx.paths) if isinstance(ctx.settings, ServerSettings) else None
+    engines = Engines(keepalive_s=ENGINE_KEEPALIVE_S, tls=tls)
     router = Router(dispatcher, engines)
     app = create_app(credentials.load(ctx.paths.credentials), router)
     await table.sync()

@@ -8,6 +8,12 @@ first event has gone to a streaming client, a failure is an error event and `[DO
 client that hangs up, at any point, closes the engine connection at once: one task a request
 (`Watch`) waits for the hang-up and cancels the request's own task wherever it waits. The
 place is settled once the answer's last byte went out.
+
+An engine on a joined host is reached through its host's ingress, over TLS, the same way.
+An ingress that cannot be reached (refused, timed out, or presenting a certificate that is
+not the host's) is `503 engine_unreachable`; its `409 stale_dispatch` (the instance stopped
+or moved), `503 unavailable`: both leave nothing running on an engine, so the place is given
+back at once, and the client may retry.
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ from dataclasses import dataclass, field, replace
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from capycommon.errors import CapyError, EngineError, EngineFailed, EngineRejected
+from capycommon.errors import (
+    CapyError,
+    EngineError,
+    EngineFailed,
+    EngineRejected,
+    EngineUnreachable,
+)
 from capycommon.state.desired import DeploymentRecord
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers
@@ -32,20 +44,30 @@ from capyctl_router.relay import (
     Call,
     Events,
     JsonDict,
+    StaleDispatch,
     dumps,
     engine_failure,
     engine_request,
     event_failure,
     for_client,
+    is_stale,
     loads,
     sse,
 )
 from capyctl_router.table import Target
-from capyctl_router.upstream import Answer, EngineConnectionError, Engines
+from capyctl_router.upstream import (
+    Answer,
+    Connection,
+    EngineConnectionError,
+    Engines,
+    IngressUnreachable,
+)
 
 REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
-# Outcomes after which the engine is done with the request: its place is given back at once.
-FINISHED = ("ok", EngineRejected.code, EngineError.code)
+# Outcomes after which the engine is done with the request (or never got it): its place is
+# given back at once.
+STALE = "stale_dispatch"
+FINISHED = ("ok", EngineRejected.code, EngineError.code, STALE)
 # Where the engines listen, from the router's side.
 ENGINE_ADDRESS = "127.0.0.1"
 
@@ -56,7 +78,7 @@ class Cut(Exception):
         self.why = why
 
 
-FAILURES = (EngineFailed, EngineError, EngineConnectionError, Cut)
+FAILURES = (EngineFailed, EngineError, EngineConnectionError, StaleDispatch, Cut)
 
 
 @dataclass(frozen=True)
@@ -77,6 +99,11 @@ def failure(exc: BaseException) -> Failure:
         return Failure(exc.code, exc.status, exc.code, exc.message, exc.param)
     if isinstance(exc, Cut):
         return Failure(exc.why, 503, "unavailable", f"no answer in time ({exc.why})")
+    if isinstance(exc, StaleDispatch):
+        return Failure(STALE, 503, "unavailable", str(exc))
+    if isinstance(exc, IngressUnreachable):
+        code = EngineUnreachable.code
+        return Failure(code, 503, code, str(exc))
     return Failure(EngineError.code, 500, EngineError.code, f"the engine failed: {exc}")
 
 
@@ -248,12 +275,26 @@ class Session:
     async def _open(self) -> Answer:
         """Send the request; the engine's error status raises as what it said."""
         body, headers = engine_request(self.call, self.target)
-        connection = await self.engines.connect(ENGINE_ADDRESS, self.target.port)
+        connection = await self._connect()
         self.response = connection.post(self.call.path, dumps(body), headers)
         await self.response.head()
-        if self.response.status >= 400:
-            raise engine_failure(self.response.status, await self.response.read(MAX_ERROR))
+        status = self.response.status
+        if status >= 400:
+            raw = await self.response.read(MAX_ERROR)
+            if self.target.ingress is not None and is_stale(status, raw):
+                raise StaleDispatch(
+                    f"deployment {self.target.deployment!r} stopped or moved on host "
+                    f"{self.target.host} before the request reached it; retry"
+                )
+            raise engine_failure(status, raw)
         return self.response
+
+    async def _connect(self) -> Connection:
+        """The engine's connection: on loopback, or through its host's ingress."""
+        ingress = self.target.ingress
+        if ingress is None:
+            return await self.engines.connect(ENGINE_ADDRESS, self.target.port)
+        return await self.engines.connect_ingress(ingress)
 
     async def _first(self) -> JsonDict | None:
         """The engine's first event (None if it ended without one), within the deadline."""

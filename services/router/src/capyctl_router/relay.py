@@ -9,6 +9,11 @@ or not (`{"object": "error", ...}`, up to 0.10.0), SGLang is flat, llama.cpp nes
 `{"code", "message", "type"}`, an auth refusal is `{"error": "Unauthorized"}`, and inside a
 stream an error is an event of the same shapes. `engine_failure` and `event_failure` turn
 each into one `EngineFailed`: the engine's status and message, in the OpenAI envelope.
+
+An engine on a joined host is reached through the host's ingress (`capycommon.ingress`):
+the same request on the same path, naming the instance it was admitted to instead of
+carrying the engine's key. The ingress answers `409 stale_dispatch` when that instance no
+longer runs there (`StaleDispatch`); anything else is the engine's own answer.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from capycommon import ingress
 from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.table import Target
 from capyctl_router.upstream import Answer
@@ -40,6 +46,24 @@ def engine_failure(status: int, raw: bytes) -> EngineFailed:
         found = None
     message, param, _ = _error_fields(found)
     return _failed(status, message or text[:2000] or f"the engine answered HTTP {status}", param)
+
+
+class StaleDispatch(Exception):
+    """The ingress did not forward the request: the instance it was admitted to stopped or
+    moved. Nothing reached an engine, so the client may retry at once."""
+
+
+def is_stale(status: int, raw: bytes) -> bool:
+    """Whether an ingress's error answer is its `409 stale_dispatch` (its code in the OpenAI
+    envelope, nested or flat)."""
+    if status != ingress.STALE_STATUS:
+        return False
+    try:
+        found: object = json.loads(raw)
+    except ValueError:  # not JSON, not UTF-8
+        return False
+    inner = found.get("error", found) if isinstance(found, dict) else None
+    return isinstance(inner, dict) and inner.get("code") == ingress.STALE_CODE
 
 
 def event_failure(event: JsonDict) -> EngineFailed | None:
@@ -105,9 +129,18 @@ class Call:
 
 def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]]:
     """The body and headers the engine gets: its served name, always streamed (with usage)
-    except embeddings, the request id where the family takes one, the per-launch key."""
+    except embeddings, the request id where the family takes one, the per-launch key (behind
+    an ingress, the instance the request was admitted to: the ingress adds the key)."""
     body = {**call.body, "model": target.served_name}
-    headers = {"Authorization": f"Bearer {target.secret}", "X-Request-Id": call.request_id}
+    if target.ingress is None:
+        headers = {"Authorization": f"Bearer {target.secret}", "X-Request-Id": call.request_id}
+    else:
+        headers = {
+            ingress.DEPLOYMENT_HEADER: target.deployment,
+            ingress.INSTANCE_HEADER: "0",
+            ingress.GENERATION_HEADER: str(target.generation),
+            "X-Request-Id": call.request_id,
+        }
     if call.kind != "embeddings":
         body["stream"] = True
         options = dict(body.get("stream_options") or {})

@@ -7,6 +7,12 @@ disconnected. Waiters for a deployment are woken whenever anything about it chan
 
 The notifications are read as they come, with no timeout to wake an idle worker: the full
 read finds a host that joined, and the subscription is then made again with its channel.
+
+An engine on the router's own host (a standalone role's) is reached on loopback, with its
+key. One on a joined host is reached through that host's ingress (`capyctl_router.remote`):
+the table keeps each joined host's ingress address, from its host info, and its id, from the
+server's record of it, read in full and again when the host announces itself. An instance
+on a joined host whose ingress is not known is no target yet, as one not ready.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ from pydantic import ValidationError
 from redis.asyncio.client import PubSub
 
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
-from capycommon.state import hostinfo, notify
+from capycommon.state import hostinfo, identities, notify
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
+from capyctl_router.remote import Ingress, ingress_of
 
 RESYNC_S = 5.0
 
@@ -37,24 +44,34 @@ class Target:
     host: str
     generation: int
     port: int
-    secret: str
+    # The engine's key; None behind an ingress, which adds it itself.
+    secret: str | None
     family: str
     served_name: str
+    # The host's ingress; None for an engine on the router's own host, dialed on loopback.
+    ingress: Ingress | None = None
 
 
 @dataclass
 class Table:
     client: aioredis.Redis
-    # Hosts whose instances are read; the control plane's `hosts` set adds to them.
+    # Hosts whose instances are read; the control plane's `hosts` set adds to them. Those
+    # given here are the router's own (`own`), whose engines it reaches on loopback.
     hosts: set[str]
     records: dict[str, DeploymentRecord] = field(default_factory=dict)
     routes: dict[str, str] = field(default_factory=dict)
     instances: dict[str, InstanceRecord] = field(default_factory=dict)
     secrets: dict[tuple[str, int], str] = field(default_factory=dict)
+    # Each joined host's ingress, where it is known.
+    ingresses: dict[str, Ingress] = field(default_factory=dict)
     _events: dict[str, asyncio.Event] = field(default_factory=dict)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when a full read finds a host whose channel the subscription lacks.
     _joined: asyncio.Event = field(default_factory=asyncio.Event)
+    own: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.own = frozenset(self.hosts)
 
     # Reading --------------------------------------------------------------------------------
 
@@ -68,9 +85,18 @@ class Table:
         record = self.records.get(name)
         if instance is None or record is None or instance.state != InstanceState.READY:
             return None
-        secret = self.secrets.get((name, instance.generation))
-        if secret is None or instance.port is None:
+        if instance.port is None:
             return None
+        ingress = None
+        if instance.host in self.own:
+            secret = self.secrets.get((name, instance.generation))
+            if secret is None:
+                return None
+        else:
+            secret = None
+            ingress = self.ingresses.get(instance.host)
+            if ingress is None:
+                return None
         return Target(
             deployment=name,
             host=instance.host,
@@ -79,6 +105,7 @@ class Table:
             secret=secret,
             family=instance.family or "vllm",
             served_name=instance.served_name or record.document.routes[0],
+            ingress=ingress,
         )
 
     def changed(self, name: str) -> asyncio.Event:
@@ -106,30 +133,65 @@ class Table:
                     instances[record.deployment] = record
         secrets = {}
         for name, instance in instances.items():
-            if instance.state == InstanceState.READY:
+            if instance.state == InstanceState.READY and instance.host in self.own:
                 secret = await InstanceStore(self.client, instance.host).secret(name, 0)
                 if secret is not None:
                     secrets[(name, instance.generation)] = secret
+        ingresses = {}
+        for host in sorted(hosts - self.own):
+            found = await self._read_ingress(host)
+            if found is not None:
+                ingresses[host] = found
         if hosts - self.hosts:
             self._joined.set()
         self.hosts = hosts
         self.records = records
         self.routes = {route: n for n, r in records.items() for route in r.document.routes}
-        before = self.instances
+        before, reached = self.instances, self.ingresses
         self.instances = instances
         self.secrets = secrets
+        self.ingresses = ingresses
+        moved = {h for h in set(reached) | set(ingresses) if reached.get(h) != ingresses.get(h)}
         for name in set(before) | set(instances) | set(self._events):
-            if before.get(name) != instances.get(name) or name not in records:
+            now = instances.get(name)
+            if before.get(name) != now or name not in records or (now and now.host in moved):
                 self.wake(name)
         self.synced.set()
+
+    async def _read_ingress(self, host: str) -> Ingress | None:
+        info, identity = await asyncio.gather(
+            hostinfo.aread(self.client, host), identities.read(self.client, host)
+        )
+        return ingress_of(host, info, identity)
+
+    async def _host(self, host: str) -> None:
+        """A joined host announced itself (its hostd started): read its ingress again."""
+        if host in self.own:
+            return
+        found = await self._read_ingress(host)
+        if found == self.ingresses.get(host):
+            return
+        if found is None:
+            self.ingresses.pop(host, None)
+        else:
+            self.ingresses[host] = found
+        for name, instance in list(self.instances.items()):
+            if instance.host == host:
+                self.wake(name)
 
     async def _instance(self, host: str, member: str) -> None:
         deployment, _, index = member.rpartition(":")
         if index != "0":
             return
         store = InstanceStore(self.client, host)
-        # Read together: a request waiting for a wake goes on once both are known.
-        record, secret = await asyncio.gather(store.get(deployment, 0), store.secret(deployment, 0))
+        # Read together: a request waiting for a wake goes on once both are known. A joined
+        # host's engine key stays with its ingress.
+        if host in self.own:
+            record, secret = await asyncio.gather(
+                store.get(deployment, 0), store.secret(deployment, 0)
+            )
+        else:
+            record, secret = await store.get(deployment, 0), None
         known = self.instances.get(deployment)
         if record is None or (known is not None and record.generation < known.generation):
             return
@@ -195,6 +257,8 @@ class Table:
                 continue
             if note.kind == "instance" and host:
                 await self._instance(host, note.id)
+            elif note.kind == "host" and host:
+                await self._host(host)
             elif note.kind == "deployment":
                 await self._deployment(note.id)
 

@@ -2,9 +2,11 @@
 
 A general HTTP client (httpx, with httpcore, anyio and h11 beneath it) cost more CPU per
 request than everything else the router does (bench/router.py). The router needs little of
-it: one kind of request, to addresses it knows, on plain TCP, one request at a time on a
-connection. So this is an asyncio protocol with httptools' parser (llhttp, as uvicorn's
-faster path uses) and a pool of idle connections per address.
+it: one kind of request, to addresses it knows, one request at a time on a connection. So
+this is an asyncio protocol with httptools' parser (llhttp, as uvicorn's faster path uses)
+and a pool of idle connections per address: plain TCP to the engines on the router's own
+host, TLS to the ingresses of joined hosts (`capyctl_router.remote`), each checked once,
+after its handshake, to be the host's it was meant for.
 
 An answer is read as it arrives; closing one before its end closes its connection, which is
 how an engine learns at once that a client left. One read to its end gives the connection
@@ -15,10 +17,13 @@ request is never sent on a connection the engine is closing).
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Mapping
 
 import httptools
+
+from capyctl_router.remote import Ingress, peer_problem
 
 # An answer's body is buffered up to this much before the engine's connection stops being
 # read, until the router takes it.
@@ -27,8 +32,17 @@ HIGH_WATER = 1 << 20
 MAX_IDLE = 64
 
 
+# An idle connection's pool: a loopback engine's (address, port), or a joined host's ingress.
+Key = tuple[str, int] | Ingress
+
+
 class EngineConnectionError(Exception):
     """The engine's connection failed: refused, reset, closed mid-answer, or not HTTP."""
+
+
+class IngressUnreachable(EngineConnectionError):
+    """No connection to a joined host's ingress: refused, timed out, its TLS handshake
+    failed, or the certificate it presented is not the host's."""
 
 
 class Answer:
@@ -142,9 +156,10 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 class Connection(asyncio.Protocol):
     """One connection to an engine, with the answer it is reading, if any."""
 
-    def __init__(self, pool: Engines, key: tuple[str, int]) -> None:
+    def __init__(self, pool: Engines, key: Key, authority: str) -> None:
         self.pool = pool
         self.key = key
+        self.authority = authority  # host:port, for the Host header
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.answer: Answer | None = None
@@ -157,10 +172,9 @@ class Connection(asyncio.Protocol):
         """Send the request, at once (before anything is waited for); its answer, whose
         status and headers `Answer.head` waits for."""
         assert self.transport is not None
-        host, port = self.key
         head = [
             f"POST {path} HTTP/1.1",
-            f"Host: {host}:{port}",
+            f"Host: {self.authority}",
             "Content-Type: application/json",
             f"Content-Length: {len(body)}",
         ]
@@ -241,10 +255,18 @@ class Connection(asyncio.Protocol):
 class Engines:
     """Connections to engines, kept between requests; one request at a time on each."""
 
-    def __init__(self, keepalive_s: float = 2.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        keepalive_s: float = 2.0,
+        connect_timeout_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
-        self._idle: dict[tuple[str, int], list[Connection]] = {}
+        # The client context for the hosts' ingresses; None where the router reaches none
+        # (a standalone role's, whose engines are all on loopback).
+        self.tls = tls
+        self._idle: dict[Key, list[Connection]] = {}
 
     async def post(
         self, host: str, port: int, path: str, body: bytes, headers: Mapping[str, str]
@@ -258,7 +280,12 @@ class Engines:
         """A connection to the engine at `host`:`port`: an idle one, else a new one."""
         return self._idle_connection((host, port)) or await self._connect(host, port)
 
-    def _idle_connection(self, key: tuple[str, int]) -> Connection | None:
+    async def connect_ingress(self, ingress: Ingress) -> Connection:
+        """A connection to a joined host's ingress: an idle one, else a new one over TLS
+        whose peer presented the host's own certificate (IngressUnreachable otherwise)."""
+        return self._idle_connection(ingress) or await self._connect_tls(ingress)
+
+    def _idle_connection(self, key: Key) -> Connection | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
@@ -273,12 +300,39 @@ class Engines:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, connection = await loop.create_connection(
-                    lambda: Connection(self, (host, port)), host, port
+                    lambda: Connection(self, (host, port), f"{host}:{port}"), host, port
                 )
         except (OSError, TimeoutError) as exc:
             raise EngineConnectionError(
                 f"cannot connect to the engine at {host}:{port} ({exc or 'timed out'})"
             ) from None
+        return connection
+
+    async def _connect_tls(self, ingress: Ingress) -> Connection:
+        if self.tls is None:
+            raise IngressUnreachable(
+                f"cannot connect to {ingress}: this router has no client certificate (only a "
+                "server role's router reaches joined hosts)"
+            )
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):  # the handshake included
+                transport, connection = await loop.create_connection(
+                    lambda: Connection(self, ingress, ingress.authority),
+                    ingress.address,
+                    ingress.port,
+                    ssl=self.tls,
+                    server_hostname=ingress.address,  # SNI for a name; none for an address
+                )
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            raise IngressUnreachable(
+                f"cannot connect to {ingress} ({exc or 'timed out'})"
+            ) from None
+        tls = transport.get_extra_info("ssl_object")
+        problem = peer_problem(tls.getpeercert(binary_form=True) if tls else None, ingress)
+        if problem is not None:
+            connection.close()
+            raise IngressUnreachable(f"refused {ingress}: {problem}")
         return connection
 
     def give_back(self, connection: Connection) -> None:

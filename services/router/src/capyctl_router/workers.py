@@ -36,6 +36,7 @@ from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, ServiceContext, bind, until_stop, wait_event
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.state import places
+from capyctl_router.remote import client_context
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ async def run_workers(ctx: ServiceContext, argv: Sequence[str]) -> None:
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     server = ctx.settings.server
     credentials.load(ctx.paths.credentials)  # what would stop every worker, said once here
+    if isinstance(ctx.settings, ServerSettings):
+        client_context(ctx.paths)
     listener = bind(server.listeners.inference.bind)
     folder = _metrics_folder(ctx.paths.run_dir)
     log.info("starting %d workers", server.router.workers)
