@@ -44,6 +44,7 @@ stop_app = command_group("Stop a deployment; requests get deployment_stopped unt
 delete_app = command_group("Stop and forget a deployment (model files stay).")
 list_app = command_group("List deployments, engines or hosts.")
 drain_app = command_group("Stop every engine on a host; deployments stay on demand.")
+undrain_app = command_group("Let a drained host take models again.")
 
 
 def _api(state_dir: str | None) -> Management:
@@ -250,11 +251,12 @@ def render_engines(rows: list[EngineRow]) -> str:
 
 def render_hosts(rows: list[HostRow]) -> str:
     return output.table(
-        ["NAME", "STATE", "VERSION", "GPUS", "MEMORY (CHARGED / LIMIT)", "ENGINES"],
+        ["NAME", "STATE", "ELIGIBLE", "VERSION", "GPUS", "MEMORY (CHARGED / LIMIT)", "ENGINES"],
         [
             [
                 r.name,
                 r.state,
+                "no (drained)" if r.drained else "yes",
                 r.version or "-",
                 ", ".join(f"{g.name} {_size(g.used)}/{_size(g.total)}" for g in r.gpus) or "-",
                 _memory(r),
@@ -297,7 +299,8 @@ def _drain(state_dir: str | None, host: str | None, as_json: bool) -> None:
             host = hosts[0].name
         answer = api.drain(host)
     stopping = ", ".join(answer.stopping) or "nothing was running"
-    output.show(answer, f"host {host}: stopping {stopping}", as_json=as_json)
+    closed = "; it takes no new model until capyctl undrain host " + host if answer.drained else ""
+    output.show(answer, f"host {host}: stopping {stopping}{closed}", as_json=as_json)
 
 
 @drain_app.command("standalone")
@@ -314,5 +317,19 @@ def drain_host(
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Stop every engine on one host."""
+    """Stop every engine on one host; a joined host takes no new model until undrained."""
     _drain(state_dir, host, as_json)
+
+
+@undrain_app.command("host")
+@expected_errors
+def undrain_host(
+    host: Annotated[str, typer.Argument(help="The host's name.", show_default=False)],
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Let a drained host take models again."""
+    with _api(state_dir) as api:
+        answer = api.undrain(host)
+    told = "takes models again" if answer.changed else "was not drained"
+    output.show(answer, f"host {host} {told}", as_json=as_json)

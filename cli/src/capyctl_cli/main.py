@@ -48,6 +48,7 @@ app.add_typer(deployments.stop_app, name="stop")
 app.add_typer(deployments.delete_app, name="delete")
 app.add_typer(deployments.list_app, name="list")
 app.add_typer(deployments.drain_app, name="drain")
+app.add_typer(deployments.undrain_app, name="undrain")
 deployments.verb_command(
     start_app,
     "start",

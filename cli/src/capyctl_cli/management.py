@@ -81,6 +81,9 @@ class Management:
     def drain(self, host: str) -> wire.DrainAnswer:
         return self._post(f"/hosts/{host}/drain", wire.DrainRequest(), wire.DrainAnswer)
 
+    def undrain(self, host: str) -> wire.UndrainAnswer:
+        return self._post(f"/hosts/{host}/undrain", wire.DrainRequest(), wire.UndrainAnswer)
+
     def invite(self, request: wire.InvitationRequest) -> wire.InvitationAnswer:
         return self._post("/host-invitations", request, wire.InvitationAnswer)
 

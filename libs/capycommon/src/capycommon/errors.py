@@ -255,6 +255,25 @@ class DeploymentStopped(CapyError):
     code = "deployment_stopped"
 
 
+class HostUnreachable(CapyError):
+    """A joined host whose heartbeat lapsed: nothing is sent there until it comes back."""
+
+    code = "host_unreachable"
+
+
+class HostDrained(CapyError):
+    """A host an operator drained: nothing new is placed there until it is undrained."""
+
+    code = "host_drained"
+
+
+class StaleDispatch(CapyError):
+    """A host's ingress refused a request for an instance that no longer runs there at the
+    generation the router admitted it to (it stopped or moved)."""
+
+    code = "stale_dispatch"
+
+
 class DeploymentInactive(CapyError):
     code = "deployment_inactive"
 
@@ -354,6 +373,7 @@ CODES: dict[str, tuple[int, int]] = {
     "device_unobserved": (4, 503),
     "service_port_in_use": (4, 409),
     "queue_full": (4, 429),
+    "host_drained": (4, 503),
     # 5: a capability this host, engine or release does not have.
     "capability_missing": (5, 409),
     "host_backed_unavailable": (5, 400),
@@ -380,6 +400,7 @@ CODES: dict[str, tuple[int, int]] = {
     "agent_unreachable": (22, 503),
     "engine_unreachable": (22, 503),
     "redis_unreachable": (22, 503),
+    "host_unreachable": (22, 503),
     # 14: a host the server revoked; its units do not restart it.
     "host_revoked": (14, 403),
     "profile_not_published": (24, 409),
@@ -395,6 +416,7 @@ CODES: dict[str, tuple[int, int]] = {
     "host_not_revoked": (29, 409),
     "deployment_stopped": (29, 409),
     "deployment_inactive": (29, 409),
+    "stale_dispatch": (29, 409),
 }
 
 

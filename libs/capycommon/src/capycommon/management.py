@@ -129,11 +129,21 @@ class ActionAnswer(Versioned):
 
 
 class DrainAnswer(Versioned):
-    """The deployments whose engines the drain stops."""
+    """The deployments whose engines the drain stops. A joined host also takes no new model
+    until undrained (`drained`); a standalone role's own host stays open."""
 
     operation_id: str
     host: str
     stopping: list[str]
+    drained: bool = False
+
+
+class UndrainAnswer(Versioned):
+    """POST /hosts/{host}/undrain: the host takes models again (`changed`: it was drained)."""
+
+    operation_id: str
+    host: str
+    changed: bool
 
 
 # Deployments.
@@ -328,7 +338,8 @@ class HostDomain(Answer):
 
 class HostRow(Answer):
     name: str
-    # ready, unobserved (alive, no memory reading yet) or down; a joined host also revoked.
+    # ready, unobserved (alive, no memory reading yet) or down; a joined host also unreachable
+    # (its heartbeat lapsed: nothing is sent there) or revoked.
     state: str
     gpus: list[HostGpu]
     domains: list[HostDomain]
@@ -341,6 +352,9 @@ class HostRow(Answer):
     engines: list[str] = []
     revoked: bool = False
     certificate_expires: float | None = None
+    # Drained by an operator: it takes no new model until undrained.
+    drained: bool = False
+    unreachable_since: float | None = None
 
 
 class InvitationAnswer(Versioned):

@@ -29,11 +29,13 @@ Kind = Literal[
     "forget",
     "refuse",
 ]
+# What a plan decides of a host rather than of a deployment (`deployment` is then "").
+HostKind = Literal["mark_unreachable", "mark_reachable"]
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: Kind
+    kind: Kind | HostKind
     deployment: str
     reason: str
     host: str = ""

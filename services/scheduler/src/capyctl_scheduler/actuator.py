@@ -16,6 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from capycommon.state import hostcommands as hc
+from capycommon.state import hostmarks
 from capycommon.state.desired import (
     RETRY_COOLDOWNS_S,
     Attempts,
@@ -54,6 +55,14 @@ class Actuator:
                 log.info("%s of %s lost a race (now %s)", action.kind, action.deployment, now)
 
     async def _apply(self, snapshot: Snapshot, action: Action) -> None:
+        if action.kind == "mark_unreachable":
+            await hostmarks.mark_unreachable(self.client, action.host, snapshot.now)
+            await self._event(action)
+            return
+        if action.kind == "mark_reachable":
+            await hostmarks.mark_reachable(self.client, action.host)
+            await self._event(action)
+            return
         store = DeploymentStore(self.client)
         record = await store.get(action.deployment)
         if action.kind == "stop" and (record is None or record.generation != action.generation):

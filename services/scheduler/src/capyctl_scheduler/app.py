@@ -222,6 +222,18 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
 
         return await mutate(request, idempotency_key, wire.DrainRequest, wire.DrainAnswer, act)
 
+    @app.post(
+        f"{wire.PREFIX}/hosts/{{host}}/undrain",
+        openapi_extra=requestbody.openapi_body(wire.DrainRequest, required=False),
+    )
+    async def undrain(
+        host: str, request: Request, idempotency_key: Annotated[str | None, Header()] = None
+    ) -> wire.UndrainAnswer:
+        async def act(_: wire.DrainRequest) -> wire.UndrainAnswer:
+            return await manager.undrain(host)
+
+        return await mutate(request, idempotency_key, wire.DrainRequest, wire.UndrainAnswer, act)
+
     @app.get(f"{wire.PREFIX}/deployments")
     async def deployments() -> wire.DeploymentList:
         return wire.DeploymentList(deployments=await manager.summaries())
@@ -234,7 +246,7 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
     async def hosts() -> wire.HostList:
         rows = await manager.hosts()
         if enrollment is not None:
-            rows += await enrollment.rows({row.name for row in rows})
+            rows = await enrollment.rows(rows)
         return wire.HostList(hosts=rows)
 
     def joined_hosts() -> Enrollment:

@@ -41,7 +41,7 @@ from capycommon.errors import (
 from capycommon.paths import StatePaths
 from capycommon.service import REDIS_ERRORS, until_stop, wait_event
 from capycommon.settings import ServerSettings
-from capycommon.state import acl, heartbeats, hostinfo, identities
+from capycommon.state import acl, heartbeats, hostinfo, hostmarks, identities
 from capycommon.state.enginefacts import aread_published
 from capycommon.state.identities import HostIdentity, Invitation
 from capycommon.state.memory import aread_reading
@@ -213,6 +213,8 @@ class Enrollment:
             revoked = existing.model_copy(update={"revoked_at": time.time()})
             await identities.write(self.client, revoked)
         await acl.remove_host_user(self.client, name)
+        # Routers send it nothing from now on (the plan would mark it within a tick).
+        await hostmarks.mark_unreachable(self.client, name, time.time())
         if newly:
             log.warning("revoked a host", extra={"host": name, "host_id": existing.host_id})
         return wire.RevokeAnswer(
@@ -279,10 +281,11 @@ class Enrollment:
         for name in sorted(await hostinfo.hosts(self.client)):
             await self.renew(name)
 
-    async def rows(self, known: set[str]) -> list[wire.HostRow]:
-        """A row per joined host not among `known` (the rows the planner already gave)."""
-        rows = []
-        for name in sorted(await hostinfo.hosts(self.client) - known):
+    async def rows(self, planned: list[wire.HostRow]) -> list[wire.HostRow]:
+        """The planner's rows, each joined host's told what the server knows of it (its id,
+        version, heartbeat, engines, certificate)."""
+        rows = {row.name: row for row in planned}
+        for name in sorted(await hostinfo.hosts(self.client)):
             identity = await identities.read(self.client, name)
             if identity is None:
                 continue
@@ -299,23 +302,24 @@ class Enrollment:
                 state = "ready" if reading is not None else "unobserved"
             else:
                 state = "down"
-            rows.append(
-                wire.HostRow(
-                    name=name,
-                    state=state,
-                    gpus=gpus_of(reading),
-                    domains=[],
-                    joined=True,
-                    host_id=identity.host_id,
-                    version=beat.version if beat is not None else identity.version,
-                    connected=connected,
-                    last_heartbeat=beat.last_seen if beat is not None else None,
-                    engines=sorted(p.name for p in engines.profiles) if engines else [],
-                    revoked=revoked,
-                    certificate_expires=identity.not_after,
-                )
+            row = rows.get(name)
+            rows[name] = (
+                row or wire.HostRow(name=name, state=state, gpus=[], domains=[])
+            ).model_copy(
+                update={
+                    "state": row.state if row is not None else state,
+                    "gpus": gpus_of(reading),
+                    "joined": True,
+                    "host_id": identity.host_id,
+                    "version": beat.version if beat is not None else identity.version,
+                    "connected": connected,
+                    "last_heartbeat": beat.last_seen if beat is not None else None,
+                    "engines": sorted(p.name for p in engines.profiles) if engines else [],
+                    "revoked": revoked,
+                    "certificate_expires": identity.not_after,
+                }
             )
-        return rows
+        return [rows[name] for name in sorted(rows)]
 
 
 def _notification(data: object) -> Notification | None:

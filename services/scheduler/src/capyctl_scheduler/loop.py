@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
 
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
@@ -156,6 +157,7 @@ class Scheduler:
         self.demands = Demands(self.client)
         self.refusals = Refusals(self.client, sorted(self.observer.hosts))
         self.actuator = Actuator(self.client, self.demands.ack)
+        self._hosts_changed = asyncio.Event()
 
     async def tick(self) -> Snapshot:
         # Independent reads, sent together: a wake or a switch waits on several ticks.
@@ -163,6 +165,10 @@ class Scheduler:
         snapshot = await self.observer.snapshot(
             self.demands.oldest(), refused, restarts=self.demands.restarts
         )
+        if sorted(snapshot.hosts) != self.refusals.hosts:
+            # A host joined: follow its events and its channel too.
+            self.refusals.hosts = sorted(snapshot.hosts)
+            self._hosts_changed.set()
         await self.demands.expire(
             snapshot.deployments, snapshot.now, snapshot.tunables.demand_deadline_s
         )
@@ -204,14 +210,28 @@ class Scheduler:
                 await listener
 
     async def _listen(self, stop: asyncio.Event) -> None:
-        """Every notification of the control plane or of a host wakes the loop."""
-        channels = notify.channels(self.refusals.hosts)
+        """Every notification of the control plane or of a host wakes the loop; the
+        subscription is made anew when the hosts change."""
         while not stop.is_set():
+            self._hosts_changed.clear()
+            channels = notify.channels(self.refusals.hosts)
             try:
                 async with notify.subscribed(self.client, channels) as pubsub:
                     self.wake.set()  # re-sync on (re)connect: messages may have been lost
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            self.wake.set()
+                    reading = asyncio.ensure_future(self._read(pubsub))
+                    changed = asyncio.ensure_future(self._hosts_changed.wait())
+                    try:
+                        await asyncio.wait([reading, changed], return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for waiting in (reading, changed):
+                            waiting.cancel()
+                        await asyncio.gather(reading, changed, return_exceptions=True)
+                    if reading.done() and not reading.cancelled():
+                        reading.result()  # raises what ended the read (Redis: try again)
             except REDIS_ERRORS:
                 await wait_event(stop, 1.0)
+
+    async def _read(self, pubsub: PubSub) -> None:
+        async for message in pubsub.listen():
+            if message.get("type") == "message":
+                self.wake.set()

@@ -29,8 +29,9 @@ from capycommon.management import (
     EngineRow,
     HostRow,
     JsonObject,
+    UndrainAnswer,
 )
-from capycommon.state import desired
+from capycommon.state import desired, hostmarks
 from capycommon.state.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
 from capycommon.state.instances import LIVE_STATES, InstanceState
 from capycommon.state.memory import aread_reading
@@ -183,10 +184,15 @@ class Manager:
         )
 
     async def drain(self, host: str) -> DrainAnswer:
-        """Stop every engine on a host; the deployments stay on demand."""
+        """Stop every engine on a host; the deployments stay on demand. A joined host also
+        takes no new model until undrained, so its models move to other hosts as requests
+        come; a standalone role's own host has nowhere else to send them and stays open."""
         snap = await self.snapshot()
         if host not in snap.hosts:
             raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+        drained = snap.hosts[host].joined
+        if drained:
+            await hostmarks.set_drained(self.scheduler.client, host, True)
         stopping = []
         for name, instance in snap.instances.items():
             if instance.host != host or instance.state not in LIVE_STATES:
@@ -205,7 +211,18 @@ class Manager:
             )
             stopping.append(name)
         self.scheduler.wake.set()
-        return DrainAnswer(operation_id=operation_id(), host=host, stopping=sorted(stopping))
+        return DrainAnswer(
+            operation_id=operation_id(), host=host, stopping=sorted(stopping), drained=drained
+        )
+
+    async def undrain(self, host: str) -> UndrainAnswer:
+        """Let a drained host take models again."""
+        snap = await self.snapshot()
+        if host not in snap.hosts:
+            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+        changed = await hostmarks.set_drained(self.scheduler.client, host, False)
+        self.scheduler.wake.set()
+        return UndrainAnswer(operation_id=operation_id(), host=host, changed=changed)
 
     async def status(self, name: str) -> DeploymentStatus:
         await self._get(name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
 
@@ -25,6 +25,8 @@ from capycommon.state import (
     hostcommands,
     hostfacts,
     hostinfo,
+    hostmarks,
+    identities,
     load,
     places,
 )
@@ -32,6 +34,8 @@ from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.enginefacts import PublishedEngines
 from capycommon.state.hostfacts import HostModels
 from capycommon.state.hostinfo import HostInfo
+from capycommon.state.hostmarks import HostMarks
+from capycommon.state.identities import HostIdentity
 from capycommon.state.instances import LIVE_STATES, InstanceRecord
 from capycommon.state.memory import MemoryReading, aread_reading, aread_startup_peak
 from capycommon.state.store import InstanceStore
@@ -60,7 +64,9 @@ ASKED_KEEP_S = 60.0
 @dataclass
 class Observer:
     client: aioredis.Redis
-    # The hosts it plans for (the scheduler of a standalone role knows its one host).
+    # The hosts it plans for: those it starts with (a standalone role's own host), and every
+    # host in the control plane's set of hosts (those that joined a server), read anew with
+    # each snapshot.
     hosts: Sequence[str]
     tunables: Tunables = field(default_factory=Tunables)
     system_limits: Limits = field(default_factory=Limits)
@@ -71,6 +77,14 @@ class Observer:
     _sent: dict[str, tuple[tuple[str, ...], float]] = field(default_factory=dict)
     # The hosts whose facts still lack a path they were asked to describe.
     _undescribed: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._own = frozenset(self.hosts)
+
+    async def known_hosts(self) -> list[str]:
+        """The hosts it plans for now (kept in `hosts`)."""
+        self.hosts = sorted(self._own | await hostinfo.hosts(self.client))
+        return list(self.hosts)
 
     @property
     def describing(self) -> bool:
@@ -87,9 +101,10 @@ class Observer:
     ) -> Snapshot:
         now = time.time() if now is None else now
         # The reads are independent: sent together, they wait on Redis once, not in turn.
+        known, marks = await asyncio.gather(self.known_hosts(), hostmarks.aread(self.client))
         deployments, per_host = await asyncio.gather(
             DeploymentStore(self.client).all(),
-            asyncio.gather(*(self._host_reads(host, now) for host in sorted(self.hosts))),
+            asyncio.gather(*(self._host_reads(host, now, marks) for host in known)),
         )
         hosts: dict[str, HostView] = {}
         records: list[InstanceRecord] = []
@@ -104,6 +119,9 @@ class Observer:
                 if index == "0":
                     loads[deployment] = found
             await self._ask(host, models[host], _paths(deployments.values()))
+        lost_after = self.tunables.host_lost_after_s
+        stranded = [r for r in records if hosts[r.host].gone(now, lost_after)]
+        records = [r for r in records if not hosts[r.host].gone(now, lost_after)]
         instances, orphans = _owners(records, deployments)
         names = list(instances)
         pairs = [(name, host) for name in deployments for host in hosts]
@@ -132,11 +150,12 @@ class Observer:
             places={n: p for n, p in held.items() if p.generation == instances[n].generation},
             refused=refused,
             orphans=tuple(orphans),
+            stranded=tuple(r for r in stranded if r.state in LIVE_STATES),
             tunables=self.tunables,
         )
 
     async def _host_reads(
-        self, host: str, now: float
+        self, host: str, now: float, marks: HostMarks
     ) -> tuple[
         str,
         HostView,
@@ -146,7 +165,7 @@ class Observer:
         HostModels | None,
     ]:
         """What a snapshot reads of one host, read together."""
-        (reading, records, loads, engines, models), (alive, info) = await asyncio.gather(
+        (reading, records, loads, engines, models), (alive, info, identity) = await asyncio.gather(
             asyncio.gather(
                 aread_reading(self.client, host),
                 InstanceStore(self.client, host).all(),
@@ -155,11 +174,17 @@ class Observer:
                 hostfacts.aread(self.client, host),
             ),
             asyncio.gather(
-                heartbeats.alive(self.client, "hostd", host), hostinfo.aread(self.client, host)
+                heartbeats.alive(self.client, "hostd", host),
+                hostinfo.aread(self.client, host),
+                self._identity(host),
             ),
         )
-        view = self._view(host, reading, alive, info, now)
+        view = self._view(host, reading, alive, info, now, identity, marks)
         return host, view, records, loads, engines, models
+
+    async def _identity(self, host: str) -> HostIdentity | None:
+        """A joined host's identity; None for the role's own host."""
+        return None if host in self._own else await identities.read(self.client, host)
 
     async def bindings_of(self, record: DeploymentRecord) -> dict[str, Binding]:
         """How a deployment would run on each host, resolved now. A live host that has not
@@ -186,8 +211,9 @@ class Observer:
     async def _bindings_now(self, record: DeploymentRecord) -> dict[str, tuple[HostView, Binding]]:
         now = time.time()
         found = {}
-        for host in sorted(self.hosts):
-            view = await self._host(host, await aread_reading(self.client, host), now)
+        marks = await hostmarks.aread(self.client)
+        for host in await self.known_hosts():
+            view = await self._host(host, await aread_reading(self.client, host), now, marks)
             models = await hostfacts.aread(self.client, host)
             found[host] = (
                 view,
@@ -198,11 +224,15 @@ class Observer:
     async def engines(self, host: str) -> PublishedEngines | None:
         return await enginefacts.aread_published(self.client, host)
 
-    async def _host(self, host: str, reading: MemoryReading | None, now: float) -> HostView:
-        alive, info = await asyncio.gather(
-            heartbeats.alive(self.client, "hostd", host), hostinfo.aread(self.client, host)
+    async def _host(
+        self, host: str, reading: MemoryReading | None, now: float, marks: HostMarks
+    ) -> HostView:
+        alive, info, identity = await asyncio.gather(
+            heartbeats.alive(self.client, "hostd", host),
+            hostinfo.aread(self.client, host),
+            self._identity(host),
         )
-        return self._view(host, reading, alive, info, now)
+        return self._view(host, reading, alive, info, now, identity, marks)
 
     def _view(
         self,
@@ -211,17 +241,31 @@ class Observer:
         alive: bool,
         info: HostInfo | None,
         now: float,
+        identity: HostIdentity | None,
+        marks: HostMarks,
     ) -> HostView:
         deep_park = info.deep_park if info is not None else True
+        empty = HostView(
+            host,
+            {},
+            {},
+            unified=False,
+            alive=alive,
+            deep_park=deep_park,
+            joined=identity is not None,
+            unreachable_since=marks.unreachable.get(host) if identity is not None else None,
+            revoked=identity is not None and identity.revoked_at is not None,
+            drained=host in marks.drained,
+        )
         if reading is None:
-            return HostView(host, {}, {}, unified=False, alive=alive, deep_park=deep_park)
+            return empty
         gpus = {f"gpu{gpu.index}": gpu.uuid for gpu in reading.gpus}
         unified = any(gpu.unified for gpu in reading.gpus)
         domains: dict[str, Domain] = {}
         if reading.is_fresh(now):
             found = derive_domains(reading, self.system_limits, self.gpu_limits)
             domains = {domain.name: domain for domain in found}
-        return HostView(host, domains, gpus, unified=unified, alive=alive, deep_park=deep_park)
+        return replace(empty, domains=domains, gpus=gpus, unified=unified)
 
     async def _binding(
         self,

@@ -13,7 +13,7 @@ from dataclasses import replace
 from functools import cache
 from typing import Literal
 
-from capycommon.errors import DeviceUnobserved, InsufficientResources
+from capycommon.errors import DeviceUnobserved, HostDrained, HostUnreachable, InsufficientResources
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.units import format_duration
@@ -26,6 +26,10 @@ from capyctl_scheduler.usage import busy, next_idle_step
 from capyctl_scheduler.victims import bound_parked, switch
 
 S = InstanceState
+
+# While joined hosts are planned for, the loop looks at least this often whether one's
+# heartbeat lapsed (nothing announces that).
+HOST_CHECK_S = 2.0
 
 
 def plan(snapshot: Snapshot) -> list[Action]:
@@ -40,13 +44,31 @@ def plan(snapshot: Snapshot) -> list[Action]:
             actions.append(Action("settle", name, f"{record.inflight.kind} {outcome}"))
             records[name] = record.model_copy(update={"inflight": None})
     snapshot = replace(snapshot, deployments=records)
+    actions += _host_marks(snapshot)
     ledgers = {host: charged(snapshot, host) for host in snapshot.hosts}
     for orphan in snapshot.orphans:
-        if orphan.state not in (S.STOPPING,):
+        view = snapshot.hosts.get(orphan.host)
+        if orphan.state not in (S.STOPPING,) and view is not None and view.reachable:
             actions.append(stop(orphan, "orphan: no deployment owns this engine"))
     for name in _order(snapshot):
         actions += _deployment(snapshot, snapshot.deployments[name], ledgers)
     actions += bound_parked(snapshot, actions)
+    return actions
+
+
+def _host_marks(snapshot: Snapshot) -> list[Action]:
+    """Mark a joined host unreachable when its hostd's heartbeat lapsed or it was revoked, and
+    reachable again when it beats (routers send nothing to an unreachable host)."""
+    actions = []
+    for name, view in snapshot.hosts.items():
+        if not view.joined:
+            continue
+        cut_off = view.revoked or not view.alive
+        if cut_off and view.unreachable_since is None:
+            why = "revoked" if view.revoked else "its hostd's heartbeat lapsed"
+            actions.append(Action("mark_unreachable", "", f"host {name}: {why}", host=name))
+        elif not cut_off and view.unreachable_since is not None:
+            actions.append(Action("mark_reachable", "", f"host {name} is back", host=name))
     return actions
 
 
@@ -70,6 +92,8 @@ def quiet_until(snapshot: Snapshot, actions: list[Action]) -> float | None:
     if actions or snapshot.demands or snapshot.orphans or snapshot.restarts:
         return None
     due = math.inf
+    if any(view.joined and not view.revoked for view in snapshot.hosts.values()):
+        due = snapshot.now + HOST_CHECK_S
     for name, record in snapshot.deployments.items():
         if record.inflight is not None:
             return None
@@ -119,8 +143,10 @@ def _inflight(snapshot: Snapshot, record: DeploymentRecord) -> str:
         return "done"
     if (record.name, effect.generation) in snapshot.refused:
         return "refused"
-    if snapshot.now - effect.sent_at > snapshot.tunables.command_timeout_s:
-        return "expired"
+    view = snapshot.hosts.get(effect.host)
+    gone = view is not None and view.gone(snapshot.now, snapshot.tunables.host_lost_after_s)
+    if gone or snapshot.now - effect.sent_at > snapshot.tunables.command_timeout_s:
+        return "expired"  # not taken up in time, or its host is gone: nobody will
     return "pending"
 
 
@@ -164,7 +190,39 @@ def _deployment(  # noqa: PLR0911 (a decision table: one return per case)
         ]
     if record.attempts.failed:
         return [Action("drop_demand", name, "failed")] if demanded else []
+    view = snapshot.hosts.get(instance.host) if instance is not None else None
+    if instance is not None and live and view is not None and not view.reachable:
+        return _unreachable(snapshot, record, view) if demanded else []
     return _steady(snapshot, record, instance, ledgers)
+
+
+def _unreachable(snapshot: Snapshot, record: DeploymentRecord, view: HostView) -> list[Action]:
+    """A demand for a deployment whose instance is on a host that cannot be reached now: it
+    waits for the host's grace to pass when another host may take it (its instance then counts
+    as gone, and it starts there), and is refused at once when none may."""
+    why = view.why_not_reachable(snapshot.now)
+    if any(
+        other.name != view.name and other.reachable and not other.drained
+        for other in _allowed(snapshot, record)
+    ):
+        grace = snapshot.tunables.host_lost_after_s
+        return [
+            Action(
+                "wait",
+                record.name,
+                f"{why}; it starts on another host once the host is gone for "
+                f"{format_duration(grace)}, unless it comes back",
+            )
+        ]
+    message = (
+        f"{why}; {record.name!r} may run nowhere else, so it serves again once the host is back"
+    )
+    return [Action("refuse", record.name, message, error=HostUnreachable.code)]
+
+
+def _allowed(snapshot: Snapshot, record: DeploymentRecord) -> list[HostView]:
+    """The hosts the deployment may run on (placement.hosts)."""
+    return [view for name, view in snapshot.hosts.items() if record.document.allows(name)]
 
 
 def _steady(  # noqa: PLR0911 (a decision table: one return per case)
@@ -361,9 +419,17 @@ def _start(
     why_not: list[str] = []
     # (headroom, then the tie-breaks: the first host, the lowest GPU index; host, GPU)
     choices: list[tuple[int, tuple[int, ...], int, str, str]] = []
-    for host, binding in sorted(snapshot.bindings.get(name, {}).items()):
+    allowed = [
+        (host, binding)
+        for host, binding in sorted(snapshot.bindings.get(name, {}).items())
+        if record.document.allows(host)
+    ]
+    for host in record.document.placement.hosts:
+        if host not in snapshot.hosts:
+            why_not.append(f"{host}: no such host has joined")
+    for host, binding in allowed:
         view = snapshot.hosts.get(host)
-        reason = _unplaceable(view, binding)
+        reason = _unplaceable(snapshot, view, binding)
         if reason is not None or view is None:
             why_not.append(f"{host}: {reason}")
             continue
@@ -373,14 +439,7 @@ def _start(
                 gpu_rank = -int(gpu.removeprefix("gpu"))
                 choices.append((headroom(ledger, domain), host_rank, gpu_rank, host, gpu))
     if not choices:
-        bindings = snapshot.bindings.get(name, {}).values()
-        errors = [binding.error for binding in bindings if binding.error is not None]
-        if errors and len(errors) == len(bindings):
-            # The document cannot run on any host (its engine, its model, its park tier):
-            # waiting changes nothing until an operator does.
-            first = errors[0]
-            return [Action("refuse", name, f"{first.code}: {first.message}", error=first.code)]
-        return [Action("wait", name, "no host can run it: " + ("; ".join(why_not) or "no hosts"))]
+        return [_none_fits(snapshot, record, allowed, why_not)]
     # The most headroom first; on a tie the first host and the lowest GPU index.
     *_, host, gpu = max(choices, key=lambda c: c[:3])
     view = snapshot.hosts[host]
@@ -398,6 +457,28 @@ def _start(
     return [Action("start", name, "demanded", host=host, gpu=gpu, generation=record.generation + 1)]
 
 
+def _none_fits(
+    snapshot: Snapshot,
+    record: DeploymentRecord,
+    allowed: list[tuple[str, Binding]],
+    why_not: list[str],
+) -> Action:
+    """Why no host may start it now: a refusal when waiting changes nothing until an operator
+    acts (or a host comes back), else a wait naming each host's reason."""
+    refusal = _blocked(snapshot, record, [host for host, _ in allowed])
+    if refusal is not None:
+        return refusal
+    bindings = [binding for _, binding in allowed]
+    errors = [binding.error for binding in bindings if binding.error is not None]
+    if errors and len(errors) == len(bindings):
+        # The document cannot run on any host (its engine, its model, its park tier):
+        # waiting changes nothing until an operator does.
+        first = errors[0]
+        return Action("refuse", record.name, f"{first.code}: {first.message}", error=first.code)
+    reasons = "; ".join(why_not) or "no hosts"
+    return Action("wait", record.name, "no host can run it: " + reasons)
+
+
 @cache
 def _neg(host: str) -> tuple[int, ...]:
     return tuple(-ord(c) for c in host)
@@ -411,9 +492,30 @@ def _gpus(view: HostView, record: DeploymentRecord) -> list[tuple[str, str]]:
     return [(pinned, view.domain_of(pinned))] if pinned is not None else view.gpu_domains
 
 
-def _unplaceable(view: HostView | None, binding: Binding) -> str | None:
-    if view is None or not view.alive:
-        return "its hostd is not running"
+def _blocked(snapshot: Snapshot, record: DeploymentRecord, allowed: list[str]) -> Action | None:
+    """A refusal when every host the deployment may run on is unreachable or drained: it
+    cannot start until one comes back or is undrained, so its requests fail at once."""
+    views = [snapshot.hosts[host] for host in allowed if host in snapshot.hosts]
+    if not views or len(views) < len(record.document.placement.hosts):
+        return None  # a host it names has yet to join: it may
+    if not all(not view.reachable or view.drained for view in views):
+        return None
+    unreachable = [view for view in views if not view.reachable]
+    if unreachable:
+        why = "; ".join(view.why_not_reachable(snapshot.now) for view in unreachable)
+        message = f"{why}; {record.name!r} may run on no other host now"
+        return Action("refuse", record.name, message, error=HostUnreachable.code)
+    names = ", ".join(view.name for view in views)
+    message = (
+        f"every host {record.name!r} may run on is drained ({names}); undrain one with "
+        "capyctl undrain host NAME, or widen its placement.hosts"
+    )
+    return Action("refuse", record.name, message, error=HostDrained.code)
+
+
+def _unplaceable(snapshot: Snapshot, view: HostView | None, binding: Binding) -> str | None:
+    if view is None or not view.reachable or view.drained or not view.alive:
+        return _host_unusable(snapshot, view)
     if binding.error is not None:
         return f"{binding.error.code}: {binding.error.message}"
     if binding.waiting is not None:
@@ -421,6 +523,14 @@ def _unplaceable(view: HostView | None, binding: Binding) -> str | None:
     if not view.domains:
         return "device_unobserved: no fresh memory reading"
     return None
+
+
+def _host_unusable(snapshot: Snapshot, view: HostView | None) -> str:
+    if view is not None and not view.reachable:
+        return view.why_not_reachable(snapshot.now)
+    if view is not None and view.drained:
+        return f"host {view.name} is drained"
+    return "its hostd is not running"
 
 
 def _starting_on(snapshot: Snapshot, host: str, domain: str) -> str | None:

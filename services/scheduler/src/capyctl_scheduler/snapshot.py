@@ -38,6 +38,9 @@ class Tunables:
     demand_deadline_s: float = 1800.0
     start_deadline_s: float = 1800.0
     wake_deadline_s: float = 900.0
+    # How long a joined host may stay unreachable before its deployments that may run
+    # elsewhere start elsewhere (its instances count as gone from then on).
+    host_lost_after_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,33 @@ class HostView:
     alive: bool = True
     # False where the host has deep parking off (host.deep_park: off, from its hostd).
     deep_park: bool = True
+    # A host that joined a server (its own machine, reached through its ingress), not the
+    # standalone role's own host.
+    joined: bool = False
+    # Since when a joined host is unreachable (its hostd's heartbeat lapsed); None if it is not.
+    unreachable_since: float | None = None
+    revoked: bool = False
+    # Drained by an operator: nothing new is placed there.
+    drained: bool = False
+
+    @property
+    def reachable(self) -> bool:
+        """Whether commands and requests can reach it. A standalone role's own host always
+        can: its engines run on this machine and outlive a hostd restart."""
+        return not self.revoked and self.unreachable_since is None
+
+    def gone(self, now: float, lost_after_s: float) -> bool:
+        """Revoked, or unreachable for longer than `lost_after_s`: its instances no longer
+        count as their deployments' (those start elsewhere where they may)."""
+        if self.revoked:
+            return True
+        return self.unreachable_since is not None and now - self.unreachable_since >= lost_after_s
+
+    def why_not_reachable(self, now: float) -> str:
+        if self.revoked:
+            return f"host {self.name} was revoked"
+        since = now - (self.unreachable_since or now)
+        return f"host {self.name} is unreachable (no heartbeat for {since:.0f}s)"
 
     @cached_property
     def gpu_domains(self) -> list[tuple[str, str]]:
@@ -109,6 +139,9 @@ class Snapshot:
     refused: frozenset[tuple[str, int]] = frozenset()
     # Live instances nobody owns: their deployment is gone, or a newer generation runs.
     orphans: tuple[InstanceRecord, ...] = ()
+    # Instances on hosts that are gone (revoked, or unreachable past the grace): unknown, so
+    # never counted as stopped, and counted for no deployment.
+    stranded: tuple[InstanceRecord, ...] = ()
     tunables: Tunables = Tunables()
 
     # Views a plan asks for many times, each derived once from the values above (a plan of

@@ -250,12 +250,19 @@ def host_rows(snapshot: Snapshot, readings: dict[str, MemoryReading | None]) -> 
             domains.append(HostDomain(**asdict(domain), charged=used))
         reading = readings.get(host)
         state = "ready" if view.alive and view.domains else ("unobserved" if view.alive else "down")
+        if view.revoked:
+            state = "revoked"
+        elif view.unreachable_since is not None:
+            state = "unreachable"
         rows.append(
             HostRow(
                 name=host,
                 state=state,
                 gpus=gpus_of(reading),
                 domains=domains,
+                joined=view.joined,
+                drained=view.drained,
+                unreachable_since=view.unreachable_since,
             )
         )
     return rows

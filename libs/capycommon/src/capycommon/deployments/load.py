@@ -109,8 +109,11 @@ def revision_digest(deployment: Deployment) -> str:
     Defaults are filled in and sizes and durations written in their exact unit, so layout,
     key order, `14336MiB` for `14GiB`, or stating a default change nothing.
     """
+    document = deployment.model_dump(mode="json")
+    if not deployment.placement.hosts:
+        del document["placement"]  # added after 0.1: the digests of earlier documents stand
     canonical = json.dumps(
-        deployment.model_dump(mode="json"),
+        document,
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,

@@ -185,6 +185,14 @@ ParserName = Annotated[
     ),
 ]
 GpuId = Annotated[str, _matching(r"gpu[0-9]{1,3}", "a GPU id; write gpuN, e.g. gpu0")]
+HostName = Annotated[
+    str,
+    _matching(
+        r"[a-z0-9][a-z0-9-]{0,62}",
+        "a host name: lowercase letters, digits and '-', starting with a letter or digit, at "
+        "most 63 characters (capyctl list hosts shows them)",
+    ),
+]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 Text = Annotated[str, BeforeValidator(_text)]
 
@@ -219,6 +227,20 @@ class ModelSource(Strict):
 
 class Device(Strict):
     id: GpuId
+
+
+class Placement(Strict):
+    """Where the deployment may run. `hosts` empty: on any host."""
+
+    hosts: tuple[HostName, ...] = ()
+
+    @field_validator("hosts")
+    @classmethod
+    def _unique_hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        repeated = sorted({host for host in hosts if hosts.count(host) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed twice; keep one")
+        return hosts
 
 
 class Memory(Strict):
@@ -276,6 +298,7 @@ class Deployment(Strict):
     routes: tuple[Route, ...] = ()
     residency: Residency | None = None
     devices: tuple[Device, ...] = ()
+    placement: Placement = Placement()
     engine_config: EngineConfig = EngineConfig()
     lifecycle: Lifecycle = Lifecycle()
     request_deadline: Annotated[Duration, AfterValidator(_request_deadline)] | None = None
@@ -287,6 +310,17 @@ class Deployment(Strict):
         if isinstance(name, str) and "routes" not in data and re.fullmatch(NAME_PATTERN, name):
             return {**data, "routes": [name]}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _host_shorthand(cls, data: Any) -> Any:
+        """`host: b` is `placement: {hosts: [b]}`; the two together are refused."""
+        if not isinstance(data, dict) or "host" not in data:
+            return data
+        if "placement" in data:
+            raise ValueError("give host or placement.hosts, not both")
+        rest = {key: value for key, value in data.items() if key != "host"}
+        return {**rest, "placement": {"hosts": [data["host"]]}}
 
     @field_validator("routes")
     @classmethod
@@ -309,6 +343,10 @@ class Deployment(Strict):
                 {"ids": ids, "code": "multi_gpu_unsupported"},
             )
         return devices
+
+    def allows(self, host: str) -> bool:
+        """Whether it may run on `host` (placement.hosts, when it names any)."""
+        return not self.placement.hosts or host in self.placement.hosts
 
     @property
     def device(self) -> str | None:

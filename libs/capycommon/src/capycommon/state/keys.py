@@ -196,3 +196,14 @@ def certificate_request(host: str) -> str:
 def certificate(host: str) -> str:
     """The host's renewed certificate, written by the scheduler for the host to take."""
     return f"{host_prefix(host)}:certificate"
+
+
+def unreachable_hosts() -> str:
+    """Joined hosts the scheduler found unreachable (their hostd's heartbeat lapsed): host ->
+    since when (Unix seconds). Routers send nothing there."""
+    return f"{PREFIX}:unreachable-hosts"
+
+
+def drained_hosts() -> str:
+    """Hosts an operator drained: nothing new is placed there until undrained."""
+    return f"{PREFIX}:drained-hosts"
