@@ -12,7 +12,9 @@ An engine on the router's own host (a standalone role's) is reached on loopback,
 key. One on a joined host is reached through that host's ingress (`capyctl_router.remote`):
 the table keeps each joined host's ingress address, from its host info, and its id, from the
 server's record of it, read in full and again when the host announces itself. An instance
-on a joined host whose ingress is not known is no target yet, as one not ready.
+on a joined host whose ingress is not known, or that the scheduler marked unreachable
+(`capycommon.state.hostmarks`: its heartbeat lapsed, or it was revoked), is no target, as
+one not ready.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pydantic import ValidationError
 from redis.asyncio.client import PubSub
 
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
-from capycommon.state import hostinfo, identities, notify
+from capycommon.state import hostinfo, hostmarks, identities, notify
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
@@ -64,6 +66,8 @@ class Table:
     secrets: dict[tuple[str, int], str] = field(default_factory=dict)
     # Each joined host's ingress, where it is known.
     ingresses: dict[str, Ingress] = field(default_factory=dict)
+    # Joined hosts the scheduler marked unreachable (or revoked): nothing is sent there.
+    unreachable: frozenset[str] = frozenset()
     _events: dict[str, asyncio.Event] = field(default_factory=dict)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when a full read finds a host whose channel the subscription lacks.
@@ -95,7 +99,7 @@ class Table:
         else:
             secret = None
             ingress = self.ingresses.get(instance.host)
-            if ingress is None:
+            if ingress is None or instance.host in self.unreachable:
                 return None
         return Target(
             deployment=name,
@@ -137,6 +141,7 @@ class Table:
                 secret = await InstanceStore(self.client, instance.host).secret(name, 0)
                 if secret is not None:
                     secrets[(name, instance.generation)] = secret
+        marks = await hostmarks.aread(self.client)
         ingresses = {}
         for host in sorted(hosts - self.own):
             found = await self._read_ingress(host)
@@ -151,7 +156,9 @@ class Table:
         self.instances = instances
         self.secrets = secrets
         self.ingresses = ingresses
+        cut, self.unreachable = self.unreachable, frozenset(marks.unreachable)
         moved = {h for h in set(reached) | set(ingresses) if reached.get(h) != ingresses.get(h)}
+        moved |= cut ^ self.unreachable
         for name in set(before) | set(instances) | set(self._events):
             now = instances.get(name)
             if before.get(name) != now or name not in records or (now and now.host in moved):
@@ -165,12 +172,15 @@ class Table:
         return ingress_of(host, info, identity)
 
     async def _host(self, host: str) -> None:
-        """A joined host announced itself (its hostd started): read its ingress again."""
+        """A joined host announced itself (its hostd started), or the scheduler marked it
+        (un)reachable: read its ingress and the marks again."""
         if host in self.own:
             return
-        found = await self._read_ingress(host)
-        if found == self.ingresses.get(host):
+        found, marks = await asyncio.gather(self._read_ingress(host), hostmarks.aread(self.client))
+        cut = host in marks.unreachable
+        if found == self.ingresses.get(host) and cut == (host in self.unreachable):
             return
+        self.unreachable = frozenset(marks.unreachable)
         if found is None:
             self.ingresses.pop(host, None)
         else:
@@ -257,8 +267,9 @@ class Table:
                 continue
             if note.kind == "instance" and host:
                 await self._instance(host, note.id)
-            elif note.kind == "host" and host:
-                await self._host(host)
+            elif note.kind == "host":
+                # On a host's channel, the host itself; on the control plane's, a mark.
+                await self._host(host or note.id)
             elif note.kind == "deployment":
                 await self._deployment(note.id)
 
