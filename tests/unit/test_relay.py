@@ -13,7 +13,7 @@ import pytest
 
 from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.errors import error_body
-from capyctl_router.relay import Events, JsonDict, engine_failure, event_failure
+from capyctl_router.relay import Events, JsonDict, engine_failure, event_failure, is_stale
 from capyctl_router.upstream import Engines
 from integration.router.fakeengine import engine_serving
 
@@ -89,6 +89,25 @@ def test_an_engine_refusing_the_routers_key_is_not_the_clients_401() -> None:
     assert failure.http_status == 500
     assert failure.code == "engine_error"
     assert "refused the router's key (HTTP 401: Unauthorized)" in failure.message
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "stale"),
+    [
+        (409, b'{"error": {"message": "m:0 moved", "type": "x", "code": "stale_dispatch"}}', True),
+        (409, b'{"message": "m:0 moved", "code": "stale_dispatch"}', True),
+        (409, b'{"error": {"message": "busy", "code": "lifecycle_conflict"}}', False),
+        (409, b"stale_dispatch", False),
+        (409, b"\xff\xfe", False),
+        (400, b'{"error": {"message": "m:0 moved", "code": "stale_dispatch"}}', False),
+    ],
+)
+def test_only_an_ingresss_409_stale_dispatch_is_stale(
+    status: int, body: bytes, stale: bool
+) -> None:
+    """The ingress's refusal of an instance that stopped or moved; anything else an engine
+    answers through it is the engine's own."""
+    assert is_stale(status, body) is stale
 
 
 def test_an_error_event_has_the_status_its_code_names() -> None:

@@ -57,7 +57,6 @@ from capyctl_router.relay import (
 from capyctl_router.table import Target
 from capyctl_router.upstream import (
     Answer,
-    Connection,
     EngineConnectionError,
     Engines,
     IngressUnreachable,
@@ -275,26 +274,24 @@ class Session:
     async def _open(self) -> Answer:
         """Send the request; the engine's error status raises as what it said."""
         body, headers = engine_request(self.call, self.target)
-        connection = await self._connect()
+        ingress = self.target.ingress
+        connection = await (
+            self.engines.connect(ENGINE_ADDRESS, self.target.port)
+            if ingress is None
+            else self.engines.connect_ingress(ingress)
+        )
         self.response = connection.post(self.call.path, dumps(body), headers)
         await self.response.head()
         status = self.response.status
         if status >= 400:
             raw = await self.response.read(MAX_ERROR)
-            if self.target.ingress is not None and is_stale(status, raw):
+            if ingress is not None and is_stale(status, raw):
                 raise StaleDispatch(
                     f"deployment {self.target.deployment!r} stopped or moved on host "
                     f"{self.target.host} before the request reached it; retry"
                 )
             raise engine_failure(status, raw)
         return self.response
-
-    async def _connect(self) -> Connection:
-        """The engine's connection: on loopback, or through its host's ingress."""
-        ingress = self.target.ingress
-        if ingress is None:
-            return await self.engines.connect(ENGINE_ADDRESS, self.target.port)
-        return await self.engines.connect_ingress(ingress)
 
     async def _first(self) -> JsonDict | None:
         """The engine's first event (None if it ended without one), within the deadline."""
