@@ -330,17 +330,23 @@ def join_host(server: Role, name: str, state: Path, *extra: str) -> Path:
 
 
 def start_host(
-    state: Path, gpus: str = "gpu0:24GiB", ports_base: int = 24100, wait: bool = True
+    state: Path,
+    gpus: str = "gpu0:24GiB",
+    ports_base: int = 24100,
+    wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Role:
-    """Start a joined host's role on simulated GPUs; wait until its agents beat in the
-    server's Redis (unless not `wait`)."""
+    """Start a joined host's role on simulated GPUs, its ingress on a free loopback port
+    (`env["CAPYCTL_HOST_INGRESS_BIND"]`), with `env` on top; wait until its agents beat in
+    the server's Redis (unless not `wait`)."""
     log_path = state.parent / f"host-{state.name}.out"
     env = clean_env(
         CAPYCTL_SIMULATED_GPUS=gpus,
         CAPYCTL_SIMULATED_HOST_RAM="64GiB",
         CAPYCTL_ENGINE_PORTS=engine_ports(ports_base),
         CAPYCTL_MODELS_ROOT=str(state.parent / "models"),
-    )
+        CAPYCTL_HOST_INGRESS_BIND=f"127.0.0.1:{free_port()}",
+    ) | (env or {})
     (state.parent / "models").mkdir(exist_ok=True)
     with log_path.open("ab") as log:
         proc = subprocess.Popen(

@@ -9,6 +9,7 @@ import re
 import socket
 import ssl
 import threading
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def test_a_folder_with_one_of_the_two_files_is_refused_not_replaced(tmp_path: Pa
     assert (folder / "ca.key").read_bytes() == key_before
 
 
-def test_a_signed_request_is_a_client_certificate_bound_to_the_host(tmp_path: Path) -> None:
+def test_a_signed_request_is_a_host_certificate_bound_to_the_host(tmp_path: Path) -> None:
     authority = make_authority(tmp_path / "pki")
     before = datetime.now(UTC).replace(microsecond=0)
     cert_pem, key_pem = host_certificate(authority)
@@ -125,8 +126,10 @@ def test_a_signed_request_is_a_client_certificate_bound_to_the_host(tmp_path: Pa
     assert cert.issuer == x509.load_pem_x509_certificate(authority.certificate_pem).subject
     constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints)
     assert (constraints.critical, constraints.value.ca) == (True, False)
+    # A client's (the server's Redis) and a server's (the host's ingress).
     eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]
+    assert facts.server_auth
     usage = cert.extensions.get_extension_for_class(x509.KeyUsage)
     assert (usage.critical, usage.value.digital_signature) == (True, True)
     assert not usage.value.key_cert_sign
@@ -152,6 +155,65 @@ def test_a_router_certificate_names_its_kind(tmp_path: Path) -> None:
     )
     facts = pki.verify_issued(cert, authority.certificate_pem, datetime.now(UTC))
     assert (facts.kind, facts.identity) == ("router", "router")
+    # A client certificate only: it cannot serve TLS, and needs no renewal for that.
+    eku = x509.load_pem_x509_certificate(cert).extensions.get_extension_for_class(
+        x509.ExtendedKeyUsage
+    )
+    assert list(eku.value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    assert not facts.server_auth
+    assert not pki.renewal_due(facts, datetime.now(UTC))
+
+
+def issued_with(
+    authority: pki.Authority, kind: pki.Kind, usages: list[x509.ObjectIdentifier]
+) -> tuple[bytes, bytes]:
+    """A certificate of `kind` as the authority would sign it, but with `usages` (as an
+    earlier release issued a host's, or as no release issues a router's); and its key."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpu-1")]))
+        .issuer_name(authority.certificate.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=1))
+        .not_valid_after(now + HOUR)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier(f"urn:capyctl:{kind}:{HOST_ID}")]
+            ),
+            critical=False,
+        )
+        .sign(authority.key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), private_pem(key)
+
+
+def test_a_host_certificate_of_an_earlier_release_checks_and_is_renewed_at_once(
+    tmp_path: Path,
+) -> None:
+    """Issued with clientAuth only, it still reaches the server's Redis; but it cannot be
+    the ingress's server certificate, so it is due for renewal however young it is."""
+    authority = make_authority(tmp_path / "pki")
+    cert, _ = issued_with(authority, "host", [ExtendedKeyUsageOID.CLIENT_AUTH])
+    facts = pki.verify_issued(cert, authority.certificate_pem, datetime.now(UTC))
+    assert (facts.kind, facts.server_auth) == ("host", False)
+    assert pki.renewal_due(facts, facts.not_before)
+
+
+def test_a_router_certificate_that_could_serve_is_refused(tmp_path: Path) -> None:
+    authority = make_authority(tmp_path / "pki")
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]
+    cert, _ = issued_with(authority, "router", usages)
+    with pytest.raises(CertificateInvalid, match=r"not a CapyCTL client certificate"):
+        pki.verify_issued(cert, authority.certificate_pem, datetime.now(UTC))
+    # Nor does a certificate without clientAuth pass, whatever its kind.
+    cert, _ = issued_with(authority, "host", [ExtendedKeyUsageOID.SERVER_AUTH])
+    with pytest.raises(CertificateInvalid, match=r"not a CapyCTL client certificate"):
+        pki.verify_issued(cert, authority.certificate_pem, datetime.now(UTC))
 
 
 def test_no_certificate_outlives_its_authority(tmp_path: Path) -> None:
@@ -298,10 +360,16 @@ def test_renewal_is_due_after_two_thirds_of_the_lifetime() -> None:
         not_before=start,
         not_after=start + timedelta(days=30),
         fingerprint="00",
+        server_auth=True,
     )
+    assert pki.renewal_time(facts) == start + timedelta(days=20)
     assert not pki.renewal_due(facts, start + timedelta(days=19))
     assert pki.renewal_due(facts, start + timedelta(days=20))
     assert pki.renewal_due(facts, start + timedelta(days=40))
+    # A host's that cannot serve TLS is due at once; a router's never serves.
+    earlier = replace(facts, server_auth=False)
+    assert pki.renewal_due(earlier, start)
+    assert not pki.renewal_due(replace(earlier, kind="router"), start)
 
 
 def test_host_ids_are_crockford_base32_and_sort_by_time() -> None:
@@ -322,11 +390,17 @@ def test_host_ids_are_crockford_base32_and_sort_by_time() -> None:
 
 
 def handshake(
-    tmp_path: Path, authority: pki.Authority, client_cert: bytes, client_key: bytes
+    tmp_path: Path,
+    authority: pki.Authority,
+    client_cert: bytes,
+    client_key: bytes,
+    server: tuple[bytes, bytes] | None = None,
 ) -> dict[str, object]:
     """One TLS connection from a client holding `client_cert` to a server that requires a
-    client certificate from `authority`; what each side saw."""
-    server_cert, server_key = authority.issue_server(["127.0.0.1"], HOUR)
+    client certificate from `authority`; what each side saw. The server presents `server`
+    (a certificate and its key), else a server certificate for 127.0.0.1; a client of a
+    `server` checks its certificate but not its name, as the router checks a host's."""
+    server_cert, server_key = server or authority.issue_server(["127.0.0.1"], HOUR)
     files = {
         "ca.pem": authority.certificate_pem,
         "server.pem": server_cert,
@@ -342,6 +416,7 @@ def handshake(
     server_context.load_cert_chain(tmp_path / "server.pem", tmp_path / "server.key")
     client_context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client_context.load_verify_locations(cadata=authority.certificate_pem.decode())
+    client_context.check_hostname = server is None
     client_context.load_cert_chain(tmp_path / "client.pem", tmp_path / "client.key")
 
     seen: dict[str, object] = {}
@@ -401,3 +476,26 @@ def test_a_server_certificate_cannot_stand_in_for_a_client(tmp_path: Path) -> No
     seen = handshake(tmp_path, authority, cert, key)
     assert not {"answer", "peer"} & seen.keys(), seen
     assert "unsuitable certificate purpose" in str(seen["server_error"])
+
+
+def test_a_host_certificate_serves_tls_and_a_router_certificate_does_not(
+    tmp_path: Path,
+) -> None:
+    """The host's ingress presents the host's certificate to the router, which checks its
+    purpose (serverAuth); a router's own certificate could not stand in for it."""
+    authority = make_authority(tmp_path / "pki")
+    router_key = pki.new_private_key()
+    request = pki.certificate_request(router_key, "router")
+    router = authority.sign_request(
+        request, kind="router", name="router", identity="router", lifetime=HOUR
+    )
+    host = host_certificate(authority)
+    seen = handshake(tmp_path, authority, router, router_key, server=host)
+    assert seen.get("answer") == b"+OK\r\n", seen
+    peer = seen["peer"]
+    assert isinstance(peer, dict)
+    assert ("URI", "urn:capyctl:router:router") in peer["subjectAltName"]
+
+    seen = handshake(tmp_path, authority, *host, server=(router, router_key))
+    assert "answer" not in seen, seen
+    assert "unsuitable certificate purpose" in str(seen["client_error"])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 import yaml
 
+from capycommon.enrollment import ingress_address
 from capycommon.errors import InvalidConfig
 from capycommon.paths import resolve_state_dir
 from capycommon.settingnames import derived_flag, derived_variable
@@ -103,6 +105,36 @@ def test_management_accepts_loopback(bind: str) -> None:
 def test_management_refuses_other_addresses() -> None:
     with pytest.raises(InvalidConfig, match="not a loopback address"):
         load_settings("server", document=None, env={"CAPYCTL_MANAGEMENT_ADDR": "0.0.0.0:7443"})
+
+
+def test_the_ingress_is_dialled_at_its_address_else_at_its_bind() -> None:
+    def dialled(**env: str) -> str:
+        settings = load_settings("host", document=None, env=env).settings
+        assert isinstance(settings, HostSettings)
+        return ingress_address(settings)
+
+    assert dialled() == f"{socket.gethostname()}:8444", "every interface: this machine's name"
+    assert dialled(CAPYCTL_HOST_INGRESS_BIND="[::]:9000") == f"{socket.gethostname()}:9000"
+    assert dialled(CAPYCTL_HOST_INGRESS_BIND="100.64.0.21:8444") == "100.64.0.21:8444"
+    assert dialled(CAPYCTL_HOST_INGRESS_BIND="[fd00::7]:8444") == "[fd00::7]:8444"
+    both = {
+        "CAPYCTL_HOST_INGRESS_BIND": "0.0.0.0:8444",
+        "CAPYCTL_HOST_INGRESS_ADDRESS": "gpu.lan:1",
+    }
+    assert dialled(**both) == "gpu.lan:1"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "reason"),
+    [
+        ("CAPYCTL_HOST_INGRESS_BIND", "gpu-box:8444", "is not an IP address"),
+        ("CAPYCTL_HOST_INGRESS_ADDRESS", "0.0.0.0:8444", "names every interface"),
+        ("CAPYCTL_HOST_INGRESS_ADDRESS", "gpu-box.lan", "is not HOST:PORT"),
+    ],
+)
+def test_ingress_addresses_are_checked(name: str, value: str, reason: str) -> None:
+    with pytest.raises(InvalidConfig, match=reason):
+        load_settings("host", document=None, env={name: value})
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -202,9 +234,18 @@ def test_names_are_derived_and_unique() -> None:
     assert len(variables) == len(set(variables))
     assert not {"--state-dir", "--config", "--json", "--debug", "--role"} & set(flags)
     assert not {"CAPYCTL_STATE_DIR", "CAPYCTL_CONFIG"} & set(variables)
-    # The standalone role has every setting but the server's enrollment of remote hosts.
+    # The standalone role has every setting but the server's enrollment of remote hosts and
+    # a joined host's ingress.
     enrollment = {path for path in setting_specs("server") if path.startswith("enrollment.")}
-    assert set(setting_specs("server")) | set(setting_specs("host")) == set(specs) | enrollment
+    ingress = {path for path in setting_specs("host") if path.startswith("host.ingress.")}
+    assert ingress == {"host.ingress.bind", "host.ingress.address"}
+    assert set(setting_specs("server")) | set(setting_specs("host")) == (
+        set(specs) | enrollment | ingress
+    )
+    assert setting_specs("host")["host.ingress.bind"].flags == ("--host-ingress-bind",)
+    assert setting_specs("host")["host.ingress.address"].variables == (
+        "CAPYCTL_HOST_INGRESS_ADDRESS",
+    )
 
 
 def test_two_names_of_one_setting_must_agree() -> None:

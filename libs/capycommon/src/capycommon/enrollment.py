@@ -13,7 +13,7 @@ import socket
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from capycommon.settings import ServerSettings
+from capycommon.settings import HostSettings, ServerSettings
 from capycommon.settingvalues import split_address
 
 JOIN_PATH = "/bootstrap/v1/join"
@@ -51,6 +51,13 @@ def dial_addresses(settings: ServerSettings) -> tuple[str, str]:
         _dial(enrollment.bootstrap_address, enrollment.bootstrap_bind),
         _dial(enrollment.control_address, enrollment.control_bind),
     )
+
+
+def ingress_address(settings: HostSettings) -> str:
+    """What a joined host tells the server's router to dial for its ingress (HOST:PORT): an
+    ingress on every interface is dialled by this machine's hostname."""
+    ingress = settings.host.ingress
+    return _dial(ingress.address, ingress.bind)
 
 
 def _dial(address: str | None, bind: str) -> str:

@@ -11,6 +11,10 @@ connection whose request head is not complete within the header timeout (counted
 connection's opening, or from the first byte of its next request) is closed, and a
 connection from an address that already holds its bound is answered 503 and closed.
 
+A listener may also admit its peers one by one (`Admit`): over mutual TLS, a connection whose
+peer is not of the kind the listener serves is closed as it opens, before any of its bytes
+is read, and the refusal is logged.
+
 A client that hangs up while sending its request body is an ordinary event: the protocol
 logs it as one line, and `disconnects_quiet` keeps the app's meeting it (starlette's
 ClientDisconnect) from being logged by uvicorn as a failure with its traceback.
@@ -23,6 +27,7 @@ import contextlib
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, cast
 
 from starlette.requests import ClientDisconnect
@@ -33,6 +38,9 @@ from capycommon.errors import Unavailable
 from capycommon.settings import ConnectionLimits
 
 log = logging.getLogger(__name__)
+
+# Whether a listener serves a new connection: None when it does, else why not (for the log).
+Admit = Callable[[asyncio.Transport], str | None]
 
 
 class CorkedTransport:
@@ -63,10 +71,12 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
-def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+def guarded_protocol(
+    limits: ConnectionLimits, admit: Admit | None = None
+) -> type[HttpToolsProtocol]:
     """uvicorn's HTTP/1.1 protocol (httptools) with a header timeout and a bound per client
     address, for one server (the connections it counts are that server's), writing through
-    a `CorkedTransport`."""
+    a `CorkedTransport`; with `admit`, only the connections it admits are served."""
     held: Counter[str] = Counter()
     # Addresses at their bound that were told so in the log (once until they drop below).
     warned: set[str] = set()
@@ -75,10 +85,17 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     class Guarded(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _counted: str | None = None
+        _refused = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             assert isinstance(transport, asyncio.Transport)  # a stream's, over TLS or not
             super().connection_made(cast(asyncio.Transport, CorkedTransport(transport)))
+            why = None if admit is None else admit(transport)
+            if why is not None:
+                self._refused = True
+                log.warning("refused a connection from %s: %s", _address(self.client), why)
+                transport.close()
+                return
             peer = self.client[0] if self.client else ""
             if held[peer] >= limits.connections_per_client:
                 if peer not in warned:
@@ -89,6 +106,10 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
                 held[peer] += 1
                 self._counted = peer
             self._await_head()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:  # a refused connection's bytes are never read
+                super().data_received(data)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

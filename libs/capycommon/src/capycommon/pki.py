@@ -1,10 +1,13 @@
 """The server's own certificate authority, and the certificates it issues.
 
 The server role keeps one authority (`ca.pem`, `ca.key`) in a private folder. It issues a
-server certificate for its Redis TLS port and its bootstrap listener, and a client
-certificate to each host that joins (and to the router), bound to an identity by a SAN URI
-`urn:capyctl:<kind>:<identity>`. A host makes its private key itself and sends only a
-certificate request, so its key never leaves it. Keys are EC P-256, signatures SHA-256.
+server certificate for its Redis TLS port and its bootstrap listener, and a certificate to
+each host that joins (and to the router), bound to an identity by a SAN URI
+`urn:capyctl:<kind>:<identity>`. A router's is a client certificate (clientAuth); a host's
+is both a client's and a server's (clientAuth and serverAuth): the host presents it to the
+server's Redis and as its own ingress's certificate (`capycommon.ingress`). A host makes its
+private key itself and sends only a certificate request, so its key never leaves it. Keys
+are EC P-256, signatures SHA-256.
 
 This module is a library of values and files: it talks to no Redis and serves no HTTP.
 """
@@ -39,6 +42,13 @@ from capycommon.settingvalues import DNS_NAME
 
 Kind = Literal["host", "router"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
+CLIENT_AUTH = ExtendedKeyUsageOID.CLIENT_AUTH
+SERVER_AUTH = ExtendedKeyUsageOID.SERVER_AUTH
+# The extended key usages each kind of certificate is issued with.
+USAGES: dict[Kind, tuple[x509.ObjectIdentifier, ...]] = {
+    "host": (CLIENT_AUTH, SERVER_AUTH),
+    "router": (CLIENT_AUTH,),
+}
 
 CERT_FILE = "ca.pem"
 KEY_FILE = "ca.key"
@@ -60,7 +70,8 @@ CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 class CertificateFacts:
     """What CapyCTL reads from a certificate. `kind` and `identity` come from its
     `urn:capyctl:<kind>:<identity>` SAN URI, None when it has none (a server or CA
-    certificate)."""
+    certificate). `server_auth`: whether it may serve TLS (its serverAuth usage); a host
+    certificate of an earlier release has only clientAuth."""
 
     serial: str
     common_name: str | None
@@ -69,6 +80,7 @@ class CertificateFacts:
     not_before: datetime
     not_after: datetime
     fingerprint: str
+    server_auth: bool
 
 
 @dataclass(frozen=True)
@@ -190,7 +202,7 @@ class Authority:
             key.public_key(),
             common_name="capyctl server",
             names=names,
-            usage=ExtendedKeyUsageOID.SERVER_AUTH,
+            usages=(SERVER_AUTH,),
             lifetime=lifetime,
         )
         return _cert_pem(certificate), _key_pem(key)
@@ -198,9 +210,10 @@ class Authority:
     def sign_request(
         self, csr_pem: bytes, *, kind: Kind, name: str, identity: str, lifetime: timedelta
     ) -> bytes:
-        """A client certificate (PEM) for the key in `csr_pem`, named `name` and bound to
-        `urn:capyctl:<kind>:<identity>`. Only the request's key is taken from it: its
-        subject must be `name`, and any extension it asks for is ignored."""
+        """A certificate (PEM) for the key in `csr_pem`, named `name`, bound to
+        `urn:capyctl:<kind>:<identity>`, with the usages of its kind (`USAGES`). Only the
+        request's key is taken from it: its subject must be `name`, and any extension it asks
+        for is ignored."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
         if not NAME_PATTERN.fullmatch(name):
@@ -238,7 +251,7 @@ class Authority:
             _client_key(public_key),
             common_name=name,
             names=[x509.UniformResourceIdentifier(f"{URI_PREFIX}{kind}:{identity}")],
-            usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+            usages=USAGES[kind],
             lifetime=lifetime,
         )
         return _cert_pem(certificate)
@@ -249,7 +262,7 @@ class Authority:
         *,
         common_name: str,
         names: list[x509.GeneralName],
-        usage: x509.ObjectIdentifier,
+        usages: tuple[x509.ObjectIdentifier, ...],
         lifetime: timedelta,
     ) -> x509.Certificate:
         """An end-entity certificate for `public_key`, signed by this authority. It ends no
@@ -277,7 +290,7 @@ class Authority:
                 ),
                 critical=True,
             )
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
             .add_extension(
@@ -314,9 +327,10 @@ def read_certificate(pem: bytes) -> CertificateFacts:
 
 
 def verify_issued(cert_pem: bytes, ca_pem: bytes, now: datetime) -> CertificateFacts:
-    """The facts of `cert_pem` once it checks as a client certificate that the authority
-    `ca_pem` issued and that is valid at `now` (an aware datetime); refused otherwise, saying
-    why."""
+    """The facts of `cert_pem` once it checks as a host's or a router's certificate that the
+    authority `ca_pem` issued and that is valid at `now` (an aware datetime); refused
+    otherwise, saying why. A host's certificate of an earlier release (clientAuth only)
+    passes: it still reaches the server's Redis, and renewal replaces it (`renewal_due`)."""
     if now.tzinfo is None:
         raise ValueError("now must be an aware datetime")
     certificate = _load_certificate(cert_pem, "the certificate")
@@ -341,11 +355,12 @@ def verify_issued(cert_pem: bytes, ca_pem: bytes, now: datetime) -> CertificateF
             f"the certificate of {facts.common_name!r} expired at "
             f"{facts.not_after.isoformat()}; join the host to the server again"
         )
-    if not _is_client(certificate) or facts.kind is None:
+    if facts.kind is None or not _is_issued(certificate, facts.kind):
         raise CertificateInvalid(
             f"the certificate of {facts.common_name!r} is not a CapyCTL client certificate "
-            "(clientAuth only, not an authority, with a urn:capyctl: identity); use the "
-            "certificate the server issued when the host joined"
+            "(not an authority, with a urn:capyctl: identity and the usages of its kind: "
+            "clientAuth, and serverAuth for a host's); use the certificate the server issued "
+            "when the host joined"
         )
     return facts
 
@@ -359,10 +374,19 @@ def key_matches(cert_pem: bytes, key_pem: bytes) -> bool:
 
 
 def renewal_due(facts: CertificateFacts, now: datetime) -> bool:
-    """Whether a certificate should be renewed: once two thirds of its lifetime has passed,
-    leaving a third for renewal to succeed through outages."""
+    """Whether a certificate should be renewed: once two thirds of its lifetime has passed
+    (`renewal_time`), and at once for a host certificate that cannot serve TLS (issued by an
+    earlier release, it cannot be the host's ingress's certificate)."""
+    if facts.kind == "host" and not facts.server_auth:
+        return True
+    return now >= renewal_time(facts)
+
+
+def renewal_time(facts: CertificateFacts) -> datetime:
+    """When two thirds of a certificate's lifetime has passed, leaving a third for renewal to
+    succeed through outages."""
     lifetime = facts.not_after - facts.not_before
-    return now >= facts.not_before + lifetime * 2 / 3
+    return facts.not_before + lifetime * 2 / 3
 
 
 def new_identity() -> str:
@@ -447,6 +471,7 @@ def _facts(certificate: x509.Certificate) -> CertificateFacts:
         not_before=certificate.not_valid_before_utc,
         not_after=certificate.not_valid_after_utc,
         fingerprint=_fingerprint(certificate),
+        server_auth=SERVER_AUTH in _usages(certificate),
     )
 
 
@@ -474,14 +499,20 @@ def _is_authority(certificate: x509.Certificate) -> bool:
     return constraints.value.ca
 
 
-def _is_client(certificate: x509.Certificate) -> bool:
+def _is_issued(certificate: x509.Certificate, kind: Kind) -> bool:
+    """Not an authority, and a client certificate with at most the usages of its kind."""
     if _is_authority(certificate):
         return False
+    usages = _usages(certificate)
+    return CLIENT_AUTH in usages and usages <= set(USAGES[kind])
+
+
+def _usages(certificate: x509.Certificate) -> set[x509.ObjectIdentifier]:
     try:
         usage = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage)
     except x509.ExtensionNotFound:
-        return False
-    return list(usage.value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+        return set()
+    return set(usage.value)
 
 
 def _key_usage(

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -38,7 +39,7 @@ from capycommon.errors import (
     RedisUnreachable,
     ServicePortInUse,
 )
-from capycommon.httpguard import disconnects_quiet, guarded_protocol
+from capycommon.httpguard import Admit, disconnects_quiet, guarded_protocol
 from capycommon.paths import StatePaths, resolve_state_dir, write_atomic
 from capycommon.redistarget import RedisTarget, target_for
 from capycommon.settings import (
@@ -493,23 +494,29 @@ async def serve_http(
     stop: asyncio.Event,
     limits: ConnectionLimits = DEFAULT_LIMITS,
     listener: socket.socket | None = None,
-    tls: tuple[Path, Path] | None = None,
+    tls: tuple[Path, Path] | ssl.SSLContext | None = None,
+    admit: Admit | None = None,
 ) -> None:
     """Serve an ASGI app on `address` until `stop` is set, each connection held to `limits`;
     on `listener` where one is given (bound by a parent that shares it among its workers);
-    over TLS with `tls` (a certificate file and its key file)."""
+    over TLS with `tls`: a certificate file and its key file, or a server context of the
+    caller's (which may require client certificates, and load a new certificate later for
+    the connections that follow); serving only the connections `admit` admits."""
     sock = listener if listener is not None else bind(address)
+    files = tls if isinstance(tls, tuple) else None
+    context = tls if isinstance(tls, ssl.SSLContext) else None
     config = uvicorn.Config(
         disconnects_quiet(app),
-        http=guarded_protocol(limits),
+        http=guarded_protocol(limits, admit),
         timeout_keep_alive=limits.keep_alive_timeout,
         log_config=None,
         access_log=False,
         lifespan="off",
         # A stop waits this long for requests in flight, then closes their connections.
         timeout_graceful_shutdown=10,
-        ssl_certfile=None if tls is None else str(tls[0]),
-        ssl_keyfile=None if tls is None else str(tls[1]),
+        ssl_certfile=None if files is None else str(files[0]),
+        ssl_keyfile=None if files is None else str(files[1]),
+        ssl_context_factory=None if context is None else (lambda _config, _default: context),
     )
     server = _Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -155,6 +155,14 @@ class SchedulingSection(Strict):
         "engine stops.",
         examples=["5"],
     )
+    host_lost_after: Seconds = Field(
+        default=30.0,
+        ge=1,
+        le=3600,
+        description="Seconds a joined host may stay unreachable (no heartbeat) before its "
+        "models that may run elsewhere start on another host.",
+        examples=["60"],
+    )
     request_deadline: Seconds = Field(
         default=1800.0,
         gt=0,
@@ -289,6 +297,30 @@ class HostSection(Strict):
     )
 
 
+class IngressSection(Strict):
+    """A joined host's ingress: where the server's router reaches this host's engines, over
+    mutual TLS (`capycommon.ingress`)."""
+
+    bind: ListenAddress = Field(
+        "0.0.0.0:8444",
+        description="Where this joined host's ingress listens for the server's router (mutual "
+        "TLS); only the server needs to reach it.",
+        examples=["100.64.0.21:8444"],
+    )
+    address: DialAddress = Field(
+        None,
+        description="The HOST:PORT the server's router dials for the ingress (none: bind; on "
+        "every interface, this machine's hostname).",
+        examples=["gpu-box.lan:8444"],
+    )
+
+
+class JoinedHostSection(HostSection):
+    """The host role's host settings: a standalone role's, and its ingress once joined."""
+
+    ingress: IngressSection = IngressSection()
+
+
 class LogSection(Strict):
     level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="The least severe log line written.", examples=["debug"]
@@ -396,7 +428,7 @@ class ServerSettings(RoleSettings):
 
 class HostSettings(RoleSettings):
     kind: Literal["host"] = "host"
-    host: HostSection = Field(default_factory=HostSection)
+    host: JoinedHostSection = Field(default_factory=JoinedHostSection)
 
 
 AnySettings = StandaloneSettings | ServerSettings | HostSettings

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from capycommon.engines import registry
+from capycommon.enrollment import ingress_address
 from capycommon.errors import CapyError
 from capycommon.paths import ensure_private_dir
 from capycommon.service import REDIS_ERRORS, ServiceContext, joined_host, run, wait_event
@@ -17,9 +18,11 @@ from capycommon.state import enginefacts, hostinfo
 from capycommon.state.hostinfo import HostInfo
 from capycommon.state.store import InstanceStore
 from capyctl_hostd import adopt, consumer, loads, renewal
+from capyctl_hostd.ingress import HostIngress
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.ports import PortLeaser
 from capyctl_hostd.runner import HostPaths, Runner
+from capyctl_hostd.serving import Serving
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,8 @@ async def serve(ctx: ServiceContext) -> None:
     """Publish what the host says of itself, its models and its engines, re-adopt what runs
     (and stop what runs uncounted), then carry out commands, watch for engines that die or
     lose their records, publish the serving engines' load and keep the models' facts current,
-    until stopped.
+    until stopped. A joined host also keeps its certificate renewed and serves its ingress,
+    where the server's router reaches its engines.
 
     Stopping hostd leaves the engines running: the next hostd re-adopts them.
     """
@@ -76,11 +80,17 @@ async def serve(ctx: ServiceContext) -> None:
     runner = Runner(
         ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths, deep_park=deep_park
     )
+    door: HostIngress | None = None
+    info = HostInfo(deep_park=deep_park)
+    if joined_host(ctx.role, ctx.settings):
+        assert isinstance(ctx.settings, HostSettings)
+        door = HostIngress.open(ctx.settings.host.ingress.bind, ctx.paths)
+        info = HostInfo(deep_park=deep_park, ingress=ingress_address(ctx.settings))
     # Every step is safe to repeat: a Redis blip while starting is ridden out like one later
     # (the heartbeat gives up, and hostd exits, only once Redis stays away too long).
     while True:
         try:
-            await hostinfo.publish(ctx.redis, ctx.host, HostInfo(deep_park=deep_park))
+            await hostinfo.publish(ctx.redis, ctx.host, info)
             await shelf.start()
             await publish_engines(ctx, paths)
             await adopt.adopt_all(runner)
@@ -95,8 +105,10 @@ async def serve(ctx: ServiceContext) -> None:
         loads.publish(runner, ctx.stop),
         shelf.watch(ctx.stop),
     ]
-    if joined_host(ctx.role, ctx.settings):
-        work.append(renewal.keep_certificate(ctx))
+    if door is not None:
+        work.append(renewal.keep_certificate(ctx, renewed=door.reload))
+        serving = Serving(runner.store, runner.client, runner.host)
+        work.append(door.serve(runner.engines, serving, ctx.stop))
     try:
         await asyncio.gather(*work)
     finally:

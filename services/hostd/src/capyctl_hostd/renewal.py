@@ -4,7 +4,13 @@ Once two thirds of the certificate's lifetime has passed, hostd makes a new key,
 certificate request under the host's Redis prefix and announces it; the server's scheduler
 signs it and leaves the certificate there. hostd checks it against the server's authority
 and its new key, then replaces the one file that holds both with a rename. Connections open
-now keep working; every new connection (of hostd and memwatch alike) presents the new one.
+now keep working; every new connection (of hostd and memwatch alike) presents the new one,
+and so does the host's ingress, which hostd tells to load it (`renewed`).
+
+A host certificate of an earlier release cannot serve TLS (no serverAuth): it is renewed at
+once, so the ingress presents one the server's router accepts. A server of an earlier
+release signs another such certificate; that is said once, and the next renewal waits for
+its usual time instead of asking again and again.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from redis.exceptions import RedisError
@@ -33,8 +40,10 @@ RETRY_S = 10.0
 LOOK_EVERY_S = 3600.0
 
 
-async def keep_certificate(ctx: ServiceContext) -> None:
+async def keep_certificate(ctx: ServiceContext, renewed: Callable[[], None] = lambda: None) -> None:
+    """Renew the host certificate whenever it is due, calling `renewed` after each renewal."""
     assert ctx.host is not None
+    cannot_serve: str | None = None  # the serial of a renewal that still cannot serve TLS
     while not ctx.stop.is_set():
         try:
             facts = pki.read_certificate(ctx.paths.host_certificate.read_bytes())
@@ -43,18 +52,31 @@ async def keep_certificate(ctx: ServiceContext) -> None:
             await wait_event(ctx.stop, RETRY_S)
             continue
         now = datetime.now(UTC)
-        if not pki.renewal_due(facts, now):
-            due = facts.not_before + (facts.not_after - facts.not_before) * 2 / 3
+        due = pki.renewal_time(facts)
+        if not pki.renewal_due(facts, now) or (facts.serial == cannot_serve and now < due):
             await wait_event(ctx.stop, min(LOOK_EVERY_S, max(0.5, (due - now).total_seconds())))
             continue
         try:
-            await renew(ctx, ctx.host)
+            issued = await renew(ctx, ctx.host)
         except (*REDIS_ERRORS, RedisError, CapyError, TimeoutError, ValueError) as exc:
             log.warning("could not renew the host certificate; trying again: %s", exc)
             await wait_event(ctx.stop, RETRY_S)
+            continue
+        if issued is None:
+            continue
+        renewed()
+        if not issued.server_auth:
+            cannot_serve = issued.serial
+            log.warning(
+                "the server issued a host certificate without serverAuth (it runs an earlier "
+                "release), so the server's router cannot reach this host's ingress; upgrade "
+                "the server, then restart this host (or wait for its next renewal)"
+            )
 
 
-async def renew(ctx: ServiceContext, host: str) -> None:
+async def renew(ctx: ServiceContext, host: str) -> pki.CertificateFacts | None:
+    """Ask the server for a new certificate, check it and put it in place; its facts, or None
+    when stopped before the server answered."""
     key = pki.new_private_key()
     await identities.request_certificate(ctx.redis, host, pki.certificate_request(key, host))
     deadline = time.monotonic() + ANSWER_WITHIN_S
@@ -63,7 +85,7 @@ async def renew(ctx: ServiceContext, host: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the server did not sign the renewal in {ANSWER_WITHIN_S:g} s")
         if await wait_event(ctx.stop, POLL_S):
-            return
+            return None
         certificate = await identities.take_certificate(ctx.redis, host)
     authority = ctx.paths.joined_authority.read_bytes()
     facts = pki.verify_issued(certificate, authority, datetime.now(UTC))
@@ -76,3 +98,4 @@ async def renew(ctx: ServiceContext, host: str) -> None:
         "renewed the host certificate",
         extra={"serial": facts.serial, "not_after": facts.not_after.isoformat()},
     )
+    return facts

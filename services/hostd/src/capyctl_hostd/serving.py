@@ -1,0 +1,109 @@
+"""Which of the host's instances serve, and at which generation: the ingress's view of the
+host's instance records, so a request is checked without a Redis round trip.
+
+The view follows the host's notifications: each one about an instance re-reads that
+instance's record, and every (re)subscription re-reads them all, since a notification may
+have been missed meanwhile. One task reads them in turn, so a later read is never
+overwritten by an earlier one.
+
+A notification arrives a moment after its write, so the view may lag a transition by that
+much. A request it does not pass is checked once more against the record in Redis
+(`confirm`) before it is refused: a router that saw an instance become ready before this
+view did is not turned away. One it passes may, in that moment, reach an engine that just
+began to park or stop, as it would have without the check; the router's own admission
+already refuses both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import keys, notify
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.notify import Notification
+from capycommon.state.store import InstanceStore
+
+log = logging.getLogger(__name__)
+S = InstanceState
+SERVING = frozenset({S.READY, S.DRAINING})
+# After the subscription failed (Redis away), the next try.
+RETRY_S = 1.0
+
+
+@dataclass
+class Serving:
+    store: InstanceStore
+    client: aioredis.Redis
+    host: str
+    # Each instance's generation and state, as last read.
+    _seen: dict[str, tuple[int, InstanceState]] = field(default_factory=dict)
+
+    def serves(self, member: str, generation: int) -> bool:
+        """Whether the instance `member` serves at `generation`, as last seen."""
+        return _serves(self._seen.get(member), generation)
+
+    async def confirm(self, member: str, generation: int) -> bool:
+        """Whether the instance serves at `generation`, its record read now (the view is
+        left to its follower)."""
+        return _serves(await self._read(member), generation)
+
+    async def follow(self, stop: asyncio.Event) -> None:
+        """Keep the view current until stopped (or cancelled)."""
+        channel = keys.host_notifications(self.host)
+        while not stop.is_set():
+            try:
+                async with notify.subscribed(self.client, [channel]) as pubsub:
+                    await self._read_all()
+                    async for message in pubsub.listen():
+                        member = _instance(message.get("data"))
+                        if member is None:
+                            continue
+                        seen = await self._read(member)
+                        if seen is None:
+                            self._seen.pop(member, None)
+                        else:
+                            self._seen[member] = seen
+            except REDIS_ERRORS as exc:
+                log.debug("the ingress's view of the instances lost Redis: %s", exc)
+                await wait_event(stop, RETRY_S)
+
+    async def _read_all(self) -> None:
+        found: dict[str, tuple[int, InstanceState]] = {}
+        for member, raw in await self.store.raws():
+            with contextlib.suppress(ValidationError):  # not a record this view can check
+                record = InstanceRecord.model_validate_json(raw)
+                found[member] = (record.generation, record.state)
+        self._seen = found
+
+    async def _read(self, member: str) -> tuple[int, InstanceState] | None:
+        """The instance's generation and state in Redis; None when it has no record."""
+        deployment, _, index = member.rpartition(":")
+        if not deployment or not index.isdigit():
+            return None
+        try:
+            record = await self.store.get(deployment, int(index))
+        except ValidationError:  # not a record this view can check
+            return None
+        return None if record is None else (record.generation, record.state)
+
+
+def _serves(seen: tuple[int, InstanceState] | None, generation: int) -> bool:
+    return seen is not None and seen[0] == generation and seen[1] in SERVING
+
+
+def _instance(data: object) -> str | None:
+    """The member a message of the host's channel announces, if it is an instance's."""
+    if not isinstance(data, bytes | str):
+        return None
+    try:
+        note = Notification.model_validate_json(data)
+    except ValidationError:
+        return None
+    return note.id if note.kind == "instance" else None
