@@ -61,47 +61,52 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _certificate(
-    authority: pki.Authority, folder: Path, kind: str, identity: str, name: str = HOST
+def _issued(
+    authority: pki.Authority, folder: Path, kind: pki.Kind, identity: str, name: str = HOST
 ) -> Path:
-    """A certificate and its key in one file, as the authority issues a host's, with the
-    serverAuth usage a host's ingress presents (and clientAuth, for its Redis)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.now(UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(authority.certificate.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(minutes=1))
-        .not_valid_after(now + timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.UniformResourceIdentifier(f"{pki.URI_PREFIX}{kind}:{identity}")]
-            ),
-            critical=False,
-        )
-        .sign(authority.key, hashes.SHA256())
+    """A certificate the authority issues (a host's: clientAuth and serverAuth) and its key,
+    in one file."""
+    key = pki.new_private_key()
+    request = pki.certificate_request(key, name)
+    certificate = authority.sign_request(
+        request, kind=kind, name=name, identity=identity, lifetime=timedelta(hours=1)
     )
     file = folder / f"{kind}-{identity}.pem"
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM) + key_pem)
+    file.write_bytes(certificate + key)
     return file
 
 
 def _host_certificate(server: Server) -> Path:
     """The joined host's own certificate."""
-    return _certificate(server.authority, server.paths.root, "host", server.host_id)
+    return _issued(server.authority, server.paths.root, "host", server.host_id)
+
+
+def _serving_router_certificate(server: Server, folder: Path) -> Path:
+    """A certificate of the server's authority that may serve TLS but names a router, not a
+    host (the authority issues none such: a router's is clientAuth only)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    uri = x509.UniformResourceIdentifier(f"{pki.URI_PREFIX}router:{server.router_id}")
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "capyctl-router")]))
+        .issuer_name(server.authority.certificate.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=1))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+        .add_extension(x509.SubjectAlternativeName([uri]), critical=False)
+        .sign(server.authority.key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    file = folder / "serving-router.pem"
+    file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM) + key_pem)
+    return file
 
 
 def _server_context(authority: pki.Authority, certificate: Path) -> ssl.SSLContext:
@@ -239,9 +244,7 @@ async def test_answers_come_through_the_hosts_ingress(server: Server) -> None:
         return _sse(chunk("hel"), chunk("lo", "stop"), "data: [DONE]\n\n")
 
     found = Ingress(engine)
-    tls = _server_context(
-        server.authority, _certificate(server.authority, server.paths.root, "host", server.host_id)
-    )
+    tls = _server_context(server.authority, _host_certificate(server))
     async with engine_serving(found.answer, tls) as port:
         await server.join(port)
         async with router(server) as (_, router_port), sdk(router_port) as client:
@@ -324,16 +327,19 @@ async def _settled(server: Server) -> bool:
 
 
 def _wrong_identity(server: Server, folder: Path) -> Path:
-    return _certificate(server.authority, folder, "host", pki.new_identity(), name="gpu-b")
+    """Another joined host's certificate."""
+    return _issued(server.authority, folder, "host", pki.new_identity(), name="gpu-b")
 
 
-def _router_kind(server: Server, folder: Path) -> Path:
-    return _certificate(server.authority, folder, "router", server.host_id)
+def _routers_own(server: Server, _: Path) -> Path:
+    """The certificate the router itself presents (clientAuth only)."""
+    return server.paths.router_certificate
 
 
 def _other_authority(server: Server, folder: Path) -> Path:
+    """The host's name and id, from another server's authority."""
     stranger = pki.Authority.create(folder / "stranger", "another authority")
-    return _certificate(stranger, folder, "host", server.host_id)
+    return _issued(stranger, folder, "host", server.host_id)
 
 
 @pytest.mark.anyio
@@ -341,7 +347,8 @@ def _other_authority(server: Server, folder: Path) -> Path:
     ("presented", "said"),
     [
         (_wrong_identity, "not that of host gpu-a"),
-        (_router_kind, "of kind router"),
+        (_serving_router_certificate, "of kind router"),
+        (_routers_own, "unsuitable certificate purpose"),
         (_other_authority, "certificate verify failed"),
     ],
 )
@@ -386,9 +393,7 @@ async def test_a_stale_dispatch_is_503_unavailable(server: Server, streams: bool
         error = {"message": "m:0 is not running generation 1", "code": ingress.STALE_CODE}
         return httpx.Response(ingress.STALE_STATUS, json={"error": error})
 
-    tls = _server_context(
-        server.authority, _certificate(server.authority, server.paths.root, "host", server.host_id)
-    )
+    tls = _server_context(server.authority, _host_certificate(server))
     async with engine_serving(Ingress(stale).answer, tls) as port:
         await server.join(port)
         async with router(server) as (_, router_port):
@@ -406,9 +411,7 @@ async def test_a_stale_dispatch_is_503_unavailable(server: Server, streams: bool
 @pytest.mark.anyio
 async def test_a_request_waits_until_the_host_publishes_its_ingress(server: Server) -> None:
     found = Ingress(lambda _: _sse(chunk("hello", "stop"), "data: [DONE]\n\n"))
-    tls = _server_context(
-        server.authority, _certificate(server.authority, server.paths.root, "host", server.host_id)
-    )
+    tls = _server_context(server.authority, _host_certificate(server))
     async with engine_serving(found.answer, tls) as port:
         await server.join(None)
         async with router(server) as (dispatcher, router_port), sdk(router_port) as client:

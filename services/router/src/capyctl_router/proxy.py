@@ -33,6 +33,7 @@ from capycommon.errors import (
     EngineFailed,
     EngineRejected,
     EngineUnreachable,
+    StaleDispatch,
 )
 from capycommon.state.desired import DeploymentRecord
 from capyctl_router.dispatch import Dispatcher
@@ -44,7 +45,6 @@ from capyctl_router.relay import (
     Call,
     Events,
     JsonDict,
-    StaleDispatch,
     dumps,
     engine_failure,
     engine_request,
@@ -65,8 +65,7 @@ from capyctl_router.upstream import (
 REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
 # Outcomes after which the engine is done with the request (or never got it): its place is
 # given back at once.
-STALE = "stale_dispatch"
-FINISHED = ("ok", EngineRejected.code, EngineError.code, STALE)
+FINISHED = ("ok", EngineRejected.code, EngineError.code, StaleDispatch.code)
 # Where the engines listen, from the router's side.
 ENGINE_ADDRESS = "127.0.0.1"
 
@@ -99,7 +98,7 @@ def failure(exc: BaseException) -> Failure:
     if isinstance(exc, Cut):
         return Failure(exc.why, 503, "unavailable", f"no answer in time ({exc.why})")
     if isinstance(exc, StaleDispatch):
-        return Failure(STALE, 503, "unavailable", str(exc))
+        return Failure(exc.code, 503, "unavailable", exc.message)
     if isinstance(exc, IngressUnreachable):
         code = EngineUnreachable.code
         return Failure(code, 503, code, str(exc))

@@ -13,7 +13,7 @@ each into one `EngineFailed`: the engine's status and message, in the OpenAI env
 An engine on a joined host is reached through the host's ingress (`capycommon.ingress`):
 the same request on the same path, naming the instance it was admitted to instead of
 carrying the engine's key. The ingress answers `409 stale_dispatch` when that instance no
-longer runs there (`StaleDispatch`); anything else is the engine's own answer.
+longer runs there (`is_stale`); anything else is the engine's own answer.
 """
 
 from __future__ import annotations
@@ -46,11 +46,6 @@ def engine_failure(status: int, raw: bytes) -> EngineFailed:
         found = None
     message, param, _ = _error_fields(found)
     return _failed(status, message or text[:2000] or f"the engine answered HTTP {status}", param)
-
-
-class StaleDispatch(Exception):
-    """The ingress did not forward the request: the instance it was admitted to stopped or
-    moved. Nothing reached an engine, so the client may retry at once."""
 
 
 def is_stale(status: int, raw: bytes) -> bool:
