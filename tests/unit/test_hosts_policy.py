@@ -3,6 +3,7 @@ hosts whose heartbeat lapsed (unreachable, then gone) or that were revoked."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -51,8 +52,8 @@ def on(view: HostView, name: str, state: InstanceState, generation: int = 1) -> 
 
 
 def two_hosts(
-    a: HostView, b: HostView, instances: list[InstanceRecord] = (), **fields: Any
-) -> Snapshot:  # type: ignore[assignment]
+    a: HostView, b: HostView, instances: Sequence[InstanceRecord] = (), **fields: Any
+) -> Snapshot:
     records = fields.pop("records", [deployment("m")])
     return Snapshot(
         now=NOW,

@@ -87,6 +87,9 @@ def invite_host(
     target = output_file or Path(f"{name}.join")
     if target.exists() or target.is_symlink():
         raise InvalidRequest(f"{target} exists; remove it or choose another --output")
+    if not target.parent.is_dir():
+        # Asked before the invitation: a secret is never made for a file that cannot be written.
+        raise InvalidRequest(f"{target.parent} is not a folder; make it or choose another --output")
     with Management(_paths(state_dir)) as api:
         answer = api.invite(
             wire.InvitationRequest(host_name=name, lifetime_seconds=ttl, recover=recover)

@@ -35,6 +35,7 @@ def scheduler_for(ctx: ServiceContext) -> Scheduler:
             demand_deadline_s=scheduling.request_deadline,
             ready_idle_s=idle_seconds(scheduling.ready_idle_timeout),
             parked_idle_s=idle_seconds(scheduling.parked_idle_timeout),
+            host_lost_after_s=scheduling.host_lost_after,
         ),
         system_limits=Limits(**memory.system.model_dump()),
         gpu_limits=Limits(**memory.gpu.model_dump()),
