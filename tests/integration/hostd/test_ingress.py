@@ -280,8 +280,20 @@ def test_a_stream_flows_token_by_token(
 def test_another_generation_or_a_state_that_does_not_serve_is_stale(
     certificates: Pki, served: Served, engine: RunningEngine, redis_socket: Path
 ) -> None:
+    """A record that turns to serving passes at once (the ingress reads it when its view has
+    not caught up yet); one that stops serving is refused once the ingress heard of it, a
+    notification later."""
+    short = {**CHAT, "max_tokens": 2}
     with router_client(certificates, served) as client:
-        stale = client.post("/v1/chat/completions", json=CHAT, headers=addressed(GENERATION - 1))
+
+        def status(generation: int = GENERATION) -> int:
+            answer = client.post("/v1/chat/completions", json=short, headers=addressed(generation))
+            return answer.status_code
+
+        def refused(generation: int = GENERATION) -> bool:
+            return status(generation) == ingress.STALE_STATUS
+
+        stale = client.post("/v1/chat/completions", json=short, headers=addressed(GENERATION - 1))
         assert stale.status_code == ingress.STALE_STATUS
         error = stale.json()["error"]
         assert error["code"] == ingress.STALE_CODE
@@ -291,25 +303,17 @@ def test_another_generation_or_a_state_that_does_not_serve_is_stale(
             in (error["message"])
         )
         other = dict(addressed(), **{ingress.INSTANCE_HEADER: "1"})
-        assert client.post("/v1/chat/completions", json=CHAT, headers=other).status_code == 409
+        assert client.post("/v1/chat/completions", json=short, headers=other).status_code == 409
 
         # Draining still serves what was admitted; parking does not.
         record(redis_socket, InstanceState.DRAINING)
-        answered = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
-        assert answered.status_code == 200, answered.text
+        assert status() == 200
         record(redis_socket, InstanceState.PARKING)
-        refused = client.post("/v1/chat/completions", json=CHAT)
-        assert refused.status_code == 409
-        assert refused.json()["error"]["code"] == ingress.STALE_CODE
+        wait_for(refused, timeout=5, what="the ingress to refuse a parking instance")
         # Back to ready at a new generation: the new one passes at once, the old one not.
         record(redis_socket, InstanceState.READY, GENERATION + 1)
-        fresh = client.post(
-            "/v1/chat/completions",
-            json={**CHAT, "max_tokens": 4},
-            headers=addressed(GENERATION + 1),
-        )
-        assert fresh.status_code == 200, fresh.text
-        assert client.post("/v1/chat/completions", json=CHAT).status_code == 409
+        assert status(GENERATION + 1) == 200
+        assert refused(GENERATION)
 
 
 def test_a_request_that_names_no_instance_is_refused(certificates: Pki, served: Served) -> None:
@@ -470,6 +474,29 @@ def test_a_host_that_did_not_join_serves_no_ingress(hostd: tuple[Hostd, str]) ->
     """A host given a redis.url (a standalone role's hostd, as here) reaches no server: it
     serves no ingress, and says so."""
     harness, _ = hostd
-    raw = harness.client.get(keys.host_info(HARNESS_HOST))
+    raw = wait_for(
+        lambda: harness.client.get(keys.host_info(HARNESS_HOST)), timeout=10, what="host info"
+    )
     assert isinstance(raw, bytes)
     assert HostInfo.model_validate_json(raw) == HostInfo(deep_park=True, ingress=None)
+
+
+def connections_to(port: int) -> int:
+    """Established TCP connections on this machine whose far end is 127.0.0.1:`port`."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        _, _, remote, state, *_ = line.split()
+        if remote == f"0100007F:{port:04X}" and state == "01":
+            count += 1
+    return count
+
+
+def test_connections_to_the_engine_are_kept_between_requests(
+    certificates: Pki, served: Served, engine: RunningEngine
+) -> None:
+    assert connections_to(engine.spec.port) == 0
+    with router_client(certificates, served) as client:
+        for streamed in (False, True, False, True, False):
+            body = {**CHAT, "max_tokens": 3, "stream": streamed}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert connections_to(engine.spec.port) == 1

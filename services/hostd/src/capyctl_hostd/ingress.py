@@ -14,7 +14,7 @@ the router's own. It goes to the engine on loopback as it came, with its Content
 X-Request-Id and the engine's own key instead of any Authorization it carried. The engine's
 status, Content-Type and body come back as the engine sends them, chunk by chunk. When the
 router hangs up, the engine's connection is closed at once, which is how the engine learns
-that its client left. Connections to engines are kept between requests.
+that its client left. Connections to engines are kept between requests (`upstream`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import httpx
 from starlette.types import Message, Receive, Scope, Send
 
 from capycommon import ingress, pki
@@ -48,20 +47,12 @@ from capycommon.service import REDIS_ERRORS, bind, serve_http
 from capycommon.settings import ConnectionLimits
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.serving import Serving
+from capyctl_hostd.upstream import EngineConnectionError, Engines
 
 log = logging.getLogger(__name__)
 
 # The router holds a connection per request in flight, all from the server's one address.
 LIMITS = ConnectionLimits(connections_per_client=4096)
-ENGINE_ADDRESS = "127.0.0.1"
-# An idle connection to an engine is kept this long for the next request: less than the
-# engines' own 5 s, so a request never goes out on a connection the engine is closing.
-KEEPALIVE_S = 2.0
-IDLE_CONNECTIONS = 256
-CONNECT_S = 10.0
-# Sending a request's body to an engine on loopback; its answer may take as long as it takes
-# (the router bounds it, and hangs up).
-WRITE_S = 30.0
 DEPLOYMENT_NAME = re.compile(NAME_PATTERN)
 # An instance's index or a generation: a number of at most this many digits.
 MAX_DIGITS = 18
@@ -163,7 +154,7 @@ class HostIngress:
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
-            await app.aclose()
+            app.close()
 
 
 class Ingress:
@@ -172,21 +163,10 @@ class Ingress:
     def __init__(self, engines: Mapping[str, Engine], serving: Serving) -> None:
         self.engines = engines
         self.serving = serving
-        self.client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(
-                limits=httpx.Limits(
-                    max_connections=None,
-                    max_keepalive_connections=IDLE_CONNECTIONS,
-                    keepalive_expiry=KEEPALIVE_S,
-                )
-            ),
-            timeout=httpx.Timeout(connect=CONNECT_S, read=None, write=WRITE_S, pool=None),
-            headers={"accept-encoding": "identity"},  # the body passes as the engine sent it
-            trust_env=False,  # never through a proxy the environment names
-        )
+        self.upstream = Engines()
 
-    async def aclose(self) -> None:
-        await self.client.aclose()
+    def close(self) -> None:
+        self.upstream.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -252,37 +232,31 @@ class Ingress:
     ) -> None:
         """Relay the engine's answer as it comes; a hang-up closes the engine's connection."""
         port = engine.spec.port
-        url = f"http://{ENGINE_ADDRESS}:{port}{path}"
         watch = Watch(receive)
-        started = False
+        answer = None
         try:
-            async with self.client.stream("POST", url, content=body, headers=headers) as answer:
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": answer.status_code,
-                        "headers": _answer_head(answer.headers),
-                    }
-                )
-                started = True
-                async for chunk in answer.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                watch.ending()
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            answer = await self.upstream.post(port, path, headers, body)
+            head = {"type": "http.response.start", "status": answer.status}
+            await send({**head, "headers": _answer_head(answer.headers)})
+            async for chunk in answer.chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            watch.ending()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
             _uncancel()
             log.debug("the router hung up; closed the engine's connection on port %d", port)
-        except httpx.TransportError as exc:
-            if not started:
-                await _refuse(
-                    send, EngineUnreachable(f"the engine on port {port} did not answer ({exc})")
-                )
+        except EngineConnectionError as exc:
+            if answer is None:
+                message = f"the engine on port {port} did not answer: {exc}"
+                await _refuse(send, EngineUnreachable(message))
             else:  # the answer ends short, and the router sees it cut
                 log.warning("the engine on port %d broke off its answer: %s", port, exc)
         finally:
             watch.stop()
+            if answer is not None:
+                answer.close()
 
 
 class Watch:
@@ -365,7 +339,7 @@ async def _body(receive: Receive) -> bytes | None:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _answer_head(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
+def _answer_head(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     head = []
     for name in ("content-type", "content-length"):
         value = headers.get(name)
