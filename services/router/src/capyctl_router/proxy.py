@@ -10,10 +10,15 @@ client that hangs up, at any point, closes the engine connection at once: one ta
 place is settled once the answer's last byte went out.
 
 An engine on a joined host is reached through its host's ingress, over TLS, the same way.
-An ingress that cannot be reached (refused, timed out, or presenting a certificate that is
-not the host's) is `503 engine_unreachable`; its `409 stale_dispatch` (the instance stopped
-or moved), `503 unavailable`: both leave nothing running on an engine, so the place is given
-back at once, and the client may retry.
+A request the ingress never took (it could not be reached: refused, timed out, or presenting
+a certificate that is not the host's; or it answered `409 stale_dispatch`, the instance
+stopped or moved) left nothing running on an engine: its place is given back at once and it
+is admitted again, once the routing table changed or a second passed, while more than a
+second of its deadline is left.
+So a request for a model on a host that just went away waits for the scheduler to mark the
+host unreachable, then for the model's new placement, or gets the scheduler's refusal
+(`503 host_unreachable`). Past its deadline it gets the last failure: `503
+engine_unreachable` or `503 unavailable`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from capycommon.errors import (
     EngineUnreachable,
     StaleDispatch,
 )
+from capycommon.service import wait_event
 from capycommon.state.desired import DeploymentRecord
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers
@@ -68,6 +74,14 @@ REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
 FINISHED = ("ok", EngineRejected.code, EngineError.code, StaleDispatch.code)
 # Where the engines listen, from the router's side.
 ENGINE_ADDRESS = "127.0.0.1"
+
+
+# A request the ingress never took is admitted again this often at most.
+READMIT_EVERY_S = 1.0
+
+
+class Undelivered(Exception):
+    """The ingress never took the request: it may be admitted again."""
 
 
 class Cut(Exception):
@@ -135,6 +149,19 @@ class Exchange(Response):
     async def _exchange(self, scope: Scope, receive: Receive, send: Send, watch: Watch) -> None:
         dispatcher, name = self.dispatcher, self.record.name
         deadline = self.arrived + dispatcher.deadline_of(self.record)
+        while True:
+            try:
+                await self._once(scope, receive, send, watch, deadline)
+                return
+            except Undelivered:
+                left = deadline - time.monotonic()
+                await wait_event(dispatcher.table.changed(name), min(READMIT_EVERY_S, left))
+
+    async def _once(
+        self, scope: Scope, receive: Receive, send: Send, watch: Watch, deadline: float
+    ) -> None:
+        """Admit the request and relay it; Undelivered when the ingress never took it."""
+        dispatcher, name = self.dispatcher, self.record.name
         try:
             target = await dispatcher.acquire(self.record, deadline)
         except CapyError as exc:
@@ -193,6 +220,8 @@ class Session:
         except FAILURES as exc:
             failed = self._failure(exc)
             self.outcome = failed.outcome
+            if self._undelivered(exc) and time.monotonic() + READMIT_EVERY_S < self.deadline:
+                raise Undelivered from exc  # nothing was sent to the client yet
             retry = retry_headers(failed.code, failed.status)
             watch.ending()
             answer = envelope(
@@ -258,6 +287,12 @@ class Session:
             await dispatcher.release(self.target)
         else:
             await dispatcher.cut(self.target, self.call.request_id, self.call.answered)
+
+    def _undelivered(self, exc: BaseException) -> bool:
+        """Whether the ingress never took the request: it refused it as stale, or it could
+        not be reached (no connection, so nothing was sent)."""
+        unreached = isinstance(exc, IngressUnreachable) and self.response is None
+        return unreached or isinstance(exc, StaleDispatch)
 
     def _failure(self, exc: BaseException) -> Failure:
         """The failure; when it is the router's account of it (the engine died, hung or
