@@ -56,12 +56,13 @@ def write_document(root: Path, host_ram: str, **host: str) -> Path:
     return document
 
 
-def install_vllm(root: Path, config: Path, profile: str, behaviour: Behaviour) -> None:
+def install_vllm(root: Path, config: Path, profile: str, behaviour: Behaviour) -> Path:
     """Install the simulator as vLLM into `root`/`profile` and register it under `profile` in
-    the role's config dir."""
+    the role's config dir; the install's path, which another role may register too."""
     venv = install_python_engine(root / profile, "vllm", VLLM_VERSION, behaviour)
     (found,) = detect.probe(venv)
     registry.add(config / registry.FILE_NAME, found.profile(profile))
+    return venv
 
 
 def sparse_model(folder: Path, size: int) -> None:
