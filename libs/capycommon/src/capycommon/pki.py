@@ -14,10 +14,12 @@ This module is a library of values and files: it talks to no Redis and serves no
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 import re
 import secrets
+import ssl
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -324,6 +326,18 @@ def read_certificate(pem: bytes) -> CertificateFacts:
     """The facts of a PEM certificate; one that does not parse, or names two CapyCTL
     identities, is refused."""
     return _facts(_load_certificate(pem, "the certificate"))
+
+
+def peer_facts(transport: asyncio.BaseTransport) -> CertificateFacts:
+    """The facts of the certificate the peer of a TLS connection presented, which the
+    handshake already checked against the authority its context trusts. CertificateInvalid,
+    its message saying why (for a refusal), when the peer presented none or it does not
+    read as a CapyCTL certificate."""
+    tls = transport.get_extra_info("ssl_object")
+    der = tls.getpeercert(binary_form=True) if isinstance(tls, ssl.SSLObject) else None
+    if der is None:
+        raise CertificateInvalid("it presented no certificate")
+    return read_certificate(ssl.DER_cert_to_PEM_cert(der).encode())
 
 
 def verify_issued(cert_pem: bytes, ca_pem: bytes, now: datetime) -> CertificateFacts:

@@ -42,6 +42,7 @@ from capycommon.errors import (
     RedisUnreachable,
     StaleDispatch,
 )
+from capycommon.hangup import Watch, uncancel
 from capycommon.paths import StatePaths
 from capycommon.service import REDIS_ERRORS, bind, serve_http
 from capycommon.settings import ConnectionLimits
@@ -88,12 +89,8 @@ def tls_context(paths: StatePaths) -> ssl.SSLContext:
 def admit_router(transport: asyncio.Transport) -> str | None:
     """None for a connection of the server's router; else why it is refused. Its certificate
     was already checked against the server's authority: here, that it is a router's."""
-    tls = transport.get_extra_info("ssl_object")
-    der = tls.getpeercert(binary_form=True) if isinstance(tls, ssl.SSLObject) else None
-    if der is None:
-        return "it presented no certificate"
     try:
-        facts = pki.read_certificate(ssl.DER_cert_to_PEM_cert(der).encode())
+        facts = pki.peer_facts(transport)
     except CertificateInvalid as exc:
         return exc.message
     if facts.kind != "router":
@@ -245,7 +242,7 @@ class Ingress:
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
-            _uncancel()
+            uncancel()
             log.debug("the router hung up; closed the engine's connection on port %d", port)
         except EngineConnectionError as exc:
             if answer is None:
@@ -257,39 +254,6 @@ class Ingress:
             watch.stop()
             if answer is not None:
                 answer.close()
-
-
-class Watch:
-    """The router's hang-up, waited for by one task while the engine answers: it cancels the
-    request's task wherever that waits (the engine, or the router's socket)."""
-
-    def __init__(self, receive: Receive) -> None:
-        self.gone = False
-        self._ending = False
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not self._ending:
-            self.gone = True
-            self._task.cancel()
-
-    def ending(self) -> None:
-        """The answer's last part goes out: the connection's end after it is no hang-up."""
-        self._ending = True
-
-    def stop(self) -> None:
-        self._watcher.cancel()
-
-
-def _uncancel() -> None:
-    task = asyncio.current_task()
-    assert task is not None
-    task.uncancel()
 
 
 # The request headers the ingress reads; every other one stays here.

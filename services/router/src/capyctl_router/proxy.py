@@ -6,8 +6,9 @@ fails before it is a real HTTP error in the OpenAI envelope: the engine's own er
 (vLLM does, for some validation errors), the deadline (503), a broken engine (500). After the
 first event has gone to a streaming client, a failure is an error event and `[DONE]`. A
 client that hangs up, at any point, closes the engine connection at once: one task a request
-(`Watch`) waits for the hang-up and cancels the request's own task wherever it waits. The
-place is settled once the answer's last byte went out.
+(`capycommon.hangup.Watch`) waits for the hang-up and cancels the request's own task wherever
+it waits (a place, the engine, the client's socket). The place is settled once the answer's
+last byte went out.
 
 An engine on a joined host is reached through its host's ingress, over TLS, the same way.
 A request the ingress never took (it could not be reached: refused, timed out, or presenting
@@ -40,6 +41,7 @@ from capycommon.errors import (
     EngineUnreachable,
     StaleDispatch,
 )
+from capycommon.hangup import Watch, uncancel
 from capycommon.service import wait_event
 from capycommon.state.desired import DeploymentRecord
 from capyctl_router.dispatch import Dispatcher
@@ -174,7 +176,7 @@ class Exchange(Response):
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
-            _uncancel()
+            uncancel()
             dispatcher.metrics.outcome(name, "client_gone")  # nobody to answer
             return
         dispatcher.metrics.running.labels(name).inc()
@@ -208,7 +210,7 @@ class Session:
             if not watch.gone:
                 stopping = True  # the router is stopping: settled all the same, shielded
                 raise
-            _uncancel()  # the client's hang-up: the request ends here, as a cut one
+            uncancel()  # the client's hang-up: the request ends here, as a cut one
         finally:
             await (settled(self.finish()) if stopping else self.finish())
 
@@ -397,40 +399,6 @@ class Session:
             self.dispatcher.metrics.first_output(
                 self.target.deployment, time.monotonic() - self.arrived
             )
-
-
-class Watch:
-    """The client's hang-up, waited for by one task for the whole request: it cancels the
-    request's own task, wherever that waits (a place, the engine, the client's socket)."""
-
-    def __init__(self, receive: Receive) -> None:
-        self.gone = False
-        self._ending = False
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not self._ending:
-            self.gone = True
-            self._task.cancel()
-
-    def ending(self) -> None:
-        """The answer's last part goes out: the connection's end after it is no hang-up."""
-        self._ending = True
-
-    def stop(self) -> None:
-        self._watcher.cancel()
-
-
-def _uncancel() -> None:
-    """Take back the cancellation a hang-up made (`Watch`): the task goes on to settle."""
-    task = asyncio.current_task()
-    assert task is not None
-    task.uncancel()
 
 
 def _stream_head(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

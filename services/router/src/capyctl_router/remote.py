@@ -12,6 +12,7 @@ certificate fails the connection like a refused one, naming the host.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from dataclasses import dataclass
 
@@ -86,13 +87,11 @@ def client_context(paths: StatePaths) -> ssl.SSLContext:
     return context
 
 
-def peer_problem(der: bytes | None, ingress: Ingress) -> str | None:
-    """What is wrong with the certificate the ingress presented (DER, as the handshake gave
-    it, already checked against the authority), None when it is the host's own."""
-    if der is None:
-        return "it presented no certificate"
+def peer_problem(transport: asyncio.BaseTransport, ingress: Ingress) -> str | None:
+    """What is wrong with the certificate the ingress presented on `transport` (already
+    checked against the authority by the handshake), None when it is the host's own."""
     try:
-        facts = pki.read_certificate(ssl.DER_cert_to_PEM_cert(der).encode())
+        facts = pki.peer_facts(transport)
     except CertificateInvalid as exc:
         return exc.message
     if facts.kind != "host":

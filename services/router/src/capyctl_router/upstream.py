@@ -328,8 +328,7 @@ class Engines:
             raise IngressUnreachable(
                 f"cannot connect to {ingress} ({exc or 'timed out'})"
             ) from None
-        tls = transport.get_extra_info("ssl_object")
-        problem = peer_problem(tls.getpeercert(binary_form=True) if tls else None, ingress)
+        problem = peer_problem(transport, ingress)
         if problem is not None:
             connection.close()
             raise IngressUnreachable(f"refused {ingress}: {problem}")
