@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import keys, notify
+from capycommon.state import notify
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
@@ -56,7 +56,7 @@ class Serving:
 
     async def follow(self, stop: asyncio.Event) -> None:
         """Keep the view current until stopped (or cancelled)."""
-        channel = keys.host_notifications(self.host)
+        channel = notify.host_channel(self.host)
         while not stop.is_set():
             try:
                 async with notify.subscribed(self.client, [channel]) as pubsub:

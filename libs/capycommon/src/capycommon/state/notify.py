@@ -22,6 +22,11 @@ class Notification(BaseModel):
     version: int
 
 
+def host_channel(host: str) -> str:
+    """The channel of one host's own announcements (all a host's Redis user may follow)."""
+    return keys.host_notifications(host)
+
+
 def channels(hosts: Iterable[str]) -> dict[str, str]:
     """The channels to follow for the control plane and these hosts, each to the host it
     speaks for ("" for the control plane's own)."""
