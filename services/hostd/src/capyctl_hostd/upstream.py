@@ -4,10 +4,10 @@ connections.
 A general HTTP client (httpx, with httpcore, anyio and h11 beneath it) took more of the
 ingress's CPU than the rest of its work, TLS included: a short request cost the ingress
 three to four times the CPU it costs with this client. The ingress needs little of it: one
-kind of request, to ports it knows, one request at a time on a connection. So this is asyncio's streams
-(whose reader pauses the engine's connection while the router reads slower than the engine
-writes) with httptools' parser, as uvicorn's own faster path, and a pool of idle connections
-per port.
+kind of request, to ports it knows, one request at a time on a connection. So this is
+asyncio's streams (whose reader pauses the engine's connection while the router reads slower
+than the engine writes) with httptools' parser, as uvicorn's own faster path, and a pool of
+idle connections per port.
 
 An answer's body is read as it arrives. An answer closed before its end closes its
 connection, which is how an engine learns at once that its client left; one read to its end
