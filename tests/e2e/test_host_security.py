@@ -198,8 +198,8 @@ def test_the_tls_port_wants_a_certificate_of_the_servers_authority_and_a_login(
         server.tls(foreign_file, *login).ping()
     assert not isinstance(refused.value, AuthenticationError), refused.value
 
-    # Host a's certificate, but nobody logged in: the default user is off, so every command
-    # is refused, and so is logging in as it.
+    # Host a's certificate, but nobody logged in: the default user's password is known to
+    # nobody, so every command is refused, and so is logging in as it.
     anonymous = server.tls(server.state("a") / "identity" / "host.pem")
     for command in (
         ("PING",),

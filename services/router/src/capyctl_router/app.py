@@ -24,11 +24,13 @@ from capycommon import httpauth, requestbody
 from capycommon.credentials import Credentials
 from capycommon.errors import (
     CapyError,
+    RedisUnreachable,
     Unauthenticated,
     UnknownModel,
     UnsupportedParameter,
     http_code_for,
 )
+from capycommon.service import wait_event
 from capycommon.version import __version__
 from capyctl_router.bodies import BODIES
 from capyctl_router.dispatch import Dispatcher
@@ -126,6 +128,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models() -> dict[str, Any]:
         """Every route of a deployment that is not operator-stopped; it wakes nothing."""
+        await routes_read(router.table)
         data = [
             {
                 "id": route,
@@ -191,11 +194,24 @@ def _call(kind: str, body: dict[str, Any]) -> Call:
     )
 
 
+# A request that comes before the worker first read its routes (just after a start) waits
+# this long for them, then gets 503 redis_unreachable rather than a wrong 404.
+ROUTES_WAIT_S = 5.0
+
+
+async def routes_read(table: Table) -> None:
+    """Return once the table has read its routes; RedisUnreachable if it cannot soon."""
+    if not table.synced.is_set() and not await wait_event(table.synced, ROUTES_WAIT_S):
+        raise RedisUnreachable("the router has not read its routes from Redis yet; retry shortly")
+
+
 async def forward(router: Router, kind: str, request: Request) -> Response:
     """The answer to an inference request: its body read and checked here, then (`Exchange`)
     a place on its deployment's engine and the engine's answer."""
     arrived = time.monotonic()
     call = _call(kind, requestbody.parse_object(await requestbody.read(request, MAX_BODY)))
+    if not router.table.synced.is_set():
+        await routes_read(router.table)
     record = router.table.deployment_of(call.route)
     if record is None:
         raise UnknownModel(f"no model {call.route!r}; GET /v1/models lists them")

@@ -12,6 +12,7 @@ CONFIG, ACL, CLIENT LIST, MONITOR, FLUSHALL), no SCRIPT FLUSH or FUNCTION.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
@@ -103,11 +104,18 @@ def host_rules(host: str, password: str) -> list[str]:
 
 
 def acl_file(control_password: str, kept_lines: list[str]) -> str:
-    """The server Redis's ACL file: its default user off (a TLS client that never logs in
-    can do nothing), the control plane's user with every right, and the host users kept
-    from the file as Redis last saved it."""
+    """The server Redis's ACL file: its default user, the control plane's user with every
+    right, and the host users kept from the file as Redis last saved it.
+
+    The default user has every right and a password nobody knows (a new one at each start):
+    a client that does not log in as a user of its own can do nothing, as it must not. It
+    is not turned off, because Redis 7.0 replays its append-only file as the default user and
+    checks each transaction's commands against that user's rights again at EXEC: with the
+    default user off, every MULTI/EXEC written before a restart was dropped on loading it
+    (redis/redis#14541), and a restarted server lost its deployments."""
+    unknown = secrets.token_hex(32)
     lines = [
-        "user default off resetpass resetchannels -@all",
+        f"user default on {password_hash(unknown)} ~* &* +@all",
         f"user {CONTROL_USER} on {password_hash(control_password)} ~* &* +@all",
         *kept_lines,
     ]
