@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from capycommon.errors import NotFound
 from capycommon.state.desired import Inflight
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains
@@ -157,3 +158,18 @@ def test_an_effect_sent_to_a_host_that_is_gone_expires() -> None:
     actions = plan(two_hosts(a, host("b"), records=[record], demands={"m": NOW}))
     assert [(x.kind, x.host) for x in actions][:1] == [("settle", "")]
     assert [(x.kind, x.host) for x in actions][1:] == [("start", "b")]
+
+
+def test_a_model_only_an_unreachable_host_has_is_refused_at_once() -> None:
+    """The other host may run it by placement but lacks its folder: nowhere else can take
+    it, so its requests fail now instead of waiting out the grace and then the deadline."""
+    a = host("a", alive=False, unreachable_since=NOW - 5)
+    b = host("b")
+    missing = Binding("b", error=NotFound("no folder 'm' under the models root of host b"))
+    for instances in ([on(a, "m", S.READY)], []):
+        snapshot = replace(
+            two_hosts(a, b, instances, demands={"m": NOW}),
+            bindings={"m": {"a": bound(a), "b": missing}},
+        )
+        [refusal] = plan(snapshot)
+        assert (refusal.kind, refusal.error) == ("refuse", "host_unreachable")

@@ -203,7 +203,7 @@ def _unreachable(snapshot: Snapshot, record: DeploymentRecord, view: HostView) -
     why = view.why_not_reachable(snapshot.now)
     if any(
         other.name != view.name and other.reachable and not other.drained
-        for other in _allowed(snapshot, record)
+        for other in _could_run(snapshot, record)
     ):
         grace = snapshot.tunables.host_lost_after_s
         return [
@@ -220,9 +220,17 @@ def _unreachable(snapshot: Snapshot, record: DeploymentRecord, view: HostView) -
     return [Action("refuse", record.name, message, error=HostUnreachable.code)]
 
 
-def _allowed(snapshot: Snapshot, record: DeploymentRecord) -> list[HostView]:
-    """The hosts the deployment may run on (placement.hosts)."""
-    return [view for name, view in snapshot.hosts.items() if record.document.allows(name)]
+def _could_run(snapshot: Snapshot, record: DeploymentRecord) -> list[HostView]:
+    """The hosts the deployment may run on (placement.hosts) and could: each has its model
+    and an engine of its family (its binding is no error)."""
+    bindings = snapshot.bindings.get(record.name, {})
+    return [
+        view
+        for name, view in snapshot.hosts.items()
+        if record.document.allows(name)
+        and (binding := bindings.get(name)) is not None
+        and binding.error is None
+    ]
 
 
 def _steady(  # noqa: PLR0911 (a decision table: one return per case)
@@ -465,7 +473,7 @@ def _none_fits(
 ) -> Action:
     """Why no host may start it now: a refusal when waiting changes nothing until an operator
     acts (or a host comes back), else a wait naming each host's reason."""
-    refusal = _blocked(snapshot, record, [host for host, _ in allowed])
+    refusal = _blocked(snapshot, record)
     if refusal is not None:
         return refusal
     bindings = [binding for _, binding in allowed]
@@ -492,12 +500,16 @@ def _gpus(view: HostView, record: DeploymentRecord) -> list[tuple[str, str]]:
     return [(pinned, view.domain_of(pinned))] if pinned is not None else view.gpu_domains
 
 
-def _blocked(snapshot: Snapshot, record: DeploymentRecord, allowed: list[str]) -> Action | None:
-    """A refusal when every host the deployment may run on is unreachable or drained: it
-    cannot start until one comes back or is undrained, so its requests fail at once."""
-    views = [snapshot.hosts[host] for host in allowed if host in snapshot.hosts]
-    if not views or len(views) < len(record.document.placement.hosts):
+def _blocked(snapshot: Snapshot, record: DeploymentRecord) -> Action | None:
+    """A refusal when every host that could run the deployment (it may, and has its model and
+    engine) is unreachable or drained: it cannot start until one comes back or is undrained,
+    so its requests fail at once."""
+    named = record.document.placement.hosts
+    if any(host not in snapshot.hosts for host in named):
         return None  # a host it names has yet to join: it may
+    views = _could_run(snapshot, record)
+    if not views:
+        return None  # no host has what it needs: refused (or waited for) on that
     if not all(not view.reachable or view.drained for view in views):
         return None
     unreachable = [view for view in views if not view.reachable]
