@@ -1,0 +1,372 @@
+"""A server serves models on its joined hosts: two hosts on their own loopback addresses, each
+with a 24 GiB simulated GPU, serve three 14 GiB models through one OpenAI endpoint (each
+host's ingress over mutual TLS), cancel across the network, ride out their agents' kill -9,
+lose a host (its model moves), and are revoked while serving, with no request left hanging.
+
+The tests run in order on one server and its hosts: each leaves the next its setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import openai
+import pytest
+import redis
+import yaml
+
+from capycommon.state import keys
+from capycommon.state.instances import LIVE_STATES, InstanceRecord
+from enginerun import sparse_model
+from enginesim.behaviour import Behaviour
+from enginesim.install import install_python_engine
+from support import (
+    Role,
+    capyctl,
+    clean_env,
+    free_port,
+    join_host,
+    processes_mentioning,
+    short_dir,
+    start_host,
+    start_role,
+    wait_for,
+)
+
+GiB = 1 << 30
+FOURTEEN = {"memory": {"request": "13056MiB", "startup": "14GiB"}}
+SMALL = {"memory": {"request": "4GiB"}}
+# A host unreachable this long is gone: its models start elsewhere.
+LOST_AFTER_S = 6
+HOSTS = {"gpu-a": "127.0.0.2", "gpu-b": "127.0.0.3"}
+
+
+@dataclass
+class Setup:
+    folder: Path
+    server: Role
+    # The server's flags, kept for its restart: the same enrollment ports.
+    flags: tuple[str, ...]
+    hosts: dict[str, Role] = field(default_factory=dict)
+    ingress: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def redis(self) -> redis.Redis:
+        state = self.server.state_dir
+        password = (state / "identity" / "redis-password").read_text().strip()
+        sock = state / "redis" / "redis.sock"
+        return redis.Redis(unix_socket_path=str(sock), username="capyctl", password=password)
+
+    def openai(self, timeout: float = 60) -> openai.OpenAI:
+        key = self.server.credentials()["api_key"]
+        url = f"http://{self.server.inference}/v1"
+        return openai.OpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0)
+
+    def ok(self, *args: str) -> str:
+        result = self.server.capyctl(*args)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    def deploy(self, name: str, **fields: Any) -> None:
+        document = {"name": name, "engine": "vllm", "model": "m14", **fields}
+        path = self.folder / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(document))
+        self.ok("deploy", "model", "--file", str(path))
+
+    def instances(self, name: str) -> dict[str, InstanceRecord]:
+        """The deployment's instance on each host that has one."""
+        found = {}
+        for host in HOSTS:
+            raw = cast(bytes | None, self.redis.get(keys.instance(host, name, 0)))
+            if raw is not None:
+                found[host] = InstanceRecord.model_validate_json(raw)
+        return found
+
+    def where(self, name: str) -> str | None:
+        """The host of the deployment's live instance of the highest generation."""
+        live = [i for i in self.instances(name).values() if i.state in LIVE_STATES]
+        return max(live, key=lambda i: i.generation).host if live else None
+
+    def engine(self, name: str, host: str) -> tuple[str, str]:
+        """The engine's own URL and key on its host (all of them run on this machine)."""
+        instance = self.instances(name)[host]
+        secret = cast(bytes, self.redis.get(keys.instance_secret(host, name, 0))).decode()
+        return f"http://127.0.0.1:{instance.port}", secret
+
+    def start_host(self, name: str) -> Role:
+        home = self.folder / name
+        role = start_host(
+            home / "state",
+            ports_base=24100 if name == "gpu-a" else 24200,
+            env={"HOME": str(home), "CAPYCTL_HOST_INGRESS_BIND": self.ingress[name]},
+        )
+        self.hosts[name] = role
+        return role
+
+
+def ask(client: openai.OpenAI, model: str, stream: bool = False) -> str:
+    messages: Any = [{"role": "user", "content": "hello"}]
+    if not stream:
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+        return answer.choices[0].message.content or ""
+    parts = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, stream=True
+    )
+    return "".join(chunk.choices[0].delta.content or "" for chunk in parts if chunk.choices)
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[Setup]:
+    folder = short_dir("hosts")
+    flags = (
+        "--server-scheduling-host-lost-after",
+        str(LOST_AFTER_S),
+        "--enrollment-control-bind",
+        f"127.0.0.1:{free_port()}",
+        "--enrollment-bootstrap-bind",
+        f"127.0.0.1:{free_port()}",
+    )
+    server = start_role("server", extra=flags, env=clean_env(HOME=str(folder)))
+    found = Setup(folder, server, flags)
+    fast = Behaviour(load_seconds=0.5, tokens_per_second=200)
+    slow = Behaviour(load_seconds=0.5, tokens_per_second=8, answer=" ".join(["word"] * 200))
+    installs = {
+        "vllm": install_python_engine(folder / "e" / "vllm", "vllm", "0.29.0", fast),
+        "slowsglang": install_python_engine(folder / "e" / "slow", "sglang", "0.5.16", slow),
+    }
+    try:
+        for name, address in HOSTS.items():
+            home = folder / name
+            state = home / "state"
+            home.mkdir(parents=True)
+            join_host(server, name, state)
+            env = clean_env(HOME=str(home))
+            for engine, path in installs.items():
+                added = capyctl(
+                    "engine", "add", str(path), "--name", engine, "--state-dir", str(state), env=env
+                )
+                assert added.returncode == 0, added.stderr
+            sparse_model(home / "models" / "m14", 10 * GiB)
+            sparse_model(home / "models" / "small", 2 * GiB)
+            found.ingress[name] = f"{address}:{free_port()}"
+            found.start_host(name)
+        sparse_model(folder / "gpu-b" / "models" / "only-b", 2 * GiB)
+        yield found
+    finally:
+        for role in found.hosts.values():
+            role.stop()
+        found.server.stop()  # the one running now (a test restarts it)
+        _stop_engines(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(server.state_dir.parent, ignore_errors=True)
+
+
+def _stop_engines(folder: Path) -> None:
+    """Engines outlive their roles by design: the test's own are killed with it."""
+    for pid in processes_mentioning(str(folder)):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_three_models_that_fit_only_across_both_hosts_are_served_in_turn(setup: Setup) -> None:
+    hosts = json.loads(setup.ok("list", "hosts", "--json"))
+    assert {row["name"]: row["joined"] for row in hosts} == {"gpu-a": True, "gpu-b": True}
+    for name in ("m1", "m2", "m3"):
+        setup.deploy(name, engine_config=FOURTEEN)
+    client = setup.openai()
+    for name in ("m1", "m2", "m3", "m1", "m2", "m3"):
+        assert ask(client, name), f"{name} answered nothing"
+        assert ask(client, name, stream=True), f"{name} streamed nothing"
+    # Two 14 GiB models per 24 GiB GPU never fit: each host served, and switched.
+    served = {event["host"] for event in _decisions(setup) if event["kind"] == "start"}
+    assert served == {"gpu-a", "gpu-b"}
+    raw = client.chat.completions.with_raw_response.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert raw.headers.get("x-capyctl-request-id")
+
+
+def test_a_model_a_host_lacks_is_not_placed_there_and_status_says_why(setup: Setup) -> None:
+    setup.deploy("b-only", model="only-b", engine_config=SMALL)
+    assert ask(setup.openai(), "b-only")
+    assert setup.where("b-only") == "gpu-b"
+    status = json.loads(setup.ok("status", "deployment", "b-only", "--json"))
+    text = json.dumps(status)
+    assert "gpu-a" in text, text
+    assert "only-b" in text, text
+
+
+def test_placement_hosts_pins_a_model(setup: Setup) -> None:
+    setup.deploy("pinned", model="small", engine_config=SMALL, placement={"hosts": ["gpu-a"]})
+    assert ask(setup.openai(), "pinned")
+    assert setup.where("pinned") == "gpu-a"
+
+
+def test_a_hang_up_through_the_ingress_stops_the_engines_work_within_a_second(
+    setup: Setup,
+) -> None:
+    setup.deploy("slow", engine="slowsglang", model="small", engine_config=SMALL)
+    assert ask(setup.openai(), "slow")
+    host = setup.where("slow")
+    assert host is not None
+    url, secret = setup.engine("slow", host)
+    key = setup.server.credentials()["api_key"]
+    body = {"model": "slow", "messages": [{"role": "user", "content": "go"}], "stream": True}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream(
+            "POST",
+            f"http://{setup.server.inference}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+        ) as answer,
+    ):
+        assert answer.status_code == 200
+        chunks = answer.iter_raw()  # held: a dropped iterator closes the response
+        next(chunks)  # the engine is answering
+        wait_for(lambda: _running(url, secret) == 1, timeout=10, what="the engine to count it")
+        hung_up = time.monotonic()
+    wait_for(lambda: _running(url, secret) == 0, timeout=1.0, what="the engine to stop")
+    assert time.monotonic() - hung_up < 1.5
+
+
+def test_killing_a_hosts_agents_loses_nothing_and_its_engines_are_re_adopted(
+    setup: Setup,
+) -> None:
+    client = setup.openai()
+    assert ask(client, "pinned")
+    before = setup.instances("pinned")["gpu-a"]
+    role = setup.hosts["gpu-a"]
+    agents = role.processes()
+    for name in ("hostd", "memwatch"):
+        os.kill(agents[name]["pid"], signal.SIGKILL)
+    wait_for(
+        lambda: (
+            role.healthy()
+            and all(role.processes()[n]["pid"] != agents[n]["pid"] for n in ("hostd", "memwatch"))
+        ),
+        timeout=30,
+        what="supervisord to restart the host's agents",
+    )
+    wait_for(
+        lambda: setup.instances("pinned")["gpu-a"].state == "ready",
+        timeout=30,
+        what="the engine re-adopted",
+    )
+    after = setup.instances("pinned")["gpu-a"]
+    assert (after.generation, after.process) == (before.generation, before.process)
+    assert ask(client, "pinned")
+
+
+def test_a_server_restart_loses_nothing_and_its_hosts_engines_serve_on(setup: Setup) -> None:
+    client = setup.openai()
+    assert ask(client, "pinned")
+    before = setup.instances("pinned")["gpu-a"]
+    old = setup.server
+    assert old.stop() == 0
+    setup.server = start_role(
+        "server",
+        state_dir=old.state_dir,
+        extra=setup.flags,
+        env=old.env,
+        listeners=(old.inference, old.management),
+    )
+    for role in setup.hosts.values():
+        wait_for(role.healthy, timeout=60, what="the hosts' agents to beat in the new server")
+    assert ask(setup.openai(), "pinned")
+    after = setup.instances("pinned")["gpu-a"]
+    assert (after.generation, after.process) == (before.generation, before.process)
+    names = {row["name"] for row in json.loads(setup.ok("list", "deployments", "--json"))}
+    assert {"m1", "m2", "m3", "b-only", "pinned", "slow"} <= names
+
+
+def test_a_host_that_stops_loses_its_models_to_the_other_host(setup: Setup) -> None:
+    client = setup.openai(timeout=90)
+    assert ask(client, "m2")
+    lost = setup.where("m2")
+    assert lost is not None
+    kept = next(host for host in HOSTS if host != lost)
+    setup.hosts[lost].stop()
+    started = time.monotonic()
+    assert ask(client, "m2"), "m2 answered once it moved"
+    assert setup.where("m2") == kept
+    # Unreachable within its heartbeat's lifetime (10 s), gone after LOST_AFTER_S more.
+    assert time.monotonic() - started < 10 + LOST_AFTER_S + 30
+    marks = cast(dict[bytes, bytes], setup.redis.hgetall(keys.unreachable_hosts()))
+    assert lost.encode() in marks
+    # A model that may run only there is refused at once, not left waiting.
+    if lost == "gpu-b":
+        refused_at = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as refused:
+            ask(client, "b-only")
+        assert refused.value.status_code == 503
+        assert "host_unreachable" in str(refused.value.body)
+        assert time.monotonic() - refused_at < 5
+    # Back again: its old engine of m2 is stopped, so m2 runs once.
+    setup.start_host(lost)
+    wait_for(
+        lambda: setup.instances("m2")[lost].state not in LIVE_STATES,
+        timeout=60,
+        what="the returning host's duplicate of m2 to stop",
+    )
+    wait_for(
+        lambda: lost.encode() not in setup.redis.hgetall(keys.unreachable_hosts()),
+        timeout=10,
+        what="the host marked reachable again",
+    )
+    assert ask(client, "m2")
+    live = [i for i in setup.instances("m2").values() if i.state in LIVE_STATES]
+    assert len(live) == 1
+
+
+def test_revoking_a_host_while_it_serves_ends_its_requests_and_none_hangs(setup: Setup) -> None:
+    client = setup.openai(timeout=30)
+    assert ask(client, "slow")
+    host = setup.where("slow")
+    assert host is not None
+    outcome: dict[str, object] = {}
+
+    def stream() -> None:
+        try:
+            outcome["answer"] = ask(setup.openai(timeout=30), "slow", stream=True)
+        except openai.APIError as exc:
+            outcome["error"] = exc
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    time.sleep(1.0)  # the stream is under way (8 tokens a second)
+    setup.ok("revoke", "host", host)
+    reader.join(timeout=20)
+    assert not reader.is_alive(), "a request through the revoked host hung"
+    assert outcome, "the request ended with neither an answer nor an error"
+    # The host role stops with host_revoked (14); the router sends it nothing more.
+    assert setup.hosts[host].proc.wait(timeout=30) == 14
+    wait_for(
+        lambda: host.encode() in setup.redis.hgetall(keys.unreachable_hosts()),
+        timeout=5,
+        what="the revoked host marked unreachable",
+    )
+
+
+def _running(url: str, secret: str) -> int:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {secret}"}).text
+    for line in text.splitlines():
+        if line.startswith("sglang:num_running_reqs"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("the engine reports no running requests")
+
+
+def _decisions(setup: Setup) -> list[dict[str, Any]]:
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], setup.redis.xrange(keys.events()))
+    return [json.loads(fields[b"event"]) for _, fields in entries]
