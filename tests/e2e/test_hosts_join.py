@@ -25,8 +25,9 @@ from support import (
     wait_for,
 )
 
-# Short enough for a renewal within the test (hosts renew after two thirds of it).
-LIFETIME_S = 15
+# Short enough for a renewal within the test (hosts renew after two thirds of it, counted
+# from a minute before issue), long enough for a loaded machine to start a host with it.
+LIFETIME_S = 30
 
 
 @pytest.fixture(scope="module")

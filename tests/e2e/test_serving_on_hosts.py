@@ -269,6 +269,29 @@ def test_killing_a_hosts_agents_loses_nothing_and_its_engines_are_re_adopted(
     assert ask(client, "pinned")
 
 
+def test_a_drained_host_takes_no_new_model_until_undrained(setup: Setup) -> None:
+    client = setup.openai()
+    assert "takes no new model" in setup.ok("drain", "host", "gpu-a")
+    rows = {row["name"]: row for row in json.loads(setup.ok("list", "hosts", "--json"))}
+    assert (rows["gpu-a"]["drained"], rows["gpu-b"]["drained"]) == (True, False)
+
+    def stopped_there() -> bool:
+        found = [setup.instances(name).get("gpu-a") for name in ("pinned", "m1", "m3")]
+        return all(i.state not in LIVE_STATES for i in found if i is not None)
+
+    wait_for(stopped_there, timeout=60, what="the drained host's engines to stop")
+    # A model that may run only there is refused at once; one that may run elsewhere moves.
+    with pytest.raises(openai.APIStatusError) as refused:
+        ask(client, "pinned")
+    assert refused.value.status_code == 503
+    assert "host_drained" in str(refused.value.body)
+    assert ask(client, "m1")
+    assert setup.where("m1") == "gpu-b"
+    assert "takes models again" in setup.ok("undrain", "host", "gpu-a")
+    assert ask(client, "pinned")
+    assert setup.where("pinned") == "gpu-a"
+
+
 def test_a_server_restart_loses_nothing_and_its_hosts_engines_serve_on(setup: Setup) -> None:
     client = setup.openai()
     assert ask(client, "pinned")
