@@ -31,18 +31,25 @@ async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
     try:
         while not stop.is_set():
             entries = await _read(group, cursor, stop)
-            if cursor == "0" and not entries:
-                cursor = ">"
             for entry_id, fields in entries:
                 task = asyncio.create_task(_run(runner, shelf, group, entry_id, fields))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-            if cursor == "0" and entries:
-                cursor = entries[-1][0]
+            cursor = next_cursor(cursor, entries)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def next_cursor(cursor: str, entries: list[Entry]) -> str:
+    """Where the next read starts. While reading what was delivered but never acknowledged
+    (any cursor but `>`), after the last entry read; once that history is read out, at the
+    new entries (`>`). Only new entries are blocked for: a cursor left in the history would
+    read nothing new for ever."""
+    if cursor == ">":
+        return cursor
+    return entries[-1][0] if entries else ">"
 
 
 # How long one read of the stream blocks for new commands: a command wakes it at once, so
