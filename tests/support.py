@@ -315,6 +315,39 @@ def _failed(handle: Role) -> bool:
     raise AssertionError(f"the role exited with {handle.proc.returncode}:\n{handle.output()}")
 
 
+def redis_server(folder: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """A real redis-server on `folder`/redis.sock (owner-only, no TCP port, no snapshots),
+    with `extra` settings; returned once its socket is there."""
+    server = shutil.which("redis-server")
+    assert server is not None, "redis-server is not installed; run scripts/setup"
+    sock = folder / "redis.sock"
+    sock.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [
+            server,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(folder),
+            "--save",
+            "",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(sock.exists, timeout=10, what="redis-server's socket")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
 def join_host(server: Role, name: str, state: Path, *extra: str) -> Path:
     """Invite host `name` on `server` and join it from `state`; the join file's path."""
     join_file = state.parent / f"{name}.join"

@@ -368,7 +368,8 @@ def test_revoking_a_host_while_it_serves_ends_its_requests_and_none_hangs(setup:
 
     reader = threading.Thread(target=stream)
     reader.start()
-    time.sleep(1.0)  # the stream is under way (8 tokens a second)
+    url, secret = setup.engine("slow", host)
+    wait_for(lambda: _running(url, secret) == 1, timeout=10, what="the stream under way")
     setup.ok("revoke", "host", host)
     reader.join(timeout=20)
     assert not reader.is_alive(), "a request through the revoked host hung"

@@ -13,40 +13,14 @@ from pathlib import Path
 import redis
 
 from capycommon.state import acl
-from support import short_dir, wait_for
+from support import redis_server, short_dir
 
 PASSWORD = "control-plane-password"
 
 
 def _redis(folder: Path) -> subprocess.Popen[bytes]:
-    server = shutil.which("redis-server")
-    assert server is not None, "redis-server is not installed; run scripts/setup"
-    sock = folder / "redis.sock"
-    sock.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [
-            server,
-            "--port",
-            "0",
-            "--unixsocket",
-            str(sock),
-            "--unixsocketperm",
-            "700",
-            "--dir",
-            str(folder),
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--aclfile",
-            str(folder / "users.acl"),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    wait_for(sock.exists, timeout=10, what="redis-server's socket")
-    return proc
+    aof = ("--appendonly", "yes", "--appendfsync", "always")
+    return redis_server(folder, *aof, "--aclfile", str(folder / "users.acl"))
 
 
 def _control(folder: Path) -> redis.Redis:
