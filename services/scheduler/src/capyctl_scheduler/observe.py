@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
@@ -100,12 +100,22 @@ class Observer:
         restarts: Mapping[str, int] | None = None,
     ) -> Snapshot:
         now = time.time() if now is None else now
-        # The reads are independent: sent together, they wait on Redis once, not in turn.
-        known, marks = await asyncio.gather(self.known_hosts(), hostmarks.aread(self.client))
-        deployments, per_host = await asyncio.gather(
+        # The reads are independent: sent together, they wait on Redis once, not in turn. The
+        # hosts read are those of the last snapshot; a host that joined since is read after.
+        marks = asyncio.ensure_future(hostmarks.aread(self.client))
+        previous = list(self.hosts)
+        known, deployments, per_host = await asyncio.gather(
+            self.known_hosts(),
             DeploymentStore(self.client).all(),
-            asyncio.gather(*(self._host_reads(host, now, marks) for host in known)),
+            asyncio.gather(*(self._host_reads(host, now, marks) for host in previous)),
         )
+        joined = [host for host in known if host not in previous]
+        if joined:
+            per_host += await asyncio.gather(
+                *(self._host_reads(host, now, marks) for host in joined)
+            )
+        await marks  # read even with no host to view (its failure is this snapshot's)
+        per_host = sorted(found for found in per_host if found[0] in known)
         hosts: dict[str, HostView] = {}
         records: list[InstanceRecord] = []
         loads: dict[str, load.EngineLoad] = {}
@@ -155,7 +165,7 @@ class Observer:
         )
 
     async def _host_reads(
-        self, host: str, now: float, marks: HostMarks
+        self, host: str, now: float, marks: Awaitable[HostMarks]
     ) -> tuple[
         str,
         HostView,
@@ -179,7 +189,7 @@ class Observer:
                 self._identity(host),
             ),
         )
-        view = self._view(host, reading, alive, info, now, identity, marks)
+        view = self._view(host, reading, alive, info, now, identity, await marks)
         return host, view, records, loads, engines, models
 
     async def _identity(self, host: str) -> HostIdentity | None:
