@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import cast
 
@@ -148,6 +149,38 @@ def test_an_engine_crashing_at_start_fails_the_launch_at_once(
     assert "CUDA error: no kernel image" in failed.error, "the last log lines are in the error"
     assert_group_gone(failed)
     assert harness.device_bytes(failed) == (0, 0)
+
+
+def test_a_stop_of_a_starting_engine_tears_it_down_at_once(
+    hostd: tuple[Hostd, str], model: Path, installs: dict[str, Path]
+) -> None:
+    # An engine that loads for a minute, stopped while it loads: the stop does not wait for
+    # the start, as a delete of a large model stuck loading must not.
+    harness, gpu = hostd
+    write_behaviour(installs["vllm"], FAST.model_copy(update={"load_seconds": 60}))
+    harness.send(launch("a", 1, gpu, model, start_deadline_s=600))
+    starting = wait_for(
+        lambda: (found := harness.record("a")) is not None and found.process is not None and found,
+        timeout=20,
+        what="the engine's process",
+    )
+    began = time.monotonic()
+    harness.send(Stop(deployment="a", generation=1, reason="deleted"))
+    stopped = harness.wait_state("a", "stopped", timeout=20)
+    assert time.monotonic() - began < 15, "at once, not at the end of the engine's start"
+    assert stopped.process == starting.process
+    assert_group_gone(stopped)
+    assert is_free(stopped.port or 0), "the port is free again"
+    transitions = [
+        (e["from_state"], e["to_state"]) for e in harness.events() if e["kind"] == "transition"
+    ]
+    assert transitions == [
+        (None, "starting"),
+        ("starting", "starting"),
+        ("starting", "stopping"),
+        ("stopping", "stopped"),
+    ]
+    assert harness.device_bytes(stopped) == (0, 0)
 
 
 def test_a_left_behind_child_is_killed_with_its_group(

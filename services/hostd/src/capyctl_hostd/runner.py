@@ -3,6 +3,10 @@
 Every change of state goes through the instance store's compare-and-set, so a command for a
 stale generation, or one that arrives after the instance moved on, is refused and recorded.
 
+A stop of an engine that is still starting ends the launch's wait for it: the stop, queued
+behind the launch, tears the engine down at once instead of after its start (minutes for a
+large model that an operator stops or deletes while it loads).
+
 A wake or a start costs what the engine's own calls cost: a wake is the engine's wake calls,
 then the canary as soon as they return; a start probes the engine's health every few tens of
 milliseconds, then runs the canary while the port check walks /proc beside it. hostd's log
@@ -17,8 +21,10 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -27,7 +33,7 @@ from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
 from capycommon.errors import CapyError, LaunchFailed
-from capycommon.service import REDIS_ERRORS
+from capycommon.service import REDIS_ERRORS, until_stop
 from capycommon.state import hostcommands as hc
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict, InstanceStore
@@ -39,6 +45,7 @@ from capyctl_hostd.settle import Settler
 
 log = logging.getLogger(__name__)
 S = InstanceState
+T = TypeVar("T")
 LOG_LINES_IN_REDIS = 50
 
 # What a launch command says that the instance record keeps, and what it says of the engine's
@@ -77,6 +84,9 @@ class Runner:
     spawned: asyncio.Event = field(default_factory=asyncio.Event)
     _member_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _gpu_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    # The launch under way of each member: its generation, and the event a stop of that
+    # generation sets.
+    _starts: dict[str, tuple[int, asyncio.Event]] = field(default_factory=dict)
     settler: Settler = field(init=False)
     owned: OwnedEngines = field(init=False)
 
@@ -89,6 +99,8 @@ class Runner:
 
     async def handle(self, command: hc.Launch | hc.Park | hc.Wake | hc.Stop | hc.Abort) -> None:
         member = f"{command.deployment}:{command.instance}"
+        if isinstance(command, hc.Stop):
+            self._cut_start(member, command.generation)
         async with self.lock_for(member):
             try:
                 await self._dispatch(command)
@@ -111,6 +123,12 @@ class Runner:
             await self.stop(record, command.reason)
         else:
             await self.abort(record, command.request_id)
+
+    def _cut_start(self, member: str, generation: int) -> None:
+        """End the wait of the launch of `member` at `generation`, if one is under way."""
+        start = self._starts.get(member)
+        if start is not None and start[0] == generation:
+            start[1].set()
 
     async def _refuse(
         self, command: hc.Launch | hc.Park | hc.Wake | hc.Stop | hc.Abort, why: str
@@ -184,6 +202,8 @@ class Runner:
         except Conflict:
             self.ports.release(port)
             raise
+        stopped = asyncio.Event()
+        self._starts[record.member] = (record.generation, stopped)
         try:
             engine = await self._start_engine(command, record, log_path)
             steps.mark("spawned")
@@ -202,16 +222,28 @@ class Runner:
                 reason="engine process started",
                 previous=record,
             )
-            control = engine.control()
-            await engines.wait_ready(engine, control, command.start_deadline_s)
-            steps.mark("healthy")
-            answer = await engines.first_canary(engine, control)
-            steps.mark("canary")
+            answer = await _unless_stopped(
+                self._ready(engine, command.start_deadline_s, steps), stopped
+            )
         except (CapyError, OSError) as exc:
             await self.fail(record, f"launch failed: {_message(exc)}")
             return
+        finally:
+            del self._starts[record.member]
+        if answer is None:
+            log.info("%s: stopped while it started; the stop tears it down", record.member)
+            return
         await self._to(record, S.READY, "ready: health and canary passed", canary=answer)
         log.info("started", extra={"member": record.member, "steps": steps.marks})
+
+    async def _ready(self, engine: Engine, deadline_s: float, steps: Steps) -> str:
+        """Once the engine is ready and passed its first canary, the canary's answer."""
+        control = engine.control()
+        await engines.wait_ready(engine, control, deadline_s)
+        steps.mark("healthy")
+        answer = await engines.first_canary(engine, control)
+        steps.mark("canary")
+        return answer
 
     async def _start_engine(
         self, command: hc.Launch, record: InstanceRecord, log_path: Path
@@ -475,6 +507,19 @@ class Steps:
 
     def mark(self, step: str) -> None:
         self.marks[step] = _moment()
+
+
+async def _unless_stopped(work: Coroutine[Any, Any, T], stopped: asyncio.Event) -> T | None:
+    """What `work` returns, or None once `stopped` is set before it is done (it is cancelled
+    then)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await until_stop(task, stopped)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 def _moment() -> float:
