@@ -73,9 +73,12 @@ def free_port() -> int:
 def engine_ports(base: int = 24000) -> str:
     """An engine port range of this test process's own, below the kernel's ephemeral ports:
     parallel workers (pytest-xdist) never lease the same port, which engines bind with
-    SO_REUSEPORT (the kernel would split one port's connections between two engines)."""
+    SO_REUSEPORT (the kernel would split one port's connections between two engines).
+
+    `base` is one of ten ranges a test may use at once, 24000, 24100 ... 24900 (or another
+    thousand of its own); each worker has its own thousand ports above it."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    start = base + 200 * worker
+    start = base + 1000 * worker
     return f"{start}-{start + 99}"
 
 

@@ -70,7 +70,7 @@ def test_env_state_dir_and_document(tmp_path: Path) -> None:
     rows = _by_path(data)
     assert rows["state_dir"] == (str(tmp_path), "env")
     assert rows["log.format"] == ("json", "yaml")
-    assert "host.name" not in rows, "the server role has no host settings"
+    assert rows["host.embedded"] == ("off", "default"), "a server has no host unless embedded"
 
 
 def test_text_form_is_a_table(tmp_path: Path) -> None:
@@ -202,7 +202,8 @@ def test_unknown_and_secret_flags_are_refused_by_name(tmp_path: Path) -> None:
     result = capyctl("start", "server", "--state-dir", str(tmp_path), "--deep-park", "off")
     assert result.returncode == 2
     assert result.stderr == (
-        "error [invalid_config]: --deep-park does not apply to the server role; drop it\n"
+        "error [invalid_config]: --deep-park sets host.deep_park, which applies to a server "
+        "only with an embedded host; add --embedded-host on (host.embedded: on), or drop it\n"
     )
 
 

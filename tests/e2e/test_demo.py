@@ -42,7 +42,7 @@ def _start(root: Path, inference: int, out: int | IO[bytes], pty: bool = False) 
         "--management-listen",
         f"127.0.0.1:{free_port()}",
     ]
-    env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(26000))
+    env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(24800))
     if not pty:
         return Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     return Popen(["setsid", "--ctty", *argv], stdin=out, stdout=out, stderr=out, env=env)

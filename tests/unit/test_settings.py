@@ -18,7 +18,9 @@ from capycommon.settings import (
     HostSettings,
     Role,
     StandaloneSettings,
+    host_name,
     machine_host_name,
+    own_host,
     redacted,
     setting_specs,
     template,
@@ -206,16 +208,19 @@ def test_every_setting_is_documented_with_an_example(role: Role) -> None:
 def test_every_setting_comes_from_yaml_a_flag_or_a_variable(tmp_path: Path, role: Role) -> None:
     defaults = {row.path: row.value for row in load_settings(role, document=None, env={}).rows}
     for spec in setting_specs(role).values():
+        # A server takes host settings only with an embedded host.
+        embedded = {"CAPYCTL_EMBEDDED_HOST": "on"} if role == "server" else {}
+        env = embedded if spec.path.startswith("host.") and spec.path != "host.embedded" else {}
         doc = tmp_path / f"{spec.path}.yaml"
         doc.write_text(_yaml_for(spec.path, spec.example))
-        from_yaml = _row(load_settings(role, document=doc, env={}), spec.path)
+        from_yaml = _row(load_settings(role, document=doc, env=env), spec.path)
         assert from_yaml == (from_yaml[0], "yaml", str(doc))
         assert from_yaml[0] != defaults[spec.path], f"{spec.path}: the example is the default"
         for name in spec.variables:
-            loaded = load_settings(role, document=doc, env={name: spec.example})
+            loaded = load_settings(role, document=doc, env={**env, name: spec.example})
             assert _row(loaded, spec.path) == (from_yaml[0], "env", name)
         for name in spec.flags:
-            loaded = load_settings(role, document=doc, env={}, flags={name: spec.example})
+            loaded = load_settings(role, document=doc, env=env, flags={name: spec.example})
             assert _row(loaded, spec.path) == (from_yaml[0], "flag", name)
 
 
@@ -234,13 +239,17 @@ def test_names_are_derived_and_unique() -> None:
     assert len(variables) == len(set(variables))
     assert not {"--state-dir", "--config", "--json", "--debug", "--role"} & set(flags)
     assert not {"CAPYCTL_STATE_DIR", "CAPYCTL_CONFIG"} & set(variables)
-    # The standalone role has every setting but the server's enrollment of remote hosts and
-    # a joined host's ingress.
+    # The standalone role has every setting but the server's enrollment of remote hosts, its
+    # switch for an embedded host, and a joined host's ingress.
     enrollment = {path for path in setting_specs("server") if path.startswith("enrollment.")}
     ingress = {path for path in setting_specs("host") if path.startswith("host.ingress.")}
     assert ingress == {"host.ingress.bind", "host.ingress.address"}
     assert set(setting_specs("server")) | set(setting_specs("host")) == (
-        set(specs) | enrollment | ingress
+        set(specs) | enrollment | ingress | {"host.embedded"}
+    )
+    assert setting_specs("server")["host.embedded"].flags == (
+        "--host-embedded",
+        "--embedded-host",
     )
     assert setting_specs("host")["host.ingress.bind"].flags == ("--host-ingress-bind",)
     assert setting_specs("host")["host.ingress.address"].variables == (
@@ -271,8 +280,12 @@ def test_flags_that_are_not_the_roles_are_refused() -> None:
         "unknown flag --lisen for the standalone role; did you mean --listen? "
         "(--help lists every flag)"
     )
-    with pytest.raises(InvalidConfig, match=r"^--deep-park does not apply to the server role"):
-        load_settings("server", document=None, env={}, flags={"--deep-park": "off"})
+    with pytest.raises(
+        InvalidConfig, match=r"^--host-ingress-bind does not apply to the server role"
+    ):
+        load_settings("server", document=None, env={}, flags={"--host-ingress-bind": "0:1"})
+    with pytest.raises(InvalidConfig, match=r"^--embedded-host does not apply to the host role"):
+        load_settings("host", document=None, env={}, flags={"--embedded-host": "on"})
     with pytest.raises(InvalidConfig) as caught:
         load_settings("host", document=None, env={}, flags={"--redis-url": "redis://h:1"})
     assert caught.value.message == (
@@ -327,3 +340,21 @@ def test_secrets_are_shown_without_their_password() -> None:
     )
     assert redacted("redis.url", "unix:///run/redis.sock") == "unix:///run/redis.sock"
     assert redacted("host.name", "a:b@c") == "a:b@c"
+
+
+def test_a_server_has_a_host_of_its_own_only_when_embedded() -> None:
+    server = load_settings("server", document=None, env={"CAPYCTL_HOST_NAME": "main"})
+    assert own_host(server.settings) is None
+    assert host_name(server.settings) is None
+    with pytest.raises(InvalidConfig) as caught:
+        load_settings("server", document=None, env={}, flags={"--models-root": "/srv/m"})
+    assert caught.value.message == (
+        "--models-root sets host.models_root, which applies to a server only with an embedded "
+        "host; add --embedded-host on (host.embedded: on), or drop it"
+    )
+    embedded = load_settings(
+        "server", document=None, env={"CAPYCTL_EMBEDDED_HOST": "on"}, flags={"--host-name": "main"}
+    )
+    assert host_name(embedded.settings) == "main"
+    standalone = load_settings("standalone", document=None, env={}, flags={"--host-name": "s"})
+    assert host_name(standalone.settings) == "s"

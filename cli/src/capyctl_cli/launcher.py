@@ -41,7 +41,7 @@ from capycommon.state import persistence
 from capycommon.units import format_size
 from capycommon.version import __version__
 from capyctl_cli import record, redisconf, supervisor
-from capyctl_cli.roles import PROCESSES, Prepared, service_command
+from capyctl_cli.roles import Prepared, service_command
 
 log = logging.getLogger("capyctl.launcher")
 
@@ -115,7 +115,7 @@ def child_environment(prepared: Prepared, env: Mapping[str, str]) -> dict[str, s
 
 def programs(role: Role, prepared: Prepared) -> list[supervisor.Program]:
     result = []
-    for name in PROCESSES[role]:
+    for name in prepared.processes:
         if name == "redis":
             server = shutil.which("redis-server")
             if server is None:
@@ -183,7 +183,7 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
         "%s role running", role, extra={"state_dir": str(paths.root), "supervisord_pid": proc.pid}
     )
     watch: RedisWatch | HostStopWatch | None = None
-    if "redis" in PROCESSES[role]:
+    if "redis" in prepared.processes:
         watch = RedisWatch(paths, role == "server")
     elif role == "host":
         watch = HostStopWatch(paths)
@@ -448,7 +448,7 @@ def _write_record(role: Role, prepared: Prepared, supervisord_pid: int) -> None:
             started_at=time.time(),
             state_dir=str(prepared.paths.root),
             document=str(prepared.loaded.document) if prepared.loaded.document else None,
-            processes=list(PROCESSES[role]),
+            processes=list(prepared.processes),
             redis_url=target_for(settings, prepared.paths).url,
             host=host_name(settings),
             listeners=listeners,

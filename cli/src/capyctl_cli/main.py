@@ -173,10 +173,10 @@ def run_process(
     env = dict(os.environ)
     root_dir, _ = resolve_state_dir(state_dir, env)
     chosen = role_of(role)
-    if process not in roles.PROCESSES[chosen]:
-        choices = ", ".join(roles.PROCESSES[chosen])
-        raise InvalidConfig(f"the {role} role has no process {process!r}; use one of {choices}")
     prepared = roles.prepare(chosen, root_dir, config, env, {})
+    if process not in prepared.processes:
+        choices = ", ".join(prepared.processes)
+        raise InvalidConfig(f"the {role} role has no process {process!r}; use one of {choices}")
     argv = launcher.programs(chosen, prepared)
     program = next(p for p in argv if p.name == process)
     sys.stdout.flush()

@@ -13,7 +13,7 @@ from capycommon.credentials import Credentials
 from capycommon.errors import HostNameChanged, InvalidConfig, ToolchainMissing
 from capycommon.paths import StatePaths, check_socket_path, ensure_private_dir, write_atomic
 from capycommon.redistarget import joined_target
-from capycommon.settings import HostSettings, Role, ServerSettings, template
+from capycommon.settings import HostSettings, Role, ServerSettings, own_host, template
 from capycommon.settingsources import LoadedSettings, load_settings, locate_document
 from capyctl_cli import serveridentity
 from capyctl_cli.redisconf import ControlPort
@@ -26,6 +26,8 @@ PROCESSES: dict[Role, tuple[str, ...]] = {
     "server": ("redis", "router", "scheduler"),
     "host": ("hostd", "memwatch"),
 }
+# What a server with an embedded host (host.embedded: on) runs besides.
+EMBEDDED_HOST = ("hostd", "memwatch")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,14 @@ class Prepared:
     credentials: Credentials | None
     # A server's TLS port for joined hosts.
     control: ControlPort | None = None
+
+    @property
+    def processes(self) -> tuple[str, ...]:
+        """The processes this start runs, in start order."""
+        settings = self.loaded.settings
+        if isinstance(settings, ServerSettings) and own_host(settings) is not None:
+            return PROCESSES["server"] + EMBEDDED_HOST
+        return PROCESSES[settings.kind]
 
 
 def prepare(
@@ -71,7 +81,7 @@ def prepare(
     control = None
     if isinstance(loaded.settings, ServerSettings):
         control = serveridentity.prepare(paths, loaded.settings)
-    else:
+    if own_host(loaded.settings) is not None:
         keep_host_name(paths, loaded)
     return Prepared(paths, loaded, credentials.ensure(paths.credentials), control)
 
@@ -93,8 +103,9 @@ def check_joined(paths: StatePaths, settings: HostSettings) -> None:
 def keep_host_name(paths: StatePaths, loaded: LoadedSettings) -> None:
     """Keep the host's name in the state dir on its first start; refuse a later start under
     another name (its instances, engines and readings are all kept under the name)."""
-    assert not isinstance(loaded.settings, ServerSettings)
-    name = loaded.settings.host.name
+    host = own_host(loaded.settings)
+    assert host is not None
+    name = host.name
     file = paths.host_name
     ensure_private_dir(file.parent)
     try:

@@ -420,10 +420,28 @@ class EnrollmentSection(Strict):
     )
 
 
+class EmbeddedHostSection(HostSection):
+    """A server's own host: with `embedded: on` the server also runs hostd and memwatch, and
+    serves models on this machine's GPUs beside those of its joined hosts."""
+
+    embedded: Annotated[
+        OnOff,
+        Setting(
+            flags=("--embedded-host",), variables=("CAPYCTL_EMBEDDED_HOST",), empty_refused=True
+        ),
+    ] = Field(
+        "off",
+        description="on: this server is also a host, as a standalone role is (its models run "
+        "here too, beside those of joined hosts); the other host settings apply only then.",
+        examples=["on"],
+    )
+
+
 class ServerSettings(RoleSettings):
     kind: Literal["server"] = "server"
     server: ServerSection = ServerSection()
     enrollment: EnrollmentSection = EnrollmentSection()
+    host: EmbeddedHostSection = Field(default_factory=EmbeddedHostSection)
 
 
 class HostSettings(RoleSettings):
@@ -471,8 +489,17 @@ def redis_url(settings: AnySettings, default: str) -> str:
     return settings.redis.url or default
 
 
+def own_host(settings: AnySettings) -> HostSection | None:
+    """The host this role runs engines on: a standalone role's, a host's, and a server's
+    embedded one; None for a server without one."""
+    if isinstance(settings, ServerSettings) and settings.host.embedded == "off":
+        return None
+    return settings.host
+
+
 def host_name(settings: AnySettings) -> str | None:
-    return settings.host.name if isinstance(settings, StandaloneSettings | HostSettings) else None
+    found = own_host(settings)
+    return None if found is None else found.name
 
 
 def template(role: Role) -> str:

@@ -17,7 +17,14 @@ from pydantic import ValidationError
 
 from capycommon.errors import InvalidConfig
 from capycommon.settingnames import derived_flag
-from capycommon.settings import MODELS, AnySettings, Role, all_setting_specs, setting_specs
+from capycommon.settings import (
+    MODELS,
+    AnySettings,
+    Role,
+    ServerSettings,
+    all_setting_specs,
+    setting_specs,
+)
 from capycommon.yamldoc import load_yaml_document
 
 
@@ -196,7 +203,25 @@ def load_settings(
             rows.append(SettingRow(path, value, "default"))
         else:
             rows.append(SettingRow(path, value, stated.source, stated.origins[path]))
+    _check_embedded_host(settings, rows)
     return LoadedSettings(role, settings, document, tuple(rows))
+
+
+def _check_embedded_host(settings: AnySettings, rows: list[SettingRow]) -> None:
+    """A server's host settings, set by a flag or its document to other than their defaults,
+    need `host.embedded: on`: without it they would be ignored, and the server runs no
+    engine. (The environment is shared with other roles on the machine, so its variables are
+    not held against it.)"""
+    if not isinstance(settings, ServerSettings) or settings.host.embedded == "on":
+        return
+    defaults = dict(_leaves({"host": type(settings.host)().model_dump(mode="json")}))
+    for row in rows:
+        stated = row.source in ("flag", "yaml") and row.value != defaults.get(row.path)
+        if row.path.startswith("host.") and stated:
+            raise InvalidConfig(
+                f"{row.origin} sets {row.path}, which applies to a server only with an "
+                "embedded host; add --embedded-host on (host.embedded: on), or drop it"
+            )
 
 
 def _explain(exc: ValidationError, layers: list[Layer]) -> str:

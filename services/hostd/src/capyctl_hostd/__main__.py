@@ -9,10 +9,10 @@ from pathlib import Path
 
 from capycommon.engines import registry
 from capycommon.enrollment import ingress_address
-from capycommon.errors import CapyError
+from capycommon.errors import CapyError, InvalidConfig
 from capycommon.paths import ensure_private_dir
 from capycommon.service import REDIS_ERRORS, ServiceContext, joined_host, run, wait_event
-from capycommon.settings import HostSettings, StandaloneSettings
+from capycommon.settings import HostSettings, own_host
 from capycommon.settingvalues import parse_port_range
 from capycommon.state import enginefacts, hostinfo
 from capycommon.state.hostinfo import HostInfo
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def host_paths(ctx: ServiceContext) -> HostPaths:
-    assert isinstance(ctx.settings, StandaloneSettings | HostSettings)
-    host = ctx.settings.host
+    host = own_host(ctx.settings)
+    assert host is not None
     simgpu = None
     if host.simulated_gpus is not None:
         simgpu = host.simgpu_dir or ctx.paths.root / "simgpu"
@@ -71,12 +71,14 @@ async def serve(ctx: ServiceContext) -> None:
     Stopping hostd leaves the engines running: the next hostd re-adopts them.
     """
     assert ctx.host is not None
-    assert isinstance(ctx.settings, StandaloneSettings | HostSettings)
+    host = own_host(ctx.settings)
+    if host is None:
+        raise InvalidConfig(f"hostd runs on a GPU host; the {ctx.role} role has none")
     paths = host_paths(ctx)
     ensure_private_dir(paths.engines_record.parent)
-    deep_park = ctx.settings.host.deep_park == "on"
-    shelf = Shelf(ctx.redis, ctx.host, ctx.settings.host.models_root)
-    ports = PortLeaser(*parse_port_range(ctx.settings.host.engine_ports))
+    deep_park = host.deep_park == "on"
+    shelf = Shelf(ctx.redis, ctx.host, host.models_root)
+    ports = PortLeaser(*parse_port_range(host.engine_ports))
     runner = Runner(
         ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths, deep_park=deep_park
     )

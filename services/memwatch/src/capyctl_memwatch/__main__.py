@@ -7,16 +7,17 @@ import sys
 
 from capycommon.errors import InvalidConfig
 from capycommon.service import ServiceContext, run
-from capycommon.settings import HostSection, HostSettings, StandaloneSettings
+from capycommon.settings import HostSection, own_host
 from capyctl_memwatch.choose import open_backend
 from capyctl_memwatch.hostram import HostRamReader
 from capyctl_memwatch.watch import watch
 
 
 def _host_section(ctx: ServiceContext) -> HostSection:
-    if ctx.host is None or not isinstance(ctx.settings, StandaloneSettings | HostSettings):
+    host = own_host(ctx.settings)
+    if ctx.host is None or host is None:
         raise InvalidConfig(f"memwatch runs on a GPU host; the {ctx.role} role has none")
-    return ctx.settings.host
+    return host
 
 
 async def serve(ctx: ServiceContext) -> None:

@@ -33,7 +33,8 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
     the hosts' events into the lifecycle metrics (one does, for all)."""
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     server = ctx.settings.server
-    hosts = {ctx.settings.host.name} if isinstance(ctx.settings, StandaloneSettings) else set()
+    # Its own host's engines (a standalone's, or a server's embedded host's) on loopback.
+    hosts = set() if ctx.host is None else {ctx.host}
     table = Table(ctx.redis, hosts)
     limits = Limits(
         waiting_per_deployment=server.routing.max_pending_per_deployment,

@@ -23,7 +23,7 @@ from capyctl_scheduler.snapshot import Tunables
 def scheduler_for(ctx: ServiceContext) -> Scheduler:
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     scheduling = ctx.settings.server.scheduling
-    hosts = [ctx.settings.host.name] if isinstance(ctx.settings, StandaloneSettings) else []
+    hosts = [] if ctx.host is None else [ctx.host]  # its own host: a standalone's, or embedded
     memory = scheduling.memory
     observer = Observer(
         ctx.redis,

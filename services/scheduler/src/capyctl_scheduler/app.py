@@ -252,8 +252,9 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
     def joined_hosts() -> Enrollment:
         if enrollment is None:
             raise NotFound(
-                "hosts join a server role, not this one; start the server role "
-                "(capyctl start server) to invite hosts"
+                "hosts join a server role, not this one; to serve models here and on "
+                "other machines, start a server with an embedded host (capyctl start server "
+                "--embedded-host on) and invite hosts to it"
             )
         return enrollment
 

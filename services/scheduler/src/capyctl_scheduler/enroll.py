@@ -40,7 +40,7 @@ from capycommon.errors import (
 )
 from capycommon.paths import StatePaths
 from capycommon.service import REDIS_ERRORS, until_stop, wait_event
-from capycommon.settings import ServerSettings
+from capycommon.settings import ServerSettings, host_name
 from capycommon.state import acl, heartbeats, hostinfo, hostmarks, identities
 from capycommon.state.enginefacts import aread_published
 from capycommon.state.identities import HostIdentity, Invitation
@@ -75,6 +75,11 @@ class Enrollment:
     async def invite(self, request: wire.InvitationRequest) -> wire.InvitationAnswer:
         """A join file for `request.host_name`, valid once, until it expires."""
         name = request.host_name
+        if name == host_name(self.settings):
+            raise IdentityConflict(
+                f"host {name!r} is this server's embedded host (host.embedded: on); a joined "
+                "host needs a name of its own"
+            )
         bootstrap, control = dial_addresses(self.settings)
         existing = await identities.read(self.client, name)
         if request.recover:

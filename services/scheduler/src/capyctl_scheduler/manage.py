@@ -184,13 +184,14 @@ class Manager:
         )
 
     async def drain(self, host: str) -> DrainAnswer:
-        """Stop every engine on a host; the deployments stay on demand. A joined host also
-        takes no new model until undrained, so its models move to other hosts as requests
-        come; a standalone role's own host has nowhere else to send them and stays open."""
+        """Stop every engine on a host; the deployments stay on demand. Where the role has
+        other hosts (a joined host, or a server's embedded host beside joined ones), the host
+        also takes no new model until undrained, so its models move to the others as requests
+        come; a standalone role's only host has nowhere else to send them and stays open."""
         snap = await self.snapshot()
         if host not in snap.hosts:
             raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
-        drained = snap.hosts[host].joined
+        drained = snap.hosts[host].joined or len(snap.hosts) > 1
         if drained:
             await hostmarks.set_drained(self.scheduler.client, host, True)
         stopping = []
