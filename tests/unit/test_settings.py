@@ -101,7 +101,7 @@ def test_addresses_parse() -> None:
 @pytest.mark.parametrize("bind", ["127.0.0.1:7443", "127.0.0.9:1", "[::1]:7443", "localhost:7443"])
 def test_management_accepts_loopback(bind: str) -> None:
     loaded = load_settings("server", document=None, env={"CAPYCTL_MANAGEMENT_ADDR": bind})
-    assert loaded.settings.server.listeners.management.bind == bind  # type: ignore[union-attr]
+    assert loaded.settings.server.listeners.management.bind == bind
 
 
 def test_management_refuses_other_addresses() -> None:
@@ -260,7 +260,7 @@ def test_names_are_derived_and_unique() -> None:
 def test_two_names_of_one_setting_must_agree() -> None:
     both = {"--server-listeners-inference-bind": "127.0.0.1:1", "--listen": "127.0.0.1:1"}
     same = load_settings("standalone", document=None, env={}, flags=both)
-    assert same.settings.server.listeners.inference.bind == "127.0.0.1:1"  # type: ignore[union-attr]
+    assert same.settings.server.listeners.inference.bind == "127.0.0.1:1"
     both["--listen"] = "127.0.0.1:2"
     with pytest.raises(InvalidConfig) as caught:
         load_settings("standalone", document=None, env={}, flags=both)
@@ -306,9 +306,9 @@ def test_deep_park_is_on_or_off(tmp_path: Path) -> None:
     doc = tmp_path / "host.yaml"
     doc.write_text("host:\n  deep_park: off\n")
     loaded = load_settings("host", document=doc, env={})
-    assert loaded.settings.host.deep_park == "off"  # type: ignore[union-attr]
+    assert loaded.settings.host.deep_park == "off"
     loaded = load_settings("host", document=None, env={})
-    assert loaded.settings.host.deep_park == "on"  # type: ignore[union-attr]
+    assert loaded.settings.host.deep_park == "on"
     with pytest.raises(InvalidConfig, match=r"--deep-park sets host\.deep_park to 'disabled'"):
         load_settings("host", document=None, env={}, flags={"--deep-park": "disabled"})
 
@@ -331,7 +331,7 @@ def test_the_default_host_name_is_the_hostname_made_to_fit(hostname: str, name: 
 
 def test_the_default_host_name_is_this_machines() -> None:
     loaded = load_settings("standalone", document=None, env={})
-    assert loaded.settings.host.name == machine_host_name()  # type: ignore[union-attr]
+    assert loaded.settings.host.name == machine_host_name()
 
 
 def test_secrets_are_shown_without_their_password() -> None:
