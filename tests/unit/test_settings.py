@@ -101,7 +101,7 @@ def test_addresses_parse() -> None:
 @pytest.mark.parametrize("bind", ["127.0.0.1:7443", "127.0.0.9:1", "[::1]:7443", "localhost:7443"])
 def test_management_accepts_loopback(bind: str) -> None:
     loaded = load_settings("server", document=None, env={"CAPYCTL_MANAGEMENT_ADDR": bind})
-    assert loaded.settings.server.listeners.management.bind == bind
+    assert loaded.settings.server.listeners.management.bind == bind  # type: ignore[union-attr]
 
 
 def test_management_refuses_other_addresses() -> None:
@@ -260,7 +260,7 @@ def test_names_are_derived_and_unique() -> None:
 def test_two_names_of_one_setting_must_agree() -> None:
     both = {"--server-listeners-inference-bind": "127.0.0.1:1", "--listen": "127.0.0.1:1"}
     same = load_settings("standalone", document=None, env={}, flags=both)
-    assert same.settings.server.listeners.inference.bind == "127.0.0.1:1"
+    assert same.settings.server.listeners.inference.bind == "127.0.0.1:1"  # type: ignore[union-attr]
     both["--listen"] = "127.0.0.1:2"
     with pytest.raises(InvalidConfig) as caught:
         load_settings("standalone", document=None, env={}, flags=both)
