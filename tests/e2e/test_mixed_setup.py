@@ -1,7 +1,8 @@
 """One role with an embedded host plus remote ones: a server that is also a host (as a
 standalone role is) and two joined hosts on their own loopback addresses, each with a 24 GiB
 simulated GPU, serve three 14 GiB models at once through one OpenAI endpoint. The embedded
-host's engines are dialed on loopback, the joined hosts' through their ingresses.
+host's engines are dialed on loopback, the joined hosts' through their ingresses. A
+standalone role on the same machine serves beside them, apart.
 
 The tests run in order on one server and its hosts: each leaves the next its setting.
 """
@@ -26,6 +27,7 @@ import yaml
 from capycommon.state import keys
 from capycommon.state.hostinfo import HostInfo
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
+from cluster import running
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
@@ -244,3 +246,22 @@ def test_draining_the_embedded_host_moves_its_models_to_the_joined_hosts(setup: 
     assert "takes models again" in setup.ok("undrain", "host", EMBEDDED)
     assert ask(client, "only")
     assert setup.where("only") == EMBEDDED
+
+
+def test_a_standalone_role_beside_them_serves_on_its_own_and_takes_no_host(setup: Setup) -> None:
+    with running("mixed-standalone") as standalone:
+        standalone.deploy("solo", model="small", engine_config=SMALL)
+        key = standalone.role.credentials()["api_key"]
+        alone = openai.OpenAI(
+            base_url=f"http://{standalone.role.inference}/v1", api_key=key, max_retries=0
+        )
+        # Both answer at once, each from its own GPUs: neither sees the other's models.
+        assert ask(alone, "solo")
+        assert ask(setup.openai(), "m1")
+        with pytest.raises(openai.NotFoundError):
+            ask(alone, "m1")
+        with pytest.raises(openai.NotFoundError):
+            ask(setup.openai(), "solo")
+        refused = standalone.cli("invite", "host", "gpu-c", "--output", str(standalone.root / "c"))
+        assert refused.returncode != 0
+        assert "--embedded-host on" in refused.stderr, refused.stderr
