@@ -4,6 +4,7 @@ arrive meanwhile are served once it is back."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -88,3 +89,23 @@ def test_a_crashed_engine_fails_its_request_and_comes_back_at_once(cluster: Clus
         f"next request served {stall:.2f} s after the kill; the stream got: {ended[0]}"
     )
     assert stall < 20, f"the next request waited {stall:.1f} s for the restart"
+
+
+def test_a_model_that_cannot_start_fails_its_waiting_request_with_the_engines_words(
+    cluster: Cluster,
+) -> None:
+    cluster.deploy(
+        "broken", engine="crashy", model="small", engine_config={"memory": {"request": "4GiB"}}
+    )
+    began = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as caught:
+        _client(cluster).chat.completions.create(model="broken", messages=HELLO, max_tokens=1)  # type: ignore[arg-type]
+    # Two starts (the first failure is retried at once), not the retry's cooldown or the
+    # request deadline: the waiting request is told as soon as the second start fails.
+    assert time.monotonic() - began < 20
+    said = json.dumps(caught.value.body)
+    assert "activation_failed" in said, said
+    assert "simulated crash" in said, said
+    assert "again in 30 s" in said, said
+    assert "retry in 30s" in cluster.status("broken")["last_operation"]["reason"]
+    cluster.ok("stop", "deployment", "broken")

@@ -251,6 +251,13 @@ class Unavailable(CapyError):
     code = "unavailable"
 
 
+class ActivationFailed(CapyError):
+    """A deployment's engine could not start: the requests waiting for it get the engine's
+    own last log lines, and a later request starts it again after the retry's cooldown."""
+
+    code = "activation_failed"
+
+
 class DeploymentStopped(CapyError):
     code = "deployment_stopped"
 
@@ -388,6 +395,7 @@ CODES: dict[str, tuple[int, int]] = {
     # 13: a failure inside CapyCTL or an engine.
     "internal": (13, 500),
     "launch_failed": (13, 500),
+    "activation_failed": (13, 500),
     "engine_error": (13, 500),
     "port_conflict": (13, 500),
     "wake_mismatch": (13, 500),

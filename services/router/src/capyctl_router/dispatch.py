@@ -30,6 +30,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 
 from capycommon.errors import (
+    ActivationFailed,
     CapyError,
     DeploymentInactive,
     DeploymentStopped,
@@ -215,9 +216,9 @@ class Dispatcher:
                 f"capyctl start deployment {name}",
             )
         if record.attempts.failed:
-            raise Unavailable(
-                f"deployment {name!r} failed to start: {record.attempts.last_error}; an "
-                "operator start tries again",
+            raise ActivationFailed(
+                f"deployment {name!r} could not start: {record.attempts.last_error}; an "
+                f"operator start tries again (capyctl start deployment {name})",
             )
         if record.activation == "explicit" and record.wanted != "ready":
             raise DeploymentInactive(

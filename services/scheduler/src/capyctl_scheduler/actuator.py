@@ -15,6 +15,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from capycommon.errors import ActivationFailed
 from capycommon.state import hostcommands as hc
 from capycommon.state import hostmarks
 from capycommon.state.desired import (
@@ -207,16 +208,28 @@ class Actuator:
             failed=failed,
             counted_generation=action.generation,
         )
+        cooldown = 0.0 if failed else RETRY_COOLDOWNS_S[count - 1]
         if failed:
             reason = f"failed after {count} starts: {action.error}"
-        elif RETRY_COOLDOWNS_S[count - 1]:
-            cooldown = RETRY_COOLDOWNS_S[count - 1]
+            then = f"an operator start tries again (capyctl start deployment {record.name})"
+        elif cooldown:
             reason = f"start {count} failed, retry in {cooldown:.0f}s: {action.error}"
+            then = f"a request starts it again in {cooldown:.0f} s"
         else:
             reason = f"start {count} failed, retrying now: {action.error}"
+        changes: dict[str, object] = {}
+        if failed or cooldown:
+            # The requests waiting now would wait out the cooldown: they are answered with
+            # the failure at once, and a later request asks anew (a start retried at once,
+            # after a first failure, keeps them waiting).
+            await self.ack_demands(record.name)
+            message = f"deployment {record.name!r} could not start: {action.error}; {then}"
+            refusal = Refusal(code=ActivationFailed.code, message=message, at=time.time())
+            changes["refusal"] = refusal
         await self._write(
             record.model_copy(update={"attempts": attempts}),
             Action("count_failure", record.name, reason, generation=action.generation),
+            **changes,
         )
 
     async def _satisfied(
