@@ -49,6 +49,7 @@ INSTANCE = "gpu-a"
 # The units whose hostd starts engines, which keep running when the unit stops.
 ENGINE_UNITS = {
     ROLE_UNITS["standalone"],
+    ROLE_UNITS["server"],  # its embedded host's, when it has one
     ROLE_UNITS["host"],
     HOST_TEMPLATE,
     PROCESS_UNITS["hostd"],
