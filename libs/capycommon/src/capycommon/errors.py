@@ -353,6 +353,58 @@ class HostVersionIncompatible(CapyError):
     code = "host_version_incompatible"
 
 
+# Models from the Hugging Face Hub: resolving, downloading and storing them -------------
+
+
+class DiskFull(CapyError):
+    """A download that would not fit the free space of the model store's filesystem (with
+    its reserve): refused before any byte is fetched."""
+
+    code = "disk_full"
+
+
+class HfRepoNotFound(CapyError):
+    """The Hub has no such repository, or hides a private one from the token sent."""
+
+    code = "hf_repo_not_found"
+
+
+class HfRevisionNotFound(CapyError):
+    """The repository has no such branch, tag or commit."""
+
+    code = "hf_revision_not_found"
+
+
+class HfGated(CapyError):
+    """A gated or private repository asked for with no token."""
+
+    code = "hf_gated"
+
+
+class HfTokenRefused(CapyError):
+    """The Hub refused the token sent (wrong, expired, or without access to the repository)."""
+
+    code = "hf_token_refused"
+
+
+class HfUnreachable(CapyError):
+    """The Hub could not be reached (refused, name not resolved, timed out) or kept failing."""
+
+    code = "hf_unreachable"
+
+
+class HfIntegrity(CapyError):
+    """What the Hub served is not what it listed: a hash, a size or the commit differs."""
+
+    code = "hf_integrity"
+
+
+class HfOfflineMissing(CapyError):
+    """Offline, and the model is not in the store: nothing may be downloaded."""
+
+    code = "hf_offline_missing"
+
+
 # Every code CapyCTL raises or records: (CLI exit code, HTTP status). A code carrying a
 # suffix (`engine_env_reserved:<name>`) maps by its stem. docs/errors.md lists this table, and
 # a test holds the two (and the codes raised in the source) together.
@@ -371,16 +423,23 @@ CODES: dict[str, tuple[int, int]] = {
     "unknown_model": (2, 404),
     # The engine refused an inference request as sent (its own 4xx, relayed with its status).
     "engine_rejected": (2, 400),
+    # A model on the Hugging Face Hub: no such repository or revision, or offline without it.
+    "hf_repo_not_found": (2, 404),
+    "hf_revision_not_found": (2, 404),
+    "hf_offline_missing": (2, 404),
     # 3: the caller is not who it must be.
     "unauthenticated": (3, 401),
     "certificate_invalid": (3, 401),
     "invitation_refused": (3, 403),
+    "hf_gated": (3, 401),
+    "hf_token_refused": (3, 403),
     # 4: no room, or no way to know there is room.
     "insufficient_resources": (4, 503),
     "device_unobserved": (4, 503),
     "service_port_in_use": (4, 409),
     "queue_full": (4, 429),
     "host_drained": (4, 503),
+    "disk_full": (4, 507),
     # 5: a capability this host, engine or release does not have.
     "capability_missing": (5, 409),
     "host_backed_unavailable": (5, 400),
@@ -399,6 +458,8 @@ CODES: dict[str, tuple[int, int]] = {
     "engine_error": (13, 500),
     "port_conflict": (13, 500),
     "wake_mismatch": (13, 500),
+    # What a peer served is not what it listed (a model's hash, size or commit).
+    "hf_integrity": (13, 502),
     # 16-19: engines being registered.
     "engine_not_found": (16, 400),
     "engine_unsupported": (17, 400),
@@ -409,6 +470,7 @@ CODES: dict[str, tuple[int, int]] = {
     "engine_unreachable": (22, 503),
     "redis_unreachable": (22, 503),
     "host_unreachable": (22, 503),
+    "hf_unreachable": (22, 503),
     # 14: a host the server revoked; its units do not restart it.
     "host_revoked": (14, 403),
     "profile_not_published": (24, 409),

@@ -1,0 +1,20 @@
+"""Models from the Hugging Face Hub into the local model store (see `download.pull`)."""
+
+from capycommon.hub.client import HubClient, HubLimits
+from capycommon.hub.download import Progress, pull, resolve
+from capycommon.hub.source import HubSource, endpoint_from, is_commit
+from capycommon.hub.store import MANIFEST, StorePaths, read_manifest
+
+__all__ = [
+    "MANIFEST",
+    "HubClient",
+    "HubLimits",
+    "HubSource",
+    "Progress",
+    "StorePaths",
+    "endpoint_from",
+    "is_commit",
+    "pull",
+    "read_manifest",
+    "resolve",
+]
