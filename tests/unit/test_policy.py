@@ -385,12 +385,32 @@ def test_a_drain_that_outlasts_its_timeout_serves_again() -> None:
     assert "drain timed out after 31s with 2 requests" in actions[0].reason
 
 
-def test_a_drain_parks_only_on_a_load_read_after_it_began() -> None:
+def test_a_drain_with_cut_requests_parks_only_on_a_load_read_after_it_began() -> None:
     records = [deployment("a", inflight=drain_to_park(10.0, "idle"))]
     draining = [instance("a", S.DRAINING, since=10.0)]
-    assert kinds(plan(snapshot(11.0, records, draining, loads={"a": load(1, 0, 9.5)}))) == []
-    actions = plan(snapshot(11.0, records, draining, loads={"a": load(1, 0, 10.5)}))
-    assert kinds(actions) == [("park", "a")]
+    # A request cut before any answer may still be in the engine's queue.
+    cut = {"a": Places(generation=1, running=1, settle_at_stop=1)}
+    before = snapshot(11.0, records, draining, loads={"a": load(1, 0, 9.5)}, places=cut)
+    assert kinds(plan(before)) == []
+    after = snapshot(11.0, records, draining, loads={"a": load(1, 0, 10.5)}, places=cut)
+    assert kinds(plan(after)) == [("stop", "a")], "such a request settles only at a stop"
+
+
+def test_a_drain_that_no_router_request_holds_parks_at_once() -> None:
+    records = [deployment("a", inflight=drain_to_park(10.0, "idle"))]
+    draining = [instance("a", S.DRAINING, since=10.0)]
+    # No place of its generation is held, and none can be taken once it drains: its last
+    # reading, idle, needs no successor.
+    quiet = snapshot(10.01, records, draining, loads={"a": load(1, 0, 9.5)})
+    assert kinds(plan(quiet)) == [("park", "a")]
+    given_back = {"a": Places(generation=1)}
+    assert kinds(plan(replace(quiet, places=given_back))) == [("park", "a")]
+    # An engine that read busy is waited for (a request of a router that was killed).
+    busy = snapshot(10.01, records, draining, loads={"a": load(1, 1, 9.5)})
+    assert kinds(plan(busy)) == []
+    # A place still held keeps it, as before.
+    held = {"a": Places(generation=1, running=1)}
+    assert kinds(plan(replace(quiet, places=held))) == []
 
 
 # Idle timeouts --------------------------------------------------------------------------------

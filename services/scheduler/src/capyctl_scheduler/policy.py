@@ -313,15 +313,24 @@ def _drain_step(
     then: Literal["park", "stop"],
     why: str,
 ) -> list[Action]:
-    """A draining instance parks or stops once its engine reads idle (a reading taken after
-    the drain began), or serves again when the drain outlasts its timeout."""
+    """A draining instance parks or stops once nothing runs on it, or serves again when the
+    drain outlasts its timeout.
+
+    Nothing runs on it when the routers hold no place of its generation and its engine's
+    last reading was idle: no place can be taken once it drains (the take checks the
+    instance is ready), and the snapshot reads the places after the instance, so every
+    request let through before the drain is counted. Otherwise its engine must read idle in
+    a reading taken after the drain began: a request cut short may still run there."""
     load = snapshot.loads.get(record.name)
     waited = snapshot.now - instance.since
+    held = snapshot.places.get(record.name)
+    routed = held.running if held is not None and held.generation == instance.generation else 0
+    unrouted = routed == 0 and instance.state == S.DRAINING
     if load is not None and load.generation == instance.generation:
-        idle = load.running + load.waiting == 0 and load.read_at > instance.since
+        quiet = load.running + load.waiting == 0
+        idle = quiet and (load.read_at > instance.since or unrouted)
     else:
         idle = True  # nothing serves through an engine whose load hostd does not report
-    held = snapshot.places.get(record.name)
     if held is not None and held.generation == instance.generation and held.serving > 0:
         idle = False  # a router still has requests on it
     if idle:
