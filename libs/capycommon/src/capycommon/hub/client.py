@@ -247,20 +247,16 @@ class HubClient:
         served = response.headers.get("x-repo-commit")
         if served is None:
             raise HfIntegrity(
-                f"the answer for {file.path} of {source.repo} from {self.endpoint} has no "
+                f"the answer for {file.path} from {self.endpoint} has no "
                 "X-Repo-Commit header, so it does not come from a Hugging Face Hub; check "
                 "CAPYCTL_HF_ENDPOINT"
             )
         if served != commit:
-            raise HfIntegrity(
-                f"the Hub served {file.path} of {source.repo} at commit {served}, not the "
-                f"pinned {commit}"
-            )
+            raise HfIntegrity(f"the Hub served {file.path} at commit {served}, not the pinned one")
         etag = etag_value(response.headers.get("x-linked-etag") or response.headers.get("etag"))
         if etag is not None and etag.lower() != file.oid:
             raise HfIntegrity(
-                f"the Hub's ETag of {file.path} in {source.repo}@{commit} is {etag}, its listing "
-                f"says {file.oid}"
+                f"the Hub's ETag of {file.path} is {etag}, its listing says {file.oid}"
             )
         if response.status_code in _REDIRECTS and "location" in response.headers:
             url = urljoin(url, response.headers["location"])

@@ -170,6 +170,7 @@ async def _download(
 @asynccontextmanager
 async def _process_lock(paths: StorePaths) -> AsyncIterator[None]:
     """Holds the store's lock file against other processes (polled, so it can be cancelled)."""
+    paths.root.mkdir(parents=True, exist_ok=True)
     make_private(paths.lock.parent)
     fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -88,9 +88,15 @@ class StorePaths:
 
 
 def make_private(folder: Path) -> None:
-    """Creates `folder` and its missing parents below `sources/.capyctl` as 0700 folders."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    folder.chmod(0o700)
+    """Creates `folder` and its missing parents as 0700 folders (under `sources/.capyctl`,
+    which `StorePaths.private` names, they hold what only this user may read)."""
+    missing = []
+    while not folder.is_dir():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        path.mkdir(mode=0o700, exist_ok=True)
+        path.chmod(0o700)
 
 
 def safe_path(path: str, repo: str) -> str:
