@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from capycommon.state.hostcommands import Park, Stop, Wake
+from capycommon.state.instances import InstanceRecord
 from capyctl_hostd.ports import is_free
 from enginesim.behaviour import CrashAtStart, Faults
 from enginesim.install import write_behaviour
@@ -159,11 +160,12 @@ def test_a_stop_of_a_starting_engine_tears_it_down_at_once(
     harness, gpu = hostd
     write_behaviour(installs["vllm"], FAST.model_copy(update={"load_seconds": 60}))
     harness.send(launch("a", 1, gpu, model, start_deadline_s=600))
-    starting = wait_for(
-        lambda: (found := harness.record("a")) is not None and found.process is not None and found,
-        timeout=20,
-        what="the engine's process",
-    )
+
+    def spawned() -> InstanceRecord | None:
+        found = harness.record("a")
+        return found if found is not None and found.process is not None else None
+
+    starting = wait_for(spawned, timeout=20, what="the engine's process")
     began = time.monotonic()
     harness.send(Stop(deployment="a", generation=1, reason="deleted"))
     stopped = harness.wait_state("a", "stopped", timeout=20)
