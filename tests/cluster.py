@@ -4,6 +4,8 @@ the CLI, Redis and engine views the end-to-end tests use."""
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import json
 import re
 import shutil
@@ -19,6 +21,7 @@ import redis
 import redis.asyncio as aioredis
 import yaml
 
+from capycommon.engines import registry
 from capycommon.state import desired, keys
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.store import Event
@@ -159,7 +162,25 @@ class Cluster:
             self.ok("delete", "deployment", name, "--wait")
 
 
-def install_engines(root: Path, state: Path, env: dict[str, str]) -> None:
+def install_engines(root: Path) -> None:
+    """Register the simulated engines for a role whose HOME is `root`: a copy of the registry
+    of this test process's installs (`capyctl engine add` run once for them all)."""
+    target = registry.locate(None, root)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    shutil.copy(_shared_engines(), target)
+
+
+@functools.cache
+def _shared_engines() -> Path:
+    """The simulated engines, installed and registered with `capyctl engine add` once per
+    test process (a pytest-xdist worker) and removed at its exit; the registry's path.
+
+    Each cluster of the process registers these same installs: making a venv with pip and
+    adding it cost about 2.5 s of CPU per engine, for each of a dozen clusters, and none is
+    ever changed (a test that needs another behaviour installs an engine of its own)."""
+    root = short_dir("capy-engines")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    state, env = root / "state", clean_env(HOME=str(root))
     fast = Behaviour(load_seconds=0.5, tokens_per_second=200)
     installs = {
         "vllm": install_python_engine(root / "e" / "vllm", "vllm", "0.29.0", fast),
@@ -219,6 +240,7 @@ def install_engines(root: Path, state: Path, env: dict[str, str]) -> None:
             "engine", "add", str(target), "--name", name, "--state-dir", str(state), env=env
         )
         assert result.returncode == 0, result.stderr
+    return registry.locate(None, root)
 
 
 def start_cluster(
@@ -231,7 +253,7 @@ def start_cluster(
     env = clean_env(
         HOME=str(root), CAPYCTL_SIMULATED_GPUS=gpus, CAPYCTL_SIMULATED_HOST_RAM="256GiB"
     )
-    install_engines(root, state, env)
+    install_engines(root)
     for name, size in (("m14", 10 * GiB), ("small", 2 * GiB), ("six", 6 * GiB), ("huge", 40 * GiB)):
         sparse_model(root / "models" / name, size)
     sparse_model(root / "models" / "gguf", 1 * GiB, gguf=True)
