@@ -9,6 +9,8 @@ import hashlib
 import os
 import socket
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +30,7 @@ from capycommon.errors import (
 from capycommon.hub import HubLimits, HubSource, StorePaths, pull, read_manifest
 from capycommon.hub.store import remove_tree
 from mockhub import Faults, HubFile, MockHub, Recorded, gated_repo, tiny_repo
+from support import wait_for_async
 
 FAST = HubLimits(attempts=5, backoff_s=0.01, connect_timeout_s=2.0, read_timeout_s=10.0)
 TINY = tiny_repo()
@@ -331,3 +334,59 @@ async def test_concurrent_pulls_of_one_store_make_one_download(hub: MockHub, mod
         hashlib.sha256((stores[0] / WEIGHTS).read_bytes()).hexdigest()
         == files_of(MAIN)[WEIGHTS].sha256
     )
+
+
+@pytest.mark.anyio
+async def test_a_pull_whose_downloader_is_cancelled_is_taken_over_and_resumes(
+    hub: MockHub, models: Path
+) -> None:
+    hub.faults = Faults(cut_after=MiB, cut_times=1)
+    source = HubSource("acme/tiny", MAIN, (WEIGHTS,))
+    slow = HubLimits(attempts=5, backoff_s=5.0)  # the first try's cut waits out its backoff
+    first = asyncio.create_task(pull(source, models, endpoint=hub.url, token=None, limits=slow))
+
+    async def cut() -> bool:
+        return partial(models, MAIN, WEIGHTS).exists() and hub.faults.cut_times == 0
+
+    await wait_for_async(cut, 10, "the first download to be cut")
+    second = asyncio.create_task(pull(source, models, endpoint=hub.url, token=None, limits=FAST))
+    # One turn of the loop: a pinned commit reaches the running download with no request.
+    await asyncio.sleep(0)
+    first.cancel()
+    store = await second
+    assert first.cancelled()
+    assert_stored(store, MAIN, [WEIGHTS])
+    assert [r.headers.get("range") for r in gets(hub, WEIGHTS)] == [None, f"bytes={MiB}-"]
+
+
+@pytest.mark.anyio
+async def test_another_process_holding_the_store_lock_is_waited_for(
+    hub: MockHub, models: Path
+) -> None:
+    source = HubSource("acme/tiny", V1, ("config.json",))
+    lock = StorePaths.of(models, source, V1).lock
+    lock.parent.mkdir(parents=True)
+    script = (
+        "import fcntl, os, sys\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:
+        assert holder.stdin is not None
+        assert holder.stdout is not None
+        try:
+            assert holder.stdout.readline() == "held\n"
+            waiting = asyncio.create_task(pull(source, models, endpoint=hub.url, token=None))
+            with pytest.raises(TimeoutError):  # it waits while the other process holds the lock
+                await asyncio.wait_for(asyncio.shield(waiting), 1.0)
+            assert hub.requests == []
+            holder.stdin.close()
+            assert holder.wait(timeout=10) == 0
+            store = await asyncio.wait_for(waiting, 10)
+        finally:
+            holder.kill()
+    assert_stored(store, V1, ["config.json"])

@@ -66,6 +66,14 @@ class _Restart(Exception):
     """The server answered a resumed GET with a range we did not ask for: start from zero."""
 
 
+class _Transient(Exception):
+    """A GET the server failed (5xx): worth another try, resuming."""
+
+    def __init__(self, error: CapyError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 async def _fetch_once(
     client: HubClient,
     target: FileTarget,
@@ -86,7 +94,8 @@ async def _fetch_once(
         ):
             raise _Restart
         if status not in (200, 206):
-            raise client.failed(response, f"download {digest.expected.path}", repo)
+            error = client.failed(response, f"download {digest.expected.path}", repo)
+            raise _Transient(error) if status >= 500 else error
         mode = "ab"
         if status == 200 and offset:
             meter.done -= offset
@@ -140,7 +149,7 @@ async def _download(
         if attempt:
             await asyncio.sleep(client.limits.backoff(attempt - 1))
         try:
-            if target is None:
+            if target is None:  # its own retries: a failure here ends the download
                 target = await client.locate(plan.source, plan.commit, file)
             digest = await _fetch_once(client, target, partial, digest, meter, plan.source.repo)
         except HfIntegrity as exc:
@@ -150,6 +159,8 @@ async def _download(
             partial.unlink(missing_ok=True)
             digest = StreamHash(file)
             failure = HfUnreachable(f"the Hub at {client.endpoint} would not resume {file.path}")
+        except _Transient as exc:
+            failure = exc.error
         except httpx.TransportError as exc:
             failure = client.unreachable(exc, what)
         else:
@@ -246,9 +257,13 @@ async def pull(
         commit = await client.resolve(source)
         paths = StorePaths.of(models_root, source, commit)
         key = (id(asyncio.get_running_loop()), paths.store)
-        running = _pulling.get(key)
-        if running is not None:
-            return await asyncio.shield(running)
+        while (running := _pulling.get(key)) is not None:
+            try:
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                if not running.cancelled():
+                    raise  # this caller was cancelled
+                # the caller that ran the download was cancelled: the next one takes it over
         future: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         _pulling[key] = future
         try:
@@ -267,7 +282,10 @@ async def pull(
             del _pulling[key]
 
 
-async def resolve(source: HubSource, *, endpoint: str, token: str | None) -> str:
-    """The 40-hex commit `source.revision` names (no request when it is one already)."""
-    async with HubClient(endpoint, token) as client:
+async def resolve(
+    source: HubSource, *, endpoint: str, token: str | None, limits: HubLimits | None = None
+) -> str:
+    """The 40-hex commit `source.revision` names (no request when it is one already): the
+    explicit "pin" step for a branch or tag."""
+    async with HubClient(endpoint, token, limits) as client:
         return await client.resolve(source)

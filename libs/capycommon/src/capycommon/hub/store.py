@@ -83,6 +83,10 @@ class StorePaths:
     def staging(self) -> Path:
         return self.store.parent / f".{self.name}.staging-{os.getpid()}"
 
+    def stale_stagings(self) -> list[Path]:
+        """Staging folders of this store left by a process that stopped half way."""
+        return sorted(self.store.parent.glob(f".{self.name}.staging-*"))
+
     def complete(self) -> bool:
         return self.manifest.is_file()
 
@@ -237,9 +241,10 @@ def remove_tree(folder: Path) -> None:
 def commit_store(paths: StorePaths, plan: Plan, files: Iterable[Stored]) -> Path:
     """Moves the verified partial files into the store in one rename: they are renamed into a
     sibling staging folder, which gets the manifest and is made read-only, and then renamed to
-    the store's name. The partial folder is removed after."""
+    the store's name. The partial folder is removed after. The caller holds the store's lock."""
+    for stale in paths.stale_stagings():  # the caller holds the store's lock
+        remove_tree(stale)
     staging = paths.staging()
-    remove_tree(staging)
     staging.mkdir(parents=True)
     for file in plan.files:
         target = staging / file.path
