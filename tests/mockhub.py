@@ -96,6 +96,10 @@ class HubFile:
         ).encode()
 
     @property
+    def pointer_size(self) -> int:
+        return len(self.pointer)
+
+    @property
     def blob_id(self) -> str:
         """The git blob sha1 of what git stores: the pointer for an LFS file (the tree's `oid`,
         as on the Hub), the content otherwise."""
@@ -120,8 +124,8 @@ class HubRepo:
 @dataclass
 class Faults:
     """Behaviours to break, all off by default. Cuts, wrong bytes and ignored ranges apply to
-    file bodies (resolve and blob GETs); wrong ETags and a dropped X-Repo-Commit to every
-    resolve answer (HEAD, GET and their 302s and 404s)."""
+    file bodies (resolve and blob GETs); wrong ETags and a dropped X-Repo-Commit to every answer
+    about a file (resolve and blob, HEAD and GET, their 302s and a missing file's 404)."""
 
     cut_after: int | None = None  # close the connection after N bytes of a file body ...
     cut_times: int = 1  # ... for this many GETs (counted down), then serve whole
@@ -178,7 +182,12 @@ class MockHub:
         sock.bind(("127.0.0.1", port))
         hub = cls(repos, sock.getsockname()[1])
         config = uvicorn.Config(
-            hub, loop="asyncio", lifespan="off", log_config=None, access_log=False
+            hub,
+            loop="asyncio",
+            lifespan="off",
+            log_config=None,  # leave the process's logging as it is
+            access_log=False,
+            timeout_graceful_shutdown=2,
         )
         server = uvicorn.Server(config)
         hub._server = server
@@ -407,10 +416,6 @@ def _error(status: int, code: str, message: str, headers: dict[str, str] | None 
     )
 
 
-def _lfs(file: HubFile) -> dict[str, object]:
-    return {"oid": file.sha256, "size": file.size, "pointerSize": len(file.pointer)}
-
-
 def _sibling(file: HubFile, blobs: bool) -> dict[str, object]:
     """A `siblings` entry of model info; `?blobs=true` adds sizes and identities."""
     sibling: dict[str, object] = {"rfilename": file.path}
@@ -420,7 +425,7 @@ def _sibling(file: HubFile, blobs: bool) -> dict[str, object]:
             sibling["lfs"] = {
                 "sha256": file.sha256,
                 "size": file.size,
-                "pointerSize": len(file.pointer),
+                "pointerSize": file.pointer_size,
             }
     return sibling
 
@@ -437,14 +442,9 @@ def _tree_entries(commit: str, files: list[HubFile]) -> list[dict[str, Any]]:
         for folder in folders
     ]
     for file in files:
-        entry: dict[str, Any] = {
-            "type": "file",
-            "path": file.path,
-            "size": file.size,
-            "oid": file.blob_id,
-        }
+        entry = {"type": "file", "path": file.path, "size": file.size, "oid": file.blob_id}
         if file.lfs:
-            entry["lfs"] = _lfs(file)
+            entry["lfs"] = {"oid": file.sha256, "size": file.size, "pointerSize": file.pointer_size}
         entries.append(entry)
     return sorted(entries, key=lambda entry: str(entry["path"]))
 

@@ -359,7 +359,19 @@ cdn = hf_hub_download(
 gated = snapshot_download(
     repo_id="acme/gated", local_dir=Path(target) / "gated", endpoint=endpoint, token="hf_good"
 )
-print(json.dumps({"folder": folder, "cdn": cdn, "gated": gated}))
+errors = {}
+for name, kwargs in {
+    "repo": {"repo_id": "acme/missing", "filename": "config.json"},
+    "revision": {"repo_id": "acme/tiny", "filename": "config.json", "revision": "v9"},
+    "entry": {"repo_id": "acme/tiny", "filename": "missing.json"},
+    "gated": {"repo_id": "acme/gated", "filename": "config.json"},
+}.items():
+    try:
+        into = Path(target) / f"error-{name}"
+        hf_hub_download(**kwargs, endpoint=endpoint, token=False, local_dir=into)
+    except Exception as error:
+        errors[name] = type(error).__name__
+print(json.dumps({"folder": folder, "cdn": cdn, "gated": gated, "errors": errors}))
 """
 
 
@@ -394,6 +406,12 @@ def test_huggingface_hub_downloads_every_file_with_its_bytes(hub: MockHub, tmp_p
     assert Path(paths["cdn"]).read_bytes() == files_of(NEWER)["cdn.bin"].content
     for file in GATED.commits[GATED_COMMIT]:
         assert (target / "gated" / file.path).read_bytes() == file.content
+    assert paths["errors"] == {
+        "repo": "RepositoryNotFoundError",
+        "revision": "RevisionNotFoundError",
+        "entry": "RemoteEntryNotFoundError",
+        "gated": "GatedRepoError",
+    }
     to_cdn = [r for r in hub.requests if r.host == urlsplit(hub.alt_url).netloc]
     assert to_cdn
     assert all(r.authorization is None for r in to_cdn)
