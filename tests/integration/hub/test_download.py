@@ -29,7 +29,7 @@ from capycommon.errors import (
 )
 from capycommon.hub import HubLimits, HubSource, StorePaths, pull, read_manifest
 from capycommon.hub.store import remove_tree
-from mockhub import Faults, HubFile, MockHub, Recorded, gated_repo, tiny_repo
+from mockhub import Faults, HubFile, HubRepo, MockHub, Recorded, gated_repo, tiny_repo
 from support import wait_for_async
 
 FAST = HubLimits(attempts=5, backoff_s=0.01, connect_timeout_s=2.0, read_timeout_s=10.0)
@@ -346,7 +346,8 @@ async def test_a_pull_whose_downloader_is_cancelled_is_taken_over_and_resumes(
     first = asyncio.create_task(pull(source, models, endpoint=hub.url, token=None, limits=slow))
 
     async def cut() -> bool:
-        return partial(models, MAIN, WEIGHTS).exists() and hub.faults.cut_times == 0
+        kept = partial(models, MAIN, WEIGHTS)
+        return kept.exists() and kept.stat().st_size == MiB
 
     await wait_for_async(cut, 10, "the first download to be cut")
     second = asyncio.create_task(pull(source, models, endpoint=hub.url, token=None, limits=FAST))
@@ -390,3 +391,22 @@ async def test_another_process_holding_the_store_lock_is_waited_for(
         finally:
             holder.kill()
     assert_stored(store, V1, ["config.json"])
+
+
+@pytest.mark.anyio
+async def test_an_empty_file_and_a_name_to_quote_are_stored(models: Path) -> None:
+    commit = "c" * 40
+    files = [
+        HubFile("empty/__init__.py", b"", lfs=False),
+        HubFile("tokenizer config #1.json", b'{"a": 1}\n', lfs=False),
+    ]
+    with MockHub.start([HubRepo("acme/odd", {commit: files}, {"main": commit})]) as hub:
+        store = await pull(HubSource("acme/odd", "main"), models, endpoint=hub.url, token=None)
+        fetched = [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
+    assert (store / "empty" / "__init__.py").read_bytes() == b""
+    assert (store / "tokenizer config #1.json").read_bytes() == b'{"a": 1}\n'
+    assert fetched == [f"/acme/odd/resolve/{commit}/tokenizer%20config%20%231.json"]
+    assert [f["path"] for f in read_manifest(store)["files"]] == [
+        "empty/__init__.py",
+        "tokenizer config #1.json",
+    ]

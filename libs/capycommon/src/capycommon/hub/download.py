@@ -140,6 +140,7 @@ async def _download(
     partial = paths.partial(file.path)
     make_private(partial.parent)
     digest = _resume(partial, file, meter)
+    partial.touch()  # an empty file needs no request, but a file to move into the store
     target: FileTarget | None = None
     failure: CapyError | None = None
     what = f"download {file.path} of {plan.source.repo}"
