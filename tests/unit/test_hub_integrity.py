@@ -88,3 +88,11 @@ def test_an_etag_loses_its_weak_prefix_and_quotes() -> None:
     assert etag_value("abc") == "abc"
     assert etag_value('""') is None
     assert etag_value(None) is None
+
+
+def test_a_reset_hash_starts_from_no_bytes() -> None:
+    digest = StreamHash(Expected("f", len(CONTENT), git_blob_sha1(CONTENT), lfs=False))
+    digest.update(b"bytes of another file")
+    digest.reset()
+    digest.update(CONTENT)
+    assert digest.mismatch() is None

@@ -7,6 +7,7 @@ import pytest
 
 from capycommon.errors import InvalidConfig
 from capycommon.hub import HubSource, endpoint_from, is_commit
+from capycommon.hub.client import origin
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -92,3 +93,10 @@ def test_patterns_select_files_with_fnmatch_rules(
 ) -> None:
     source = HubSource("acme/tiny", "main", patterns)
     assert [path for path in PATHS if source.selects(path)] == selected
+
+
+def test_an_origin_is_scheme_host_and_port() -> None:
+    assert origin("https://huggingface.co/api") == origin("https://HuggingFace.co:443/x")
+    assert origin("http://127.0.0.1:8080/a") != origin("http://localhost:8080/a")
+    assert origin("http://127.0.0.1:8080") != origin("https://127.0.0.1:8080")
+    assert origin("http://127.0.0.1:8080") != origin("http://127.0.0.1:8081")

@@ -9,6 +9,7 @@ already complete is returned with no request at all.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from capycommon.errors import CapyError, HfIntegrity, HfOfflineMissing, HfUnreachable
+from capycommon.errors import CapyError, DiskFull, HfIntegrity, HfOfflineMissing, HfUnreachable
 from capycommon.hub.client import FileTarget, HubClient, HubLimits
 from capycommon.hub.integrity import Expected, StreamHash, content_range_start
 from capycommon.hub.source import HubSource, is_commit
@@ -81,11 +82,11 @@ async def _fetch_once(
     digest: StreamHash,
     meter: _Meter,
     repo: str,
-) -> StreamHash:
-    """One GET appending to `partial` from its current length, fed to `digest`. Returns the
-    digest of what `partial` now holds when the body ends (short or not): a fresh one when the
-    server answered a `Range` request with the whole file (200), which restarts it from zero.
-    Raises `_Restart` for a 206 that starts elsewhere or a 416."""
+) -> None:
+    """One GET appending to `partial` from its current length, fed to `digest`; returns when
+    the body ends, short or not. A 200 to a `Range` request is the whole file: `partial` and
+    `digest` restart from zero with it. Raises `_Restart` for a 206 that starts elsewhere or
+    a 416."""
     offset = digest.count
     async with client.stream(target, offset) as response:
         status = response.status_code
@@ -99,7 +100,7 @@ async def _fetch_once(
         mode = "ab"
         if status == 200 and offset:
             meter.done -= offset
-            digest = StreamHash(digest.expected)
+            digest.reset()
             mode = "wb"
         with partial.open(mode) as out:
             async for chunk in response.aiter_raw(_CHUNK):
@@ -108,7 +109,6 @@ async def _fetch_once(
                 meter.add(len(chunk))
                 if digest.count > digest.expected.size:
                     break
-    return digest
 
 
 def _resume(partial: Path, file: Expected, meter: _Meter) -> StreamHash:
@@ -152,13 +152,13 @@ async def _download(
         try:
             if target is None:  # its own retries: a failure here ends the download
                 target = await client.locate(plan.source, plan.commit, file)
-            digest = await _fetch_once(client, target, partial, digest, meter, plan.source.repo)
+            await _fetch_once(client, target, partial, digest, meter, plan.source.repo)
         except HfIntegrity as exc:
             raise _broken(partial, plan, exc.message) from None
         except _Restart:
             meter.done -= digest.count
-            partial.unlink(missing_ok=True)
-            digest = StreamHash(file)
+            partial.write_bytes(b"")
+            digest.reset()
             failure = HfUnreachable(f"the Hub at {client.endpoint} would not resume {file.path}")
         except _Transient as exc:
             failure = exc.error
@@ -218,7 +218,15 @@ async def _pull_commit(
         paths.store.parent.mkdir(parents=True, exist_ok=True)
         check_room(plan.total_size - done, paths.root, reserve=client.limits.reserve_bytes)
         meter = _Meter(plan.total_size, done, progress)
-        stored = [await _download(client, plan, paths, file, meter) for file in plan.files]
+        try:
+            stored = [await _download(client, plan, paths, file, meter) for file in plan.files]
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise DiskFull(
+                f"the filesystem of {paths.root} ran out of space while downloading "
+                f"{source.repo}; free space there and pull again: the download resumes"
+            ) from None
         meter.finish()
         return commit_store(paths, plan, stored)
 

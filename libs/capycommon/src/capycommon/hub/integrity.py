@@ -40,11 +40,16 @@ class StreamHash:
 
     def __init__(self, expected: Expected) -> None:
         self.expected = expected
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to no bytes: the file restarts from zero."""
         self.count = 0
         self._sha256 = hashlib.sha256()
         self._sha1 = None
-        if not expected.lfs:
-            self._sha1 = hashlib.sha1(b"blob %d\0" % expected.size, usedforsecurity=False)
+        if not self.expected.lfs:
+            size = self.expected.size
+            self._sha1 = hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False)
 
     def update(self, chunk: bytes) -> None:
         self.count += len(chunk)
