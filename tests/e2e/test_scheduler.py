@@ -17,7 +17,7 @@ import yaml
 
 from capycommon.state import desired, keys
 from capycommon.state.instances import LIVE_STATES
-from cluster import FOURTEEN, HOST, SMALL, Cluster, GiB, running
+from cluster import FOURTEEN, HOST, SMALL, Cluster, GiB
 from support import wait_for
 
 
@@ -365,20 +365,3 @@ def test_the_management_api_acts_once_per_idempotency_key(cluster: Cluster) -> N
         assert bad.json()["error"]["code"] == "invalid_config"
         wrong = httpx.get(f"{base}/deployments", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-
-
-def test_placement_across_two_gpus() -> None:
-    with running("sched2", "gpu0:24GiB,gpu1:24GiB") as cluster:
-        cluster.deploy("p", engine_config=FOURTEEN)
-        cluster.deploy("q", engine_config=FOURTEEN)
-        cluster.deploy("r", engine_config=FOURTEEN, devices=[{"id": "gpu1"}])
-        cluster.ok("start", "deployment", "p", "--wait")
-        cluster.ok("start", "deployment", "q", "--wait")
-        gpus = {n: cluster.status(n)["instances"][0]["gpu"] for n in "pq"}
-        assert sorted(gpus.values()) == ["gpu0", "gpu1"], "the one with most headroom"
-        cluster.ok("start", "deployment", "r", "--wait")
-        assert cluster.status("r")["instances"][0]["gpu"] == "gpu1", "pinned"
-        displaced = next(n for n in "pq" if gpus[n] == "gpu1")
-        assert cluster.state(displaced) == "parked", "the switch happened on r's GPU"
-        kept = next(n for n in "pq" if gpus[n] == "gpu0")
-        assert cluster.state(kept) == "ready"
