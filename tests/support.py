@@ -20,10 +20,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import redis
 import yaml
 
 from capycommon.engines.families import Family
 from capycommon.engines.registry import EngineProfile
+from capycommon.errors import CapyError
+from capycommon.paths import StatePaths
+from capyctl_cli import status
 
 T = TypeVar("T")
 
@@ -220,23 +224,19 @@ class Role:
         return self.log_path.read_text(errors="replace")
 
     def healthy(self) -> bool:
-        """Every process RUNNING and every service's heartbeat written by its current pid."""
+        """Every process of the role RUNNING and every service's heartbeat written by its
+        current pid. Read here as `capyctl status` reads it: polling the command itself
+        would keep a core busy importing it while the role starts."""
         try:
-            procs = self.processes()
-        except AssertionError:
+            report = status.collect(StatePaths(self.state_dir))
+        except (CapyError, OSError, redis.RedisError):
             return False
-        expected = {
-            "standalone": ("redis", *SERVICES),
-            "server": ("redis", "router", "scheduler"),
-            "host": ("hostd", "memwatch"),
-        }
-        for name in expected[self.role]:
-            proc = procs.get(name)
-            if proc is None or proc["state"] != "RUNNING":
+        for proc in report.processes:
+            if proc.state != "RUNNING":
                 return False
-            if name != "redis" and proc["heartbeat_pid"] != proc["pid"]:
+            if proc.name != "redis" and proc.heartbeat_pid != proc.pid:
                 return False
-        return True
+        return bool(report.processes)
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

@@ -105,10 +105,9 @@ class ProcessInfo:
 
 def processes(socket_path: Path, timeout: float = 5.0) -> list[ProcessInfo]:
     """What supervisord says of each process it runs."""
-    proxy = xmlrpc.client.ServerProxy(
-        "http://localhost", transport=_UnixTransport(socket_path, timeout)
-    )
-    infos = cast(list[dict[str, Any]], proxy.supervisor.getAllProcessInfo())
+    transport = _UnixTransport(socket_path, timeout)
+    with xmlrpc.client.ServerProxy("http://localhost", transport=transport) as proxy:
+        infos = cast(list[dict[str, Any]], proxy.supervisor.getAllProcessInfo())
     now = time.time()
     result = []
     for info in infos:
@@ -132,8 +131,12 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
     def connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(str(self.socket_path))
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(str(self.socket_path))
+        except BaseException:
+            sock.close()
+            raise
         self.sock = sock
 
 
@@ -146,4 +149,8 @@ class _UnixTransport(xmlrpc.client.Transport):
         self.timeout = timeout
 
     def make_connection(self, host: Any) -> http.client.HTTPConnection:
-        return _UnixHTTPConnection(self.socket_path, self.timeout)
+        # Kept where the base class keeps it, so that its close (on a failed request, and
+        # at the end of the proxy's `with`) closes the socket.
+        connection = _UnixHTTPConnection(self.socket_path, self.timeout)
+        self._connection = (host, connection)
+        return connection
