@@ -236,7 +236,9 @@ class Role:
                 return False
             if proc.name != "redis" and proc.heartbeat_pid != proc.pid:
                 return False
-        return bool(report.processes)
+        # A service beats before its listeners take connections: the API must answer too.
+        listeners = (self.inference, self.management) if self.role != "host" else ()
+        return bool(report.processes) and all(_accepts(address) for address in listeners)
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
@@ -300,6 +302,16 @@ def start_role(
         handle.stop()
         raise
     return handle
+
+
+def _accepts(address: str) -> bool:
+    """Whether something listens on HOST:PORT."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 @contextmanager

@@ -127,12 +127,21 @@ def run(state: Path, listen: str, management: str) -> int:
             for example in examples:
                 api.deploy(load_yaml_document(example))
         _print_usage(state, paths, listen, examples)
-        return role.wait()
+        return _wait(role)
     except KeyboardInterrupt:
         return _stop(state, role)
     finally:
         if role.poll() is None:
             _stop(state, role)
+
+
+def _wait(role: subprocess.Popen[bytes]) -> int:
+    """The role's exit code. Waited for a second at a time: Python runs a signal's handler
+    only between its own steps, so a Ctrl-C is acted on within a second even when the
+    kernel hands it to a thread other than the one blocked in waitpid."""
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return role.wait(timeout=1.0)
 
 
 class Hangup(KeyboardInterrupt):
