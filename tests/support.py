@@ -227,6 +227,17 @@ class Role:
         """Every process of the role RUNNING and every service's heartbeat written by its
         current pid. Read here as `capyctl status` reads it: polling the command itself
         would keep a core busy importing it while the role starts."""
+        if self.role == "host":
+            # A host's status reads the server's Redis over TLS, whose client can leave a
+            # socket for the garbage collector when a handshake fails: asked in a process
+            # of its own, as before.
+            try:
+                procs = self.processes()
+            except AssertionError:
+                return False
+            return all(
+                p["state"] == "RUNNING" and p["heartbeat_pid"] == p["pid"] for p in procs.values()
+            ) and bool(procs)
         try:
             report = status.collect(StatePaths(self.state_dir))
         except (CapyError, OSError, redis.RedisError):
