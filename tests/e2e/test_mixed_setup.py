@@ -113,6 +113,14 @@ def _models(home: Path) -> None:
     sparse_model(home / "models" / "small", 2 * GiB)
 
 
+def _add_engine(engine: Path, state: Path, env: dict[str, str], *extra: str) -> None:
+    """Register the simulated engine as `vllm` on the role of `state`."""
+    added = capyctl(
+        "engine", "add", str(engine), "--name", "vllm", *extra, "--state-dir", str(state), env=env
+    )
+    assert added.returncode == 0, added.stderr
+
+
 @pytest.fixture(scope="module")
 def setup() -> Iterator[Setup]:
     folder = short_dir("mixed")
@@ -128,19 +136,7 @@ def setup() -> Iterator[Setup]:
         CAPYCTL_ENGINE_PORTS=engine_ports(24300),
     )
     main.mkdir(parents=True)
-    added = capyctl(
-        "engine",
-        "add",
-        str(engine),
-        "--name",
-        "vllm",
-        "--role",
-        "server",
-        "--state-dir",
-        str(state),
-        env=env,
-    )
-    assert added.returncode == 0, added.stderr
+    _add_engine(engine, state, env, "--role", "server")
     _models(main)
     sparse_model(main / "models" / "only-main", 2 * GiB)
     server = start_role(
@@ -153,18 +149,7 @@ def setup() -> Iterator[Setup]:
             host_state = home / "state"
             home.mkdir(parents=True)
             join_host(server, name, host_state)
-            host_env = clean_env(HOME=str(home))
-            added = capyctl(
-                "engine",
-                "add",
-                str(engine),
-                "--name",
-                "vllm",
-                "--state-dir",
-                str(host_state),
-                env=host_env,
-            )
-            assert added.returncode == 0, added.stderr
+            _add_engine(engine, host_state, clean_env(HOME=str(home)))
             _models(home)
             found.hosts[name] = start_host(
                 host_state,
