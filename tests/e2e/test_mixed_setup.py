@@ -21,8 +21,6 @@ from typing import Any, cast
 
 import openai
 import pytest
-import redis
-import yaml
 
 from capycommon.state import keys
 from capycommon.state.hostinfo import HostInfo
@@ -31,6 +29,7 @@ from cluster import running
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
+from serversetup import ServerSetup
 from support import (
     Role,
     capyctl,
@@ -54,33 +53,8 @@ HOSTS = (EMBEDDED, *JOINED)
 
 
 @dataclass
-class Setup:
-    folder: Path
-    server: Role
+class Setup(ServerSetup):
     hosts: dict[str, Role] = field(default_factory=dict)
-
-    @property
-    def redis(self) -> redis.Redis:
-        state = self.server.state_dir
-        password = (state / "identity" / "redis-password").read_text().strip()
-        sock = state / "redis" / "redis.sock"
-        return redis.Redis(unix_socket_path=str(sock), username="capyctl", password=password)
-
-    def openai(self, timeout: float = 60) -> openai.OpenAI:
-        key = self.server.credentials()["api_key"]
-        url = f"http://{self.server.inference}/v1"
-        return openai.OpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0)
-
-    def ok(self, *args: str) -> str:
-        result = self.server.capyctl(*args)
-        assert result.returncode == 0, result.stderr
-        return result.stdout
-
-    def deploy(self, name: str, **fields: Any) -> None:
-        document = {"name": name, "engine": "vllm", "model": "m14", **fields}
-        path = self.folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(document))
-        self.ok("deploy", "model", "--file", str(path))
 
     def live(self, name: str) -> InstanceRecord | None:
         """The deployment's live instance of the highest generation, on any host."""

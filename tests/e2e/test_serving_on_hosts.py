@@ -23,14 +23,13 @@ from typing import Any, cast
 import httpx
 import openai
 import pytest
-import redis
-import yaml
 
 from capycommon.state import keys
 from capycommon.state.instances import LIVE_STATES, InstanceRecord
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
+from serversetup import ServerSetup
 from support import (
     Role,
     capyctl,
@@ -53,36 +52,11 @@ HOSTS = {"gpu-a": "127.0.0.2", "gpu-b": "127.0.0.3"}
 
 
 @dataclass
-class Setup:
-    folder: Path
-    server: Role
+class Setup(ServerSetup):
     # The server's flags, kept for its restart: the same enrollment ports.
     flags: tuple[str, ...]
     hosts: dict[str, Role] = field(default_factory=dict)
     ingress: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def redis(self) -> redis.Redis:
-        state = self.server.state_dir
-        password = (state / "identity" / "redis-password").read_text().strip()
-        sock = state / "redis" / "redis.sock"
-        return redis.Redis(unix_socket_path=str(sock), username="capyctl", password=password)
-
-    def openai(self, timeout: float = 60) -> openai.OpenAI:
-        key = self.server.credentials()["api_key"]
-        url = f"http://{self.server.inference}/v1"
-        return openai.OpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0)
-
-    def ok(self, *args: str) -> str:
-        result = self.server.capyctl(*args)
-        assert result.returncode == 0, result.stderr
-        return result.stdout
-
-    def deploy(self, name: str, **fields: Any) -> None:
-        document = {"name": name, "engine": "vllm", "model": "m14", **fields}
-        path = self.folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(document))
-        self.ok("deploy", "model", "--file", str(path))
 
     def instances(self, name: str) -> dict[str, InstanceRecord]:
         """The deployment's instance on each host that has one."""

@@ -1,0 +1,43 @@
+"""A server role the end-to-end tests of joined hosts drive: its Redis as the control plane's
+user, an OpenAI client of its endpoint, its CLI, and deployments declared on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import redis
+import yaml
+
+from support import Role
+
+
+@dataclass
+class ServerSetup:
+    folder: Path
+    server: Role
+
+    @property
+    def redis(self) -> redis.Redis:
+        state = self.server.state_dir
+        password = (state / "identity" / "redis-password").read_text().strip()
+        sock = state / "redis" / "redis.sock"
+        return redis.Redis(unix_socket_path=str(sock), username="capyctl", password=password)
+
+    def openai(self, timeout: float = 60) -> openai.OpenAI:
+        key = self.server.credentials()["api_key"]
+        url = f"http://{self.server.inference}/v1"
+        return openai.OpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0)
+
+    def ok(self, *args: str) -> str:
+        result = self.server.capyctl(*args)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    def deploy(self, name: str, **fields: Any) -> None:
+        document = {"name": name, "engine": "vllm", "model": "m14", **fields}
+        path = self.folder / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(document))
+        self.ok("deploy", "model", "--file", str(path))
