@@ -12,11 +12,12 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
+import openai
 import redis
 import redis.asyncio as aioredis
 import yaml
@@ -50,6 +51,15 @@ class Cluster:
 
     role: Role
     root: Path
+    clients: list[openai.OpenAI] = field(default_factory=list)  # closed by `clean`
+
+    def openai(self, timeout: float = 120) -> openai.OpenAI:
+        """An openai SDK client of the role's endpoint, closed when the cluster is."""
+        client = openai.OpenAI(
+            base_url=self.base_url, api_key=self.api_key, timeout=timeout, max_retries=0
+        )
+        self.clients.append(client)
+        return client
 
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return capyctl(
@@ -158,6 +168,8 @@ class Cluster:
         )
 
     def clean(self) -> None:
+        for client in self.clients:
+            client.close()
         for name in desired.read_all(self.client):
             self.ok("delete", "deployment", name, "--wait")
 

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,13 +33,16 @@ class RunningEngine:
     log: Path
     gpu_uuid: str
     simgpu_dir: Path | None
+    clients: list[openai.OpenAI] = field(default_factory=list)  # closed by `stop`
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.spec.port}"
 
     def openai(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0)
+        client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0)
+        self.clients.append(client)
+        return client
 
     def control(self, fn: Callable[[EngineControl], Awaitable[T]]) -> T:
         """Run one async control call with a fresh client."""
@@ -67,6 +70,8 @@ class RunningEngine:
 
     def stop(self, timeout: float = 15) -> int | None:
         """SIGTERM to the whole process group, then SIGKILL, as hostd does."""
+        for client in self.clients:
+            client.close()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -3,7 +3,7 @@ user, an OpenAI client of its endpoint, its CLI, and deployments declared on it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from support import Role
 class ServerSetup:
     folder: Path
     server: Role
+    clients: list[openai.OpenAI] = field(default_factory=list, init=False)  # see close_clients
 
     @property
     def redis(self) -> redis.Redis:
@@ -29,7 +30,13 @@ class ServerSetup:
     def openai(self, timeout: float = 60) -> openai.OpenAI:
         key = self.server.credentials()["api_key"]
         url = f"http://{self.server.inference}/v1"
-        return openai.OpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0)
+        client = openai.OpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0)
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self.clients:
+            client.close()
 
     def ok(self, *args: str) -> str:
         result = self.server.capyctl(*args)

@@ -79,12 +79,12 @@ def test_the_demo_serves_switches_and_cleans_up() -> None:
         assert f"http://127.0.0.1:{inference}/v1" in usage
         assert "curl -s" in usage
         assert "capyctl park deployment" in usage
-        client = _client(usage, inference)
-        models = sorted(m.id for m in client.models.list().data)
-        assert models == ["llama-3.1-8b", "mistral-7b", "qwen", "qwen3-8b"]
-        for model in ("llama-3.1-8b", "qwen3-8b", "mistral-7b", "llama-3.1-8b"):
-            answer = client.chat.completions.create(model=model, messages=HELLO)
-            assert answer.choices[0].message.content
+        with _client(usage, inference) as client:
+            models = sorted(m.id for m in client.models.list().data)
+            assert models == ["llama-3.1-8b", "mistral-7b", "qwen", "qwen3-8b"]
+            for model in ("llama-3.1-8b", "qwen3-8b", "mistral-7b", "llama-3.1-8b"):
+                answer = client.chat.completions.create(model=model, messages=HELLO)
+                assert answer.choices[0].message.content
         demo.send_signal(signal.SIGINT)  # Ctrl-C
         try:
             # Past the demo's own bounds (30 s for the engines, 60 s for the role), so that a
@@ -139,7 +139,8 @@ def test_a_closed_terminal_stops_the_engines_and_the_role() -> None:
         usage = wait_for(
             terminal.shown("Ctrl-C stops"), timeout=120, what="the demo's instructions"
         )
-        answer = _client(usage, inference).chat.completions.create(model="qwen3-8b", messages=HELLO)
+        with _client(usage, inference) as client:
+            answer = client.chat.completions.create(model="qwen3-8b", messages=HELLO)
         assert answer.choices[0].message.content
         mine = [p.cmdline for p in live_processes() if str(state) in p.cmdline]
         assert any("supervisord" in c for c in mine), mine

@@ -132,6 +132,7 @@ def setup() -> Iterator[Setup]:
             )
         yield found
     finally:
+        found.close_clients()
         for role in found.hosts.values():
             role.stop()
         server.stop()
@@ -210,10 +211,7 @@ def test_draining_the_embedded_host_moves_its_models_to_the_joined_hosts(setup: 
 def test_a_standalone_role_beside_them_serves_on_its_own_and_takes_no_host(setup: Setup) -> None:
     with running("mixed-standalone") as standalone:
         standalone.deploy("solo", model="small", engine_config=SMALL)
-        key = standalone.role.credentials()["api_key"]
-        alone = openai.OpenAI(
-            base_url=f"http://{standalone.role.inference}/v1", api_key=key, max_retries=0
-        )
+        alone = standalone.openai()
         # Both answer at once, each from its own GPUs: neither sees the other's models.
         assert ask(alone, "solo")
         assert ask(setup.openai(), "m1")

@@ -18,9 +18,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 
 def sdk(cluster: Cluster, timeout: float = 120.0) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=cluster.base_url, api_key=cluster.api_key, timeout=timeout, max_retries=0
-    )
+    return cluster.openai(timeout)
 
 
 def ask(cluster: Cluster, model: str) -> str:

@@ -43,9 +43,7 @@ def _calls(calls: list[Any] | None) -> list[tuple[str, str]]:
 
 
 def sdk(cluster: Cluster, timeout: float = 120) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=cluster.base_url, api_key=cluster.api_key, timeout=timeout, max_retries=0
-    )
+    return cluster.openai(timeout)
 
 
 def test_answers_are_the_engines_own(cluster: Cluster) -> None:
@@ -63,6 +61,7 @@ def test_answers_are_the_engines_own(cluster: Cluster) -> None:
     assert answer.model == "tools"
     url, secret = cluster.engine("tools")
     engine = openai.OpenAI(base_url=f"{url}/v1", api_key=secret, max_retries=0)
+    cluster.clients.append(engine)
     own = engine.chat.completions.create(model="tools", messages=HI, tools=TOOLS)
     mine, theirs = answer.choices[0], own.choices[0]
     assert mine.message.content == theirs.message.content
@@ -335,11 +334,13 @@ def _places(cluster: Cluster) -> tuple[int, int, int]:
 
 def test_refusals_in_the_openai_envelope(cluster: Cluster) -> None:
     cluster.deploy("halt", model="small", engine_config=SMALL)
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=cluster.base_url, api_key="wrong", max_retries=0).models.list()
     admin = cluster.role.credentials()["admin_token"]
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=cluster.base_url, api_key=admin, max_retries=0).models.list()
+    for key in ("wrong", admin):
+        with (
+            openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0) as refused,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            refused.models.list()
     client = sdk(cluster)
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="nosuch", messages=HI)

@@ -75,9 +75,12 @@ class Load:
                 thread.join(timeout=60)
 
     def _send(self, index: int) -> None:
-        client = openai.OpenAI(
+        with openai.OpenAI(
             base_url=self.cluster.base_url, api_key=self.cluster.api_key, timeout=30, max_retries=0
-        )
+        ) as client:
+            self._send_with(client, index)
+
+    def _send_with(self, client: openai.OpenAI, index: int) -> None:
         stream = index % 2 == 0
         while not self.stop.is_set():
             started = time.monotonic()
@@ -164,8 +167,8 @@ def test_a_redis_restart_under_load_fails_no_request_and_leaks_no_place(
     assert load.counts()["200"] > 0
     wait_for(lambda: _running_places(cluster, "steady") == 0, timeout=10, what="every place back")
     switched = time.monotonic()
-    client = openai.OpenAI(base_url=cluster.base_url, api_key=cluster.api_key, max_retries=0)
-    answer = client.chat.completions.create(model="next", messages=HI, timeout=90)
+    with openai.OpenAI(base_url=cluster.base_url, api_key=cluster.api_key, max_retries=0) as client:
+        answer = client.chat.completions.create(model="next", messages=HI, timeout=90)
     assert answer.choices[0].message.content
     print(f"the switch to another model after it: {time.monotonic() - switched:.1f} s")
     warnings = _router_warnings(cluster, offset)

@@ -138,6 +138,7 @@ def setup() -> Iterator[Setup]:
         sparse_model(folder / "gpu-b" / "models" / "only-b", 2 * GiB)
         yield found
     finally:
+        found.close_clients()
         for role in found.hosts.values():
             role.stop()
         found.server.stop()  # the one running now (a test restarts it)

@@ -171,6 +171,7 @@ class Engine:
     port: int
     log: Path
     key: str | None = None
+    clients: list[openai.OpenAI] = field(default_factory=list)  # closed at cleanup
 
     @property
     def base(self) -> str:
@@ -198,7 +199,11 @@ class Engine:
         )
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.key or "none", max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"{self.base}/v1", api_key=self.key or "none", max_retries=0
+        )
+        self.clients.append(client)
+        return client
 
     def status(self, path: str = "/health") -> int | None:
         """The HTTP status of `path`, or None while the port refuses connections."""
@@ -257,6 +262,8 @@ class Launcher:
 
     def cleanup(self) -> None:
         for engine in self.started:
+            for client in engine.clients:
+                client.close()
             with_group_killed(engine.proc.pid)
             if engine.proc.poll() is None:
                 engine.proc.wait(timeout=10)

@@ -146,7 +146,7 @@ def test_the_key_still_guards_generation(instant: Engine) -> None:
         )
         assert (bare.status_code, wrong.status_code) == (401, 401), path
     stranger = openai.OpenAI(base_url=f"{instant.base}/v1", api_key="nope", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with stranger, pytest.raises(openai.AuthenticationError):
         stranger.chat.completions.create(model="tiny", messages=HELLO, stream=True)
     assert instant.status("/health") == 200
 

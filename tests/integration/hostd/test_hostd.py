@@ -37,10 +37,11 @@ def test_launch_park_wake_stop(
     budget = 6 * GiB  # 0.25 of 24 GiB
     wait_for(lambda: harness.device_bytes(ready)[0] == budget, timeout=5, what="the engine's claim")
 
-    client = openai.OpenAI(
+    with openai.OpenAI(
         base_url=f"http://127.0.0.1:{ready.port}/v1", api_key=harness.secret("a")
-    )
-    reply = client.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}])
+    ) as client:
+        hi = [{"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model="a", messages=hi)  # type: ignore[arg-type]
     assert reply.choices[0].message.content
 
     harness.send(Park(deployment="a", generation=1))

@@ -1,6 +1,7 @@
 """The stand-in for vLLM's `VLLM::EngineCore` child: it holds the simulated device memory.
 
-It reads `<gpu_bytes> <host_bytes>` lines from its parent on stdin and claims that much.
+It reads `<gpu_bytes> <host_bytes>` lines from its parent on stdin, claims that much, and
+answers `ok` on stdout once an allocation is claimed (a release lands after the lag).
 SIGTERM or SIGINT: release and exit 0. End of stdin (the parent died): keep holding until
 killed (`--orphan stay`, as vLLM's EngineCore does) or release and exit (`--orphan exit`).
 """
@@ -8,6 +9,7 @@ killed (`--orphan stay`, as vLLM's EngineCore does) or release and exit (`--orph
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -47,8 +49,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in sys.stdin.buffer:
             gpu_bytes, host_bytes = (int(part) for part in line.split())
             holder.set(gpu_bytes, host_bytes)
+            with contextlib.suppress(BrokenPipeError):
+                sys.stdout.write("ok\n")
+                sys.stdout.flush()
         if args.orphan == "stay":
-            print(f"EngineCore {os.getpid()}: the API server is gone; holding on", flush=True)
+            print(
+                f"EngineCore {os.getpid()}: the API server is gone; holding on",
+                file=sys.stderr,
+                flush=True,
+            )
             while True:
                 signal.pause()
     finally:

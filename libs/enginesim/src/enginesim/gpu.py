@@ -85,7 +85,8 @@ def gib(size: int) -> str:
 
 
 class Holder(Protocol):
-    """Who holds the engine's device memory: `set` applies after the lag, in order."""
+    """Who holds the engine's device memory: an allocation is claimed when `set` returns, a
+    release lands after the lag; changes apply in order."""
 
     def set(self, gpu_bytes: int, host_bytes: int) -> None: ...
 
@@ -103,14 +104,17 @@ class NoHolder:
 
 
 class LocalHolder:
-    """This process's claim file, written by a thread so that a change can land late."""
+    """This process's claim file. An allocation is written before `set` returns; a release
+    is written by a thread once its lag passed, unless a later allocation overtook it."""
 
     def __init__(self, device: SimDevice, lag: float, pid: int | None = None) -> None:
         self._device = device
         self._pid = os.getpid() if pid is None else pid
         self._lag = lag
         self._requested = 0
-        self._changes: queue.Queue[tuple[float, int, int] | None] = queue.Queue()
+        self._asked = 0  # changes asked for, in order
+        self._written = 0  # the latest change written
+        self._changes: queue.Queue[tuple[int, float, int, int] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         threading.Thread(target=self._apply, name="simgpu", daemon=True).start()
@@ -118,22 +122,30 @@ class LocalHolder:
     def set(self, gpu_bytes: int, host_bytes: int) -> None:
         # An allocation is there when the call returns; a release shows up late, as freed
         # memory does in NVML.
-        lag = self._lag if gpu_bytes < self._requested else 0.0
+        releases = gpu_bytes < self._requested and self._lag > 0
         self._requested = gpu_bytes
-        self._changes.put((time.monotonic() + lag, gpu_bytes, host_bytes))
+        with self._lock:
+            self._asked += 1
+            if not releases:
+                self._write(self._asked, gpu_bytes, host_bytes)
+                return
+            self._changes.put((self._asked, time.monotonic() + self._lag, gpu_bytes, host_bytes))
 
     def _apply(self) -> None:
         while (change := self._changes.get()) is not None:
-            due, gpu_bytes, host_bytes = change
+            order, due, gpu_bytes, host_bytes = change
             if self._closed.wait(max(0.0, due - time.monotonic())):
                 return
-            claim = simgpu.Claim(
-                uuid=self._device.device.uuid, bytes=gpu_bytes, host_bytes=host_bytes
-            )
             with self._lock:
-                if self._closed.is_set():
-                    return
-                simgpu.write_claim(self._device.folder, self._pid, claim)
+                self._write(order, gpu_bytes, host_bytes)
+
+    def _write(self, order: int, gpu_bytes: int, host_bytes: int) -> None:
+        """Under the lock: the claim, unless closed or a later change is already written."""
+        if self._closed.is_set() or order < self._written:
+            return
+        self._written = order
+        claim = simgpu.Claim(uuid=self._device.device.uuid, bytes=gpu_bytes, host_bytes=host_bytes)
+        simgpu.write_claim(self._device.folder, self._pid, claim)
 
     def close(self) -> None:
         with self._lock:
@@ -143,7 +155,8 @@ class LocalHolder:
 
 
 class ChildHolder:
-    """vLLM's `EngineCore`: a child process that holds the memory, told what to hold on stdin.
+    """vLLM's `EngineCore`: a child process that holds the memory, told what to hold on stdin;
+    it answers each line once its claim is made, so an allocation is there when `set` returns.
 
     SIGTERM of the API server stops it (`close`). SIGKILL of the API server leaves it running
     and holding, as vLLM's EngineCore is left (it shares the process group, so a group kill
@@ -158,7 +171,12 @@ class ChildHolder:
         # argv[0] is the process title; PYTHONPATH lets that interpreter find our packages.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen(
-            argv, executable=sys.executable, stdin=subprocess.PIPE, env=env, close_fds=True
+            argv,
+            executable=sys.executable,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
         )
 
     @property
@@ -167,9 +185,11 @@ class ChildHolder:
 
     def set(self, gpu_bytes: int, host_bytes: int) -> None:
         assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
         try:
             self.proc.stdin.write(f"{gpu_bytes} {host_bytes}\n".encode())
             self.proc.stdin.flush()
+            self.proc.stdout.readline()  # empty when the child is gone
         except (BrokenPipeError, ValueError):
             pass  # the child is gone; the API server notices through `exited`
 
@@ -187,3 +207,5 @@ class ChildHolder:
         if self.proc.stdin is not None:
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
