@@ -260,10 +260,14 @@ def start_cluster(
     gpus: str,
     scheduling: dict[str, Any] | None = None,
     routing: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Cluster:
     state = root / "state"
     env = clean_env(
-        HOME=str(root), CAPYCTL_SIMULATED_GPUS=gpus, CAPYCTL_SIMULATED_HOST_RAM="256GiB"
+        HOME=str(root),
+        CAPYCTL_SIMULATED_GPUS=gpus,
+        CAPYCTL_SIMULATED_HOST_RAM="256GiB",
+        **(env or {}),
     )
     install_engines(root)
     for name, size in (("m14", 10 * GiB), ("small", 2 * GiB), ("six", 6 * GiB), ("huge", 40 * GiB)):

@@ -303,11 +303,6 @@ def test_refusals_name_the_problem(cluster: Cluster) -> None:
             "multi_gpu_unsupported",
         ),
         (
-            {"name": "u", "engine": "vllm", "model": {"hf": "Qwen/Qwen3-4B"}},
-            5,
-            "model_source_pending",
-        ),
-        (
             {
                 "name": "u",
                 "engine": "llama",

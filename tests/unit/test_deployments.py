@@ -662,14 +662,37 @@ def test_a_home_folder_the_host_lacks_is_refused() -> None:
     )
 
 
-@pytest.mark.parametrize("hf", ["Qwen/Qwen3-4B", "Qwen/Qwen3-4B@" + "0" * 40])
-def test_a_hugging_face_model_waits_for_downloads(hf: str) -> None:
+@pytest.mark.parametrize(
+    "model", [{"hf": "Qwen/Qwen3-4B"}, {"hf": "Qwen/Qwen3-4B", "revision": "v1"}]
+)
+def test_an_unpinned_hugging_face_model_is_refused(model: dict[str, str]) -> None:
     with pytest.raises(CapyError) as caught:
-        bind(model={"hf": hf})
+        bind(model=model)
     assert caught.value.code == "model_source_pending"
     assert caught.value.exit_code == 5
-    assert f"model: {{hf: {hf}}} is not downloaded" in caught.value.message
-    assert f"put the files in a folder under {ROOT} and name that folder" in caught.value.message
+    assert "is not pinned to a commit; deploy it with capyctl deploy model" in caught.value.message
+
+
+def test_a_pinned_hugging_face_model_resolves_to_its_store_downloaded_or_not() -> None:
+    commit = "ab" * 20
+    store = f"sources/huggingface/Qwen--Qwen3-4B@{commit}"
+    with pytest.raises(ModelNotDescribed) as waiting:
+        bind(model={"hf": f"Qwen/Qwen3-4B@{commit}"})
+    assert waiting.value.path == store
+    missing = ModelFacts(path=f"{ROOT}/{store}", kind="missing")
+    models = MODELS.model_copy(update={"described": {store: missing}})
+    resolved = bind(models=models, model={"hf": f"Qwen/Qwen3-4B@{commit}"})
+    assert (resolved.model_path, resolved.weights_bytes) == (PurePosixPath(missing.path), None)
+    there = ModelFacts(path=f"{ROOT}/{store}", kind="folder", weights_bytes=8 * GiB)
+    models = MODELS.model_copy(update={"described": {store: there}})
+    resolved = bind(models=models, model={"hf": f"Qwen/Qwen3-4B@{commit}"})
+    assert resolved.weights_bytes == 8 * GiB
+
+
+def test_revision_and_files_are_for_hugging_face_sources() -> None:
+    with pytest.raises(InvalidConfig) as caught:
+        parse(model={"path": "m", "revision": "main"})
+    assert "revision and files are for hf sources" in caught.value.message
 
 
 def test_a_single_weights_file_is_a_model() -> None:

@@ -30,6 +30,7 @@ from capycommon.yamldoc import load_yaml_document
 from capyctl_cli import output
 from capyctl_cli.management import Management, wait_for
 from capyctl_cli.options import JsonOpt, StateDirOpt, command_group, expected_errors
+from capyctl_cli.pin import pin
 
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait until it is done.")]
 TimeoutOpt = Annotated[
@@ -64,15 +65,27 @@ def deploy_model(
         bool, typer.Option("--wait", help="Start it and wait until it is ready.")
     ] = False,
     timeout: TimeoutOpt = 1800.0,
+    refresh: Annotated[
+        bool,
+        typer.Option(
+            "--refresh",
+            help="Resolve a Hugging Face branch or tag to its commit anew, not as before.",
+        ),
+    ] = False,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Declare a deployment (or a new revision of it) from a YAML document."""
-    load_deployment(file)  # every problem of the document, named with its file, before sending
-    with _api(state_dir) as api:
-        answer = api.deploy(load_yaml_document(file))
+    # Every problem of the document, named with its file, before sending.
+    deployment = load_deployment(file)
+    root, _ = resolve_state_dir(state_dir, dict(os.environ))
+    with Management(StatePaths(root)) as api:
+        document, pinned = pin(load_yaml_document(file), deployment, api, root, refresh)
+        answer = api.deploy(document)
         name = answer.deployment
         text = f"deployment {name} revision {answer.revision} ({answer.change})"
+        if pinned is not None:
+            text += f"; {pinned}"
         if wait:
             since = time.time()
             api.act(name, "start")
@@ -150,6 +163,7 @@ def render_status(status: DeploymentStatus) -> str:
         ("state", status.state),
         ("revision", status.revision),
         ("routes", ", ".join(status.routes)),
+        *_model(status),
         ("activation", status.activation),
         ("startup", _startup(status.startup)),
         ("last operation", f"{last.kind}: {last.reason}" if last else "-: -"),
@@ -170,6 +184,31 @@ def render_status(status: DeploymentStatus) -> str:
         if binding.error is not None:
             lines.append(f"\n{binding.host}: error [{binding.error.code}]: {binding.error.message}")
     return "\n".join(lines)
+
+
+def _model(status: DeploymentStatus) -> list[tuple[str, str]]:
+    """Where the model comes from: a folder, or a Hub repository at its pinned commit, with
+    the download's progress while one is under way."""
+    model = status.document.get("model")
+    if not isinstance(model, dict):
+        return []
+    if "hf" not in model:
+        return [("model", str(model.get("path")))]
+    repo, _, commit = str(model["hf"]).partition("@")
+    revision = f" ({model['revision']})" if model.get("revision") else ""
+    rows = [("model", f"hf {repo}"), ("commit", f"{commit or 'not pinned'}{revision}")]
+    download = status.download
+    if download is not None:
+        total = max(download.total_bytes, 1)
+        rows.append(
+            (
+                "download",
+                f"{_size(download.done_bytes)} of {_size(download.total_bytes)} "
+                f"({100 * download.done_bytes / total:.0f}%) at {_size(int(download.rate))}/s "
+                f"on {download.host}",
+            )
+        )
+    return rows
 
 
 def _startup(startup: Startup | None) -> str:

@@ -292,6 +292,15 @@ class Refusal(Answer):
     at: float
 
 
+class Download(Answer):
+    host: str
+    repo: str
+    commit: str
+    done_bytes: int
+    total_bytes: int
+    rate: float  # bytes a second
+
+
 class DeploymentStatus(DeploymentSummary, Versioned):
     """GET /deployments/{name}: everything `status deployment NAME` shows."""
 
@@ -309,6 +318,8 @@ class DeploymentStatus(DeploymentSummary, Versioned):
     idle: Idle
     refusal: Refusal | None
     demanded_since: float | None
+    # The model's download from the Hub while one is under way, on the host it runs on.
+    download: Download | None = None
     # The deployment document in its canonical form.
     document: JsonObject
 

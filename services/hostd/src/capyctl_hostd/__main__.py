@@ -40,6 +40,8 @@ def host_paths(ctx: ServiceContext) -> HostPaths:
         logs_dir=ctx.paths.logs_dir / "engines",
         home=Path.home(),
         simgpu_dir=simgpu,
+        models_root=Path(host.models_root).expanduser(),
+        state_dir=ctx.paths.root,
     )
 
 

@@ -37,7 +37,7 @@ from capycommon.service import REDIS_ERRORS, until_stop
 from capycommon.state import hostcommands as hc
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict, InstanceStore
-from capyctl_hostd import engines, procs, release
+from capyctl_hostd import downloads, engines, procs, release
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.owned import OwnedEngine, OwnedEngines
 from capyctl_hostd.ports import PortLeaser
@@ -68,6 +68,8 @@ class HostPaths:
     logs_dir: Path
     home: Path
     simgpu_dir: Path | None
+    models_root: Path  # where downloads from the Hub land, under sources/
+    state_dir: Path  # for the Hub token file
 
 
 @dataclass
@@ -174,10 +176,18 @@ class Runner:
         orphan = self.owned.entries.get(f"{command.deployment}:{command.instance}")
         if orphan is not None:  # never a second copy beside it
             await self.stop_uncounted(orphan, current)
-        async with self._gpu_locks.setdefault(command.gpu_uuid, asyncio.Lock()):
-            await self._launch(command, current)
+        gpu = self._gpu_locks.setdefault(command.gpu_uuid, asyncio.Lock())
+        if command.hub is not None:
+            await self._launch(command, current, gpu)  # the GPU is taken once downloaded
+            return
+        async with gpu:
+            await self._launch(command, current, None)
 
-    async def _launch(self, command: hc.Launch, current: InstanceRecord | None) -> None:
+    async def _launch(
+        self, command: hc.Launch, current: InstanceRecord | None, gpu: asyncio.Lock | None
+    ) -> None:
+        """The instance starting: its model downloaded first when it comes from the Hub, then
+        the engine spawned and awaited, holding the GPU's lock (`gpu`, unless held already)."""
         steps = Steps()
         launch_id = f"{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
         port = self.ports.lease()
@@ -205,26 +215,18 @@ class Runner:
         stopped = asyncio.Event()
         self._starts[record.member] = (record.generation, stopped)
         try:
-            engine = await self._start_engine(command, record, log_path)
-            steps.mark("spawned")
-            started = record.model_copy(
-                update={
-                    "process": procs.identity(engine.pgid),
-                    "fingerprint": engine.spec.profile.fingerprint,
-                    "family": engine.spec.profile.family.value,
-                }
-            )
-            self.own(started)  # before Redis hears of it: a loss of Redis cannot hide it
-            record = await self.store.transition(
-                started,
-                allowed=[S.STARTING],
-                generation=record.generation,
-                reason="engine process started",
-                previous=record,
-            )
-            answer = await _unless_stopped(
-                self._ready(engine, command.start_deadline_s, steps), stopped
-            )
+            if command.hub is not None:
+                # Before the GPU is taken: a download holds up no other start there.
+                store = await _unless_stopped(self._download(command, command.hub), stopped)
+                if store is None:
+                    log.info("%s: stopped while it downloaded", record.member)
+                    return
+                steps.mark("downloaded")
+            async with gpu or contextlib.nullcontext():
+                engine, record = await self._spawn(command, record, log_path, steps)
+                answer = await _unless_stopped(
+                    self._ready(engine, command.start_deadline_s, steps), stopped
+                )
         except (CapyError, OSError) as exc:
             await self.fail(record, f"launch failed: {_message(exc)}")
             return
@@ -235,6 +237,48 @@ class Runner:
             return
         await self._to(record, S.READY, "ready: health and canary passed", canary=answer)
         log.info("started", extra={"member": record.member, "steps": steps.marks})
+
+    async def _download(self, command: hc.Launch, wanted: hc.HubPull) -> Path:
+        """The model's store folder from the Hub; a failure names its code, for the
+        scheduler to tell the waiting requests."""
+        try:
+            return await downloads.fetch(
+                self.client,
+                self.host,
+                command.deployment,
+                wanted,
+                self.paths.models_root,
+                self.paths.state_dir,
+            )
+        except CapyError as exc:
+            raise exc.retold(f"download failed [{exc.code}]: {exc.message}") from None
+
+    async def _spawn(
+        self,
+        command: hc.Launch,
+        record: InstanceRecord,
+        log_path: Path,
+        steps: Steps,
+    ) -> tuple[Engine, InstanceRecord]:
+        """The engine's process started, and the record that says so."""
+        engine = await self._start_engine(command, record, log_path)
+        steps.mark("spawned")
+        started = record.model_copy(
+            update={
+                "process": procs.identity(engine.pgid),
+                "fingerprint": engine.spec.profile.fingerprint,
+                "family": engine.spec.profile.family.value,
+            }
+        )
+        self.own(started)  # before Redis hears of it: a loss of Redis cannot hide it
+        record = await self.store.transition(
+            started,
+            allowed=[S.STARTING],
+            generation=record.generation,
+            reason="engine process started",
+            previous=record,
+        )
+        return engine, record
 
     async def _ready(self, engine: Engine, deadline_s: float, steps: Steps) -> str:
         """Once the engine is ready and passed its first canary, the canary's answer."""

@@ -8,6 +8,7 @@ so a scheduler killed in between leaves either both or neither.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from capyctl_scheduler.snapshot import Snapshot
 log = logging.getLogger(__name__)
 S = InstanceState
 GiB = 1 << 30
+_DOWNLOAD_FAILED = re.compile(r"download failed \[([a-z_]+)\]")
 
 AckDemands = Callable[[str], Coroutine[Any, Any, None]]
 
@@ -102,6 +104,7 @@ class Actuator:
             env=dict(config.env),
             reason=action.reason,
             start_deadline_s=snapshot.tunables.start_deadline_s,
+            hub=_hub_pull(record),
         )
         instance = snapshot.instances.get(record.name)
         await self._send(
@@ -199,6 +202,9 @@ class Actuator:
         self, snapshot: Snapshot, record: DeploymentRecord, action: Action
     ) -> None:
         count = record.attempts.count + 1
+        code = _download_code(action.error)
+        if code is not None and count == 1:
+            count = 2  # a download refused for a reason a retry does not change: no retry now
         failed = count > len(RETRY_COOLDOWNS_S)
         next_at = None if failed else snapshot.now + RETRY_COOLDOWNS_S[count - 1]
         attempts = Attempts(
@@ -224,7 +230,7 @@ class Actuator:
             # after a first failure, keeps them waiting).
             await self.ack_demands(record.name)
             message = f"deployment {record.name!r} could not start: {action.error}; {then}"
-            refusal = Refusal(code=ActivationFailed.code, message=message, at=time.time())
+            refusal = Refusal(code=code or ActivationFailed.code, message=message, at=time.time())
             changes["refusal"] = refusal
         await self._write(
             record.model_copy(update={"attempts": attempts}),
@@ -328,6 +334,20 @@ HANDLERS: Mapping[Kind, Handler] = {
     "forget": Actuator._forget,
     "refuse": Actuator._refuse,
 }
+
+
+def _download_code(error: str | None) -> str | None:
+    """The code of a failed model download (hostd writes `download failed [<code>]: ...`)."""
+    found = _DOWNLOAD_FAILED.search(error or "")
+    return found[1] if found else None
+
+
+def _hub_pull(record: DeploymentRecord) -> hc.HubPull | None:
+    """What hostd downloads before the engine starts: a pinned Hugging Face source."""
+    model = record.document.model
+    if model.hf_repo is None or model.hf_commit is None:
+        return None
+    return hc.HubPull(repo=model.hf_repo, commit=model.hf_commit, files=model.files)
 
 
 def _with_operation(record: DeploymentRecord, action: Action) -> DeploymentRecord:

@@ -25,13 +25,14 @@ from capycommon.management import (
     DeployAnswer,
     DeploymentStatus,
     DeploymentSummary,
+    Download,
     DrainAnswer,
     EngineRow,
     HostRow,
     JsonObject,
     UndrainAnswer,
 )
-from capycommon.state import desired, hostmarks
+from capycommon.state import desired, downloads, hostmarks
 from capycommon.state.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
 from capycommon.state.instances import LIVE_STATES, InstanceState
 from capycommon.state.memory import aread_reading
@@ -40,6 +41,7 @@ from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.snapshot import Snapshot
 
 S = InstanceState
+_DOWNLOAD_FIELDS = {"repo", "commit", "done_bytes", "total_bytes", "rate"}
 
 
 def operation_id() -> str:
@@ -230,7 +232,15 @@ class Manager:
         snap = await self.snapshot()
         if name not in snap.deployments:
             raise NotFound(f"no deployment named {name!r}")
-        return status.detail(snap, name)
+        detail = status.detail(snap, name)
+        instance = snap.instances.get(name)
+        if instance is None or instance.state != S.STARTING:
+            return detail
+        found = await downloads.aread(self.scheduler.client, instance.host, name)
+        if found is None:
+            return detail
+        download = Download(host=instance.host, **found.model_dump(include=_DOWNLOAD_FIELDS))
+        return detail.model_copy(update={"download": download})
 
     async def summaries(self) -> list[DeploymentSummary]:
         snap = await self.snapshot()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import redis.asyncio as aioredis
 
 from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
+from capycommon.deployments.resolve import hub_store
 from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, ProfileNotPublished
@@ -382,8 +383,16 @@ class Observer:
 
 
 def _paths(records: Iterable[DeploymentRecord]) -> list[str]:
-    """The model paths the deployments name (a Hugging Face source names none yet)."""
-    return [r.document.model.path for r in records if r.document.model.path is not None]
+    """The model paths the deployments name: a folder, or a pinned Hugging Face source's
+    store under the models root."""
+    found = []
+    for record in records:
+        model = record.document.model
+        if model.path is not None:
+            found.append(model.path)
+        elif model.hf_commit is not None:
+            found.append(hub_store(model))
+    return found
 
 
 def _unpublished(host: str) -> Binding:

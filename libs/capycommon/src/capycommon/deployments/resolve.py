@@ -35,6 +35,8 @@ from capycommon.errors import (
 from capycommon.state.hostfacts import HostModels, ModelFacts, under_root
 from capycommon.units import format_size
 
+# Downloads from the Hub, under the models root (`capycommon.hub.StorePaths`).
+HUB_STORE = "sources/huggingface"
 # A host_backed copy is charged 1.5 x the weights in the parked room, beside the engine's
 # 4 GiB host overhead (reference §1 "Residency defaults", §6 "Memory accounting").
 HOST_COPY_FACTOR = 1.5
@@ -170,11 +172,7 @@ def model_facts(source: ModelSource, models: HostModels) -> ModelFacts:
     """The host's facts of the model's folder (or file): a name under the models root,
     `~/...`, or absolute."""
     if source.path is None:
-        raise ModelSourcePending(
-            f"model: {{hf: {source.hf}}} is not downloaded, and this release downloads no "
-            f"models: put the files in a folder under {models.models_root} and name that "
-            "folder (model: <folder>)"
-        )
+        return _hub_facts(source, models)
     found = models.find(source.path)
     if found is None:
         raise ModelNotDescribed(source.path)
@@ -190,6 +188,34 @@ def model_facts(source: ModelSource, models: HostModels) -> ModelFacts:
             f"model: {found.path} does not exist; put the model there or fix model{hint}"
         )
     return found
+
+
+def hub_store(source: ModelSource) -> str:
+    """Where a pinned Hugging Face source lives under a models root."""
+    commit = source.hf_commit
+    if source.hf_repo is None or commit is None:
+        raise ModelSourcePending(
+            f"model: {{hf: {source.hf}}} is not pinned to a commit; deploy it with capyctl "
+            "deploy model, which resolves its revision to a commit and pins it, or write "
+            "hf: org/name@<40-hex commit>"
+        )
+    owner, name = source.hf_repo.split("/")
+    return f"{HUB_STORE}/{owner}--{name}@{commit}"
+
+
+def _hub_facts(source: ModelSource, models: HostModels) -> ModelFacts:
+    """A Hugging Face source's store on the host: its facts once downloaded; before that, a
+    missing folder that hostd downloads when it launches the model."""
+    written = hub_store(source)
+    found = models.find(written)
+    if found is None:
+        raise ModelNotDescribed(written)
+    if found.kind in ("folder", "missing"):
+        return found
+    raise InvalidConfig(
+        f"model: {found.path} is in the way of the download of {source.hf} (it is "
+        f"{found.kind}, not a folder); remove it"
+    )
 
 
 def choose_residency(

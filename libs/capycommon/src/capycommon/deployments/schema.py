@@ -198,10 +198,17 @@ Text = Annotated[str, BeforeValidator(_text)]
 
 
 class ModelSource(Strict):
-    """Exactly one of a local folder (`path`) or a Hugging Face repository (`hf`)."""
+    """Exactly one of a local folder (`path`) or a Hugging Face repository (`hf`).
+
+    `hf: org/name@<40-hex commit>` is pinned. `hf: org/name` with an optional `revision` (a
+    branch or tag; main when absent) is pinned by `capyctl deploy model`, which writes the
+    commit into `hf` and keeps `revision` to say what it was resolved from. `files` narrows
+    the download to the files its patterns match."""
 
     path: str | None = None
     hf: HfRef | None = None
+    revision: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    files: tuple[Annotated[str, Field(min_length=1)], ...] = ()
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSource:
@@ -212,6 +219,10 @@ class ModelSource(Strict):
                 raise ValueError("path is empty; name a folder")
             if ".." in self.path.split("/"):
                 raise ValueError(f"{self.path!r} climbs out with ..; write the folder plainly")
+            if self.revision is not None or self.files:
+                raise ValueError("revision and files are for hf sources; drop them for a path")
+        if self.revision is not None and not self.revision.isprintable():
+            raise ValueError(f"revision {self.revision!r} is not a branch, tag or commit name")
         return self
 
     @property
@@ -223,6 +234,12 @@ class ModelSource(Strict):
         if self.hf is None:
             return None
         return self.hf.partition("@")[2] or None
+
+    def pinned(self, commit: str) -> ModelSource:
+        """This source at `commit`, remembering the branch or tag it was resolved from."""
+        assert self.hf_repo is not None
+        revision = self.revision or ("main" if self.hf_commit is None else None)
+        return self.model_copy(update={"hf": f"{self.hf_repo}@{commit}", "revision": revision})
 
 
 class Device(Strict):

@@ -10,7 +10,14 @@ from capycommon.engines.families import PYTHON_FAMILIES
 from capycommon.engines.launch import LaunchPlan, LaunchSpec
 
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
-TELEMETRY_OFF = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+TELEMETRY_OFF = {
+    "DO_NOT_TRACK": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+# Engines are given local paths and never download: hostd fetched the model already.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # CapyCTL's helper modules (`engines/runtime/`), written into each launch's runtime folder.
 VLLM_GUARD = "capyctl_vllm_guard"
 SGLANG_LAUNCHER = "capyctl_sglang_launch"
@@ -26,7 +33,8 @@ def engine_environment(
     home: Path,
     simgpu_dir: Path | None = None,
 ) -> dict[str, str]:
-    """The engine's environment: its own bin first, telemetry off, one GPU by UUID."""
+    """The engine's environment: its own bin first, telemetry off, the Hub offline, one GPU
+    by UUID."""
     profile = spec.profile
     own_bin = profile.install_path / "bin" if profile.family in PYTHON_FAMILIES else None
     path = f"{own_bin}:{SYSTEM_PATH}" if own_bin else SYSTEM_PATH
@@ -37,6 +45,7 @@ def engine_environment(
         "PYTHONUNBUFFERED": "1",
         "CUDA_VISIBLE_DEVICES": gpu_uuid,
         **TELEMETRY_OFF,
+        **OFFLINE,
     }
     if simgpu_dir is not None:
         env["CAPYCTL_SIMGPU_DIR"] = str(simgpu_dir)

@@ -28,6 +28,17 @@ class _Command(BaseModel):
     generation: int
 
 
+class HubPull(BaseModel):
+    """A pinned Hugging Face source hostd downloads into its model store before the engine
+    starts (nothing to do when the store has it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    repo: str
+    commit: str
+    files: tuple[str, ...] = ()
+
+
 class Launch(_Command):
     kind: Literal["launch"] = "launch"
     reason: str = "requested"
@@ -46,6 +57,8 @@ class Launch(_Command):
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     start_deadline_s: float = 1800.0
+    # The source to download first, for a model from the Hub; the deadline starts after it.
+    hub: HubPull | None = None
 
 
 class Park(_Command):

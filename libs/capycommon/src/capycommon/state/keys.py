@@ -48,6 +48,12 @@ def host_models(host: str) -> str:
     return f"{host_prefix(host)}:models"
 
 
+def host_download(host: str, deployment: str) -> str:
+    """A deployment's model download under way on a host (JSON of
+    `capycommon.state.downloads.Download`), written by hostd; gone once it ended."""
+    return f"{host_prefix(host)}:download:{deployment}"
+
+
 def host_notifications(host: str) -> str:
     """The pub/sub channel on which a host's state changes are announced ({kind, id, version})."""
     return f"{host_prefix(host)}:notify"

@@ -1,0 +1,114 @@
+"""A model from the Hugging Face Hub, end to end on a standalone role: `model: {hf: ...}` is
+pinned at deploy, the first request waits while hostd downloads it into the model store, and
+the simulated engine serves it from there, offline. The Hub is the mock hub on loopback."""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from cluster import SMALL, Cluster, running
+from mockhub import MockHub, tiny_repo
+from support import processes_mentioning
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[MockHub]:
+    served = MockHub.start([tiny_repo()])
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(hub: MockHub) -> Iterator[Cluster]:
+    with running("hub", env={"CAPYCTL_HF_ENDPOINT": hub.url}) as found:
+        yield found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = [item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_a_hub_model_is_pinned_downloaded_and_served_offline(
+    hub: MockHub, cluster: Cluster
+) -> None:
+    repo = hub.repos["acme/tiny"]
+    main, v1 = repo.refs["main"], repo.refs["v1"]
+    cluster.deploy(
+        "tiny", model={"hf": "acme/tiny", "files": ["*.json", "*.safetensors"]}, **_small()
+    )
+    status = cluster.status("tiny")
+    pinned = {k: v for k, v in status["document"]["model"].items() if v is not None}
+    assert pinned == {
+        "hf": f"acme/tiny@{main}",
+        "revision": "main",
+        "files": ["*.json", "*.safetensors"],
+    }
+    shown = cluster.ok("status", "deployment", "tiny")
+    assert f"commit        {main} (main)" in shown or f"{main} (main)" in shown, shown
+
+    # The first request starts the model: hostd downloads it, then the engine serves it.
+    client = cluster.openai()
+    answer = client.chat.completions.create(model="tiny", messages=HELLO)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content
+
+    store = cluster.root / "models" / "sources" / "huggingface" / f"acme--tiny@{main}"
+    assert sorted(p.name for p in store.iterdir() if not p.name.startswith(".")) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    weights = store / "model.safetensors"
+    assert weights.read_bytes() == next(
+        f.content for f in repo.commits[main] if f.path == weights.name
+    )
+    assert not stat.S_IMODE(weights.stat().st_mode) & 0o222, "a finished store is read-only"
+    # The engine got the store's path and the Hub offline.
+    engines = processes_mentioning(str(store))
+    assert engines, "the engine runs from the store"
+    env = _environ(engines[0])
+    assert (env["HF_HUB_OFFLINE"], env["HF_HUB_DISABLE_TELEMETRY"]) == ("1", "1")
+
+    # Deployed again, the same document keeps its pin; a tag pins that tag's commit.
+    assert "(unchanged)" in cluster.ok("deploy", "model", "--file", str(cluster.root / "tiny.yaml"))
+    cluster.deploy("older", model={"hf": "acme/tiny", "revision": "v1"}, **_small())
+    assert cluster.status("older")["document"]["model"]["hf"] == f"acme/tiny@{v1}"
+
+
+def test_a_repository_the_hub_does_not_have_is_refused_at_deploy(cluster: Cluster) -> None:
+    path = cluster.root / "nosuch.yaml"
+    path.write_text("name: nosuch\nengine: vllm\nmodel: {hf: acme/nosuch}\n")
+    refused = cluster.cli("deploy", "model", "--file", str(path))
+    assert refused.returncode != 0
+    assert "hf_repo_not_found" in refused.stderr, refused.stderr
+    assert "acme/nosuch" in refused.stderr
+
+
+def test_a_download_that_fails_answers_the_waiting_request_with_its_code(
+    hub: MockHub, cluster: Cluster
+) -> None:
+    v1 = hub.repos["acme/tiny"].refs["v1"]
+    hub.faults.wrong_bytes = True
+    try:
+        cluster.deploy("broken", model={"hf": f"acme/tiny@{v1}"}, **_small())
+        with pytest.raises(openai.APIStatusError) as failed:
+            cluster.openai(timeout=60).chat.completions.create(
+                model="broken",
+                messages=HELLO,  # type: ignore[arg-type]
+            )
+    finally:
+        hub.faults.wrong_bytes = False
+    assert "hf_integrity" in str(failed.value.body), failed.value.body
+    store = cluster.root / "models" / "sources" / "huggingface"
+    assert not (store / f"acme--tiny@{v1}").exists(), "a download that failed leaves nothing"
+
+
+def _small() -> dict[str, object]:
+    return {"engine_config": SMALL}
