@@ -32,6 +32,7 @@ host. `Faults` switches break one behaviour at a time; a test sets them on a run
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -134,6 +135,7 @@ class Faults:
     wrong_bytes: bool = False  # serve bytes that differ, with the same length
     drop_commit: bool = False  # omit X-Repo-Commit
     tree_page_size: int | None = None  # paginate the tree listing, linked by `Link`
+    bytes_per_second: int | None = None  # send file bodies no faster than this
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,8 @@ class MockHub:
             headers=headers,
         )
         self.requests.append(request)
-        await _send(send, self._route(request), head=request.method == "HEAD")
+        pace = self.faults.bytes_per_second
+        await _send(send, self._route(request), head=request.method == "HEAD", pace=pace)
 
     def _route(self, request: Recorded) -> _Answer:
         parts = [unquote(part) for part in request.path.split("/")[1:]]
@@ -370,10 +373,10 @@ class MockHub:
         return _Answer(status, headers, body, cut)
 
 
-async def _send(send: Send, answer: _Answer, head: bool) -> None:
-    """Send `answer` with its full Content-Length. A cut answer stops after `cut_after` bytes
-    and returns unfinished, and uvicorn then closes the connection: the client sees a body
-    shorter than announced."""
+async def _send(send: Send, answer: _Answer, head: bool, pace: int | None = None) -> None:
+    """Send `answer` with its full Content-Length, at most `pace` bytes a second. A cut answer
+    stops after `cut_after` bytes and returns unfinished, and uvicorn then closes the
+    connection: the client sees a body shorter than announced."""
     headers = [(name.encode(), value.encode()) for name, value in answer.headers.items()]
     headers.append((b"content-length", str(len(answer.body)).encode()))
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
@@ -385,6 +388,8 @@ async def _send(send: Send, answer: _Answer, head: bool) -> None:
     for start in range(0, end, CHUNK):
         chunk = bytes(body[start : min(start + CHUNK, end)])
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if pace is not None:
+            await asyncio.sleep(len(chunk) / pace)
     if answer.cut_after is None:
         await send({"type": "http.response.body", "body": b""})
 

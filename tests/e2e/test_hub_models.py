@@ -4,8 +4,10 @@ the simulated engine serves it from there, offline. The Hub is the mock hub on l
 
 from __future__ import annotations
 
+import re
 import stat
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -13,7 +15,7 @@ import pytest
 
 from cluster import SMALL, Cluster, running
 from mockhub import MockHub, tiny_repo
-from support import processes_mentioning
+from support import processes_mentioning, wait_for
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -108,6 +110,42 @@ def test_a_download_that_fails_answers_the_waiting_request_with_its_code(
     assert "hf_integrity" in str(failed.value.body), failed.value.body
     store = cluster.root / "models" / "sources" / "huggingface"
     assert not (store / f"acme--tiny@{v1}").exists(), "a download that failed leaves nothing"
+
+
+def test_a_request_waits_while_the_model_downloads_and_status_shows_the_bytes(
+    hub: MockHub, cluster: Cluster
+) -> None:
+    v1 = hub.repos["acme/tiny"].refs["v1"]
+    hub.faults.bytes_per_second = 1 << 20  # 3 MiB of weights: about 3 s
+    try:
+        cluster.deploy("paced", model={"hf": "acme/tiny", "revision": "v1"}, **_small())
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(
+                lambda: cluster.openai().chat.completions.create(
+                    model="paced",
+                    messages=HELLO,  # type: ignore[arg-type]
+                )
+            )
+            shown = wait_for(
+                lambda: _download_row(cluster.ok("status", "deployment", "paced")),
+                timeout=30,
+                what="the download in status",
+            )
+            assert not asked.done(), "the request waits for the download"
+            assert re.fullmatch(
+                r"download +[\d.]+ [KM]iB of 3\.0 MiB \(\d+%\) at [\d.]+ [KM]iB/s on local",
+                shown,
+            ), shown
+            answer = asked.result(timeout=120)
+    finally:
+        hub.faults.bytes_per_second = None
+    assert answer.choices[0].message.content
+    assert cluster.status("paced")["download"] is None
+    assert (cluster.root / "models/sources/huggingface" / f"acme--tiny@{v1}").is_dir()
+
+
+def _download_row(shown: str) -> str | None:
+    return next((line for line in shown.splitlines() if line.startswith("download ")), None)
 
 
 def _small() -> dict[str, object]:
