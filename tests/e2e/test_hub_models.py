@@ -4,11 +4,13 @@ the simulated engine serves it from there, offline. The Hub is the mock hub on l
 
 from __future__ import annotations
 
+import json
 import re
 import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -77,6 +79,24 @@ def test_a_hub_model_is_pinned_downloaded_and_served_offline(
     assert engines, "the engine runs from the store"
     env = _environ(engines[0])
     assert (env["HF_HUB_OFFLINE"], env["HF_HUB_DISABLE_TELEMETRY"]) == ("1", "1")
+
+    # The store is listed with its repository, commit and user, beside the local folders
+    # (once hostd looked at its models again: every 5 s).
+    name = f"sources/huggingface/acme--tiny@{main}"
+
+    def listed_models() -> dict[str, Any] | None:
+        out = cluster.ok("list", "models", "--host", "local", "--json")
+        found = {row["name"]: row for row in json.loads(out)}
+        return found if name in found else None
+
+    listed = wait_for(listed_models, timeout=15, what="the store in list models")
+    row = listed[name]
+    assert (row["repo"], row["commit"], row["used_by"]) == ("acme/tiny", main, ["tiny"])
+    assert row["weights_bytes"] == weights.stat().st_size
+    assert listed["small"]["repo"] is None
+    shown = cluster.ok("list", "models")
+    assert f"hf acme/tiny@{main}" in shown, shown
+    assert "nowhere" in cluster.cli("list", "models", "--host", "nowhere").stderr
 
     # Deployed again, the same document keeps its pin; a tag pins that tag's commit.
     assert "(unchanged)" in cluster.ok("deploy", "model", "--file", str(cluster.root / "tiny.yaml"))

@@ -22,6 +22,7 @@ from capycommon.management import (
     EngineRow,
     HostRow,
     Idle,
+    ModelRow,
     Startup,
 )
 from capycommon.paths import StatePaths, resolve_state_dir
@@ -31,6 +32,7 @@ from capyctl_cli import output
 from capyctl_cli.management import Management, wait_for
 from capyctl_cli.options import JsonOpt, StateDirOpt, command_group, expected_errors
 from capyctl_cli.pin import pin
+from capyctl_cli.progress import DownloadBar
 
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait until it is done.")]
 TimeoutOpt = Annotated[
@@ -89,7 +91,8 @@ def deploy_model(
         if wait:
             since = time.time()
             api.act(name, "start")
-            wait_for(api, name, _state_is("ready"), timeout, "ready", since)
+            with DownloadBar() as bar:
+                wait_for(api, name, _state_is("ready"), timeout, "ready", since, seen=bar.show)
             text += "; ready"
         output.show(answer, text, as_json=as_json)
 
@@ -372,3 +375,34 @@ def undrain_host(
         answer = api.undrain(host)
     told = "takes models again" if answer.changed else "was not drained"
     output.show(answer, f"host {host} {told}", as_json=as_json)
+
+
+@list_app.command("models", help="The models on each host, their size, and who uses them.")
+@expected_errors
+def list_models(
+    host: Annotated[
+        str | None, typer.Option("--host", help="Only this host's models.", show_default=False)
+    ] = None,
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The folders under each host's models root and the downloads in its store."""
+    with _api(state_dir) as api:
+        rows = api.models(host)
+    output.show(rows, lambda: render_models(rows), as_json=as_json)
+
+
+def render_models(rows: list[ModelRow]) -> str:
+    return output.table(
+        ["HOST", "MODEL", "SOURCE", "SIZE", "USED BY"],
+        [
+            [
+                r.host,
+                r.name,
+                f"hf {r.repo}@{r.commit}" if r.repo else "folder" if r.kind == "folder" else "file",
+                _size(r.weights_bytes),
+                ", ".join(r.used_by) or "-",
+            ]
+            for r in rows
+        ],
+    )

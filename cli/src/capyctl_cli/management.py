@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import ValidationError
@@ -99,6 +100,10 @@ class Management:
     def hosts(self) -> list[wire.HostRow]:
         return self._get("/hosts", wire.HostList).hosts
 
+    def models(self, host: str | None = None) -> list[wire.ModelRow]:
+        path = "/models" if host is None else f"/models?host={quote(host)}"
+        return self._get(path, wire.ModelList).models
+
     def engines(self) -> list[wire.EngineRow]:
         return self._get("/engines", wire.EngineList).engines
 
@@ -164,15 +169,18 @@ def wait_for(
     timeout: float,
     what: str,
     since: float | None = None,
+    seen: Callable[[wire.DeploymentStatus], None] | None = None,
 ) -> wire.DeploymentStatus:
     """Poll the deployment's status until `done`, a failed start (13), a placement no host
     can make, a refusal written since `since` (e.g. 4: it can never fit), or the timeout (4
-    when memory was what it waited for, else 10)."""
+    when memory was what it waited for, else 10); `seen` is shown each status read."""
     since = time.time() if since is None else since
     deadline = time.monotonic() + timeout
     status = api.status(name)
     failures = status.attempts.count
     while True:
+        if seen is not None:
+            seen(status)
         if done(status):
             return status
         refusal = status.refusal

@@ -401,6 +401,27 @@ class EngineRow(Answer):
     added_at: datetime
 
 
+class ModelRow(Answer):
+    """A model on a host: a folder or file under its models root, or a download from the Hub
+    in its store, and the deployments that name it."""
+
+    host: str
+    name: str  # as a deployment names it (for a download: its store under the models root)
+    path: str
+    kind: str
+    weights_bytes: int | None
+    # For a download from the Hub: the repository and the commit.
+    repo: str | None = None
+    commit: str | None = None
+    used_by: list[str]
+
+
+class ModelList(Versioned):
+    """GET /models."""
+
+    models: list[ModelRow]
+
+
 class EngineList(Versioned):
     """GET /engines."""
 

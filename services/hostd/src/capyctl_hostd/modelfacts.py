@@ -27,6 +27,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
+from capycommon.deployments.resolve import HUB_STORE
+from capycommon.hub import MANIFEST
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import hostfacts
 from capycommon.state.hostcommands import Describe
@@ -86,9 +88,17 @@ def describe(path: Path) -> ModelFacts:
 
 
 def scan(root: Path) -> dict[str, ModelFacts]:
-    """The models under `root` by their name there (`Qwen3-8B`, `org/name`, `one.gguf`)."""
+    """The models under `root` by their name there (`Qwen3-8B`, `org/name`, `one.gguf`,
+    `sources/huggingface/org--name@<commit>`)."""
     found: dict[str, ModelFacts] = {}
     _walk(root, root, 1, found)
+    # Downloads from the Hub: each complete store, `sources/huggingface/<org>--<name>@<commit>`.
+    for entry in _entries(root / HUB_STORE):
+        if len(found) >= MAX_MODELS:
+            break
+        path = Path(entry.path)
+        if entry.is_dir(follow_symlinks=False) and (path / MANIFEST).is_file():
+            found[f"{HUB_STORE}/{entry.name}"] = describe(path)
     return found
 
 

@@ -281,6 +281,10 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
         requestbody.validated(wire.RevokeRequest, requestbody.parse_object(body or b"{}"))
         return await joined_hosts().revoke(host)
 
+    @app.get(f"{wire.PREFIX}/models")
+    async def models(host: str | None = None) -> wire.ModelList:
+        return wire.ModelList(models=await manager.models(host))
+
     @app.get(f"{wire.PREFIX}/engines")
     async def engines() -> wire.EngineList:
         return wire.EngineList(engines=await manager.engines())

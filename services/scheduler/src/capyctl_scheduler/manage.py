@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ from capycommon.deployments import (
     parse_deployment,
     revision_digest,
 )
+from capycommon.deployments.resolve import HUB_STORE, hub_store
+from capycommon.deployments.schema import ModelSource
 from capycommon.errors import LifecycleConflict, NotFound, RevisionConflict
 from capycommon.management import (
     Action,
@@ -30,10 +33,12 @@ from capycommon.management import (
     EngineRow,
     HostRow,
     JsonObject,
+    ModelRow,
     UndrainAnswer,
 )
-from capycommon.state import desired, downloads, hostmarks
+from capycommon.state import desired, downloads, hostfacts, hostmarks
 from capycommon.state.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
+from capycommon.state.hostfacts import HostModels
 from capycommon.state.instances import LIVE_STATES, InstanceState
 from capycommon.state.memory import aread_reading
 from capyctl_scheduler import status
@@ -272,8 +277,66 @@ class Manager:
                 )
         return rows
 
+    async def models(self, host: str | None) -> list[ModelRow]:
+        """Each host's models (or `host`'s), with the deployments that name each."""
+        deployments = await self.store.all()
+        rows = []
+        for name in sorted(self.scheduler.observer.hosts):
+            if host is not None and name != host:
+                continue
+            found = await hostfacts.aread(self.scheduler.client, name)
+            if found is not None:
+                rows += _model_rows(name, found, deployments.values())
+        if host is not None and not rows and host not in self.scheduler.observer.hosts:
+            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+        return rows
+
     async def _get(self, name: str) -> DeploymentRecord:
         record = await self.store.get(name)
         if record is None:
             raise NotFound(f"no deployment named {name!r}; list them with capyctl list deployments")
         return record
+
+
+def _model_rows(
+    host: str, models: HostModels, deployments: Iterable[DeploymentRecord]
+) -> list[ModelRow]:
+    named: dict[str, list[str]] = {}
+    for record in deployments:
+        model = record.document.model
+        written = model.path if model.path is not None else _store_of(model)
+        if written is not None:
+            named.setdefault(written, []).append(record.name)
+    listed = {**models.models, **models.described}
+    rows = []
+    for name, facts in sorted(listed.items()):
+        if facts.kind not in ("folder", "file"):
+            continue
+        repo, commit = _hub_origin(name)
+        rows.append(
+            ModelRow(
+                host=host,
+                name=name,
+                path=facts.path,
+                kind=facts.kind,
+                weights_bytes=facts.weights_bytes,
+                repo=repo,
+                commit=commit,
+                used_by=sorted(named.get(name, [])),
+            )
+        )
+    return rows
+
+
+def _store_of(model: ModelSource) -> str | None:
+    return hub_store(model) if model.hf_commit is not None else None
+
+
+def _hub_origin(name: str) -> tuple[str | None, str | None]:
+    """(repository, commit) of a store's name `sources/huggingface/<org>--<name>@<commit>`."""
+    prefix = f"{HUB_STORE}/"
+    if not name.startswith(prefix) or "@" not in name:
+        return None, None
+    folder, _, commit = name.removeprefix(prefix).partition("@")
+    owner, _, repo = folder.partition("--")
+    return f"{owner}/{repo}", commit

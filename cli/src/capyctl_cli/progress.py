@@ -1,0 +1,58 @@
+"""The progress bar `deploy model --wait` shows on stderr while the model downloads."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from capycommon.management import DeploymentStatus
+
+
+class DownloadBar:
+    """A bar that appears with the first download figures a status shows, and follows them."""
+
+    def __init__(self) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> DownloadBar:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._progress.stop()
+
+    def show(self, status: DeploymentStatus) -> None:
+        download = status.download
+        if download is None:
+            return
+        if self._task is None:
+            self._progress.start()
+            self._task = self._progress.add_task(
+                f"{download.repo}@{download.commit[:12]} on {download.host}",
+                total=download.total_bytes,
+            )
+        self._progress.update(self._task, completed=download.done_bytes)
