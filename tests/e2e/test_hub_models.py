@@ -4,6 +4,7 @@ the simulated engine serves it from there, offline. The Hub is the mock hub on l
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import stat
@@ -15,16 +16,18 @@ from typing import Any
 import openai
 import pytest
 
+from capycommon.hub import HubSource, pull
 from cluster import SMALL, Cluster, running
-from mockhub import MockHub, tiny_repo
+from mockhub import MockHub, gated_repo, tiny_repo
 from support import processes_mentioning, wait_for
 
 HELLO = [{"role": "user", "content": "hi"}]
+TOKEN = "hf_secret_0123456789"
 
 
 @pytest.fixture(scope="module")
 def hub() -> Iterator[MockHub]:
-    served = MockHub.start([tiny_repo()])
+    served = MockHub.start([tiny_repo(), gated_repo(TOKEN)])
     yield served
     served.stop()
 
@@ -162,6 +165,49 @@ def test_a_request_waits_while_the_model_downloads_and_status_shows_the_bytes(
     assert answer.choices[0].message.content
     assert cluster.status("paced")["download"] is None
     assert (cluster.root / "models/sources/huggingface" / f"acme--tiny@{v1}").is_dir()
+
+
+def test_a_gated_model_needs_the_owners_token_file_which_never_leaves_the_hub(
+    hub: MockHub, cluster: Cluster
+) -> None:
+    path = cluster.root / "gated.yaml"
+    path.write_text("name: gated\nengine: vllm\nmodel: {hf: acme/gated}\n")
+    refused = cluster.cli("deploy", "model", "--file", str(path))
+    assert "hf_gated" in refused.stderr, refused.stderr
+    token = cluster.role.state_dir / "hf-token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o644)
+    refused = cluster.cli("deploy", "model", "--file", str(path))
+    assert f"chmod 600 {token}" in refused.stderr, refused.stderr
+    token.chmod(0o600)
+    hub.requests.clear()
+    cluster.deploy("gated", model={"hf": "acme/gated"}, **_small())
+    answer = cluster.openai().chat.completions.create(model="gated", messages=HELLO)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content
+    authorized = {r.host.split(":")[0] for r in hub.requests if r.authorization}
+    assert authorized == {"127.0.0.1"}, "the token goes to the Hub's own host only"
+    logs = [f for f in cluster.role.state_dir.rglob("*.log") if f.is_file()]
+    assert logs
+    assert not [f for f in logs if TOKEN in f.read_text(errors="replace")], "never logged"
+
+
+def test_offline_a_stored_model_runs_and_a_missing_one_names_the_fix(hub: MockHub) -> None:
+    main = hub.repos["acme/tiny"].refs["main"]
+    # No endpoint that answers: only the store can serve.
+    offline = {"HF_HUB_OFFLINE": "1", "CAPYCTL_HF_ENDPOINT": "http://127.0.0.1:9"}
+    with running("hub-offline", env=offline) as alone:
+        source = HubSource("acme/tiny", main)
+        asyncio.run(pull(source, alone.root / "models", endpoint=hub.url, token=None))
+        alone.deploy("stored", model={"hf": f"acme/tiny@{main}"}, **_small())
+        client = alone.openai()
+        answer = client.chat.completions.create(model="stored", messages=HELLO)  # type: ignore[arg-type]
+        assert answer.choices[0].message.content
+        v1 = hub.repos["acme/tiny"].refs["v1"]
+        alone.deploy("missing", model={"hf": f"acme/tiny@{v1}"}, **_small())
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.chat.completions.create(model="missing", messages=HELLO)  # type: ignore[arg-type]
+        assert "hf_offline_missing" in str(failed.value.body), failed.value.body
+        assert "download it while online" in str(failed.value.body)
 
 
 def _download_row(shown: str) -> str | None:
