@@ -134,7 +134,8 @@ def test_a_busy_victim_is_waited_for(cluster: Cluster) -> None:
     cluster.deploy("busy", engine="slow", engine_config=FOURTEEN)
     cluster.deploy("next", engine_config=FOURTEEN)
     cluster.ok("start", "deployment", "busy", "--wait")
-    request = _slow_request(cluster, "busy", tokens=120)  # about 15 s at 8 tokens/s
+    # About 25 s at 8 tokens/s: still running when a loaded machine's scheduler gets to it.
+    request = _slow_request(cluster, "busy", tokens=200)
     wait_for(lambda: cluster.status("busy")["state"] == "ready", timeout=5, what="ready")
     wait_for(
         lambda: cluster.status("busy")["requests"]["engine_running"] >= 1,
@@ -146,11 +147,11 @@ def test_a_busy_victim_is_waited_for(cluster: Cluster) -> None:
         lambda: any(
             "1 busy, warm or explicit kept" in d["reason"] for d in cluster.decisions("next")
         ),
-        timeout=10,
+        timeout=20,
         what="the switch to wait for the busy model",
     )
     assert cluster.state("busy") == "ready", "a model with requests in flight is no victim"
-    request.join(timeout=30)
+    request.join(timeout=45)
     done_at = time.time()
     wait_for(lambda: cluster.state("next") == "ready", timeout=30, what="the switch")
     assert cluster.state("busy") == "parked"
