@@ -10,7 +10,6 @@ import re
 import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,6 +17,7 @@ import pytest
 
 from capycommon.hub import HubSource, pull
 from cluster import SMALL, Cluster, running
+from integration.hostd.harness import environ
 from mockhub import MockHub, gated_repo, tiny_repo
 from support import processes_mentioning, wait_for
 
@@ -36,12 +36,6 @@ def hub() -> Iterator[MockHub]:
 def cluster(hub: MockHub) -> Iterator[Cluster]:
     with running("hub", env={"CAPYCTL_HF_ENDPOINT": hub.url}) as found:
         yield found
-
-
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    pairs = [item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item]
-    return {k.decode(): v.decode() for k, v in pairs}
 
 
 def test_a_hub_model_is_pinned_downloaded_and_served_offline(
@@ -80,7 +74,7 @@ def test_a_hub_model_is_pinned_downloaded_and_served_offline(
     # The engine got the store's path and the Hub offline.
     engines = processes_mentioning(str(store))
     assert engines, "the engine runs from the store"
-    env = _environ(engines[0])
+    env = environ(engines[0])
     assert (env["HF_HUB_OFFLINE"], env["HF_HUB_DISABLE_TELEMETRY"]) == ("1", "1")
 
     # The store is listed with its repository, commit and user, beside the local folders

@@ -40,29 +40,27 @@ async def fetch(
         return paths.store
     access = hub_access(state_dir, os.environ)
     started = time.time()
-    latest: list[Download] = []
+    latest: Download | None = None
 
     def progress(done: int, total: int) -> None:
+        nonlocal latest
         now = time.time()
-        rate = done / max(now - started, 1e-3)
-        latest[:] = [
-            Download(
-                repo=wanted.repo,
-                commit=wanted.commit,
-                done_bytes=done,
-                total_bytes=total,
-                rate=rate,
-                started_at=started,
-                at=now,
-            )
-        ]
+        latest = Download(
+            repo=wanted.repo,
+            commit=wanted.commit,
+            done_bytes=done,
+            total_bytes=total,
+            rate=done / max(now - started, 1e-3),
+            started_at=started,
+            at=now,
+        )
 
     async def publish() -> None:
         told: Download | None = None
         while True:
             await asyncio.sleep(WRITE_EVERY_S)
-            if latest and latest[0] is not told:
-                told = latest[0]
+            if latest is not None and latest is not told:
+                told = latest
                 with contextlib.suppress(*REDIS_ERRORS):
                     await downloads.write(client, host, deployment, told)
 

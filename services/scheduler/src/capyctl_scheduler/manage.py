@@ -18,8 +18,7 @@ from capycommon.deployments import (
     parse_deployment,
     revision_digest,
 )
-from capycommon.deployments.resolve import HUB_STORE, hub_store
-from capycommon.deployments.schema import ModelSource
+from capycommon.deployments.resolve import hub_origin, named_path
 from capycommon.errors import LifecycleConflict, NotFound, RevisionConflict
 from capycommon.management import (
     Action,
@@ -303,8 +302,7 @@ def _model_rows(
 ) -> list[ModelRow]:
     named: dict[str, list[str]] = {}
     for record in deployments:
-        model = record.document.model
-        written = model.path if model.path is not None else _store_of(model)
+        written = named_path(record.document.model)
         if written is not None:
             named.setdefault(written, []).append(record.name)
     listed = {**models.models, **models.described}
@@ -312,7 +310,7 @@ def _model_rows(
     for name, facts in sorted(listed.items()):
         if facts.kind not in ("folder", "file"):
             continue
-        repo, commit = _hub_origin(name)
+        repo, commit = hub_origin(name)
         rows.append(
             ModelRow(
                 host=host,
@@ -326,17 +324,3 @@ def _model_rows(
             )
         )
     return rows
-
-
-def _store_of(model: ModelSource) -> str | None:
-    return hub_store(model) if model.hf_commit is not None else None
-
-
-def _hub_origin(name: str) -> tuple[str | None, str | None]:
-    """(repository, commit) of a store's name `sources/huggingface/<org>--<name>@<commit>`."""
-    prefix = f"{HUB_STORE}/"
-    if not name.startswith(prefix) or "@" not in name:
-        return None, None
-    folder, _, commit = name.removeprefix(prefix).partition("@")
-    owner, _, repo = folder.partition("--")
-    return f"{owner}/{repo}", commit

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import redis.asyncio as aioredis
 
 from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
-from capycommon.deployments.resolve import hub_store
+from capycommon.deployments.resolve import named_path
 from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, ProfileNotPublished
@@ -385,14 +385,8 @@ class Observer:
 def _paths(records: Iterable[DeploymentRecord]) -> list[str]:
     """The model paths the deployments name: a folder, or a pinned Hugging Face source's
     store under the models root."""
-    found = []
-    for record in records:
-        model = record.document.model
-        if model.path is not None:
-            found.append(model.path)
-        elif model.hf_commit is not None:
-            found.append(hub_store(model))
-    return found
+    named = (named_path(r.document.model) for r in records)
+    return [path for path in named if path is not None]
 
 
 def _unpublished(host: str) -> Binding:

@@ -203,6 +203,24 @@ def hub_store(source: ModelSource) -> str:
     return f"{HUB_STORE}/{owner}--{name}@{commit}"
 
 
+def named_path(source: ModelSource) -> str | None:
+    """The model path on a host that a source names: its folder, or a pinned Hugging Face
+    source's store under the models root; None for an unpinned source."""
+    if source.path is not None:
+        return source.path
+    return hub_store(source) if source.hf_commit is not None else None
+
+
+def hub_origin(written: str) -> tuple[str | None, str | None]:
+    """(repository, commit) of a store path `hub_store` wrote; (None, None) for any other."""
+    prefix = f"{HUB_STORE}/"
+    if not written.startswith(prefix) or "@" not in written:
+        return None, None
+    folder, _, commit = written.removeprefix(prefix).partition("@")
+    owner, _, name = folder.partition("--")
+    return f"{owner}/{name}", commit
+
+
 def _hub_facts(source: ModelSource, models: HostModels) -> ModelFacts:
     """A Hugging Face source's store on the host: its facts once downloaded; before that, a
     missing folder that hostd downloads when it launches the model."""
