@@ -129,7 +129,12 @@ def test_a_joined_host_serves_its_ingress_where_its_host_info_says(
 
         refused, _ = _exchange(bind, _client_context(server, folder, "host"))
         assert refused == b"", "a host's certificate gets nothing"
-        assert "refused a connection from 127.0.0.1" in (state / "logs" / "hostd.log").read_text()
+        log = state / "logs" / "hostd.log"
+        wait_for(
+            lambda: "refused a connection from 127.0.0.1" in log.read_text(),
+            timeout=10,
+            what="hostd to log the refused certificate",
+        )
         assert host.stop() == 0
     finally:
         host.stop()
