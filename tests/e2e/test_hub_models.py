@@ -61,7 +61,9 @@ def test_a_hub_model_is_pinned_downloaded_and_served_offline(
     answer = client.chat.completions.create(model="tiny", messages=HELLO)  # type: ignore[arg-type]
     assert answer.choices[0].message.content
 
-    store = cluster.root / "models" / "sources" / "huggingface" / f"acme--tiny@{main}"
+    folder = HubSource("acme/tiny", main, ("*.json", "*.safetensors")).store_name(main)
+    assert folder.startswith(f"acme--tiny@{main}-"), "a choice of files has a store of its own"
+    store = cluster.root / "models" / "sources" / "huggingface" / folder
     assert sorted(p.name for p in store.iterdir() if not p.name.startswith(".")) == [
         "config.json",
         "model.safetensors",
@@ -79,7 +81,7 @@ def test_a_hub_model_is_pinned_downloaded_and_served_offline(
 
     # The store is listed with its repository, commit and user, beside the local folders
     # (once hostd looked at its models again: every 5 s).
-    name = f"sources/huggingface/acme--tiny@{main}"
+    name = f"sources/huggingface/{folder}"
 
     def listed_models() -> dict[str, Any] | None:
         out = cluster.ok("list", "models", "--host", "local", "--json")

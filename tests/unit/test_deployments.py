@@ -20,6 +20,8 @@ from capycommon.deployments import (
     resolve,
     revision_digest,
 )
+from capycommon.deployments.resolve import hub_origin, hub_store
+from capycommon.deployments.schema import ModelSource
 from capycommon.engines.families import Family
 from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
@@ -687,6 +689,17 @@ def test_a_pinned_hugging_face_model_resolves_to_its_store_downloaded_or_not() -
     models = MODELS.model_copy(update={"described": {store: there}})
     resolved = bind(models=models, model={"hf": f"Qwen/Qwen3-4B@{commit}"})
     assert resolved.weights_bytes == 8 * GiB
+
+
+def test_a_stores_path_names_its_repository_and_commit_with_files_chosen_or_not() -> None:
+    commit = "ab" * 20
+    whole = ModelSource(hf=f"Qwen/Qwen3-4B@{commit}")
+    some = ModelSource(hf=f"Qwen/Qwen3-4B@{commit}", files=("*.gguf",))
+    assert hub_store(whole) == f"sources/huggingface/Qwen--Qwen3-4B@{commit}"
+    assert hub_store(some).startswith(f"{hub_store(whole)}-")
+    for source in (whole, some):
+        assert hub_origin(hub_store(source)) == ("Qwen/Qwen3-4B", commit)
+    assert hub_origin("qwen3-4b") == (None, None)
 
 
 def test_revision_and_files_are_for_hugging_face_sources() -> None:

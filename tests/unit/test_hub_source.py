@@ -3,6 +3,8 @@ the `files` pattern rule."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from capycommon.errors import InvalidConfig
@@ -46,6 +48,13 @@ def test_the_store_name_joins_owner_and_name_and_needs_a_commit() -> None:
     assert source.store_name(COMMIT) == f"acme--tiny@{COMMIT}"
     with pytest.raises(InvalidConfig, match="40-hex commit"):
         source.store_name("main")
+
+
+def test_a_choice_of_files_has_a_store_of_its_own_whatever_the_order_of_its_patterns() -> None:
+    some = HubSource("acme/tiny", "main", ("*.json", "*.gguf")).store_name(COMMIT)
+    assert re.fullmatch(rf"acme--tiny@{COMMIT}-[0-9a-f]{{8}}", some)
+    assert HubSource("acme/tiny", "main", ("*.gguf", "*.json", "*.gguf")).store_name(COMMIT) == some
+    assert HubSource("acme/tiny", "main", ("*.json",)).store_name(COMMIT) != some
 
 
 def test_only_forty_lowercase_hex_digits_are_a_commit() -> None:

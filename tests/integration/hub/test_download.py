@@ -98,8 +98,9 @@ def gets(hub: MockHub, path: str) -> list[Recorded]:
     ]
 
 
-def partial(models: Path, commit: str, path: str) -> Path:
-    return StorePaths.of(models, HubSource("acme/tiny"), commit).partial(path)
+def partial(models: Path, commit: str, path: str, files: tuple[str, ...] = (WEIGHTS,)) -> Path:
+    """Where the download of `path` for `acme/tiny` narrowed to `files` keeps its bytes."""
+    return StorePaths.of(models, HubSource("acme/tiny", commit, files), commit).partial(path)
 
 
 @pytest.mark.anyio
@@ -220,7 +221,7 @@ async def test_served_bytes_or_headers_unlike_the_listing_fail_and_store_nothing
     assert caught.value.code == "hf_integrity"
     assert "nothing entered the store" in caught.value.message
     assert list((models / "sources" / "huggingface").iterdir()) == []
-    assert not partial(models, MAIN, "cdn.bin").exists()  # the first file, by path
+    assert not partial(models, MAIN, "cdn.bin", ()).exists()  # the first file, by path
 
 
 @pytest.mark.anyio

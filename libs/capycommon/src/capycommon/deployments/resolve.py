@@ -32,6 +32,7 @@ from capycommon.errors import (
     NotFound,
     ProfileNotPublished,
 )
+from capycommon.hub.source import HubSource
 from capycommon.state.hostfacts import HostModels, ModelFacts, under_root
 from capycommon.units import format_size
 
@@ -199,8 +200,7 @@ def hub_store(source: ModelSource) -> str:
             "deploy model, which resolves its revision to a commit and pins it, or write "
             "hf: org/name@<40-hex commit>"
         )
-    owner, name = source.hf_repo.split("/")
-    return f"{HUB_STORE}/{owner}--{name}@{commit}"
+    return f"{HUB_STORE}/{HubSource(source.hf_repo, commit, source.files).store_name(commit)}"
 
 
 def named_path(source: ModelSource) -> str | None:
@@ -216,9 +216,9 @@ def hub_origin(written: str) -> tuple[str | None, str | None]:
     prefix = f"{HUB_STORE}/"
     if not written.startswith(prefix) or "@" not in written:
         return None, None
-    folder, _, commit = written.removeprefix(prefix).partition("@")
+    folder, _, pinned = written.removeprefix(prefix).partition("@")
     owner, _, name = folder.partition("--")
-    return f"{owner}/{name}", commit
+    return f"{owner}/{name}", pinned[:40]
 
 
 def _hub_facts(source: ModelSource, models: HostModels) -> ModelFacts:

@@ -6,6 +6,7 @@ A `HubSource` names a model repository (`owner/name`), a revision (a branch, a t
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +56,12 @@ def check_repo(repo: str) -> str:
     return repo
 
 
+def patterns_digest(patterns: tuple[str, ...]) -> str:
+    """8 hex digits naming a set of file patterns (their order and repeats do not matter)."""
+    joined = "\n".join(sorted(set(patterns)))
+    return hashlib.sha256(joined.encode()).hexdigest()[:8]
+
+
 @dataclass(frozen=True)
 class HubSource:
     """A model repository on the Hub at a revision, optionally narrowed to `files` patterns
@@ -82,10 +89,15 @@ class HubSource:
         return self.repo.split("/")[1]
 
     def store_name(self, commit: str) -> str:
-        """The store folder's name for this repository at `commit`: `<owner>--<name>@<commit>`."""
+        """The store folder's name for this repository at `commit`: `<owner>--<name>@<commit>`
+        for the whole repository, and `<owner>--<name>@<commit>-<8 hex>` for the files that
+        `files` selects, the hex naming the set of patterns. Two sources of one commit that
+        select different files so never share a folder (llama.cpp loads the first GGUF of the
+        folder it is given)."""
         if not is_commit(commit):
             raise InvalidConfig(f"{commit!r} is not a 40-hex commit of {self.repo}")
-        return f"{self.owner}--{self.name}@{commit}"
+        name = f"{self.owner}--{self.name}@{commit}"
+        return f"{name}-{patterns_digest(self.files)}" if self.files else name
 
     def selects(self, path: str) -> bool:
         """Whether the file at `path` (relative, `/`-separated) is part of the download.
