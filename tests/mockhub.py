@@ -494,6 +494,12 @@ def gated_repo(token: str = "hf_good") -> HubRepo:
     return HubRepo("acme/gated", {commit: files}, {"main": commit}, token=token)
 
 
+def one_commit_repo(repo_id: str, files: list[HubFile]) -> HubRepo:
+    """`repo_id` with one commit holding `files`, named by `main`."""
+    commit = _commit_id(f"{repo_id} commit 1")
+    return HubRepo(repo_id, {commit: files}, {"main": commit})
+
+
 if __name__ == "__main__":
     hub = MockHub.start([tiny_repo(), gated_repo()], int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     print(f"serving acme/tiny and acme/gated (token hf_good) at {hub.url} and {hub.alt_url}")

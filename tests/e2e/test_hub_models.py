@@ -12,22 +12,33 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from capycommon.hub import HubSource, pull
 from cluster import SMALL, Cluster, running
 from integration.hostd.harness import environ
-from mockhub import MockHub, gated_repo, tiny_repo
+from mockhub import HubFile, MockHub, gated_repo, one_commit_repo, tiny_repo
 from support import processes_mentioning, wait_for
 
 HELLO = [{"role": "user", "content": "hi"}]
 TOKEN = "hf_secret_0123456789"
 
 
+PULLED = one_commit_repo(
+    "acme/pulled",
+    [
+        HubFile("config.json", b'{"model_type": "pulled"}\n', lfs=False),
+        HubFile("model.safetensors", bytes(range(256)) * 4096, lfs=True),
+    ],
+)
+
+
 @pytest.fixture(scope="module")
 def hub() -> Iterator[MockHub]:
-    served = MockHub.start([tiny_repo(), gated_repo(TOKEN)])
+    served = MockHub.start([tiny_repo(), gated_repo(TOKEN), PULLED])
     yield served
     served.stop()
 
@@ -208,6 +219,78 @@ def test_offline_a_stored_model_runs_and_a_missing_one_names_the_fix(hub: MockHu
 
 def _download_row(shown: str) -> str | None:
     return next((line for line in shown.splitlines() if line.startswith("download ")), None)
+
+
+def test_a_model_pulled_ahead_starts_without_a_download_and_is_removed_once_unused(
+    hub: MockHub, cluster: Cluster
+) -> None:
+    commit = PULLED.refs["main"]
+    name = f"sources/huggingface/acme--pulled@{commit}"
+    store = cluster.root / "models" / name
+    pulled = json.loads(cluster.ok("model", "pull", "acme/pulled", "--json"))
+    assert (pulled["state"], pulled["host"], pulled["name"]) == ("done", "local", name)
+    assert (store / "model.safetensors").read_bytes() == PULLED.commits[commit][1].content
+    again = cluster.ok("model", "pull", f"acme/pulled@{commit}")
+    assert f"acme/pulled@{commit} is in the store of host local: {name}" in again
+
+    # The router counts the bytes received and how long it took, once.
+    labels = {"host": "local", "repo": "acme/pulled"}
+
+    def counted() -> dict[str, float] | None:
+        found = _samples(cluster, labels)
+        return found if "capyctl_download_bytes_total" in found else None
+
+    found = wait_for(counted, timeout=10, what="the download in the router's metrics")
+    assert found["capyctl_download_bytes_total"] == 1 << 20
+    assert found["capyctl_download_seconds_count"] == 1
+
+    # A deployment of it starts from the store: no file is asked for again.
+    asked = len(hub.requests)
+    cluster.deploy("ahead", model={"hf": f"acme/pulled@{commit}"}, **_small())
+    with cluster.openai() as client:
+        client.chat.completions.create(model="ahead", messages=HELLO)  # type: ignore[arg-type]
+    assert [r.path for r in hub.requests[asked:]] == []
+
+    refused = cluster.cli("model", "remove", name)
+    assert refused.returncode == 29, refused.stderr
+    assert "model_in_use" in refused.stderr
+    assert "ahead" in refused.stderr
+    assert store.is_dir()
+    cluster.ok("delete", "deployment", "ahead", "--wait")
+    removed = cluster.ok("model", "remove", f"acme/pulled@{commit}")
+    assert f"removed {name} from host local" in removed
+    assert not store.exists()
+    gone = cluster.cli("model", "remove", name)
+    assert gone.returncode == 2, gone.stderr
+    assert "not_found" in gone.stderr
+    mine = cluster.cli("model", "remove", "sources/huggingface/../../small")
+    assert mine.returncode == 2, mine.stderr
+    assert "is not a download in the model store" in mine.stderr
+
+
+@pytest.mark.parametrize("revision", ["", f"@{'0' * 40}"])
+def test_a_pull_of_a_repository_the_hub_does_not_have_names_it(
+    cluster: Cluster, revision: str
+) -> None:
+    """Refused as its branch is resolved here, or (a pinned commit) by hostd as it starts."""
+    refused = cluster.cli("model", "pull", f"acme/nothing{revision}")
+    assert refused.returncode == 2, refused.stderr
+    assert "hf_repo_not_found" in refused.stderr
+    assert "acme/nothing" in refused.stderr
+
+
+def _samples(cluster: Cluster, labels: dict[str, str]) -> dict[str, float]:
+    """The router's metric samples whose labels include `labels`, by name."""
+    text = httpx.get(
+        f"http://{cluster.role.inference}/metrics",
+        headers={"Authorization": f"Bearer {cluster.api_key}"},
+    ).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if labels.items() <= sample.labels.items()
+    }
 
 
 def _small() -> dict[str, object]:

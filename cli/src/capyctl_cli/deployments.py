@@ -92,7 +92,11 @@ def deploy_model(
             since = time.time()
             api.act(name, "start")
             with DownloadBar() as bar:
-                wait_for(api, name, _state_is("ready"), timeout, "ready", since, seen=bar.show)
+
+                def seen(status: DeploymentStatus) -> None:
+                    bar.show(status.download)
+
+                wait_for(api, name, _state_is("ready"), timeout, "ready", since, seen=seen)
             text += "; ready"
         output.show(answer, text, as_json=as_json)
 

@@ -16,7 +16,7 @@ from capycommon.settings import Role, redacted
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.version import __version__
 from capyctl_cli import demo as demo_cmd
-from capyctl_cli import deployments, engines, hosts, launcher, output, roles
+from capyctl_cli import deployments, engines, hosts, launcher, models, output, roles
 from capyctl_cli import status as status_cmd
 from capyctl_cli.options import (
     ConfigOpt,
@@ -47,6 +47,7 @@ app.add_typer(deployments.park_app, name="park")
 app.add_typer(deployments.stop_app, name="stop")
 app.add_typer(deployments.delete_app, name="delete")
 app.add_typer(deployments.list_app, name="list")
+app.add_typer(models.model_app, name="model")
 app.add_typer(deployments.drain_app, name="drain")
 app.add_typer(deployments.undrain_app, name="undrain")
 deployments.verb_command(

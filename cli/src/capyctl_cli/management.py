@@ -104,6 +104,16 @@ class Management:
         path = "/models" if host is None else f"/models?host={quote(host)}"
         return self._get(path, wire.ModelList).models
 
+    def pull(self, request: wire.PullRequest) -> wire.StoreOperationAnswer:
+        return self._post("/models/pull", request, wire.StoreOperationAnswer)
+
+    def remove(self, request: wire.RemoveRequest) -> wire.StoreOperationAnswer:
+        return self._post("/models/remove", request, wire.StoreOperationAnswer)
+
+    def store_operation(self, host: str, operation: str) -> wire.StoreOperationAnswer:
+        path = f"/hosts/{quote(host)}/store-operations/{quote(operation)}"
+        return self._get(path, wire.StoreOperationAnswer)
+
     def engines(self) -> list[wire.EngineRow]:
         return self._get("/engines", wire.EngineList).engines
 

@@ -1,4 +1,5 @@
-"""The progress bar `deploy model --wait` shows on stderr while the model downloads."""
+"""The progress bar `deploy model --wait` and `model pull` show on stderr while a model
+downloads."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from capycommon.management import DeploymentStatus
+from capycommon.management import Download
 
 
 class DownloadBar:
-    """A bar that appears with the first download figures a status shows, and follows them."""
+    """A bar that appears with the first download figures shown to it, and follows them."""
 
     def __init__(self) -> None:
         self._progress = Progress(
@@ -45,8 +46,7 @@ class DownloadBar:
         if self._task is not None:
             self._progress.stop()
 
-    def show(self, status: DeploymentStatus) -> None:
-        download = status.download
+    def show(self, download: Download | None) -> None:
         if download is None:
             return
         if self._task is None:

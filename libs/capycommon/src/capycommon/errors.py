@@ -296,6 +296,12 @@ class RevisionConflict(CapyError):
     code = "revision_conflict"
 
 
+class ModelInUse(CapyError):
+    """A model a deployment names or an engine runs from cannot be removed."""
+
+    code = "model_in_use"
+
+
 class IdempotencyConflict(CapyError):
     code = "idempotency_conflict"
 
@@ -481,6 +487,7 @@ CODES: dict[str, tuple[int, int]] = {
     # 29: the request conflicts with what the deployment is doing or with an earlier request.
     "lifecycle_conflict": (29, 409),
     "revision_conflict": (29, 409),
+    "model_in_use": (29, 409),
     "idempotency_conflict": (29, 409),
     "identity_conflict": (29, 409),
     "host_not_revoked": (29, 409),

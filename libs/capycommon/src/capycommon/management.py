@@ -71,6 +71,25 @@ class DrainRequest(Request):
     """POST /hosts/{host}/drain: nothing to say."""
 
 
+class PullRequest(Request):
+    """POST /models/pull: download a model from the Hub into a host's store ahead of time.
+    `revision` is a pinned 40-hex commit (the CLI resolves a branch or tag first)."""
+
+    repo: str
+    revision: str
+    files: list[str] = []
+    # The host to download on; may be left out where the role has one host.
+    host: str | None = None
+
+
+class RemoveRequest(Request):
+    """POST /models/remove: remove a download from a host's store (`name` as list models
+    shows it)."""
+
+    name: str
+    host: str | None = None
+
+
 class InvitationRequest(Request):
     """POST /host-invitations: invite a host to join (a server only)."""
 
@@ -414,6 +433,23 @@ class ModelRow(Answer):
     repo: str | None = None
     commit: str | None = None
     used_by: list[str]
+
+
+class StoreOperationAnswer(Versioned):
+    """A pull or removal in a host's model store: POST /models/pull and /models/remove answer
+    it as sent, GET /hosts/{host}/store-operations/{operation} as it goes."""
+
+    operation_id: str
+    host: str
+    # sent (hostd has not begun it: its kind and name are empty when read back), running,
+    # done, failed
+    state: str
+    kind: str  # pull or remove
+    name: str  # the store's path under the models root
+    download: Download | None = None
+    # How a failed one failed.
+    code: str | None = None
+    message: str | None = None
 
 
 class ModelList(Versioned):

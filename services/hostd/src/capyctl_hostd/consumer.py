@@ -1,5 +1,6 @@
 """Reading the host's command stream: at least once, acknowledged after each command ran.
-Instance commands go to the runner, `Describe` to the models shelf.
+Instance commands go to the runner, `Describe` to the models shelf, `Pull` and `Remove` to the
+model store (after which the shelf looks again).
 
 A fixed consumer name means a restarted hostd gets the commands its predecessor had taken
 but not finished; the generation checks make a repeat harmless.
@@ -89,6 +90,12 @@ async def _run(runner: Runner, shelf: Shelf, group: Group, entry_id: str, fields
         try:
             if isinstance(command, hostcommands.Describe):
                 await shelf.describe(command)
+            elif isinstance(command, hostcommands.Pull):
+                await runner.models.pull(command)
+                await shelf.refresh()
+            elif isinstance(command, hostcommands.Remove):
+                await runner.models.remove(command)
+                await shelf.refresh()
             else:
                 await runner.handle(command)
         except REDIS_ERRORS as exc:

@@ -91,10 +91,14 @@ class Runner:
     _starts: dict[str, tuple[int, asyncio.Event]] = field(default_factory=dict)
     settler: Settler = field(init=False)
     owned: OwnedEngines = field(init=False)
+    models: downloads.ModelStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.settler = Settler(self.client, self.host)
         self.owned = OwnedEngines(self.paths.engines_record)
+        self.models = downloads.ModelStore(
+            self.host, self.client, self.store, self.paths.models_root, self.paths.state_dir
+        )
 
     def lock_for(self, member: str) -> asyncio.Lock:
         return self._member_locks.setdefault(member, asyncio.Lock())
@@ -215,18 +219,19 @@ class Runner:
         stopped = asyncio.Event()
         self._starts[record.member] = (record.generation, stopped)
         try:
-            if command.hub is not None:
-                # Before the GPU is taken: a download holds up no other start there.
-                store = await _unless_stopped(self._download(command, command.hub), stopped)
-                if store is None:
-                    log.info("%s: stopped while it downloaded", record.member)
-                    return
-                steps.mark("downloaded")
-            async with gpu or contextlib.nullcontext():
-                engine, record = await self._spawn(command, record, log_path, steps)
-                answer = await _unless_stopped(
-                    self._ready(engine, command.start_deadline_s, steps), stopped
-                )
+            async with self.models.using(command.hub):
+                if command.hub is not None:
+                    # Before the GPU is taken: a download holds up no other start there.
+                    store = await _unless_stopped(self._download(command, command.hub), stopped)
+                    if store is None:
+                        log.info("%s: stopped while it downloaded", record.member)
+                        return
+                    steps.mark("downloaded")
+                async with gpu or contextlib.nullcontext():
+                    engine, record = await self._spawn(command, record, log_path, steps)
+                    answer = await _unless_stopped(
+                        self._ready(engine, command.start_deadline_s, steps), stopped
+                    )
         except (CapyError, OSError) as exc:
             await self.fail(record, f"launch failed: {_message(exc)}")
             return
@@ -242,14 +247,7 @@ class Runner:
         """The model's store folder from the Hub; a failure names its code, for the
         scheduler to tell the waiting requests."""
         try:
-            return await downloads.fetch(
-                self.client,
-                self.host,
-                command.deployment,
-                wanted,
-                self.paths.models_root,
-                self.paths.state_dir,
-            )
+            return await self.models.fetch(command.deployment, wanted)
         except CapyError as exc:
             raise exc.retold(f"download failed [{exc.code}]: {exc.message}") from None
 

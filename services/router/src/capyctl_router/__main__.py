@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from capycommon import credentials
 from capycommon.service import REDIS_ERRORS, ServiceContext, run, serve_http
@@ -22,7 +23,7 @@ from capyctl_router.metrics import Metrics
 from capyctl_router.remote import client_context
 from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
-from capyctl_router.workers import run_workers, worker_name
+from capyctl_router.workers import METRICS_VARIABLE, run_workers, worker_name
 
 # How long the router keeps an idle connection to an engine for the next request.
 ENGINE_KEEPALIVE_S = 2.0
@@ -61,7 +62,9 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
         dispatcher.settle(ctx.stop),
     ]
     if events:
-        work.append(metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop))
+        folder = os.environ.get(METRICS_VARIABLE)
+        where = Path(folder) if folder else None
+        work.append(metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop, where))
     try:
         await asyncio.gather(*work)
     finally:

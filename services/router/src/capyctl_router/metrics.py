@@ -1,6 +1,7 @@
 """The router's Prometheus metrics: requests per deployment by outcome, running and waiting,
-queue wait, time to first token, cancellations, queue_full; and the start, wake and park
-durations the hosts' event streams report.
+queue wait, time to first token, cancellations, queue_full; and what the hosts' event
+streams report: start, wake and park durations, and the bytes and durations of model
+downloads from the Hub.
 
 The router's workers write theirs into one folder (Prometheus's multiprocess mode, on when
 `PROMETHEUS_MULTIPROC_DIR` names it, `capyctl_router.workers`): /metrics sums the counts of
@@ -10,24 +11,51 @@ every worker, and the gauges of the live ones.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state.store import Event, read_host_events
 
+# In the workers' metrics folder: how far the hosts' events were read.
+CURSORS_FILE = "events-read.json"
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+DOWNLOAD_SECONDS = (1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 14400)
 # hostd's transition into a state, and the operation whose end it marks.
 OPERATIONS = {
     ("starting", "ready"): "start",
     ("waking", "ready"): "wake",
     ("parking", "parked"): "park",
 }
+
+
+def start_cursors(folder: Path) -> None:
+    """Mark the router's start in a new metrics folder: its events are read from here."""
+    write_atomic(folder / CURSORS_FILE, json.dumps({"start": _now_id(), "hosts": {}}))
+
+
+def _read_cursors(folder: Path | None) -> tuple[str, dict[str, str]]:
+    """Where to read each host's events from: the kept cursors, and where a host not read
+    before starts."""
+    if folder is not None:
+        try:
+            kept = json.loads((folder / CURSORS_FILE).read_text())
+            return str(kept["start"]), {str(h): str(c) for h, c in kept["hosts"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    return _now_id(), {}
+
+
+def _now_id() -> str:
+    return f"{int(time.time() * 1000)}-0"
 
 
 class Metrics:
@@ -79,6 +107,20 @@ class Metrics:
             registry=r,
         )
 
+        self.download_bytes = Counter(
+            "capyctl_download_bytes",
+            "Bytes of models received from the Hub, by host and repository.",
+            ["host", "repo"],
+            registry=r,
+        )
+        self.download_s = Histogram(
+            "capyctl_download_seconds",
+            "Model downloads from the Hub, from their start to their end, by how they ended.",
+            ["host", "repo", "outcome"],
+            buckets=DOWNLOAD_SECONDS,
+            registry=r,
+        )
+
     def outcome(self, deployment: str, outcome: str) -> None:
         self.requests.labels(deployment, outcome).inc()
 
@@ -107,12 +149,20 @@ class Metrics:
         return generate_latest(every)
 
     async def follow_events(
-        self, client: aioredis.Redis, hosts: Callable[[], set[str]], stop: asyncio.Event
+        self,
+        client: aioredis.Redis,
+        hosts: Callable[[], set[str]],
+        stop: asyncio.Event,
+        folder: Path | None = None,
     ) -> None:
-        """Observe each start, wake and park as hostd reports it (from now on), on every
-        host the routing table knows (a server may have none yet)."""
-        start = f"{int(time.time() * 1000)}-0"
-        cursors: dict[str, str] = {}
+        """Observe each start, wake, park and download as hostd reports it, on every host the
+        routing table knows (a server may have none yet).
+
+        With the workers' metrics `folder`, the events are read from the router's start on,
+        and how far they were read is kept there: a worker that starts again goes on from
+        where its predecessor stopped, so no event is missed or counted twice. Without it,
+        from now on."""
+        start, cursors = _read_cursors(folder)
         while not stop.is_set():
             for host in hosts():
                 cursors.setdefault(host, start)
@@ -128,8 +178,17 @@ class Metrics:
                 cursors[host] = entry_id
                 if event is not None:
                     self._event(event)
+            if found and folder is not None:
+                write_atomic(folder / CURSORS_FILE, json.dumps({"start": start, "hosts": cursors}))
 
     def _event(self, event: Event) -> None:
+        if event.kind == "download" and event.repo and event.outcome:
+            self.download_bytes.labels(event.host, event.repo).inc(event.received_bytes or 0)
+            if event.duration_s is not None:
+                self.download_s.labels(event.host, event.repo, event.outcome).observe(
+                    event.duration_s
+                )
+            return
         operation = OPERATIONS.get((event.from_state or "", event.to_state or ""))
         if operation is not None and event.duration_s is not None:
             self.lifecycle_s.labels(event.deployment, operation).observe(event.duration_s)

@@ -36,6 +36,7 @@ from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, ServiceContext, bind, until_stop, wait_event
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.state import places
+from capyctl_router.metrics import start_cursors
 from capyctl_router.remote import client_context
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ def _metrics_folder(run_dir: Path) -> Path:
             shutil.rmtree(earlier, ignore_errors=True)
     place = SHARED_MEMORY if SHARED_MEMORY.is_dir() else run_dir
     folder = Path(tempfile.mkdtemp(prefix=METRICS_PREFIX, dir=place))
+    start_cursors(folder)
     write_atomic(record, str(folder))
     return folder
 

@@ -285,6 +285,34 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
     async def models(host: str | None = None) -> wire.ModelList:
         return wire.ModelList(models=await manager.models(host))
 
+    @app.post(
+        f"{wire.PREFIX}/models/pull",
+        status_code=202,
+        openapi_extra=requestbody.openapi_body(wire.PullRequest),
+    )
+    async def pull(
+        request: Request, idempotency_key: Annotated[str | None, Header()] = None
+    ) -> wire.StoreOperationAnswer:
+        return await mutate(
+            request, idempotency_key, wire.PullRequest, wire.StoreOperationAnswer, manager.pull
+        )
+
+    @app.post(
+        f"{wire.PREFIX}/models/remove",
+        status_code=202,
+        openapi_extra=requestbody.openapi_body(wire.RemoveRequest),
+    )
+    async def remove(
+        request: Request, idempotency_key: Annotated[str | None, Header()] = None
+    ) -> wire.StoreOperationAnswer:
+        return await mutate(
+            request, idempotency_key, wire.RemoveRequest, wire.StoreOperationAnswer, manager.remove
+        )
+
+    @app.get(f"{wire.PREFIX}/hosts/{{host}}/store-operations/{{operation}}")
+    async def store_operation(host: str, operation: str) -> wire.StoreOperationAnswer:
+        return await manager.store_operation(host, operation)
+
     @app.get(f"{wire.PREFIX}/engines")
     async def engines() -> wire.EngineList:
         return wire.EngineList(engines=await manager.engines())

@@ -1,7 +1,8 @@
 """What the management API does: declare deployments, act on them, drain hosts.
 
-Each operation writes desired state (deployment records, demands) and wakes the decision
-loop; the loop does the rest. Nothing here talks to hostd.
+Each operation on deployments writes desired state (deployment records, demands) and wakes
+the decision loop; the loop does the rest. The model store's pulls and removals are the
+exception: they are sent to the host's hostd as commands, and read back from its records.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from capycommon.deployments import (
     parse_deployment,
     revision_digest,
 )
-from capycommon.deployments.resolve import hub_origin, named_path
-from capycommon.errors import LifecycleConflict, NotFound, RevisionConflict
+from capycommon.deployments.resolve import HUB_STORE, hub_origin, named_path
+from capycommon.errors import (
+    InvalidConfig,
+    InvalidRequest,
+    LifecycleConflict,
+    ModelInUse,
+    NotFound,
+    RevisionConflict,
+)
+from capycommon.hub.source import HubSource
 from capycommon.management import (
     Action,
     ActionAnswer,
@@ -33,9 +42,12 @@ from capycommon.management import (
     HostRow,
     JsonObject,
     ModelRow,
+    PullRequest,
+    RemoveRequest,
+    StoreOperationAnswer,
     UndrainAnswer,
 )
-from capycommon.state import desired, downloads, hostfacts, hostmarks
+from capycommon.state import desired, downloads, hostcommands, hostfacts, hostmarks
 from capycommon.state.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
 from capycommon.state.hostfacts import HostModels
 from capycommon.state.instances import LIVE_STATES, InstanceState
@@ -289,6 +301,81 @@ class Manager:
         if host is not None and not rows and host not in self.scheduler.observer.hosts:
             raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
         return rows
+
+    async def pull(self, request: PullRequest) -> StoreOperationAnswer:
+        """Send a host the download of a pinned Hub source into its store."""
+        host = self._store_host(request.host)
+        try:
+            source = HubSource(request.repo, request.revision, tuple(request.files))
+            name = f"{HUB_STORE}/{source.store_name(request.revision)}"
+        except InvalidConfig as exc:
+            raise InvalidRequest(exc.message) from None
+        wanted = hostcommands.HubPull(repo=source.repo, commit=source.revision, files=source.files)
+        op = operation_id()
+        await hostcommands.send(
+            self.scheduler.client, host, hostcommands.Pull(operation=op, source=wanted)
+        )
+        return StoreOperationAnswer(
+            operation_id=op, host=host, kind="pull", state="sent", name=name
+        )
+
+    async def remove(self, request: RemoveRequest) -> StoreOperationAnswer:
+        """Send a host the removal of a download from its store, unless a deployment names
+        it (hostd refuses too while an engine runs from it)."""
+        host = self._store_host(request.host)
+        users = sorted(
+            record.name
+            for record in (await self.store.all()).values()
+            if named_path(record.document.model) == request.name
+        )
+        if users:
+            raise ModelInUse(
+                f"{request.name} is the model of {', '.join(users)}; delete "
+                f"{'that deployment' if len(users) == 1 else 'those deployments'} first "
+                f"(capyctl delete deployment {users[0]})"
+            )
+        op = operation_id()
+        await hostcommands.send(
+            self.scheduler.client, host, hostcommands.Remove(operation=op, name=request.name)
+        )
+        return StoreOperationAnswer(
+            operation_id=op, host=host, kind="remove", state="sent", name=request.name
+        )
+
+    async def store_operation(self, host: str, op: str) -> StoreOperationAnswer:
+        """How a pull or removal goes; `sent` until hostd begins it."""
+        if host not in self.scheduler.observer.hosts:
+            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+        found = await downloads.aread_operation(self.scheduler.client, host, op)
+        if found is None:
+            return StoreOperationAnswer(operation_id=op, host=host, kind="", state="sent", name="")
+        download = None
+        if found.download is not None:
+            download = Download(host=host, **found.download.model_dump(include=_DOWNLOAD_FIELDS))
+        return StoreOperationAnswer(
+            operation_id=op,
+            host=host,
+            kind=found.kind,
+            state=found.state,
+            name=found.name,
+            download=download,
+            code=found.code,
+            message=found.message,
+        )
+
+    def _store_host(self, host: str | None) -> str:
+        """The host a store operation is for: the one named, or the role's only host."""
+        hosts = sorted(self.scheduler.observer.hosts)
+        if host is None:
+            if len(hosts) == 1:
+                return hosts[0]
+            raise InvalidRequest(
+                f"this role has {len(hosts)} hosts ({', '.join(hosts) or 'none yet'}); name "
+                "one with --host"
+            )
+        if host not in hosts:
+            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+        return host
 
     async def _get(self, name: str) -> DeploymentRecord:
         record = await self.store.get(name)

@@ -42,8 +42,8 @@ _LOCK_POLL_S = 0.2
 
 
 class _Meter:
-    """Bytes done out of the plan's total, told to `progress` at most every 0.1 s and once
-    at the end."""
+    """Bytes done out of the plan's total, told to `progress` at the start (the bytes resumed),
+    at most every 0.1 s, and at the end."""
 
     def __init__(self, total: int, done: int, progress: Progress | None) -> None:
         self.total = total
@@ -58,8 +58,9 @@ class _Meter:
             self._told = now
             self._progress(self.done, self.total)
 
-    def finish(self) -> None:
+    def tell(self) -> None:
         if self._progress is not None:
+            self._told = time.monotonic()
             self._progress(self.done, self.total)
 
 
@@ -218,6 +219,7 @@ async def _pull_commit(
         paths.store.parent.mkdir(parents=True, exist_ok=True)
         check_room(plan.total_size - done, paths.root, reserve=client.limits.reserve_bytes)
         meter = _Meter(plan.total_size, done, progress)
+        meter.tell()
         try:
             stored = [await _download(client, plan, paths, file, meter) for file in plan.files]
         except OSError as exc:
@@ -227,7 +229,7 @@ async def _pull_commit(
                 f"the filesystem of {paths.root} ran out of space while downloading "
                 f"{source.repo}; free space there and pull again: the download resumes"
             ) from None
-        meter.finish()
+        meter.tell()
         return commit_store(paths, plan, stored)
 
 

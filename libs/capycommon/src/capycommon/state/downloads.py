@@ -1,11 +1,16 @@
-"""A model download under way on a host, as `capyctl status deployment` shows it.
+"""Model downloads on a host, as `capyctl status deployment` and `capyctl model pull` show
+them.
 
-hostd writes one record per deployment whose launch is downloading its model from the Hub,
-a few times a second while bytes arrive, and deletes it when the download ends (the store is
-complete, or the launch failed and says why).
+hostd writes one `Download` record per deployment whose launch is downloading its model from
+the Hub, a few times a second while bytes arrive, and deletes it when the download ends (the
+store is complete, or the launch failed and says why). A pull or removal that an operator
+asked for (`hostcommands.Pull`, `Remove`) has a `StoreOperation` record instead, which
+outlives its end by `DONE_TTL_S`, so the CLI that asked reads how it ended.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
@@ -14,6 +19,8 @@ from capycommon.state import keys
 
 # A record hostd stopped refreshing (hostd gone mid-download) expires on its own.
 TTL_S = 60
+# How long the end of a store operation stays to be read.
+DONE_TTL_S = 3600
 
 
 class Download(BaseModel):
@@ -40,3 +47,32 @@ async def clear(client: aioredis.Redis, host: str, deployment: str) -> None:
 async def aread(client: aioredis.Redis, host: str, deployment: str) -> Download | None:
     raw = await client.get(keys.host_download(host, deployment))
     return None if raw is None else Download.model_validate_json(raw)
+
+
+class StoreOperation(BaseModel):
+    """A pull or removal in a host's model store: under way, done, or failed with its code."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["pull", "remove"]
+    state: Literal["running", "done", "failed"]
+    # The store's path under the models root, as `capyctl list models` names it.
+    name: str
+    download: Download | None = None
+    code: str | None = None
+    message: str | None = None
+    at: float
+
+
+async def write_operation(
+    client: aioredis.Redis, host: str, operation: str, record: StoreOperation
+) -> None:
+    ttl = TTL_S if record.state == "running" else DONE_TTL_S
+    await client.set(keys.host_store_operation(host, operation), record.model_dump_json(), ex=ttl)
+
+
+async def aread_operation(
+    client: aioredis.Redis, host: str, operation: str
+) -> StoreOperation | None:
+    raw = await client.get(keys.host_store_operation(host, operation))
+    return None if raw is None else StoreOperation.model_validate_json(raw)

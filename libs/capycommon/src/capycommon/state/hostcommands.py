@@ -2,7 +2,8 @@
 
 Each instance command names the deployment, the instance and the generation it is for; hostd
 refuses (and records) a command for a stale generation. `Describe` asks for the facts of
-model paths instead (`capycommon.state.hostfacts`). Launch, park, wake and stop carry the
+model paths instead (`capycommon.state.hostfacts`); `Pull` and `Remove` act on the host's
+model store. Launch, park, wake and stop carry the
 scheduler's reason, which hostd writes into the events of the transitions it makes, so a
 host's history says why each happened.
 """
@@ -104,8 +105,32 @@ class Describe(BaseModel):
     paths: tuple[str, ...]
 
 
+class Pull(BaseModel):
+    """Download a Hub source into the host's model store ahead of any deployment (`capyctl
+    model pull`). hostd reports under the operation's id (`capycommon.state.downloads`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["pull"] = "pull"
+    operation: str
+    source: HubPull
+
+
+class Remove(BaseModel):
+    """Remove a download from the host's model store (`capyctl model remove`): `name` is the
+    store's path under the models root. hostd refuses while an instance of the host runs
+    from it or it is being downloaded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["remove"] = "remove"
+    operation: str
+    name: str
+
+
 InstanceCommand = Launch | Park | Wake | Stop | Abort
-HostCommand = InstanceCommand | Describe
+StoreCommand = Pull | Remove
+HostCommand = InstanceCommand | Describe | StoreCommand
 COMMAND: TypeAdapter[HostCommand] = TypeAdapter(Annotated[HostCommand, Field(discriminator="kind")])
 
 

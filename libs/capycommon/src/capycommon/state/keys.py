@@ -48,6 +48,12 @@ def host_models(host: str) -> str:
     return f"{host_prefix(host)}:models"
 
 
+def host_store_operation(host: str, operation: str) -> str:
+    """A pull or removal in a host's model store and how it ended (JSON of
+    `capycommon.state.downloads.StoreOperation`), written by hostd."""
+    return f"{host_prefix(host)}:store-operation:{operation}"
+
+
 def host_download(host: str, deployment: str) -> str:
     """A deployment's model download under way on a host (JSON of
     `capycommon.state.downloads.Download`), written by hostd; gone once it ended."""

@@ -51,8 +51,10 @@ class Event(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # transition: a record changed state; refused: a command hostd would not carry out;
-    # uncounted: an engine no record counted (Redis lost it) was stopped.
-    kind: Literal["transition", "refused", "uncounted"]
+    # uncounted: an engine no record counted (Redis lost it) was stopped; download: a model
+    # download from the Hub ended (for a launch of `deployment`, or for a pull when that is
+    # empty).
+    kind: Literal["transition", "refused", "uncounted", "download"]
     host: str
     deployment: str
     instance: int
@@ -62,6 +64,10 @@ class Event(BaseModel):
     reason: str
     duration_s: float | None = None
     at: float
+    # A download's repository, the bytes it received, and how it ended.
+    repo: str | None = None
+    received_bytes: int | None = None
+    outcome: Literal["done", "failed"] | None = None
 
 
 class Conflict(Exception):
@@ -207,9 +213,14 @@ class InstanceStore:
             reason=reason,
             at=time.time(),
         )
-        await self.client.xadd(
-            keys.host_events(self.host), {"event": event.model_dump_json()}, maxlen=10000
-        )
+        await note(self.client, event)
+
+
+async def note(client: aioredis.Redis, event: Event) -> None:
+    """Append `event` to its host's events."""
+    await client.xadd(
+        keys.host_events(event.host), {"event": event.model_dump_json()}, maxlen=10000
+    )
 
 
 def _split(member: str) -> tuple[str, int] | None:
