@@ -149,6 +149,14 @@ def test_a_request_waits_while_the_model_downloads_and_status_shows_the_bytes(
     hub.faults.bytes_per_second = 1 << 20  # 3 MiB of weights: about 3 s
     try:
         cluster.deploy("paced", model={"hf": "acme/tiny", "revision": "v1"}, **_small())
+        # Before any byte is downloaded, the Hub's listing gives the weights' size.
+        weights = 3 << 20  # model.safetensors
+        wait_for(
+            lambda: cluster.status("paced")["bindings"][0]["weights_bytes"] == weights,
+            timeout=20,
+            what="the weights' size from the Hub's listing",
+        )
+        assert not (cluster.root / "models/sources/huggingface" / f"acme--tiny@{v1}").exists()
         with ThreadPoolExecutor(1) as pool:
             asked = pool.submit(
                 lambda: cluster.openai().chat.completions.create(
@@ -241,7 +249,7 @@ def test_a_model_pulled_ahead_starts_without_a_download_and_is_removed_once_unus
         return found if "capyctl_download_bytes_total" in found else None
 
     found = wait_for(counted, timeout=10, what="the download in the router's metrics")
-    assert found["capyctl_download_bytes_total"] == 1 << 20
+    assert found["capyctl_download_bytes_total"] == sum(f.size for f in PULLED.commits[commit])
     assert found["capyctl_download_seconds_count"] == 1
 
     # A deployment of it starts from the store: no file is asked for again.

@@ -79,7 +79,7 @@ async def serve(ctx: ServiceContext) -> None:
     paths = host_paths(ctx)
     ensure_private_dir(paths.engines_record.parent)
     deep_park = host.deep_park == "on"
-    shelf = Shelf(ctx.redis, ctx.host, host.models_root)
+    shelf = Shelf(ctx.redis, ctx.host, host.models_root, state_dir=paths.state_dir)
     ports = PortLeaser(*parse_port_range(host.engine_ports))
     runner = Runner(
         ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths, deep_park=deep_park

@@ -16,9 +16,12 @@ files to blobs) count when they are regular files, as the engine would load them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import stat
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +31,11 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon.deployments.resolve import HUB_STORE
-from capycommon.hub import MANIFEST
+from capycommon.errors import CapyError
+from capycommon.hub import MANIFEST, HubAccess, HubLimits, HubSource, hub_access, listed_weights
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import hostfacts
-from capycommon.state.hostcommands import Describe
+from capycommon.state.hostcommands import Describe, HubPull
 from capycommon.state.hostfacts import (
     WEIGHT_FORMATS,
     WEIGHT_SUFFIXES,
@@ -40,8 +44,15 @@ from capycommon.state.hostfacts import (
     QuantizationConfig,
 )
 
+log = logging.getLogger(__name__)
+
 # How often hostd looks at its models again.
 RESCAN_S = 5.0
+# The Hub's file listing of a store not downloaded yet: bounds, and when a failed one is asked
+# for again.
+LISTING_LIMITS = HubLimits(connect_timeout_s=5.0, read_timeout_s=10.0, attempts=2)
+LISTING_TIMEOUT_S = 30.0
+LISTING_RETRY_S = 60.0
 # The largest config file read (they are a few KiB; anything bigger is not one).
 MAX_CONFIG_BYTES = 4 << 20
 # How deep under the models root a model is looked for: `<root>/<name>`, `<root>/<org>/<name>`.
@@ -222,8 +233,15 @@ class Shelf:
     host: str
     root: Path
     paths: tuple[str, ...] = ()
+    # Where the Hub token is (None: the Hub's listings are not asked for).
+    state_dir: Path | None = None
+    # The Hub sources of described paths, for their weights before the download.
+    sources: dict[str, HubPull] = field(default_factory=dict)
     _published: str | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The weights a source's Hub listing gave (None: it failed), and when it was asked.
+    _listed: dict[HubPull, tuple[int | None, float]] = field(default_factory=dict)
+    _listing: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def start(self) -> None:
         """Publish at start, still describing what the previous hostd was asked to."""
@@ -233,20 +251,71 @@ class Shelf:
             previous = None  # written by another release: the scheduler asks again
         if previous is not None:
             self.paths = tuple(previous.described)[:MAX_DESCRIBED]
+            self.sources = {p: s for p, s in previous.sources.items() if p in self.paths}
         await self.refresh()
 
     async def describe(self, command: Describe) -> None:
         self.paths = tuple(dict.fromkeys(command.paths))[:MAX_DESCRIBED]
+        self.sources = {p: s for p, s in command.sources.items() if p in self.paths}
         await self.refresh()
 
     async def refresh(self) -> None:
         """Look again; publish (and notify) only when something changed."""
         async with self._lock:
-            found = await asyncio.to_thread(survey, self.root, self.paths)
+            found = self._with_listings(await asyncio.to_thread(survey, self.root, self.paths))
             value = found.model_dump_json()
             if value != self._published:
                 await hostfacts.publish(self.client, self.host, found)
                 self._published = value
+
+    def _with_listings(self, found: HostModels) -> HostModels:
+        """`found` with the weights of each store not downloaded yet, as its source's Hub
+        listing gives them; a listing not asked for yet is asked for in the background, and
+        the shelf looks again once it is in."""
+        described = dict(found.described)
+        for path, source in self.sources.items():
+            facts = described.get(path)
+            if facts is None or facts.kind != "missing":
+                continue
+            listed = self._listed.get(source)
+            now = time.monotonic()
+            if listed is None or (listed[0] is None and now - listed[1] > LISTING_RETRY_S):
+                self._ask_listing(source)
+            if listed is not None and listed[0] is not None:
+                described[path] = facts.model_copy(update={"weights_bytes": listed[0]})
+        return found.model_copy(update={"described": described, "sources": self.sources})
+
+    def _ask_listing(self, source: HubPull) -> None:
+        if self.state_dir is None or any(
+            t.get_name() == source.model_dump_json() for t in self._listing
+        ):
+            return
+        access = hub_access(self.state_dir, os.environ)
+        if access.offline:
+            return
+        task = asyncio.create_task(self._list(source, access), name=source.model_dump_json())
+        self._listing.add(task)
+        task.add_done_callback(self._listing.discard)
+
+    async def _list(self, source: HubPull, access: HubAccess) -> None:
+        weights: int | None = None
+        try:
+            weights = await asyncio.wait_for(
+                listed_weights(
+                    HubSource(source.repo, source.commit, source.files),
+                    source.commit,
+                    endpoint=access.endpoint,
+                    token=access.token,
+                    limits=LISTING_LIMITS,
+                ),
+                LISTING_TIMEOUT_S,
+            )
+        except (CapyError, TimeoutError) as exc:
+            log.info("no file listing of %s@%s yet: %s", source.repo, source.commit, exc)
+        self._listed[source] = (weights, time.monotonic())
+        if weights is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self.refresh()
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Look again every RESCAN_S seconds until stopped."""

@@ -75,7 +75,7 @@ class Observer:
     # (host, model path) -> when declaring a deployment asked for it (monotonic).
     _asked: dict[tuple[str, str], float] = field(default_factory=dict)
     # host -> the last list of paths sent it to describe, and when (monotonic).
-    _sent: dict[str, tuple[tuple[str, ...], float]] = field(default_factory=dict)
+    _sent: dict[str, tuple[hostcommands.Describe, float]] = field(default_factory=dict)
     # The hosts whose facts still lack a path they were asked to describe.
     _undescribed: set[str] = field(default_factory=set)
 
@@ -319,14 +319,26 @@ class Observer:
             return Binding(host, error=exc)
         return Binding(host, resolved)
 
-    async def _ask(self, host: str, models: HostModels | None, declared: Iterable[str]) -> None:
-        """Send the host the paths it must describe (those the root's listing lacks), when
-        that list differs from what it describes and was not just sent."""
+    async def _ask(
+        self,
+        host: str,
+        models: HostModels | None,
+        declared: Mapping[str, hostcommands.HubPull | None],
+    ) -> None:
+        """Send the host the paths it must describe (those the root's listing lacks), with
+        the Hub sources among them, when that differs from what it describes and was not
+        just sent."""
         now = time.monotonic()
         self._asked = {key: at for key, at in self._asked.items() if now - at < ASKED_KEEP_S}
         named = {*declared, *(path for where, path in self._asked if where == host)}
-        wanted = tuple(sorted(p for p in named if models is None or not models.listed(p)))
-        described = tuple(sorted(models.described)) if models is not None else ()
+        paths = tuple(sorted(p for p in named if models is None or not models.listed(p)))
+        sources = {p: s for p in paths if (s := declared.get(p)) is not None}
+        wanted = hostcommands.Describe(paths=paths, sources=sources)
+        described = (
+            hostcommands.Describe(paths=tuple(sorted(models.described)), sources=models.sources)
+            if models is not None
+            else None
+        )
         sent = self._sent.get(host)
         just_sent = sent is not None and sent[0] == wanted and now - sent[1] < DESCRIBE_RESEND_S
         if wanted == described:
@@ -335,7 +347,7 @@ class Observer:
         self._undescribed.add(host)
         if just_sent:
             return
-        await hostcommands.send(self.client, host, hostcommands.Describe(paths=wanted))
+        await hostcommands.send(self.client, host, wanted)
         self._sent[host] = (wanted, now)
 
     async def _footprints(
@@ -382,11 +394,22 @@ class Observer:
         }
 
 
-def _paths(records: Iterable[DeploymentRecord]) -> list[str]:
-    """The model paths the deployments name: a folder, or a pinned Hugging Face source's
-    store under the models root."""
-    named = (named_path(r.document.model) for r in records)
-    return [path for path in named if path is not None]
+def _paths(records: Iterable[DeploymentRecord]) -> dict[str, hostcommands.HubPull | None]:
+    """The model paths the deployments name (a folder, or a pinned Hugging Face source's
+    store under the models root), each with its Hub source if it has one."""
+    named: dict[str, hostcommands.HubPull | None] = {}
+    for record in records:
+        model = record.document.model
+        path = named_path(model)
+        if path is None:
+            continue
+        source = None
+        if model.hf_repo is not None and model.hf_commit is not None:
+            source = hostcommands.HubPull(
+                repo=model.hf_repo, commit=model.hf_commit, files=model.files
+            )
+        named[path] = named.get(path) or source
+    return named
 
 
 def _unpublished(host: str) -> Binding:

@@ -2,7 +2,7 @@
 
 from capycommon.hub.access import HubAccess, hub_access, read_token
 from capycommon.hub.client import HubClient, HubLimits
-from capycommon.hub.download import Progress, pull, resolve
+from capycommon.hub.download import Progress, listed_weights, pull, resolve
 from capycommon.hub.source import HubSource, endpoint_from, is_commit
 from capycommon.hub.store import MANIFEST, StorePaths, read_manifest
 
@@ -17,6 +17,7 @@ __all__ = [
     "endpoint_from",
     "hub_access",
     "is_commit",
+    "listed_weights",
     "pull",
     "read_manifest",
     "read_token",

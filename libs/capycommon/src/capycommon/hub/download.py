@@ -33,6 +33,7 @@ from capycommon.hub.store import (
     partial_bytes,
     plan_from_tree,
 )
+from capycommon.state.hostfacts import weights_of
 
 Progress = Callable[[int, int], None]
 
@@ -300,3 +301,18 @@ async def resolve(
     explicit "pin" step for a branch or tag."""
     async with HubClient(endpoint, token, limits) as client:
         return await client.resolve(source)
+
+
+async def listed_weights(
+    source: HubSource,
+    commit: str,
+    *,
+    endpoint: str,
+    token: str | None,
+    limits: HubLimits | None = None,
+) -> int | None:
+    """The size of the weights `source` selects at `commit`, as the Hub's file listing says
+    (nothing is downloaded); None when it selects no weights."""
+    async with HubClient(endpoint, token, limits) as client:
+        plan = plan_from_tree(source, commit, await client.tree(source, commit))
+    return weights_of((file.path, file.size) for file in plan.files)

@@ -103,6 +103,9 @@ class Describe(BaseModel):
 
     kind: Literal["describe"] = "describe"
     paths: tuple[str, ...]
+    # For a path that is a Hub source's store: the source, whose file listing gives the
+    # weights' size before the download.
+    sources: dict[str, HubPull] = Field(default_factory=dict)
 
 
 class Pull(BaseModel):

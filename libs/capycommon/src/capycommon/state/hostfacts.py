@@ -9,6 +9,7 @@ folder outside the root that a deployment names. The scheduler reads it with eac
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import PurePosixPath
 from typing import Literal
 
@@ -17,6 +18,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
 from capycommon.state import keys
+from capycommon.state.hostcommands import HubPull
 from capycommon.state.notify import Notification
 
 # The weights an engine loads, by format, in order of preference: a checkpoint that ships
@@ -56,6 +58,17 @@ class ModelFacts(BaseModel):
     quantization: tuple[QuantizationConfig, ...] = ()
 
 
+def weights_of(files: Iterable[tuple[str, int]]) -> int | None:
+    """Bytes of the weights among `files` (name, size), counting one format of WEIGHT_FORMATS
+    (the first present); None if none."""
+    totals: dict[int, int] = {}
+    for name, size in files:
+        kind = next((i for i, fmt in enumerate(WEIGHT_FORMATS) if name.endswith(fmt)), None)
+        if kind is not None:
+            totals[kind] = totals.get(kind, 0) + size
+    return totals[min(totals)] if totals else None
+
+
 class HostModels(BaseModel):
     """A host's models: those under its models root by name, and the paths it was asked to
     describe, each under the path as the deployment writes it."""
@@ -65,6 +78,9 @@ class HostModels(BaseModel):
     models_root: str
     models: dict[str, ModelFacts] = Field(default_factory=dict)
     described: dict[str, ModelFacts] = Field(default_factory=dict)
+    # The Hub sources of described stores not downloaded yet, by path: their facts are what
+    # the Hub's file listing says (the weights' size), until the download.
+    sources: dict[str, HubPull] = Field(default_factory=dict)
 
     def find(self, written: str) -> ModelFacts | None:
         """The facts of a deployment's `model` path; None until the host has described it."""
