@@ -233,7 +233,19 @@ def test_two_demands_in_one_plan_do_not_both_take_the_same_memory() -> None:
         ("start", "a", "gpu0"),
         ("start", "b", "gpu1"),
     ]
-    assert waits(actions)[0].startswith("insufficient_resources"), "c waits for memory"
+    assert waits(actions) == ["starts are one at a time on gpu0: a is starting"], "c waits"
+
+
+def test_two_demands_in_one_plan_start_one_at_a_time_on_a_gpu_that_fits_both() -> None:
+    host = view(80 * GiB)
+    records = [deployment("a"), deployment("b")]
+    snap = snapshot(1.0, records, host=host, demands={"a": 0.0, "b": 1.0})
+    actions = plan(snap)
+    assert [(a.kind, a.deployment, a.gpu) for a in actions if a.kind == "start"] == [
+        ("start", "a", "gpu0")
+    ]
+    assert waits(actions) == ["starts are one at a time on gpu0: a is starting"]
+    assert plan(snap) == actions, "the plan is a pure function of its snapshot"
 
 
 def test_a_launch_in_flight_is_charged_and_not_repeated() -> None:

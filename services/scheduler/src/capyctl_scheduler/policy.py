@@ -471,6 +471,8 @@ def _start(
         return [Action("wait", name, f"device_unobserved: {exc.message}")]
     except InsufficientResources:
         return switch(snapshot, record, view, gpu, charge, ledger, "start")
+    # One start at a time per GPU holds within one plan too: a later deployment waits.
+    snapshot.starting[(host, view.domain_of(gpu))] = name
     return [Action("start", name, "demanded", host=host, gpu=gpu, generation=record.generation + 1)]
 
 

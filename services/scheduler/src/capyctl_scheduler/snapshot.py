@@ -164,9 +164,10 @@ class Snapshot:
         }
 
     @cached_property
-    def starting(self) -> Mapping[tuple[str, str], str]:
+    def starting(self) -> dict[tuple[str, str], str]:
         """(host, ledger domain) -> the deployment starting there: the first instance in
-        `starting`, else the first launch in flight (starts are one at a time per GPU)."""
+        `starting`, else the first launch in flight (starts are one at a time per GPU). A plan
+        adds each start it decides, to its own copy of the snapshot."""
         found: dict[tuple[str, str], str] = {}
         for name, instance in self.instances.items():
             view = self.hosts.get(instance.host)
