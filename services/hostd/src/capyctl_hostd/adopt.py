@@ -11,9 +11,12 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from capycommon.engines import registry
 from capycommon.engines.launch import LaunchSpec, Residency
 from capycommon.service import REDIS_ERRORS, wait_any
+from capycommon.state import hostcommands
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import procs
@@ -22,24 +25,50 @@ from capyctl_hostd.runner import Runner
 
 log = logging.getLogger(__name__)
 S = InstanceState
+# The most commands taken and not finished that a restart looks through.
+PENDING_READ = 1000
 STABLE = (S.READY, S.DRAINING, S.PARKED)
 
 
 async def adopt_all(runner: Runner) -> None:
     """First the engines of hostd's own record that no instance record counts (stopped, so
-    their memory is released and a redeploy starts no second copy), then those Redis names."""
+    their memory is released and a redeploy starts no second copy), then those Redis names.
+
+    A launch the restart cut before its engine started (while its model downloaded, or while
+    it waited for the GPU) is left starting when its command is among those the previous hostd
+    took and never finished: the command, read again, resumes it (a download goes on from its
+    partial files), so the cut costs no failed start."""
     records = {record.member: record for record in await runner.store.all()}
     for entry in list(runner.owned.entries.values()):
         record = records.get(entry.member)
         if not entry.counted_by(record):
             await runner.stop_uncounted(entry, record)
+    resumed = await _unfinished_launches(runner)
     for record in records.values():
         if record.state not in LIVE_STATES:
+            continue
+        if runner.cut_launch(record, resumed.get(record.member, -1)):
+            log.info("%s: its launch was cut by a restart; its command resumes it", record.member)
             continue
         try:
             await adopt(runner, record)
         except Conflict:
             continue  # the record moved on while we looked
+
+
+async def _unfinished_launches(runner: Runner) -> dict[str, int]:
+    """member -> generation of each launch command the previous hostd took and never
+    finished (acknowledged)."""
+    group = hostcommands.group(runner.client, runner.host)
+    await group.ensure()
+    found: dict[str, int] = {}
+    for _entry_id, fields in await group.read("0", count=PENDING_READ):
+        with contextlib.suppress(KeyError, ValidationError):
+            command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
+            if isinstance(command, hostcommands.Launch):
+                member = f"{command.deployment}:{command.instance}"
+                found[member] = max(found.get(member, -1), command.generation)
+    return found
 
 
 async def adopt(runner: Runner, record: InstanceRecord) -> None:

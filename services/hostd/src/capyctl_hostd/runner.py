@@ -168,6 +168,10 @@ class Runner:
 
     async def launch(self, command: hc.Launch) -> None:
         current = await self.store.get(command.deployment, command.instance)
+        if current is not None and self.cut_launch(current, command.generation):
+            log.info("%s: resuming its launch, cut by a restart of hostd", current.member)
+            await self._launch_on_gpu(command, current)
+            return
         if current is not None and command.generation <= current.generation:
             await self._refuse(
                 command,
@@ -180,6 +184,20 @@ class Runner:
         orphan = self.owned.entries.get(f"{command.deployment}:{command.instance}")
         if orphan is not None:  # never a second copy beside it
             await self.stop_uncounted(orphan, current)
+        await self._launch_on_gpu(command, current)
+
+    def cut_launch(self, record: InstanceRecord, generation: int) -> bool:
+        """Whether `record` is a launch of `generation` that an earlier hostd began and never
+        finished: starting, with no engine yet (cut while it downloaded or waited for the GPU),
+        and not a launch of this hostd's."""
+        return (
+            record.state == S.STARTING
+            and record.generation == generation
+            and record.process is None
+            and record.member not in self._starts
+        )
+
+    async def _launch_on_gpu(self, command: hc.Launch, current: InstanceRecord | None) -> None:
         gpu = self._gpu_locks.setdefault(command.gpu_uuid, asyncio.Lock())
         if command.hub is not None:
             await self._launch(command, current, gpu)  # the GPU is taken once downloaded
