@@ -102,5 +102,8 @@ async def _run(runner: Runner, shelf: Shelf, group: Group, entry_id: str, fields
             # Left unacknowledged: a restarted hostd reads it again.
             log.warning("command %s interrupted by Redis: %s", entry_id, exc)
             return
+        except Exception:
+            # A bug of ours: logged, and acknowledged, so it is not carried out again and again.
+            log.exception("command %s failed", entry_id)
     with contextlib.suppress(*REDIS_ERRORS):
         await group.ack(entry_id)

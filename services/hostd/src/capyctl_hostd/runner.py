@@ -253,6 +253,11 @@ class Runner:
         except (CapyError, OSError) as exc:
             await self.fail(record, f"launch failed: {_message(exc)}")
             return
+        except Exception as exc:
+            # A bug of ours: the record says so rather than stay starting for ever.
+            log.exception("%s: the launch failed unexpectedly", record.member)
+            await self.fail(record, f"launch failed: internal error: {exc!r}")
+            return
         finally:
             del self._starts[record.member]
         if answer is None:
