@@ -1,11 +1,13 @@
 """The router in process (real Redis, the real app) in front of engines that answer with
 errors, in each family's exact shape; the openai SDK as the client. Before the engine's first
 event every failure is the engine's own status in the OpenAI envelope, streamed or not; after
-it, an error event and `[DONE]`."""
+it, an error event and `[DONE]`. And what the engines get of a client's `cache_salt`: its
+digest, or, on llama.cpp, a refusal that never reaches the engine."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from capycommon.state import places
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
+from capyctl_router.relay import salt_digest
 from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
 from integration.router.fakeengine import engine_serving
@@ -222,3 +225,53 @@ async def test_a_stream_the_engine_ends_without_done_still_ends_with_done(
     assert chunks[0].model == "sglang"
     answer = await sdk.chat.completions.create(model="sglang", messages=HI)
     assert answer.choices[0].message.content == "Hi"
+
+
+@pytest.mark.anyio
+async def test_a_cache_salt_reaches_the_engine_as_a_digest_of_the_deployment_and_revision(
+    cluster: tuple[Cluster, openai.AsyncOpenAI],
+) -> None:
+    engines, sdk = cluster
+    salted = {"cache_salt": "tenant-a"}
+    for family in ("vllm", "sglang"):
+        await sdk.chat.completions.create(model=family, messages=HI, extra_body=salted)
+    await sdk.chat.completions.create(model="vllm", messages=HI, extra_body=salted)
+    await sdk.chat.completions.create(model="vllm", messages=HI, extra_body={"cache_salt": "b"})
+    await sdk.chat.completions.create(model="vllm", messages=HI)
+    sent = [body.get("cache_salt") for body in engines.seen]
+    assert sent[0] == salt_digest("vllm", 1, "tenant-a")
+    assert re.fullmatch(r"[0-9a-f]{64}", sent[0])
+    assert sent[1] == salt_digest("sglang", 1, "tenant-a") != sent[0], "per deployment"
+    assert sent[2] == sent[0], "the same for every request, and across restarts"
+    assert sent[3] not in (sent[0], None), "per salt"
+    assert sent[4] is None, "none when the client sent none"
+    assert salt_digest("vllm", 2, "tenant-a") != sent[0], "per revision"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("salt", ["", 7])
+async def test_a_cache_salt_that_is_not_a_non_empty_string_is_refused(
+    cluster: tuple[Cluster, openai.AsyncOpenAI], salt: object
+) -> None:
+    engines, sdk = cluster
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.chat.completions.create(
+            model="vllm", messages=HI, extra_body={"cache_salt": salt}
+        )
+    assert "cache_salt" in refused.value.message
+    assert engines.seen == [], "refused before it reached the engine"
+
+
+@pytest.mark.anyio
+async def test_a_cache_salt_for_llamacpp_is_refused_with_its_reason(
+    cluster: tuple[Cluster, openai.AsyncOpenAI],
+) -> None:
+    engines, sdk = cluster
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.chat.completions.create(
+            model="llamacpp", messages=HI, extra_body={"cache_salt": "tenant-a"}
+        )
+    assert refused.value.code == "cache_salt_unsupported"
+    assert "llama.cpp" in refused.value.message
+    assert engines.seen == [], "the engine never saw it"
+    assert await engines.running("llamacpp") == 0, "its place came back"

@@ -233,6 +233,12 @@ class UnsupportedParameter(CapyError):
     code = "unsupported_parameter"
 
 
+class CacheSaltUnsupported(CapyError):
+    """A request's cache_salt for an engine that cannot keep caches apart by it."""
+
+    code = "cache_salt_unsupported"
+
+
 class BodyTooLarge(CapyError):
     code = "body_too_large"
 
@@ -425,6 +431,7 @@ CODES: dict[str, tuple[int, int]] = {
     "invalid_request": (2, 400),
     "method_not_allowed": (2, 405),
     "unsupported_parameter": (2, 400),
+    "cache_salt_unsupported": (2, 400),
     "body_too_large": (2, 413),
     "unknown_model": (2, 404),
     # The engine refused an inference request as sent (its own 4xx, relayed with its status).

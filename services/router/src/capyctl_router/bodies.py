@@ -1,7 +1,7 @@
 """The inference requests' bodies: what the router reads of each, checked before admission.
 
 The models type the fields the router reads or rewrites (`model`, `stream`,
-`stream_options`, `n`) and the one each kind cannot do without (`messages`), and take
+`stream_options`, `n`, `cache_salt`) and the one each kind cannot do without (`messages`), and take
 `prompt` and `input` in every shape an engine takes. Every other field is the engine's
 business: it passes through as the client sent it (the router forwards the body it parsed,
 never a model's dump). The same models are the request bodies of the OpenAPI document.
@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# The longest cache_salt taken (a 256-bit random salt is 43 to 64 characters).
+MAX_SALT = 1024
 
 
 class StreamOptions(BaseModel):
@@ -32,6 +35,12 @@ class InferenceBody(BaseModel):
         False, description="true or false (true: the answer as server-sent events)"
     )
     n: int = Field(1, description="1 (one choice a request)")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_SALT,
+        description="a non-empty string: requests share cached prefixes only with the same salt",
+    )
 
     @property
     def client_usage(self) -> bool:

@@ -34,6 +34,7 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from capycommon.errors import (
+    CacheSaltUnsupported,
     CapyError,
     EngineError,
     EngineFailed,
@@ -92,7 +93,14 @@ class Cut(Exception):
         self.why = why
 
 
-FAILURES = (EngineFailed, EngineError, EngineConnectionError, StaleDispatch, Cut)
+FAILURES = (
+    EngineFailed,
+    EngineError,
+    EngineConnectionError,
+    StaleDispatch,
+    Cut,
+    CacheSaltUnsupported,
+)
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,8 @@ def failure(exc: BaseException) -> Failure:
     if isinstance(exc, IngressUnreachable):
         code = EngineUnreachable.code
         return Failure(code, 503, code, str(exc))
+    if isinstance(exc, CacheSaltUnsupported):  # the router's refusal, before it sent anything
+        return Failure(exc.code, exc.http_status, exc.code, exc.message, "cache_salt")
     return Failure(EngineError.code, 500, EngineError.code, f"the engine failed: {exc}")
 
 

@@ -18,6 +18,7 @@ longer runs there (`is_stale`); anything else is the engine's own answer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import orjson
 
 from capycommon import ingress
-from capycommon.errors import EngineError, EngineFailed
+from capycommon.errors import CacheSaltUnsupported, EngineError, EngineFailed
 from capyctl_router.table import Target
 from capyctl_router.upstream import Answer
 
@@ -122,10 +123,20 @@ class Call:
         return f"/v1/{self.kind.replace('.', '/')}"
 
 
+def salt_digest(deployment: str, revision: int, salt: str) -> str:
+    """The cache_salt an engine gets for a client's: 64 hex digits of the deployment, its
+    revision and the salt. The same across restarts; another deployment or revision never
+    shares a cached prefix with it, even in a shared cache."""
+    named = json.dumps(["capyctl cache_salt", deployment, revision, salt]).encode()
+    return hashlib.sha256(named).hexdigest()
+
+
 def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]]:
     """The body and headers the engine gets: its served name, always streamed (with usage)
     except embeddings, the request id where the family takes one, the per-launch key (behind
-    an ingress, the instance the request was admitted to: the ingress adds the key)."""
+    an ingress, the instance the request was admitted to: the ingress adds the key), and a
+    client's cache_salt as its digest (`salt_digest`); llama.cpp, which has no cache_salt, is
+    refused one."""
     body = {**call.body, "model": target.served_name}
     if target.ingress is None:
         headers = {"Authorization": f"Bearer {target.secret}", "X-Request-Id": call.request_id}
@@ -143,6 +154,14 @@ def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]
         body["stream_options"] = options
     if target.family == "sglang":
         body["rid"] = call.request_id
+    salt = body.get("cache_salt")
+    if isinstance(salt, str):
+        if target.family == "llamacpp":
+            raise CacheSaltUnsupported(
+                f"deployment {target.deployment!r} runs on llama.cpp, which cannot keep cached "
+                "prompts apart by cache_salt; drop cache_salt, or serve the model on vLLM or SGLang"
+            )
+        body["cache_salt"] = salt_digest(target.deployment, target.revision, salt)
     return body, headers
 
 

@@ -45,6 +45,8 @@ class Target:
     deployment: str
     host: str
     generation: int
+    # The deployment's revision the instance runs (a request's cache_salt is digested with it).
+    revision: int
     port: int
     # The engine's key; None behind an ingress, which adds it itself.
     secret: str | None
@@ -105,6 +107,7 @@ class Table:
             deployment=name,
             host=instance.host,
             generation=instance.generation,
+            revision=instance.revision,
             port=instance.port,
             secret=secret,
             family=instance.family or "vllm",
