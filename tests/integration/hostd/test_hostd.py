@@ -104,6 +104,21 @@ def test_the_engine_gets_a_closed_environment(
     assert os.getsid(ready.process.pid) == ready.process.pid, "its own session"
 
 
+def test_a_host_that_allows_engine_telemetry_leaves_the_engines_own_defaults(
+    hostd: tuple[Hostd, str], model: Path
+) -> None:
+    harness, gpu = hostd
+    harness.stop()
+    harness.settings["CAPYCTL_ENGINE_TELEMETRY"] = "allow"
+    harness.start()
+    harness.send(launch("a", 1, gpu, model))
+    ready = harness.wait_state("a", "ready")
+    assert ready.process is not None
+    env = environ(ready.process.pid)
+    assert not {"DO_NOT_TRACK", "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK"} & env.keys()
+    assert (env["HF_HUB_OFFLINE"], env["HF_HUB_DISABLE_TELEMETRY"]) == ("1", "1"), "no Hub"
+
+
 def test_a_foreign_process_on_a_port_is_skipped(
     redis_socket: Path, installs: dict[str, Path], model: Path
 ) -> None:

@@ -274,6 +274,20 @@ class HostSection(Strict):
         "(vLLM's dev mode); models that would park deep stop instead.",
         examples=["off"],
     )
+    engine_telemetry: Annotated[
+        Literal["off", "allow"],
+        Setting(
+            flags=("--engine-telemetry",),
+            variables=("CAPYCTL_ENGINE_TELEMETRY",),
+            empty_refused=True,
+        ),
+    ] = Field(
+        "off",
+        description="off: every engine here gets DO_NOT_TRACK=1 (vLLM also VLLM_DO_NOT_TRACK=1 "
+        "and VLLM_NO_USAGE_STATS=1), so none reports usage off the host; allow: the engines' "
+        "own defaults.",
+        examples=["allow"],
+    )
     simulated_gpus: Annotated[
         SimulatedGpus,
         Setting(variables=("CAPYCTL_SIMULATED_GPUS",), metavar="NAME:SIZE,..."),

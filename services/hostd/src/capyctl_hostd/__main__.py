@@ -82,7 +82,13 @@ async def serve(ctx: ServiceContext) -> None:
     shelf = Shelf(ctx.redis, ctx.host, host.models_root, state_dir=paths.state_dir)
     ports = PortLeaser(*parse_port_range(host.engine_ports))
     runner = Runner(
-        ctx.host, ctx.redis, InstanceStore(ctx.redis, ctx.host), ports, paths, deep_park=deep_park
+        ctx.host,
+        ctx.redis,
+        InstanceStore(ctx.redis, ctx.host),
+        ports,
+        paths,
+        deep_park=deep_park,
+        telemetry=host.engine_telemetry == "allow",
     )
     door: HostIngress | None = None
     info = HostInfo(deep_park=deep_park)

@@ -81,6 +81,8 @@ class Runner:
     paths: HostPaths
     # host.deep_park: off bars deep parking and the engines' development controls.
     deep_park: bool = True
+    # host.engine_telemetry: allow leaves the engines' own usage reports as they are.
+    telemetry: bool = False
     engines: dict[str, Engine] = field(default_factory=dict)
     # Set when an engine is spawned, for the death watch to follow its leader at once.
     spawned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -349,6 +351,7 @@ class Runner:
                 gpu_uuid=command.gpu_uuid,
                 home=self.paths.home,
                 simgpu_dir=self.paths.simgpu_dir,
+                telemetry=self.telemetry,
             ),
         }
         await self.store.keep_secret(command.deployment, command.instance, secret)

@@ -10,14 +10,15 @@ from capycommon.engines.families import PYTHON_FAMILIES
 from capycommon.engines.launch import LaunchPlan, LaunchSpec
 
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+# The engines' own usage reports, off unless the host sets `engine_telemetry: allow`.
 TELEMETRY_OFF = {
     "DO_NOT_TRACK": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
 }
-# Engines are given local paths and never download: hostd fetched the model already.
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# Engines are given local paths and never download (hostd fetched the model already), nor
+# talk to the Hub at all.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 # CapyCTL's helper modules (`engines/runtime/`), written into each launch's runtime folder.
 VLLM_GUARD = "capyctl_vllm_guard"
 SGLANG_LAUNCHER = "capyctl_sglang_launch"
@@ -32,9 +33,10 @@ def engine_environment(
     gpu_uuid: str,
     home: Path,
     simgpu_dir: Path | None = None,
+    telemetry: bool = False,
 ) -> dict[str, str]:
-    """The engine's environment: its own bin first, telemetry off, the Hub offline, one GPU
-    by UUID."""
+    """The engine's environment: its own bin first, its usage reports off (unless the host
+    allows `telemetry`), the Hub offline, one GPU by UUID."""
     profile = spec.profile
     own_bin = profile.install_path / "bin" if profile.family in PYTHON_FAMILIES else None
     path = f"{own_bin}:{SYSTEM_PATH}" if own_bin else SYSTEM_PATH
@@ -44,7 +46,7 @@ def engine_environment(
         "LANG": "C.UTF-8",
         "PYTHONUNBUFFERED": "1",
         "CUDA_VISIBLE_DEVICES": gpu_uuid,
-        **TELEMETRY_OFF,
+        **({} if telemetry else TELEMETRY_OFF),
         **OFFLINE,
     }
     if simgpu_dir is not None:
