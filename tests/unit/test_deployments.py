@@ -702,6 +702,15 @@ def test_a_stores_path_names_its_repository_and_commit_with_files_chosen_or_not(
     assert hub_origin("qwen3-4b") == (None, None)
 
 
+def test_retention_is_default_or_zero_and_none_leaves_it_to_the_host() -> None:
+    assert parse().retention is None
+    assert parse(retention="zero").retention == "zero"
+    with pytest.raises(InvalidConfig) as caught:
+        parse(retention="none")
+    assert "retention" in caught.value.message
+    assert "'default' or 'zero'" in caught.value.message
+
+
 def test_revision_and_files_are_for_hugging_face_sources() -> None:
     with pytest.raises(InvalidConfig) as caught:
         parse(model={"path": "m", "revision": "main"})

@@ -288,6 +288,15 @@ class HostSection(Strict):
         "own defaults.",
         examples=["allow"],
     )
+    retention: Annotated[
+        Literal["default", "zero"],
+        Setting(flags=("--retention",), variables=("CAPYCTL_RETENTION",), empty_refused=True),
+    ] = Field(
+        "default",
+        description="zero: engines here keep no log and write no core dump, unless a "
+        "deployment says retention: default.",
+        examples=["zero"],
+    )
     simulated_gpus: Annotated[
         SimulatedGpus,
         Setting(variables=("CAPYCTL_SIMULATED_GPUS",), metavar="NAME:SIZE,..."),

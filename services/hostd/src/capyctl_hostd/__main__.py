@@ -89,6 +89,7 @@ async def serve(ctx: ServiceContext) -> None:
         paths,
         deep_park=deep_park,
         telemetry=host.engine_telemetry == "allow",
+        retention_zero=host.retention == "zero",
     )
     door: HostIngress | None = None
     info = HostInfo(deep_park=deep_park)

@@ -20,7 +20,7 @@ from capycommon.state import hostcommands
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import procs
-from capyctl_hostd.engines import Engine, tail
+from capyctl_hostd.engines import Engine, last_lines
 from capyctl_hostd.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,7 @@ async def _reap(runner: Runner, record: InstanceRecord, why: str) -> None:
     if record.state == S.STOPPING:
         await runner.stop_finish(record, why)
         return
-    lines = " | ".join(tail(Path(record.log_path), 8)) if record.log_path else ""
-    await runner.fail(record, f"{why}; last log lines: {lines or 'none'}")
+    await runner.fail(record, f"{why}; {last_lines(Path(record.log_path or os.devnull), 'none')}")
 
 
 # How often the watch looks without being woken: for engines whose records Redis lost while
@@ -200,8 +199,7 @@ def _runs(engine: Engine, record: InstanceRecord) -> bool:
 async def _fail(runner: Runner, record: InstanceRecord, engine: Engine) -> None:
     async with runner.lock_for(record.member):
         code = engine.exit_code()
-        lines = " | ".join(tail(engine.log_path, 8)) or "none"
-        why = f"the engine exited on its own (code {code}); last log lines: {lines}"
+        why = f"the engine exited on its own (code {code}); {last_lines(engine.log_path, 'none')}"
         with contextlib.suppress(Conflict):
             await runner.fail(record, why)
 

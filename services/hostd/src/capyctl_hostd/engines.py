@@ -132,15 +132,27 @@ def _tls() -> ssl.SSLContext:
 
 
 def spawn(
-    spec: LaunchSpec, plan: LaunchPlan, env: dict[str, str], log_path: Path, secret: str
+    spec: LaunchSpec, plan: LaunchPlan, env: dict[str, str], log_path: Path | None, secret: str
 ) -> Engine:
     """Start the log writer and the engine, each in a session of its own.
 
     The engine writes to the log writer's stdin; neither depends on hostd, so both outlive a
-    restart of hostd.
+    restart of hostd. With no `log_path` (retention: zero) there is no writer: the engine's
+    output is discarded, and it runs with no core dump (`capyctl_hostd.nocore`).
     """
     cwd = spec.runtime_dir
     before = procs.shm_names()
+    if log_path is None:
+        engine = subprocess.Popen(
+            [sys.executable, "-I", "-m", "capyctl_hostd.nocore", *_program(plan.argv, env)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        return Engine(spec, engine.pid, Path(os.devnull), engine, shm_before=before)
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     writer = subprocess.Popen(
         [sys.executable, "-m", "capyctl_hostd.logwriter", str(log_path)],
@@ -164,6 +176,17 @@ def spawn(
     finally:
         writer.stdin.close()
     return Engine(spec, engine.pid, log_path, engine, writer=writer, shm_before=before)
+
+
+def _program(argv: list[str], env: dict[str, str]) -> list[str]:
+    """`argv` with its program as a path, found on the engine's own PATH as exec would."""
+    program = argv[0]
+    if "/" not in program:
+        found = shutil.which(program, path=env.get("PATH"))
+        if found is None:
+            raise LaunchFailed(f"{program} is not on the engine's PATH ({env.get('PATH')})")
+        program = found
+    return [program, *argv[1:]]
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
@@ -218,8 +241,14 @@ def check_running(engine: Engine, when: str) -> None:
 
 
 def _exited(engine: Engine, what: str) -> str:
-    lines = " | ".join(tail(engine.log_path, 8)) or "no output"
-    return f"the {engine.spec.profile.family} engine {what}; last log lines: {lines}"
+    return f"the {engine.spec.profile.family} engine {what}; {last_lines(engine.log_path)}"
+
+
+def last_lines(path: Path, empty: str = "no output") -> str:
+    """The log's last lines for a failure's reason; what there is when none is kept."""
+    if path == Path(os.devnull):
+        return "its log is not kept (retention: zero)"
+    return f"last log lines: {' | '.join(tail(path, 8)) or empty}"
 
 
 async def first_canary(engine: Engine, control: EngineControl) -> str:

@@ -83,6 +83,9 @@ class Runner:
     deep_park: bool = True
     # host.engine_telemetry: allow leaves the engines' own usage reports as they are.
     telemetry: bool = False
+    # host.retention: zero keeps no engine log and no core dump, unless a deployment says
+    # retention: default.
+    retention_zero: bool = False
     engines: dict[str, Engine] = field(default_factory=dict)
     # Set when an engine is spawned, for the death watch to follow its leader at once.
     spawned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -215,7 +218,11 @@ class Runner:
         steps = Steps()
         launch_id = f"{int(time.time() * 1000):x}-{secrets.token_hex(3)}"
         port = self.ports.lease()
-        log_path = self.paths.logs_dir / command.deployment / f"{launch_id}.log"
+        log_path = (
+            None
+            if self.zero_retention(command)
+            else self.paths.logs_dir / command.deployment / f"{launch_id}.log"
+        )
         record = InstanceRecord(
             **command.model_dump(include=RECORDED),
             state=S.STARTING,
@@ -223,7 +230,7 @@ class Runner:
             host=self.host,
             launch_id=launch_id,
             port=port,
-            log_path=str(log_path),
+            log_path=None if log_path is None else str(log_path),
         )
         try:
             record = await self.store.transition(
@@ -276,11 +283,18 @@ class Runner:
         except CapyError as exc:
             raise exc.retold(f"download failed [{exc.code}]: {exc.message}") from None
 
+    def zero_retention(self, command: hc.Launch) -> bool:
+        """Whether the launch keeps no engine log and no core dump: its deployment says
+        retention: zero, or says nothing on a host whose retention is zero."""
+        if command.retention is None:
+            return self.retention_zero
+        return command.retention == "zero"
+
     async def _spawn(
         self,
         command: hc.Launch,
         record: InstanceRecord,
-        log_path: Path,
+        log_path: Path | None,
         steps: Steps,
     ) -> tuple[Engine, InstanceRecord]:
         """The engine's process started, and the record that says so."""
@@ -313,7 +327,7 @@ class Runner:
         return answer
 
     async def _start_engine(
-        self, command: hc.Launch, record: InstanceRecord, log_path: Path
+        self, command: hc.Launch, record: InstanceRecord, log_path: Path | None
     ) -> Engine:
         profiles = registry.read(self.paths.engines_file).document.profiles
         profile = profiles.get(command.profile)

@@ -105,6 +105,7 @@ class Actuator:
             reason=action.reason,
             start_deadline_s=snapshot.tunables.start_deadline_s,
             hub=_hub_pull(record),
+            retention=record.document.retention,
         )
         instance = snapshot.instances.get(record.name)
         await self._send(

@@ -319,6 +319,9 @@ class Deployment(Strict):
     engine_config: EngineConfig = EngineConfig()
     lifecycle: Lifecycle = Lifecycle()
     request_deadline: Annotated[Duration, AfterValidator(_request_deadline)] | None = None
+    # zero: its engines keep no log and write no core dump (docs/retention.md); none: the
+    # host's `retention`.
+    retention: Literal["default", "zero"] | None = None
 
     @model_validator(mode="before")
     @classmethod

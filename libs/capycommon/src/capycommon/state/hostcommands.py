@@ -60,6 +60,8 @@ class Launch(_Command):
     start_deadline_s: float = 1800.0
     # The source to download first, for a model from the Hub; the deadline starts after it.
     hub: HubPull | None = None
+    # The deployment's `retention` (None: the host's).
+    retention: Literal["default", "zero"] | None = None
 
 
 class Park(_Command):

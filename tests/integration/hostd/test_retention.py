@@ -1,0 +1,65 @@
+"""`retention: zero` as hostd carries it out: the engine keeps no log anywhere and runs with
+no core dump, its processes and their children alike (read from /proc); the host's
+`retention` is the default a deployment may override either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from capycommon.state import keys
+from capycommon.state.instances import InstanceRecord
+from integration.hostd.harness import HOST, Hostd, launch
+from support import group_members
+
+
+def core_limit(pid: int) -> str:
+    """The `Max core file size` line of /proc/<pid>/limits: soft and hard."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max core file size"):
+            return " ".join(line.split()[4:6])
+    raise AssertionError(f"/proc/{pid}/limits has no core file size")
+
+
+def logs_of(harness: Hostd, deployment: str) -> list[Path]:
+    folder = harness.state / "logs" / "engines" / deployment
+    return sorted(folder.rglob("*")) if folder.exists() else []
+
+
+def started(harness: Hostd, name: str, gpu: str, model: Path, **changes: object) -> InstanceRecord:
+    harness.send(launch(name, 1, gpu, model, **changes))
+    ready = harness.wait_state(name, "ready")
+    assert ready.process is not None
+    return ready
+
+
+def test_a_zero_retention_engine_keeps_no_log_and_dumps_no_core(
+    hostd: tuple[Hostd, str], model: Path
+) -> None:
+    harness, gpu = hostd
+    ready = started(harness, "a", gpu, model, retention="zero")
+    assert ready.process is not None
+    assert ready.log_path is None
+    assert logs_of(harness, "a") == [], "no log file, not even an empty one"
+    members = group_members(ready.process.pgid)
+    assert members, "the engine runs"
+    assert {pid: core_limit(pid) for pid in members} == dict.fromkeys(members, "0 0")
+    assert not harness.client.exists(keys.instance_log(HOST, "a", 0)), "no lines in Redis"
+
+
+@pytest.mark.parametrize(
+    ("host", "deployment", "zero"), [("zero", None, True), ("zero", "default", False)]
+)
+def test_the_hosts_retention_is_the_default_a_deployment_overrides(
+    hostd: tuple[Hostd, str], model: Path, host: str, deployment: str | None, zero: bool
+) -> None:
+    harness, gpu = hostd
+    harness.stop()
+    harness.settings["CAPYCTL_RETENTION"] = host
+    harness.start()
+    ready = started(harness, "a", gpu, model, retention=deployment)
+    assert ready.process is not None
+    assert (ready.log_path is None) is zero
+    assert logs_of(harness, "a") == ([] if zero else [Path(str(ready.log_path))])
+    assert (core_limit(ready.process.pid) == "0 0") is zero
