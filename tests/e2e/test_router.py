@@ -176,7 +176,8 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
     closed as a cancelled client closes it), and check the engine stops working on it within
     a second."""
     headers = {"Authorization": f"Bearer {cluster.api_key}"}
-    body = {"model": name, "messages": HI, "stream": stream, "max_tokens": 60}
+    # 30 s at 8 tokens/s: still running when a loaded machine's hostd reads the engine's load.
+    body = {"model": name, "messages": HI, "stream": stream, "max_tokens": 240, "ignore_eos": True}
 
     async def cut() -> None:
         async with httpx.AsyncClient(
@@ -197,7 +198,7 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
             await asyncio.to_thread(
                 wait_for,
                 lambda: cluster.engine_running(name) == 1,
-                timeout=10,
+                timeout=20,
                 what="the engine to get the request",
             )
             if stream and after_first:

@@ -280,6 +280,27 @@ def test_text_completions(served: Engine) -> None:
     assert completion.choices[0].finish_reason == "length"
 
 
+def test_ignore_eos_goes_on_to_max_tokens_past_the_answers_end(served: Engine) -> None:
+    client = served.openai()
+    plain = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=500)
+    assert plain.choices[0].finish_reason == "stop"
+    assert plain.usage is not None
+    assert plain.usage.completion_tokens < 500
+    longer = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=500, extra_body={"ignore_eos": True}
+    )
+    assert longer.choices[0].finish_reason == "length"
+    assert longer.usage is not None
+    assert longer.usage.completion_tokens == 500
+    text = client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=300, extra_body={"ignore_eos": True}
+    )
+    assert (text.choices[0].finish_reason, text.usage and text.usage.completion_tokens) == (
+        "length",
+        300,
+    )
+
+
 def test_metrics_carry_vllm_names(served: Engine) -> None:
     text = httpx.get(f"{served.base}/metrics").text
     for name in (

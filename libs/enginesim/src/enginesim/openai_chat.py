@@ -50,6 +50,8 @@ class ChatRequest(_Tolerant):
     tool_choice: str | JsonDict | None = None
     request_id: str | None = None  # vLLM
     rid: str | None = None  # SGLang
+    # vLLM and SGLang: go on to max_tokens past the answer's end.
+    ignore_eos: bool | None = False
 
     @property
     def limit(self) -> int | None:
@@ -83,6 +85,7 @@ class CompletionRequest(_Tolerant):
     max_tokens: int | None = Field(default=16, ge=0)
     request_id: str | None = None
     rid: str | None = None
+    ignore_eos: bool | None = False
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
@@ -118,11 +121,18 @@ def plan(
     reasoning: str,
     tool: tuple[str, str] | None,
     limit: int | None,
+    ignore_eos: bool = False,
 ) -> tuple[list[Token], Finish]:
-    """The tokens a request will get, and how it finishes if nothing stops it."""
+    """The tokens a request will get, and how it finishes if nothing stops it. With
+    `ignore_eos` the answer goes on, again and again, until `limit`."""
     tokens = list(_tokens_of("reasoning", reasoning))
     if tool is None:
-        tokens += _tokens_of("content", answer)
+        content = _tokens_of("content", answer)
+        tokens += content
+        if ignore_eos and limit is not None and content:
+            while len(tokens) < limit:
+                tokens += content
+            return tokens[:limit], "length"
         finish: Finish = "stop"
     else:
         name, arguments = tool

@@ -150,7 +150,8 @@ class Frontend:
 
         def planned() -> tuple[list[Token], Finish]:
             reasoning = self.behaviour.reasoning if self.reasoning_on() else ""
-            return plan(self.engine.answer(), reasoning, self._tool(body), body.limit)
+            tool = self._tool(body)
+            return plan(self.engine.answer(), reasoning, tool, body.limit, bool(body.ignore_eos))
 
         return await self._generate(request, body, planned)
 
@@ -159,7 +160,9 @@ class Frontend:
         if isinstance(body, Response):
             return body
         return await self._generate(
-            request, body, lambda: plan(self.engine.answer(), "", None, body.max_tokens)
+            request,
+            body,
+            lambda: plan(self.engine.answer(), "", None, body.max_tokens, bool(body.ignore_eos)),
         )
 
     async def embeddings(self, request: Request) -> Response:

@@ -389,7 +389,7 @@ def _make_ready(
             Action(
                 "wait",
                 name,
-                f"retry in {format_duration(retry_at - snapshot.now)} after: "
+                f"retry in {math.ceil(retry_at - snapshot.now)}s after: "
                 f"{record.attempts.last_error}",
             )
         ]
