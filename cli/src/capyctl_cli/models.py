@@ -9,7 +9,6 @@ runs from it.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -19,12 +18,13 @@ import typer
 
 from capycommon.deployments.resolve import HUB_STORE
 from capycommon.errors import AgentUnreachable, CapyError
-from capycommon.hub import HubSource, hub_access, resolve
+from capycommon.hub import HubSource
 from capycommon.management import Download, PullRequest, RemoveRequest, StoreOperationAnswer
 from capycommon.paths import StatePaths, resolve_state_dir
 from capyctl_cli import output
 from capyctl_cli.management import Management
 from capyctl_cli.options import JsonOpt, StateDirOpt, command_group, expected_errors
+from capyctl_cli.pin import resolve_commit
 from capyctl_cli.progress import DownloadBar
 
 model_app = command_group("Download models into a host's store ahead of time, or remove them.")
@@ -64,8 +64,7 @@ def pull_model(
     repo, revision = split_source(source)
     root, _ = resolve_state_dir(state_dir, dict(os.environ))
     wanted = HubSource(repo, revision, tuple(files or ()))
-    access = hub_access(root, os.environ)
-    commit = asyncio.run(resolve(wanted, endpoint=access.endpoint, token=access.token))
+    commit = resolve_commit(wanted, root)
     with Management(StatePaths(root)) as api:
         request = PullRequest(repo=repo, revision=commit, files=list(wanted.files), host=host)
         answer = api.pull(request)

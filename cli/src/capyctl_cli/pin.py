@@ -35,13 +35,17 @@ def pin(
     commit = None if refresh else _pinned_before(api, deployment.name, model)
     how = f"{model.hf_repo} {revision} pinned to {{commit}} (as deployed before)"
     if commit is None:
-        access = hub_access(state_dir, os.environ)
-        source = HubSource(model.hf_repo, revision, model.files)
-        commit = asyncio.run(resolve(source, endpoint=access.endpoint, token=access.token))
+        commit = resolve_commit(HubSource(model.hf_repo, revision, model.files), state_dir)
         how = f"{model.hf_repo} {revision} resolved to {{commit}}"
     pinned = model.pinned(commit)
     fields = pinned.model_dump(mode="json", exclude_defaults=True, exclude={"path"})
     return {**document, "model": fields}, how.format(commit=commit)
+
+
+def resolve_commit(source: HubSource, state_dir: Path) -> str:
+    """The commit `source.revision` names on the Hub, asked with the role's Hub access."""
+    access = hub_access(state_dir, os.environ)
+    return asyncio.run(resolve(source, endpoint=access.endpoint, token=access.token))
 
 
 def _pinned_before(api: Management, name: str, model: ModelSource) -> str | None:

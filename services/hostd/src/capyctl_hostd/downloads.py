@@ -115,31 +115,52 @@ class ModelStore:
         went."""
         name = f"{HUB_STORE}/{self.paths(command.source).name}"
 
-        async def tell(
-            state: Outcome, figures: Download | None = None, error: CapyError | None = None
-        ) -> None:
-            record = StoreOperation(
-                kind="pull",
-                state=state,
-                name=name,
-                download=figures,
-                code=error.code if error else None,
-                message=error.message if error else None,
-                at=time.time(),
-            )
-            with contextlib.suppress(*REDIS_ERRORS):
-                await downloads.write_operation(self.client, self.host, command.operation, record)
+        async def running(figures: Download) -> None:
+            await self._tell(command, name, "running", figures)
 
-        await tell("running")
+        await self._tell(command, name, "running")
+        download = self._download(command.source, "", running)
+        failed = f"the download of {command.source.repo} failed"
+        await self._carry_out(command, name, download, failed)
+
+    async def remove(self, command: hc.Remove) -> None:
+        """Carry out `capyctl model remove`, its record saying how it went."""
+        failed = f"{command.name} could not be removed"
+        await self._carry_out(command, command.name, self._remove(command.name), failed)
+
+    async def _carry_out(
+        self, command: hc.StoreCommand, name: str, work: Awaitable[object], failed: str
+    ) -> None:
+        """Await `work`; the operation's record says how it ended (`failed`, then the
+        system's words, for an OSError)."""
         try:
-            await self._download(command.source, "", lambda figures: tell("running", figures))
+            await work
         except CapyError as exc:
-            await tell("failed", error=exc)
+            await self._tell(command, name, "failed", error=exc)
         except OSError as exc:
-            failed = CapyError(f"the download of {command.source.repo} failed: {exc}")
-            await tell("failed", error=failed)
+            await self._tell(command, name, "failed", error=CapyError(f"{failed}: {exc}"))
         else:
-            await tell("done")
+            await self._tell(command, name, "done")
+
+    async def _tell(
+        self,
+        command: hc.StoreCommand,
+        name: str,
+        state: Outcome,
+        figures: Download | None = None,
+        error: CapyError | None = None,
+    ) -> None:
+        record = StoreOperation(
+            kind=command.kind,
+            state=state,
+            name=name,
+            download=figures,
+            code=error.code if error else None,
+            message=error.message if error else None,
+            at=time.time(),
+        )
+        with contextlib.suppress(*REDIS_ERRORS):
+            await downloads.write_operation(self.client, self.host, command.operation, record)
 
     async def _download(
         self,
@@ -229,29 +250,6 @@ class ModelStore:
         )
         with contextlib.suppress(*REDIS_ERRORS):
             await note(self.client, event)
-
-    async def remove(self, command: hc.Remove) -> None:
-        """Carry out `capyctl model remove`, its record saying how it went."""
-        state: Outcome = "failed"
-        error: CapyError | None = None
-        try:
-            await self._remove(command.name)
-        except CapyError as exc:
-            error = exc
-        except OSError as exc:
-            error = CapyError(f"{command.name} could not be removed: {exc}")
-        else:
-            state = "done"
-        record = StoreOperation(
-            kind="remove",
-            state=state,
-            name=command.name,
-            code=error.code if error else None,
-            message=error.message if error else None,
-            at=time.time(),
-        )
-        with contextlib.suppress(*REDIS_ERRORS):
-            await downloads.write_operation(self.client, self.host, command.operation, record)
 
     async def _remove(self, name: str) -> None:
         folder = store_folder(name)

@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -143,15 +144,8 @@ def spawn(
     cwd = spec.runtime_dir
     before = procs.shm_names()
     if log_path is None:
-        engine = subprocess.Popen(
-            [sys.executable, "-I", "-m", "capyctl_hostd.nocore", *_program(plan.argv, env)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=cwd,
-            start_new_session=True,
-        )
+        nocore = [sys.executable, "-I", "-m", "capyctl_hostd.nocore", *_program(plan.argv, env)]
+        engine = _engine_process(nocore, env, cwd, subprocess.DEVNULL)
         return Engine(spec, engine.pid, Path(os.devnull), engine, shm_before=before)
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     writer = subprocess.Popen(
@@ -164,18 +158,25 @@ def spawn(
     )
     assert writer.stdin is not None
     try:
-        engine = subprocess.Popen(
-            plan.argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=writer.stdin,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            start_new_session=True,
-        )
+        engine = _engine_process(plan.argv, env, cwd, writer.stdin)
     finally:
         writer.stdin.close()
     return Engine(spec, engine.pid, log_path, engine, writer=writer, shm_before=before)
+
+
+def _engine_process(
+    argv: list[str], env: dict[str, str], cwd: Path, output: IO[bytes] | int
+) -> subprocess.Popen[bytes]:
+    """The engine's process, in a session of its own, its output and errors to `output`."""
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        cwd=cwd,
+        start_new_session=True,
+    )
 
 
 def _program(argv: list[str], env: dict[str, str]) -> list[str]:

@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +37,11 @@ from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import hostfacts
 from capycommon.state.hostcommands import Describe, HubPull
 from capycommon.state.hostfacts import (
-    WEIGHT_FORMATS,
     WEIGHT_SUFFIXES,
     HostModels,
     ModelFacts,
     QuantizationConfig,
+    weights_of,
 )
 
 log = logging.getLogger(__name__)
@@ -157,18 +157,20 @@ def _holds_a_model(folder: Path) -> bool:
 
 def _weights(folder: Path) -> int | None:
     """Bytes of the weights in `folder`, counting one format (WEIGHT_FORMATS); None if none."""
-    totals: dict[int, int] = {}
-    for entry in _entries(folder):
-        kind = next((i for i, fmt in enumerate(WEIGHT_FORMATS) if entry.name.endswith(fmt)), None)
-        if kind is None:
-            continue
+    weights = (e for e in _entries(folder) if Path(e.name).suffix in WEIGHT_SUFFIXES)
+    return weights_of(_regular_sizes(weights))
+
+
+def _regular_sizes(entries: Iterable[os.DirEntry[str]]) -> Iterator[tuple[str, int]]:
+    """(name, size) of the entries that are regular files, links followed as the engine
+    would follow them."""
+    for entry in entries:
         try:
-            found = entry.stat()  # follows a link, as the engine would
+            found = entry.stat()
         except OSError:
             continue
         if stat.S_ISREG(found.st_mode):
-            totals[kind] = totals.get(kind, 0) + found.st_size
-    return totals[min(totals)] if totals else None
+            yield entry.name, found.st_size
 
 
 def _small_json(path: Path) -> dict[str, Any] | None:
@@ -241,7 +243,7 @@ class Shelf:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The weights a source's Hub listing gave (None: it failed), and when it was asked.
     _listed: dict[HubPull, tuple[int | None, float]] = field(default_factory=dict)
-    _listing: set[asyncio.Task[None]] = field(default_factory=set)
+    _listing: dict[HubPull, asyncio.Task[None]] = field(default_factory=dict)
 
     async def start(self) -> None:
         """Publish at start, still describing what the previous hostd was asked to."""
@@ -286,16 +288,13 @@ class Shelf:
         return found.model_copy(update={"described": described, "sources": self.sources})
 
     def _ask_listing(self, source: HubPull) -> None:
-        if self.state_dir is None or any(
-            t.get_name() == source.model_dump_json() for t in self._listing
-        ):
+        if self.state_dir is None or source in self._listing:
             return
         access = hub_access(self.state_dir, os.environ)
         if access.offline:
             return
-        task = asyncio.create_task(self._list(source, access), name=source.model_dump_json())
-        self._listing.add(task)
-        task.add_done_callback(self._listing.discard)
+        self._listing[source] = asyncio.create_task(self._list(source, access))
+        self._listing[source].add_done_callback(lambda _: self._listing.pop(source, None))
 
     async def _list(self, source: HubPull, access: HubAccess) -> None:
         weights: int | None = None

@@ -104,7 +104,7 @@ class Actuator:
             env=dict(config.env),
             reason=action.reason,
             start_deadline_s=snapshot.tunables.start_deadline_s,
-            hub=_hub_pull(record),
+            hub=hc.HubPull.of(record.document.model),
             retention=record.document.retention,
         )
         instance = snapshot.instances.get(record.name)
@@ -341,14 +341,6 @@ def _download_code(error: str | None) -> str | None:
     """The code of a failed model download (hostd writes `download failed [<code>]: ...`)."""
     found = _DOWNLOAD_FAILED.search(error or "")
     return found[1] if found else None
-
-
-def _hub_pull(record: DeploymentRecord) -> hc.HubPull | None:
-    """What hostd downloads before the engine starts: a pinned Hugging Face source."""
-    model = record.document.model
-    if model.hf_repo is None or model.hf_commit is None:
-        return None
-    return hc.HubPull(repo=model.hf_repo, commit=model.hf_commit, files=model.files)
 
 
 def _with_operation(record: DeploymentRecord, action: Action) -> DeploymentRecord:

@@ -208,7 +208,7 @@ class Manager:
         come; a standalone role's only host has nowhere else to send them and stays open."""
         snap = await self.snapshot()
         if host not in snap.hosts:
-            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+            raise _no_host(host)
         drained = snap.hosts[host].joined or len(snap.hosts) > 1
         if drained:
             await hostmarks.set_drained(self.scheduler.client, host, True)
@@ -238,7 +238,7 @@ class Manager:
         """Let a drained host take models again."""
         snap = await self.snapshot()
         if host not in snap.hosts:
-            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+            raise _no_host(host)
         changed = await hostmarks.set_drained(self.scheduler.client, host, False)
         self.scheduler.wake.set()
         return UndrainAnswer(operation_id=operation_id(), host=host, changed=changed)
@@ -255,7 +255,7 @@ class Manager:
         found = await downloads.aread(self.scheduler.client, instance.host, name)
         if found is None:
             return detail
-        download = Download(host=instance.host, **found.model_dump(include=_DOWNLOAD_FIELDS))
+        download = _download(instance.host, found)
         return detail.model_copy(update={"download": download})
 
     async def summaries(self) -> list[DeploymentSummary]:
@@ -299,7 +299,7 @@ class Manager:
             if found is not None:
                 rows += _model_rows(name, found, deployments.values())
         if host is not None and not rows and host not in self.scheduler.observer.hosts:
-            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+            raise _no_host(host)
         return rows
 
     async def pull(self, request: PullRequest) -> StoreOperationAnswer:
@@ -345,13 +345,11 @@ class Manager:
     async def store_operation(self, host: str, op: str) -> StoreOperationAnswer:
         """How a pull or removal goes; `sent` until hostd begins it."""
         if host not in self.scheduler.observer.hosts:
-            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+            raise _no_host(host)
         found = await downloads.aread_operation(self.scheduler.client, host, op)
         if found is None:
             return StoreOperationAnswer(operation_id=op, host=host, kind="", state="sent", name="")
-        download = None
-        if found.download is not None:
-            download = Download(host=host, **found.download.model_dump(include=_DOWNLOAD_FIELDS))
+        download = None if found.download is None else _download(host, found.download)
         return StoreOperationAnswer(
             operation_id=op,
             host=host,
@@ -374,7 +372,7 @@ class Manager:
                 "one with --host"
             )
         if host not in hosts:
-            raise NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+            raise _no_host(host)
         return host
 
     async def _get(self, name: str) -> DeploymentRecord:
@@ -382,6 +380,15 @@ class Manager:
         if record is None:
             raise NotFound(f"no deployment named {name!r}; list them with capyctl list deployments")
         return record
+
+
+def _no_host(host: str) -> NotFound:
+    return NotFound(f"no host named {host!r}; list them with capyctl list hosts")
+
+
+def _download(host: str, found: downloads.Download) -> Download:
+    """A download's figures as the management API shows them."""
+    return Download(host=host, **found.model_dump(include=_DOWNLOAD_FIELDS))
 
 
 def _model_rows(

@@ -401,14 +401,8 @@ def _paths(records: Iterable[DeploymentRecord]) -> dict[str, hostcommands.HubPul
     for record in records:
         model = record.document.model
         path = named_path(model)
-        if path is None:
-            continue
-        source = None
-        if model.hf_repo is not None and model.hf_commit is not None:
-            source = hostcommands.HubPull(
-                repo=model.hf_repo, commit=model.hf_commit, files=model.files
-            )
-        named[path] = named.get(path) or source
+        if path is not None:
+            named[path] = named.get(path) or hostcommands.HubPull.of(model)
     return named
 
 

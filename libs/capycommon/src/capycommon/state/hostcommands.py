@@ -10,13 +10,16 @@ host's history says why each happened.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from capycommon.state import keys
 from capycommon.state.streams import Group
+
+if TYPE_CHECKING:  # the deployments' schema reads the host's facts, which name HubPull
+    from capycommon.deployments.schema import ModelSource
 
 FIELD = "command"
 
@@ -38,6 +41,14 @@ class HubPull(BaseModel):
     repo: str
     commit: str
     files: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, model: ModelSource) -> HubPull | None:
+        """What hostd downloads for a deployment's model: its pinned Hugging Face source, if
+        it has one."""
+        if model.hf_repo is None or model.hf_commit is None:
+            return None
+        return cls(repo=model.hf_repo, commit=model.hf_commit, files=model.files)
 
 
 class Launch(_Command):
