@@ -3,7 +3,10 @@
 Requests never read Redis to find their engine. The table is filled at start, changed by the
 notifications of the control plane and of each host (each names what to re-read), and read
 in full again every few seconds and on every reconnect, since pub/sub loses messages while
-disconnected. Waiters for a deployment are woken whenever anything about it changes.
+disconnected. A full read takes many round trips, and notifications are applied meanwhile:
+what a notification applied after the full read began is newer than what that read found,
+so the read keeps it (a deployment created during a read is never dropped until the next).
+Waiters for a deployment are woken whenever anything about it changes.
 
 The notifications are read as they come, with no timeout to wake an idle worker: the full
 read finds a host that joined, and the subscription is then made again with its channel.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -74,6 +78,9 @@ class Table:
     synced: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when a full read finds a host whose channel the subscription lacks.
     _joined: asyncio.Event = field(default_factory=asyncio.Event)
+    # One per full read under way: the deployments and hosts notifications re-read since it
+    # began (see `_Fresh`).
+    _reads: list[_Fresh] = field(default_factory=list)
     own: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -127,7 +134,15 @@ class Table:
     # Keeping it current ---------------------------------------------------------------------
 
     async def sync(self) -> None:
-        """Read everything again."""
+        """Read everything again, keeping what notifications applied since the read began."""
+        fresh = _Fresh()
+        self._reads.append(fresh)
+        try:
+            await self._sync(fresh)
+        finally:
+            self._reads.remove(fresh)
+
+    async def _sync(self, fresh: _Fresh) -> None:
         hosts = self.hosts | await hostinfo.hosts(self.client)
         records = await DeploymentStore(self.client).all()
         instances: dict[str, InstanceRecord] = {}
@@ -150,6 +165,8 @@ class Table:
             found = await self._read_ingress(host)
             if found is not None:
                 ingresses[host] = found
+        unreachable = set(marks.unreachable)
+        fresh.keep(self, records, instances, secrets, ingresses, unreachable)
         if hosts - self.hosts:
             self._joined.set()
         self.hosts = hosts
@@ -159,7 +176,7 @@ class Table:
         self.instances = instances
         self.secrets = secrets
         self.ingresses = ingresses
-        cut, self.unreachable = self.unreachable, frozenset(marks.unreachable)
+        cut, self.unreachable = self.unreachable, frozenset(unreachable)
         moved = {h for h in set(reached) | set(ingresses) if reached.get(h) != ingresses.get(h)}
         moved |= cut ^ self.unreachable
         for name in set(before) | set(instances) | set(self._events):
@@ -179,7 +196,10 @@ class Table:
         (un)reachable: read its ingress and the marks again."""
         if host in self.own:
             return
+        reads = list(self._reads)
         found, marks = await asyncio.gather(self._read_ingress(host), hostmarks.aread(self.client))
+        for fresh in reads:
+            fresh.hosts.add(host)
         cut = host in marks.unreachable
         if found == self.ingresses.get(host) and cut == (host in self.unreachable):
             return
@@ -197,6 +217,7 @@ class Table:
         if index != "0":
             return
         store = InstanceStore(self.client, host)
+        reads = list(self._reads)
         # Read together: a request waiting for a wake goes on once both are known. A joined
         # host's engine key stays with its ingress.
         if host in self.own:
@@ -208,13 +229,20 @@ class Table:
         known = self.instances.get(deployment)
         if record is None or (known is not None and record.generation < known.generation):
             return
+        for fresh in reads:
+            fresh.instances.add(deployment)
         if record.state == InstanceState.READY and secret is not None:
             self.secrets[(deployment, record.generation)] = secret
         self.instances[deployment] = record
         self.wake(deployment)
 
     async def _deployment(self, name: str) -> None:
+        reads = list(self._reads)
         record = await DeploymentStore(self.client).get(name)
+        for fresh in reads:
+            fresh.records.add(name)
+            if record is None:
+                fresh.instances.add(name)
         if record is None:
             self.records.pop(name, None)
             self.instances.pop(name, None)
@@ -280,6 +308,48 @@ class Table:
         while not await wait_event(stop, RESYNC_S):
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.sync()
+
+
+@dataclass
+class _Fresh:
+    """What notifications re-read while one full read was under way: their reads began after
+    it did, so what they applied is at least as new as what it found."""
+
+    # Deployments whose record, and whose instance, a notification re-read.
+    records: set[str] = field(default_factory=set)
+    instances: set[str] = field(default_factory=set)
+    hosts: set[str] = field(default_factory=set)
+
+    def keep(
+        self,
+        table: Table,
+        records: dict[str, DeploymentRecord],
+        instances: dict[str, InstanceRecord],
+        secrets: dict[tuple[str, int], str],
+        ingresses: dict[str, Ingress],
+        unreachable: set[str],
+    ) -> None:
+        """Put the table's newer facts into the full read's, in place."""
+        for name in self.records:
+            _take(records, table.records, name)
+        for name in self.instances:
+            _take(instances, table.instances, name)
+        secrets.update(
+            (key, value) for key, value in table.secrets.items() if key[0] in self.instances
+        )
+        for host in self.hosts:
+            _take(ingresses, table.ingresses, host)
+            if host in table.unreachable:
+                unreachable.add(host)
+            else:
+                unreachable.discard(host)
+
+
+def _take(into: dict[Any, Any], source: dict[Any, Any], key: object) -> None:
+    if key in source:
+        into[key] = source[key]
+    else:
+        into.pop(key, None)
 
 
 def _text(value: bytes | str) -> str:
