@@ -127,7 +127,8 @@ def service_command(service: str, state: Path) -> list[str]:
 def engine_profile(family: Family, name: str | None = None) -> EngineProfile:
     """A registered engine of `family` at a supported version, as found at /opt/<family>;
     named after its family unless `name` says otherwise."""
-    version = {Family.VLLM: "0.29.0", Family.SGLANG: "0.5.16", Family.LLAMACPP: "6500"}[family]
+    versions = {Family.VLLM: "0.29.0", Family.SGLANG: "0.5.16", Family.LLAMACPP: "6500"}
+    version = {**versions, Family.LMCACHE: "0.5.6"}[family]
     return EngineProfile(
         name=name or family.value,
         family=family,

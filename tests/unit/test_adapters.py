@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from capycommon.engines.adapters import adapter_for
-from capycommon.engines.families import Family
+from capycommon.engines.families import ENGINE_FAMILIES, Family
 from capycommon.engines.launch import LaunchSpec, Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.engines.runtime import capyctl_sglang_launch
@@ -88,7 +88,7 @@ def test_argv_matches_the_golden_file(tmp_path: Path, family: Family, residency:
     assert golden.read_text() == rendered + "\n", f"regenerate with UPDATE_GOLDEN=1 ({golden})"
 
 
-@pytest.mark.parametrize("family", list(Family))
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_the_key_stays_out_of_argv(tmp_path: Path, family: Family) -> None:
     residency = Residency.RESTART_ONLY
     plan = adapter_for(family).plan(spec(family, residency, tmp_path))

@@ -22,7 +22,7 @@ from capycommon.deployments import (
 )
 from capycommon.deployments.resolve import hub_origin, hub_store
 from capycommon.deployments.schema import ModelSource
-from capycommon.engines.families import Family
+from capycommon.engines.families import ENGINE_FAMILIES, Family
 from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, InvalidConfig
@@ -74,7 +74,7 @@ def refusal(**changes: Any) -> CapyError:
     return caught.value
 
 
-PROFILES = {family.value: engine_profile(family) for family in Family}
+PROFILES = {family.value: engine_profile(family) for family in ENGINE_FAMILIES}
 
 
 # --- the document ---------------------------------------------------------------------------

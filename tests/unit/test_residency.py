@@ -10,7 +10,7 @@ import pytest
 from capycommon.deployments import HostFacts, Resolved, parse_deployment, resolve
 from capycommon.deployments.checkpoint import quantization
 from capycommon.engines.adapters import adapter_for
-from capycommon.engines.families import Family
+from capycommon.engines.families import ENGINE_FAMILIES, Family
 from capycommon.engines.launch import MODELOPT_FP4, PARKING, LaunchSpec, Residency, host_tiers
 from capycommon.errors import CapyError
 from capycommon.state.hostfacts import HostModels, ModelFacts, QuantizationConfig
@@ -23,7 +23,7 @@ OFF = HostFacts(unified=False, parked_room=32 * GiB, gpus=("gpu0",), deep_park=F
 UNIFIED_OFF = HostFacts(unified=True, parked_room=32 * GiB, gpus=("gpu0",), deep_park=False)
 
 
-PROFILES = {family.value: engine_profile(family) for family in Family}
+PROFILES = {family.value: engine_profile(family) for family in ENGINE_FAMILIES}
 
 
 ROOT = "/srv/models"
@@ -54,7 +54,7 @@ def test_a_host_with_deep_parking_off_bars_deep_and_dev_control_tiers() -> None:
     assert host_tiers(llama, deep_park=False) == (R.RESTART_ONLY,)
 
 
-@pytest.mark.parametrize("family", list(Family))
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_no_launch_on_such_a_host_has_development_controls(tmp_path: Path, family: Family) -> None:
     capabilities = adapter_for(family).capabilities(engine_profile(family).version)
     (tmp_path / "m.gguf").touch()

@@ -235,6 +235,8 @@ def _residencies(bindings: list[Binding]) -> list[tuple[str, str]]:
         if binding.residency is not None:
             text = f"{binding.residency} on {binding.host} ({binding.residency_reason})"
             rows.append(("residency", text))
+        if binding.lmcache is not None:
+            rows.append(("lmcache", f"{binding.lmcache} on {binding.host}"))
         if binding.deep_park is False:
             rows.append(("deep parking", f"off on host {binding.host} (host.deep_park: off)"))
     return rows

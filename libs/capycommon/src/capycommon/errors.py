@@ -171,6 +171,17 @@ class CapabilityMissing(InvalidConfig):
         self.capability = capability
 
 
+class LMCacheUnavailable(InvalidConfig):
+    """`lmcache_unavailable:<gate>`: a deployment says lmcache: required where a condition of
+    LMCache's (`capycommon.engines.lmcache.Gate`) does not hold."""
+
+    code = "lmcache_unavailable"
+
+    def __init__(self, message: str, *, gate: str) -> None:
+        super().__init__(message, code=f"{LMCacheUnavailable.code}:{gate}")
+        self.gate = gate
+
+
 class EngineRejected(CapyError):
     """The engine refused a request as sent (its 4xx answer)."""
 
@@ -455,6 +466,7 @@ CODES: dict[str, tuple[int, int]] = {
     "disk_full": (4, 507),
     # 5: a capability this host, engine or release does not have.
     "capability_missing": (5, 409),
+    "lmcache_unavailable": (5, 409),
     "host_backed_unavailable": (5, 400),
     "multi_gpu_unsupported": (5, 400),
     "host_version_incompatible": (5, 409),

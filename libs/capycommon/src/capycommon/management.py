@@ -237,6 +237,8 @@ class Binding(Answer):
     weights_bytes: int | None = None
     residency: str | None = None
     residency_reason: str | None = None
+    # "on: LMCache 0.5.6 (lmcache), a 4 GiB pool", or "off: <why> [<gate>]".
+    lmcache: str | None = None
     deep_park: bool | None = None
 
     @model_serializer(mode="wrap")

@@ -297,6 +297,15 @@ class HostSection(Strict):
         "deployment says retention: default.",
         examples=["zero"],
     )
+    lmcache: Annotated[
+        Literal["auto", "off"],
+        Setting(flags=("--lmcache",), variables=("CAPYCTL_LMCACHE",), empty_refused=True),
+    ] = Field(
+        "auto",
+        description="off: no model here runs with LMCache, whatever its deployment says (one "
+        "that says lmcache: required fails here).",
+        examples=["off"],
+    )
     simulated_gpus: Annotated[
         SimulatedGpus,
         Setting(variables=("CAPYCTL_SIMULATED_GPUS",), metavar="NAME:SIZE,..."),

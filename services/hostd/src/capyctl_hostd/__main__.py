@@ -92,11 +92,13 @@ async def serve(ctx: ServiceContext) -> None:
         retention_zero=host.retention == "zero",
     )
     door: HostIngress | None = None
-    info = HostInfo(deep_park=deep_park)
+    info = HostInfo(
+        deep_park=deep_park, lmcache=host.lmcache != "off", retention_zero=host.retention == "zero"
+    )
     if joined_host(ctx.role, ctx.settings):
         assert isinstance(ctx.settings, HostSettings)
         door = HostIngress.open(ctx.settings.host.ingress.bind, ctx.paths)
-        info = HostInfo(deep_park=deep_park, ingress=ingress_address(ctx.settings))
+        info = info.model_copy(update={"ingress": ingress_address(ctx.settings)})
     # Every step is safe to repeat: a Redis blip while starting is ridden out like one later
     # (the heartbeat gives up, and hostd exits, only once Redis stays away too long).
     while True:

@@ -255,14 +255,16 @@ class Observer:
         identity: HostIdentity | None,
         marks: HostMarks,
     ) -> HostView:
-        deep_park = info.deep_park if info is not None else True
+        info = info or HostInfo()
         empty = HostView(
             host,
             {},
             {},
             unified=False,
             alive=alive,
-            deep_park=deep_park,
+            deep_park=info.deep_park,
+            lmcache=info.lmcache,
+            retention_zero=info.retention_zero,
             joined=identity is not None,
             unreachable_since=marks.unreachable.get(host) if identity is not None else None,
             revoked=identity is not None and identity.revoked_at is not None,
@@ -310,6 +312,8 @@ class Observer:
             parked_room=min(system.parked_limit, system.managed_limit) if system else None,
             gpus=tuple(sorted(view.gpus)),
             deep_park=view.deep_park,
+            lmcache=view.lmcache,
+            retention_zero=view.retention_zero,
         )
         try:
             resolved = resolve(record.document, profiles=profiles, models=models, host=facts)

@@ -55,6 +55,10 @@ class HostView:
     alive: bool = True
     # False where the host has deep parking off (host.deep_park: off, from its hostd).
     deep_park: bool = True
+    # False where LMCache is off on the host (host.lmcache: off); True where its retention is
+    # zero (the default of its deployments).
+    lmcache: bool = True
+    retention_zero: bool = False
     # A host that joined a server (its own machine, reached through its ingress), not the
     # standalone role's own host.
     joined: bool = False

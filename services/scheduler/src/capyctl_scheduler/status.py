@@ -133,6 +133,7 @@ def _bindings(snapshot: Snapshot, name: str) -> list[Binding]:
             entry.weights_bytes = resolved.weights_bytes
             entry.residency = str(resolved.residency)
             entry.residency_reason = resolved.residency_reason
+            entry.lmcache = resolved.cache_note
         if host in snapshot.hosts:
             entry.deep_park = snapshot.hosts[host].deep_park
         bindings.append(entry)

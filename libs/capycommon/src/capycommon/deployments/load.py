@@ -112,6 +112,9 @@ def revision_digest(deployment: Deployment) -> str:
     document = deployment.model_dump(mode="json")
     if not deployment.placement.hosts:
         del document["placement"]  # added after 0.1: the digests of earlier documents stand
+    for later in ("lmcache", "lmcache_pool"):  # the same, added in 0.1.7
+        if document[later] is None:
+            del document[later]
     canonical = json.dumps(
         document,
         sort_keys=True,

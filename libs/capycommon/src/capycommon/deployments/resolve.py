@@ -13,8 +13,9 @@ from pathlib import PurePosixPath
 
 from capycommon.deployments.checkpoint import Quantization, quantization
 from capycommon.deployments.schema import Deployment, ModelSource
+from capycommon.engines import lmcache
 from capycommon.engines.adapters import adapter_for
-from capycommon.engines.families import Family
+from capycommon.engines.families import ENGINE_FAMILIES, Family
 from capycommon.engines.launch import (
     PARKING,
     Capabilities,
@@ -28,6 +29,7 @@ from capycommon.errors import (
     CapyError,
     HostBackedUnavailable,
     InvalidConfig,
+    LMCacheUnavailable,
     ModelSourcePending,
     NotFound,
     ProfileNotPublished,
@@ -66,6 +68,10 @@ class HostFacts:
     # False where the host keeps its engines from their development controls
     # (host.deep_park: off): nothing parks deep there, and what would stops instead.
     deep_park: bool = True
+    # False where LMCache is off on the host; True where its retention is zero (the default
+    # of deployments that say none).
+    lmcache: bool = True
+    retention_zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,17 @@ class Resolved:
     # The pinned GPU; None lets placement pick the one with the most headroom.
     device: str | None
     extra_args: tuple[str, ...]
+    # The LMCache installation it runs with, or None; and what status says of it ("on", or
+    # "off: <why>").
+    cache: EngineProfile | None = None
+    cache_note: str = "off"
+
+    @property
+    def cache_pool(self) -> int:
+        """Host RAM its LMCache pins (0 without one)."""
+        if self.cache is None:
+            return 0
+        return self.deployment.lmcache_pool or lmcache.DEFAULT_POOL
 
 
 def resolve(
@@ -133,6 +150,7 @@ def _resolve(
         model.weights_bytes,
         quantization(model),
     )
+    cache, note = _cache(deployment, profile, residency, extra_args, model, profiles, host)
     return Resolved(
         deployment=deployment,
         profile=profile,
@@ -142,15 +160,68 @@ def _resolve(
         residency_reason=reason,
         device=device,
         extra_args=extra_args,
+        cache=cache,
+        cache_note=note,
     )
+
+
+# What CapyCTL sets to connect an engine to its LMCache.
+CACHE_FLAGS = ("--kv-transfer-config", "--enable-lmcache", "--lmcache-config-file")
+
+
+def _cache(
+    deployment: Deployment,
+    profile: EngineProfile,
+    residency: Residency,
+    extra_args: tuple[str, ...],
+    model: ModelFacts,
+    profiles: Mapping[str, EngineProfile],
+    host: HostFacts,
+) -> tuple[EngineProfile | None, str]:
+    """The LMCache the deployment runs with on this host (None: without), and what status
+    says of it; `lmcache: required` where a condition fails is refused, naming it."""
+    setting = deployment.lmcache or "auto"
+    if setting == "off":
+        return None, "off (lmcache: off)"
+    retention = deployment.retention or ("zero" if host.retention_zero else "default")
+    found = lmcache.gate(
+        lmcache.GateFacts(
+            engine=profile,
+            residency=residency,
+            extra_args=extra_args,
+            architectures=model.architectures,
+            installs=lmcache.installs_of(profiles),
+            retention_zero=retention == "zero",
+            host_off=not host.lmcache,
+        )
+    )
+    if isinstance(found, lmcache.Closed):
+        if setting == "required":
+            raise LMCacheUnavailable(f"lmcache: required, but {found.why}", gate=found.gate)
+        return None, f"off: {found.why} [{found.gate}]"
+    flags = {arg.split("=", 1)[0] for arg in extra_args}
+    clash = next((flag for flag in CACHE_FLAGS if flag in flags), None)
+    if clash is not None:
+        raise InvalidConfig(
+            f"engine_config.extra_args: {clash} is reserved while the model runs with LMCache: "
+            "CapyCTL connects the engine to its own; drop it, or set lmcache: off"
+        )
+    pool = format_size(deployment.lmcache_pool or lmcache.DEFAULT_POOL)
+    return found, f"on: LMCache {found.version} ({found.name}), a {pool} pool"
 
 
 def resolve_engine(engine: str, profiles: Mapping[str, EngineProfile]) -> EngineProfile:
     """A registered profile by name; a family name means the host's one profile of it."""
-    if engine in profiles:
-        return profiles[engine]
+    found = profiles.get(engine)
+    if found is not None and found.family not in ENGINE_FAMILIES:
+        raise InvalidConfig(
+            f"engine: {engine} is {found.family} {found.version}, a KV cache, not an engine; "
+            "name a vLLM, SGLang or llama.cpp engine (LMCache runs beside it: lmcache: auto)"
+        )
+    if found is not None:
+        return found
     registered = ", ".join(sorted(profiles)) or "none"
-    if engine in {family.value for family in Family}:
+    if engine in {family.value for family in ENGINE_FAMILIES}:
         matches = sorted(name for name, profile in profiles.items() if profile.family == engine)
         if len(matches) == 1:
             return profiles[matches[0]]

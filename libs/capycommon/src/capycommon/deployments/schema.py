@@ -33,7 +33,7 @@ MAX_REQUEST_DEADLINE_S = 3600.0
 
 # Engine variables CapyCTL owns (ADR 0014, the 0.1.7 telemetry notes): set by it, or able to
 # redirect what the engine loads, where it listens, or which GPU it sees.
-RESERVED_ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "CAPYCTL_", "LD_", "PYTHON")
+RESERVED_ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "CAPYCTL_", "LD_", "PYTHON", "LMCACHE_")
 RESERVED_ENV_NAMES = frozenset(
     {
         "VLLM_HOST_IP", "SGLANG_HOST_IP", "HOST_IP", "PATH", "PYTHONPATH", "CUDA_HOME",
@@ -322,6 +322,11 @@ class Deployment(Strict):
     # zero: its engines keep no log and write no core dump (docs/retention.md); none: the
     # host's `retention`.
     retention: Literal["default", "zero"] | None = None
+    # A private LMCache beside each instance (docs/lmcache.md): auto (none: where every
+    # condition holds), off, or required (the deployment fails where one does not).
+    lmcache: Literal["auto", "off", "required"] | None = None
+    # Host RAM the instance's LMCache pins for its cache; none: 4GiB.
+    lmcache_pool: Size | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -29,7 +29,7 @@ PROBE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
 _METADATA_PROBE = """
 import hashlib, importlib.metadata as md, json, os
 found = {}
-for name in ("vllm", "sglang"):
+for name in ("vllm", "sglang", "lmcache"):
     try:
         dist = md.distribution(name)
     except md.PackageNotFoundError:
@@ -159,7 +159,7 @@ def probe(path: Path) -> list[Found]:
     if path.is_dir() and venv_python(path) is not None:
         found = probe_venv(path)
         if not found:
-            raise EngineNotFound(f"{path} is a virtual environment without vllm or sglang")
+            raise EngineNotFound(f"{path} is a virtual environment without vllm, sglang or lmcache")
         return found
     server = path if path.is_file() else llama_server_in(path)
     if server is None:

@@ -13,9 +13,13 @@ class Family(StrEnum):
     VLLM = "vllm"
     SGLANG = "sglang"
     LLAMACPP = "llamacpp"
+    # Not an engine: LMCache's KV cache server, registered like one (`engines.lmcache`).
+    LMCACHE = "lmcache"
 
 
-PYTHON_FAMILIES = (Family.VLLM, Family.SGLANG)
+PYTHON_FAMILIES = (Family.VLLM, Family.SGLANG, Family.LMCACHE)
+# The families a deployment may run on.
+ENGINE_FAMILIES = (Family.VLLM, Family.SGLANG, Family.LLAMACPP)
 
 # The oldest version of each family CapyCTL can drive, and why.
 MINIMUM: dict[Family, tuple[str, str]] = {
@@ -25,6 +29,12 @@ MINIMUM: dict[Family, tuple[str, str]] = {
     Family.SGLANG: ("0.5.0", "release and resume of memory with tags"),
     # b5000 (spring 2025): /health with the loading state and the OpenAI chat routes.
     Family.LLAMACPP: ("5000", "the loading state on /health"),
+    # 0.5.6: the multi-process server this release qualifies.
+    Family.LMCACHE: ("0.5.6", "the multi-process server CapyCTL runs per instance"),
+}
+# The first version of a family CapyCTL does not drive yet, and why.
+BEYOND: dict[Family, tuple[str, str]] = {
+    Family.LMCACHE: ("0.6", "LMCache 0.5.6 or a later 0.5.x"),
 }
 
 # Versions whose behaviour CapyCTL was checked against; others run as "custom".
@@ -32,6 +42,7 @@ VERIFIED: dict[Family, frozenset[str]] = {
     Family.VLLM: frozenset({"0.28.0", "0.29.0", "0.32.0"}),
     Family.SGLANG: frozenset({"0.5.15", "0.5.16", "0.5.22"}),
     Family.LLAMACPP: frozenset(),  # builds change daily: always custom
+    Family.LMCACHE: frozenset({"0.5.6", "0.5.7"}),
 }
 
 
@@ -47,9 +58,16 @@ def parse_version(family: Family, version: str) -> Version:
 def check_supported(family: Family, version: str) -> None:
     """Refuse a version older than the family's minimum."""
     minimum, why = MINIMUM[family]
-    if parse_version(family, version) < Version(minimum):
+    parsed = parse_version(family, version)
+    if parsed < Version(minimum):
         raise EngineUnsupported(
             f"{family} {version} is older than {minimum}, the first with {why}; upgrade the engine"
+        )
+    if family in BEYOND and parsed >= Version(BEYOND[family][0]):
+        first, runs = BEYOND[family]
+        raise EngineUnsupported(
+            f"{family} {version} is {first} or later, which this release does not run; it runs "
+            f"{runs}"
         )
 
 

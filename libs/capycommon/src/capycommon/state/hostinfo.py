@@ -17,6 +17,10 @@ class HostInfo(BaseModel):
     # False where host.deep_park is off: nothing parks deep there, and no engine runs with
     # its development controls.
     deep_park: bool = True
+    # False where host.lmcache is off; True where host.retention is zero (its deployments'
+    # default): LMCache never starts for them.
+    lmcache: bool = True
+    retention_zero: bool = False
     # A joined host's ingress as the router dials it (host:port, `capycommon.ingress`);
     # None on a standalone role's own host, whose engines the router reaches on loopback.
     ingress: str | None = None
