@@ -161,3 +161,21 @@ def test_limits_override_the_derived_policy() -> None:
     assert (system.managed_limit, system.parked_limit) == (64 * GiB * 80 // 100, 10 * GiB)
     assert system.free_reserve == 64 * GiB // 5, "what is not overridden stays derived"
     assert gpu0.free_reserve == 3 * GiB
+
+
+def test_an_lmcache_server_is_charged_beside_its_engine_in_every_phase_but_cold() -> None:
+    card = Domain("gpu0", 24 * GiB, 22 * GiB, 2 * GiB, 6 * GiB)
+    plain = derive_discrete(gpu="gpu0", weights=8 * GiB, device=card, host_backed=False)
+    cached = plain.with_cache(6 * GiB, ("gpu0", 768 << 20), "derived")
+    assert cached.cache_provenance == "derived"
+    assert plain.cache_provenance is None
+    assert cached.charge("cold") == {}
+    for phase in ("starting", "ready", "waking", "parked"):
+        before, after = plain.charge(phase), cached.charge(phase)
+        assert after["system"] == before["system"] + 6 * GiB, phase
+        assert after["gpu0"] == before["gpu0"] + (768 << 20), phase
+    pool = Domain("unified", 128 * GiB, 64 * GiB, 25 * GiB, 32 * GiB)
+    unified = derive_unified(weights=8 * GiB, domain=pool)
+    shared = unified.with_cache(6 * GiB, ("unified", 768 << 20), "measured")
+    extra = 6 * GiB + (768 << 20)
+    assert shared.charge("ready") == {"unified": unified.charge("ready")["unified"] + extra}

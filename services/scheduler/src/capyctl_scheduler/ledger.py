@@ -8,7 +8,7 @@ charge until its processes are proven gone (the caller keeps charging it).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from capycommon.errors import DeviceUnobserved, InsufficientResources
@@ -97,9 +97,30 @@ class Footprint:
     host_provenance: Provenance
     engine_budget: int
     kv_cache: int
+    # Where the charge of its LMCache server's own memory came from; None without one.
+    cache_provenance: Provenance | None = None
 
     def charge(self, phase: Phase) -> Mapping[str, int]:
         return self.phases.get(phase, {})
+
+    def with_cache(
+        self, host_bytes: int, device: tuple[str, int], provenance: Provenance
+    ) -> Footprint:
+        """This footprint with an LMCache server beside the engine in every phase but cold:
+        its pool and own memory in host RAM (`host_bytes`, on the system domain, or the one
+        pool of unified memory), and its CUDA context on the engine's device."""
+        domain, device_bytes = device
+        phases: dict[Phase, Mapping[str, int]] = {}
+        for phase, charge in self.phases.items():
+            if phase == "cold":
+                phases[phase] = charge
+                continue
+            added = dict(charge)
+            home = UNIFIED if UNIFIED in charge else SYSTEM
+            added[home] = added.get(home, 0) + host_bytes
+            added[domain] = added.get(domain, 0) + device_bytes
+            phases[phase] = added
+        return replace(self, phases=phases, cache_provenance=provenance)
 
 
 def _startup(

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
 from capycommon.deployments.resolve import named_path
+from capycommon.engines import lmcache
 from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, ProfileNotPublished
@@ -38,7 +39,12 @@ from capycommon.state.hostinfo import HostInfo
 from capycommon.state.hostmarks import HostMarks
 from capycommon.state.identities import HostIdentity
 from capycommon.state.instances import LIVE_STATES, InstanceRecord
-from capycommon.state.memory import MemoryReading, aread_reading, aread_startup_peak
+from capycommon.state.memory import (
+    MemoryReading,
+    aread_cache_server_rss,
+    aread_reading,
+    aread_startup_peak,
+)
 from capycommon.state.store import InstanceStore
 from capyctl_scheduler.ledger import (
     SYSTEM,
@@ -355,6 +361,27 @@ class Observer:
         self._sent[host] = (wanted, now)
 
     async def _footprints(
+        self, record: DeploymentRecord, host: str, view: HostView, binding: Binding
+    ) -> dict[str, Footprint]:
+        found = await self._engine_footprints(record, host, view, binding)
+        resolved = binding.resolved
+        assert resolved is not None
+        if resolved.cache is None:
+            return found
+        rss = await aread_cache_server_rss(self.client, host, resolved.cache.fingerprint)
+        server: int = lmcache.SERVER_HOST_ESTIMATE
+        provenance: Provenance = "derived"
+        if rss is not None:
+            server, provenance = rss, "measured"
+        host_bytes = resolved.cache_pool + server
+        return {
+            gpu: footprint.with_cache(
+                host_bytes, (view.domain_of(gpu), lmcache.SERVER_DEVICE_ESTIMATE), provenance
+            )
+            for gpu, footprint in found.items()
+        }
+
+    async def _engine_footprints(
         self, record: DeploymentRecord, host: str, view: HostView, binding: Binding
     ) -> dict[str, Footprint]:
         resolved = binding.resolved

@@ -3,11 +3,14 @@ as the management API's answers (`capycommon.management`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import TypeVar
 
 from pydantic import BaseModel
 
+from capycommon.deployments import Resolved
+from capycommon.engines import lmcache
 from capycommon.management import (
     Attempts,
     Binding,
@@ -29,7 +32,9 @@ from capycommon.management import (
 )
 from capycommon.state.instances import LIVE_STATES, InstanceState
 from capycommon.state.memory import MemoryReading
+from capycommon.units import format_size
 from capyctl_scheduler.charges import PHASES, charges, footprint_of
+from capyctl_scheduler.ledger import Footprint
 from capyctl_scheduler.snapshot import Snapshot
 from capyctl_scheduler.usage import idle_timeouts, next_idle_step, protected
 
@@ -133,11 +138,23 @@ def _bindings(snapshot: Snapshot, name: str) -> list[Binding]:
             entry.weights_bytes = resolved.weights_bytes
             entry.residency = str(resolved.residency)
             entry.residency_reason = resolved.residency_reason
-            entry.lmcache = resolved.cache_note
+            entry.lmcache = resolved.cache_note + _cache_charge(resolved, binding.footprints)
         if host in snapshot.hosts:
             entry.deep_park = snapshot.hosts[host].deep_park
         bindings.append(entry)
     return bindings
+
+
+def _cache_charge(resolved: Resolved, footprints: Mapping[str, Footprint]) -> str:
+    """What its LMCache server is charged, and where each figure came from."""
+    footprint = next(iter(footprints.values()), None)
+    if resolved.cache is None or footprint is None or footprint.cache_provenance is None:
+        return ""
+    server = "measured" if footprint.cache_provenance == "measured" else "estimated"
+    return (
+        f"; charged the pool and the server's own memory in host RAM (the server's "
+        f"{server}), and {format_size(lmcache.SERVER_DEVICE_ESTIMATE)} on its GPU (estimated)"
+    )
 
 
 def _idle(snapshot: Snapshot, name: str) -> Idle:

@@ -111,6 +111,12 @@ def startup_peak(host: str, deployment: str, revision: int, fingerprint: str) ->
     return f"{host_prefix(host)}:startup-peak:{deployment}:{revision}:{fingerprint}"
 
 
+def cache_server_rss(host: str, fingerprint: str) -> str:
+    """The measured resident memory of an LMCache server (its pool aside) of one build on a
+    host, in bytes."""
+    return f"{host_prefix(host)}:lmcache-rss:{fingerprint}"
+
+
 def request_ends(host: str) -> str:
     """Stream of aborted requests the host's engines have ended (`capycommon.state.settlement`)."""
     return f"{host_prefix(host)}:request-ends"

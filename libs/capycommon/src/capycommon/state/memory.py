@@ -142,3 +142,15 @@ async def aread_startup_peak(
 ) -> StartupPeak | None:
     raw = await client.get(keys.startup_peak(host, deployment, revision, fingerprint))
     return None if raw is None else StartupPeak.model_validate_json(raw)
+
+
+async def write_cache_server_rss(
+    client: aioredis.Redis, host: str, fingerprint: str, size: int
+) -> None:
+    """The resident memory an LMCache server of this build was measured at (its pool aside)."""
+    await client.set(keys.cache_server_rss(host, fingerprint), str(size))
+
+
+async def aread_cache_server_rss(client: aioredis.Redis, host: str, fingerprint: str) -> int | None:
+    raw = await client.get(keys.cache_server_rss(host, fingerprint))
+    return None if raw is None else int(raw)
