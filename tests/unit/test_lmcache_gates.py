@@ -26,8 +26,18 @@ VLLM = engine_profile(Family.VLLM, "v32").model_copy(update={"version": "0.32.0"
 SGLANG = engine_profile(Family.SGLANG, "sg22").model_copy(update={"version": "0.5.22"})
 OLD_VLLM = engine_profile(Family.VLLM, "v29")
 LLAMA = engine_profile(Family.LLAMACPP, "llama")
-CACHE = engine_profile(Family.LMCACHE, "lmcache")
-PROFILES = {p.name: p for p in (VLLM, SGLANG, OLD_VLLM, LLAMA, CACHE)}
+# LMCache in each engine's own environment (the engines load its connector from there).
+CACHE = engine_profile(Family.LMCACHE, "lmcache").model_copy(
+    update={"install_path": VLLM.install_path, "executable": VLLM.executable}
+)
+CACHE_SG = CACHE.model_copy(
+    update={
+        "name": "lmcache-sg",
+        "install_path": SGLANG.install_path,
+        "executable": SGLANG.executable,
+    }
+)
+PROFILES = {p.name: p for p in (VLLM, SGLANG, OLD_VLLM, LLAMA, CACHE, CACHE_SG)}
 ROOT = "/srv/models"
 
 
@@ -55,11 +65,11 @@ def bind(
 
 
 def test_a_qualified_deployment_runs_with_the_registered_lmcache_and_its_pool() -> None:
-    for engine in ("v32", "sg22"):
+    for engine, cache in (("v32", CACHE), ("sg22", CACHE_SG)):
         found = bind(engine)
-        assert found.cache == CACHE
+        assert found.cache == cache
         assert found.cache_pool == 4 * GiB
-        assert found.cache_note == "on: LMCache 0.5.6 (lmcache), a 4.0 GiB pool"
+        assert found.cache_note == f"on: LMCache 0.5.6 ({cache.name}), pool 4.0 GiB"
     assert bind(lmcache_pool="10GiB").cache_pool == 10 * GiB
 
 
@@ -68,11 +78,16 @@ CLOSED: list[tuple[str, dict[str, Any], str]] = [
     ("retention_zero", {"retention": "zero"}, "retention: zero never starts LMCache"),
     ("engine", {"engine": "v29"}, "vllm 0.29.0 is not qualified"),
     ("engine", {"engine": "llama"}, "llamacpp 6500 is not qualified"),
-    ("residency", {"residency": "deep"}, "no deep parking is qualified with LMCache"),
+    ("residency", {"residency": "deep"}, "no parking of the engine is qualified with LMCache"),
     ("residency", {"residency": "host_backed"}, "set residency: restart_only"),
     (
         "radix_cache_disabled",
         {"engine": "sg22", "engine_config": {"extra_args": ["--disable-radix-cache"]}},
+        "--disable-radix-cache",
+    ),
+    (
+        "radix_cache_disabled",
+        {"engine": "sg22", "engine_config": {"extra_args": ["--disable-radix"]}},
         "--disable-radix-cache",
     ),
     (
@@ -135,6 +150,11 @@ def test_no_registered_lmcache_or_an_unqualified_one_closes_its_gate() -> None:
     without = {n: p for n, p in PROFILES.items() if p.family != Family.LMCACHE}
     assert bind(profiles=without).cache_note.endswith("[not_registered]")
     old = {**without, "old": CACHE.model_copy(update={"name": "old", "version": "0.5.4"})}
+    elsewhere = {**without, "apart": CACHE.model_copy(update={"install_path": Path("/opt/lmc")})}
+    with pytest.raises(CapyError) as refused:
+        bind(profiles=elsewhere, lmcache="required")
+    assert refused.value.code == "lmcache_unavailable:connector"
+    assert "capyctl engine add /opt/vllm --family lmcache" in refused.value.message
     with pytest.raises(CapyError) as refused:
         bind(profiles=old, lmcache="required")
     assert refused.value.code == "lmcache_unavailable:lmcache_version"
@@ -148,9 +168,10 @@ def test_off_never_runs_lmcache() -> None:
 
 
 def test_the_flags_that_connect_an_engine_are_reserved_while_lmcache_runs() -> None:
-    for flag in ("--kv-transfer-config", "--enable-lmcache", "--lmcache-config-file"):
-        engine = "v32" if flag == "--kv-transfer-config" else "sg22"
-        with pytest.raises(CapyError, match=f"{flag} is reserved while the model runs"):
+    for flag in ("--kv-transfer-config", "--enable-lmcache", "--lmcache-config-file", "--kv-tr"):
+        engine = "v32" if flag.startswith("--kv") else "sg22"
+        whole = "--kv-transfer-config" if flag == "--kv-tr" else flag
+        with pytest.raises(CapyError, match=f"{whole} is reserved while the model runs"):
             bind(engine, engine_config={"extra_args": [flag, "x"]})
         found = bind(engine, lmcache="off", engine_config={"extra_args": [flag, "x"]})
         assert found.cache is None, "without LMCache the flag is the user's"
@@ -205,7 +226,7 @@ PORTS = lmcache.ServerPorts(zmq=8150, http=8151, metrics=8152)
 def test_the_server_listens_on_loopback_on_leased_ports_with_its_pool() -> None:
     argv = lmcache.server_argv(CACHE, PORTS, 4 * GiB + GiB // 2)
     assert argv == [
-        "/opt/lmcache/bin/python",
+        "/opt/vllm/bin/python",
         "-m",
         "lmcache.v1.multiprocess.http_server",
         "--host",
@@ -262,3 +283,8 @@ def test_sglang_connects_through_its_config_file(tmp_path: Path) -> None:
         "LMCACHE_TRACK_USAGE": "false",
         "LMCACHE_CONFIG_FILE": str(file),
     }
+
+
+def test_a_pool_below_one_gib_is_refused() -> None:
+    with pytest.raises(CapyError, match="below 1GiB, the smallest LMCache pool"):
+        bind(lmcache_pool="512MiB")

@@ -19,7 +19,7 @@ from capycommon.service import REDIS_ERRORS, wait_any
 from capycommon.state import hostcommands
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
-from capyctl_hostd import procs
+from capyctl_hostd import cacheserver, procs
 from capyctl_hostd.engines import Engine, last_lines
 from capyctl_hostd.runner import Runner
 
@@ -39,6 +39,7 @@ async def adopt_all(runner: Runner) -> None:
     took and never finished: the command, read again, resumes it (a download goes on from its
     partial files), so the cut costs no failed start."""
     records = {record.member: record for record in await runner.store.all()}
+    await adopt_caches(runner, records)
     for entry in list(runner.owned.entries.values()):
         record = records.get(entry.member)
         if not entry.counted_by(record):
@@ -54,6 +55,38 @@ async def adopt_all(runner: Runner) -> None:
             await adopt(runner, record)
         except Conflict:
             continue  # the record moved on while we looked
+
+
+async def adopt_caches(runner: Runner, records: dict[str, InstanceRecord]) -> None:
+    """Find again the LMCache servers the instance records name that still run; a kept one
+    (a stopped instance's) that is gone stops being charged. Then stop every other server
+    hostd's own record names: nothing counts it."""
+    for member, record in records.items():
+        cache = record.cache
+        if cache is None:
+            continue
+        if procs.is_alive(cache.process):
+            server = cacheserver.found_again(member, cache)
+            runner.caches[member] = server
+            runner.kept.keep(server)
+            for port in (cache.zmq_port, cache.http_port, cache.metrics_port):
+                runner.ports.hold(port)
+            log.info(
+                "LMCache server re-adopted", extra={"member": member, "pid": cache.process.pid}
+            )
+        elif record.state not in LIVE_STATES:
+            with contextlib.suppress(Conflict):
+                records[member] = await runner.forget_cache(record, "its LMCache server is gone")
+    for member, entry in list(runner.kept.entries.items()):
+        held = runner.caches.get(member)
+        if held is not None and held.record.process == entry.record.process:
+            continue
+        if procs.is_alive(entry.record.process):
+            log.warning("%s: an LMCache server no record names; stopping it", member)
+            await procs.stop_group(entry.record.process.pgid)
+        runner.kept.drop(member)
+        if held is not None:
+            runner.kept.keep(held)
 
 
 async def _unfinished_launches(runner: Runner) -> dict[str, int]:
@@ -129,7 +162,9 @@ async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = CHECK_S
     try:
         while not stop.is_set():
             runner.spawned.clear()
-            deaths.follow(engine.pgid for engine in runner.engines.values())
+            leaders = [engine.pgid for engine in runner.engines.values()]
+            leaders += [server.pgid for server in runner.caches.values()]
+            deaths.follow(leaders)
             deaths.exited.clear()
             with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
                 await _check(runner)
@@ -176,6 +211,7 @@ class Deaths:
 
 
 async def _check(runner: Runner) -> None:
+    await _check_caches(runner)
     held = list(runner.engines.items())
     records = {r.member: r for r in await runner.store.get_many(member for member, _ in held)}
     for member, engine in held:
@@ -185,6 +221,31 @@ async def _check(runner: Runner) -> None:
             await _stop_uncounted(runner, member)
         elif record is not None and record.state in STABLE and not _runs(engine, record):
             await _fail(runner, record, engine)
+
+
+async def _check_caches(runner: Runner) -> None:
+    """An LMCache server that died: a live instance fails (its engine holds mappings of the
+    server's memory, and is started anew with a new server); a stopped one whose server a
+    park kept stops being charged for it."""
+    for member, server in list(runner.caches.items()):
+        if server.alive():
+            continue
+        lock = runner.lock_for(member)
+        if lock.locked():
+            continue  # a command is under way; the next turn looks again
+        async with lock:
+            deployment, _, index = member.rpartition(":")
+            record = await runner.store.get(deployment, int(index))
+            if runner.caches.get(member) is not server:
+                continue
+            why = "its LMCache server exited on its own"
+            with contextlib.suppress(Conflict):
+                if record is not None and record.state in LIVE_STATES:
+                    await runner.fail(record, f"{why}; see {server.record.log_path}")
+                elif record is not None and record.cache is not None:
+                    await runner.forget_cache(record, why)
+                else:
+                    await runner.stop_cache(member, why)
 
 
 def _runs(engine: Engine, record: InstanceRecord) -> bool:

@@ -133,13 +133,20 @@ def _tls() -> ssl.SSLContext:
 
 
 def spawn(
-    spec: LaunchSpec, plan: LaunchPlan, env: dict[str, str], log_path: Path | None, secret: str
+    spec: LaunchSpec,
+    plan: LaunchPlan,
+    env: dict[str, str],
+    log_path: Path | None,
+    secret: str,
+    shared: subprocess.Popen[bytes] | None = None,
 ) -> Engine:
     """Start the log writer and the engine, each in a session of its own.
 
     The engine writes to the log writer's stdin; neither depends on hostd, so both outlive a
     restart of hostd. With no `log_path` (retention: zero) there is no writer: the engine's
-    output is discarded, and it runs with no core dump (`capyctl_hostd.nocore`).
+    output is discarded, and it runs with no core dump (`capyctl_hostd.nocore`). A `shared`
+    writer (its LMCache server's, which owns it and waits for it) takes the engine's output
+    instead of one of its own.
     """
     cwd = spec.runtime_dir
     before = procs.shm_names()
@@ -147,8 +154,21 @@ def spawn(
         nocore = [sys.executable, "-I", "-m", "capyctl_hostd.nocore", *_program(plan.argv, env)]
         engine = _engine_process(nocore, env, cwd, subprocess.DEVNULL)
         return Engine(spec, engine.pid, Path(os.devnull), engine, shm_before=before)
+    writer = shared or open_log(log_path, secret)
+    assert writer.stdin is not None
+    try:
+        engine = _engine_process(plan.argv, env, cwd, writer.stdin)
+    finally:
+        writer.stdin.close()
+    own = None if shared is not None else writer
+    return Engine(spec, engine.pid, log_path, engine, writer=own, shm_before=before)
+
+
+def open_log(log_path: Path, secret: str) -> subprocess.Popen[bytes]:
+    """A launch's log writer (`capyctl_hostd.logwriter`), redacting `secret`; whoever starts
+    a process writing to it closes its stdin once the last such process is started."""
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    writer = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "capyctl_hostd.logwriter", str(log_path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -156,12 +176,6 @@ def spawn(
         env={"CAPYCTL_REDACT": secret, "PATH": "/usr/bin:/bin"},
         start_new_session=True,
     )
-    assert writer.stdin is not None
-    try:
-        engine = _engine_process(plan.argv, env, cwd, writer.stdin)
-    finally:
-        writer.stdin.close()
-    return Engine(spec, engine.pid, log_path, engine, writer=writer, shm_before=before)
 
 
 def _engine_process(

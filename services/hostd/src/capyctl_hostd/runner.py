@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import secrets
+import subprocess
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -28,16 +29,20 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from capycommon.engines import registry
+from capycommon.engines import lmcache, registry
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
-from capycommon.engines.launch import LaunchSpec, Residency, host_tiers
+from capycommon.engines.families import Family
+from capycommon.engines.launch import LaunchPlan, LaunchSpec, Residency, host_tiers
+from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, LaunchFailed
 from capycommon.service import REDIS_ERRORS, until_stop
 from capycommon.state import hostcommands as hc
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
+from capycommon.state.memory import write_cache_server_rss
 from capycommon.state.store import Conflict, InstanceStore
-from capyctl_hostd import downloads, engines, procs, release
+from capyctl_hostd import cacheserver, downloads, engines, procs, release
+from capyctl_hostd.cacheserver import CacheServer
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.owned import OwnedEngine, OwnedEngines
 from capyctl_hostd.ports import PortLeaser
@@ -87,6 +92,9 @@ class Runner:
     # retention: default.
     retention_zero: bool = False
     engines: dict[str, Engine] = field(default_factory=dict)
+    # The LMCache servers hostd holds, by member: beside a live engine, or kept through a
+    # restart_only park.
+    caches: dict[str, CacheServer] = field(default_factory=dict)
     # Set when an engine is spawned, for the death watch to follow its leader at once.
     spawned: asyncio.Event = field(default_factory=asyncio.Event)
     _member_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
@@ -96,11 +104,13 @@ class Runner:
     _starts: dict[str, tuple[int, asyncio.Event]] = field(default_factory=dict)
     settler: Settler = field(init=False)
     owned: OwnedEngines = field(init=False)
+    kept: cacheserver.Kept = field(init=False)
     models: downloads.ModelStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.settler = Settler(self.client, self.host)
         self.owned = OwnedEngines(self.paths.engines_record)
+        self.kept = cacheserver.Kept(self.paths.engines_record.with_name("lmcache-servers.json"))
         self.models = downloads.ModelStore(
             self.host, self.client, self.store, self.paths.models_root, self.paths.state_dir
         )
@@ -131,7 +141,7 @@ class Runner:
         elif isinstance(command, hc.Wake):
             await self.wake(record, command)
         elif isinstance(command, hc.Stop):
-            await self.stop(record, command.reason)
+            await self.stop(record, command.reason, command.keep_cache)
         else:
             await self.abort(record, command.request_id)
 
@@ -257,7 +267,8 @@ class Runner:
                 async with gpu or contextlib.nullcontext():
                     engine, record = await self._spawn(command, record, log_path, steps)
                     answer = await _unless_stopped(
-                        self._ready(engine, command.start_deadline_s, steps), stopped
+                        self._ready(engine, command.start_deadline_s, steps, record.member),
+                        stopped,
                     )
         except (CapyError, OSError) as exc:
             await self.fail(record, f"launch failed: {_message(exc)}")
@@ -300,11 +311,13 @@ class Runner:
         """The engine's process started, and the record that says so."""
         engine = await self._start_engine(command, record, log_path)
         steps.mark("spawned")
+        server = self.caches.get(record.member)
         started = record.model_copy(
             update={
                 "process": procs.identity(engine.pgid),
                 "fingerprint": engine.spec.profile.fingerprint,
                 "family": engine.spec.profile.family.value,
+                "cache": None if server is None else server.record,
             }
         )
         self.own(started)  # before Redis hears of it: a loss of Redis cannot hide it
@@ -317,11 +330,16 @@ class Runner:
         )
         return engine, record
 
-    async def _ready(self, engine: Engine, deadline_s: float, steps: Steps) -> str:
-        """Once the engine is ready and passed its first canary, the canary's answer."""
+    async def _ready(self, engine: Engine, deadline_s: float, steps: Steps, member: str) -> str:
+        """Once the engine is ready (and registered with its LMCache server, if it has one)
+        and passed its first canary, the canary's answer."""
         control = engine.control()
         await engines.wait_ready(engine, control, deadline_s)
         steps.mark("healthy")
+        server = self.caches.get(member)
+        if server is not None:
+            await cacheserver.wait_registered(server)
+            steps.mark("registered")
         answer = await engines.first_canary(engine, control)
         steps.mark("canary")
         return answer
@@ -357,6 +375,11 @@ class Runner:
             **command.model_dump(include=TUNING),
         )
         plan = adapter_for(profile.family).plan(spec)
+        server, writer = await self._cache_for(command, record, log_path, secret, profiles)
+        if server is not None:
+            seed = lmcache.hash_seed(command.deployment, command.revision)
+            argv, wiring = lmcache.engine_wiring(profile.family, server.ports, seed, runtime)
+            plan = LaunchPlan([*plan.argv, *argv], {**plan.env, **wiring})
         env = {
             **command.env,
             **engine_environment(
@@ -369,13 +392,93 @@ class Runner:
             ),
         }
         await self.store.keep_secret(command.deployment, command.instance, secret)
-        engine = engines.spawn(spec, plan, env, log_path, secret)
+        engine = engines.spawn(spec, plan, env, log_path, secret, shared=writer)
         self.engines[record.member] = engine
         self.spawned.set()
         log.info(
             "launched", extra={"member": record.member, "pid": engine.pgid, "port": record.port}
         )
         return engine
+
+    async def _cache_for(
+        self,
+        command: hc.Launch,
+        record: InstanceRecord,
+        log_path: Path | None,
+        secret: str,
+        profiles: dict[str, EngineProfile],
+    ) -> tuple[CacheServer | None, subprocess.Popen[bytes] | None]:
+        """The LMCache server the engine connects to, healthy: the one a restart_only park
+        kept, when it fits this launch, else one started now (with the launch's log writer,
+        which the engine then shares). A kept server that does not fit is stopped first."""
+        wanted = command.cache
+        install = None if wanted is None else profiles.get(wanted.profile)
+        held = self.caches.get(record.member)
+        if held is not None and (
+            install is None
+            or wanted is None
+            or not held.fits(install, command.revision, wanted.pool_bytes)
+        ):
+            await self.stop_cache(record.member, "it does not fit this launch")
+            held = None
+        if wanted is None:
+            return None, None
+        if install is None or install.family != Family.LMCACHE:
+            raise LaunchFailed(
+                f"no LMCache named {wanted.profile!r} is registered on host {self.host}"
+            )
+        if held is not None:
+            await cacheserver.wait_healthy(held, cacheserver.REGISTERED_WITHIN_S)
+            log.info("%s: connects to the LMCache server a park kept", record.member)
+            return held, None
+        assert log_path is not None, "retention: zero never starts LMCache"
+        writer = engines.open_log(log_path, secret)
+        ports = lmcache.ServerPorts(self.ports.lease(), self.ports.lease(), self.ports.lease())
+        assert record.gpu_uuid is not None
+        try:
+            server = cacheserver.start(
+                record.member,
+                install,
+                ports,
+                command.revision,
+                wanted.pool_bytes,
+                (wanted.host_bytes, wanted.device_bytes),
+                record.gpu_uuid,
+                log_path,
+                writer,
+                self.paths.runtime_dir,
+            )
+        except BaseException:
+            for port in (ports.zmq, ports.http, ports.metrics):
+                self.ports.release(port)
+            if writer.stdin is not None:
+                writer.stdin.close()
+            raise
+        self.caches[record.member] = server
+        self.kept.keep(server)
+        await cacheserver.wait_healthy(server)
+        rss = cacheserver.resident_bytes(server)
+        if rss is not None:
+            await write_cache_server_rss(self.client, self.host, install.fingerprint, rss)
+        return server, writer
+
+    async def forget_cache(self, record: InstanceRecord, why: str) -> InstanceRecord:
+        """A stopped instance whose kept LMCache server is gone (or stopped now): its server
+        stopped, then its record without it, so it is charged no more."""
+        await self.stop_cache(record.member, why)
+        return await self._to(record, record.state, f"LMCache server stopped: {why}", cache=None)
+
+    async def stop_cache(self, member: str, why: str) -> CacheServer | None:
+        """Stop the member's LMCache server, if hostd holds one; its ports come back."""
+        server = self.caches.pop(member, None)
+        if server is None:
+            return None
+        log.info("%s: stopping its LMCache server: %s", member, why)
+        await cacheserver.stop(server)
+        for port in (server.record.zmq_port, server.record.http_port, server.record.metrics_port):
+            self.ports.release(port)
+        self.kept.drop(member)
+        return server
 
     # Park, wake, stop, abort ---------------------------------------------------------------
 
@@ -463,17 +566,30 @@ class Runner:
         await self._to(record, S.READY, "ready after wake: wake calls and canary passed")
         log.info("woke", extra={"member": record.member, "steps": steps.marks})
 
-    async def stop(self, record: InstanceRecord, reason: str) -> None:
+    async def stop(self, record: InstanceRecord, reason: str, keep_cache: bool = False) -> None:
+        if record.state not in LIVE_STATES and record.cache is not None and not keep_cache:
+            await self.forget_cache(record, reason)
+            return
         if record.state not in LIVE_STATES:
             await self._refuse_record(record, "stop", f"the instance is already {record.state}")
             return
         record = await self._to(record, S.STOPPING, f"stop: {reason}")
-        await self.stop_finish(record, reason)
+        await self.stop_finish(record, reason, keep_cache)
 
-    async def stop_finish(self, record: InstanceRecord, reason: str) -> None:
-        """From stopping: processes gone, port and key released, then stopped."""
-        segments = await self._tear_down(record)
-        await self._to(record, S.STOPPED, f"stopped: {reason}", shm_segments=tuple(segments))
+    async def stop_finish(
+        self, record: InstanceRecord, reason: str, keep_cache: bool = False
+    ) -> None:
+        """From stopping: processes gone (its LMCache server after the engine, unless
+        `keep_cache`), port and key released, then stopped."""
+        segments = await self._tear_down(record, keep_cache)
+        kept = self.caches.get(record.member) if keep_cache else None
+        await self._to(
+            record,
+            S.STOPPED,
+            f"stopped: {reason}" + ("; its LMCache server is kept" if kept else ""),
+            shm_segments=tuple(segments),
+            cache=None if kept is None else kept.record,
+        )
 
     async def abort(self, record: InstanceRecord, request_id: str) -> None:
         engine = self.engines.get(record.member)
@@ -523,15 +639,17 @@ class Runner:
         if record.log_path is not None:  # after every line of the engine's own
             reason = error.split("; last log lines:", 1)[0]
             engines.end_log(Path(record.log_path), f"capyctl: {reason}; its processes are gone")
-        await self._to(record, S.FAILED, error.split(";", 1)[0], error=error)
+        await self._to(record, S.FAILED, error.split(";", 1)[0], error=error, cache=None)
 
-    async def _tear_down(self, record: InstanceRecord) -> list[str]:
+    async def _tear_down(self, record: InstanceRecord, keep_cache: bool = False) -> list[str]:
         engine = self.engines.pop(record.member, None)
         removed: list[str] = []
         if engine is not None:
             removed = await engines.tear_down(engine)
         elif record.process is not None and procs.group_members(record.process.pgid):
             await procs.stop_group(record.process.pgid)
+        if not keep_cache:  # after the engine: it holds the server's memory mapped
+            await self.stop_cache(record.member, "its engine stopped")
         self.owned.drop(record.member)
         self.ports.release(record.port)
         await self.store.drop_secret(record.deployment, record.instance)

@@ -21,6 +21,7 @@ Kind = Literal[
     "undrain",
     "park",
     "stop",
+    "release",
     "count_failure",
     "satisfied",
     "drop_demand",
@@ -47,6 +48,8 @@ class Action:
     release_bound: int | None = None
     # count_failure: the error of the failed generation; refuse: the code of the refusal.
     error: str = ""
+    # stop: a restart_only park, which keeps the instance's LMCache server.
+    keep_cache: bool = False
 
 
 def can_park(snapshot: Snapshot, instance: InstanceRecord) -> bool:
@@ -81,6 +84,12 @@ def _parked_room(snapshot: Snapshot, instance: InstanceRecord) -> bool:
     )
 
 
+def parks_by_stopping(instance: InstanceRecord) -> bool:
+    """A restart_only model with an LMCache server: its park stops the engine and keeps the
+    server, so the next start answers from its cache."""
+    return instance.cache is not None and instance.residency == Residency.RESTART_ONLY
+
+
 def drain(
     snapshot: Snapshot,
     record: DeploymentRecord,
@@ -88,7 +97,8 @@ def drain(
     why: str,
     then: Literal["park", "stop"] | None = None,
 ) -> Action:
-    then = then or ("park" if can_park(snapshot, instance) else "stop")
+    parks = can_park(snapshot, instance) or parks_by_stopping(instance)
+    then = then or ("park" if parks else "stop")
     return Action(
         "drain",
         record.name,
@@ -116,7 +126,24 @@ def park(snapshot: Snapshot, instance: InstanceRecord, why: str) -> Action:
     )
 
 
-def stop(instance: InstanceRecord, why: str) -> Action:
+def stop(instance: InstanceRecord, why: str, keep_cache: bool = False) -> Action:
     return Action(
-        "stop", instance.deployment, why, host=instance.host, generation=instance.generation
+        "stop",
+        instance.deployment,
+        why,
+        host=instance.host,
+        generation=instance.generation,
+        keep_cache=keep_cache,
     )
+
+
+def release(instance: InstanceRecord, why: str) -> Action:
+    """Stop the LMCache server a restart_only park kept for a stopped instance."""
+    return Action(
+        "release", instance.deployment, why, host=instance.host, generation=instance.generation
+    )
+
+
+def keeps_cache(instance: InstanceRecord) -> bool:
+    """A stopped instance whose LMCache server a restart_only park kept (it is charged)."""
+    return instance.state == S.STOPPED and instance.cache is not None

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from capycommon.deployments import Resolved
 from capycommon.errors import ActivationFailed
 from capycommon.state import hostcommands as hc
 from capycommon.state import hostmarks
@@ -32,6 +33,7 @@ from capycommon.state.desired import (
 from capycommon.state.instances import InstanceState
 from capycommon.state.store import Conflict, InstanceStore
 from capyctl_scheduler.actions import Action, Kind
+from capyctl_scheduler.ledger import Footprint
 from capyctl_scheduler.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ class Actuator:
             start_deadline_s=snapshot.tunables.start_deadline_s,
             hub=hc.HubPull.of(record.document.model),
             retention=record.document.retention,
+            cache=_cache_launch(resolved, footprint),
         )
         instance = snapshot.instances.get(record.name)
         await self._send(
@@ -152,9 +155,17 @@ class Actuator:
     async def _stop(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         instance = snapshot.instances[record.name]
         command = hc.Stop(
-            deployment=record.name, generation=action.generation, reason=action.reason
+            deployment=record.name,
+            generation=action.generation,
+            reason=action.reason,
+            keep_cache=action.keep_cache,
         )
         await self._send(record, action, command, self._effect("stop", action, instance.state))
+
+    async def _release(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        """Stop the LMCache server a restart_only park kept: no effect to follow (the
+        instance stays stopped); the plan asks again until its record names no server."""
+        await self._stop_orphan(snapshot, action)
 
     async def _stop_orphan(self, snapshot: Snapshot, action: Action) -> None:
         member = f"{action.deployment}:0:{action.generation}@{action.host}"
@@ -327,6 +338,7 @@ HANDLERS: Mapping[Kind, Handler] = {
     "undrain": Actuator._undrain,
     "park": Actuator._park,
     "stop": Actuator._stop,
+    "release": Actuator._release,
     "count_failure": Actuator._count_failure,
     "satisfied": Actuator._satisfied,
     "drop_demand": Actuator._drop_demand,
@@ -335,6 +347,19 @@ HANDLERS: Mapping[Kind, Handler] = {
     "forget": Actuator._forget,
     "refuse": Actuator._refuse,
 }
+
+
+def _cache_launch(resolved: Resolved, footprint: Footprint) -> hc.CacheLaunch | None:
+    """The LMCache server of a launch, and what it is charged (as the ledger charged it)."""
+    if resolved.cache is None or footprint.cache_bytes is None:
+        return None
+    host_bytes, device_bytes = footprint.cache_bytes
+    return hc.CacheLaunch(
+        profile=resolved.cache.name,
+        pool_bytes=resolved.cache_pool,
+        host_bytes=host_bytes,
+        device_bytes=device_bytes,
+    )
 
 
 def _download_code(error: str | None) -> str | None:

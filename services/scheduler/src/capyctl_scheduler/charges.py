@@ -40,6 +40,8 @@ def charges(snapshot: Snapshot, host: str) -> dict[str, Mapping[str, int]]:
     view = snapshot.hosts[host]
     found: dict[str, Mapping[str, int]] = {}
     for name, instance in snapshot.on_host.get(host, {}).items():
+        if instance.state == S.STOPPED and instance.cache is not None:
+            found[name] = cache_charge(view, instance)
         if instance.state not in PHASES:
             continue
         found[name] = _charge(snapshot, view, name, instance, PHASES[instance.state])
@@ -51,9 +53,28 @@ def charges(snapshot: Snapshot, host: str) -> dict[str, Mapping[str, int]]:
         footprint = footprint_of(snapshot, name, host, effect.gpu)
         found[name] = footprint.charge(phase) if footprint else _whole(view, effect.gpu)
     for orphan in snapshot.orphans:
-        if orphan.host == host:
+        if orphan.host != host:
+            continue
+        if orphan.state not in PHASES and orphan.cache is not None:
+            found[f"orphan:{orphan.member}"] = cache_charge(view, orphan)
+        else:
             found[f"orphan:{orphan.member}"] = _whole(view, view.gpu_of(orphan.gpu_uuid))
     return found
+
+
+def cache_charge(view: HostView, instance: InstanceRecord) -> Mapping[str, int]:
+    """A stopped instance's kept LMCache server: its host RAM and its CUDA context, as the
+    launch that started it was charged (its whole GPU's worth when the GPU is unknown)."""
+    cache = instance.cache
+    assert cache is not None
+    gpu = view.gpu_of(instance.gpu_uuid)
+    home = "unified" if view.unified else "system"
+    if gpu is None:
+        return {home: cache.host_bytes}
+    device = view.domain_of(gpu)
+    charge = {home: cache.host_bytes}
+    charge[device] = charge.get(device, 0) + cache.device_bytes
+    return charge
 
 
 def charged(snapshot: Snapshot, host: str) -> Ledger:

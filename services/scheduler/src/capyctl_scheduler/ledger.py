@@ -97,7 +97,9 @@ class Footprint:
     host_provenance: Provenance
     engine_budget: int
     kv_cache: int
-    # Where the charge of its LMCache server's own memory came from; None without one.
+    # Its LMCache server's charge (host RAM, device bytes) and where the figure of the
+    # server's own memory came from; None without one.
+    cache_bytes: tuple[int, int] | None = None
     cache_provenance: Provenance | None = None
 
     def charge(self, phase: Phase) -> Mapping[str, int]:
@@ -120,7 +122,12 @@ class Footprint:
             added[home] = added.get(home, 0) + host_bytes
             added[domain] = added.get(domain, 0) + device_bytes
             phases[phase] = added
-        return replace(self, phases=phases, cache_provenance=provenance)
+        return replace(
+            self,
+            phases=phases,
+            cache_bytes=(host_bytes, device_bytes),
+            cache_provenance=provenance,
+        )
 
 
 def _startup(

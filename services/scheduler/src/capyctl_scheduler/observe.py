@@ -457,6 +457,6 @@ def _owners(
         owned = record.deployment in deployments and record.instance == 0
         if owned and record.deployment not in instances:
             instances[record.deployment] = record
-        elif record.state in LIVE_STATES:
-            orphans.append(record)
+        elif record.state in LIVE_STATES or record.cache is not None:
+            orphans.append(record)  # a live engine, or an LMCache server a park kept
     return instances, orphans

@@ -17,7 +17,16 @@ from capycommon.errors import DeviceUnobserved, HostDrained, HostUnreachable, In
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.units import format_duration
-from capyctl_scheduler.actions import Action, can_park, drain, park, stop
+from capyctl_scheduler.actions import (
+    Action,
+    can_park,
+    drain,
+    keeps_cache,
+    park,
+    parks_by_stopping,
+    release,
+    stop,
+)
 from capyctl_scheduler.charges import charged, footprint_of
 from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.placement import headroom
@@ -172,6 +181,8 @@ def _deployment(  # noqa: PLR0911 (a decision table: one return per case)
         actions = [Action("drop_demand", name, "deployment_stopped")] if demanded else []
         if instance is not None and live and state != S.STOPPING:
             actions.append(stop(instance, "operator stop"))
+        elif instance is not None and keeps_cache(instance):
+            actions.append(release(instance, "operator stop"))
         return actions
     if (
         instance is not None
@@ -264,13 +275,16 @@ def _steady(  # noqa: PLR0911 (a decision table: one return per case)
         if state == S.PARKED:
             return [stop(instance, why)]
         return [drain(snapshot, record, instance, why, then="stop")]
+    if instance is not None and keeps_cache(instance) and instance.revision < record.revision:
+        why = f"revision {record.revision} replaces revision {instance.revision}"
+        return [release(instance, why)]
     want = _wanted(snapshot, record, instance)
     if want == "ready":
         return _make_ready(snapshot, record, instance, ledgers)
     if want == "parked" and instance is not None and state == S.READY:
         return [drain(snapshot, record, instance, "operator park")]
-    if want is None and instance is not None:
-        return _idle(snapshot, record, instance)
+    if instance is not None and (want is None or keeps_cache(instance)):
+        return _idle(snapshot, record, instance)  # a kept LMCache server ends as a park does
     return []
 
 
@@ -336,6 +350,8 @@ def _drain_step(
     if idle:
         if then == "park" and can_park(snapshot, instance):
             return [park(snapshot, instance, why)]
+        if then == "park" and parks_by_stopping(instance):
+            return [stop(instance, f"{why}; a restart_only park", keep_cache=True)]
         return [stop(instance, why if then == "stop" else f"{why}; it cannot park")]
     if waited > snapshot.tunables.drain_timeout_s:
         running = load.running + load.waiting if load is not None else 0
@@ -362,6 +378,8 @@ def _idle(snapshot: Snapshot, record: DeploymentRecord, instance: InstanceRecord
         if busy(snapshot, record.name, instance):
             return []
         return [drain(snapshot, record, instance, f"idle for {format_duration(step.timeout)}")]
+    if step.kind == "release":
+        return [release(instance, f"parked idle for {format_duration(step.timeout)}")]
     return [stop(instance, f"parked idle for {format_duration(step.timeout)}")]
 
 

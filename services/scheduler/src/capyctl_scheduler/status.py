@@ -60,6 +60,8 @@ def state_of(snapshot: Snapshot, name: str) -> str:  # noqa: PLR0911 (one word p
         return "pending"
     if instance is not None and record.park_requested == instance.generation:
         return "parked"  # a restart_only park: the engine is stopped, a request cold-starts it
+    if instance is not None and instance.state == S.STOPPED and instance.cache is not None:
+        return "parked"  # the same, its LMCache server kept for the next start
     return "idle"
 
 

@@ -15,7 +15,8 @@ S = InstanceState
 
 @dataclass(frozen=True)
 class IdleStep:
-    kind: Literal["park", "stop"]
+    # release: the LMCache server a restart_only park kept stops.
+    kind: Literal["park", "stop", "release"]
     at: float
     timeout: float
 
@@ -51,6 +52,8 @@ def next_idle_step(
         return IdleStep("park", at, ready_after)
     if instance.state == S.PARKED and parked_after is not None:
         return IdleStep("stop", instance.since + parked_after, parked_after)
+    if instance.state == S.STOPPED and instance.cache is not None and parked_after is not None:
+        return IdleStep("release", instance.since + parked_after, parked_after)
     return None
 
 

@@ -13,7 +13,8 @@ from capycommon.errors import InsufficientResources
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.instances import InstanceState
 from capycommon.units import format_size
-from capyctl_scheduler.actions import Action, can_park, drain, stop
+from capyctl_scheduler import actions as act
+from capyctl_scheduler.actions import Action, can_park, drain, keeps_cache, stop
 from capyctl_scheduler.charges import after_releases, footprint_of
 from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.snapshot import HostView, Snapshot
@@ -54,6 +55,8 @@ def switch(
         why = f"switch to {name}: {release.reason.removeprefix('switch: ')}"
         if instance.state == S.PARKED:
             actions.append(stop(instance, why))
+        elif keeps_cache(instance):
+            actions.append(act.release(instance, why))
         else:
             actions.append(drain(snapshot, victim, instance, why, then=release.action))
     victims = ", ".join(release.owner for release in releases)
@@ -110,7 +113,19 @@ def _candidates(
         record = snapshot.deployments.get(name)
         if record is None or name == requester:
             continue
-        if record.inflight is not None or instance.state not in (S.READY, S.PARKED):
+        if record.inflight is not None:
+            continue
+        if keeps_cache(instance):  # a restart_only park's LMCache server: released at once
+            yield Candidate(
+                owner=name,
+                last_used=instance.since,
+                busy=False,
+                protected=protected(record),
+                can_park=False,
+                parked_charge={},
+            )
+            continue
+        if instance.state not in (S.READY, S.PARKED):
             continue
         gpu = view.gpu_of(instance.gpu_uuid)
         footprint = footprint_of(snapshot, name, view.name, gpu) if gpu else None

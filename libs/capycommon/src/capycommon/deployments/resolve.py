@@ -199,15 +199,14 @@ def _cache(
         if setting == "required":
             raise LMCacheUnavailable(f"lmcache: required, but {found.why}", gate=found.gate)
         return None, f"off: {found.why} [{found.gate}]"
-    flags = {arg.split("=", 1)[0] for arg in extra_args}
-    clash = next((flag for flag in CACHE_FLAGS if flag in flags), None)
+    clash = next((flag for flag in CACHE_FLAGS if lmcache.sets(extra_args, flag)), None)
     if clash is not None:
         raise InvalidConfig(
             f"engine_config.extra_args: {clash} is reserved while the model runs with LMCache: "
             "CapyCTL connects the engine to its own; drop it, or set lmcache: off"
         )
     pool = format_size(deployment.lmcache_pool or lmcache.DEFAULT_POOL)
-    return found, f"on: LMCache {found.version} ({found.name}), a {pool} pool"
+    return found, f"on: LMCache {found.version} ({found.name}), pool {pool}"
 
 
 def resolve_engine(engine: str, profiles: Mapping[str, EngineProfile]) -> EngineProfile:

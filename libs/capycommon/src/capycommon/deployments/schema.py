@@ -87,6 +87,15 @@ def _format_idle_timeout(value: float | str) -> str:
     return value if isinstance(value, str) else format_duration(value)
 
 
+def _pool(size: int) -> int:
+    if size < 1 << 30:
+        raise ValueError(
+            f"{format_size_exact(size)} is below 1GiB, the smallest LMCache pool; give 1GiB "
+            "or more (the pool is pinned host RAM: 4GiB holds tens of thousands of tokens)"
+        )
+    return size
+
+
 def _request_deadline(seconds: float) -> float:
     if seconds > MAX_REQUEST_DEADLINE_S:
         raise ValueError(f"{format_duration(seconds)} is above the most a request may wait, 1h")
@@ -326,7 +335,7 @@ class Deployment(Strict):
     # condition holds), off, or required (the deployment fails where one does not).
     lmcache: Literal["auto", "off", "required"] | None = None
     # Host RAM the instance's LMCache pins for its cache; none: 4GiB.
-    lmcache_pool: Size | None = None
+    lmcache_pool: Annotated[Size, AfterValidator(_pool)] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -65,6 +65,7 @@ Gate = Literal[
     "engine",
     "not_registered",
     "lmcache_version",
+    "connector",
     "residency",
     "decisions",
     "radix_cache_disabled",
@@ -116,7 +117,13 @@ def gate(facts: GateFacts) -> EngineProfile | Closed:
     closed = _closed(facts)
     if closed is not None:
         return closed
-    return next(p for p in facts.installs if qualified(p))
+    return next(p for p in _beside(facts) if qualified(p))
+
+
+def _beside(facts: GateFacts) -> list[EngineProfile]:
+    """The registered LMCache installations in the engine's own environment: the engine
+    imports LMCache's connector (vLLM's `lmcache_mp_connector`, SGLang's adapter) from it."""
+    return [p for p in facts.installs if p.install_path == facts.engine.install_path]
 
 
 def _closed(facts: GateFacts) -> Closed | None:  # noqa: PLR0911 (one answer per gate)
@@ -144,30 +151,45 @@ def _closed(facts: GateFacts) -> Closed | None:  # noqa: PLR0911 (one answer per
             "lmcache_version",
             f"the registered LMCache ({found}) is not 0.5.6 or a later 0.5.x; register one that is",
         )
+    if not any(qualified(p) for p in _beside(facts)):
+        return Closed(
+            "connector",
+            f"the engine's environment ({engine.install_path}) has no registered LMCache 0.5.6 "
+            "or later 0.5.x, and the engine loads LMCache's connector from it; install LMCache "
+            f"there and register it: capyctl engine add {engine.install_path} --family lmcache",
+        )
     if facts.residency != Residency.RESTART_ONLY:
         return Closed(
             "residency",
-            f"it parks {facts.residency}, and no deep parking is qualified with LMCache in "
-            "this release; set residency: restart_only to use LMCache",
+            f"its residency is {facts.residency}, and no parking of the engine is qualified "
+            "with LMCache in this release; set residency: restart_only to use LMCache",
         )
     return _sglang_closed(facts) if engine.family == Family.SGLANG else _chunk_closed(facts)
 
 
+def sets(args: Sequence[str], flag: str) -> bool:
+    """Whether `args` set `flag`, whole or abbreviated (the engines' argparse takes any
+    unambiguous prefix)."""
+    return any(
+        arg.startswith("--") and len(name := arg.split("=", 1)[0]) > 2 and flag.startswith(name)
+        for arg in args
+    )
+
+
 def _sglang_closed(facts: GateFacts) -> Closed | None:
-    flags = {arg.split("=", 1)[0] for arg in facts.extra_args}
     if facts.decisions:
         return Closed(
             "decisions",
             "a decision deployment on SGLang runs without LMCache (SGLang fails with it while "
             "its radix cache is off)",
         )
-    if "--disable-radix-cache" in flags:
+    if sets(facts.extra_args, "--disable-radix-cache"):
         return Closed(
             "radix_cache_disabled",
             "SGLang bypasses LMCache with its radix cache off (--disable-radix-cache in "
             "engine_config.extra_args); drop the flag",
         )
-    if "--enable-hierarchical-cache" in flags:
+    if sets(facts.extra_args, "--enable-hierarchical-cache"):
         return Closed(
             "hierarchical_cache",
             "SGLang bypasses LMCache with its hierarchical cache (--enable-hierarchical-cache "
@@ -201,10 +223,13 @@ def _chunk_closed(facts: GateFacts) -> Closed | None:
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value `args` give `flag` (whole or abbreviated), if any."""
     for index, arg in enumerate(args):
-        if arg.startswith(f"{flag}="):
+        if not sets([arg], flag):
+            continue
+        if "=" in arg:
             return arg.split("=", 1)[1]
-        if arg == flag and index + 1 < len(args):
+        if index + 1 < len(args):
             return args[index + 1]
     return None
 

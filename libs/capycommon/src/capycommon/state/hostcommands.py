@@ -51,6 +51,17 @@ class HubPull(BaseModel):
         return cls(repo=model.hf_repo, commit=model.hf_commit, files=model.files)
 
 
+class CacheLaunch(BaseModel):
+    """The LMCache server to run beside the engine, and what the scheduler charges for it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profile: str
+    pool_bytes: int = Field(gt=0)
+    host_bytes: int = Field(ge=0)
+    device_bytes: int = Field(ge=0)
+
+
 class Launch(_Command):
     kind: Literal["launch"] = "launch"
     reason: str = "requested"
@@ -73,6 +84,8 @@ class Launch(_Command):
     hub: HubPull | None = None
     # The deployment's `retention` (None: the host's).
     retention: Literal["default", "zero"] | None = None
+    # Its LMCache server; None: the engine runs without one.
+    cache: CacheLaunch | None = None
 
 
 class Park(_Command):
@@ -97,8 +110,13 @@ class Wake(_Command):
 
 
 class Stop(_Command):
+    """Stop the instance's engine. `keep_cache`: a restart_only park, which keeps its LMCache
+    server (and the pool's contents) for the next launch. A stop of an instance already
+    stopped whose server was kept stops that server."""
+
     kind: Literal["stop"] = "stop"
     reason: str = "requested"
+    keep_cache: bool = False
 
 
 class Abort(_Command):

@@ -66,6 +66,30 @@ class ProcessIdentity(BaseModel):
     start_ticks: int  # /proc/<pid>/stat field 22: start time in clock ticks after boot
 
 
+class CacheRecord(BaseModel):
+    """The private LMCache server beside an instance (`capycommon.engines.lmcache`). It may
+    outlive the instance's engine: a restart_only park keeps it, and the next launch of the
+    deployment's revision connects to it again."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profile: str
+    version: str
+    fingerprint: str
+    revision: int
+    zmq_port: int
+    http_port: int
+    metrics_port: int
+    pool_bytes: int
+    process: ProcessIdentity
+    # Its log (the log of the launch that started it); None when none is kept.
+    log_path: str | None = None
+    # What the scheduler charges for it: host RAM (its pool and its own memory) and on the
+    # instance's GPU; a stopped instance whose server was kept is charged these alone.
+    host_bytes: int
+    device_bytes: int
+
+
 class InstanceRecord(BaseModel):
     """What hostd observed of one instance."""
 
@@ -93,6 +117,8 @@ class InstanceRecord(BaseModel):
     # The canary's answer at first readiness; a wake must answer the same.
     canary: str | None = None
     error: str | None = None
+    # Its LMCache server, while one runs for it (through a restart_only park too).
+    cache: CacheRecord | None = None
 
     @property
     def member(self) -> str:
