@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from capycommon.deployments.load import parse_deployment
 from capycommon.state import keys
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.instances import CacheRecord, InstanceRecord, InstanceState
 
 
 async def put_ready(
@@ -21,6 +21,7 @@ async def put_ready(
     host: str = "local",
     port: int = 8100,
     secret: str = "engine-key",
+    cache: CacheRecord | None = None,
 ) -> None:
     """Deployment `name` of `family`, its instance ready at generation 1 on `host`, serving
     as `served` on `port` behind `secret`."""
@@ -47,6 +48,7 @@ async def put_ready(
         family=family,
         served_name="served",
         port=port,
+        cache=cache,
     )
     await client.set(keys.instance(host, name, 0), instance.model_dump_json())
     await client.sadd(keys.instances(host), f"{name}:0")

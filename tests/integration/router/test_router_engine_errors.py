@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
 from capycommon.state import places
+from capycommon.state.instances import CacheRecord, ProcessIdentity
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
@@ -31,6 +32,20 @@ from integration.router.ready import chunk, put_ready
 
 CREDENTIALS = generate()
 HOST = "local"
+# An LMCache server beside an engine, as hostd records it.
+LMCACHE = CacheRecord(
+    profile="lmcache",
+    version="0.5.6",
+    fingerprint="0.5.6+sha256:0",
+    revision=1,
+    zmq_port=1,
+    http_port=2,
+    metrics_port=3,
+    pool_bytes=1 << 32,
+    process=ProcessIdentity(pid=1, pgid=1, start_ticks=1),
+    host_bytes=1 << 33,
+    device_bytes=1 << 30,
+)
 HI: list[Any] = [{"role": "user", "content": "hi"}]
 TOO_LONG = (
     "'max_tokens' or 'max_completion_tokens' is too large: 9000. This model's maximum "
@@ -103,6 +118,7 @@ async def cluster(redis_socket: Path) -> AsyncIterator[tuple[Cluster, openai.Asy
     async with engine_serving(cluster.answer) as port:
         for family in REFUSALS:
             await cluster.ready(family, port)
+        await put_ready(client, "sglang-lmcache", "sglang", HOST, port, cache=LMCACHE)
         table = Table(client, {HOST})
         await table.sync()
         app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
@@ -275,3 +291,21 @@ async def test_a_cache_salt_for_llamacpp_is_refused_with_its_reason(
     assert "llama.cpp" in refused.value.message
     assert engines.seen == [], "the engine never saw it"
     assert await engines.running("llamacpp") == 0, "its place came back"
+
+
+@pytest.mark.anyio
+async def test_a_cache_salt_for_sglang_with_lmcache_is_refused_with_its_reason(
+    cluster: tuple[Cluster, openai.AsyncOpenAI],
+) -> None:
+    engines, sdk = cluster
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.chat.completions.create(
+            model="sglang-lmcache", messages=HI, extra_body={"cache_salt": "tenant-a"}
+        )
+    assert refused.value.code == "cache_salt_unsupported"
+    assert "SGLang with LMCache" in refused.value.message
+    assert "lmcache: off" in refused.value.message
+    assert engines.seen == [], "the engine never saw it"
+    assert await engines.running("sglang-lmcache") == 0, "its place came back"
+    await sdk.chat.completions.create(model="sglang-lmcache", messages=HI)
+    assert len(engines.seen) == 1, "without a salt it is served"

@@ -136,7 +136,7 @@ def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]
     except embeddings, the request id where the family takes one, the per-launch key (behind
     an ingress, the instance the request was admitted to: the ingress adds the key), and a
     client's cache_salt as its digest (`salt_digest`); llama.cpp, which has no cache_salt, is
-    refused one."""
+    refused one, and so is SGLang with LMCache, whose cache drops it."""
     body = {**call.body, "model": target.served_name}
     if target.ingress is None:
         headers = {"Authorization": f"Bearer {target.secret}", "X-Request-Id": call.request_id}
@@ -160,6 +160,12 @@ def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]
             raise CacheSaltUnsupported(
                 f"deployment {target.deployment!r} runs on llama.cpp, which cannot keep cached "
                 "prompts apart by cache_salt; drop cache_salt, or serve the model on vLLM or SGLang"
+            )
+        if target.family == "sglang" and target.lmcache:
+            raise CacheSaltUnsupported(
+                f"deployment {target.deployment!r} runs on SGLang with LMCache, which keys "
+                "cached prompts by their tokens alone, so requests with other salts would share "
+                "them; drop cache_salt, or set lmcache: off on the deployment"
             )
         body["cache_salt"] = salt_digest(target.deployment, target.revision, salt)
     return body, headers

@@ -58,6 +58,8 @@ class Target:
     served_name: str
     # The host's ingress; None for an engine on the router's own host, dialed on loopback.
     ingress: Ingress | None = None
+    # The engine runs with an LMCache server beside it.
+    lmcache: bool = False
 
 
 @dataclass
@@ -120,6 +122,7 @@ class Table:
             family=instance.family or "vllm",
             served_name=instance.served_name or record.document.routes[0],
             ingress=ingress,
+            lmcache=instance.cache is not None,
         )
 
     def changed(self, name: str) -> asyncio.Event:
