@@ -252,7 +252,8 @@ def _idle(idle: Idle) -> str:
     )
     if step is None:
         return f"nothing due (idle timeouts: {timeouts})"
-    verb = "parks" if step.action == "park" else "stops"
+    verbs = {"park": "parks", "stop": "stops", "release": "stops its kept LMCache server"}
+    verb = verbs[step.action]
     at = time.strftime("%H:%M:%S", time.localtime(step.at))
     left = max(0, round(step.at - time.time()))
     return f"{verb} at {at} (in {left // 60}m {left % 60:02d}s if nobody asks; {timeouts})"

@@ -50,7 +50,9 @@ def choose(found: list[detect.Found], family: Family | None, path: Path) -> dete
         return matching[0]
     if len(found) > 1:
         families = " and ".join(f.family.value for f in found)
-        raise EngineUnsupported(f"{path} holds {families}; choose one with --family")
+        raise EngineUnsupported(
+            f"{path} holds {families}; choose one with --family (add each you want registered)"
+        )
     return found[0]
 
 

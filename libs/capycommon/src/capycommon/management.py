@@ -292,7 +292,8 @@ class Requests(Answer):
 
 
 class IdleStep(Answer):
-    action: Literal["park", "stop"]
+    # release: the LMCache server a restart_only park kept stops.
+    action: Literal["park", "stop", "release"]
     at: float
 
 
