@@ -29,7 +29,7 @@ from capycommon.state.store import Event
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour, CrashAtStart, Faults, ToolCall
 from enginesim.install import install_llama_server, install_python_engine
-from support import Role, capyctl, clean_env, short_dir, start_role
+from support import Role, capyctl, clean_env, kill_started_under, short_dir, start_role
 
 GiB = 1 << 30
 HOST = "local"
@@ -304,4 +304,5 @@ def running(prefix: str, gpus: str = "gpu0:24GiB", **settings: Any) -> Iterator[
             cluster.clean()
         finally:  # a role is never left behind, even when its engines could not be deleted
             cluster.role.stop()
+            kill_started_under(root)  # engines or LMCache servers a failed delete left
             shutil.rmtree(root, ignore_errors=True)

@@ -4,6 +4,7 @@ services), and the engine profile that tests of several folders register."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -427,3 +428,22 @@ def start_host(
             handle.stop()
             raise
     return handle
+
+
+def kill_started_under(root: Path) -> list[int]:
+    """SIGKILL every process whose command line names a path under `root` (an engine or an
+    LMCache server of a test's own installs or state), and return their PIDs."""
+    killed = []
+    marker = str(root).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed

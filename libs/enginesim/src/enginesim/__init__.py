@@ -4,6 +4,8 @@ and as a process, so that everything above the engines is tested without a GPU.
 Make an install with `install_python_engine` or `install_llama_server`, choose its behaviour
 with a `Behaviour` (rewritten between launches by `write_behaviour`), and launch it as the
 real engine is launched. The behaviour to match is in the shared `reference/engines.md`.
+`install_lmcache` adds a stand-in LMCache server (`LMCacheBehaviour`), in a venv of its own
+or an engine's, for engines launched with LMCache's connector.
 """
 
 from enginesim.behaviour import (
@@ -11,11 +13,13 @@ from enginesim.behaviour import (
     CrashAtStart,
     DisconnectLag,
     Faults,
+    LMCacheBehaviour,
     SchedulerDies,
     ToolCall,
 )
 from enginesim.install import (
     install_llama_server,
+    install_lmcache,
     install_python_engine,
     write_behaviour,
 )
@@ -25,9 +29,11 @@ __all__ = [
     "CrashAtStart",
     "DisconnectLag",
     "Faults",
+    "LMCacheBehaviour",
     "SchedulerDies",
     "ToolCall",
     "install_llama_server",
+    "install_lmcache",
     "install_python_engine",
     "write_behaviour",
 ]

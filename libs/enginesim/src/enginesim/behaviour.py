@@ -3,7 +3,8 @@
 The behaviour is a JSON document inside the installation (engines start with a closed
 environment, so it cannot come from a variable): `<site-packages>/vllm/_capyctl_sim.json`,
 `<site-packages>/sglang/_capyctl_sim.json`, or `llama-server.sim.json` next to a simulated
-`llama-server`. A missing file means every default.
+`llama-server`. A simulated LMCache server's (`LMCacheBehaviour`) is
+`<site-packages>/lmcache/_capyctl_sim.json`. A missing file means every default.
 """
 
 from __future__ import annotations
@@ -105,7 +106,33 @@ class Behaviour(_Strict):
     # real engines take: the whole load holds the budget plus this much, then lets it go.
     startup_extra_bytes: int = Field(default=0, ge=0)
     memory_lag_seconds: float = Field(default=0.2, ge=0)
+    # With an LMCache connector: how long the engine waits for its server to answer at
+    # start-up (and for each answer later), as the connector's mq_timeout (300 s in vLLM).
+    kv_connect_seconds: float = Field(default=5.0, gt=0)
     faults: Faults = Faults()
+
+
+class LMCacheBehaviour(_Strict):
+    """How a simulated LMCache server (`enginesim.lmcache`) behaves."""
+
+    # /api/healthcheck answers 503 this long after the HTTP API is up, then 200.
+    startup_seconds: float = Field(default=0.3, ge=0)
+    # Print `fail_message` on stderr and exit 1 before binding any port.
+    fail_at_start: bool = False
+    fail_message: str = "RuntimeError: simulated LMCache failure at start-up"
+    # The engine is never initialised: 503 for ever, and engines get no answer.
+    never_healthy: bool = False
+    # Resident memory the server holds besides Python's own (never the pool's size).
+    resident_mib: int = Field(default=8, ge=0)
+    # This long after it became healthy the server dies (exit 1).
+    crash_after_seconds: float | None = Field(default=None, ge=0)
+    # The most chunks kept; the least recently used goes first.
+    max_chunks: int = Field(default=65536, ge=1)
+    # The /api/ routes (/api/healthcheck, /api/status, /api/clear-cache) of LMCache's newer
+    # HTTP API; off: only /healthcheck and /status, as LMCache 0.5.6 serves them.
+    api_routes: bool = True
+    # Each store is answered this long after it came (a slow pool).
+    store_seconds: float = Field(default=0.0, ge=0)
 
 
 GARBAGE_ANSWER = "!!!!!!!! !!!!!!!! !!!!!!!! !!!!!!!!"
@@ -118,7 +145,14 @@ def load_behaviour(path: Path | None) -> Behaviour:
     return Behaviour.model_validate_json(path.read_bytes())
 
 
-def save_behaviour(path: Path, behaviour: Behaviour) -> None:
+def load_lmcache_behaviour(path: Path | None) -> LMCacheBehaviour:
+    """The LMCache behaviour in `path`; every default when there is no such file."""
+    if path is None or not path.is_file():
+        return LMCacheBehaviour()
+    return LMCacheBehaviour.model_validate_json(path.read_bytes())
+
+
+def save_behaviour(path: Path, behaviour: Behaviour | LMCacheBehaviour) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(behaviour.model_dump_json(indent=2) + "\n")
     tmp.replace(path)

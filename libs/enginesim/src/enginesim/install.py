@@ -2,10 +2,13 @@
 
 `install_python_engine` makes a venv holding a real `vllm` or `sglang` wheel (dist-info,
 RECORD with hashes, console script) whose modules hand over to this simulator.
-`install_llama_server` writes an executable `llama-server`. The behaviour document sits
-next to the code (`<package>/_capyctl_sim.json`, `llama-server.sim.json`); it is written after
-pip installs the wheel, so it is not in RECORD and rewriting it (`write_behaviour`) leaves
-the install's recorded files, and so CapyCTL's fingerprint of it, unchanged.
+`install_lmcache` does the same for `lmcache` (its server module and `lmcache server` hand
+over to `enginesim.lmcache`), in a venv of its own or into an engine's venv, as users often
+keep both in one. `install_llama_server` writes an executable `llama-server`. The behaviour
+document sits next to the code (`<package>/_capyctl_sim.json`, `llama-server.sim.json`); it
+is written after pip installs the wheel, so it is not in RECORD and rewriting it
+(`write_behaviour`) leaves the install's recorded files, and so CapyCTL's fingerprint of it,
+unchanged.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from enginesim.behaviour import Behaviour, save_behaviour
+from enginesim.behaviour import Behaviour, LMCacheBehaviour, save_behaviour
 
 PythonFamily = Literal["vllm", "sglang"]
 BEHAVIOUR_FILE = "_capyctl_sim.json"
 LLAMA_BEHAVIOUR_SUFFIX = ".sim.json"
+LINK_FILE = "_capyctl_enginesim.pth"
 
 _SHIM = '''"""Simulated {family} {version}: hands over to enginesim."""
 
@@ -73,31 +78,97 @@ def _package_files(family: PythonFamily, version: str) -> dict[str, str]:
     return files
 
 
+_LMCACHE_SERVER = '''"""Simulated LMCache {version}: its multi-process server, in enginesim."""
+
+import sys
+from pathlib import Path
+
+from enginesim.lmcache import run
+
+BEHAVIOUR = Path(__file__).resolve().parents[2] / "{behaviour}"
+
+
+def main() -> int:
+    return run(sys.argv[1:], "{version}", BEHAVIOUR, None)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+'''
+_LMCACHE_CLI = '''"""Simulated LMCache {version}: the `lmcache` command, in enginesim."""
+
+import sys
+from pathlib import Path
+
+from enginesim.lmcache import cli
+
+BEHAVIOUR = Path(__file__).resolve().parent / "{behaviour}"
+
+
+def main() -> int:
+    return cli(sys.argv[1:], "{version}", BEHAVIOUR)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+'''
+_LMCACHE_CONNECTOR = '"""Simulated LMCache: the module vLLM loads its LMCacheMPConnector from."""\n'
+
+
+def _lmcache_files(version: str) -> dict[str, str]:
+    """The `lmcache` package: its server module, its command, and the module that vLLM's
+    `kv_connector_module_path` names (the simulated engines only check it imports)."""
+    shim = {"version": version, "behaviour": BEHAVIOUR_FILE}
+    return {
+        "lmcache/__init__.py": f'__version__ = "{version}"\n',
+        "lmcache/cli.py": _LMCACHE_CLI.format(**shim),
+        "lmcache/v1/__init__.py": "",
+        "lmcache/v1/multiprocess/__init__.py": "",
+        "lmcache/v1/multiprocess/http_server.py": _LMCACHE_SERVER.format(**shim),
+        "lmcache/integration/__init__.py": "",
+        "lmcache/integration/vllm/__init__.py": "",
+        "lmcache/integration/vllm/lmcache_mp_connector.py": _LMCACHE_CONNECTOR,
+    }
+
+
 def _record_line(name: str, data: bytes) -> str:
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
     return f"{name},sha256={digest},{len(data)}"
 
 
-def build_wheel(family: PythonFamily, version: str, folder: Path) -> Path:
-    """A real wheel named `family` at `version` holding the shims."""
-    dist_info = f"{family}-{version}.dist-info"
-    files = _package_files(family, version)
+def _wheel(name: str, version: str, package: dict[str, str], script: str, folder: Path) -> Path:
+    """A real wheel named `name` at `version` holding `package` and one console script."""
+    dist_info = f"{name}-{version}.dist-info"
+    files = dict(package)
     files[f"{dist_info}/METADATA"] = (
-        f"Metadata-Version: 2.1\nName: {family}\nVersion: {version}\n"
-        f"Summary: Simulated {family} (enginesim)\n"
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        f"Summary: Simulated {name} (enginesim)\n"
     )
     files[f"{dist_info}/WHEEL"] = (
         "Wheel-Version: 1.0\nGenerator: enginesim\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     )
-    files[f"{dist_info}/entry_points.txt"] = f"[console_scripts]\n{_CONSOLE_SCRIPTS[family]}\n"
-    records = [_record_line(name, text.encode()) for name, text in files.items()]
+    files[f"{dist_info}/entry_points.txt"] = f"[console_scripts]\n{script}\n"
+    records = [_record_line(path, text.encode()) for path, text in files.items()]
     records.append(f"{dist_info}/RECORD,,")
     files[f"{dist_info}/RECORD"] = "\n".join(records) + "\n"
-    wheel = folder / f"{family}-{version}-py3-none-any.whl"
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name, text in files.items():
-            archive.writestr(name, text)
+        for path, text in files.items():
+            archive.writestr(path, text)
     return wheel
+
+
+def build_wheel(family: PythonFamily, version: str, folder: Path) -> Path:
+    """A real wheel named `family` at `version` holding the shims."""
+    return _wheel(
+        family, version, _package_files(family, version), _CONSOLE_SCRIPTS[family], folder
+    )
+
+
+def build_lmcache_wheel(version: str, folder: Path) -> Path:
+    """A real wheel named `lmcache` at `version` holding the shims."""
+    script = "lmcache = lmcache.cli:main"
+    return _wheel("lmcache", version, _lmcache_files(version), script, folder)
 
 
 def _site_packages(venv: Path) -> Path:
@@ -110,20 +181,18 @@ def _site_packages(venv: Path) -> Path:
 def _link_this_environment(venv: Path) -> None:
     """Make this interpreter's packages (capycommon, fastapi, uvicorn) importable there."""
     lines = [f"import site; site.addsitedir({str(d)!r})\n" for d in site.getsitepackages()]
-    (_site_packages(venv) / "_capyctl_enginesim.pth").write_text("".join(lines))
+    (_site_packages(venv) / LINK_FILE).write_text("".join(lines))
 
 
-def install_python_engine(
-    venv: Path,
-    family: PythonFamily,
-    version: str,
-    behaviour: Behaviour | None = None,
-) -> Path:
-    """Create `venv` with a simulated `family` at `version` installed by pip; returns `venv`."""
+def _make_venv(venv: Path) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     _link_this_environment(venv)
+
+
+def _pip_install(venv: Path, build: Callable[[Path], Path]) -> None:
+    """Build a wheel in a scratch folder with `build`, and install it into `venv` by pip."""
     with tempfile.TemporaryDirectory(prefix="enginesim-wheel-") as folder:
-        wheel = build_wheel(family, version, Path(folder))
+        wheel = build(Path(folder))
         subprocess.run(
             [
                 sys.executable,
@@ -140,7 +209,32 @@ def install_python_engine(
             ],
             check=True,
         )
+
+
+def install_python_engine(
+    venv: Path,
+    family: PythonFamily,
+    version: str,
+    behaviour: Behaviour | None = None,
+) -> Path:
+    """Create `venv` with a simulated `family` at `version` installed by pip; returns `venv`."""
+    _make_venv(venv)
+    _pip_install(venv, lambda folder: build_wheel(family, version, folder))
     write_behaviour(venv, behaviour or Behaviour())
+    return venv
+
+
+def install_lmcache(
+    venv: Path, version: str = "0.5.6", behaviour: LMCacheBehaviour | None = None
+) -> Path:
+    """Install a simulated `lmcache` at `version` into `venv` by pip, creating `venv` unless
+    it is one already (a simulated engine's, say); returns `venv`."""
+    if not (venv / "pyvenv.cfg").is_file():
+        _make_venv(venv)
+    elif not (_site_packages(venv) / LINK_FILE).is_file():
+        _link_this_environment(venv)
+    _pip_install(venv, lambda folder: build_lmcache_wheel(version, folder))
+    write_behaviour(venv, behaviour or LMCacheBehaviour())
     return venv
 
 
@@ -172,6 +266,18 @@ def behaviour_path(installed: Path) -> Path:
     raise FileNotFoundError(f"{installed} holds no simulated vllm or sglang")
 
 
-def write_behaviour(installed: Path, behaviour: Behaviour) -> None:
-    """Replace the behaviour of an install; it applies from the next launch."""
-    save_behaviour(behaviour_path(installed), behaviour)
+def lmcache_behaviour_path(venv: Path) -> Path:
+    """Where the behaviour of the simulated LMCache installed in `venv` lives."""
+    package = _site_packages(venv) / "lmcache"
+    if not (package / "__init__.py").is_file():
+        raise FileNotFoundError(f"{venv} holds no simulated lmcache")
+    return package / BEHAVIOUR_FILE
+
+
+def write_behaviour(installed: Path, behaviour: Behaviour | LMCacheBehaviour) -> None:
+    """Replace the behaviour of an install, an engine's or, given an `LMCacheBehaviour`, the
+    LMCache server's in that venv; it applies from the next launch."""
+    if isinstance(behaviour, LMCacheBehaviour):
+        save_behaviour(lmcache_behaviour_path(installed), behaviour)
+    else:
+        save_behaviour(behaviour_path(installed), behaviour)

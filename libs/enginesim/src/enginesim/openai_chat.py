@@ -27,6 +27,8 @@ JsonDict = dict[str, Any]
 _PIECES = re.compile(r"\s*\S+")
 # Stands for a piece's text while its event's template is made; no answer holds it.
 _HOLE = "\x00piece\x00"
+# A prompt's token i is its text's characters 4i to 4i + 3.
+CHARS_PER_TOKEN = 4
 
 
 class _Tolerant(BaseModel):
@@ -102,7 +104,7 @@ def _text_of(content: Any) -> str:
 
 
 def count_prompt_tokens(text: str) -> int:
-    return max(1, math.ceil(len(text) / 4))
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
 def pieces(text: str) -> list[str]:
@@ -159,6 +161,8 @@ class Dialect:
     tool_calls_always_listed: bool = False  # vLLM: message.tool_calls is [] when there are none
     timings: bool = False  # llama.cpp: `timings` on every chunk
     system_fingerprint: str | None = None
+    # With an LMCache connector: usage's `prompt_tokens_details` of a request's work.
+    prompt_details: Callable[[Work], JsonDict] | None = None
 
 
 @dataclass
@@ -181,11 +185,14 @@ class Answer:
 
     def usage(self) -> JsonDict:
         prompt, completion = self.work.prompt_tokens, self.work.completion_tokens
-        return {
+        usage: JsonDict = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        if self.dialect.prompt_details is not None:
+            usage["prompt_tokens_details"] = self.dialect.prompt_details(self.work)
+        return usage
 
     def timings(self) -> JsonDict:
         work = self.work

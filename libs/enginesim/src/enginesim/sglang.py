@@ -12,6 +12,12 @@ TemporaryDirectory inside the folder PROMETHEUS_MULTIPROC_DIR names (which its c
 writing to), else one in /tmp that it exports to them; either is removed when it exits. With
 the `scheduler_dies` fault the scheduler and detokenizer run as children (`sglang_children`),
 the scheduler dies while loading, and the server waits on without listening until stopped.
+
+`--enable-lmcache` connects to the LMCache server that `--lmcache-config-file` (or
+LMCACHE_CONFIG_FILE) names with `mp_host` and `mp_port`, once the weights are loaded; its
+chunk size must be a multiple of `--page-size`. LMCache's cache is a radix cache: with
+`--disable-radix-cache` or `--enable-hierarchical-cache` SGLang builds another cache and
+silently never connects. See `enginesim.kvconnector`.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from enginesim import kvconnector
 from enginesim import process as proc
 from enginesim.behaviour import Behaviour, SchedulerDies
 from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice, cuda_device
+from enginesim.kvconnector import KvConfigError, KvConnector
 from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.process import Process
 from enginesim.sglang_app import SglangFrontend, build_app
@@ -90,7 +98,6 @@ IGNORED_SWITCHES = (
     "--trust-remote-code",
     "--enable-cache-report",
     "--disable-cuda-graph",
-    "--enable-lmcache",
     "--enable-torch-compile",
     "--disable-overlap-schedule",
     "--enable-mixed-chunk",
@@ -120,6 +127,10 @@ class SglangArgs:
     skip_server_warmup: bool
     log_requests: bool
     tp_size: int
+    enable_lmcache: bool
+    lmcache_config_file: str | None
+    enable_hierarchical_cache: bool
+    page_size: int
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -138,6 +149,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     add("--reasoning-parser", choices=REASONING_PARSERS)
     add("--tokenizer-worker-num", type=int, default=1)
     add("--tp", "--tp-size", dest="tp_size", type=int, default=1)
+    add("--lmcache-config-file")
+    add("--page-size", type=int, default=1)
     for switch in (
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
@@ -145,6 +158,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--disable-radix-cache",
         "--skip-server-warmup",
         "--log-requests",
+        "--enable-lmcache",
+        "--enable-hierarchical-cache",
         *IGNORED_SWITCHES,
     ):
         add(switch, action="store_true")
@@ -175,6 +190,10 @@ def parse(argv: Sequence[str], prog: str) -> SglangArgs:
         skip_server_warmup=ns.skip_server_warmup,
         log_requests=ns.log_requests,
         tp_size=ns.tp_size,
+        enable_lmcache=ns.enable_lmcache,
+        lmcache_config_file=ns.lmcache_config_file,
+        enable_hierarchical_cache=ns.enable_hierarchical_cache,
+        page_size=ns.page_size,
     )
 
 
@@ -274,6 +293,32 @@ async def _scheduler_dies(process: Process, dies: SchedulerDies) -> int:
     return 0
 
 
+async def _connect_kv(
+    process: Process, args: SglangArgs, behaviour: Behaviour, device: SimDevice | None
+) -> KvConnector | None:
+    """LMCache's radix cache connects to its server; no other cache does."""
+    if not args.enable_lmcache or args.disable_radix_cache or args.enable_hierarchical_cache:
+        return None
+    try:
+        server = kvconnector.sglang_kv_server(args.lmcache_config_file, os.environ)
+    except KvConfigError as exc:
+        process.die(str(exc))
+    kvconnector.require_module(process, "lmcache")
+    if "PYTHONHASHSEED" not in os.environ:
+        log.warning(
+            "PYTHONHASHSEED is not set: LMCache's chunk hashes change with every process, so "
+            "a restarted engine misses what it stored before"
+        )
+    gpu_ids = [device.device.index] if device is not None else [0]
+    kv = await kvconnector.connect(process, server, "sglang", gpu_ids, behaviour.kv_connect_seconds)
+    if kv is not None and kv.chunk_size % args.page_size:
+        process.die(
+            f"AssertionError: LMCache's chunk size {kv.chunk_size} is not a multiple of the "
+            f"page size {args.page_size}"
+        )
+    return kv
+
+
 async def _start(process: Process, args: SglangArgs, version: str, behaviour: Behaviour) -> int:
     log.info("server_args=%s", args)
     _shared_memory(process, args)
@@ -292,12 +337,15 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     if not await finish_loading(process, behaviour, regions):
         return 0
     log.info("Load weight end.")
+    kv = await _connect_kv(process, args, behaviour, device)
+    if process.stop.is_set():
+        return 0
     try:
         sock = proc.open_socket(args.host, args.port, reuse_port=False)
     except OSError as exc:
         process.die(f"ERROR:    [Errno {exc.errno}] error while attempting to bind: {exc}")
     process.at_exit(sock.close)
-    frontend = SglangFrontend(args, version, behaviour, process, regions)
+    frontend = SglangFrontend(args, version, behaviour, process, regions, kv)
     app = build_app(frontend)
     process.spawn(frontend.warm_up())
     frontend.arm_death()

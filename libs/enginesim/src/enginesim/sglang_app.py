@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour, version_tuple
 from enginesim.engine import Engine, Token, Work
+from enginesim.kvconnector import CachingFrontend, KvConnector
 from enginesim.memory import Regions
 from enginesim.metrics import Exposition
 from enginesim.openai_chat import (
@@ -42,7 +43,7 @@ from enginesim.openai_chat import (
     EmbeddingRequest,
 )
 from enginesim.process import Process
-from enginesim.serving import Frontend, HotPaths
+from enginesim.serving import HotPaths
 
 if TYPE_CHECKING:
     from enginesim.sglang import SglangArgs
@@ -67,7 +68,7 @@ BUSY_RELEASE = (
 )
 
 
-class SglangFrontend(Frontend):
+class SglangFrontend(CachingFrontend):
     def __init__(
         self,
         args: SglangArgs,
@@ -75,9 +76,11 @@ class SglangFrontend(Frontend):
         behaviour: Behaviour,
         process: Process,
         regions: Regions,
+        kv: KvConnector | None = None,
     ) -> None:
         engine = Engine(behaviour, args.max_running_requests, self.fatal)
         super().__init__(engine, behaviour, process)
+        self.kv = kv
         self.args = args
         self.version = version
         self.regions = regions
@@ -89,6 +92,7 @@ class SglangFrontend(Frontend):
             reasoning_fields=("reasoning_content",),
             new_tool_call_id=lambda: f"call_{uuid.uuid4().hex[:24]}",
             choice_extras={"matched_stop": None},
+            prompt_details=kv.prompt_details if kv is not None else None,
         )
 
     # Frontend hooks ---------------------------------------------------------------------
@@ -123,7 +127,7 @@ class SglangFrontend(Frontend):
 
     def submit(self, work: Work) -> None:
         self.rid_to_state[work.rid] = work
-        self.engine.submit(work)
+        super().submit(work)
         self.process.spawn(self._forget(work))
 
     async def _forget(self, work: Work) -> None:

@@ -6,6 +6,11 @@ EngineCore child loads, so clients are refused; the child holds the device memor
 Memory: the budget is --gpu-memory-utilization x the device's total; the weights are the
 model folder's weight files; the KV cache is the rest of the budget, or exactly
 --kv-cache-memory-bytes when given.
+
+`--kv-transfer-config` with LMCache's `LMCacheMPConnector` (LMCache's own module named by
+`kv_connector_module_path`, or vLLM's built-in copy, which imports `lmcache` too) connects to
+the LMCache server once loaded and registers the device's index before the server listens;
+see `enginesim.kvconnector`. vLLM's other connectors are accepted and do nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from enginesim import kvconnector
 from enginesim import process as proc
 from enginesim.behaviour import Behaviour
 from enginesim.gpu import ChildHolder, SimDevice, cuda_device, gib
+from enginesim.kvconnector import KvConfigError, KvConnector, VllmKvConfig
 from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.process import Process
 from enginesim.vllm_app import VllmFrontend, build_app
@@ -59,7 +66,6 @@ IGNORED_VALUES = (
     "--uvicorn-log-level",
     "--root-path",
     "--allowed-origins",
-    "--kv-transfer-config",
     "--quantization|-q",
     "--tokenizer",
     "--revision",
@@ -115,6 +121,7 @@ class VllmArgs:
     shutdown_timeout: float
     enable_force_include_usage: bool
     enable_server_load_tracking: bool
+    kv_transfer_config: VllmKvConfig | None
 
 
 def human_int(text: str) -> int:
@@ -143,6 +150,7 @@ def build_parser(prog: str, positional_model: bool) -> argparse.ArgumentParser:
     add("--reasoning-parser")
     add("--middleware", action="append", default=[])
     add("--shutdown-timeout", type=float, default=0.0)
+    add("--kv-transfer-config")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     for switch in (
         "--enable-sleep-mode",
@@ -160,8 +168,15 @@ def build_parser(prog: str, positional_model: bool) -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str], prog: str, positional_model: bool) -> VllmArgs:
-    ns = build_parser(prog, positional_model).parse_args(argv)
+    parser = build_parser(prog, positional_model)
+    ns = parser.parse_args(argv)
     model: str = getattr(ns, "model_tag", None) or ns.model
+    kv = None
+    if ns.kv_transfer_config is not None:
+        try:
+            kv = kvconnector.vllm_kv_config(ns.kv_transfer_config)
+        except KvConfigError as exc:
+            parser.error(f"argument --kv-transfer-config: {exc}")
     keys = ns.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     return VllmArgs(
         model=model,
@@ -183,6 +198,7 @@ def parse(argv: Sequence[str], prog: str, positional_model: bool) -> VllmArgs:
         shutdown_timeout=ns.shutdown_timeout,
         enable_force_include_usage=ns.enable_force_include_usage,
         enable_server_load_tracking=ns.enable_server_load_tracking,
+        kv_transfer_config=kv,
     )
 
 
@@ -280,7 +296,10 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
     regions.loading(regions.full + extra if extra else regions.sizes["weights"])
     if not await finish_loading(process, behaviour, regions):
         return 0
-    frontend = VllmFrontend(args, version, behaviour, process, regions, dev_mode)
+    kv = await _connect_kv(process, args.kv_transfer_config, behaviour, device)
+    if process.stop.is_set():
+        return 0
+    frontend = VllmFrontend(args, version, behaviour, process, regions, dev_mode, kv)
     app = build_app(frontend)
     _watch_child(process, child, frontend)
     frontend.arm_death()
@@ -295,6 +314,31 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
         corked=behaviour.instant,
     )
     return 0
+
+
+async def _connect_kv(
+    process: Process, config: VllmKvConfig | None, behaviour: Behaviour, device: SimDevice | None
+) -> KvConnector | None:
+    """The KV connector, once the model is loaded: LMCache's connects to its server."""
+    if config is None:
+        return None
+    if config.server is None:
+        log.info("KV connector %s: accepted, not simulated", config.connector)
+        return None
+    if config.autostart:
+        process.die(
+            "ValueError: lmcache.mp.autostart is not simulated; start the LMCache server "
+            "first and pass lmcache.mp.autostart: false"
+        )
+    if config.module_path is None:
+        log.info("Using vLLM's built-in %s", config.connector)
+    else:
+        log.info("Using %s from %s", config.connector, config.module_path)
+    kvconnector.require_module(process, config.module_path or "lmcache")
+    gpu_ids = [device.device.index] if device is not None else [0]
+    return await kvconnector.connect(
+        process, config.server, "vllm", gpu_ids, behaviour.kv_connect_seconds
+    )
 
 
 def _watch_child(process: Process, child: ChildHolder, frontend: VllmFrontend) -> None:

@@ -31,6 +31,7 @@ from starlette.routing import Route
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour, version_tuple
 from enginesim.engine import Engine
+from enginesim.kvconnector import CachingFrontend, KvConnector
 from enginesim.memory import Regions
 from enginesim.metrics import Exposition
 from enginesim.openai_chat import (
@@ -41,7 +42,7 @@ from enginesim.openai_chat import (
     count_prompt_tokens,
 )
 from enginesim.process import Process
-from enginesim.serving import Frontend, HotPaths
+from enginesim.serving import HotPaths
 
 if TYPE_CHECKING:
     from enginesim.vllm import VllmArgs
@@ -60,7 +61,7 @@ def reasoning_fields(version: tuple[int, ...]) -> tuple[str, ...]:
     return ("reasoning",)
 
 
-class VllmFrontend(Frontend):
+class VllmFrontend(CachingFrontend):
     def __init__(
         self,
         args: VllmArgs,
@@ -69,8 +70,10 @@ class VllmFrontend(Frontend):
         process: Process,
         regions: Regions,
         dev_mode: bool,
+        kv: KvConnector | None = None,
     ) -> None:
         super().__init__(Engine(behaviour, args.max_num_seqs, self.fatal), behaviour, process)
+        self.kv = kv
         self.args = args
         self.version = version
         self.v = version_tuple(version)
@@ -86,6 +89,7 @@ class VllmFrontend(Frontend):
             new_tool_call_id=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}",
             choice_extras={"stop_reason": None},
             tool_calls_always_listed=True,
+            prompt_details=kv.prompt_details if kv is not None else None,
         )
 
     # Frontend hooks ---------------------------------------------------------------------
