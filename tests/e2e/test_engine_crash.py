@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from cluster import Cluster
+from cluster import HOST, SMALL, Cluster
 from support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -114,3 +114,23 @@ def test_a_model_that_cannot_start_fails_its_waiting_request_with_the_engines_wo
     assert waits is not None, reason
     assert 0 < int(waits[1]) <= 30
     cluster.ok("stop", "deployment", "broken")
+
+
+def test_capyctl_logs_shows_an_engines_recent_lines_from_its_file_or_its_memory(
+    cluster: Cluster,
+) -> None:
+    cluster.deploy("kept", engine="vllm", model="small", engine_config=SMALL)
+    cluster.ok("start", "deployment", "kept", "--wait")
+    shown = cluster.ok("logs", "deployment", "kept", "--lines", "5")
+    head, *lines = shown.splitlines()
+    assert head == f"# kept on host {HOST}: its log file"
+    assert 0 < len(lines) <= 5
+    cluster.deploy("zero", engine="vllm", model="small", engine_config=SMALL, retention="zero")
+    cluster.ok("start", "deployment", "zero", "--wait")
+    found = json.loads(cluster.ok("logs", "deployment", "zero", "--json"))
+    assert found["kept"] == "memory"
+    assert any("vLLM API server version" in line for line in found["lines"]), found["lines"]
+    assert "memory only (retention: zero)" in cluster.ok("logs", "deployment", "zero")
+    missing = cluster.cli("logs", "deployment", "nobody")
+    assert missing.returncode == 2
+    assert "[not_found]" in missing.stderr

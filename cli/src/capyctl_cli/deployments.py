@@ -163,6 +163,29 @@ def status_deployment(
     output.show(status, lambda: render_status(status), as_json=as_json)
 
 
+def logs_deployment(
+    name: NameArg,
+    lines: Annotated[
+        int, typer.Option("--lines", "-n", min=1, max=10_000, help="How many of the last lines.")
+    ] = 100,
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show the last lines of a deployment's engine log, from the host that runs it (for
+    retention: zero, from its log writer's memory)."""
+    with _api(state_dir) as api:
+        found = api.engine_log(name, lines)
+
+    def render() -> str:
+        where = {"file": "its log file", "memory": "memory only (retention: zero)"}
+        head = f"# {name} on host {found.host or '-'}: " + (
+            where.get(found.kept) or found.note or "no log"
+        )
+        return "\n".join([head, *found.lines])
+
+    output.show(found, render, as_json=as_json)
+
+
 def render_status(status: DeploymentStatus) -> str:
     last = status.last_operation
     summary = [

@@ -110,6 +110,10 @@ class Management:
     def remove(self, request: wire.RemoveRequest) -> wire.StoreOperationAnswer:
         return self._post("/models/remove", request, wire.StoreOperationAnswer)
 
+    def engine_log(self, name: str, lines: int) -> wire.EngineLog:
+        path = f"/deployments/{quote(name)}/engine-log?lines={lines}"
+        return self._get(path, wire.EngineLog)
+
     def store_operation(self, host: str, operation: str) -> wire.StoreOperationAnswer:
         path = f"/hosts/{quote(host)}/store-operations/{quote(operation)}"
         return self._get(path, wire.StoreOperationAnswer)

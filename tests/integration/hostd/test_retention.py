@@ -4,11 +4,14 @@ no core dump, its processes and their children alike (read from /proc); the host
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
-from capycommon.state import keys
+from capycommon.state import enginelogs, keys
+from capycommon.state.hostcommands import Stop
 from capycommon.state.instances import InstanceRecord
 from integration.hostd.harness import HOST, Hostd, launch
 from support import group_members
@@ -45,7 +48,54 @@ def test_a_zero_retention_engine_keeps_no_log_and_dumps_no_core(
     members = group_members(ready.process.pgid)
     assert members, "the engine runs"
     assert {pid: core_limit(pid) for pid in members} == dict.fromkeys(members, "0 0")
+    filters = {pid: Path(f"/proc/{pid}/coredump_filter").read_text().strip() for pid in members}
+    assert filters == dict.fromkeys(members, "00000000"), "no memory in a core, whoever writes it"
     assert not harness.client.exists(keys.instance_log(HOST, "a", 0)), "no lines in Redis"
+
+
+def tail(harness: Hostd, deployment: str, lines: int = 100) -> enginelogs.LogTail:
+    """The tail of an engine's log, asked of hostd as the management API asks it."""
+
+    async def ask() -> enginelogs.LogTail:
+        client = aioredis.Redis(unix_socket_path=str(harness.redis_socket))
+        try:
+            found = await enginelogs.request(client, HOST, deployment, lines, 10.0)
+        finally:
+            await client.aclose()
+        assert found is not None, "hostd answered"
+        return found
+
+    return asyncio.run(ask())
+
+
+def test_a_zero_retention_engines_recent_lines_are_kept_in_memory_only(
+    hostd: tuple[Hostd, str], model: Path
+) -> None:
+    harness, gpu = hostd
+    ready = started(harness, "a", gpu, model, retention="zero")
+    found = tail(harness, "a")
+    assert found.kept == "memory"
+    assert found.launch_id == ready.launch_id
+    assert any("vLLM API server version" in line for line in found.lines), found.lines
+    assert len(tail(harness, "a", 2).lines) == 2
+    assert logs_of(harness, "a") == [], "still no file"
+    (socket,) = harness.state.rglob(f"{ready.launch_id}/log.sock")
+    assert socket.stat().st_mode & 0o777 == 0o600, "the owner's alone"
+    harness.send(Stop(deployment="a", generation=1, reason="test"))
+    harness.wait_state("a", "stopped")
+    gone = tail(harness, "a")
+    assert gone.kept == "none"
+    assert gone.lines == []
+    assert "went with its engine" in (gone.note or "")
+
+
+def test_an_engines_log_file_is_tailed_from_its_host(hostd: tuple[Hostd, str], model: Path) -> None:
+    harness, gpu = hostd
+    ready = started(harness, "a", gpu, model)
+    assert ready.log_path is not None
+    found = tail(harness, "a", 5)
+    assert found.kept == "file"
+    assert found.lines == Path(ready.log_path).read_text().splitlines()[-5:]
 
 
 @pytest.mark.parametrize(

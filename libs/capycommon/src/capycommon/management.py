@@ -438,6 +438,18 @@ class ModelRow(Answer):
     used_by: list[str]
 
 
+class EngineLog(Versioned):
+    """GET /deployments/{name}/engine-log: the last lines of its engine's log, from the host
+    that runs it: `kept` says where the log is (file; memory, for retention: zero; none)."""
+
+    deployment: str
+    host: str
+    kept: Literal["file", "memory", "none"]
+    lines: list[str]
+    launch_id: str | None = None
+    note: str | None = None
+
+
 class StoreOperationAnswer(Versioned):
     """A pull or removal in a host's model store: POST /models/pull and /models/remove answer
     it as sent, GET /hosts/{host}/store-operations/{operation} as it goes."""

@@ -96,6 +96,8 @@ async def _run(runner: Runner, shelf: Shelf, group: Group, entry_id: str, fields
             elif isinstance(command, hostcommands.Remove):
                 await runner.models.remove(command)
                 await shelf.refresh()
+            elif isinstance(command, hostcommands.TailLog):
+                await runner.tail_log(command)
             else:
                 await runner.handle(command)
         except REDIS_ERRORS as exc:

@@ -143,8 +143,9 @@ def spawn(
     """Start the log writer and the engine, each in a session of its own.
 
     The engine writes to the log writer's stdin; neither depends on hostd, so both outlive a
-    restart of hostd. With no `log_path` (retention: zero) there is no writer: the engine's
-    output is discarded, and it runs with no core dump (`capyctl_hostd.nocore`). A `shared`
+    restart of hostd. With no `log_path` (retention: zero) the writer keeps the last lines in
+    its memory only (`memory_log`), and the engine runs with no core dump
+    (`capyctl_hostd.nocore`). A `shared`
     writer (its LMCache server's, which owns it and waits for it) takes the engine's output
     instead of one of its own.
     """
@@ -152,8 +153,13 @@ def spawn(
     before = procs.shm_names()
     if log_path is None:
         nocore = [sys.executable, "-I", "-m", "capyctl_hostd.nocore", *_program(plan.argv, env)]
-        engine = _engine_process(nocore, env, cwd, subprocess.DEVNULL)
-        return Engine(spec, engine.pid, Path(os.devnull), engine, shm_before=before)
+        memory = _writer(["--memory", str(memory_log(spec.runtime_dir))], secret)
+        assert memory.stdin is not None
+        try:
+            engine = _engine_process(nocore, env, cwd, memory.stdin)
+        finally:
+            memory.stdin.close()
+        return Engine(spec, engine.pid, Path(os.devnull), engine, writer=memory, shm_before=before)
     writer = shared or open_log(log_path, secret)
     assert writer.stdin is not None
     try:
@@ -168,8 +174,18 @@ def open_log(log_path: Path, secret: str) -> subprocess.Popen[bytes]:
     """A launch's log writer (`capyctl_hostd.logwriter`), redacting `secret`; whoever starts
     a process writing to it closes its stdin once the last such process is started."""
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return _writer([str(log_path)], secret)
+
+
+def memory_log(runtime_dir: Path) -> Path:
+    """The socket on which a launch that keeps no log file (retention: zero) serves the last
+    lines its writer holds in memory."""
+    return runtime_dir / "log.sock"
+
+
+def _writer(args: list[str], secret: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "capyctl_hostd.logwriter", str(log_path)],
+        [sys.executable, "-m", "capyctl_hostd.logwriter", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

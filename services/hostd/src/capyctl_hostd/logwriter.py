@@ -1,4 +1,7 @@
 """`python -m capyctl_hostd.logwriter FILE`: an engine's log, redacted and rotated.
+`python -m capyctl_hostd.logwriter --memory SOCKET`: its last lines in this process's memory
+only (retention: zero), each connection to the unix socket SOCKET (owner-only) answered with
+all of them.
 
 The engine writes to this process's stdin. It runs in a session of its own, so it outlives a
 restart of hostd, and ends when the engine closes its output. Secrets to redact come in the
@@ -11,10 +14,13 @@ stderr, and when writing works again notes in the log how many lines were lost.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
+import socket
 import sys
+import threading
 from pathlib import Path
 from typing import BinaryIO
 
@@ -94,11 +100,57 @@ class RotatingLog:
         self.handle.close()
 
 
+# The lines a log kept in memory holds, the oldest dropped first.
+MEMORY_LINES = 2000
+
+
+class MemoryLog:
+    """The last MEMORY_LINES lines, in memory only, served whole to each connection on a
+    unix socket that only the owner may open."""
+
+    def __init__(self, path: Path, lines: int = MEMORY_LINES) -> None:
+        self.path = path
+        self.lines: collections.deque[bytes] = collections.deque(maxlen=lines)
+        self.lock = threading.Lock()
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        umask = os.umask(0o177)
+        try:
+            self.server.bind(str(path))
+        finally:
+            os.umask(umask)
+        self.server.listen(8)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            self.lines.append(data)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            with connection, contextlib.suppress(OSError):
+                with self.lock:
+                    held = b"".join(self.lines)
+                connection.sendall(held)
+
+    def close(self) -> None:
+        self.server.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
 def main() -> None:
-    path = Path(sys.argv[1])
     secrets = [s for s in os.environ.get("CAPYCTL_REDACT", "").splitlines() if s]
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    log = RotatingLog(path)
+    log: RotatingLog | MemoryLog
+    if sys.argv[1] == "--memory":
+        log = MemoryLog(Path(sys.argv[2]))
+    else:
+        path = Path(sys.argv[1])
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log = RotatingLog(path)
     for raw in sys.stdin.buffer:
         text = raw.decode("utf-8", "replace").rstrip("\n")
         log.write((redact(text, secrets) + "\n").encode())

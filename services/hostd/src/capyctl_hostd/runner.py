@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import secrets
+import socket
 import subprocess
 import time
 from collections.abc import Coroutine
@@ -37,6 +38,7 @@ from capycommon.engines.launch import LaunchPlan, LaunchSpec, Residency, host_ti
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, LaunchFailed
 from capycommon.service import REDIS_ERRORS, until_stop
+from capycommon.state import enginelogs
 from capycommon.state import hostcommands as hc
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.memory import write_cache_server_rss
@@ -605,6 +607,32 @@ class Runner:
         except CapyError as exc:
             await self._refuse_record(record, "abort", exc.message)
 
+    async def tail_log(self, command: hc.TailLog) -> None:
+        """Answer a request for the last lines of an instance's engine log: from its file, or
+        from its writer's memory (retention: zero), on the request's reply channel."""
+        record = await self.store.get(command.deployment, command.instance)
+        tail = await asyncio.to_thread(self._tail, record, command.lines)
+        await enginelogs.publish(self.client, self.host, command.reply, tail)
+
+    def _tail(self, record: InstanceRecord | None, lines: int) -> enginelogs.LogTail:
+        if record is None or record.launch_id is None:
+            return enginelogs.LogTail(kept="none", lines=[], note="no engine was launched")
+        if record.log_path is not None:
+            found = engines.tail(Path(record.log_path), lines)
+            return enginelogs.LogTail(kept="file", lines=found, launch_id=record.launch_id)
+        where = engines.memory_log(self.paths.runtime_dir / record.launch_id)
+        try:
+            held = _read_socket(where)
+        except OSError:
+            return enginelogs.LogTail(
+                kept="none",
+                lines=[],
+                launch_id=record.launch_id,
+                note="its log was kept in memory only (retention: zero), and went with its engine",
+            )
+        found = held.decode("utf-8", "replace").splitlines()[-lines:]
+        return enginelogs.LogTail(kept="memory", lines=found, launch_id=record.launch_id)
+
     # Shared steps ----------------------------------------------------------------------------
 
     async def _to(
@@ -726,6 +754,17 @@ def _moment() -> float:
     """Now, to a tenth of a millisecond, rounded down: a step's mark is never later than the
     record written right after it (its `since`)."""
     return math.floor(time.time() * 10_000) / 10_000
+
+
+def _read_socket(path: Path) -> bytes:
+    """Everything a memory log's writer sends on its socket (it closes when done)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(5.0)
+        connection.connect(str(path))
+        chunks = []
+        while chunk := connection.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _message(exc: BaseException) -> str:

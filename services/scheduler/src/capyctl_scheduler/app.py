@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -241,6 +241,10 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
     @app.get(f"{wire.PREFIX}/deployments/{{name}}")
     async def deployment(name: str) -> wire.DeploymentStatus:
         return await manager.status(name)
+
+    @app.get(f"{wire.PREFIX}/deployments/{{name}}/engine-log")
+    async def engine_log(name: str, lines: int = Query(100, ge=1, le=10_000)) -> wire.EngineLog:
+        return await manager.engine_log(name, lines)
 
     @app.get(f"{wire.PREFIX}/hosts")
     async def hosts() -> wire.HostList:

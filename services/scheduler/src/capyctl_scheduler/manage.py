@@ -21,6 +21,8 @@ from capycommon.deployments import (
 )
 from capycommon.deployments.resolve import HUB_STORE, hub_origin, named_path
 from capycommon.errors import (
+    AgentUnreachable,
+    HostUnreachable,
     InvalidConfig,
     InvalidRequest,
     LifecycleConflict,
@@ -38,6 +40,7 @@ from capycommon.management import (
     DeploymentSummary,
     Download,
     DrainAnswer,
+    EngineLog,
     EngineRow,
     HostRow,
     JsonObject,
@@ -47,7 +50,14 @@ from capycommon.management import (
     StoreOperationAnswer,
     UndrainAnswer,
 )
-from capycommon.state import desired, downloads, hostcommands, hostfacts, hostmarks
+from capycommon.state import (
+    desired,
+    downloads,
+    enginelogs,
+    hostcommands,
+    hostfacts,
+    hostmarks,
+)
 from capycommon.state.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
 from capycommon.state.hostfacts import HostModels
 from capycommon.state.instances import LIVE_STATES, InstanceState
@@ -62,6 +72,10 @@ _DOWNLOAD_FIELDS = {"repo", "commit", "done_bytes", "total_bytes", "rate"}
 
 def operation_id() -> str:
     return f"op-{int(time.time() * 1000):x}-{secrets.token_hex(4)}"
+
+
+# How long the engine-log route waits for hostd's answer.
+ENGINE_LOG_WAIT_S = 5.0
 
 
 @dataclass
@@ -341,6 +355,32 @@ class Manager:
         return StoreOperationAnswer(
             operation_id=op, host=host, kind="remove", state="sent", name=request.name
         )
+
+    async def engine_log(self, name: str, lines: int) -> EngineLog:
+        """The last lines of the deployment's engine log, asked of the host that runs (or ran)
+        its instance."""
+        await self._get(name)
+        snap = await self.snapshot()
+        instance = snap.instances.get(name)
+        if instance is None:
+            return EngineLog(
+                deployment=name, host="", kept="none", lines=[], note="it has never run"
+            )
+        view = snap.hosts.get(instance.host)
+        if view is not None and not view.reachable:
+            raise HostUnreachable(
+                f"host {instance.host}, where {name!r} runs, cannot be reached; ask again once "
+                "it is back"
+            )
+        tail = await enginelogs.request(
+            self.scheduler.client, instance.host, name, lines, ENGINE_LOG_WAIT_S
+        )
+        if tail is None:
+            raise AgentUnreachable(
+                f"hostd on host {instance.host} did not answer within {ENGINE_LOG_WAIT_S:g} s; "
+                "is it running? (capyctl status)"
+            )
+        return EngineLog(deployment=name, host=instance.host, **tail.model_dump())
 
     async def store_operation(self, host: str, op: str) -> StoreOperationAnswer:
         """How a pull or removal goes; `sent` until hostd begins it."""

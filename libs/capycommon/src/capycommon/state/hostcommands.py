@@ -162,9 +162,24 @@ class Remove(BaseModel):
     name: str
 
 
+class TailLog(BaseModel):
+    """Send the last `lines` lines of an instance's engine log on the reply channel
+    `keys.engine_log_reply(host, reply)` (`capycommon.state.enginelogs`): pub/sub, which Redis
+    never writes to disk, so the lines of an engine that keeps its log in memory only
+    (retention: zero) reach no disk on the way."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["tail_log"] = "tail_log"
+    deployment: str
+    instance: int = 0
+    reply: str
+    lines: int = Field(default=100, ge=1, le=10_000)
+
+
 InstanceCommand = Launch | Park | Wake | Stop | Abort
 StoreCommand = Pull | Remove
-HostCommand = InstanceCommand | Describe | StoreCommand
+HostCommand = InstanceCommand | Describe | StoreCommand | TailLog
 COMMAND: TypeAdapter[HostCommand] = TypeAdapter(Annotated[HostCommand, Field(discriminator="kind")])
 
 

@@ -60,6 +60,11 @@ def host_download(host: str, deployment: str) -> str:
     return f"{host_prefix(host)}:download:{deployment}"
 
 
+def engine_log_reply(host: str, reply: str) -> str:
+    """The pub/sub channel on which a host answers one request for an engine log's tail."""
+    return f"{host_prefix(host)}:log-reply:{reply}"
+
+
 def host_notifications(host: str) -> str:
     """The pub/sub channel on which a host's state changes are announced ({kind, id, version})."""
     return f"{host_prefix(host)}:notify"

@@ -1,0 +1,56 @@
+"""An engine log's last lines, asked of the hostd that runs the engine and answered over
+pub/sub (`hostcommands.TailLog`): the management API's `engine-log` route.
+
+An engine keeps its log in a file, or, with retention: zero, in its log writer's memory only
+(`capyctl_hostd.logwriter --memory`); either way the lines travel on a channel, which Redis
+never writes to disk, and never through a key."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from typing import Literal
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from capycommon.state import hostcommands, keys
+
+
+class LogTail(BaseModel):
+    """What hostd answers: where the log is kept, and its last lines."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # file: under the state dir; memory: in its writer's memory only (retention: zero);
+    # none: nothing to read (no such instance, or its engine and memory log are gone).
+    kept: Literal["file", "memory", "none"]
+    lines: list[str]
+    launch_id: str | None = None
+    # Why there is nothing to read, when kept is none.
+    note: str | None = None
+
+
+async def publish(client: aioredis.Redis, host: str, reply: str, tail: LogTail) -> None:
+    await client.publish(keys.engine_log_reply(host, reply), tail.model_dump_json())
+
+
+async def request(
+    client: aioredis.Redis, host: str, deployment: str, lines: int, timeout_s: float
+) -> LogTail | None:
+    """Ask the host for the tail of a deployment's engine log; None when no answer came in
+    time (its hostd is not running)."""
+    reply = secrets.token_hex(8)
+    async with client.pubsub() as pubsub:
+        await pubsub.subscribe(keys.engine_log_reply(host, reply))
+        command = hostcommands.TailLog(deployment=deployment, reply=reply, lines=lines)
+        await hostcommands.send(client, host, command)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    with contextlib.suppress(ValidationError):
+                        return LogTail.model_validate_json(message["data"])
+    return None
