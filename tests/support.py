@@ -28,6 +28,7 @@ from capycommon.engines.families import Family
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths
+from capycommon.state.instances import CacheRecord, ProcessIdentity
 from capyctl_cli import status
 
 T = TypeVar("T")
@@ -447,3 +448,22 @@ def kill_started_under(root: Path) -> list[int]:
                 os.kill(int(entry.name), signal.SIGKILL)
                 killed.append(int(entry.name))
     return killed
+
+
+def cache_record(**changes: Any) -> CacheRecord:
+    """An LMCache server beside an instance as hostd records it: a 4 GiB pool, charged 6 GiB
+    of host RAM and 1 GiB on its GPU."""
+    values: dict[str, Any] = {
+        "profile": "lmcache",
+        "version": "0.5.6",
+        "fingerprint": "0.5.6+sha256:0",
+        "revision": 1,
+        "zmq_port": 8150,
+        "http_port": 8151,
+        "metrics_port": 8152,
+        "pool_bytes": 4 << 30,
+        "process": ProcessIdentity(pid=4242, pgid=4242, start_ticks=1),
+        "host_bytes": 6 << 30,
+        "device_bytes": 1 << 30,
+    }
+    return CacheRecord(**{**values, **changes})

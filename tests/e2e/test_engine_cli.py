@@ -91,7 +91,12 @@ def test_the_fingerprint_changes_with_the_installed_files(
 @pytest.mark.parametrize(
     ("install", "code", "exit_code", "message"),
     [
-        ("plain", "engine_not_found", 16, "is a virtual environment without vllm or sglang"),
+        (
+            "plain",
+            "engine_not_found",
+            16,
+            "is a virtual environment without vllm, sglang or lmcache",
+        ),
         ("folder", "engine_not_found", 16, "is neither a virtual environment"),
         ("old-vllm", "engine_unsupported", 17, "vllm 0.8.5 is older than 0.11.0"),
     ],

@@ -184,23 +184,35 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
             base_url=cluster.base_url, headers=headers, timeout=30
         ) as http:
             first = asyncio.Event()
+            answered: list[str] = []  # the router's status, and its first line
 
             async def send() -> None:
                 async with http.stream("POST", "/chat/completions", json=body) as response:
+                    answered.append(str(response.status_code))
                     if stream and after_first:
                         async for line in response.aiter_lines():
                             if line:
+                                answered.append(line[:300])
                                 first.set()
                                 break
                     await asyncio.sleep(60)
 
+            def engine_has_it() -> bool:
+                if answered and answered[0] != "200":
+                    raise AssertionError(f"the router answered {answered}")
+                return cluster.engine_running(name) == 1
+
             task = asyncio.create_task(send())
-            await asyncio.to_thread(
-                wait_for,
-                lambda: cluster.engine_running(name) == 1,
-                timeout=20,
-                what="the engine to get the request",
-            )
+            try:
+                await asyncio.to_thread(
+                    wait_for, engine_has_it, timeout=20, what="the engine to get the request"
+                )
+            except AssertionError as exc:
+                requests = cluster.status(name)["requests"]
+                raise AssertionError(
+                    f"{exc}; the client saw {answered}; the router counts {requests}; the "
+                    f"engine's metrics: {_load_lines(cluster.engine_metrics(name))}"
+                ) from None
             if stream and after_first:
                 await asyncio.wait_for(first.wait(), 10)
             if after_first and not stream:
@@ -215,6 +227,10 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
         timeout=1.0,
         what="the engine to stop the cut request's work",
     )
+
+
+def _load_lines(metrics: str) -> list[str]:
+    return [line for line in metrics.splitlines() if "num_requests" in line]
 
 
 def test_a_client_hang_up_stops_the_engines_work(cluster: Cluster) -> None:

@@ -7,25 +7,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from capycommon.state.instances import CacheRecord, InstanceRecord, ProcessIdentity
+from capycommon.state.instances import InstanceRecord
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB
 from capyctl_scheduler.policy import plan, quiet_until
+from support import cache_record
 from unit.test_policy import HOST, S, binding, deployment, instance, kinds, load, snapshot, view
 
-CACHE = CacheRecord(
-    profile="lmcache",
-    version="0.5.6",
-    fingerprint="0.5.6+sha256:0",
-    revision=1,
-    zmq_port=8150,
-    http_port=8151,
-    metrics_port=8152,
-    pool_bytes=4 * GiB,
-    process=ProcessIdentity(pid=4242, pgid=4242, start_ticks=1),
-    host_bytes=6 * GiB,
-    device_bytes=GiB,
-)
+CACHE = cache_record()
 IDLE = {"ready_idle_timeout": "5m", "parked_idle_timeout": "30m"}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import signal
@@ -359,3 +361,25 @@ def send_and_hang_up(
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(head.encode() + data)
     return sock
+
+
+def site_packages(venv: Path) -> Path:
+    return next(venv.glob("lib/python3*/site-packages"))
+
+
+def recorded(venv: Path, name: str, version: str) -> list[tuple[Path, str]]:
+    """(file, recorded sha256) for every hashed RECORD line of the installed dist."""
+    packages = site_packages(venv)
+    lines = (packages / f"{name}-{version}.dist-info" / "RECORD").read_text().splitlines()
+    found = []
+    for line in lines:
+        path, digest, _ = line.rsplit(",", 2)
+        if digest:
+            found.append(((packages / path).resolve(), digest.removeprefix("sha256=")))
+    return found
+
+
+def sha256(path: Path) -> str:
+    """A file's sha256 as a wheel's RECORD writes it."""
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()

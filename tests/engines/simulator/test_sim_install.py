@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import subprocess
 import sys
 from pathlib import Path
 
-from engines.simulator.helpers import FAST, Installs, Launcher, closed_env, make_simgpu
+from engines.simulator.helpers import (
+    FAST,
+    Installs,
+    Launcher,
+    closed_env,
+    make_simgpu,
+    recorded,
+    sha256,
+    site_packages,
+)
 from enginesim import (
     Behaviour,
     install_llama_server,
@@ -19,28 +26,6 @@ from enginesim.behaviour import load_behaviour
 from enginesim.install import PythonFamily, behaviour_path
 
 PROBE = "import importlib.metadata as m; print(m.version('{name}'))"
-
-
-def site_packages(venv: Path) -> Path:
-    return next(venv.glob("lib/python3*/site-packages"))
-
-
-def recorded(venv: Path, name: str, version: str) -> list[tuple[Path, str]]:
-    """(file, recorded sha256) for every hashed RECORD line of the installed dist."""
-    packages = site_packages(venv)
-    lines = (packages / f"{name}-{version}.dist-info" / "RECORD").read_text().splitlines()
-    found = []
-    for line in lines:
-        path, digest, _ = line.rsplit(",", 2)
-        if digest:
-            found.append(((packages / path).resolve(), digest.removeprefix("sha256=")))
-    return found
-
-
-def sha256(path: Path) -> str:
-    return (
-        base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
-    )
 
 
 def test_python_installs_are_real_distributions(installs: Installs) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import socket
 import subprocess
@@ -29,6 +27,9 @@ from engines.simulator.helpers import (
     env_for,
     parse_metric,
     python_argv,
+    recorded,
+    sha256,
+    site_packages,
     with_group_killed,
 )
 from enginesim import (
@@ -80,27 +81,6 @@ def free_ports(count: int) -> list[int]:
         for sock in socks:
             sock.bind((LOOPBACK, 0))
         return [int(sock.getsockname()[1]) for sock in socks]
-
-
-def site_packages(venv: Path) -> Path:
-    return next(venv.glob("lib/python3*/site-packages"))
-
-
-def recorded(venv: Path, name: str, version: str) -> list[tuple[Path, str]]:
-    """(file, recorded sha256) for every hashed RECORD line of the installed dist."""
-    packages = site_packages(venv)
-    lines = (packages / f"{name}-{version}.dist-info" / "RECORD").read_text().splitlines()
-    found = []
-    for line in lines:
-        path, digest, _ = line.rsplit(",", 2)
-        if digest:
-            found.append(((packages / path).resolve(), digest.removeprefix("sha256=")))
-    return found
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256(path.read_bytes()).digest()
-    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 def version_of(venv: Path, name: str) -> str:

@@ -20,7 +20,6 @@ import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
 from capycommon.state import places
-from capycommon.state.instances import CacheRecord, ProcessIdentity
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
@@ -29,23 +28,12 @@ from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
 from integration.router.fakeengine import engine_serving
 from integration.router.ready import chunk, put_ready
+from support import cache_record
 
 CREDENTIALS = generate()
 HOST = "local"
 # An LMCache server beside an engine, as hostd records it.
-LMCACHE = CacheRecord(
-    profile="lmcache",
-    version="0.5.6",
-    fingerprint="0.5.6+sha256:0",
-    revision=1,
-    zmq_port=1,
-    http_port=2,
-    metrics_port=3,
-    pool_bytes=1 << 32,
-    process=ProcessIdentity(pid=1, pgid=1, start_ticks=1),
-    host_bytes=1 << 33,
-    device_bytes=1 << 30,
-)
+LMCACHE = cache_record()
 HI: list[Any] = [{"role": "user", "content": "hi"}]
 TOO_LONG = (
     "'max_tokens' or 'max_completion_tokens' is too large: 9000. This model's maximum "

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,33 +81,36 @@ class CacheServer:
 
     async def healthy(self, http: httpx.AsyncClient) -> bool:
         """One health probe: the path the server answers is found on the first."""
-        for path in (self.health_path,) if self.health_path else HEALTH_PATHS:
-            try:
-                answer = await http.get(f"{_base(self.ports)}{path}", timeout=2.0)
-            except httpx.HTTPError:
-                return False
-            if answer.status_code == 404:
-                continue
-            self.health_path = path
-            return answer.status_code == 200
-        return False
+        found = await self._ask(http, self.health_path, HEALTH_PATHS)
+        if found is None:
+            return False
+        self.health_path, answer = found
+        return answer.status_code == 200
 
     async def registered(self, http: httpx.AsyncClient) -> bool:
         """Whether an engine's GPU is registered with it (`registered_gpu_ids`)."""
-        for path in (self.status_path,) if self.status_path else STATUS_PATHS:
+        found = await self._ask(http, self.status_path, STATUS_PATHS)
+        if found is None:
+            return False
+        self.status_path, answer = found
+        try:
+            return bool(answer.json().get("registered_gpu_ids"))
+        except (ValueError, AttributeError):
+            return False
+
+    async def _ask(
+        self, http: httpx.AsyncClient, known: str | None, paths: tuple[str, ...]
+    ) -> tuple[str, httpx.Response] | None:
+        """GET the path the server is known to answer, else the first of `paths` it does not
+        answer 404 (a release serves one of them); None when it cannot be reached."""
+        for path in (known,) if known else paths:
             try:
                 answer = await http.get(f"{_base(self.ports)}{path}", timeout=2.0)
             except httpx.HTTPError:
-                return False
-            if answer.status_code == 404:
-                continue
-            self.status_path = path
-            try:
-                ids = answer.json().get("registered_gpu_ids")
-            except ValueError:
-                return False
-            return bool(ids)
-        return False
+                return None
+            if answer.status_code != 404:
+                return path, answer
+        return None
 
 
 def _base(ports: ServerPorts) -> str:
@@ -164,29 +168,36 @@ def start(
 
 async def wait_healthy(server: CacheServer, deadline_s: float = HEALTHY_WITHIN_S) -> None:
     """Until the server reports healthy; fail at once if it exits, or at the deadline."""
-    started = time.monotonic()
-    async with httpx.AsyncClient() as http:
-        while not await server.healthy(http):
-            _check_alive(server, "while starting")
-            if time.monotonic() - started > deadline_s:
-                raise LaunchFailed(
-                    f"the LMCache server was not healthy within {deadline_s:g} s; "
-                    f"see {server.record.log_path}"
-                )
-            await asyncio.sleep(POLL_S)
+    failure = (
+        f"the LMCache server was not healthy within {deadline_s:g} s; see {server.record.log_path}"
+    )
+    await _until(server, server.healthy, deadline_s, failure, "while starting")
 
 
 async def wait_registered(server: CacheServer, deadline_s: float = REGISTERED_WITHIN_S) -> None:
     """Until the engine registered with the server; fail at the deadline."""
+    failure = (
+        f"the engine did not register with its LMCache server within {deadline_s:g} s "
+        "(no GPU in its /api/status registered_gpu_ids)"
+    )
+    await _until(server, server.registered, deadline_s, failure, "before the engine registered")
+
+
+async def _until(
+    server: CacheServer,
+    check: Callable[[httpx.AsyncClient], Awaitable[bool]],
+    deadline_s: float,
+    failure: str,
+    when: str,
+) -> None:
+    """Until `check` holds, probing every POLL_S; LaunchFailed if the server exits, or with
+    `failure` at the deadline."""
     started = time.monotonic()
     async with httpx.AsyncClient() as http:
-        while not await server.registered(http):
-            _check_alive(server, "before the engine registered")
+        while not await check(http):
+            _check_alive(server, when)
             if time.monotonic() - started > deadline_s:
-                raise LaunchFailed(
-                    f"the engine did not register with its LMCache server within "
-                    f"{deadline_s:g} s (no GPU in its /api/status registered_gpu_ids)"
-                )
+                raise LaunchFailed(failure)
             await asyncio.sleep(POLL_S)
 
 
