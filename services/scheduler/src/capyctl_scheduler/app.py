@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
-from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -243,8 +243,8 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
         return await manager.status(name)
 
     @app.get(f"{wire.PREFIX}/deployments/{{name}}/engine-log")
-    async def engine_log(name: str, lines: int = Query(100, ge=1, le=10_000)) -> wire.EngineLog:
-        return await manager.engine_log(name, lines)
+    async def engine_log(name: str, lines: str = "100") -> wire.EngineLog:
+        return await manager.engine_log(name, _count(lines, "lines", 10_000))
 
     @app.get(f"{wire.PREFIX}/hosts")
     async def hosts() -> wire.HostList:
@@ -320,3 +320,11 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
     @app.get(f"{wire.PREFIX}/engines")
     async def engines() -> wire.EngineList:
         return wire.EngineList(engines=await manager.engines())
+
+
+def _count(value: str, name: str, most: int) -> int:
+    """A query parameter that is a whole number from 1 to `most`; refused in the API's own
+    error envelope, naming it, otherwise."""
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= most:
+        raise InvalidRequest(f"{name} must be a whole number from 1 to {most}, not {value!r}")
+    return int(value)
