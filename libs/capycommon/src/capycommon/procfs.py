@@ -87,3 +87,19 @@ def socket_inodes(pids: Collection[int], proc_root: Path = PROC) -> set[int]:
             if target.startswith("socket:["):
                 found.add(int(target[8:-1]))
     return found
+
+
+def parse_vmrss(text: str) -> int:
+    """VmRSS of /proc/<pid>/status in bytes; 0 when absent (a zombie, a kernel thread)."""
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_bytes(pid: int, proc_root: Path = PROC) -> int:
+    """A process's resident memory in bytes; 0 when it cannot be read."""
+    try:
+        return parse_vmrss((proc_root / str(pid) / "status").read_text())
+    except (OSError, IndexError, ValueError):
+        return 0

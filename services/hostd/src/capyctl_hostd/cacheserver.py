@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+from capycommon import procfs
 from capycommon.engines import lmcache
 from capycommon.engines.launch import ENGINE_HOST
 from capycommon.engines.lmcache import ServerPorts
@@ -224,12 +225,7 @@ async def stop(server: CacheServer) -> None:
 
 def resident_bytes(server: CacheServer) -> int | None:
     """The server's resident memory, its group's processes together (None if unreadable)."""
-    total = 0
-    for pid in procs.group_members(server.pgid):
-        with contextlib.suppress(OSError, ValueError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+    total = sum(procfs.rss_bytes(pid) for pid in procs.group_members(server.pgid))
     return total or None
 
 

@@ -11,25 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capycommon.errors import DeviceUnobserved
-from capycommon.procfs import StatFields, group_members, parse_stat
+from capycommon.procfs import StatFields, group_members, parse_stat, parse_vmrss, rss_bytes
 from capyctl_memwatch.backends import Observation
 from capyctl_memwatch.hostram import PROC
 from capyctl_memwatch.peaks import GroupUse
-
-
-def parse_vmrss(text: str) -> int:
-    """VmRSS of /proc/<pid>/status in bytes; 0 when absent (a zombie, a kernel thread)."""
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def rss_bytes(pid: int, proc_root: Path = PROC) -> int:
-    try:
-        return parse_vmrss((proc_root / str(pid) / "status").read_text())
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 @dataclass(frozen=True)
