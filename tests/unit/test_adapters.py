@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -86,6 +87,39 @@ def test_argv_matches_the_golden_file(tmp_path: Path, family: Family, residency:
     if os.environ.get("UPDATE_GOLDEN") == "1":
         golden.write_text(rendered + "\n")
     assert golden.read_text() == rendered + "\n", f"regenerate with UPDATE_GOLDEN=1 ({golden})"
+
+
+@pytest.mark.parametrize(
+    ("family", "residency"),
+    [(Family.SGLANG, Residency.HOST_BACKED), (Family.LLAMACPP, Residency.RESTART_ONLY)],
+    ids=str,
+)
+def test_a_decision_models_argv_matches_the_golden_file(
+    tmp_path: Path, family: Family, residency: Residency
+) -> None:
+    """SGLang with its radix cache off (no template override, speculative decoding or
+    auto-truncation is possible: the resolution refuses them); llama.cpp with its batch and
+    micro-batch at the context length, so a whole prompt is one micro-batch."""
+    decider = spec(family, residency, tmp_path, api="decisions", tool_call_parser=None)
+    plan = adapter_for(family).plan(replace(decider, reasoning_parser=None))
+    rendered = json.dumps(
+        {"argv": [arg.replace(str(tmp_path), "<models>") for arg in plan.argv], "env": plan.env},
+        indent=2,
+    )
+    golden = GOLDEN / f"{family}-decisions.json"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        golden.write_text(rendered + "\n")
+    assert golden.read_text() == rendered + "\n", f"regenerate with UPDATE_GOLDEN=1 ({golden})"
+
+
+@pytest.mark.parametrize(
+    ("family", "arg"),
+    [(Family.SGLANG, "--chat-template=mine.jinja"), (Family.LLAMACPP, "--ubatch-size=64")],
+)
+def test_a_decision_launch_refuses_what_it_bars(tmp_path: Path, family: Family, arg: str) -> None:
+    decider = spec(family, Residency.RESTART_ONLY, tmp_path, api="decisions", extra_args=(arg,))
+    with pytest.raises(InvalidConfig, match="is barred for a decision model"):
+        adapter_for(family).plan(decider)
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)

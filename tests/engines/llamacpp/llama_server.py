@@ -44,6 +44,8 @@ class LaunchOptions:
     port: int
     aliases: tuple[str, ...]
     ctx_size: int
+    batch_size: int
+    ubatch_size: int
     parallel: int
     metrics: bool
     webui: bool
@@ -78,6 +80,8 @@ def build_parser(prog: str = "llama-server") -> argparse.ArgumentParser:
     add("--port", type=int, default=8080)
     add("-a", "--alias", action="append", default=[], help="model name aliases, comma-separated")
     add("-c", "--ctx-size", type=int, default=0, help="context size (0 = from the model)")
+    add("-b", "--batch-size", type=int, default=2048, help="logical batch size (tokens)")
+    add("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (tokens)")
     add("-np", "--parallel", type=int, default=-1, help="number of slots (-1 = auto)")
     add("--metrics", action="store_true", help="enable /metrics")
     add("--webui", dest="webui", action="store_true", default=True)
@@ -103,6 +107,8 @@ def parse_options(
         port=args.port,
         aliases=tuple(a for value in args.alias for a in _comma_list(value)),
         ctx_size=args.ctx_size,
+        batch_size=args.batch_size,
+        ubatch_size=args.ubatch_size,
         parallel=args.parallel,
         metrics=args.metrics,
         webui=args.webui,
@@ -122,6 +128,8 @@ def build_params(options: LaunchOptions) -> Any:
     if options.aliases:
         params.model_alias = set(options.aliases)
     params.n_ctx = options.ctx_size
+    params.n_batch = options.batch_size
+    params.n_ubatch = options.ubatch_size
     params.n_parallel = options.parallel
     params.endpoint_metrics = options.metrics
     params.ui = options.webui

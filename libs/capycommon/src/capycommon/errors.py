@@ -171,6 +171,19 @@ class CapabilityMissing(InvalidConfig):
         self.capability = capability
 
 
+class NotADecisionModel(InvalidConfig):
+    """`api: decisions` on a model that is no decision model: no `decision_config.json`, no
+    joint-head files, no GGUF decision metadata."""
+
+    code = "not_a_decision_model"
+
+
+class WrongApi(CapyError):
+    """A request on a route of the other api than its deployment's (chat or decisions)."""
+
+    code = "wrong_api"
+
+
 class LMCacheUnavailable(InvalidConfig):
     """`lmcache_unavailable:<gate>`: a deployment says lmcache: required where a condition of
     LMCache's (`capycommon.engines.lmcache.Gate`) does not hold."""
@@ -443,6 +456,7 @@ CODES: dict[str, tuple[int, int]] = {
     "method_not_allowed": (2, 405),
     "unsupported_parameter": (2, 400),
     "cache_salt_unsupported": (2, 400),
+    "wrong_api": (2, 400),
     "body_too_large": (2, 413),
     "unknown_model": (2, 404),
     # The engine refused an inference request as sent (its own 4xx, relayed with its status).
@@ -467,6 +481,7 @@ CODES: dict[str, tuple[int, int]] = {
     # 5: a capability this host, engine or release does not have.
     "capability_missing": (5, 409),
     "lmcache_unavailable": (5, 409),
+    "not_a_decision_model": (5, 409),
     "host_backed_unavailable": (5, 400),
     "multi_gpu_unsupported": (5, 400),
     "host_version_incompatible": (5, 409),

@@ -96,6 +96,8 @@ class Behaviour(_Strict):
     instant: bool = False
     # Before a request's first token (the prompt's prefill): nothing is sent meanwhile.
     prefill_seconds: float = Field(default=0.0, ge=0)
+    # One decision request (/v1/systemone): its prefill, while it counts as running.
+    decision_seconds: float = Field(default=0.05, ge=0)
     answer: str = "Hello from the engine simulator."
     # Emitted before the answer when the engine parses reasoning; "" turns it off.
     reasoning: str = "The user wants a short greeting."

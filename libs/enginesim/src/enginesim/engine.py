@@ -48,6 +48,11 @@ class Work:
     produced: list[Token] = field(default_factory=list)
     finish: Finish | None = None
     error: str | None = None  # why it finished with "error"
+    # A decision: no tokens, and this long in the engine (its prefill) instead of the
+    # behaviour's prefill_seconds.
+    prefill_seconds: float | None = None
+    # SGLang's decisions: a hang-up does not stop it, and no abort by its rid reaches it.
+    runs_to_end: bool = False
     key: int = field(default_factory=lambda: next(_serial))
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -146,7 +151,7 @@ class Engine:
         behaviour = self.behaviour
         return (
             behaviour.instant
-            and behaviour.prefill_seconds == 0
+            and self._prefill(work) == 0
             and work.scheduled.is_set()
             and self.producing.is_set()
         )
@@ -164,13 +169,18 @@ class Engine:
         try:
             if not await self._until(work.scheduled, work):
                 return
-            prefill = self.behaviour.prefill_seconds
+            prefill = self._prefill(work)
             if prefill > 0 and await _within(work, prefill):
                 return
             if await self._produce(work):
                 self._finish(work, work.planned_finish)
         finally:
             self._ended(work)
+
+    def _prefill(self, work: Work) -> float:
+        if work.prefill_seconds is None:
+            return self.behaviour.prefill_seconds
+        return work.prefill_seconds
 
     @staticmethod
     def _ended(work: Work) -> None:
@@ -181,7 +191,10 @@ class Engine:
     async def _produce(self, work: Work) -> bool:
         """Token i comes (i + 1) / tokens_per_second after the first is begun, the pace
         resuming where it stopped when production pauses; True once every token came,
-        False when the work is aborted first."""
+        False when the work is aborted first. Work with no tokens to produce (a decision)
+        still ends only while the engine produces."""
+        if not work.plan:
+            return await self._until(self.producing, work)
         delay = 0.0 if self.behaviour.instant else 1.0 / self.behaviour.tokens_per_second
         plan, count = work.plan, 0
         start = time.monotonic()
@@ -264,7 +277,7 @@ class Engine:
             work.aborted.set()
 
     def abort_rid(self, rid: str) -> int:
-        return sum(self.abort(w) for w in self.all_work() if w.rid == rid)
+        return sum(self.abort(w) for w in self.all_work() if w.rid == rid and not w.runs_to_end)
 
     def abort_all(self) -> int:
         return sum(self.abort(w) for w in self.all_work())

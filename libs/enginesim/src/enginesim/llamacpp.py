@@ -43,13 +43,13 @@ ENV_NAMES = {
     "n_gpu_layers": "LLAMA_ARG_N_GPU_LAYERS",
     "no_webui": "LLAMA_ARG_NO_WEBUI",
     "sleep_idle_seconds": "LLAMA_ARG_SLEEP_IDLE_SECONDS",
+    "batch_size": "LLAMA_ARG_BATCH",
+    "ubatch_size": "LLAMA_ARG_UBATCH",
 }
 BOOLEANS = frozenset({"slots", "metrics", "jinja", "no_webui"})
 # Accepted and ignored ("|" joins aliases).
 IGNORED_VALUES = (
     "-t|--threads",
-    "-b|--batch-size",
-    "-ub|--ubatch-size",
     "--temp",
     "--top-p",
     "--top-k",
@@ -105,6 +105,8 @@ class LlamaArgs:
     n_gpu_layers: str
     no_webui: bool
     sleep_idle_seconds: int
+    batch_size: int
+    ubatch_size: int
 
 
 def version_text(build: int) -> str:
@@ -145,6 +147,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("-ngl", "--n-gpu-layers", "--gpu-layers", default="auto")
     add("--no-webui", action="store_true")
     add("--sleep-idle-seconds", type=int, default=-1)
+    add("-b", "--batch-size", type=int, default=2048)
+    add("-ub", "--ubatch-size", type=int, default=512)
     for flag in IGNORED_VALUES:
         add(*flag.split("|"))
     for switch in IGNORED_SWITCHES:
@@ -182,6 +186,8 @@ def parse(argv: Sequence[str], build: int, env: Mapping[str, str]) -> LlamaArgs:
         n_gpu_layers=str(ns.n_gpu_layers),
         no_webui=bool(ns.no_webui),
         sleep_idle_seconds=int(ns.sleep_idle_seconds),
+        batch_size=int(ns.batch_size),
+        ubatch_size=int(ns.ubatch_size),
     )
 
 

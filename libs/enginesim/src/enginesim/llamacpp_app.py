@@ -4,6 +4,12 @@ Requests beyond the -np slots wait (`llamacpp:requests_deferred`). With
 --sleep-idle-seconds N the server unloads after N idle seconds (`/props` is_sleeping) and the
 next completion reloads it (the load time again); /health, /props, /slots and /metrics do not
 wake it. A client hang-up cancels its slot (or not: keep_generating_on_disconnect).
+
+Decisions (`/v1/systemone`, `enginesim.decisions`) need a model whose GGUF metadata has a
+decision type; without one the route answers 501, and `/v1/models` lists the model's
+`architecture.output_modalities` as `["text"]`. A `clef` model serves only decisions
+(`["decisions"]`: chat and completions answer 501); for `clef`, `laya` and `lfm2-d1-omni`
+the whole prompt must fit in one physical batch (the smaller of -ub and -b).
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from enginesim import decisions
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour
-from enginesim.engine import Engine
+from enginesim.engine import Engine, Work
 from enginesim.gpu import LocalHolder, NoDevice, NoHolder, find_device
 from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.metrics import Exposition
@@ -32,6 +39,7 @@ from enginesim.openai_chat import (
     CompletionRequest,
     Dialect,
     EmbeddingRequest,
+    JsonDict,
     random_id,
 )
 from enginesim.process import Process
@@ -70,6 +78,8 @@ class LlamaFrontend(Frontend):
         self._waking: asyncio.Task[Any] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self.started = int(time.time())
+        # Read from the file's metadata, before (and whether or not) it loads.
+        self.decision_type = decisions.gguf_decision_type(Path(args.model))
         self.dialect = Dialect(
             reasoning_fields=("reasoning_content",),
             new_tool_call_id=lambda: random_id(32),
@@ -87,6 +97,16 @@ class LlamaFrontend(Frontend):
         return JSONResponse(
             {"error": {"code": status, "message": message, "type": kind}}, status_code=status
         )
+
+    def check(self, body: ChatRequest | CompletionRequest) -> Response | None:
+        if self.decision_type in decisions.DECISION_ONLY_TYPES:
+            return self.error(
+                501,
+                f"the loaded model (decision type {self.decision_type}) cannot generate "
+                "text; it serves only /v1/systemone",
+                "not_supported_error",
+            )
+        return None
 
     def request_ids(
         self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
@@ -107,6 +127,48 @@ class LlamaFrontend(Frontend):
         if self.sleeping and self._waking is None:
             self._waking = self.process.spawn(self._wake())
         return None
+
+    # Decisions --------------------------------------------------------------------------
+
+    def decisions_unsupported(self) -> Response | None:
+        if self.decision_type is not None:
+            return None
+        return self.error(501, "This model is not a decision model", "not_supported_error")
+
+    def decision_limits(self) -> decisions.Limits:
+        most = decisions.OPTION_LIMITS.get(self.decision_type or "", decisions.MAX_OPTIONS)
+        return decisions.Limits(max_options=most)
+
+    def decision_refusal(self, body: decisions.DecisionRequest) -> Response | None:
+        # The request's model is not checked (build 11549): any name is answered.
+        if body.images or body.files:
+            return self.error(
+                501,
+                "This server does not support image input for decisions. "
+                "For a model that supports it, start it with `--mmproj`",
+                "not_supported_error",
+            )
+        tokens, batch = decisions.prompt_tokens(body), self.physical_batch
+        if self.decision_type in decisions.ONE_BATCH_TYPES and tokens > batch:
+            return self.error(
+                400,
+                f"the question and its options ({tokens} tokens) are too large to process. "
+                f"increase the batch size (current batch size: {batch})",
+            )
+        return None
+
+    def decision_body(self, body: decisions.DecisionRequest, work: Work) -> JsonDict:
+        """Named after its alias (else its path), whatever the request named; a noul answer
+        carries no confidence."""
+        found = decisions.response(body, self.args.alias or self.args.model, work.prompt_tokens)
+        for answer in found["answers"].values():
+            if answer["type"] == "noul":
+                del answer["confidence"]
+        return found
+
+    @property
+    def physical_batch(self) -> int:
+        return min(self.args.ubatch_size, self.args.batch_size)
 
     # Load, sleep, wake, death -----------------------------------------------------------
 
@@ -283,6 +345,7 @@ class LlamaFrontend(Frontend):
             "created": self.started,
             "owned_by": "llamacpp",
             "meta": meta,
+            "architecture": decisions.architecture(self.decision_type),
         }
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -323,6 +386,7 @@ def build_app(front: LlamaFrontend) -> FastAPI:
         add(path, front.completions, methods=["POST"])
     for path in ("/v1/embeddings", "/embeddings"):
         add(path, front.embeddings, methods=["POST"])
+    add("/v1/systemone", front.decide, methods=["POST"])
     add("/", front.webui, methods=["GET"])
     if front.behaviour.instant:
         generation = {"chat/completions": front.chat, "completions": front.completions}

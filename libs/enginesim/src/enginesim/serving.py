@@ -1,8 +1,14 @@
-"""The HTTP front every family shares: chat and text completions, and client hang-ups.
+"""The HTTP front every family shares: chat and text completions, System One decisions, and
+client hang-ups.
 
 A family subclasses `Frontend` and fills in its hooks (error shape, ids, checks, what happens
 before a request is admitted). A client that goes away, streamed or not, aborts its work at
-once, after the family's lag (SGLang), or never (the `keep_generating_on_disconnect` fault).
+once, after the family's lag (SGLang), or never (the `keep_generating_on_disconnect` fault,
+and SGLang's decisions, which run to their end).
+
+A decision (`POST /v1/systemone`, see `enginesim.decisions`) is one request in the engine
+with no tokens: it waits for a slot, counts as running for the behaviour's
+`decision_seconds` (its prefill), then is answered whole.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import math
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
@@ -20,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from enginesim import decisions
 from enginesim.behaviour import Behaviour
 from enginesim.engine import Engine, Finish, Token, Work
 from enginesim.openai_chat import (
@@ -80,6 +88,7 @@ def explain(exc: ValidationError) -> str:
 class Frontend:
     dialect: Dialect
     force_usage = False  # vLLM --enable-force-include-usage
+    decisions_run_to_end = False  # SGLang: a hang-up does not stop a decision
 
     def __init__(self, engine: Engine, behaviour: Behaviour, process: Process) -> None:
         self.engine = engine
@@ -135,6 +144,27 @@ class Frontend:
         """Stop the work of a client that went away."""
         self.engine.abort(work)
 
+    # Decision hooks ---------------------------------------------------------------------
+
+    def decisions_unsupported(self) -> Response | None:
+        """Before the body is read: the engine cannot answer decisions at all."""
+        return None
+
+    def decision_limits(self) -> decisions.Limits:
+        return decisions.Limits()
+
+    def decision_invalid(self, problems: list[decisions.Problem]) -> Response:
+        """A request that is not a valid System One request, in the family's shape."""
+        return self.error(400, "; ".join(problem.text() for problem in problems))
+
+    def decision_refusal(self, body: decisions.DecisionRequest) -> Response | None:
+        """A valid request the server refuses (its model name, its setup, its size)."""
+        return None
+
+    def decision_body(self, body: decisions.DecisionRequest, work: Work) -> JsonDict:
+        """The answer to a decision that ran as `work`."""
+        raise NotImplementedError
+
     def arm_death(self) -> None:
         """The `die_after_seconds` fault: the engine dies that long after it is up."""
         after = self.behaviour.faults.die_after_seconds
@@ -187,6 +217,35 @@ class Frontend:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
         )
+
+    async def decide(self, request: Request) -> Response:
+        """System One: checked, refused or admitted, held in the engine as one request for
+        `decision_seconds`, then answered (never streamed)."""
+        refusal = self.precheck(request) or self.decisions_unsupported()
+        if refusal is not None:
+            return refusal
+        try:
+            body = decisions.parse(await request.body(), self.decision_limits())
+        except decisions.Invalid as exc:
+            return self.decision_invalid(exc.problems)
+        refusal = self.decision_refusal(body) or await self.admit()
+        if refusal is not None:
+            return refusal
+        work = Work(
+            f"systemone-{uuid.uuid4().hex}",
+            decisions.prompt_tokens(body),
+            [],
+            "stop",
+            prefill_seconds=self.behaviour.decision_seconds,
+            runs_to_end=self.decisions_run_to_end,
+        )
+        self.submit(work)
+        await self._until_done(request, work, stream=False)
+        if work.finish == "error":
+            return self.error(500, work.error or "internal error", "InternalServerError")
+        if work.finish == "abort":
+            return self.error(500, "The request was aborted.", "InternalServerError")
+        return JSONResponse(self.decision_body(body, work), headers=self.response_headers(request))
 
     # Plumbing ---------------------------------------------------------------------------
 
@@ -251,23 +310,29 @@ class Frontend:
         events: Callable[[], AsyncIterator[str]],
         body: Callable[[], JsonDict],
     ) -> Response:
-        # An answer made whole at admission (an instant engine) has no work left to stop.
-        watcher = None if work.finish is not None else self._watch(request, work, stream)
         headers = self.response_headers(request)
         if not stream:
-            try:
-                await work.done.wait()
-            finally:
-                if watcher is not None:
-                    watcher.cancel()
+            await self._until_done(request, work, stream)
             if work.finish == "error":
                 return self.error(500, work.error or "internal error", "InternalServerError")
             return JSONResponse(body(), headers=headers)
+        # An answer made whole at admission (an instant engine) has no work left to stop.
+        watcher = None if work.finish is not None else self._watch(request, work, stream)
         return StreamingResponse(
             self._stream(events(), work, watcher),
             media_type="text/event-stream",
             headers=headers,
         )
+
+    async def _until_done(self, request: Request, work: Work, stream: bool) -> None:
+        """Wait for the work's end, watching for the client's hang-up meanwhile (an answer
+        made whole at admission, by an instant engine, has no work left to stop)."""
+        watcher = None if work.finish is not None else self._watch(request, work, stream)
+        try:
+            await work.done.wait()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
     async def _stream(
         self, events: AsyncIterator[str], work: Work, watcher: asyncio.Task[None] | None
@@ -297,7 +362,8 @@ class Frontend:
         if work in self._gone:
             return
         self._gone.add(work)
-        if work.finish is not None or self.behaviour.faults.keep_generating_on_disconnect:
+        keeps_on = work.runs_to_end or self.behaviour.faults.keep_generating_on_disconnect
+        if work.finish is not None or keeps_on:
             return
         lag = self.disconnect_lag(stream)
         if lag <= 0:

@@ -17,7 +17,8 @@ the scheduler dies while loading, and the server waits on without listening unti
 LMCACHE_CONFIG_FILE) names with `mp_host` and `mp_port`, once the weights are loaded; its
 chunk size must be a multiple of `--page-size`. LMCache's cache is a radix cache: with
 `--disable-radix-cache` or `--enable-hierarchical-cache` SGLang builds another cache and
-silently never connects. See `enginesim.kvconnector`.
+silently never connects; for a decision checkpoint, `--enable-lmcache` with
+`--disable-radix-cache` fails at start instead. See `enginesim.kvconnector`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from enginesim import kvconnector
+from enginesim import decisions, kvconnector
 from enginesim import process as proc
 from enginesim.behaviour import Behaviour, SchedulerDies
 from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice, cuda_device
@@ -78,7 +79,6 @@ IGNORED_VALUES = (
     "--attention-backend",
     "--random-seed",
     "--kv-cache-dtype",
-    "--chat-template",
     "--max-total-tokens",
     "--max-prefill-tokens",
     "--chunked-prefill-size",
@@ -131,6 +131,9 @@ class SglangArgs:
     lmcache_config_file: str | None
     enable_hierarchical_cache: bool
     page_size: int
+    chat_template: str | None
+    speculative_algorithm: str | None
+    allow_auto_truncate: bool
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -151,6 +154,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     add("--tp", "--tp-size", dest="tp_size", type=int, default=1)
     add("--lmcache-config-file")
     add("--page-size", type=int, default=1)
+    add("--chat-template")
+    add("--speculative-algorithm")
     for switch in (
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
@@ -160,6 +165,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--log-requests",
         "--enable-lmcache",
         "--enable-hierarchical-cache",
+        "--allow-auto-truncate",
         *IGNORED_SWITCHES,
     ):
         add(switch, action="store_true")
@@ -194,6 +200,9 @@ def parse(argv: Sequence[str], prog: str) -> SglangArgs:
         lmcache_config_file=ns.lmcache_config_file,
         enable_hierarchical_cache=ns.enable_hierarchical_cache,
         page_size=ns.page_size,
+        chat_template=ns.chat_template,
+        speculative_algorithm=ns.speculative_algorithm,
+        allow_auto_truncate=ns.allow_auto_truncate,
     )
 
 
@@ -319,8 +328,19 @@ async def _connect_kv(
     return kv
 
 
+def _check_decisions(process: Process, args: SglangArgs) -> None:
+    """A decision checkpoint with LMCache and no radix cache fails (sgl-project/sglang#45929)."""
+    decision = decisions.hf_checkpoint(Path(args.model_path)) != "chat"
+    if decision and args.enable_lmcache and args.disable_radix_cache:
+        process.die(
+            "ValueError: --enable-lmcache cannot be used with --disable-radix-cache for a "
+            "decision checkpoint: LMCache is a kind of radix cache"
+        )
+
+
 async def _start(process: Process, args: SglangArgs, version: str, behaviour: Behaviour) -> int:
     log.info("server_args=%s", args)
+    _check_decisions(process, args)
     _shared_memory(process, args)
     if args.enable_metrics:
         _prometheus_dir(process)

@@ -8,6 +8,13 @@ counted in `sglang:num_aborted_requests_total` (a hang-up's own abort, 2 s or 4 
 From 0.5.20 `/v1/loads` answers in its own shape (timestamp, version, `loads` per DP rank);
 `/get_load` keeps the older list.
 
+`/v1/systemone` answers System One decisions (`enginesim.decisions`) by the model folder's
+head: a decision checkpoint (`decision_config.json`, at most 16 questions), a Clef joint
+head, or label reading for a chat model (each answer adds `x_label_mass`). A decision
+checkpoint is refused (400) on a server started with --chat-template, speculative decoding
+or --allow-auto-truncate. A decision runs to its end whatever the client does, and no
+`/abort_request` by rid reaches it (sgl-project/sglang#45842); bad input is a 422 `detail`.
+
 Release and resume need --enable-memory-saver (without it they answer 200 and do nothing).
 Releasing while requests run crashes the scheduler (the process exits non-zero) or answers
 400, per the `release_while_busy` fault; resuming a tag that was not released is a 500
@@ -24,12 +31,14 @@ import time
 import uuid
 from dataclasses import asdict
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from enginesim import decisions
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour, version_tuple
 from enginesim.engine import Engine, Token, Work
@@ -41,6 +50,7 @@ from enginesim.openai_chat import (
     CompletionRequest,
     Dialect,
     EmbeddingRequest,
+    JsonDict,
 )
 from enginesim.process import Process
 from enginesim.serving import HotPaths
@@ -69,6 +79,8 @@ BUSY_RELEASE = (
 
 
 class SglangFrontend(CachingFrontend):
+    decisions_run_to_end = True
+
     def __init__(
         self,
         args: SglangArgs,
@@ -88,6 +100,7 @@ class SglangFrontend(CachingFrontend):
         self.started = int(time.time())
         self.rid_to_state: dict[str, Work] = {}
         self.aborts_counted = 0
+        self.checkpoint = decisions.hf_checkpoint(Path(args.model_path))
         self.dialect = Dialect(
             reasoning_fields=("reasoning_content",),
             new_tool_call_id=lambda: f"call_{uuid.uuid4().hex[:24]}",
@@ -154,6 +167,51 @@ class SglangFrontend(CachingFrontend):
                 500, f"memory is released ({', '.join(released)})", "InternalServerError"
             )
         return None
+
+    # Decisions --------------------------------------------------------------------------
+
+    def decision_limits(self) -> decisions.Limits:
+        if self.checkpoint == "decision_config":
+            return decisions.Limits(max_questions=decisions.MAX_CHECKPOINT_QUESTIONS)
+        return decisions.Limits()
+
+    def decision_invalid(self, problems: list[decisions.Problem]) -> Response:
+        """FastAPI's 422: each problem's place in the body, its message and kind."""
+        detail = [{"loc": ["body", *p.loc], "msg": p.msg, "type": p.type} for p in problems]
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    def decision_refusal(self, body: decisions.DecisionRequest) -> Response | None:
+        if body.model is None:
+            return self.decision_invalid(
+                [decisions.Problem(("model",), "Field required", "missing")]
+            )
+        names = {self.args.served_model_name, *decisions.JEV_ALIASES}
+        if body.model not in names:
+            return self.error(404, f"The model '{body.model}' does not exist", "NotFoundError")
+        if body.images:
+            return self.error(400, "/v1/systemone images require a model served with images")
+        if self.checkpoint == "chat":
+            return None
+        refused = {
+            "--chat-template": self.args.chat_template is not None,
+            "--speculative-algorithm": self.args.speculative_algorithm is not None,
+            "--allow-auto-truncate": self.args.allow_auto_truncate,
+        }
+        for flag, given in refused.items():
+            if given:
+                return self.error(
+                    400, f"/v1/systemone cannot serve this decision checkpoint with {flag}"
+                )
+        return None
+
+    def decision_body(self, body: decisions.DecisionRequest, work: Work) -> JsonDict:
+        answer = decisions.response(body, body.model or "", work.prompt_tokens)
+        answer["usage"]["decision_count"] = len(body.questions)
+        if self.checkpoint == "chat":  # read from the labels' probabilities
+            state = decisions.state_text(body.state)
+            for qid, found in answer["answers"].items():
+                found["x_label_mass"] = decisions.label_mass(state, qid)
+        return answer
 
     # Life -------------------------------------------------------------------------------
 
@@ -445,6 +503,7 @@ def build_app(front: SglangFrontend) -> FastAPI:
     add("/v1/completions", front.completions, methods=["POST"])
     add("/v1/models", front.models, methods=["GET"])
     add("/v1/models/{model_id:path}", front.model, methods=["GET"])
+    add("/v1/systemone", front.decide, methods=["POST"])
     if front.args.enable_metrics:
         add("/metrics", front.metrics, methods=["GET"])
     if front.behaviour.instant:

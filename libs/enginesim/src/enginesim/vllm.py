@@ -57,6 +57,7 @@ REASONING_PARSERS = frozenset(
         "holo2",
     }
 )
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # Accepted and ignored: flags that change nothing the simulator shows ("|" joins aliases).
 IGNORED_VALUES = (
     "--dtype",
@@ -122,6 +123,7 @@ class VllmArgs:
     enable_force_include_usage: bool
     enable_server_load_tracking: bool
     kv_transfer_config: VllmKvConfig | None
+    logprobs_mode: str
 
 
 def human_int(text: str) -> int:
@@ -151,6 +153,7 @@ def build_parser(prog: str, positional_model: bool) -> argparse.ArgumentParser:
     add("--middleware", action="append", default=[])
     add("--shutdown-timeout", type=float, default=0.0)
     add("--kv-transfer-config")
+    add("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     for switch in (
         "--enable-sleep-mode",
@@ -199,6 +202,7 @@ def parse(argv: Sequence[str], prog: str, positional_model: bool) -> VllmArgs:
         enable_force_include_usage=ns.enable_force_include_usage,
         enable_server_load_tracking=ns.enable_server_load_tracking,
         kv_transfer_config=kv,
+        logprobs_mode=ns.logprobs_mode,
     )
 
 

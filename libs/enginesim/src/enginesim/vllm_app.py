@@ -6,6 +6,11 @@ reasoning field is `reasoning_content` up to 0.11.0, both names up to 0.15, `rea
 takes `mode` (abort by default) and requests while asleep are held from 0.17 on (older:
 sleeping with requests in flight, or a request while asleep, kills the engine).
 
+From 0.32.0 `/v1/systemone` answers System One decisions (`enginesim.decisions`) by reading
+the text output (the label tokens' logprobs): it needs --logprobs-mode raw_logprobs (the
+default) or processed_logprobs, else 501; each answer's `diagnostics` say how much of the
+next token's probability the labels held.
+
 Refusals as vLLM words them: a prompt at the context length, or `max_tokens` beyond what is
 left of it, is a 400 before anything streams; logprobs above `--max-logprobs` (20) are found
 only when the engine takes the request, so a stream has answered 200 and gets the error as
@@ -28,9 +33,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from enginesim import decisions
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour, version_tuple
-from enginesim.engine import Engine
+from enginesim.engine import Engine, Work
 from enginesim.kvconnector import CachingFrontend, KvConnector
 from enginesim.memory import Regions
 from enginesim.metrics import Exposition
@@ -39,6 +45,7 @@ from enginesim.openai_chat import (
     CompletionRequest,
     Dialect,
     EmbeddingRequest,
+    JsonDict,
     count_prompt_tokens,
 )
 from enginesim.process import Process
@@ -51,6 +58,8 @@ log = logging.getLogger("vllm.entrypoints.openai.api_server")
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 HOLD_MODES = ("abort", "wait", "keep")
 MAX_LOGPROBS = 20  # --max-logprobs
+DECISIONS_FROM = (0, 32)
+READ_MODES = ("raw_logprobs", "processed_logprobs")  # what a decision's read needs
 
 
 def reasoning_fields(version: tuple[int, ...]) -> tuple[str, ...]:
@@ -180,6 +189,36 @@ class VllmFrontend(CachingFrontend):
                 "InternalServerError",
             )
         return None
+
+    # Decisions --------------------------------------------------------------------------
+
+    def decisions_unsupported(self) -> Response | None:
+        if self.args.logprobs_mode in READ_MODES:
+            return None
+        return self.error(
+            501,
+            "Structured decisions need --logprobs-mode raw_logprobs or processed_logprobs, "
+            f"not {self.args.logprobs_mode}",
+            "NotImplementedError",
+        )
+
+    def decision_refusal(self, body: decisions.DecisionRequest) -> Response | None:
+        if body.model is not None and body.model not in self.args.served_names:
+            return self.error(404, f"The model `{body.model}` does not exist.", "NotFoundError")
+        return None
+
+    def decision_body(self, body: decisions.DecisionRequest, work: Work) -> JsonDict:
+        state = decisions.state_text(body.state)
+        read = {"argmax_is_label": True}
+        return {
+            "id": f"decision-{uuid.uuid4().hex}",
+            "object": "structured_decision",
+            **decisions.response(body, body.model or self.args.served_names[0], work.prompt_tokens),
+            "diagnostics": {
+                qid: {"label_mass": decisions.label_mass(state, qid), **read}
+                for qid in body.questions
+            },
+        }
 
     # Life and death ---------------------------------------------------------------------
 
@@ -463,6 +502,8 @@ def build_app(front: VllmFrontend) -> FastAPI:
     add("/v1/completions", front.completions, methods=["POST"])
     add("/v1/embeddings", front.embeddings, methods=["POST"])
     add("/tokenize", front.tokenize, methods=["POST"])
+    if front.v >= DECISIONS_FROM:
+        add("/v1/systemone", front.decide, methods=["POST"])
     if front.dev_mode:
         add("/sleep", front.sleep, methods=["POST"])
         add("/wake_up", front.wake_up, methods=["POST"])

@@ -135,6 +135,7 @@ async def _rebuild(runner: Runner, record: InstanceRecord) -> Engine | None:
         api_key=secret,
         residency=Residency(record.residency or Residency.RESTART_ONLY),
         runtime_dir=runner.paths.runtime_dir / record.launch_id,
+        api=record.api,
     )
     return Engine(spec, record.process.pgid, Path(record.log_path or "/dev/null"))
 

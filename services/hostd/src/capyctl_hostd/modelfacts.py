@@ -9,8 +9,10 @@ when it is asked, and when a look every few seconds finds something changed.
 Looking stays cheap and safe. The walk of the models root never follows a link (a linked
 model is described once a deployment names it, like any path); only small regular files are
 read (`config.json`, `hf_quant_config.json`, at most 4 MiB each; never a FIFO or a device);
-weights are only stat'ed. Files a model folder links to (a Hugging Face snapshot links its
-files to blobs) count when they are regular files, as the engine would load them.
+weights are only stat'ed, except a GGUF's header, whose metadata may declare a decision
+model (`capycommon.gguf`: read once per file version, never past its metadata). Files a
+model folder links to (a Hugging Face snapshot links its files to blobs) count when they are
+regular files, as the engine would load them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
+from capycommon import gguf
 from capycommon.deployments.resolve import HUB_STORE
+from capycommon.engines.llamacpp import model_file
 from capycommon.errors import CapyError
 from capycommon.hub import MANIFEST, HubAccess, HubLimits, HubSource, hub_access, listed_weights
 from capycommon.service import REDIS_ERRORS, wait_event
@@ -38,6 +42,7 @@ from capycommon.state import hostfacts
 from capycommon.state.hostcommands import Describe, HubPull
 from capycommon.state.hostfacts import (
     WEIGHT_SUFFIXES,
+    DecisionHead,
     HostModels,
     ModelFacts,
     QuantizationConfig,
@@ -62,6 +67,12 @@ MAX_MODELS = 1024
 MAX_DESCRIBED = 256
 MAX_TEXT = 256
 MAX_ARCHITECTURES = 16
+# A folder's decision-head files (`DecisionHead`).
+DECISION_CONFIG = "decision_config.json"
+JOINT_HEAD = ("joint_head_config.json", "joint_head.safetensors")
+# GGUF headers read: by (path, inode, size, mtime), the decision type each declares.
+MAX_GGUF_READS = 1024
+_gguf_reads: dict[tuple[str, int, int, int], str | None] = {}
 
 
 def locate(written: str, root: Path) -> Path | None:
@@ -84,7 +95,9 @@ def describe(path: Path) -> ModelFacts:
         return ModelFacts(path=str(path), kind="missing")
     if stat.S_ISREG(info.st_mode):
         weights = info.st_size if path.suffix in WEIGHT_SUFFIXES else None
-        return ModelFacts(path=str(path), kind="file", weights_bytes=weights)
+        return ModelFacts(
+            path=str(path), kind="file", weights_bytes=weights, decision=_gguf_head(path)
+        )
     if not stat.S_ISDIR(info.st_mode):
         return ModelFacts(path=str(path), kind="other")
     config = _small_json(path / "config.json") or {}
@@ -95,6 +108,7 @@ def describe(path: Path) -> ModelFacts:
         architectures=_architectures(config.get("architectures")),
         dtype=_text(config.get("dtype") or config.get("torch_dtype")) or None,
         quantization=_quantization(config, _small_json(path / "hf_quant_config.json")),
+        decision=_folder_head(path),
     )
 
 
@@ -190,6 +204,49 @@ def _small_json(path: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return found if isinstance(found, dict) else None
+
+
+def _folder_head(folder: Path) -> DecisionHead | None:
+    """The decision head a folder's files declare: SGLang's `decision_config.json`, the
+    joint-head files, or the metadata of the GGUF llama.cpp would load from it."""
+    if _regular(folder / DECISION_CONFIG):
+        return DecisionHead(kind="decision_config", evidence=str(folder / DECISION_CONFIG))
+    if all(_regular(folder / name) for name in JOINT_HEAD):
+        shown = " and ".join(str(folder / name) for name in JOINT_HEAD)
+        return DecisionHead(kind="joint_head", evidence=shown)
+    if not any(Path(entry.name).suffix == ".gguf" for entry in _entries(folder)):
+        return None
+    try:
+        return _gguf_head(model_file(folder))
+    except CapyError:
+        return None
+
+
+def _gguf_head(path: Path) -> DecisionHead | None:
+    """The decision type a GGUF file's metadata declares (read once per version of it)."""
+    if path.suffix != ".gguf":
+        return None
+    try:
+        info = path.stat()
+        key = (str(path), info.st_ino, info.st_size, info.st_mtime_ns)
+        if key not in _gguf_reads:
+            if len(_gguf_reads) >= MAX_GGUF_READS:
+                _gguf_reads.clear()
+            _gguf_reads[key] = gguf.decision_type(path)
+        found = _gguf_reads[key]
+    except (OSError, gguf.NotGguf):
+        return None
+    if found is None:
+        return None
+    evidence = f"{path}: {gguf.DECISION_SUFFIX.lstrip('.')} {found}"
+    return DecisionHead(kind="gguf", evidence=evidence, type=_text(found))
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def _text(value: object) -> str:

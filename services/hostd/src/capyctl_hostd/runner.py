@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
+from capycommon.deployments.resolve import check_decisions
 from capycommon.engines import lmcache, registry
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
@@ -43,7 +44,7 @@ from capycommon.state import hostcommands as hc
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.memory import write_cache_server_rss
 from capycommon.state.store import Conflict, InstanceStore
-from capyctl_hostd import cacheserver, downloads, engines, procs, release
+from capyctl_hostd import cacheserver, downloads, engines, modelfacts, procs, release
 from capyctl_hostd.cacheserver import CacheServer
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.owned import OwnedEngine, OwnedEngines
@@ -59,11 +60,11 @@ LOG_LINES_IN_REDIS = 50
 # tuning, passed to the adapter as it came.
 RECORDED = {
     "deployment", "instance", "revision", "generation", "profile", "served_name", "model_path",
-    "residency", "gpu_uuid",
+    "residency", "gpu_uuid", "api",
 }  # fmt: skip
 TUNING = {
     "served_name", "memory_fraction", "kv_cache_bytes", "context_length",
-    "max_concurrent_requests", "tool_call_parser", "reasoning_parser", "extra_args",
+    "max_concurrent_requests", "tool_call_parser", "reasoning_parser", "extra_args", "api",
 }  # fmt: skip
 
 
@@ -337,6 +338,7 @@ class Runner:
         and passed its first canary, the canary's answer."""
         control = engine.control()
         await engines.wait_ready(engine, control, deadline_s)
+        await control.confirm_api()
         steps.mark("healthy")
         server = self.caches.get(member)
         if server is not None:
@@ -357,6 +359,9 @@ class Runner:
                 f"(registered: {', '.join(sorted(profiles)) or 'none'})"
             )
         capabilities = adapter_for(profile.family).capabilities(profile.version)
+        if command.api == "decisions":  # a download's files are seen here first
+            facts = await asyncio.to_thread(modelfacts.describe, Path(command.model_path))
+            check_decisions(profile, capabilities, facts, command.extra_args)
         if Residency(command.residency) not in host_tiers(capabilities, self.deep_park):
             raise LaunchFailed(
                 f"residency {command.residency} needs deep parking or the engine's development "

@@ -1,8 +1,11 @@
 """The inference API: OpenAI-compatible routes behind the API key.
 
 POST /v1/chat/completions, /v1/completions and /v1/embeddings are forwarded to the engine of
-the deployment that serves the request's model; nothing else of an engine is reachable. Each
-body is read and checked whole (`capycommon.requestbody`, by its model in `bodies`) before the
+the deployment that serves the request's model; nothing else of an engine is reachable. A
+decision model's (`api: decisions`) are POST /v1/decisions, OpenAI's Decisions shape, which
+the router translates to System One and back (`decisions`), and POST /v1/systemone, passed
+as sent; each api's routes refuse the other's models (`wrong_api`). Each body is read and
+checked whole (`capycommon.requestbody`, by its model in `bodies` or `decisions`) before the
 request takes a place; GET /openapi.json describes them.
 """
 
@@ -17,6 +20,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -24,14 +28,18 @@ from capycommon import httpauth, requestbody
 from capycommon.credentials import Credentials
 from capycommon.errors import (
     CapyError,
+    InvalidRequest,
     RedisUnreachable,
     Unauthenticated,
     UnknownModel,
     UnsupportedParameter,
+    WrongApi,
     http_code_for,
 )
 from capycommon.service import wait_event
+from capycommon.state.desired import DeploymentRecord
 from capycommon.version import __version__
+from capyctl_router import decisions
 from capyctl_router.bodies import BODIES
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import (
@@ -41,12 +49,27 @@ from capyctl_router.errors import (
     envelope,
 )
 from capyctl_router.proxy import Exchange
-from capyctl_router.relay import Call
+from capyctl_router.relay import DECISION_KINDS, Call
 from capyctl_router.table import Table
 from capyctl_router.upstream import Engines
 
 MAX_BODY = 4 << 20
-PREFIXES = {"chat.completions": "chatcmpl", "completions": "cmpl", "embeddings": "embd"}
+PREFIXES = {
+    "chat.completions": "chatcmpl",
+    "completions": "cmpl",
+    "embeddings": "embd",
+    "decisions": "decision",
+    "systemone": "decision",
+}
+DECISION_BODIES: dict[str, type[BaseModel]] = {
+    "decisions": decisions.DecisionsRequest,
+    "systemone": decisions.SystemOneRequest,
+}
+# What each api's routes are, as a refusal names them.
+API_ROUTES = {
+    "chat": "POST /v1/chat/completions, /v1/completions or /v1/embeddings",
+    "decisions": "POST /v1/decisions or /v1/systemone",
+}
 # The bearer token, read by the routes themselves; the OpenAPI document names it once.
 Authorization = Annotated[str | None, Header(include_in_schema=False)]
 
@@ -115,7 +138,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
         return {"status": "ok"}
 
     # Open to all, as vLLM's is: it holds no secret.
-    requestbody.publish_openapi(app, "/openapi.json", BODIES.values())
+    requestbody.publish_openapi(app, "/openapi.json", [*BODIES.values(), *DECISION_BODIES.values()])
 
     if router is None:
 
@@ -127,15 +150,11 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models() -> dict[str, Any]:
-        """Every route of a deployment that is not operator-stopped; it wakes nothing."""
+        """Every route of a deployment that is not operator-stopped; it wakes nothing. A
+        decision model's says so as llama.cpp does: `architecture.output_modalities`."""
         await routes_read(router.table)
         data = [
-            {
-                "id": route,
-                "object": "model",
-                "created": int(record.created_at),
-                "owned_by": "capyctl",
-            }
+            _listed(route, record)
             for route, name in sorted(router.table.routes.items())
             if (record := router.table.records.get(name)) is not None and not record.stopped
         ]
@@ -152,7 +171,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
         body = router.dispatcher.metrics.render()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    for kind, body in BODIES.items():
+    for kind, body in [*BODIES.items(), *DECISION_BODIES.items()]:
         app.add_api_route(
             f"/v1/{kind.replace('.', '/')}",
             _endpoint(router, kind),
@@ -161,10 +180,22 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
             dependencies=[Depends(require_api_key)],
             openapi_extra=requestbody.openapi_body(body),
         )
-    app.proxied = {f"/v1/{kind.replace('.', '/')}": kind for kind in BODIES}
+    app.proxied = {f"/v1/{kind.replace('.', '/')}": kind for kind in [*BODIES, *DECISION_BODIES]}
     app.api_key = credentials.api_key
     app.inference = router
     return app
+
+
+def _listed(route: str, record: DeploymentRecord) -> dict[str, Any]:
+    listed: dict[str, Any] = {
+        "id": route,
+        "object": "model",
+        "created": int(record.created_at),
+        "owned_by": "capyctl",
+    }
+    if record.document.decides:
+        listed["architecture"] = {"output_modalities": ["decisions"]}
+    return listed
 
 
 def _same(token: str, secret: str) -> bool:
@@ -181,6 +212,8 @@ def _endpoint(router: Router, kind: str) -> Callable[[Request], Awaitable[Respon
 def _call(kind: str, body: dict[str, Any]) -> Call:
     """The request as the router relays it: the body as the client sent it, once its model
     (`capyctl_router.bodies`) found nothing wrong in it."""
+    if kind in DECISION_KINDS:
+        return _decision_call(kind, body)
     found = requestbody.validated(BODIES[kind], body)
     if found.n != 1:
         raise UnsupportedParameter("n must be 1")
@@ -192,6 +225,61 @@ def _call(kind: str, body: dict[str, Any]) -> Call:
         client_streams=found.stream,
         client_usage=found.client_usage,
     )
+
+
+def _decision_call(kind: str, body: dict[str, Any]) -> Call:
+    """A decision request as the router relays it: System One as the client sent it, or
+    the System One translation of an OpenAI decisions request (`decisions`)."""
+    request_id = f"{PREFIXES[kind]}-{secrets.token_hex(12)}"
+    if kind == "systemone":
+        one = requestbody.validated(decisions.SystemOneRequest, body)
+        return Call(
+            kind, body, one.model, request_id, client_streams=False, client_usage=True, asked=one
+        )
+    asked = requestbody.validated(decisions.DecisionsRequest, body)
+    if asked.images:
+        raise UnsupportedParameter(
+            "input: input_image parts are not taken by decision models in this release; "
+            "send the input as text"
+        )
+    return Call(
+        kind,
+        decisions.to_system_one(asked, ""),
+        asked.model,
+        request_id,
+        client_streams=False,
+        client_usage=True,
+        asked=asked,
+    )
+
+
+def check_api(call: Call, record: DeploymentRecord) -> None:
+    """WrongApi for a request on a route of the other api than its deployment's."""
+    api = record.document.api
+    if call.decides == record.document.decides:
+        return
+    path = f"/v1/{call.kind.replace('.', '/')}"
+    if api == "decisions":
+        raise WrongApi(
+            f"model {call.route!r} is a decision model (api: decisions): send it "
+            f"{API_ROUTES[api]}, not {path}"
+        )
+    raise WrongApi(
+        f"model {call.route!r} is a chat model (api: chat): send it {API_ROUTES[api]}, not "
+        f"{path}; a decision model is deployed with api: decisions"
+    )
+
+
+def _check_size(table: Table, call: Call, record: DeploymentRecord) -> None:
+    """A decision request with more questions or options than its deployment's engine
+    takes is refused before it waits for a place, where the engine's family is known (its
+    instance said it); else just before it is sent."""
+    instance = table.instances.get(record.name)
+    if call.asked is None or instance is None or instance.family is None:
+        return
+    problem = decisions.too_large(call.asked, instance.family)
+    if problem is not None:
+        raise InvalidRequest(f"questions: {problem}; ask fewer in one request")
 
 
 # A request that comes before the worker first read its routes (just after a start) waits
@@ -215,4 +303,6 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
     record = router.table.deployment_of(call.route)
     if record is None:
         raise UnknownModel(f"no model {call.route!r}; GET /v1/models lists them")
+    check_api(call, record)
+    _check_size(router.table, call, record)
     return Exchange(router.dispatcher, router.engines, call, record, arrived)

@@ -21,6 +21,7 @@ not know (`invalid_request`): nothing a caller sends is silently dropped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -39,18 +40,26 @@ MIN_LEVELS = 2
 
 @dataclass(frozen=True)
 class Limits:
-    """How many questions, and options per choice, one engine takes in one request."""
+    """How many questions (None: no bound of its own), and options per choice, one engine
+    takes in one request."""
 
-    questions: int
+    questions: int | None
     options: int = MAX_OPTIONS
 
 
-# SGLang's decision checkpoints take 16 questions; llama.cpp sets no limit of its own on them.
-LIMITS = {"sglang": Limits(questions=16), "llamacpp": Limits(questions=64)}
+# SGLang's decision checkpoints take 16 questions; llama.cpp sets no bound of its own.
+LIMITS = {"sglang": Limits(questions=16), "llamacpp": Limits(questions=None)}
+# The most questions a request may ask, whatever the engine.
+MAX_QUESTIONS = 400
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
 
 
 class ChoiceOption(_Strict):
@@ -73,7 +82,7 @@ class ScoreLevel(_Strict):
 class Question(_Strict):
     type: Literal["predicate", "choice", "score"]
     name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    instructions: Annotated[str, Field(min_length=1)]
+    instructions: Annotated[str, Field(min_length=1)] | list[InputText]
     choices: list[ChoiceOption] | None = None
     levels: list[ScoreLevel] | None = None
 
@@ -93,16 +102,18 @@ class Question(_Strict):
             raise ValueError(f"levels belong to score questions, not {self.type}")
         return self
 
+    @property
+    def text(self) -> str:
+        """The instructions as one text, parts in order."""
+        if isinstance(self.instructions, str):
+            return self.instructions
+        return "\n\n".join(part.text for part in self.instructions)
+
 
 def _between(items: list[Any] | None, low: int, high: int, field: str, what: str) -> None:
     if items is None or not low <= len(items) <= high:
         count = 0 if items is None else len(items)
         raise ValueError(f"{what} question needs {low} to {high} {field}, not {count}")
-
-
-class InputText(_Strict):
-    type: Literal["input_text"]
-    text: str
 
 
 class InputImage(BaseModel):
@@ -113,6 +124,7 @@ class InputImage(BaseModel):
 class Message(_Strict):
     role: Literal["user"]
     content: str | list[InputText | InputImage]
+    type: Literal["message"] | None = None
 
 
 class DecisionsRequest(_Strict):
@@ -120,7 +132,7 @@ class DecisionsRequest(_Strict):
 
     model: Annotated[str, Field(min_length=1)]
     input: str | list[Message]
-    questions: Annotated[list[Question], Field(min_length=1)]
+    questions: Annotated[list[Question], Field(min_length=1, max_length=MAX_QUESTIONS)]
     # Accepted, and not passed on: it identifies the caller to OpenAI's own safety systems.
     safety_identifier: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_SALT)] | None = None
@@ -157,16 +169,20 @@ class DecisionsRequest(_Strict):
 
 def over_limits(request: DecisionsRequest, family: str) -> str | None:
     """Why the engine family would refuse the request's size, or None."""
+    options = [len(question.choices or []) for question in request.questions]
+    return _over(len(request.questions), options, family)
+
+
+def _over(questions: int, options: list[int], family: str) -> str | None:
     limits = LIMITS.get(family)
     if limits is None:
         return None
-    if len(request.questions) > limits.questions:
-        return f"{len(request.questions)} questions; {family} takes at most {limits.questions}"
-    for index, question in enumerate(request.questions):
-        options = len(question.choices or [])
-        if options > limits.options:
+    if limits.questions is not None and questions > limits.questions:
+        return f"{questions} questions; {family} takes at most {limits.questions}"
+    for index, count in enumerate(options):
+        if count > limits.options:
             return (
-                f"questions[{index}] has {options} choices; {family} takes at most {limits.options}"
+                f"questions[{index}] has {count} options; {family} takes at most {limits.options}"
             )
     return None
 
@@ -181,7 +197,7 @@ def to_system_one(request: DecisionsRequest, served_name: str) -> JsonDict:
     for index, question in enumerate(request.questions):
         asked: JsonDict = {
             "type": "noul" if question.type == "predicate" else question.type,
-            "instructions": question.instructions,
+            "instructions": question.text,
         }
         if question.type == "choice":
             asked["criteria"] = {o.key: o.description for o in question.choices or []}
@@ -192,6 +208,60 @@ def to_system_one(request: DecisionsRequest, served_name: str) -> JsonDict:
             ]
         questions[qid(index)] = asked
     return {"model": served_name, "state": request.state(), "questions": questions}
+
+
+# System One ----------------------------------------------------------------------------------
+
+
+class SystemOneQuestion(BaseModel):
+    """One System One question; fields beyond these pass to the engine as sent."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    type: Literal["choice", "score", "noul"]
+    instructions: Annotated[str, Field(min_length=1)]
+    criteria: dict[str, str | None] | list[str] | None = None
+
+    @model_validator(mode="after")
+    def _criteria(self) -> SystemOneQuestion:
+        criteria = self.criteria
+        if self.type == "choice":
+            if not isinstance(criteria, dict):
+                raise ValueError("a choice question's criteria is an object: option -> text")
+            _between(list(criteria), MIN_OPTIONS, MAX_OPTIONS, "options", "a choice")
+        elif self.type == "score":
+            if not isinstance(criteria, list):
+                raise ValueError("a score question's criteria is an array of levels, lowest first")
+            _between(criteria, MIN_LEVELS, MAX_LEVELS, "levels", "a score")
+        elif criteria is not None and (
+            not isinstance(criteria, dict) or not set(criteria) <= {"true", "false"}
+        ):
+            raise ValueError("a noul question's criteria, if any, is {true: ..., false: ...}")
+        return self
+
+
+class SystemOneRequest(BaseModel):
+    """`POST /v1/systemone`, as TypeSafe's System One takes it: checked here, then passed to
+    the engine as sent but for its model (the engine's served name)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Annotated[str, Field(min_length=1)]
+    state: str | dict[str, Any] | list[Any]
+    questions: Annotated[
+        dict[str, SystemOneQuestion], Field(min_length=1, max_length=MAX_QUESTIONS)
+    ]
+
+
+def too_large(request: DecisionsRequest | SystemOneRequest, family: str) -> str | None:
+    """Why the engine family would refuse the request's size (either shape), or None."""
+    if isinstance(request, DecisionsRequest):
+        return over_limits(request, family)
+    options = [
+        len(q.criteria) if q.type == "choice" and q.criteria else 0
+        for q in request.questions.values()
+    ]
+    return _over(len(request.questions), options, family)
 
 
 class MalformedAnswer(ValueError):
@@ -237,6 +307,8 @@ def _answer(question: Question, given: object, index: int) -> JsonDict:
     if not isinstance(probabilities, dict):
         raise MalformedAnswer(f"{where} has no probabilities")
     confidence = given.get("confidence")
+    if isinstance(confidence, bool) or not isinstance(confidence, int | float):
+        confidence = _confidence([_number(probabilities, key, where) for key in probabilities])
     if question.type == "choice":
         options = question.choices or []
         by_key = {o.key: o.value for o in options}
@@ -266,6 +338,15 @@ def _answer(question: Question, given: object, index: int) -> JsonDict:
         ],
         "confidence": confidence,
     }
+
+
+def _confidence(probabilities: list[float]) -> float:
+    """1 when one option holds all the mass, 0 when it is spread evenly: one less the
+    distribution's entropy over its largest."""
+    if len(probabilities) < 2:
+        return 1.0
+    entropy = -sum(p * math.log(p) for p in probabilities if p > 0)
+    return max(0.0, min(1.0, 1.0 - entropy / math.log(len(probabilities))))
 
 
 def _number(found: JsonDict, key: str, where: str) -> float:

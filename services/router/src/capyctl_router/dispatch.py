@@ -261,15 +261,25 @@ class Dispatcher:
             self._failed(exc)  # given back here: the next keep gives it back in Redis
         self.table.wake(target.deployment)
 
-    async def cut(self, target: Target, request_id: str, answered: bool) -> None:
+    async def cut(
+        self, target: Target, request_id: str, answered: bool, decision: bool = False
+    ) -> None:
         """A request cut short: close its account as the 0.1.7 notes say; on SGLang, also
-        have hostd abort it by id (and report its end where the engine shows it)."""
+        have hostd abort it by id (and report its end where the engine shows it). A decision
+        request has no id SGLang knows: it runs to its end there, so it settles at the next
+        stop; llama.cpp drops it with its connection, so it settles once the engine reads
+        idle."""
         name = target.deployment
         self.metrics.cancelled(name)
-        settles = "settle_when_idle" if answered else "settle_at_stop"
-        reported = target.family == "sglang"
+        if decision:
+            at_stop = target.family == "sglang"
+            settles = "settle_at_stop" if at_stop else "settle_when_idle"
+            reported = False
+        else:
+            settles = "settle_when_idle" if answered else "settle_at_stop"
+            reported = target.family == "sglang"
         log.info("request %s on %s cut; it counts as %s", request_id, name, settles)
-        if answered or reported:
+        if settles == "settle_when_idle" or reported:
             self._cuts[request_id] = Cut(
                 name, target.generation, target.host, settles, time.time(), reported
             )

@@ -40,11 +40,13 @@ from capycommon.errors import (
     EngineFailed,
     EngineRejected,
     EngineUnreachable,
+    InvalidRequest,
     StaleDispatch,
 )
 from capycommon.hangup import Watch, uncancel
 from capycommon.service import wait_event
 from capycommon.state.desired import DeploymentRecord
+from capyctl_router.decisions import DecisionsRequest, MalformedAnswer, from_system_one
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers
 from capyctl_router.relay import (
@@ -100,6 +102,7 @@ FAILURES = (
     StaleDispatch,
     Cut,
     CacheSaltUnsupported,
+    InvalidRequest,
 )
 
 
@@ -126,8 +129,9 @@ def failure(exc: BaseException) -> Failure:
     if isinstance(exc, IngressUnreachable):
         code = EngineUnreachable.code
         return Failure(code, 503, code, str(exc))
-    if isinstance(exc, CacheSaltUnsupported):  # the router's refusal, before it sent anything
-        return Failure(exc.code, exc.http_status, exc.code, exc.message, "cache_salt")
+    if isinstance(exc, CacheSaltUnsupported | InvalidRequest):  # refused before it was sent
+        param = "cache_salt" if isinstance(exc, CacheSaltUnsupported) else None
+        return Failure(exc.code, exc.http_status, exc.code, exc.message, param)
     return Failure(EngineError.code, 500, EngineError.code, f"the engine failed: {exc}")
 
 
@@ -298,7 +302,9 @@ class Session:
         if self.outcome in FINISHED or self.response is None:  # done, or never sent
             await dispatcher.release(self.target)
         else:
-            await dispatcher.cut(self.target, self.call.request_id, self.call.answered)
+            await dispatcher.cut(
+                self.target, self.call.request_id, self.call.answered, self.call.decides
+            )
 
     def _undelivered(self, exc: BaseException) -> bool:
         """Whether the ingress never took the request: it refused it as stale, or it could
@@ -370,16 +376,16 @@ class Session:
         return event
 
     async def _collect(self) -> JsonDict:
-        """The whole answer, as one JSON body: embeddings as the engine gave them, the rest
-        assembled from the engine's stream."""
-        if self.call.kind == "embeddings":
+        """The whole answer, as one JSON body: embeddings and decisions from the engine's one
+        JSON answer, the rest assembled from the engine's stream."""
+        if self.call.kind == "embeddings" or self.call.decides:
             try:
                 async with asyncio.timeout(self._left()):
-                    raw = await self._embeddings()
+                    raw = await self._whole()
             except TimeoutError:
                 raise Cut("deadline") from None
             self._first_output()
-            return {**raw, "model": self.call.route}
+            return self._shown(raw)
         assembly = Assembly(self.call)
         event = await self._first()
         while event is not None:
@@ -387,18 +393,31 @@ class Session:
             event = await self._next()
         return assembly.body()
 
-    async def _embeddings(self) -> JsonDict:
+    async def _whole(self) -> JsonDict:
+        """The engine's answer as one JSON object (embeddings, decisions)."""
+        what = "decisions" if self.call.decides else "embeddings"
         response = await self._open()
         raw = await response.read(MAX_ANSWER + 1)
         if len(raw) > MAX_ANSWER:
-            raise EngineError("the engine's embeddings are over the router's limit (16 MiB)")
+            raise EngineError(f"the engine's {what} are over the router's limit (16 MiB)")
         try:
             body = loads(raw)
         except ValueError:  # not JSON, not UTF-8
-            raise EngineError("the engine's embeddings are not JSON") from None
+            raise EngineError(f"the engine's {what} are not JSON") from None
         if not isinstance(body, dict):
-            raise EngineError("the engine's embeddings are not a JSON object")
+            raise EngineError(f"the engine's {what} are not a JSON object")
         return body
+
+    def _shown(self, body: JsonDict) -> JsonDict:
+        """The engine's JSON answer as the client gets it: under the model it asked for, and
+        an OpenAI decisions request's answer translated back from System One."""
+        asked = self.call.asked
+        if not isinstance(asked, DecisionsRequest):
+            return {**body, "model": self.call.route}
+        try:
+            return from_system_one(asked, body, self.call.route)
+        except MalformedAnswer as exc:
+            raise EngineError(f"the engine's System One answer is malformed: {exc}") from None
 
     def _left(self) -> float:
         return max(0.001, self.deadline - time.monotonic())

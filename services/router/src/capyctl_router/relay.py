@@ -26,7 +26,8 @@ from typing import Any
 import orjson
 
 from capycommon import ingress
-from capycommon.errors import CacheSaltUnsupported, EngineError, EngineFailed
+from capycommon.errors import CacheSaltUnsupported, EngineError, EngineFailed, InvalidRequest
+from capyctl_router.decisions import DecisionsRequest, SystemOneRequest, too_large
 from capyctl_router.table import Target
 from capyctl_router.upstream import Answer
 
@@ -103,11 +104,18 @@ def _error_fields(found: object) -> tuple[str | None, str | None, int | None]:
     )
 
 
+# The decision routes; both reach the engine's System One route.
+DECISION_KINDS = ("decisions", "systemone")
+SYSTEMONE_PATH = "/v1/systemone"
+
+
 @dataclass
 class Call:
     """One request on its way to an engine."""
 
-    kind: str  # chat.completions | completions | embeddings
+    kind: str  # chat.completions | completions | embeddings | decisions | systemone
+    # The body the engine gets (but for its model): the client's, or for decisions the
+    # System One translation of `asked`.
     body: JsonDict
     route: str  # the model id the client sent
     request_id: str
@@ -117,9 +125,18 @@ class Call:
     answered: bool = False
     first_output_at: float | None = None
     usage: JsonDict | None = field(default=None)
+    # A decision request as the client asked it (an OpenAI one's answer is translated back).
+    asked: DecisionsRequest | SystemOneRequest | None = None
+
+    @property
+    def decides(self) -> bool:
+        """Whether it asks a decision model (one System One request to the engine)."""
+        return self.kind in DECISION_KINDS
 
     @property
     def path(self) -> str:
+        if self.decides:
+            return SYSTEMONE_PATH
         return f"/v1/{self.kind.replace('.', '/')}"
 
 
@@ -137,16 +154,10 @@ def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]
     an ingress, the instance the request was admitted to: the ingress adds the key), and a
     client's cache_salt as its digest (`salt_digest`); llama.cpp, which has no cache_salt, is
     refused one, and so is SGLang with LMCache, whose cache drops it."""
+    if call.decides:
+        return decision_request(call, target)
     body = {**call.body, "model": target.served_name}
-    if target.ingress is None:
-        headers = {"Authorization": f"Bearer {target.secret}", "X-Request-Id": call.request_id}
-    else:
-        headers = {
-            ingress.DEPLOYMENT_HEADER: target.deployment,
-            ingress.INSTANCE_HEADER: "0",
-            ingress.GENERATION_HEADER: str(target.generation),
-            "X-Request-Id": call.request_id,
-        }
+    headers = _headers(call, target)
     if call.kind != "embeddings":
         body["stream"] = True
         options = dict(body.get("stream_options") or {})
@@ -169,6 +180,40 @@ def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]
             )
         body["cache_salt"] = salt_digest(target.deployment, target.revision, salt)
     return body, headers
+
+
+def decision_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]]:
+    """A decision request's System One body and headers: the engine's served name, nothing
+    else changed. More questions or options than the engine takes are refused here. A
+    cache_salt is refused on llama.cpp, as for chat; SGLang runs decision models with its
+    radix cache off, so no prompt is shared with another request at all."""
+    asked = call.asked
+    assert asked is not None
+    too_many = too_large(asked, target.family)
+    if too_many is not None:
+        raise InvalidRequest(f"questions: {too_many}; ask fewer in one request")
+    salt = asked.cache_salt if isinstance(asked, DecisionsRequest) else None
+    if salt is not None and target.family == "llamacpp":
+        raise CacheSaltUnsupported(
+            f"deployment {target.deployment!r} runs on llama.cpp, which cannot keep cached "
+            "prompts apart by cache_salt; drop cache_salt"
+        )
+    body = {**call.body, "model": target.served_name}
+    body.pop("cache_salt", None)
+    return body, _headers(call, target)
+
+
+def _headers(call: Call, target: Target) -> dict[str, str]:
+    """The request id, and the per-launch key (behind an ingress, the instance the request
+    was admitted to: the ingress adds the key)."""
+    if target.ingress is None:
+        return {"Authorization": f"Bearer {target.secret}", "X-Request-Id": call.request_id}
+    return {
+        ingress.DEPLOYMENT_HEADER: target.deployment,
+        ingress.INSTANCE_HEADER: "0",
+        ingress.GENERATION_HEADER: str(target.generation),
+        "X-Request-Id": call.request_id,
+    }
 
 
 class Events:

@@ -109,6 +109,7 @@ class Actuator:
             hub=hc.HubPull.of(record.document.model),
             retention=record.document.retention,
             cache=_cache_launch(resolved, footprint),
+            api=record.document.api,
         )
         instance = snapshot.instances.get(record.name)
         await self._send(

@@ -115,6 +115,8 @@ def revision_digest(deployment: Deployment) -> str:
     for later in ("lmcache", "lmcache_pool"):  # the same, added in 0.1.7
         if document[later] is None:
             del document[later]
+    if document["api"] == "chat":  # the same, added in 0.1.7
+        del document["api"]
     canonical = json.dumps(
         document,
         sort_keys=True,

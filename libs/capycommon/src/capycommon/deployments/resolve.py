@@ -13,7 +13,7 @@ from pathlib import PurePosixPath
 
 from capycommon.deployments.checkpoint import Quantization, quantization
 from capycommon.deployments.schema import Deployment, ModelSource
-from capycommon.engines import lmcache
+from capycommon.engines import decisions, lmcache
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import ENGINE_FAMILIES, Family
 from capycommon.engines.launch import (
@@ -31,6 +31,7 @@ from capycommon.errors import (
     InvalidConfig,
     LMCacheUnavailable,
     ModelSourcePending,
+    NotADecisionModel,
     NotFound,
     ProfileNotPublished,
 )
@@ -142,6 +143,8 @@ def _resolve(
         )
     model = model_facts(deployment.model, models)
     capabilities = adapter.capabilities(profile.version)
+    if deployment.decides:
+        check_decisions(profile, capabilities, model, extra_args)
     residency, reason = choose_residency(
         deployment.residency,
         profile,
@@ -193,6 +196,7 @@ def _cache(
             installs=lmcache.installs_of(profiles),
             retention_zero=retention == "zero",
             host_off=not host.lmcache,
+            decisions=deployment.decides,
         )
     )
     if isinstance(found, lmcache.Closed):
@@ -207,6 +211,57 @@ def _cache(
         )
     pool = format_size(deployment.lmcache_pool or lmcache.DEFAULT_POOL)
     return found, f"on: LMCache {found.version} ({found.name}), pool {pool}"
+
+
+# The decision heads each family reads (`capycommon.state.hostfacts.DecisionHead`).
+DECISION_HEADS = {
+    Family.SGLANG: ("decision_config", "joint_head"),
+    Family.LLAMACPP: ("gguf",),
+}
+
+
+def check_decisions(
+    profile: EngineProfile,
+    capabilities: Capabilities,
+    model: ModelFacts,
+    extra_args: tuple[str, ...],
+) -> None:
+    """Refuse a decision model (api: decisions) its engine cannot answer from its head, a
+    model that is no decision model, or an extra argument its launch bars. A Hub store not
+    downloaded yet is checked by hostd once it is."""
+    if not capabilities.decisions:
+        raise CapabilityMissing(
+            f"api: decisions: {profile.family} {profile.version} would answer a decision model "
+            "from its text output, not its decision head (uncalibrated probabilities); serve "
+            "it on SGLang 0.5.22 or later, or llama.cpp",
+            capability="decisions",
+        )
+    decisions.check_args(profile.family, extra_args)
+    if model.kind == "missing":
+        return
+    heads = DECISION_HEADS.get(profile.family, ())
+    head = model.decision
+    if head is not None and head.kind in heads:
+        return
+    if head is not None:
+        wants = "a GGUF with decision metadata" if "gguf" in heads else "a decision checkpoint"
+        raise NotADecisionModel(
+            f"model: {model.path} is a decision model for another engine ({head.evidence}); "
+            f"{profile.family} reads {wants}: serve it on "
+            f"{'llama.cpp' if head.kind == 'gguf' else 'SGLang'}, or name its other form"
+        )
+    raise NotADecisionModel(
+        f"model: {model.path} is no decision model: "
+        + (
+            "its GGUF metadata has no <architecture>.decision.type"
+            if profile.family == Family.LLAMACPP
+            else f"it has no {', nor '.join(DECISION_FILES)}"
+        )
+        + "; name a decision model, or drop api: decisions to serve it for chat"
+    )
+
+
+DECISION_FILES = ("decision_config.json", "joint_head_config.json with joint_head.safetensors")
 
 
 def resolve_engine(engine: str, profiles: Mapping[str, EngineProfile]) -> EngineProfile:

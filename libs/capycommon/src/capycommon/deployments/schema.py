@@ -336,6 +336,9 @@ class Deployment(Strict):
     lmcache: Literal["auto", "off", "required"] | None = None
     # Host RAM the instance's LMCache pins for its cache; none: 4GiB.
     lmcache_pool: Annotated[Size, AfterValidator(_pool)] | None = None
+    # What the model serves (docs/decisions.md): chat (and completions, embeddings) or
+    # decisions, a decision model's probabilities for typed questions (SGLang, llama.cpp).
+    api: Literal["chat", "decisions"] = "chat"
 
     @model_validator(mode="before")
     @classmethod
@@ -381,6 +384,11 @@ class Deployment(Strict):
     def allows(self, host: str) -> bool:
         """Whether it may run on `host` (placement.hosts, when it names any)."""
         return not self.placement.hosts or host in self.placement.hosts
+
+    @property
+    def decides(self) -> bool:
+        """Whether it serves decisions, not chat."""
+        return self.api == "decisions"
 
     @property
     def device(self) -> str | None:

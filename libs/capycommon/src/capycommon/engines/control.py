@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from capycommon.engines import decisions
 from capycommon.engines.launch import Capabilities, LaunchSpec, Residency
 from capycommon.errors import (
     CapabilityMissing,
@@ -124,7 +125,16 @@ class EngineControl:
         return response.status_code == 200
 
     async def canary(self) -> str:
-        """A one-token chat request; its answer proves the engine generates."""
+        """A one-token chat request; its answer proves the engine generates. A decision
+        model's is one System One choice: the option it chose proves it decides."""
+        if self.spec.api == "decisions":
+            body = decisions.canary_body(self.spec.served_name)
+            path = decisions.SYSTEMONE_PATH
+            response = await self._call("POST", path, self.timeouts.canary, json=body)
+            try:
+                return decisions.canary_answer(response.json())
+            except ValueError as exc:
+                raise EngineError(str(exc)) from None
         body = {
             "model": self.spec.served_name,
             "messages": [{"role": "user", "content": CANARY_PROMPT}],
@@ -136,6 +146,9 @@ class EngineControl:
         # A thinking model spends its first token on reasoning; that counts as an answer.
         reasoning = message.get(self.capabilities.reasoning_field)
         return str(message.get("content") or reasoning or "")
+
+    async def confirm_api(self) -> None:
+        """Once the engine is ready: EngineError where it says it cannot serve its api."""
 
     async def load(self) -> Load:
         """Running and waiting requests, from the engine's own metrics."""

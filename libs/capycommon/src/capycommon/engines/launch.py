@@ -51,6 +51,8 @@ class LaunchSpec:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     extra_args: tuple[str, ...] = ()
+    # What the model serves: chat, or decisions (`capycommon.engines.decisions`).
+    api: Literal["chat", "decisions"] = "chat"
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class Capabilities:
     dev_control_tiers: tuple[Residency, ...] = ()
     # Checkpoint kinds (`capycommon.deployments.checkpoint`) the engine cannot park.
     unparkable_checkpoints: frozenset[str] = frozenset()
+    # It answers a decision model (`api: decisions`) from its decision head, over System One.
+    decisions: bool = False
 
 
 def host_tiers(capabilities: Capabilities, deep_park: bool) -> tuple[Residency, ...]:

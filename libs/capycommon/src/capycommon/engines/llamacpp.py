@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from capycommon.engines import decisions
 from capycommon.engines.control import EngineControl
+from capycommon.engines.families import Family
 from capycommon.engines.launch import (
     ENGINE_HOST,
     Capabilities,
@@ -13,7 +15,7 @@ from capycommon.engines.launch import (
     Residency,
     check_extra_args,
 )
-from capycommon.errors import CapabilityMissing, InvalidConfig
+from capycommon.errors import CapabilityMissing, EngineError, InvalidConfig
 
 DEFAULT_SLOTS = 4
 
@@ -61,6 +63,7 @@ def capabilities(version: str) -> Capabilities:
         disconnect_abort_lag_s=0.0,
         metrics_running="llamacpp:requests_processing",
         metrics_waiting="llamacpp:requests_deferred",
+        decisions=True,  # a build without decision serving says so at readiness
     )
 
 
@@ -108,6 +111,9 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
     ]
     if spec.reasoning_parser:
         argv += ["--reasoning-format", "deepseek"]
+    if spec.api == "decisions":
+        decisions.check_args(Family.LLAMACPP, spec.extra_args)
+        argv += decisions.launch_args(Family.LLAMACPP, spec.context_length)
     argv += check_extra_args("llamacpp", spec.extra_args, RESERVED)
     # llama-server reads its key from LLAMA_API_KEY: it stays out of the process list.
     return LaunchPlan(argv, {"LLAMA_API_KEY": spec.api_key})
@@ -115,3 +121,18 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
 
 class LlamacppControl(EngineControl):
     """Park, wake and abort by id are not available: the base refuses them."""
+
+    async def confirm_api(self) -> None:
+        """A decision model is ready only once llama.cpp's /v1/models says it outputs
+        decisions (it reads that from the GGUF's metadata)."""
+        if self.spec.api != "decisions":
+            return
+        found = await self._call("GET", "/v1/models", self.timeouts.health)
+        said = decisions.modalities(found.json(), self.spec.served_name)
+        if said is None or decisions.DECISIONS_MODALITY not in said:
+            shown = "no output modalities" if said is None else f"output modalities {said}"
+            raise EngineError(
+                f"llama.cpp's /v1/models gives {self.spec.served_name!r} {shown}, not "
+                f"{decisions.DECISIONS_MODALITY}: {self.spec.model_path} is no decision model "
+                "to this build, or the build cannot serve one (api: decisions)"
+            )

@@ -63,11 +63,11 @@ Gate = Literal[
     "retention_zero",
     "host_off",
     "engine",
+    "decisions",
     "not_registered",
     "lmcache_version",
     "connector",
     "residency",
-    "decisions",
     "radix_cache_disabled",
     "hierarchical_cache",
     "hybrid_model",
@@ -139,6 +139,12 @@ def _closed(facts: GateFacts) -> Closed | None:  # noqa: PLR0911 (one answer per
             f"{engine.family} {engine.version} is not qualified with LMCache (vLLM 0.32, "
             "SGLang 0.5.22 or a later 0.5.x are)",
         )
+    if facts.decisions and engine.family == Family.SGLANG:  # whatever LMCache is installed
+        return Closed(
+            "decisions",
+            "a decision deployment on SGLang runs without LMCache (SGLang fails with it while "
+            "its radix cache is off)",
+        )
     if not facts.installs:
         return Closed(
             "not_registered",
@@ -177,12 +183,6 @@ def sets(args: Sequence[str], flag: str) -> bool:
 
 
 def _sglang_closed(facts: GateFacts) -> Closed | None:
-    if facts.decisions:
-        return Closed(
-            "decisions",
-            "a decision deployment on SGLang runs without LMCache (SGLang fails with it while "
-            "its radix cache is off)",
-        )
     if sets(facts.extra_args, "--disable-radix-cache"):
         return Closed(
             "radix_cache_disabled",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from packaging.version import Version
 
+from capycommon.engines import decisions
 from capycommon.engines.control import EngineControl, parse_metric
 from capycommon.engines.environment import PROMETHEUS_DIR, SGLANG_LAUNCHER
 from capycommon.engines.families import Family, parse_version
@@ -55,6 +56,8 @@ RESERVED = frozenset(
 ABORTED = "sglang:num_aborted_requests_total"
 # The first release whose aborts CapyCTL follows to each request's end (the 0.1.7 notes).
 REPORTS_ENDS = Version("0.5.22")
+# The first release that answers decision checkpoints from their head (`/v1/systemone`).
+DECISIONS_FROM = Version("0.5.22")
 
 
 def capabilities(version: str) -> Capabilities:
@@ -73,6 +76,7 @@ def capabilities(version: str) -> Capabilities:
         children_live_with_engine=True,
         # SGLang cannot release a ModelOpt FP4 (NVFP4) model's memory and resume it yet.
         unparkable_checkpoints=frozenset({MODELOPT_FP4}),
+        decisions=parsed >= DECISIONS_FROM,
     )
 
 
@@ -90,6 +94,9 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         ("--tool-call-parser", spec.tool_call_parser),
         ("--reasoning-parser", spec.reasoning_parser),
     )
+    if spec.api == "decisions":
+        decisions.check_args(Family.SGLANG, spec.extra_args)
+        argv += decisions.launch_args(Family.SGLANG, spec.context_length)
     argv += check_extra_args("sglang", spec.extra_args, RESERVED)
     # SGLang's HTTP server makes a TemporaryDirectory for Prometheus' multiprocess files and
     # points its children there, unless this variable names a folder; the server's exit then

@@ -65,6 +65,13 @@ RESERVED = frozenset(
 )
 
 
+# The first release that answers decision models from their decision head; None: none yet.
+# vLLM 0.32 serves /v1/systemone by reading the text output's label logprobs, which ignores
+# the head a decision checkpoint was trained with (its probabilities are not the calibrated
+# ones), so CapyCTL refuses it for api: decisions. Qualify each later release here.
+DECISION_HEADS_FROM: Version | None = None
+
+
 def capabilities(version: str) -> Capabilities:
     parsed = parse_version(Family.VLLM, version)
     # 0.11.1-0.15 send both names; 0.16 dropped reasoning_content.
@@ -80,6 +87,7 @@ def capabilities(version: str) -> Capabilities:
         metrics_running="vllm:num_requests_running",
         metrics_waiting="vllm:num_requests_waiting",
         dev_control_tiers=PARKING,  # /sleep and /wake_up exist only in dev mode
+        decisions=DECISION_HEADS_FROM is not None and parsed >= DECISION_HEADS_FROM,
     )
 
 

@@ -86,6 +86,8 @@ class Launch(_Command):
     retention: Literal["default", "zero"] | None = None
     # Its LMCache server; None: the engine runs without one.
     cache: CacheLaunch | None = None
+    # What the model serves: chat, or decisions (a decision model).
+    api: Literal["chat", "decisions"] = "chat"
 
 
 class Park(_Command):

@@ -40,6 +40,20 @@ class QuantizationConfig(BaseModel):
     quant_algo: str = ""
 
 
+class DecisionHead(BaseModel):
+    """A decision model's head, as its files declare it: SGLang's decision checkpoint
+    (`decision_config.json`), a joint-schema head (`joint_head_config.json` and
+    `joint_head.safetensors`), or a GGUF's `<architecture>.decision.type`."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kind: Literal["decision_config", "joint_head", "gguf"]
+    # Where it says so: `<folder>/decision_config.json`, `<file>: clef.decision.type clef`.
+    evidence: str
+    # The GGUF's decision type (clef, laya, kev, ...); None for a folder's head.
+    type: str | None = None
+
+
 class ModelFacts(BaseModel):
     """One model path on a host: what is there, and what its config files say."""
 
@@ -56,6 +70,8 @@ class ModelFacts(BaseModel):
     architectures: tuple[str, ...] = ()
     dtype: str | None = None
     quantization: tuple[QuantizationConfig, ...] = ()
+    # The decision head its files declare; None for any other model.
+    decision: DecisionHead | None = None
 
 
 def weights_of(files: Iterable[tuple[str, int]]) -> int | None:

@@ -8,6 +8,7 @@ done in one Lua script (`capycommon.state.store`), so a stale writer loses clean
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -119,6 +120,8 @@ class InstanceRecord(BaseModel):
     error: str | None = None
     # Its LMCache server, while one runs for it (through a restart_only park too).
     cache: CacheRecord | None = None
+    # What its model serves: chat, or decisions (a decision model).
+    api: Literal["chat", "decisions"] = "chat"
 
     @property
     def member(self) -> str:

@@ -4,6 +4,7 @@ the refusals."""
 
 from __future__ import annotations
 
+from math import log
 from typing import Any
 
 import pytest
@@ -141,7 +142,8 @@ def test_system_one_answers_come_back_in_order_under_the_callers_names_and_value
                     {"value": True, "probability": 0.3},
                     {"value": False, "probability": 0.7},
                 ],
-                "confidence": None,
+                # The engine gave none: one less the entropy over its largest (ln 2).
+                "confidence": pytest.approx(1 - (-0.3 * log(0.3) - 0.7 * log(0.7)) / log(2)),
             },
         ],
         "usage": {
