@@ -152,6 +152,8 @@ def test_every_question_type_in_both_formats_on_sglang_and_llamacpp(
         assert 0 <= raw["answers"]["bug"]["noul"] <= 1
         assert raw["answers"]["team"]["choice"] in ("mobile", "web")
         assert set(raw["answers"]["urgency"]["probabilities"]) == {"0", "1", "2"}
+    assert re.search(r"^api\s+decisions$", cluster.ok("status", "deployment", "judge"), re.M)
+    assert re.search(r"^api\s+chat$", cluster.ok("status", "deployment", "chat"), re.M)
     headers = {"Authorization": f"Bearer {cluster.api_key}"}
     listed = httpx.get(f"{cluster.base_url}/models", headers=headers, timeout=10).json()["data"]
     marks = {entry["id"]: entry.get("architecture") for entry in listed}
@@ -281,6 +283,30 @@ def test_a_hang_up_closes_the_engine_connection_and_settles_as_each_engine_allow
         what="the cut request to settle once the engine reads idle",
     )
     assert cluster.status("slowkev")["requests"]["settle_at_stop"] == 0
+
+
+def test_request_ids_metrics_and_the_deadline_work_as_for_chat(
+    cluster: Cluster, engines: dict[str, str]
+) -> None:
+    # Names of their own: the router's counters outlive a deleted deployment.
+    deploy_decisions(cluster, "counted", engines["sg22"], "judge")
+    deploy_decisions(cluster, "late", engines["sgslow"], "judge", request_deadline="2s")
+    raw = cluster.openai().decisions.with_raw_response.create(
+        model="counted", input=STATE, questions=QUESTIONS
+    )
+    assert re.fullmatch(r"decision-[0-9a-f]{24}", raw.headers["x-capyctl-request-id"])
+    assert raw.parse().answers[0].type == "predicate"
+    cluster.ok("start", "deployment", "late", "--wait")
+    status, error = refused(
+        cluster, "/decisions", {"model": "late", "input": STATE, "questions": QUESTIONS}
+    )
+    assert (status, error["code"]) == (503, "unavailable"), "6 s of work, a 2 s deadline"
+    assert "no answer in time (deadline)" in error["message"]
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    text = httpx.get(f"{cluster.base_url.removesuffix('/v1')}/metrics", headers=headers).text
+    assert 'capyctl_requests_total{deployment="counted",outcome="ok"} 1.0' in text
+    assert 'capyctl_requests_total{deployment="late",outcome="deadline"} 1.0' in text
+    assert 'capyctl_time_to_first_token_seconds_count{deployment="counted"} 1.0' in text
 
 
 def test_a_decision_model_and_a_chat_model_take_turns_on_one_gpu(

@@ -99,7 +99,8 @@ def test_a_decision_models_argv_matches_the_golden_file(
 ) -> None:
     """SGLang with its radix cache off (no template override, speculative decoding or
     auto-truncation is possible: the resolution refuses them); llama.cpp with its batch and
-    micro-batch at the context length, so a whole prompt is one micro-batch."""
+    micro-batch at a slot's share of the context (8192 / 16 slots), so a whole prompt is one
+    micro-batch."""
     decider = spec(family, residency, tmp_path, api="decisions", tool_call_parser=None)
     plan = adapter_for(family).plan(replace(decider, reasoning_parser=None))
     rendered = json.dumps(

@@ -130,7 +130,7 @@ def test_a_hub_store_not_downloaded_yet_waits_for_hostd_to_check_it() -> None:
         ("sg22", "--speculative-algo", "(that is --speculative-algorithm)"),
         ("sg22", "--allow-auto-truncate", "readout positions"),
         ("sg22", "--enable-lmcache", "radix cache is off"),
-        ("llama", "--ubatch-size", "sets it to the context length"),
+        ("llama", "--ubatch-size", "sets it to a slot's context"),
     ],
 )
 def test_flags_a_decision_launch_bars_are_refused(engine: str, arg: str, said: str) -> None:

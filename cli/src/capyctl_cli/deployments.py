@@ -194,6 +194,7 @@ def render_status(status: DeploymentStatus) -> str:
         ("revision", status.revision),
         ("routes", ", ".join(status.routes)),
         *_model(status),
+        ("api", status.document.get("api", "chat")),
         ("activation", status.activation),
         ("startup", _startup(status.startup)),
         ("last operation", f"{last.kind}: {last.reason}" if last else "-: -"),

@@ -22,11 +22,13 @@ async def put_ready(
     port: int = 8100,
     secret: str = "engine-key",
     cache: CacheRecord | None = None,
+    api: str = "chat",
 ) -> None:
-    """Deployment `name` of `family`, its instance ready at generation 1 on `host`, serving
-    as `served` on `port` behind `secret`."""
+    """Deployment `name` of `family` (serving `api`), its instance ready at generation 1 on
+    `host`, serving as `served` on `port` behind `secret`."""
     now = time.time()
-    document = parse_deployment({"name": name, "engine": family, "model": "m"}, "test")
+    written = {"name": name, "engine": family, "model": "m", "api": api}
+    document = parse_deployment(written, "test")
     record = DeploymentRecord(
         name=name,
         revision=1,
@@ -49,6 +51,7 @@ async def put_ready(
         served_name="served",
         port=port,
         cache=cache,
+        api=document.api,
     )
     await client.set(keys.instance(host, name, 0), instance.model_dump_json())
     await client.sadd(keys.instances(host), f"{name}:0")

@@ -46,6 +46,9 @@ CREDENTIALS = generate()
 AUTH = {"Authorization": f"Bearer {CREDENTIALS.api_key}"}
 HOST = "local"
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+DECISION_ROUTES = ["/v1/decisions", "/v1/systemone"]
+# A decision model on the same engine.
+JUDGE = "judge"
 FUZZ = fuzzing(150)
 CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
 EMBEDDINGS = (
@@ -70,9 +73,11 @@ class Served:
 
     def engine(self, request: httpx.Request) -> httpx.Response:
         self.sent.append(request.content)
-        json.loads(request.content)  # what the router sends parses anywhere
+        body = json.loads(request.content)  # what the router sends parses anywhere
         if request.url.path == "/v1/embeddings":
             return httpx.Response(200, content=self.embeddings)
+        if request.url.path == "/v1/systemone":
+            return httpx.Response(200, json=_decided(body))
         events = f"data: {json.dumps(CHUNK)}\n\ndata: [DONE]\n\n"
         return httpx.Response(200, content=events.encode())
 
@@ -82,6 +87,7 @@ class Served:
 
     async def assert_no_place_kept(self) -> None:
         assert (await places.aread(self.client, MODEL)).running == 0
+        assert (await places.aread(self.client, JUDGE)).running == 0
         running = self.metrics.registry.get_sample_value(
             "capyctl_requests_running", {"deployment": MODEL}
         )
@@ -96,6 +102,7 @@ async def served(redis_socket: Path, caplog: pytest.LogCaptureFixture) -> AsyncI
     engines = Engines()
     async with engine_serving(served.engine) as port:
         await put_ready(client, MODEL, host=HOST, port=port)
+        await put_ready(client, JUDGE, "sglang", host=HOST, port=port, api="decisions")
         table = Table(client, {HOST})
         await table.sync()
         app = create_app(CREDENTIALS, Router(Dispatcher(client, table, metrics), engines))
@@ -111,6 +118,29 @@ async def served(redis_socket: Path, caplog: pytest.LogCaptureFixture) -> AsyncI
         r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR
     ]
     assert tracebacks == []
+
+
+def _decided(body: dict[str, Any]) -> dict[str, Any]:
+    """A System One answer to every question asked: the first option, or level, at 0.75."""
+    answers: dict[str, Any] = {}
+    for qid, question in body["questions"].items():
+        criteria = question.get("criteria")
+        if question["type"] == "noul":
+            answers[qid] = {"type": "noul", "noul": 0.75}
+            continue
+        keys = (
+            list(criteria)
+            if question["type"] == "choice"
+            else [str(i) for i in range(len(criteria))]
+        )
+        rest = 0.25 / (len(keys) - 1)
+        probabilities = {key: 0.75 if i == 0 else rest for i, key in enumerate(keys)}
+        answers[qid] = {"type": question["type"], "probabilities": probabilities}
+        if question["type"] == "choice":
+            answers[qid]["choice"] = keys[0]
+        else:
+            answers[qid]["score"] = sum(i * p for i, p in enumerate(probabilities.values()))
+    return {"model": body["model"], "answers": answers, "usage": {"input_tokens": 9}}
 
 
 def _refusal(response: httpx.Response) -> dict[str, Any]:
@@ -191,6 +221,64 @@ async def test_hostile_json_is_never_a_5xx(served: Served, path: str, body: byte
 
 
 @pytest.mark.anyio
+@FUZZ
+@given(path=st.sampled_from(DECISION_ROUTES), body=BODIES)
+async def test_hostile_json_to_a_decision_model_is_never_a_5xx(
+    served: Served, path: str, body: bytes
+) -> None:
+    try:
+        found = json.loads(body)
+    except ValueError:
+        found = None
+    if isinstance(found, dict):  # the decision model, so a valid request is admitted
+        body = json.dumps({**found, "model": JUDGE}).encode()
+    response = await served.post(path, body)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        _refusal(response)
+    await served.assert_no_place_kept()
+
+
+@pytest.mark.anyio
+async def test_both_decision_formats_reach_the_engine_as_system_one(served: Served) -> None:
+    asked = {
+        "model": JUDGE,
+        "input": "a ticket",
+        "questions": [
+            {"type": "predicate", "instructions": "A bug?"},
+            {
+                "type": "choice",
+                "name": "t",
+                "instructions": "Team?",
+                "choices": [{"value": True}, {"value": "web"}],
+            },
+        ],
+    }
+    response = await served.post(DECISION_ROUTES[0], json.dumps(asked).encode())
+    assert response.status_code == 200, response.text
+    assert [a["type"] for a in response.json()["answers"]] == ["predicate", "choice"]
+    assert response.json()["answers"][1]["choice"] is True
+    sent = json.loads(served.sent[-1])
+    assert sent["model"] == "served"
+    assert sent["questions"]["q1"]["criteria"] == {"true": None, "web": None}
+    one = {
+        "model": JUDGE,
+        "state": {"x": 1},
+        "questions": {"a": {"type": "noul", "instructions": "?"}},
+        "extra": [1],
+    }
+    response = await served.post(DECISION_ROUTES[1], json.dumps(one).encode())
+    assert response.json() == {
+        "model": JUDGE,
+        "answers": {"a": {"type": "noul", "noul": 0.75}},
+        "usage": {"input_tokens": 9},
+    }
+    assert json.loads(served.sent[-1]) == {**one, "model": "served"}, "passed as sent"
+    wrong = await served.post(ROUTES[0], json.dumps({"model": JUDGE, "messages": []}).encode())
+    assert _refusal(wrong)["code"] == "wrong_api"
+
+
+@pytest.mark.anyio
 async def test_a_body_shorter_than_its_length_is_a_400(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -234,7 +322,8 @@ def _openapi_cases() -> st.SearchStrategy[Case[Any]]:
 @given(case=st.deferred(_openapi_cases))
 async def test_schemathesis_finds_no_5xx(served: Served, case: Case[Any]) -> None:
     if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
-        case.body["model"] = MODEL  # a model that exists, so valid requests are admitted
+        # A model that exists and serves the route, so valid requests are admitted.
+        case.body["model"] = JUDGE if case.path in DECISION_ROUTES else MODEL
     response = await send(served.http, case, AUTH)
     assert response.status_code < 500, (case.body, response.text)
     await served.assert_no_place_kept()

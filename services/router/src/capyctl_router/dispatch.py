@@ -13,7 +13,9 @@ before any answer only at the instance's next stop (a new generation starts its 
 zero). When such requests hold every place, the instance is restarted. On SGLang, hostd also
 aborts the request by id; where the engine shows the request's end (SGLang 0.5.22), hostd
 reports it and the request settles then: answered or not, if the engine held it; answered
-only, if it did not (one cut before any answer may still reach the engine).
+only, if it did not (one cut before any answer may still reach the engine). A decision
+request has no id SGLang knows, and SGLang runs it to its end: it settles at the next stop
+there; llama.cpp drops it with its connection, so it settles when the engine reads idle.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ System One (`POST /v1/systemone`) from the model's decision head. The readout ne
 checkpoint's own chat template, prefill-only requests and the whole prompt, so SGLang runs
 it without a template override, speculative decoding or auto-truncation, and with its radix
 cache off (as the 0.1.7 notes run it); llama.cpp evaluates some heads' prompts (clef, laya,
-lfm2-d1-omni) in one micro-batch, so its batch and micro-batch are the context length.
+lfm2-d1-omni) in one micro-batch, so its batch and micro-batch are a slot's context (llama.cpp
+splits the context among its slots: no prompt is longer).
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ BARRED: Mapping[Family, Mapping[str, str]] = {
         "--enable-lmcache": "SGLang fails with LMCache while its radix cache is off",
     },
     Family.LLAMACPP: {
-        "--batch-size": "CapyCTL sets it to the context length for a decision model",
-        "--ubatch-size": "CapyCTL sets it to the context length for a decision model",
+        "--batch-size": "CapyCTL sets it to a slot's context for a decision model",
+        "--ubatch-size": "CapyCTL sets it to a slot's context for a decision model",
     },
 }
+
+
+# llama.cpp gives each slot at least this many tokens of context, raising the whole.
+LLAMACPP_MIN_SLOT = 256
 
 
 def check_args(family: Family, extra_args: Iterable[str]) -> None:
@@ -57,12 +62,14 @@ def check_args(family: Family, extra_args: Iterable[str]) -> None:
             )
 
 
-def launch_args(family: Family, context_length: int | None) -> list[str]:
+def launch_args(family: Family, context_length: int | None, slots: int = 1) -> list[str]:
     """What a decision model's launch adds to the family's own arguments."""
     if family == Family.SGLANG:
         return ["--disable-radix-cache"]
     if family == Family.LLAMACPP and context_length is not None:
-        return ["-b", str(context_length), "-ub", str(context_length)]
+        share = -(-context_length // slots)
+        per_slot = str(min(context_length, max(share, LLAMACPP_MIN_SLOT)))
+        return ["-b", per_slot, "-ub", per_slot]
     return []
 
 

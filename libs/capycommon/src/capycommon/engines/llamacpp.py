@@ -113,7 +113,8 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         argv += ["--reasoning-format", "deepseek"]
     if spec.api == "decisions":
         decisions.check_args(Family.LLAMACPP, spec.extra_args)
-        argv += decisions.launch_args(Family.LLAMACPP, spec.context_length)
+        slots = spec.max_concurrent_requests or DEFAULT_SLOTS
+        argv += decisions.launch_args(Family.LLAMACPP, spec.context_length, slots)
     argv += check_extra_args("llamacpp", spec.extra_args, RESERVED)
     # llama-server reads its key from LLAMA_API_KEY: it stays out of the process list.
     return LaunchPlan(argv, {"LLAMA_API_KEY": spec.api_key})
