@@ -279,6 +279,21 @@ async def test_both_decision_formats_reach_the_engine_as_system_one(served: Serv
 
 
 @pytest.mark.anyio
+async def test_a_system_one_question_id_given_twice_is_refused(served: Served) -> None:
+    """JSON keeps the last of two equal keys; System One's question ids are keys."""
+    question = '{"type": "noul", "instructions": "?"}'
+    body = (
+        f'{{"model": "{JUDGE}", "state": "s", "questions": {{"a": {question}, "a": {question}}}}}'
+    )
+    error = _refusal(await served.post(DECISION_ROUTES[1], body.encode()))
+    assert error["code"] == "invalid_request"
+    assert "gives the key 'a' twice in one object" in error["message"]
+    assert served.sent == [], "nothing reached the engine"
+    chat = f'{{"model": "{MODEL}", "messages": [], "seed": 1, "seed": 2}}'
+    assert (await served.post(ROUTES[0], chat.encode())).status_code == 200, "chat as before"
+
+
+@pytest.mark.anyio
 async def test_a_body_shorter_than_its_length_is_a_400(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -69,8 +69,10 @@ def _too_large(limit: int) -> str:
     return f"the body is over {limit >> 20} MiB"
 
 
-def parse_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, parsed strictly; an error names what is wrong and where."""
+def parse_object(raw: bytes, unique_keys: bool = False) -> dict[str, Any]:
+    """The body as a JSON object, parsed strictly; an error names what is wrong and where.
+    With `unique_keys`, a key given twice in one object is refused too (JSON keeps the last
+    one silently; where keys are ids, as System One's questions, that loses one)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -79,9 +81,13 @@ def parse_object(raw: bytes) -> dict[str, Any]:
             "send JSON encoded as UTF-8"
         ) from None
     try:
-        found = _load(text)
+        found = _load(text, unique_keys)
     except RecursionError:
         raise InvalidRequest(f"the body: {_too_deep()}") from None
+    except _Twice as twice:
+        raise InvalidRequest(
+            f"the body gives the key {twice.key!r} twice in one object; give each once"
+        ) from None
     except ValueError as exc:  # the parser's JSONDecodeError, and anything else it raises
         raise InvalidRequest(f"the body is not JSON ({exc}); send one JSON object") from None
     if not isinstance(found, dict):
@@ -151,16 +157,38 @@ class _Refusal(Exception):
         self.path: list[str | int] = []
 
 
-def _load(text: str) -> object:
+class _Twice(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _Twice(key)
+        found[key] = value
+    return found
+
+
+def _load(text: str, unique_keys: bool = False) -> object:
     """The JSON in `text`, numbers it refuses kept as `_Refused`. Integers are the C parser's
     own; one past Python's bound (4,300 digits) fails it, and a second pass, integers by
     `_integer`, finds where (a body with one is hostile: it may wait)."""
+    hook = _unique if unique_keys else None
     try:
-        return json.loads(text, parse_float=_real, parse_constant=_constant)
+        return json.loads(text, parse_float=_real, parse_constant=_constant, object_pairs_hook=hook)
     except json.JSONDecodeError:
         raise
     except ValueError:
-        return json.loads(text, parse_int=_integer, parse_float=_real, parse_constant=_constant)
+        return json.loads(
+            text,
+            parse_int=_integer,
+            parse_float=_real,
+            parse_constant=_constant,
+            object_pairs_hook=hook,
+        )
 
 
 def _integer(text: str) -> int | _Refused:

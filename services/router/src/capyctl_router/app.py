@@ -297,7 +297,9 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
     """The answer to an inference request: its body read and checked here, then (`Exchange`)
     a place on its deployment's engine and the engine's answer."""
     arrived = time.monotonic()
-    call = _call(kind, requestbody.parse_object(await requestbody.read(request, MAX_BODY)))
+    raw = await requestbody.read(request, MAX_BODY)
+    # System One's question ids are keys: one given twice would be lost, not refused.
+    call = _call(kind, requestbody.parse_object(raw, unique_keys=kind == "systemone"))
     if not router.table.synced.is_set():
         await routes_read(router.table)
     record = router.table.deployment_of(call.route)
