@@ -189,8 +189,11 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
             async def send() -> None:
                 async with http.stream("POST", "/chat/completions", json=body) as response:
                     answered.append(str(response.status_code))
+                    # Held until the hang-up: a line iterator left behind is finalized at
+                    # once, and its finalization closes the connection (a hang-up too soon).
+                    lines = response.aiter_lines()
                     if stream and after_first:
-                        async for line in response.aiter_lines():
+                        async for line in lines:
                             if line:
                                 answered.append(line[:300])
                                 first.set()

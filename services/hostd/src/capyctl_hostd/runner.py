@@ -286,7 +286,13 @@ class Runner:
         if answer is None:
             log.info("%s: stopped while it started; the stop tears it down", record.member)
             return
-        await self._to(record, S.READY, "ready: health and canary passed", canary=answer)
+        await self._to(
+            record,
+            S.READY,
+            "ready: health and canary passed",
+            canary=answer,
+            engine_s=steps.between("spawned", "healthy"),
+        )
         log.info("started", extra={"member": record.member, "steps": steps.marks})
 
     async def _download(self, command: hc.Launch, wanted: hc.HubPull) -> Path:
@@ -511,7 +517,8 @@ class Runner:
             return
         steps.mark("slept")
         if command.release_bound_bytes is None:
-            await self._to(record, S.PARKED, f"parked ({residency})")
+            engine_s = steps.between("park call", "slept")
+            await self._to(record, S.PARKED, f"parked ({residency})", engine_s=engine_s)
         elif not await self._settle_park(
             record, engine.pgid, residency, command.release_bound_bytes, command.verify_s, steps
         ):
@@ -533,7 +540,7 @@ class Runner:
         released, reason = release.judge(seen, bound, verify_s, residency)
         if released:
             steps.mark("released")
-            await self._to(record, S.PARKED, reason)
+            await self._to(record, S.PARKED, reason, engine_s=steps.between("park call", "slept"))
             return True
         log.error("%s: %s", record.member, reason)
         record = await self._to(record, S.STOPPING, reason)
@@ -570,7 +577,12 @@ class Runner:
                 record, f"wake_mismatch: the canary answered {answer!r}, not {record.canary!r}"
             )
             return
-        await self._to(record, S.READY, "ready after wake: wake calls and canary passed")
+        await self._to(
+            record,
+            S.READY,
+            "ready after wake: wake calls and canary passed",
+            engine_s=steps.between("wake call", "woke"),
+        )
         log.info("woke", extra={"member": record.member, "steps": steps.marks})
 
     async def stop(self, record: InstanceRecord, reason: str, keep_cache: bool = False) -> None:
@@ -647,11 +659,12 @@ class Runner:
         reason: str,
         *,
         keep_log: bool = True,
+        engine_s: float | None = None,
         **changes: object,
     ) -> InstanceRecord:
         """Move the record to `state`, then keep the engine's last log lines in Redis, unless
         `keep_log` is False: a park or wake under way keeps them at its next state, and its
-        engine call starts sooner."""
+        engine call starts sooner. `engine_s`: the engine's own part of the step's time."""
         new = record.model_copy(update={"state": state, "since": time.time(), **changes})
         written = await self.store.transition(
             new,
@@ -659,6 +672,7 @@ class Runner:
             generation=record.generation,
             reason=reason,
             previous=record,
+            engine_s=engine_s,
         )
         if keep_log:
             await self._publish_log(written)
@@ -733,13 +747,19 @@ class Runner:
 
 @dataclass
 class Steps:
-    """When each step of a start or wake ended (wall clock, from when hostd took it up), for
-    hostd's log: where the time went."""
+    """When each step of a start, park or wake ended (wall clock, from when hostd took it up),
+    for hostd's log (where the time went) and its events (the engine's own part of it)."""
 
     marks: dict[str, float] = field(default_factory=lambda: {"received": _moment()})
 
     def mark(self, step: str) -> None:
         self.marks[step] = _moment()
+
+    def between(self, first: str, last: str) -> float | None:
+        """Seconds from one step's end to another's; None unless both were marked."""
+        if first not in self.marks or last not in self.marks:
+            return None
+        return round(self.marks[last] - self.marks[first], 3)
 
 
 async def _unless_stopped(work: Coroutine[Any, Any, T], stopped: asyncio.Event) -> T | None:

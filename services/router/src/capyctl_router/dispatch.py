@@ -122,6 +122,7 @@ class Dispatcher:
         decide (a stop, a failure, a refusal)."""
         name = record.name
         queued = False
+        cold = False  # it found its model not ready
         started = time.monotonic()
         joined = time.time()
         failing: float | None = None  # since when Redis fails this request
@@ -147,7 +148,10 @@ class Dispatcher:
                     await asyncio.sleep(REDIS_RETRY_EVERY_S)
                     continue
                 if target is not None:
+                    if cold:
+                        self.metrics.ready_wait(name, time.monotonic() - started)
                     return target
+                cold = cold or self.table.target(name) is None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise Unavailable(

@@ -1,7 +1,8 @@
 """The router's Prometheus metrics: requests per deployment by outcome, running and waiting,
-queue wait, time to first token, cancellations, queue_full; and what the hosts' event
-streams report: start, wake and park durations, and the bytes and durations of model
-downloads from the Hub.
+queue wait, the wait for a model to become ready, time to first token, cancellations,
+queue_full; and what the hosts' event streams report: start, wake and park durations, the
+engine's own part of each and CapyCTL's, and the bytes and durations of model downloads
+from the Hub.
 
 The router's workers write theirs into one folder (Prometheus's multiprocess mode, on when
 `PROMETHEUS_MULTIPROC_DIR` names it, `capyctl_router.workers`): /metrics sums the counts of
@@ -106,6 +107,30 @@ class Metrics:
             buckets=SECONDS,
             registry=r,
         )
+        self.lifecycle_engine_s = Histogram(
+            "capyctl_lifecycle_engine_seconds",
+            "The engine's own part of each start, wake and park: its load (from its spawn to "
+            "its health), its wake calls, its sleep call.",
+            ["deployment", "operation"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.lifecycle_overhead_s = Histogram(
+            "capyctl_lifecycle_overhead_seconds",
+            "CapyCTL's part of each start, wake and park: all but the engine's own part "
+            "(waiting for the GPU, readiness checks, the canary, memory verification).",
+            ["deployment", "operation"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.ready_wait_s = Histogram(
+            "capyctl_ready_wait_seconds",
+            "How long requests that found their model not ready waited for it (a start or a "
+            "wake): the delay a request for a parked or stopped model feels.",
+            ["deployment"],
+            buckets=SECONDS,
+            registry=r,
+        )
 
         self.download_bytes = Counter(
             "capyctl_download_bytes",
@@ -129,6 +154,9 @@ class Metrics:
 
     def queue_wait(self, deployment: str, seconds: float) -> None:
         self.queue_wait_s.labels(deployment).observe(seconds)
+
+    def ready_wait(self, deployment: str, seconds: float) -> None:
+        self.ready_wait_s.labels(deployment).observe(seconds)
 
     def first_output(self, deployment: str, seconds: float) -> None:
         self.ttft_s.labels(deployment).observe(seconds)
@@ -190,5 +218,11 @@ class Metrics:
                 )
             return
         operation = OPERATIONS.get((event.from_state or "", event.to_state or ""))
-        if operation is not None and event.duration_s is not None:
-            self.lifecycle_s.labels(event.deployment, operation).observe(event.duration_s)
+        if operation is None or event.duration_s is None:
+            return
+        self.lifecycle_s.labels(event.deployment, operation).observe(event.duration_s)
+        if event.engine_s is not None:
+            engine = min(event.engine_s, event.duration_s)
+            self.lifecycle_engine_s.labels(event.deployment, operation).observe(engine)
+            overhead = event.duration_s - engine
+            self.lifecycle_overhead_s.labels(event.deployment, operation).observe(overhead)

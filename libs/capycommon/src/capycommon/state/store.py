@@ -63,6 +63,9 @@ class Event(BaseModel):
     to_state: str | None = None
     reason: str
     duration_s: float | None = None
+    # The engine's own part of duration_s: its load (a start, from its spawn to its health),
+    # its wake calls (a wake), its sleep call (a park); the rest is CapyCTL's.
+    engine_s: float | None = None
     at: float
     # A download's repository, the bytes it received, and how it ended.
     repo: str | None = None
@@ -149,8 +152,10 @@ class InstanceStore:
         generation: int | None,
         reason: str,
         previous: InstanceRecord | None = None,
+        engine_s: float | None = None,
     ) -> InstanceRecord:
-        """Write `new` if the current record is in `allowed` at `generation`; else Conflict."""
+        """Write `new` if the current record is in `allowed` at `generation`; else Conflict.
+        `engine_s`: the engine's own part of the time since `previous` (`Event.engine_s`)."""
         now = time.time()
         event = Event(
             kind="transition",
@@ -162,6 +167,7 @@ class InstanceStore:
             to_state=new.state,
             reason=reason,
             duration_s=round(now - previous.since, 3) if previous else None,
+            engine_s=engine_s,
             at=now,
         )
         note = Notification(kind="instance", id=new.member, version=new.generation)
