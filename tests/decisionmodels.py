@@ -7,12 +7,29 @@ import json
 import string
 import struct
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import gguf
 import numpy as np
 
 Head = Literal["decision_config", "joint_head", "none"]
+# A System One request but for its model: every question type, a JSON state.
+SYSTEM_ONE: dict[str, Any] = {
+    "state": {"ticket": 4411, "text": "the app crashes"},
+    "questions": {
+        "bug": {"type": "noul", "instructions": "Is it a bug report?"},
+        "team": {
+            "type": "choice",
+            "instructions": "Which team owns it?",
+            "criteria": {"mobile": "the apps", "web": None},
+        },
+        "urgency": {
+            "type": "score",
+            "instructions": "How urgent is it?",
+            "criteria": ["low", "medium", "high"],
+        },
+    },
+}
 # (architecture, model_type) of each folder's config.json; Clef's backbone is Qwen3.5.
 ARCHITECTURES: dict[Head, tuple[str, str]] = {
     "decision_config": ("Qwen3ForCausalLM", "qwen3"),

@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from cluster import FOURTEEN, SMALL, Cluster
-from decisionmodels import decision_folder, decision_gguf
+from decisionmodels import SYSTEM_ONE, decision_folder, decision_gguf
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_llama_server, install_python_engine
 from support import wait_for
@@ -48,22 +49,6 @@ QUESTIONS: list[Any] = [
         "choices": [{"value": True}, {"value": False}],
     },
 ]
-SYSTEM_ONE: dict[str, Any] = {
-    "state": {"ticket": 4411, "text": "the app crashes"},
-    "questions": {
-        "bug": {"type": "noul", "instructions": "Is it a bug report?"},
-        "team": {
-            "type": "choice",
-            "instructions": "Which team owns it?",
-            "criteria": {"mobile": "the apps", "web": None},
-        },
-        "urgency": {
-            "type": "score",
-            "instructions": "How urgent is it?",
-            "criteria": ["low", "medium", "high"],
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +205,8 @@ def test_decision_refusals(cluster: Cluster, engines: dict[str, str]) -> None:
     assert system_one(cluster, "clef", SYSTEM_ONE)["model"] == "clef"
 
 
-def _hang_up(cluster: Cluster, model: str) -> None:
-    """Send a decision request and hang up while the engine works on it."""
+def _hang_up(cluster: Cluster, model: str, engine_running: Callable[[], int]) -> None:
+    """Send a decision request and hang up once the engine works on it."""
 
     async def cut() -> None:
         headers = {"Authorization": f"Bearer {cluster.api_key}"}
@@ -230,11 +215,10 @@ def _hang_up(cluster: Cluster, model: str) -> None:
             task = asyncio.create_task(http.post("/decisions", json=body, timeout=60))
             await asyncio.to_thread(
                 wait_for,
-                lambda: cluster.status(model)["requests"]["running"] == 1,
+                lambda: engine_running() == 1,
                 timeout=10,
-                what="the request to take its place",
+                what="the engine to get the request",
             )
-            await asyncio.sleep(0.5)  # the engine has it
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -245,6 +229,12 @@ def _hang_up(cluster: Cluster, model: str) -> None:
 LLAMA_RUNNING = re.compile(r"^llamacpp:requests_processing(?:\{[^}]*\})? (\S+)$", re.M)
 
 
+def llama_running(cluster: Cluster, name: str) -> int:
+    found = LLAMA_RUNNING.search(cluster.engine_metrics(name))
+    assert found is not None, "llama.cpp reports its running requests"
+    return int(float(found[1]))
+
+
 def test_a_hang_up_closes_the_engine_connection_and_settles_as_each_engine_allows(
     cluster: Cluster, engines: dict[str, str]
 ) -> None:
@@ -252,7 +242,7 @@ def test_a_hang_up_closes_the_engine_connection_and_settles_as_each_engine_allow
     next stop. llama.cpp drops it with its connection: it settles once the engine reads idle."""
     deploy_decisions(cluster, "slowjudge", engines["sgslow"], "judge")
     cluster.ok("start", "deployment", "slowjudge", "--wait")
-    _hang_up(cluster, "slowjudge")
+    _hang_up(cluster, "slowjudge", lambda: cluster.engine_running("slowjudge"))
     assert cluster.engine_running("slowjudge") == 1, "the engine still works on it"
     requests = cluster.status("slowjudge")["requests"]
     assert requests["settle_at_stop"] == 1, "cut before its answer, and SGLang keeps it"
@@ -269,14 +259,12 @@ def test_a_hang_up_closes_the_engine_connection_and_settles_as_each_engine_allow
 
     deploy_decisions(cluster, "slowkev", engines["llamaslow"], "kev.gguf", residency="restart_only")
     cluster.ok("start", "deployment", "slowkev", "--wait")
-    _hang_up(cluster, "slowkev")
-
-    def llama_running() -> int:
-        found = LLAMA_RUNNING.search(cluster.engine_metrics("slowkev"))
-        assert found is not None, "llama.cpp reports its running requests"
-        return int(float(found[1]))
-
-    wait_for(lambda: llama_running() == 0, timeout=2, what="llama.cpp to drop the request")
+    _hang_up(cluster, "slowkev", lambda: llama_running(cluster, "slowkev"))
+    wait_for(
+        lambda: llama_running(cluster, "slowkev") == 0,
+        timeout=2,
+        what="llama.cpp to drop the request",
+    )
     wait_for(
         lambda: cluster.status("slowkev")["requests"]["running"] == 0,
         timeout=30,

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from cluster import SMALL, Cluster, running
+from decisionmodels import SYSTEM_ONE
 from engines.llamacpp.llama_server import write_wrapper
 from engines.llamacpp.test_real_llamacpp_decisions import TYPE_KEY, write_decision_model
 from engines.llamacpp.tinygguf import write_tiny_model
@@ -44,22 +45,6 @@ QUESTIONS: list[Any] = [
         "choices": [{"value": True}, {"value": False}],
     },
 ]
-SYSTEM_ONE: dict[str, Any] = {
-    "state": {"ticket": 4411, "text": "the app crashes"},
-    "questions": {
-        "bug": {"type": "noul", "instructions": "Is it a bug report?"},
-        "team": {
-            "type": "choice",
-            "instructions": "Which team owns it?",
-            "criteria": {"mobile": "the apps", "web": None},
-        },
-        "urgency": {
-            "type": "score",
-            "instructions": "How urgent is it?",
-            "criteria": ["low", "medium", "high"],
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")

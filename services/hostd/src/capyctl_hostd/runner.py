@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from capycommon.deployments.resolve import check_decisions
+from capycommon.deployments.resolve import check_head
 from capycommon.engines import lmcache, registry
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
@@ -366,8 +366,9 @@ class Runner:
             )
         capabilities = adapter_for(profile.family).capabilities(profile.version)
         if command.api == "decisions":  # a download's files are seen here first
-            facts = await asyncio.to_thread(modelfacts.describe, Path(command.model_path))
-            check_decisions(profile, capabilities, facts, command.extra_args)
+            check_head(
+                profile, await asyncio.to_thread(modelfacts.describe, Path(command.model_path))
+            )
         if Residency(command.residency) not in host_tiers(capabilities, self.deep_park):
             raise LaunchFailed(
                 f"residency {command.residency} needs deep parking or the engine's development "

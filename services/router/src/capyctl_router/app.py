@@ -277,7 +277,7 @@ def _check_size(table: Table, call: Call, record: DeploymentRecord) -> None:
     instance = table.instances.get(record.name)
     if call.asked is None or instance is None or instance.family is None:
         return
-    problem = decisions.too_large(call.asked, instance.family)
+    problem = decisions.over_limits(call.asked, instance.family)
     if problem is not None:
         raise InvalidRequest(f"questions: {problem}; ask fewer in one request")
 

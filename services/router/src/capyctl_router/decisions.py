@@ -145,6 +145,10 @@ class DecisionsRequest(_Strict):
             raise ValueError(f"question names {', '.join(repeated)} are given twice")
         return self
 
+    def option_counts(self) -> list[int]:
+        """How many options each question offers (0 for one that is no choice)."""
+        return [len(question.choices or []) for question in self.questions]
+
     @property
     def images(self) -> bool:
         return isinstance(self.input, list) and any(
@@ -167,19 +171,15 @@ class DecisionsRequest(_Strict):
         return "\n\n".join(texts)
 
 
-def over_limits(request: DecisionsRequest, family: str) -> str | None:
-    """Why the engine family would refuse the request's size, or None."""
-    options = [len(question.choices or []) for question in request.questions]
-    return _over(len(request.questions), options, family)
-
-
-def _over(questions: int, options: list[int], family: str) -> str | None:
+def over_limits(request: DecisionsRequest | SystemOneRequest, family: str) -> str | None:
+    """Why the engine family would refuse the request's size (either shape), or None."""
     limits = LIMITS.get(family)
     if limits is None:
         return None
+    questions = len(request.questions)
     if limits.questions is not None and questions > limits.questions:
         return f"{questions} questions; {family} takes at most {limits.questions}"
-    for index, count in enumerate(options):
+    for index, count in enumerate(request.option_counts()):
         if count > limits.options:
             return (
                 f"questions[{index}] has {count} options; {family} takes at most {limits.options}"
@@ -252,16 +252,12 @@ class SystemOneRequest(BaseModel):
         dict[str, SystemOneQuestion], Field(min_length=1, max_length=MAX_QUESTIONS)
     ]
 
-
-def too_large(request: DecisionsRequest | SystemOneRequest, family: str) -> str | None:
-    """Why the engine family would refuse the request's size (either shape), or None."""
-    if isinstance(request, DecisionsRequest):
-        return over_limits(request, family)
-    options = [
-        len(q.criteria) if q.type == "choice" and q.criteria else 0
-        for q in request.questions.values()
-    ]
-    return _over(len(request.questions), options, family)
+    def option_counts(self) -> list[int]:
+        """How many options each question offers (0 for one that is no choice)."""
+        return [
+            len(q.criteria) if q.type == "choice" and q.criteria else 0
+            for q in self.questions.values()
+        ]
 
 
 class MalformedAnswer(ValueError):

@@ -80,19 +80,16 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.queue_wait_s = Histogram(
-            "capyctl_queue_wait_seconds",
-            "Time until a place.",
-            ["deployment"],
-            buckets=SECONDS,
-            registry=r,
-        )
-        self.ttft_s = Histogram(
-            "capyctl_time_to_first_token_seconds",
-            "From arrival to the engine's first output.",
-            ["deployment"],
-            buckets=SECONDS,
-            registry=r,
+
+        def seconds(name: str, documentation: str, *labels: str) -> Histogram:
+            """A duration per deployment (and `labels`), in the buckets every one shares."""
+            return Histogram(
+                name, documentation, ["deployment", *labels], buckets=SECONDS, registry=r
+            )
+
+        self.queue_wait_s = seconds("capyctl_queue_wait_seconds", "Time until a place.")
+        self.ttft_s = seconds(
+            "capyctl_time_to_first_token_seconds", "From arrival to the engine's first output."
         )
         self.cancellations = Counter(
             "capyctl_cancellations", "Requests cut short.", ["deployment"], registry=r
@@ -100,36 +97,27 @@ class Metrics:
         self.queue_fulls = Counter(
             "capyctl_queue_full", "Requests refused: queue full.", ["deployment"], registry=r
         )
-        self.lifecycle_s = Histogram(
+        self.lifecycle_s = seconds(
             "capyctl_lifecycle_seconds",
             "Start, wake and park durations, from the hosts' events.",
-            ["deployment", "operation"],
-            buckets=SECONDS,
-            registry=r,
+            "operation",
         )
-        self.lifecycle_engine_s = Histogram(
+        self.lifecycle_engine_s = seconds(
             "capyctl_lifecycle_engine_seconds",
             "The engine's own part of each start, wake and park: its load (from its spawn to "
             "its health), its wake calls, its sleep call.",
-            ["deployment", "operation"],
-            buckets=SECONDS,
-            registry=r,
+            "operation",
         )
-        self.lifecycle_overhead_s = Histogram(
+        self.lifecycle_overhead_s = seconds(
             "capyctl_lifecycle_overhead_seconds",
             "CapyCTL's part of each start, wake and park: all but the engine's own part "
             "(waiting for the GPU, readiness checks, the canary, memory verification).",
-            ["deployment", "operation"],
-            buckets=SECONDS,
-            registry=r,
+            "operation",
         )
-        self.ready_wait_s = Histogram(
+        self.ready_wait_s = seconds(
             "capyctl_ready_wait_seconds",
             "How long requests that found their model not ready waited for it (a start or a "
             "wake): the delay a request for a parked or stopped model feels.",
-            ["deployment"],
-            buckets=SECONDS,
-            registry=r,
         )
 
         self.download_bytes = Counter(

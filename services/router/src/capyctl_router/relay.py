@@ -27,7 +27,7 @@ import orjson
 
 from capycommon import ingress
 from capycommon.errors import CacheSaltUnsupported, EngineError, EngineFailed, InvalidRequest
-from capyctl_router.decisions import DecisionsRequest, SystemOneRequest, too_large
+from capyctl_router.decisions import DecisionsRequest, SystemOneRequest, over_limits
 from capyctl_router.table import Target
 from capyctl_router.upstream import Answer
 
@@ -189,7 +189,7 @@ def decision_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, st
     radix cache off, so no prompt is shared with another request at all."""
     asked = call.asked
     assert asked is not None
-    too_many = too_large(asked, target.family)
+    too_many = over_limits(asked, target.family)
     if too_many is not None:
         raise InvalidRequest(f"questions: {too_many}; ask fewer in one request")
     salt = asked.cache_salt if isinstance(asked, DecisionsRequest) else None

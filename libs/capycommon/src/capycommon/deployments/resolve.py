@@ -218,6 +218,7 @@ DECISION_HEADS = {
     Family.SGLANG: ("decision_config", "joint_head"),
     Family.LLAMACPP: ("gguf",),
 }
+DECISION_FILES = ("decision_config.json", "joint_head_config.json with joint_head.safetensors")
 
 
 def check_decisions(
@@ -237,8 +238,12 @@ def check_decisions(
             capability="decisions",
         )
     decisions.check_args(profile.family, extra_args)
-    if model.kind == "missing":
-        return
+    if model.kind != "missing":
+        check_head(profile, model)
+
+
+def check_head(profile: EngineProfile, model: ModelFacts) -> None:
+    """NotADecisionModel unless the model's files declare a decision head its engine reads."""
     heads = DECISION_HEADS.get(profile.family, ())
     head = model.decision
     if head is not None and head.kind in heads:
@@ -259,9 +264,6 @@ def check_decisions(
         )
         + "; name a decision model, or drop api: decisions to serve it for chat"
     )
-
-
-DECISION_FILES = ("decision_config.json", "joint_head_config.json with joint_head.safetensors")
 
 
 def resolve_engine(engine: str, profiles: Mapping[str, EngineProfile]) -> EngineProfile:

@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from capycommon.engines.launch import Residency
+from capycommon.engines.launch import Api, Residency
 from capycommon.settings import Strict
 from capycommon.units import format_duration, format_size_exact, parse_duration, parse_size
 
@@ -338,7 +338,7 @@ class Deployment(Strict):
     lmcache_pool: Annotated[Size, AfterValidator(_pool)] | None = None
     # What the model serves (docs/decisions.md): chat (and completions, embeddings) or
     # decisions, a decision model's probabilities for typed questions (SGLang, llama.cpp).
-    api: Literal["chat", "decisions"] = "chat"
+    api: Api = "chat"
 
     @model_validator(mode="before")
     @classmethod

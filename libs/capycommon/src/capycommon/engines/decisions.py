@@ -14,12 +14,11 @@ splits the context among its slots: no prompt is longer).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 from capycommon.engines.families import Family
 from capycommon.errors import InvalidConfig
 
-Api = Literal["chat", "decisions"]
 SYSTEMONE_PATH = "/v1/systemone"
 # What llama.cpp's /v1/models says a decision model outputs.
 DECISIONS_MODALITY = "decisions"

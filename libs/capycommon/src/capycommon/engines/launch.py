@@ -26,6 +26,10 @@ class Residency(StrEnum):
 
 PARKING = (Residency.HOST_BACKED, Residency.DEEP)
 
+# What a model serves: chat (and completions, embeddings), or decisions (a decision model,
+# `capycommon.engines.decisions`).
+Api = Literal["chat", "decisions"]
+
 # A checkpoint kind (`capycommon.deployments.checkpoint`): ModelOpt FP4 (NVFP4) weights.
 MODELOPT_FP4 = "modelopt_fp4"
 
@@ -51,8 +55,7 @@ class LaunchSpec:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     extra_args: tuple[str, ...] = ()
-    # What the model serves: chat, or decisions (`capycommon.engines.decisions`).
-    api: Literal["chat", "decisions"] = "chat"
+    api: Api = "chat"
 
 
 @dataclass(frozen=True)
