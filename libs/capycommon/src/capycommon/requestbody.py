@@ -18,10 +18,10 @@ import asyncio
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, params
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -316,9 +316,15 @@ def openapi_body(model: type[BaseModel], required: bool = True) -> dict[str, Any
     return {"requestBody": {"required": required, "content": content}}
 
 
-def publish_openapi(app: FastAPI, path: str, bodies: Iterable[type[BaseModel]]) -> None:
-    """Serve the app's OpenAPI document at `path`, behind the app's own dependencies (none:
-    open to all), built on its first request when every route is there."""
+def publish_openapi(
+    app: FastAPI,
+    path: str,
+    bodies: Iterable[type[BaseModel]],
+    dependencies: Sequence[params.Depends] = (),
+) -> None:
+    """Serve the app's OpenAPI document at `path`, behind the app's own dependencies and
+    `dependencies` (none: open to all), built on its first request when every route is
+    there."""
     models = tuple(bodies)
 
     async def openapi() -> dict[str, Any]:
@@ -326,7 +332,9 @@ def publish_openapi(app: FastAPI, path: str, bodies: Iterable[type[BaseModel]]) 
             app.openapi_schema = openapi_document(app, models)
         return app.openapi_schema
 
-    app.add_api_route(path, openapi, methods=["GET"], include_in_schema=False)
+    app.add_api_route(
+        path, openapi, methods=["GET"], include_in_schema=False, dependencies=dependencies
+    )
 
 
 def openapi_document(app: FastAPI, bodies: Iterable[type[BaseModel]]) -> dict[str, Any]:

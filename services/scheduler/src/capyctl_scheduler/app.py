@@ -8,14 +8,11 @@ with the same key and body gets it again without acting twice.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
-import redis.asyncio as aioredis
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capycommon import httpauth, requestbody
@@ -23,21 +20,20 @@ from capycommon import management as wire
 from capycommon.credentials import Credentials
 from capycommon.errors import (
     CapyError,
-    IdempotencyConflict,
     InvalidRequest,
     NotFound,
     RedisUnreachable,
     http_code_for,
 )
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE
-from capycommon.state.idempotency import Answers
 from capycommon.version import __version__
 from capyctl_scheduler.enroll import Enrollment
 from capyctl_scheduler.errorbody import SAFE_HEADERS, error_response
+from capyctl_scheduler.idempotency import Answer, Idempotency
 from capyctl_scheduler.manage import Manager
+from capyctl_scheduler.page import routes as page
 
 MAX_BODY = 1 << 20
-Answer = TypeVar("Answer", bound=wire.Versioned)
 Body = TypeVar("Body", bound=wire.Request)
 # The bodies the mutations read themselves (parsed strictly, before the Idempotency-Key).
 BODIES = (
@@ -50,60 +46,12 @@ BODIES = (
 _FAILED: dict[str, Any] = {"model": wire.ErrorBody, "description": "what failed, and the fix"}
 
 
-class Kept(BaseModel):
-    """What an Idempotency-Key holds: the request's digest, and its answer once it has one."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    digest: str | None
-    answer: wire.JsonObject | None = None
-
-
-class Idempotency:
-    """Replays the recorded answer of a mutation retried with the same key."""
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.answers = Answers(client)
-
-    async def begin(
-        self, key: str | None, request: Request, body: bytes, answer: type[Answer]
-    ) -> Answer | None:
-        """The recorded answer, or None after claiming the key for this request."""
-        if not key or len(key) > 200:
-            raise InvalidRequest(
-                "a mutation needs an Idempotency-Key header (up to 200 characters), e.g. a "
-                "fresh UUID per command; a retry sends the same key"
-            )
-        digest = _digest(request, body)
-        claim = Kept(digest=digest).model_dump_json()
-        if await self.answers.claim(key, claim):
-            return None
-        raw = await self.answers.get(key)
-        found = Kept.model_validate_json(raw) if raw else Kept(digest=None)
-        if found.digest != digest:
-            raise IdempotencyConflict(
-                "this Idempotency-Key was used for a different request; use a new key"
-            )
-        if found.answer is None:
-            raise IdempotencyConflict("a request with this Idempotency-Key is still running")
-        return answer.model_validate(found.answer)
-
-    async def finish(self, key: str, request: Request, body: bytes, answer: BaseModel) -> None:
-        kept = Kept(digest=_digest(request, body), answer=answer.model_dump(mode="json"))
-        await self.answers.keep(key, kept.model_dump_json())
-
-    async def abandon(self, key: str) -> None:
-        await self.answers.release(key)
-
-
-def _digest(request: Request, body: bytes) -> str:
-    return hashlib.sha256(request.method.encode() + request.url.path.encode() + body).hexdigest()
-
-
 def create_app(
     credentials: Credentials, manager: Manager | None = None, enrollment: Enrollment | None = None
 ) -> FastAPI:
-    """The scheduler's management app. Only the admin token opens it."""
+    """The scheduler's management app: the API, which only the admin token opens, and the
+    status page at `/` (`page.routes`: the admin token too, by its login's cookie or the
+    same header)."""
 
     # async: a sync dependency would cost a thread-pool hop on every request (bench/).
     async def require_admin(
@@ -117,11 +65,11 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
-        dependencies=[Depends(require_admin)],
         responses={"4XX": _FAILED, "5XX": _FAILED},
     )
-
-    requestbody.publish_openapi(app, f"{wire.PREFIX}/openapi.json", BODIES)
+    admin = [Depends(require_admin)]
+    api = APIRouter(dependencies=admin)
+    requestbody.publish_openapi(app, f"{wire.PREFIX}/openapi.json", BODIES, admin)
 
     @app.exception_handler(CapyError)
     async def capy_error(_: Request, exc: CapyError) -> JSONResponse:
@@ -149,17 +97,23 @@ def create_app(
         response.headers.update(SAFE_HEADERS)
         return response
 
-    @app.get(f"{wire.PREFIX}/health")
+    @api.get(f"{wire.PREFIX}/health")
     async def health() -> wire.Health:
         return wire.Health(status="ok", version=__version__)
 
     if manager is not None:
-        _routes(app, manager, enrollment)
+        idempotency = Idempotency(manager.scheduler.client)
+        _routes(api, manager, enrollment, idempotency)
+        app.include_router(api)
+        page.install(app, credentials, manager, idempotency)
+    else:
+        app.include_router(api)
     return app
 
 
-def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> None:
-    idempotency = Idempotency(manager.scheduler.client)
+def _routes(
+    app: APIRouter, manager: Manager, enrollment: Enrollment | None, idempotency: Idempotency
+) -> None:
 
     async def mutate(
         request: Request,
@@ -171,17 +125,7 @@ def _routes(app: FastAPI, manager: Manager, enrollment: Enrollment | None) -> No
         """Parse the body, then act once per Idempotency-Key (a retry gets the kept answer)."""
         body = await requestbody.read(request, MAX_BODY)
         found = requestbody.validated(parse_as, requestbody.parse_object(body or b"{}"))
-        replay = await idempotency.begin(key, request, body, answer)
-        if replay is not None:
-            return replay
-        assert key is not None
-        try:
-            done = await act(found)
-        except BaseException:
-            await idempotency.abandon(key)
-            raise
-        await idempotency.finish(key, request, body, done)
-        return done
+        return await idempotency.once(key, request, body, answer, lambda: act(found))
 
     @app.post(
         f"{wire.PREFIX}/deployments",

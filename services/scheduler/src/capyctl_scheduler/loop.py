@@ -28,6 +28,7 @@ from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, dem
 from capycommon.state.store import read_host_events
 from capycommon.state.streams import Group
 from capyctl_scheduler.actuator import Actuator
+from capyctl_scheduler.changes import Changes
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Snapshot
@@ -152,6 +153,8 @@ class Scheduler:
     last: Snapshot | None = None
     # When the last plan may next change by the clock alone; None while anything is under way.
     quiet_until: float | None = None
+    # The notifications heard, for the status page's live updates.
+    changes: Changes = field(default_factory=Changes)
 
     def __post_init__(self) -> None:
         self.demands = Demands(self.client)
@@ -218,6 +221,7 @@ class Scheduler:
             try:
                 async with notify.subscribed(self.client, channels) as pubsub:
                     self.wake.set()  # re-sync on (re)connect: messages may have been lost
+                    self.changes.note()
                     reading = asyncio.ensure_future(self._read(pubsub))
                     changed = asyncio.ensure_future(self._hosts_changed.wait())
                     try:
@@ -235,3 +239,4 @@ class Scheduler:
         async for message in pubsub.listen():
             if message.get("type") == "message":
                 self.wake.set()
+                self.changes.note()

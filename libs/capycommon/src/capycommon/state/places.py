@@ -147,6 +147,29 @@ return 1
 """
 )
 
+# KEYS: the waiting hash, the owners. Returns each deployment and its waiting requests, as
+# live owners hold them, flat: name, count, name, count, ...
+_WAITING = (
+    _LIB
+    + """
+local at = now()
+local fields = redis.call('HGETALL', KEYS[1])
+local totals, live, found = {}, {}, {}
+for i = 1, #fields, 2 do
+  local deployment, owner = string.match(fields[i], '^(%S+) (%S+)$')
+  if owner then
+    if live[owner] == nil then live[owner] = alive(KEYS[2], owner, at) end
+    if live[owner] then totals[deployment] = (totals[deployment] or 0) + tonumber(fields[i + 1]) end
+  end
+end
+for deployment, n in pairs(totals) do
+  found[#found + 1] = deployment
+  found[#found + 1] = n
+end
+return found
+"""
+)
+
 # KEYS: the waiting hash. ARGV: its field (`<deployment> <owner>`).
 _LEAVE = _LIB + "lower(KEYS[1], ARGV[1], 1)"
 
@@ -401,3 +424,12 @@ def read(client: redis.Redis, deployment: str) -> Places:
 async def aread(client: aioredis.Redis, deployment: str) -> Places:
     found = await client.eval(_READ, 2, keys.places(deployment), keys.place_owners())
     return _places(cast(list[int], found))
+
+
+async def awaiting(client: aioredis.Redis) -> dict[str, int]:
+    """Each deployment's requests waiting for a place, over every live router worker."""
+    found = cast(
+        list[bytes | int], await client.eval(_WAITING, 2, keys.waiting(), keys.place_owners())
+    )
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in found[::2]]
+    return {name: int(n) for name, n in zip(names, found[1::2], strict=True) if int(n) > 0}

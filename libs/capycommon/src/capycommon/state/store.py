@@ -247,6 +247,15 @@ async def read_events(client: aioredis.Redis, host: str, count: int = 1000) -> l
     return [Event.model_validate(json.loads(fields[b"event"])) for _, fields in entries]
 
 
+async def recent_events(client: aioredis.Redis, host: str, count: int) -> list[Event]:
+    """The host's last `count` events, newest first (malformed entries left out)."""
+    entries = cast(
+        list[tuple[bytes, dict[bytes, bytes]]],
+        await client.xrevrange(keys.host_events(host), count=count),
+    )
+    return [event for _, fields in entries if (event := _event(fields)) is not None]
+
+
 async def read_host_events(
     client: aioredis.Redis, cursors: Mapping[str, str], count: int, block_ms: int | None = None
 ) -> list[tuple[str, str, Event | None]]:
