@@ -211,7 +211,8 @@ def test_the_page_follows_parks_and_wakes_live_in_a_browser(
         By.CSS_SELECTOR, '#timeline li[data-what="wake"][data-deployment="beta"]'
     )
     # Times are shown relative to now by the script.
-    assert "ago" in browser.find_element(By.CSS_SELECTOR, "#timeline time").text
+    shown = browser.find_element(By.CSS_SELECTOR, "#timeline time").text
+    assert shown.endswith(" ago") or shown == "just now", shown
 
     # The button parks alpha, after a confirmation.
     browser.find_element(
@@ -230,3 +231,14 @@ def test_the_page_follows_parks_and_wakes_live_in_a_browser(
     shot = Path(os.environ.get("CAPYCTL_PAGE_SCREENSHOT") or tmp_path / "page.png")
     assert browser.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Light and dark as the system is, and one column on a phone, with nothing wider.
+    background = "return getComputedStyle(document.body).backgroundColor"
+    assert browser.execute_script(background) == "rgb(255, 255, 255)"
+    dark = {"features": [{"name": "prefers-color-scheme", "value": "dark"}]}
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", dark)
+    assert browser.execute_script(background) == "rgb(13, 17, 23)"
+    browser.set_window_size(390, 844)
+    wide = "return document.documentElement.scrollWidth - window.innerWidth"
+    assert wait_for(lambda: browser.execute_script(wide) <= 0 or None, 5, what="a narrow page")
+    assert browser.save_screenshot(str(shot.with_name(f"{shot.stem}-phone-dark.png")))

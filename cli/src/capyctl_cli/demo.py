@@ -126,7 +126,7 @@ def run(state: Path, listen: str, management: str) -> int:
         with api:
             for example in examples:
                 api.deploy(load_yaml_document(example))
-        _print_usage(state, paths, listen, examples)
+        _print_usage(state, paths, listen, management, examples)
         return _wait(role)
     except KeyboardInterrupt:
         return _stop(state, role)
@@ -201,8 +201,11 @@ def _stop(state: Path, role: subprocess.Popen[bytes]) -> int:
     return role.wait(timeout=60)
 
 
-def _print_usage(state: Path, paths: StatePaths, listen: str, examples: list[Path]) -> None:
-    key = credentials.load(paths.credentials).api_key
+def _print_usage(
+    state: Path, paths: StatePaths, listen: str, management: str, examples: list[Path]
+) -> None:
+    found = credentials.load(paths.credentials)
+    key = found.api_key
     host, _, port = listen.rpartition(":")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/v1"
     first = examples[0].stem
@@ -229,6 +232,9 @@ Watch a park and a wake, in another terminal:
   capyctl list deployments {flag}          # ask each model in turn, then look again
   capyctl park deployment {first} {flag} --wait
   capyctl status deployment {first} {flag}  # parked; the next request wakes it
+
+Or watch it live on the status page: open http://{management}/ and log in with the admin
+token {found.admin_token}
 
 Ctrl-C stops the engines and the role.
 """)

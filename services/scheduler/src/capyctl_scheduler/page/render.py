@@ -268,4 +268,4 @@ def _time(at: float | None) -> str:
         return "—"
     clock = time.strftime("%H:%M:%S UTC", time.gmtime(at))
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
-    return f'<time datetime="{stamp}" data-at="{at:.0f}">{clock}</time>'
+    return f'<time datetime="{stamp}" data-at="{int(at)}">{clock}</time>'

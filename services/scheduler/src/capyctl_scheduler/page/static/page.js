@@ -7,6 +7,7 @@ const formKey = document.querySelector('meta[name="capyctl-form-key"]')?.content
 
 function ago(seconds) {
   const s = Math.abs(seconds);
+  if (s < 1) return "just now";
   const text = s < 60 ? `${Math.round(s)} s` : s < 3600 ? `${Math.round(s / 60)} min`
     : s < 86400 ? `${(s / 3600).toFixed(1)} h` : `${(s / 86400).toFixed(1)} d`;
   return seconds >= 0 ? `${text} ago` : `in ${text}`;
