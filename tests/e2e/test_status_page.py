@@ -5,16 +5,19 @@ screenshot (written where CAPYCTL_PAGE_SCREENSHOT names, for the README)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from cluster import FOURTEEN, SMALL, Cluster
@@ -242,3 +245,25 @@ def test_the_page_follows_parks_and_wakes_live_in_a_browser(
     wide = "return document.documentElement.scrollWidth - window.innerWidth"
     assert wait_for(lambda: browser.execute_script(wide) <= 0 or None, 5, what="a narrow page")
     assert browser.save_screenshot(str(shot.with_name(f"{shot.stem}-phone-dark.png")))
+
+
+def test_the_page_counts_the_requests_waiting_for_their_model(cluster: Cluster) -> None:
+    cluster.deploy("slow", engine="slowload", model="small")  # loads for a minute
+    client = cluster.openai(timeout=60)
+
+    def ask() -> None:
+        with contextlib.suppress(openai.APIError):
+            client.chat.completions.create(model="slow", messages=HI, max_tokens=2)
+
+    waiting = threading.Thread(target=ask, daemon=True)
+    waiting.start()
+    with logged_in(cluster) as page:
+
+        def shown() -> bool:
+            text = page.get("/").text
+            starting = 'data-deployment="slow" data-state="starting"' in text
+            return starting and '<span class="waiting">1</span> waiting' in text
+
+        wait_for(shown, 15, what="the request waiting for the model's start on the page")
+    cluster.ok("stop", "deployment", "slow", "--wait")
+    waiting.join(30)
