@@ -10,6 +10,8 @@ import contextlib
 class Changes:
     def __init__(self) -> None:
         self.count = 0
+        # The scheduler is stopping: whoever follows the changes stops too.
+        self.closed = False
         self._next = asyncio.Event()
 
     def note(self) -> None:
@@ -17,6 +19,10 @@ class Changes:
         self.count += 1
         self._next.set()
         self._next = asyncio.Event()
+
+    def close(self) -> None:
+        self.closed = True
+        self.note()
 
     async def after(self, seen: int, timeout: float) -> int:
         """The count once it passed `seen`, or after `timeout` seconds, whichever is first."""

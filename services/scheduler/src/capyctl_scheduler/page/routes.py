@@ -240,12 +240,12 @@ def _fields(body: bytes) -> dict[str, str]:
 async def _stream(manager: Manager, expires: float) -> AsyncIterator[str]:
     """The page's sections: all at first, then each that changed, after each notification
     the scheduler heard (at most once every MIN_GAP_S) and every REFRESH_S; until the
-    session ends."""
+    session ends or the scheduler stops."""
     changes = manager.scheduler.changes
     sent: dict[str, str] = {}
     quiet_since = time.monotonic()
     yield "retry: 2000\n\n"
-    while time.time() < expires:
+    while time.time() < expires and not changes.closed:
         seen = changes.count
         try:
             parts = render.sections(await gather(manager))

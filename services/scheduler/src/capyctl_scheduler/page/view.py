@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
-from capycommon.management import Charge, EngineRow
+from capycommon.management import Charge, EngineRow, HostRow
 from capycommon.state import places
 from capycommon.state.instances import LIVE_STATES, InstanceState
 from capycommon.state.memory import MemoryReading, aread_reading
@@ -147,12 +147,11 @@ async def gather(manager: Manager) -> PageView:
         for name in sorted(snap.deployments)
         for charge in status.detail(snap, name).charges
     ]
+    by_host = dict(zip(hosts, readings, strict=True))
+    rows = status.host_rows(snap, by_host)
     return PageView(
         taken_at=snap.now,
-        hosts=tuple(
-            _host(snap, host, reading, charges, engines)
-            for host, reading in zip(hosts, readings, strict=True)
-        ),
+        hosts=tuple(_host(snap, row, by_host[row.name], charges, engines) for row in rows),
         deployments=tuple(_deployment(snap, name, waiting) for name in sorted(snap.deployments)),
         timeline=timeline([e for found in events for e in found]),
     )
@@ -160,13 +159,13 @@ async def gather(manager: Manager) -> PageView:
 
 def _host(
     snap: Snapshot,
-    host: str,
+    row: HostRow,
     reading: MemoryReading | None,
     charges: list[tuple[str, Charge]],
     engines: list[EngineRow],
 ) -> HostLine:
+    host = row.name
     view = snap.hosts[host]
-    row = status.host_rows(snap, {host: reading})[0]
     measured = {gpu.name: gpu.used for gpu in row.gpus}
     backend = reading.backend if reading is not None else "none"
     bars = []
