@@ -6,7 +6,8 @@ decision model's (`api: decisions`) are POST /v1/decisions, OpenAI's Decisions s
 the router translates to System One and back (`decisions`), and POST /v1/systemone, passed
 as sent; each api's routes refuse the other's models (`wrong_api`). Each body is read and
 checked whole (`capycommon.requestbody`, by its model in `bodies` or `decisions`) before the
-request takes a place; GET /openapi.json describes them.
+request takes a place; GET /openapi.json describes them. A streamed request may ask to see its
+model load (`CapyCTL-Progress: on`, see `proxy`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ API_ROUTES = {
     "chat": "POST /v1/chat/completions, /v1/completions or /v1/embeddings",
     "decisions": "POST /v1/decisions or /v1/systemone",
 }
+# The header by which a streamed request asks for comment lines while its model loads.
+PROGRESS_HEADER = "CapyCTL-Progress"
 # The bearer token, read by the routes themselves; the OpenAPI document names it once.
 Authorization = Annotated[str | None, Header(include_in_schema=False)]
 
@@ -293,13 +296,30 @@ async def routes_read(table: Table) -> None:
         raise RedisUnreachable("the router has not read its routes from Redis yet; retry shortly")
 
 
+def wants_progress(request: Request) -> bool:
+    """Whether the request asks to see its model load (`CapyCTL-Progress: on`); off when the
+    header is absent, refused when it is neither on nor off."""
+    value = request.headers.get(PROGRESS_HEADER)
+    if value is None:
+        return False
+    said = value.lower()
+    if said not in ("on", "off"):
+        raise InvalidRequest(
+            f"header {PROGRESS_HEADER}: {value[:100]!r} is neither on nor off; send on (SSE "
+            "comment lines while a streamed request waits for its model to load) or off"
+        )
+    return said == "on"
+
+
 async def forward(router: Router, kind: str, request: Request) -> Response:
     """The answer to an inference request: its body read and checked here, then (`Exchange`)
     a place on its deployment's engine and the engine's answer."""
     arrived = time.monotonic()
+    progress = wants_progress(request)
     raw = await requestbody.read(request, MAX_BODY)
     # System One's question ids are keys: one given twice would be lost, not refused.
     call = _call(kind, requestbody.parse_object(raw, unique_keys=kind == "systemone"))
+    call.progress = progress and call.client_streams
     if not router.table.synced.is_set():
         await routes_read(router.table)
     record = router.table.deployment_of(call.route)

@@ -16,6 +16,9 @@ reports it and the request settles then: answered or not, if the engine held it;
 only, if it did not (one cut before any answer may still reach the engine). A decision
 request has no id SGLang knows, and SGLang runs it to its end: it settles at the next stop
 there; llama.cpp drops it with its connection, so it settles when the engine reads idle.
+
+A request that found its model not ready may ask to be told how its wait goes
+(`capyctl_router.progress`).
 """
 
 from __future__ import annotations
@@ -42,10 +45,18 @@ from capycommon.errors import (
     UnknownModel,
 )
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_any, wait_event
-from capycommon.state import desired, heartbeats, hostcommands, load, places, settlement
+from capycommon.state import (
+    desired,
+    heartbeats,
+    hostcommands,
+    load,
+    places,
+    settlement,
+)
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.places import PlaceBook
 from capyctl_router.metrics import Metrics
+from capyctl_router.progress import Progress
 from capyctl_router.table import Table, Target
 
 log = logging.getLogger(__name__)
@@ -116,10 +127,13 @@ class Dispatcher:
         """How long a request for it may wait for its first output."""
         return record.document.request_deadline or self.limits.request_deadline_s
 
-    async def acquire(self, record: DeploymentRecord, deadline: float) -> Target:
+    async def acquire(
+        self, record: DeploymentRecord, deadline: float, progress: Progress | None = None
+    ) -> Target:
         """A place on the deployment's ready instance, waiting for one until `deadline`. The
         record is the one the request was routed by; while it waits, the table's newer ones
-        decide (a stop, a failure, a refusal)."""
+        decide (a stop, a failure, a refusal). Once it found its model not ready, `progress`
+        is told how the wait goes."""
         name = record.name
         queued = False
         cold = False  # it found its model not ready
@@ -158,8 +172,12 @@ class Dispatcher:
                         f"{name!r} did not become ready within the request deadline "
                         f"({self.deadline_of(record):.0f}s); retry shortly",
                     )
+                wait = 1.0
+                if cold and progress is not None:
+                    await progress.tell(name, self.table, self.client, self._failed)
+                    wait = max(0.0, progress.due_in())
                 changed = self.table.changed(name)
-                await wait_event(changed, min(remaining, 1.0))
+                await wait_event(changed, min(remaining, wait))
         finally:
             if queued:
                 await self._leave(name)

@@ -10,6 +10,12 @@ client that hangs up, at any point, closes the engine connection at once: one ta
 it waits (a place, the engine, the client's socket). The place is settled once the answer's
 last byte went out.
 
+A streamed request that asked to see its model load (`CapyCTL-Progress: on`) and finds it not
+ready gets its 200 and the stream's headers at once (`Early`), then SSE comment lines while it
+waits (`capyctl_router.progress`), which clients ignore. Its status is then spent:
+whatever fails before the first event comes as the error event (and `[DONE]`) that a failure
+after the first event is, with the same code and message.
+
 An engine on a joined host is reached through its host's ingress, over TLS, the same way.
 A request the ingress never took (it could not be reached: refused, timed out, or presenting
 a certificate that is not the host's; or it answered `409 stale_dispatch`, the instance
@@ -49,6 +55,7 @@ from capycommon.state.desired import DeploymentRecord
 from capyctl_router.decisions import DecisionsRequest, MalformedAnswer, from_system_one
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers
+from capyctl_router.progress import Progress
 from capyctl_router.relay import (
     MAX_ANSWER,
     MAX_ERROR,
@@ -165,26 +172,37 @@ class Exchange(Response):
     async def _exchange(self, scope: Scope, receive: Receive, send: Send, watch: Watch) -> None:
         dispatcher, name = self.dispatcher, self.record.name
         deadline = self.arrived + dispatcher.deadline_of(self.record)
+        early = Early(send, self.call) if self.call.progress else None
         while True:
             try:
-                await self._once(scope, receive, send, watch, deadline)
+                await self._once(scope, receive, send, watch, deadline, early)
                 return
             except Undelivered:
                 left = deadline - time.monotonic()
                 await wait_event(dispatcher.table.changed(name), min(READMIT_EVERY_S, left))
 
     async def _once(
-        self, scope: Scope, receive: Receive, send: Send, watch: Watch, deadline: float
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        watch: Watch,
+        deadline: float,
+        early: Early | None,
     ) -> None:
         """Admit the request and relay it; Undelivered when the ingress never took it."""
         dispatcher, name = self.dispatcher, self.record.name
         try:
-            target = await dispatcher.acquire(self.record, deadline)
+            progress = None if early is None else early.progress
+            target = await dispatcher.acquire(self.record, deadline, progress)
         except CapyError as exc:
             dispatcher.metrics.outcome(name, exc.code)
+            watch.ending()
+            if early is not None and early.started:
+                await early.fail(exc.http_status, exc.code, exc.message)
+                return
             headers = {REQUEST_ID_HEADER: self.call.request_id}
             headers.update(retry_headers(exc.code, exc.http_status))
-            watch.ending()
             await envelope(exc.http_status, exc.code, exc.message, headers)(scope, receive, send)
             return
         except asyncio.CancelledError:
@@ -194,8 +212,36 @@ class Exchange(Response):
             dispatcher.metrics.outcome(name, "client_gone")  # nobody to answer
             return
         dispatcher.metrics.running.labels(name).inc()
-        session = Session(dispatcher, self.engines, self.call, target, self.arrived, deadline)
+        session = Session(
+            dispatcher, self.engines, self.call, target, self.arrived, deadline, early
+        )
         await session.respond(scope, receive, send, watch)
+
+
+class Early:
+    """A streamed answer begun before its model is ready: the 200 and the stream's headers
+    with the first progress line, each line an SSE comment (and a blank line, so that no
+    client's parser takes it for an event); a failure before the first event, the error
+    event and `[DONE]`."""
+
+    def __init__(self, send: Send, call: Call) -> None:
+        self.send = send
+        self.request_id = call.request_id
+        self.started = False
+        self.progress = Progress(call.route, self.say)
+
+    async def say(self, line: str) -> None:
+        if not self.started:
+            self.started = True
+            head = _stream_head({REQUEST_ID_HEADER: self.request_id})
+            await self.send({"type": "http.response.start", "status": 200, "headers": head})
+        body = b": " + line.encode() + b"\n\n"
+        await self.send({"type": "http.response.body", "body": body, "more_body": True})
+
+    async def fail(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        error = sse(error_body(status, code, message, param)) + sse(None)
+        await self.send({"type": "http.response.body", "body": error, "more_body": True})
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @dataclass
@@ -208,6 +254,8 @@ class Session:
     target: Target
     arrived: float
     deadline: float
+    # The stream's head went out early, while the request waited (`Early`); None if not asked.
+    early: Early | None = None
     outcome: str = "cancelled"
     response: Answer | None = None
     _events: Events | None = None
@@ -238,8 +286,11 @@ class Session:
             self.outcome = failed.outcome
             if self._undelivered(exc) and time.monotonic() + READMIT_EVERY_S < self.deadline:
                 raise Undelivered from exc  # nothing was sent to the client yet
-            retry = retry_headers(failed.code, failed.status)
             watch.ending()
+            if self.early is not None and self.early.started:
+                await self.early.fail(failed.status, failed.code, failed.message, failed.param)
+                return
+            retry = retry_headers(failed.code, failed.status)
             answer = envelope(
                 failed.status, failed.code, failed.message, {**headers, **retry}, failed.param
             )
@@ -252,8 +303,9 @@ class Session:
             whole = Response(dumps(found), media_type="application/json", headers=headers)
             await whole(scope, receive, send)
             return
-        start = {"type": "http.response.start", "status": 200, "headers": _stream_head(headers)}
-        await send(start)
+        if self.early is None or not self.early.started:
+            head = _stream_head(headers)
+            await send({"type": "http.response.start", "status": 200, "headers": head})
         async with contextlib.aclosing(self.stream(found)) as pieces:
             async for piece in pieces:
                 await send({"type": "http.response.body", "body": piece, "more_body": True})

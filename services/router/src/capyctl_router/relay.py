@@ -127,6 +127,8 @@ class Call:
     usage: JsonDict | None = field(default=None)
     # A decision request as the client asked it (an OpenAI one's answer is translated back).
     asked: DecisionsRequest | SystemOneRequest | None = None
+    # A streamed request whose client asked to see its model load (`CapyCTL-Progress: on`).
+    progress: bool = False
 
     @property
     def decides(self) -> bool:

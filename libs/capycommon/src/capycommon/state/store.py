@@ -276,3 +276,31 @@ def _event(fields: dict[bytes, bytes]) -> Event | None:
         return Event.model_validate_json(fields[b"event"])
     except (KeyError, ValidationError):
         return None
+
+
+async def last_duration(
+    client: aioredis.Redis, host: str, deployment: str, from_state: str, count: int = 256
+) -> float | None:
+    """How long the deployment's last `from_state` -> ready took on the host (a start or a
+    wake, `Event.duration_s`), from the newest `count` of the host's events; None when none
+    of them is one."""
+    entries = cast(
+        list[tuple[bytes, dict[bytes, bytes]]],
+        await client.xrevrange(keys.host_events(host), count=count),
+    )
+    for _, fields in entries:
+        try:
+            found = json.loads(fields[b"event"])
+        except (KeyError, ValueError):
+            continue
+        if (
+            isinstance(found, dict)
+            and found.get("kind") == "transition"
+            and found.get("deployment") == deployment
+            and found.get("from_state") == from_state
+            and found.get("to_state") == InstanceState.READY
+        ):
+            event = _event(fields)
+            if event is not None and event.duration_s is not None:
+                return event.duration_s
+    return None
