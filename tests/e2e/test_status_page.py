@@ -267,3 +267,23 @@ def test_the_page_counts_the_requests_waiting_for_their_model(cluster: Cluster) 
         wait_for(shown, 15, what="the request waiting for the model's start on the page")
     cluster.ok("stop", "deployment", "slow", "--wait")
     waiting.join(30)
+
+
+def test_a_switch_is_on_the_timeline_with_its_duration(cluster: Cluster) -> None:
+    cluster.deploy("one", model="m14", engine_config=FOURTEEN)
+    cluster.deploy("two", model="m14", engine_config=FOURTEEN)
+    client = cluster.openai()
+    client.chat.completions.create(model="one", messages=HI, max_tokens=2)
+    client.chat.completions.create(model="two", messages=HI, max_tokens=2)  # one makes room
+    with logged_in(cluster) as page:
+
+        def switch() -> str | None:
+            found = re.search(
+                r'<li class="switch" data-what="switch" data-deployment="two">(.*?)</li>',
+                page.get("/").text,
+            )
+            return found[1] if found else None
+
+        shown = wait_for(switch, 15, what="the switch to two on the timeline")
+    assert re.search(r"switch</span> in \d", shown), shown
+    assert "ready: the switch to it ended" in shown

@@ -171,7 +171,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
             _same(token, secret) for secret in (credentials.api_key, credentials.admin_token)
         ):
             raise Unauthenticated("send Authorization: Bearer <API key or admin token>")
-        body = router.dispatcher.metrics.render()
+        body = await router.dispatcher.metrics.scrape(router.dispatcher.client)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     for kind, body in [*BODIES.items(), *DECISION_BODIES.items()]:

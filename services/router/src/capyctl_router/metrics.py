@@ -1,8 +1,10 @@
 """The router's Prometheus metrics: requests per deployment by outcome, running and waiting,
 queue wait, the wait for a model to become ready, time to first token, cancellations,
-queue_full; and what the hosts' event streams report: start, wake and park durations, the
+queue_full; what the hosts' event streams report: start, wake and park durations, the
 engine's own part of each and CapyCTL's, and the bytes and durations of model downloads
-from the Hub.
+from the Hub; what the scheduler's decision stream reports: switch durations (the engines'
+part apart) and evictions by cause; and, read at each scrape, what the scheduler's ledger
+charges on each GPU by phase, with each GPU's capacity and limits.
 
 The router's workers write theirs into one folder (Prometheus's multiprocess mode, on when
 `PROMETHEUS_MULTIPROC_DIR` names it, `capyctl_router.workers`): /metrics sums the counts of
@@ -15,15 +17,23 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+from pydantic import ValidationError
 
 from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import gpumemory
+from capycommon.state.desired import Decision, read_decisions
+from capycommon.state.gpumemory import ChargePhase, GpuMemory
 from capycommon.state.store import Event, read_host_events
 
 # In the workers' metrics folder: how far the hosts' events were read.
@@ -43,16 +53,35 @@ def start_cursors(folder: Path) -> None:
     write_atomic(folder / CURSORS_FILE, json.dumps({"start": _now_id(), "hosts": {}}))
 
 
-def _read_cursors(folder: Path | None) -> tuple[str, dict[str, str]]:
-    """Where to read each host's events from: the kept cursors, and where a host not read
-    before starts."""
-    if folder is not None:
-        try:
-            kept = json.loads((folder / CURSORS_FILE).read_text())
-            return str(kept["start"]), {str(h): str(c) for h, c in kept["hosts"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-    return _now_id(), {}
+@dataclass
+class Cursors:
+    """How far the hosts' events and the scheduler's decisions were read, kept in the
+    workers' metrics `folder` (when there is one) after each read."""
+
+    start: str
+    folder: Path | None = None
+    hosts: dict[str, str] = field(default_factory=dict)
+    decisions: str | None = None
+
+    @classmethod
+    def read(cls, folder: Path | None) -> Cursors:
+        """The kept cursors; where a stream not read before starts (the router's start, else
+        now)."""
+        if folder is not None:
+            try:
+                kept = json.loads((folder / CURSORS_FILE).read_text())
+                hosts = {str(h): str(c) for h, c in kept["hosts"].items()}
+                decisions = kept.get("decisions")
+                found = None if decisions is None else str(decisions)
+                return cls(str(kept["start"]), folder, hosts, found)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass
+        return cls(_now_id(), folder)
+
+    def keep(self) -> None:
+        if self.folder is not None:
+            kept = {"start": self.start, "hosts": self.hosts, "decisions": self.decisions}
+            write_atomic(self.folder / CURSORS_FILE, json.dumps(kept))
 
 
 def _now_id() -> str:
@@ -99,20 +128,30 @@ class Metrics:
         )
         self.lifecycle_s = seconds(
             "capyctl_lifecycle_seconds",
-            "Start, wake and park durations, from the hosts' events.",
+            "Start, wake and park durations, from the hosts' events; switch durations, from "
+            "the scheduler's decision to release the first victim to the model ready.",
             "operation",
         )
         self.lifecycle_engine_s = seconds(
             "capyctl_lifecycle_engine_seconds",
             "The engine's own part of each start, wake and park: its load (from its spawn to "
-            "its health), its wake calls, its sleep call.",
+            "its health), its wake calls, its sleep call; of a switch: the victims' sleep "
+            "calls and stops, and the model's load or wake calls.",
             "operation",
         )
         self.lifecycle_overhead_s = seconds(
             "capyctl_lifecycle_overhead_seconds",
-            "CapyCTL's part of each start, wake and park: all but the engine's own part "
-            "(waiting for the GPU, readiness checks, the canary, memory verification).",
+            "CapyCTL's part of each start, wake, park and switch: all but the engines' own "
+            "part (waiting for the GPU, readiness checks, the canary, memory verification, "
+            "drains).",
             "operation",
+        )
+        self.evictions = Counter(
+            "capyctl_evictions",
+            "Engines the scheduler parked or stopped while they served or were parked, by "
+            "why: switch, idle, operator, drain, revision, restart, max_parked.",
+            ["deployment", "reason"],
+            registry=r,
         )
         self.ready_wait_s = seconds(
             "capyctl_ready_wait_seconds",
@@ -155,14 +194,28 @@ class Metrics:
     def queue_full(self, deployment: str) -> None:
         self.queue_fulls.labels(deployment).inc()
 
-    def render(self) -> bytes:
-        """This process's metrics, or every worker's in multiprocess mode."""
+    def render(self, gpus: GpuMemory | None = None) -> bytes:
+        """This process's metrics, or every worker's in multiprocess mode, and the GPUs'
+        memory of `gpus` (the scheduler's last summary)."""
         folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if folder is None:
-            return generate_latest(self.registry)
-        every = CollectorRegistry()
-        MultiProcessCollector(every, folder)  # type: ignore[no-untyped-call]
-        return generate_latest(every)
+            text = generate_latest(self.registry)
+        else:
+            every = CollectorRegistry()
+            MultiProcessCollector(every, folder)  # type: ignore[no-untyped-call]
+            text = generate_latest(every)
+        ledger = CollectorRegistry()
+        ledger.register(GpuCollector(gpus))
+        return text + generate_latest(ledger)
+
+    async def scrape(self, client: aioredis.Redis) -> bytes:
+        """`render` with the scheduler's summary of the GPUs' memory, read now (one GET);
+        without it when Redis does not answer."""
+        try:
+            gpus = await gpumemory.aread(client)
+        except (*REDIS_ERRORS, ValidationError):
+            gpus = None
+        return self.render(gpus)
 
     async def follow_events(
         self,
@@ -172,30 +225,66 @@ class Metrics:
         folder: Path | None = None,
     ) -> None:
         """Observe each start, wake, park and download as hostd reports it, on every host the
-        routing table knows (a server may have none yet).
+        routing table knows (a server may have none yet), and each switch and eviction as the
+        scheduler's decision stream reports it.
 
         With the workers' metrics `folder`, the events are read from the router's start on,
         and how far they were read is kept there: a worker that starts again goes on from
         where its predecessor stopped, so no event is missed or counted twice. Without it,
         from now on."""
-        start, cursors = _read_cursors(folder)
+        cursors = Cursors.read(folder)
+        await asyncio.gather(
+            self._follow_hosts(client, hosts, stop, cursors),
+            self._follow_decisions(client, stop, cursors),
+        )
+
+    async def _follow_hosts(
+        self,
+        client: aioredis.Redis,
+        hosts: Callable[[], set[str]],
+        stop: asyncio.Event,
+        cursors: Cursors,
+    ) -> None:
         while not stop.is_set():
             for host in hosts():
-                cursors.setdefault(host, start)
-            if not cursors:
+                cursors.hosts.setdefault(host, cursors.start)
+            if not cursors.hosts:
                 await wait_event(stop, 1.0)
                 continue
             try:
-                found = await read_host_events(client, cursors, count=100, block_ms=1000)
+                found = await read_host_events(client, cursors.hosts, count=100, block_ms=1000)
             except REDIS_ERRORS:
                 await wait_event(stop, 1.0)
                 continue
             for host, entry_id, event in found:
-                cursors[host] = entry_id
+                cursors.hosts[host] = entry_id
                 if event is not None:
                     self._event(event)
-            if found and folder is not None:
-                write_atomic(folder / CURSORS_FILE, json.dumps({"start": start, "hosts": cursors}))
+            if found:
+                cursors.keep()
+
+    async def _follow_decisions(
+        self, client: aioredis.Redis, stop: asyncio.Event, cursors: Cursors
+    ) -> None:
+        while not stop.is_set():
+            cursor = cursors.decisions or cursors.start
+            try:
+                found = await read_decisions(client, cursor, count=100, block_ms=1000)
+            except REDIS_ERRORS:
+                await wait_event(stop, 1.0)
+                continue
+            for entry_id, decision in found:
+                cursors.decisions = entry_id
+                if decision is not None:
+                    self._decision(decision)
+            if found:
+                cursors.keep()
+
+    def _decision(self, decision: Decision) -> None:
+        if decision.kind == "evicted" and decision.cause is not None:
+            self.evictions.labels(decision.deployment, decision.cause).inc()
+        elif decision.kind == "switched" and decision.duration_s is not None:
+            self._lifecycle(decision.deployment, "switch", decision.duration_s, decision.engine_s)
 
     def _event(self, event: Event) -> None:
         if event.kind == "download" and event.repo and event.outcome:
@@ -208,9 +297,53 @@ class Metrics:
         operation = OPERATIONS.get((event.from_state or "", event.to_state or ""))
         if operation is None or event.duration_s is None:
             return
-        self.lifecycle_s.labels(event.deployment, operation).observe(event.duration_s)
-        if event.engine_s is not None:
-            engine = min(event.engine_s, event.duration_s)
-            self.lifecycle_engine_s.labels(event.deployment, operation).observe(engine)
-            overhead = event.duration_s - engine
-            self.lifecycle_overhead_s.labels(event.deployment, operation).observe(overhead)
+        self._lifecycle(event.deployment, operation, event.duration_s, event.engine_s)
+
+    def _lifecycle(
+        self, deployment: str, operation: str, seconds: float, engine_s: float | None
+    ) -> None:
+        """One start, wake, park or switch, and its engines' part apart from CapyCTL's."""
+        self.lifecycle_s.labels(deployment, operation).observe(seconds)
+        if engine_s is not None:
+            engine = min(engine_s, seconds)
+            self.lifecycle_engine_s.labels(deployment, operation).observe(engine)
+            self.lifecycle_overhead_s.labels(deployment, operation).observe(seconds - engine)
+
+
+class GpuCollector(Collector):
+    """What the scheduler's ledger charges on each GPU by phase (every phase, zero when none
+    is charged), and each GPU's capacity, managed limit, reserve, parked limit and what
+    admission may still take, from the scheduler's summary (none before it wrote one)."""
+
+    def __init__(self, gpus: GpuMemory | None) -> None:
+        self.gpus = gpus
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        where = ["host", "gpu"]
+        memory = GaugeMetricFamily(
+            "capyctl_gpu_memory_bytes",
+            "What the scheduler's ledger charges on the GPU, by phase: starting, ready (also "
+            "draining, parking, stopping), parked, waking; cache: LMCache servers kept for "
+            "stopped models; orphan: engines no deployment owns.",
+            labels=[*where, "phase"],
+        )
+        figures = {
+            "capacity": "The GPU's memory.",
+            "managed_limit": "The most the scheduler charges on the GPU.",
+            "reserve": "What the scheduler keeps free on the GPU.",
+            "parked_limit": "The most parked models may keep on the GPU.",
+            "free": "What admission may still charge on the GPU: the lower of the managed "
+            "limit and the memory less the reserve, less every charge.",
+        }
+        families = {
+            name: GaugeMetricFamily(f"capyctl_gpu_{name}_bytes", text, labels=where)
+            for name, text in figures.items()
+        }
+        for gpu in self.gpus.gpus if self.gpus is not None else ():
+            at = [gpu.host, gpu.gpu]
+            for phase in get_args(ChargePhase):
+                memory.add_metric([*at, phase], gpu.charged.get(phase, 0))
+            for name, family in families.items():
+                family.add_metric(at, getattr(gpu, name))
+        yield memory
+        yield from families.values()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from capycommon.engines.launch import Residency
-from capycommon.state.desired import DeploymentRecord
+from capycommon.state.desired import DeploymentRecord, EvictionCause, Victim
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.charges import footprint_of
 from capyctl_scheduler.snapshot import Snapshot
@@ -29,6 +29,8 @@ Kind = Literal[
     "settle",
     "forget",
     "refuse",
+    "switched",
+    "drop_switch",
 ]
 # What a plan decides of a host rather than of a deployment (`deployment` is then "").
 HostKind = Literal["mark_unreachable", "mark_reachable"]
@@ -50,6 +52,12 @@ class Action:
     error: str = ""
     # stop: a restart_only park, which keeps the instance's LMCache server.
     keep_cache: bool = False
+    # drain, park, stop: why a serving or parked engine is taken out (an eviction, counted
+    # once, when the park or stop that ends it is done; a drain hands it on to that park or
+    # stop); None for what evicts nothing (an orphan's stop, a drain's end whose cause is lost).
+    cause: EvictionCause | None = None
+    # wait: the victims a switch to this deployment releases now.
+    victims: tuple[Victim, ...] = ()
 
 
 def can_park(snapshot: Snapshot, instance: InstanceRecord) -> bool:
@@ -96,6 +104,7 @@ def drain(
     instance: InstanceRecord,
     why: str,
     then: Literal["park", "stop"] | None = None,
+    cause: EvictionCause | None = None,
 ) -> Action:
     parks = can_park(snapshot, instance) or parks_by_stopping(instance)
     then = then or ("park" if parks else "stop")
@@ -107,10 +116,13 @@ def drain(
         gpu=snapshot.hosts[instance.host].gpu_of(instance.gpu_uuid) or "",
         generation=instance.generation,
         then=then,
+        cause=cause,
     )
 
 
-def park(snapshot: Snapshot, instance: InstanceRecord, why: str) -> Action:
+def park(
+    snapshot: Snapshot, instance: InstanceRecord, why: str, cause: EvictionCause | None = None
+) -> Action:
     view = snapshot.hosts[instance.host]
     gpu = view.gpu_of(instance.gpu_uuid) or ""
     footprint = footprint_of(snapshot, instance.deployment, instance.host, gpu)
@@ -123,10 +135,16 @@ def park(snapshot: Snapshot, instance: InstanceRecord, why: str) -> Action:
         gpu=gpu,
         generation=instance.generation,
         release_bound=bound,
+        cause=cause,
     )
 
 
-def stop(instance: InstanceRecord, why: str, keep_cache: bool = False) -> Action:
+def stop(
+    instance: InstanceRecord,
+    why: str,
+    keep_cache: bool = False,
+    cause: EvictionCause | None = None,
+) -> Action:
     return Action(
         "stop",
         instance.deployment,
@@ -134,6 +152,7 @@ def stop(instance: InstanceRecord, why: str, keep_cache: bool = False) -> Action
         host=instance.host,
         generation=instance.generation,
         keep_cache=keep_cache,
+        cause=cause,
     )
 
 

@@ -29,9 +29,10 @@ from capycommon.state.desired import (
     Inflight,
     Operation,
     Refusal,
+    Switch,
 )
 from capycommon.state.instances import InstanceState
-from capycommon.state.store import Conflict, InstanceStore
+from capycommon.state.store import Conflict, Event, InstanceStore, read_host_events
 from capyctl_scheduler.actions import Action, Kind
 from capyctl_scheduler.ledger import Footprint
 from capyctl_scheduler.snapshot import Snapshot
@@ -39,6 +40,8 @@ from capyctl_scheduler.snapshot import Snapshot
 log = logging.getLogger(__name__)
 S = InstanceState
 GiB = 1 << 30
+# The transitions that end a start or a wake.
+READIED = (("starting", "ready"), ("waking", "ready"))
 _DOWNLOAD_FAILED = re.compile(r"download failed \[([a-z_]+)\]")
 
 AckDemands = Callable[[str], Coroutine[Any, Any, None]]
@@ -52,7 +55,9 @@ class Actuator:
     _orphan_stops: dict[str, float] = field(default_factory=dict)
 
     async def apply(self, snapshot: Snapshot, actions: list[Action]) -> None:
-        for action in actions:
+        # A switch is recorded on its deployment before any of its victims is released, so
+        # a scheduler killed in between still knows when it began.
+        for action in sorted(actions, key=lambda action: not action.victims):
             try:
                 await self._apply(snapshot, action)
             except Conflict as exc:
@@ -276,13 +281,82 @@ class Actuator:
         await self._write(record, action, **changes)
 
     async def _wait(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        """Note the wait (once per reason); a switch's wait records the switch on the record
+        first: when it began, kept from its first victim on, and every victim since."""
+        changes: dict[str, object] = {}
+        if action.victims:
+            began = record.switch
+            victims = (*(began.victims if began else ()), *action.victims)
+            changes["switch"] = Switch(
+                host=action.host,
+                gpu=action.gpu,
+                started_at=began.started_at if began else time.time(),
+                victims=tuple(dict.fromkeys(victims)),
+            )
         last = record.last_operation
-        if last is None or (last.kind, last.reason) != ("wait", action.reason):
-            await self._write(record, action)
+        if changes or last is None or (last.kind, last.reason) != ("wait", action.reason):
+            await self._write(record, action, **changes)
 
     async def _settle(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
-        if record.inflight is not None:
-            await DeploymentStore(self.client).put(record.model_copy(update={"inflight": None}))
+        """Clear a finished effect; a park or stop that took an engine out is counted, once,
+        as an eviction with its cause (in the same write)."""
+        if record.inflight is None:
+            return
+        settled = record.model_copy(update={"inflight": None})
+        if action.cause is None:
+            await DeploymentStore(self.client).put(settled)
+            return
+        effect = record.inflight
+        evicted = Decision(
+            kind="evicted",
+            deployment=record.name,
+            reason=f"{effect.kind}: {effect.reason}",
+            host=effect.host,
+            generation=effect.generation,
+            at=time.time(),
+            cause=action.cause,
+        )
+        await DeploymentStore(self.client).put(settled, evicted.model_dump_json(exclude_none=True))
+
+    async def _switched(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
+        """A switch ended with its deployment ready: its duration, from the decision to
+        release its first victim to the ready transition, and the engines' part of it, as a
+        decision; the record's switch is cleared in the same write, so it counts once."""
+        switch, instance = record.switch, snapshot.instances.get(record.name)
+        if switch is None or instance is None:
+            return
+        took = max(0.0, instance.since - switch.started_at)
+        hosts = {switch.host, instance.host}
+        events = [e for host in sorted(hosts) for e in await self._events(host, switch.started_at)]
+        engine = min(took, switch_engine_s(switch, instance.generation, record.name, events))
+        ended = Decision(
+            kind="switched",
+            deployment=record.name,
+            reason=action.reason,
+            host=instance.host,
+            generation=instance.generation,
+            at=time.time(),
+            duration_s=round(took, 3),
+            engine_s=round(engine, 3),
+        )
+        cleared = record.model_copy(update={"switch": None})
+        await DeploymentStore(self.client).put(cleared, ended.model_dump_json(exclude_none=True))
+
+    async def _drop_switch(
+        self, snapshot: Snapshot, record: DeploymentRecord, action: Action
+    ) -> None:
+        if record.switch is not None:
+            await self._write(record.model_copy(update={"switch": None}), action)
+
+    async def _events(self, host: str, since: float) -> list[Event]:
+        """A host's events from `since` (Unix seconds) on."""
+        cursor, found = f"{int(since * 1000)}-0", []
+        while True:
+            read = await read_host_events(self.client, {host: cursor}, count=1000)
+            found += [event for _, _, event in read if event is not None]
+            if len(read) < 1000:
+                return found
+            cursor = read[-1][1]
 
     async def _forget(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         await self._event(action)
@@ -304,6 +378,7 @@ class Actuator:
                 "from_state": from_state,
                 "from_generation": action.generation,
                 "reason": action.reason,
+                "cause": action.cause,
             }
         )
 
@@ -347,6 +422,8 @@ HANDLERS: Mapping[Kind, Handler] = {
     "settle": Actuator._settle,
     "forget": Actuator._forget,
     "refuse": Actuator._refuse,
+    "switched": Actuator._switched,
+    "drop_switch": Actuator._drop_switch,
 }
 
 
@@ -382,7 +459,27 @@ def _event_json(action: Action) -> str:
         host=action.host or None,
         generation=action.generation or None,
         at=time.time(),
+        cause=action.cause,
     ).model_dump_json(exclude_none=True)
+
+
+def switch_engine_s(switch: Switch, generation: int, name: str, events: list[Event]) -> float:
+    """The engines' own part of a switch, from the hosts' events since it began: each
+    victim's sleep call (its park) and its stop (from stopping to stopped: the engine's exit),
+    and the deployment's load or wake calls (its transition to ready)."""
+    victims = {(v.deployment, v.generation) for v in switch.victims}
+    engine = target = 0.0
+    for event in events:
+        if event.kind != "transition" or event.at < switch.started_at:
+            continue
+        of = (event.deployment, event.generation)
+        if of in victims and event.to_state == "parked":
+            engine += event.engine_s or 0.0
+        elif of in victims and (event.from_state, event.to_state) == ("stopping", "stopped"):
+            engine += event.duration_s or 0.0
+        elif of == (name, generation) and (event.from_state, event.to_state) in READIED:
+            target = event.engine_s or 0.0
+    return engine + target
 
 
 def _fraction(budget: int, total: int) -> float:

@@ -3,21 +3,25 @@
 An instance is charged by its state (`PHASES`), a launch or wake not yet taken up as if it
 had been, and an engine nobody can size as its whole GPU, so the ledger is rebuilt from the
 instance records on every plan and a restarted scheduler charges exactly what runs.
+`gpu_memory` sums it per GPU and phase, for the router's metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
+from capycommon.state.gpumemory import ChargePhase, GpuCharges, GpuMemory
 from capycommon.state.instances import InstanceRecord, InstanceState
-from capyctl_scheduler.ledger import Footprint, Ledger, Phase
+from capyctl_scheduler.ledger import SYSTEM, Footprint, Ledger
 from capyctl_scheduler.snapshot import HostView, Snapshot
 
 S = InstanceState
+Charged = Literal["starting", "ready", "parked", "waking"]
 
 # The charge of an instance by its state; a state the scheduler cannot be sure of keeps the
 # larger charge until hostd proves otherwise.
-PHASES: Mapping[InstanceState, Phase] = {
+PHASES: Mapping[InstanceState, Charged] = {
     S.STARTING: "starting",
     S.READY: "ready",
     S.DRAINING: "ready",
@@ -37,29 +41,67 @@ def footprint_of(snapshot: Snapshot, name: str, host: str, gpu: str) -> Footprin
 def charges(snapshot: Snapshot, host: str) -> dict[str, Mapping[str, int]]:
     """Who is charged what on a host: every instance by its state, every launch or wake not
     yet taken up as if it were, and an engine nobody can size as its whole GPU."""
+    return {owner: charge for owner, (_, charge) in phased(snapshot, host).items()}
+
+
+def phased(snapshot: Snapshot, host: str) -> dict[str, tuple[ChargePhase, Mapping[str, int]]]:
+    """`charges`, each with the phase it is charged as (`cache`: a stopped instance's kept
+    LMCache server; `orphan`: an engine no deployment owns)."""
     view = snapshot.hosts[host]
-    found: dict[str, Mapping[str, int]] = {}
+    found: dict[str, tuple[ChargePhase, Mapping[str, int]]] = {}
     for name, instance in snapshot.on_host.get(host, {}).items():
         if instance.state == S.STOPPED and instance.cache is not None:
-            found[name] = cache_charge(view, instance)
+            found[name] = ("cache", cache_charge(view, instance))
         if instance.state not in PHASES:
             continue
-        found[name] = _charge(snapshot, view, name, instance, PHASES[instance.state])
+        phase = PHASES[instance.state]
+        found[name] = (phase, _charge(snapshot, view, name, instance, phase))
     for name, record in snapshot.deployments.items():
         effect = record.inflight
         if effect is None or effect.host != host or effect.kind not in ("launch", "wake"):
             continue
-        phase: Phase = "starting" if effect.kind == "launch" else "waking"
+        phase = "starting" if effect.kind == "launch" else "waking"
         footprint = footprint_of(snapshot, name, host, effect.gpu)
-        found[name] = footprint.charge(phase) if footprint else _whole(view, effect.gpu)
+        found[name] = (phase, footprint.charge(phase) if footprint else _whole(view, effect.gpu))
     for orphan in snapshot.orphans:
         if orphan.host != host:
             continue
         if orphan.state not in PHASES and orphan.cache is not None:
-            found[f"orphan:{orphan.member}"] = cache_charge(view, orphan)
+            found[f"orphan:{orphan.member}"] = ("cache", cache_charge(view, orphan))
         else:
-            found[f"orphan:{orphan.member}"] = _whole(view, view.gpu_of(orphan.gpu_uuid))
+            whole = _whole(view, view.gpu_of(orphan.gpu_uuid))
+            found[f"orphan:{orphan.member}"] = ("orphan", whole)
     return found
+
+
+def gpu_memory(snapshot: Snapshot) -> GpuMemory:
+    """What the ledger charges on each GPU of each observed host, by phase, beside the GPU's
+    capacity, limits and what admission may still take (a unified host's one pool is its
+    GPU `unified`; host RAM is left out)."""
+    gpus = []
+    for host, view in sorted(snapshot.hosts.items()):
+        found = phased(snapshot, host)
+        for domain in sorted(view.domains.values(), key=lambda d: d.name):
+            if domain.name == SYSTEM:
+                continue
+            charged: dict[ChargePhase, int] = {}
+            for phase, charge in found.values():
+                if domain.name in charge:
+                    charged[phase] = charged.get(phase, 0) + charge[domain.name]
+            ceiling = min(domain.managed_limit, domain.capacity - domain.free_reserve)
+            gpus.append(
+                GpuCharges(
+                    host=host,
+                    gpu=domain.name,
+                    capacity=domain.capacity,
+                    managed_limit=domain.managed_limit,
+                    reserve=domain.free_reserve,
+                    parked_limit=domain.parked_limit,
+                    free=max(0, ceiling - sum(charged.values())),
+                    charged=charged,
+                )
+            )
+    return GpuMemory(gpus=tuple(gpus))
 
 
 def cache_charge(view: HostView, instance: InstanceRecord) -> Mapping[str, int]:
@@ -82,7 +124,7 @@ def charged(snapshot: Snapshot, host: str) -> Ledger:
 
 
 def _charge(
-    snapshot: Snapshot, view: HostView, name: str, instance: InstanceRecord, phase: Phase
+    snapshot: Snapshot, view: HostView, name: str, instance: InstanceRecord, phase: Charged
 ) -> Mapping[str, int]:
     gpu = view.gpu_of(instance.gpu_uuid)
     footprint = footprint_of(snapshot, name, view.name, gpu) if gpu else None

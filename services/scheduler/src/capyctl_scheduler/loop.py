@@ -23,12 +23,13 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
 
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
-from capycommon.state import notify
+from capycommon.state import gpumemory, notify
 from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, demand_group
 from capycommon.state.store import read_host_events
 from capycommon.state.streams import Group
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.changes import Changes
+from capyctl_scheduler.charges import gpu_memory
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Snapshot
@@ -153,6 +154,8 @@ class Scheduler:
     last: Snapshot | None = None
     # When the last plan may next change by the clock alone; None while anything is under way.
     quiet_until: float | None = None
+    # The summary of the GPUs' charges last written for the router's metrics.
+    gpu_memory: gpumemory.GpuMemory | None = None
     # The notifications heard, for the status page's live updates.
     changes: Changes = field(default_factory=Changes)
 
@@ -178,6 +181,10 @@ class Scheduler:
         actions = plan(snapshot)
         await self.actuator.apply(snapshot, actions)
         self.last = snapshot
+        summary = gpu_memory(snapshot)
+        if summary != self.gpu_memory:  # written when it changed, and once at start
+            await gpumemory.publish(self.client, summary)
+            self.gpu_memory = summary
         if self.demands.open or self.observer.describing:
             self.quiet_until = None  # a malformed demand to drop, a host to ask again
         else:
@@ -208,6 +215,7 @@ class Scheduler:
                 await wait_any(self.wake, stop, timeout=self.pause(time.time()))
                 self.wake.clear()
         finally:
+            self.changes.close()
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener

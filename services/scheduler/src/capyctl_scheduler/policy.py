@@ -14,7 +14,7 @@ from functools import cache
 from typing import Literal
 
 from capycommon.errors import DeviceUnobserved, HostDrained, HostUnreachable, InsufficientResources
-from capycommon.state.desired import DeploymentRecord
+from capycommon.state.desired import DeploymentRecord, EvictionCause
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.units import format_duration
 from capyctl_scheduler.actions import (
@@ -32,7 +32,7 @@ from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.placement import headroom
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
 from capyctl_scheduler.usage import busy, next_idle_step
-from capyctl_scheduler.victims import bound_parked, switch
+from capyctl_scheduler.victims import bound_parked, switch, switch_end
 
 S = InstanceState
 
@@ -42,17 +42,24 @@ HOST_CHECK_S = 2.0
 
 
 def plan(snapshot: Snapshot) -> list[Action]:
-    """What to do now, in order: settle finished effects, then each deployment (the oldest
-    demand first), then the bound on the parked set."""
+    """What to do now, in order: settle finished effects, end the switches whose deployment
+    is ready (or no longer wanted), then each deployment (the oldest demand first), then the
+    bound on the parked set."""
     actions: list[Action] = []
     records = dict(snapshot.deployments)
     for name, record in snapshot.deployments.items():
-        outcome = _inflight(snapshot, record) if record.inflight is not None else "pending"
+        effect = record.inflight
+        outcome = _inflight(snapshot, record) if effect is not None else "pending"
         if outcome != "pending":
-            assert record.inflight is not None
-            actions.append(Action("settle", name, f"{record.inflight.kind} {outcome}"))
+            assert effect is not None
+            # A park or stop that took an engine out is done: one eviction, with its cause.
+            evicted = outcome == "done" and effect.kind in ("park", "stop")
+            cause = effect.cause if evicted else None
+            actions.append(Action("settle", name, f"{effect.kind} {outcome}", cause=cause))
             records[name] = record.model_copy(update={"inflight": None})
     snapshot = replace(snapshot, deployments=records)
+    for record in snapshot.deployments.values():
+        actions += switch_end(snapshot, record)
     actions += _host_marks(snapshot)
     ledgers = {host: charged(snapshot, host) for host in snapshot.hosts}
     for orphan in snapshot.orphans:
@@ -173,14 +180,14 @@ def _deployment(  # noqa: PLR0911 (a decision table: one return per case)
 
     if record.deleting:
         if instance is not None and live:
-            return [] if state == S.STOPPING else [stop(instance, "deleted")]
+            return [] if state == S.STOPPING else [stop(instance, "deleted", cause="operator")]
         return [Action("forget", name, "deleted: no engine left")]
     if record.inflight is not None:
         return _while_in_flight(snapshot, record, instance)
     if record.stopped:
         actions = [Action("drop_demand", name, "deployment_stopped")] if demanded else []
         if instance is not None and live and state != S.STOPPING:
-            actions.append(stop(instance, "operator stop"))
+            actions.append(stop(instance, "operator stop", cause="operator"))
         elif instance is not None and keeps_cache(instance):
             actions.append(release(instance, "operator stop"))
         return actions
@@ -256,15 +263,16 @@ def _steady(  # noqa: PLR0911 (a decision table: one return per case)
     live = state in LIVE_STATES
     if state == S.DRAINING:
         assert instance is not None  # a drain whose record was lost: finish it
-        return _drain_step(snapshot, record, instance, "park", "drain")
+        return _drain_step(snapshot, record, instance, "park", "drain", None)
     if instance is not None and live and instance.generation == record.stop_requested:
-        return [] if state == S.STOPPING else [stop(instance, "host drained")]
+        return [] if state == S.STOPPING else [stop(instance, "host drained", cause="drain")]
     if (
         instance is not None
         and state == S.READY
         and snapshot.restarts.get(name) == (instance.generation)
     ):
-        return [stop(instance, "cancelled requests hold every place: restarting it")]
+        why = "cancelled requests hold every place: restarting it"
+        return [stop(instance, why, cause="restart")]
     if (
         instance is not None
         and instance.revision < record.revision
@@ -273,8 +281,8 @@ def _steady(  # noqa: PLR0911 (a decision table: one return per case)
     ):
         why = f"revision {record.revision} replaces revision {instance.revision}"
         if state == S.PARKED:
-            return [stop(instance, why)]
-        return [drain(snapshot, record, instance, why, then="stop")]
+            return [stop(instance, why, cause="revision")]
+        return [drain(snapshot, record, instance, why, then="stop", cause="revision")]
     if instance is not None and keeps_cache(instance) and instance.revision < record.revision:
         why = f"revision {record.revision} replaces revision {instance.revision}"
         return [release(instance, why)]
@@ -282,7 +290,7 @@ def _steady(  # noqa: PLR0911 (a decision table: one return per case)
     if want == "ready":
         return _make_ready(snapshot, record, instance, ledgers)
     if want == "parked" and instance is not None and state == S.READY:
-        return [drain(snapshot, record, instance, "operator park")]
+        return [drain(snapshot, record, instance, "operator park", cause="operator")]
     if instance is not None and (want is None or keeps_cache(instance)):
         return _idle(snapshot, record, instance)  # a kept LMCache server ends as a park does
     return []
@@ -317,7 +325,8 @@ def _while_in_flight(
                 generation=instance.generation,
             )
         ]
-    return _drain_step(snapshot, record, instance, effect.then or "park", effect.reason)
+    then = effect.then or "park"
+    return _drain_step(snapshot, record, instance, then, effect.reason, effect.cause)
 
 
 def _drain_step(
@@ -326,9 +335,10 @@ def _drain_step(
     instance: InstanceRecord,
     then: Literal["park", "stop"],
     why: str,
+    cause: EvictionCause | None,
 ) -> list[Action]:
-    """A draining instance parks or stops once nothing runs on it, or serves again when the
-    drain outlasts its timeout.
+    """A draining instance parks or stops once nothing runs on it (with the drain's `cause`),
+    or serves again when the drain outlasts its timeout.
 
     Nothing runs on it when the routers hold no place of its generation and its engine's
     last reading was idle: no place can be taken once it drains (the take checks the
@@ -349,10 +359,11 @@ def _drain_step(
         idle = False  # a router still has requests on it
     if idle:
         if then == "park" and can_park(snapshot, instance):
-            return [park(snapshot, instance, why)]
+            return [park(snapshot, instance, why, cause)]
         if then == "park" and parks_by_stopping(instance):
-            return [stop(instance, f"{why}; a restart_only park", keep_cache=True)]
-        return [stop(instance, why if then == "stop" else f"{why}; it cannot park")]
+            return [stop(instance, f"{why}; a restart_only park", keep_cache=True, cause=cause)]
+        why = why if then == "stop" else f"{why}; it cannot park"
+        return [stop(instance, why, cause=cause)]
     if waited > snapshot.tunables.drain_timeout_s:
         running = load.running + load.waiting if load is not None else 0
         return [
@@ -377,10 +388,11 @@ def _idle(snapshot: Snapshot, record: DeploymentRecord, instance: InstanceRecord
     if step.kind == "park":
         if busy(snapshot, record.name, instance):
             return []
-        return [drain(snapshot, record, instance, f"idle for {format_duration(step.timeout)}")]
+        why = f"idle for {format_duration(step.timeout)}"
+        return [drain(snapshot, record, instance, why, cause="idle")]
     if step.kind == "release":
         return [release(instance, f"parked idle for {format_duration(step.timeout)}")]
-    return [stop(instance, f"parked idle for {format_duration(step.timeout)}")]
+    return [stop(instance, f"parked idle for {format_duration(step.timeout)}", cause="idle")]
 
 
 # Making a deployment ready: wake, start, or switch ---------------------------------------

@@ -1,5 +1,6 @@
 """Whom to evict, read from a snapshot: making room for a start or a wake on one GPU
-(`switch`), and keeping each host's parked set within its bound (`bound_parked`).
+(`switch`), ending a switch once its deployment is ready (`switch_end`), and keeping each
+host's parked set within its bound (`bound_parked`).
 
 The choice among candidates is `switching.choose_victims`, over the ledger; this module
 finds the candidates (never busy, warm or explicit) and turns the releases into actions.
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from capycommon.errors import InsufficientResources
-from capycommon.state.desired import DeploymentRecord
+from capycommon.state.desired import DeploymentRecord, Victim
 from capycommon.state.instances import InstanceState
 from capycommon.units import format_size
 from capyctl_scheduler import actions as act
@@ -34,7 +35,9 @@ def switch(
     verb: str,
 ) -> list[Action]:
     """Make room for `record` on `gpu`: wait for releases already under way, else choose
-    victims (least recently used, never busy, warm or explicit) and drain them."""
+    victims (least recently used, never busy, warm or explicit) and drain them. The wait that
+    names the victims also carries them: the actuator records the switch on the deployment's
+    record (when it began, its victims) before it releases any of them."""
     name = record.name
     projected = after_releases(snapshot, view, ledger)
     if not projected.refusals(name, charge):
@@ -54,14 +57,43 @@ def switch(
         victim = snapshot.deployments[release.owner]
         why = f"switch to {name}: {release.reason.removeprefix('switch: ')}"
         if instance.state == S.PARKED:
-            actions.append(stop(instance, why))
+            actions.append(stop(instance, why, cause="switch"))
         elif keeps_cache(instance):
             actions.append(act.release(instance, why))
         else:
-            actions.append(drain(snapshot, victim, instance, why, then=release.action))
+            actions.append(
+                drain(snapshot, victim, instance, why, then=release.action, cause="switch")
+            )
+    released = tuple(
+        Victim(deployment=r.owner, generation=snapshot.instances[r.owner].generation)
+        for r in releases
+    )
     victims = ", ".join(release.owner for release in releases)
-    actions.append(Action("wait", name, f"switch: releasing {victims} to {verb} {name} on {gpu}"))
+    why = f"switch: releasing {victims} to {verb} {name} on {gpu}"
+    actions.append(Action("wait", name, why, host=view.name, gpu=gpu, victims=released))
     return actions
+
+
+def switch_end(snapshot: Snapshot, record: DeploymentRecord) -> list[Action]:
+    """The end of a switch to `record`: counted once its deployment is ready, dropped once it
+    is no longer wanted (its demand expired or was refused, an operator stopped or deleted
+    it) and none of its start or wake is under way."""
+    if record.switch is None:
+        return []
+    name = record.name
+    instance = snapshot.instances.get(name)
+    if instance is not None and instance.state == S.READY:
+        why = "ready: the switch to it ended"
+        host, generation = instance.host, instance.generation
+        return [Action("switched", name, why, host=host, generation=generation)]
+    moving = record.inflight is not None or (
+        instance is not None and instance.state in (S.STARTING, S.WAKING, S.RECONCILING)
+    )
+    explicit = record.activation == "explicit" and record.wanted == "ready"
+    wanted = (name in snapshot.demands or explicit) and not (record.stopped or record.deleting)
+    if moving or wanted:
+        return []
+    return [Action("drop_switch", name, "the switch to it ended: it is no longer wanted")]
 
 
 def _beyond_reach(
@@ -147,7 +179,8 @@ def _parked_full(snapshot: Snapshot, view: HostView) -> bool:
 
 def bound_parked(snapshot: Snapshot, planned: list[Action]) -> list[Action]:
     """Beyond max_parked on a host, the least recently parked stop (never warm or explicit)."""
-    touched = {action.deployment for action in planned if action.kind not in ("wait", "settle")}
+    bookkeeping = ("wait", "settle", "switched", "drop_switch")
+    touched = {action.deployment for action in planned if action.kind not in bookkeeping}
     actions = []
     for host in snapshot.hosts:
         parked = sorted(
@@ -170,6 +203,7 @@ def bound_parked(snapshot: Snapshot, planned: list[Action]) -> list[Action]:
                     instance,
                     f"bounded parked set: at most {snapshot.tunables.max_parked} "
                     f"parked on {host}; least recently used",
+                    cause="max_parked",
                 )
             )
             excess -= 1

@@ -12,7 +12,7 @@ from typing import Literal, cast
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from capycommon.deployments import Deployment
 from capycommon.state import hostcommands, keys
@@ -28,6 +28,14 @@ RETRY_COOLDOWNS_S = (0.0, 30.0, 60.0, 120.0)
 DEMAND_FIELD = "demand"
 # The decision stream keeps about this many of the scheduler's last decisions.
 EVENTS_MAXLEN = 10_000
+DECISION_FIELD = "event"
+_Read = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+
+# Why the scheduler takes a serving or parked engine out (parks or stops it), one word each:
+# a switch made room for another model; an idle timeout; an operator's park, stop or delete;
+# an operator's drain of its host; a new revision replaces it; cut requests hold every place
+# (a restart); the host's bound on parked models.
+EvictionCause = Literal["switch", "idle", "operator", "drain", "revision", "restart", "max_parked"]
 
 
 class _Frozen(BaseModel):
@@ -50,6 +58,9 @@ class Inflight(_Frozen):
     # For a drain: what follows it once the engine reads idle.
     then: Literal["park", "stop"] | None = None
     reason: str = ""
+    # For a drain, park or stop that takes a serving or parked engine out: why (counted
+    # once, as an eviction, when the park or stop is done).
+    cause: EvictionCause | None = None
 
 
 class Attempts(_Frozen):
@@ -82,8 +93,31 @@ class Refusal(_Frozen):
     at: float
 
 
+class Victim(_Frozen):
+    """An instance a switch released, by its deployment and generation."""
+
+    deployment: str
+    generation: int
+
+
+class Switch(_Frozen):
+    """A switch under way to this deployment: when the scheduler decided to release the first
+    of its victims (to start or wake it on `gpu` of `host`), and every victim released for it
+    since. It ends when the deployment is ready."""
+
+    host: str
+    gpu: str
+    started_at: float
+    victims: tuple[Victim, ...] = ()
+
+
 class Decision(_Frozen):
-    """One decision of the scheduler, in the control plane's events stream."""
+    """One decision of the scheduler, in the control plane's events stream.
+
+    `evicted`: a park or stop that took a serving or parked engine out is done, with its
+    `cause`. `switched`: a switch ended with its deployment ready, `duration_s` after the
+    scheduler decided to release its first victim, `engine_s` of it the engines' own part
+    (the victims' sleep calls and stops, the deployment's load or wake calls)."""
 
     kind: str
     deployment: str
@@ -91,6 +125,9 @@ class Decision(_Frozen):
     host: str | None = None
     generation: int | None = None
     at: float
+    cause: EvictionCause | None = None
+    duration_s: float | None = None
+    engine_s: float | None = None
 
 
 class DeploymentRecord(_Frozen):
@@ -119,6 +156,8 @@ class DeploymentRecord(_Frozen):
     attempts: Attempts = Attempts()
     last_operation: Operation | None = None
     refusal: Refusal | None = None
+    # A switch under way to this deployment, until it is ready.
+    switch: Switch | None = None
     version: int = 0
 
     @property
@@ -161,7 +200,7 @@ class DeploymentStore:
 
     async def decided(self, decision: str) -> None:
         """Append a decision that changed no record to the decision stream."""
-        await self.client.xadd(keys.events(), {"event": decision}, maxlen=EVENTS_MAXLEN)
+        await self.client.xadd(keys.events(), {DECISION_FIELD: decision}, maxlen=EVENTS_MAXLEN)
 
     async def _write(
         self,
@@ -178,7 +217,7 @@ class DeploymentStore:
                 host, sent = command
                 pipe.xadd(keys.host_commands(host), {hostcommands.FIELD: sent.model_dump_json()})
             if decision is not None:
-                pipe.xadd(keys.events(), {"event": decision}, maxlen=EVENTS_MAXLEN)
+                pipe.xadd(keys.events(), {DECISION_FIELD: decision}, maxlen=EVENTS_MAXLEN)
             pipe.publish(keys.notifications(), note.model_dump_json())
             await pipe.execute()
         return written
@@ -203,6 +242,39 @@ def read_all(client: redis.Redis) -> dict[str, DeploymentRecord]:
         for name, raw in zip(names, raws, strict=True)
         if raw is not None
     }
+
+
+async def read_decisions(
+    client: aioredis.Redis, cursor: str, count: int, block_ms: int | None = None
+) -> list[tuple[str, Decision | None]]:
+    """The decisions after `cursor` (a stream id), as (entry id, decision); the decision is
+    None where the entry is malformed."""
+    streams = {keys.events(): cursor}
+    read = cast(_Read, await client.xread(streams, count=count, block=block_ms))  # type: ignore[arg-type]
+    found: list[tuple[str, Decision | None]] = []
+    for _, entries in read or []:
+        for entry_id, fields in entries:
+            try:
+                decision = Decision.model_validate_json(fields[DECISION_FIELD.encode()])
+            except (KeyError, ValidationError):
+                decision = None
+            found.append((_text(entry_id), decision))
+    return found
+
+
+async def recent_decisions(client: aioredis.Redis, count: int) -> list[Decision]:
+    """The scheduler's last `count` decisions, newest first (malformed entries left out)."""
+    entries = cast(
+        list[tuple[bytes, dict[bytes, bytes]]],
+        await client.xrevrange(keys.events(), count=count),
+    )
+    found = []
+    for _, fields in entries:
+        try:
+            found.append(Decision.model_validate_json(fields[DECISION_FIELD.encode()]))
+        except (KeyError, ValidationError):
+            continue
+    return found
 
 
 class Demand(_Frozen):

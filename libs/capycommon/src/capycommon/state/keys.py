@@ -160,6 +160,12 @@ def notifications() -> str:
     return f"{PREFIX}:notify"
 
 
+def gpu_memory() -> str:
+    """What the scheduler's ledger charges on each GPU, by phase, with the GPU's limits
+    (`capycommon.state.gpumemory.GpuMemory`), for the router's metrics."""
+    return f"{PREFIX}:gpu-memory"
+
+
 def idempotency(key: str) -> str:
     """The recorded answer to a management mutation, by its Idempotency-Key."""
     return f"{PREFIX}:idempotency:{key}"

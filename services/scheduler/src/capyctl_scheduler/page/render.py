@@ -214,14 +214,15 @@ def _timeline(view: PageView) -> str:
 
 
 def _moment(moment: Moment) -> str:
-    took = f" in {format_duration(moment.duration_s)}" if moment.duration_s else ""
+    took = f" in {_took(moment.duration_s)}" if moment.duration_s else ""
     kind = "failed" if moment.failed else moment.what
+    where = f"on {escape(moment.host)}: " if moment.host else ""
     return (
         f'<li class="{escape(kind)}" data-what="{escape(moment.what)}" '
         f'data-deployment="{escape(moment.deployment)}">'
         f"{_time(moment.at)} <b>{escape(moment.deployment)}</b> "
         f'<span class="what">{escape(moment.what)}</span>{took} '
-        f'<span class="quiet">on {escape(moment.host)}: {escape(moment.reason)}</span></li>'
+        f'<span class="quiet">{where}{escape(moment.reason)}</span></li>'
     )
 
 
@@ -243,6 +244,12 @@ def _engines(view: PageView) -> str:
         "<th>Host</th><th>Name</th><th>Family</th><th>Version</th><th>Verified</th>"
         f"</tr></thead><tbody>{rows}</tbody></table></div></section>"
     )
+
+
+def _took(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.1f} s" if seconds < 60 else format_duration(seconds)
 
 
 def _button(target: str, name: str, action: str) -> str:

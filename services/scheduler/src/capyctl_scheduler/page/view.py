@@ -9,11 +9,13 @@ event streams, and the routers' waiting requests; the page's HTML is rendered fr
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from capycommon.management import Charge, EngineRow, HostRow
-from capycommon.state import places
+from capycommon.state import desired, places
+from capycommon.state.desired import Decision
 from capycommon.state.instances import LIVE_STATES, InstanceState
 from capycommon.state.memory import MemoryReading, aread_reading
 from capycommon.state.store import Event, recent_events
@@ -136,9 +138,10 @@ async def gather(manager: Manager) -> PageView:
     snap = await manager.snapshot()
     client = manager.scheduler.client
     hosts = sorted(snap.hosts)
-    readings, events, waiting, engines = await asyncio.gather(
+    readings, events, decisions, waiting, engines = await asyncio.gather(
         asyncio.gather(*(aread_reading(client, h) for h in hosts)),
         asyncio.gather(*(recent_events(client, h, TIMELINE * 4) for h in hosts)),
+        desired.recent_decisions(client, TIMELINE * 4),
         places.awaiting(client),
         manager.engines(),
     )
@@ -153,7 +156,7 @@ async def gather(manager: Manager) -> PageView:
         taken_at=snap.now,
         hosts=tuple(_host(snap, row, by_host[row.name], charges, engines) for row in rows),
         deployments=tuple(_deployment(snap, name, waiting) for name in sorted(snap.deployments)),
-        timeline=timeline([e for found in events for e in found]),
+        timeline=timeline([e for found in events for e in found], decisions),
     )
 
 
@@ -251,27 +254,49 @@ def _deployment(snap: Snapshot, name: str, waiting: dict[str, int]) -> Deploymen
     )
 
 
-def timeline(events: list[Event]) -> tuple[Moment, ...]:
-    """The last lifecycle events of every host, newest first."""
-    moments = []
-    for event in events:
-        if event.kind == "refused":
-            what, failed = "refused", True
-        elif event.kind == "transition" and event.to_state in MOMENTS:
-            what, failed = MOMENTS[event.to_state], event.to_state == "failed"
-        else:
-            continue
-        timed = event.to_state in ("ready", "parked", "stopped")
-        moments.append(
-            Moment(
-                at=event.at,
-                host=event.host,
-                deployment=event.deployment,
-                what=what,
-                reason=event.reason,
-                duration_s=event.duration_s if timed else None,
-                failed=failed,
-            )
-        )
-    moments.sort(key=lambda m: m.at, reverse=True)
-    return tuple(moments[:TIMELINE])
+def timeline(events: Sequence[Event], decisions: Sequence[Decision] = ()) -> tuple[Moment, ...]:
+    """The last lifecycle events of every host, and the scheduler's switches and refusals,
+    newest first."""
+    moments = [_moment(event) for event in events]
+    moments += [_decided(decision) for decision in decisions]
+    found = [m for m in moments if m is not None]
+    found.sort(key=lambda m: m.at, reverse=True)
+    return tuple(found[:TIMELINE])
+
+
+def _moment(event: Event) -> Moment | None:
+    if event.kind == "refused":
+        what, failed = "refused", True
+    elif event.kind == "transition" and event.to_state in MOMENTS:
+        what, failed = MOMENTS[event.to_state], event.to_state == "failed"
+    else:
+        return None
+    timed = event.to_state in ("ready", "parked", "stopped")
+    return Moment(
+        at=event.at,
+        host=event.host,
+        deployment=event.deployment,
+        what=what,
+        reason=event.reason,
+        duration_s=event.duration_s if timed else None,
+        failed=failed,
+    )
+
+
+def _decided(decision: Decision) -> Moment | None:
+    """A switch that ended (with how long it took), or a demand refused (a failure)."""
+    if decision.kind == "switched":
+        what, failed = "switch", False
+    elif decision.kind == "refuse":
+        what, failed = "refused", True
+    else:
+        return None
+    return Moment(
+        at=decision.at,
+        host=decision.host or "",
+        deployment=decision.deployment,
+        what=what,
+        reason=decision.reason,
+        duration_s=decision.duration_s,
+        failed=failed,
+    )
