@@ -22,3 +22,10 @@ def redis_socket() -> Iterator[Path]:
         proc.terminate()
         proc.wait(timeout=10)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Every async test runs on asyncio, the services' loop (trio, which selenium brings
+    into the environment, would otherwise be tried too)."""
+    return "asyncio"
