@@ -24,11 +24,12 @@ RUN groupadd --gid 1000 capyctl \
     && useradd --uid 1000 --gid capyctl --create-home --shell /usr/sbin/nologin capyctl \
     && install -d -o capyctl -g capyctl -m 0700 /var/lib/capyctl
 
-# The seven packages of the monorepo, installed (not editable) from a copy of the repository;
-# pip finds `capycommon` and `enginesim` (the engine simulator `capyctl demo` runs), which the
-# others require, among the folders it is given.
+# Every dependency pinned by requirements.lock, each file checked against its hash, then the
+# seven packages of the monorepo (not editable) from a copy of the repository, with no
+# dependency of their own beyond the lock's.
 COPY . /tmp/capyctl-src
-RUN pip install \
+RUN pip install --require-hashes -r /tmp/capyctl-src/requirements.lock \
+    && pip install --no-deps \
         /tmp/capyctl-src/libs/capycommon \
         /tmp/capyctl-src/libs/enginesim \
         /tmp/capyctl-src/services/router \

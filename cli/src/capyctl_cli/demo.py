@@ -53,8 +53,11 @@ def default_state_dir() -> Path:
 
 
 def examples_dir() -> Path:
-    """The example deployments: the repository's `examples/deployments`."""
+    """The example deployments: the installed package's copy, else the repository's
+    `examples/deployments`."""
     here = Path(str(resources.files("capyctl_cli"))).resolve()
+    if (here / "examples" / "deployments").is_dir():
+        return here / "examples" / "deployments"
     for parent in here.parents:
         found = parent / "examples" / "deployments"
         if found.is_dir():

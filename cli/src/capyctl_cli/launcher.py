@@ -40,7 +40,7 @@ from capycommon.settings import HostSettings, Role, ServerSettings, host_name, s
 from capycommon.state import persistence
 from capycommon.units import format_size
 from capycommon.version import __version__
-from capyctl_cli import record, redisconf, supervisor
+from capyctl_cli import record, redisconf, stateversion, supervisor
 from capyctl_cli.roles import Prepared, service_command
 
 log = logging.getLogger("capyctl.launcher")
@@ -554,9 +554,11 @@ def _drain(fd: int) -> None:
 def start(
     role: Role, prepare: Callable[[], Prepared], env: Mapping[str, str], paths: StatePaths
 ) -> int:
-    """Lock the state dir, then prepare it and run the role while holding the lock."""
+    """Lock the state dir, check which release started it last, then prepare it and run the
+    role while holding the lock."""
     lock_fd = acquire_lock(paths)
     try:
+        stateversion.admit(paths, __version__)
         return run(role, prepare(), lock_fd, env)
     finally:
         os.close(lock_fd)

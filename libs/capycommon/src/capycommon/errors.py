@@ -389,6 +389,13 @@ class HostVersionIncompatible(CapyError):
     code = "host_version_incompatible"
 
 
+class StateDirNewer(CapyError):
+    """A state dir written by a newer release line than this one: its data may be in a form
+    this release cannot read."""
+
+    code = "state_dir_newer"
+
+
 # Models from the Hugging Face Hub: resolving, downloading and storing them -------------
 
 
@@ -485,6 +492,7 @@ CODES: dict[str, tuple[int, int]] = {
     "host_backed_unavailable": (5, 400),
     "multi_gpu_unsupported": (5, 400),
     "host_version_incompatible": (5, 409),
+    "state_dir_newer": (5, 409),
     # This release downloads no models: the document must name a local folder instead.
     "model_source_pending": (5, 409),
     # 10: something did not happen in time.

@@ -38,6 +38,11 @@ class StatePaths:
     root: Path
 
     @property
+    def release(self) -> Path:
+        """The newest CapyCTL release that started a role on this state dir."""
+        return self.root / "release"
+
+    @property
     def config_dir(self) -> Path:
         return self.root / "config"
 

@@ -1,0 +1,161 @@
+#!/bin/sh
+# Install a CapyCTL release: curl -fsSL <releases>/latest/install.sh | sh
+#
+# It downloads the release's SHA256SUMS and the executable for this machine
+# (capyctl-<version>-linux-<arch>.pex), refuses any file whose SHA-256 differs from the one
+# SHA256SUMS lists, unpacks the executable into <prefix>/lib/capyctl/<version>/ (a virtual
+# environment on the system's Python 3.11+) and links <prefix>/bin/capyctl to it. The prefix
+# is /usr/local as root and ~/.local otherwise. Other versions stay installed beside it, so
+# `install.sh --version <previous>` rolls back; running it twice is harmless; it never reads
+# or writes a state dir. Debian's redis-server is installed where it is missing (as root;
+# otherwise the command is printed).
+#
+# Options (after `sh -s --` when piped):
+#   --version vX.Y.Z   install this release instead of the latest (from <releases>/vX.Y.Z/)
+#   --releases URL|DIR where releases are published: <releases>/latest/, <releases>/vX.Y.Z/
+#                      (default $CAPYCTL_RELEASES, else the address this script came with)
+#   --from URL|DIR     one release's folder itself, such as scripts/release's dist/
+#   --prefix DIR       install under DIR instead (DIR/bin/capyctl, DIR/lib/capyctl/)
+set -eu
+# What it installs is read by other users (a system unit's `capyctl` user), whatever the
+# caller's umask.
+umask 022
+
+# Where this release's releases are published; scripts/release writes it (CAPYCTL_RELEASE_URL).
+RELEASES_URL=""
+
+say() { printf 'install: %s\n' "$*"; }
+fail() {
+    printf 'install: %s\n' "$*" >&2
+    exit 1
+}
+
+releases=${CAPYCTL_RELEASES:-$RELEASES_URL}
+from=""
+version=""
+prefix=""
+while [ $# -gt 0 ]; do
+    case $1 in
+    --version) [ $# -ge 2 ] || fail "--version needs a value"; version=$2; shift 2 ;;
+    --releases) [ $# -ge 2 ] || fail "--releases needs a value"; releases=$2; shift 2 ;;
+    --from) [ $# -ge 2 ] || fail "--from needs a value"; from=$2; shift 2 ;;
+    --prefix) [ $# -ge 2 ] || fail "--prefix needs a value"; prefix=$2; shift 2 ;;
+    -h | --help) sed -n '2,22p' "$0" 2>/dev/null || true; exit 0 ;;
+    *) fail "unknown option $1 (see --help)" ;;
+    esac
+done
+version=${version#v}
+
+if [ -z "$from" ]; then
+    [ -n "$releases" ] || fail "no release source: pass --releases URL or --from DIR"
+    if [ -n "$version" ]; then from=${releases%/}/v$version; else from=${releases%/}/latest; fi
+fi
+from=${from%/}
+
+if [ -z "$prefix" ]; then
+    if [ "$(id -u)" = 0 ]; then prefix=/usr/local; else prefix=${HOME:?}/.local; fi
+fi
+
+case $(uname -s)-$(uname -m) in
+Linux-x86_64 | Linux-amd64) arch=x86_64 ;;
+Linux-aarch64 | Linux-arm64) arch=aarch64 ;;
+*) fail "no release for $(uname -s) on $(uname -m): CapyCTL runs on Linux, x86-64 or ARM64" ;;
+esac
+
+python=${PYTHON:-python3}
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    fail "CapyCTL needs Python 3.11 or newer as $python; on Debian: sudo apt-get install -y python3"
+fi
+
+# Fetch one file of the release into a local path: a URL with curl (or wget), a folder by copy.
+fetch() {
+    case $from in
+    http://* | https://*)
+        if command -v curl >/dev/null 2>&1; then
+            curl -fsSL --retry 3 -o "$2" "$from/$1" || fail "cannot download $from/$1"
+        else
+            wget -q -O "$2" "$from/$1" || fail "cannot download $from/$1"
+        fi
+        ;;
+    file://*) cp "${from#file://}/$1" "$2" 2>/dev/null || fail "no $1 in ${from#file://}" ;;
+    *) cp "$from/$1" "$2" 2>/dev/null || fail "no $1 in $from" ;;
+    esac
+}
+
+sha256() {
+    if command -v sha256sum >/dev/null 2>&1; then
+        sha256sum "$1" | cut -d' ' -f1
+    else
+        shasum -a 256 "$1" | cut -d' ' -f1
+    fi
+}
+
+# The file's hash as SHA256SUMS lists it, or nothing.
+listed() { awk -v name="$1" '$2 == name || $2 == "*" name { print $1; exit }' "$work/SHA256SUMS"; }
+
+# Refuse a file whose SHA-256 is not the one SHA256SUMS lists, naming it.
+verify() {
+    expected=$(listed "$1")
+    [ -n "$expected" ] || fail "$1 is not listed in $from/SHA256SUMS; refusing it"
+    actual=$(sha256 "$2")
+    [ "$actual" = "$expected" ] ||
+        fail "$1 does not match SHA256SUMS (listed $expected, downloaded $actual); refusing it"
+}
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/capyctl-install.XXXXXX")
+trap 'rm -rf "$work"' EXIT INT TERM
+
+fetch SHA256SUMS "$work/SHA256SUMS"
+file=$(awk -v arch="$arch" '$2 ~ ("^[*]?capyctl-.*-linux-" arch "[.]pex$") { sub(/^[*]/, "", $2); print $2; exit }' \
+    "$work/SHA256SUMS")
+[ -n "$file" ] || fail "the release at $from has no executable for linux-$arch"
+found=${file#capyctl-}
+found=${found%-linux-"$arch".pex}
+if [ -n "$version" ] && [ "$found" != "$version" ]; then
+    fail "the release at $from is $found, not $version"
+fi
+version=$found
+
+home=$prefix/lib/capyctl/$version
+if [ -f "$home/installed" ] && [ -f "$home/$file" ] && [ "$(sha256 "$home/$file")" = "$(listed "$file")" ]; then
+    say "capyctl $version is already installed in $home"
+else
+    fetch "$file" "$work/$file"
+    verify "$file" "$work/$file"
+    say "installing capyctl $version into $home"
+    rm -rf "$home"
+    mkdir -p "$home"
+    cp "$work/SHA256SUMS" "$work/$file" "$home/"
+    # The executable unpacked once into a virtual environment on the system's Python: the
+    # services start from it, and nothing is unpacked again at run time.
+    PEX_TOOLS=1 "$python" "$home/$file" venv --site-packages-copies --disable-cache --compile \
+        "$home/venv" >/dev/null || fail "cannot unpack $file with $python"
+    : >"$home/installed"
+fi
+
+mkdir -p "$prefix/bin"
+ln -sf "$home/venv/bin/capyctl" "$prefix/bin/.capyctl.$$"
+mv -f "$prefix/bin/.capyctl.$$" "$prefix/bin/capyctl"
+"$prefix/bin/capyctl" --version >/dev/null || fail "$prefix/bin/capyctl does not run"
+say "$prefix/bin/capyctl is capyctl $version"
+
+others=$(cd "$prefix/lib/capyctl" && for dir in *; do
+    [ "$dir" != "$version" ] && [ -f "$dir/installed" ] && printf ' %s' "$dir"
+done || true)
+[ -z "$others" ] || say "also installed:$others (install.sh --version <one> switches back)"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing redis-server from Debian"
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+    else
+        say "CapyCTL needs redis-server; install it with: sudo apt-get install -y redis-server"
+    fi
+fi
+
+case ":$PATH:" in
+*":$prefix/bin:"*) ;;
+*) say "$prefix/bin is not on your PATH; add it: export PATH=\"$prefix/bin:\$PATH\"" ;;
+esac
+say "done: run \`capyctl --version\`, then \`capyctl demo\`"

@@ -1,0 +1,303 @@
+"""A release as a user gets it: scripts/release builds two releases of the tree whose versions
+differ, a loopback HTTP server serves them, and install.sh installs them into a temporary
+prefix. The installed capyctl runs the demo; a corrupted file is refused by name; an upgrade
+and a rollback on one state dir keep the running engine (the same process serves)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import openai
+import pytest
+import redis
+
+from capycommon.state import keys
+from capycommon.state.instances import InstanceRecord
+from capycommon.version import __version__
+from enginerun import sparse_model
+from enginesim.behaviour import Behaviour
+from enginesim.install import install_python_engine
+from support import (
+    Role,
+    clean_env,
+    engine_ports,
+    free_port,
+    group_members,
+    processes_mentioning,
+    short_dir,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCH = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}[
+    platform.machine().lower()
+]
+MAJOR, MINOR, PATCH = (int(part) for part in __version__.split(".")[:3])
+OLD = f"{MAJOR}.{MINOR}.{PATCH}"
+NEW = f"{MAJOR}.{MINOR}.{PATCH + 1}"
+GiB = 1 << 30
+HELLO: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
+
+# Two release builds, then installs and roles: past the suite's default of 180 s a test.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+
+
+@dataclass(frozen=True)
+class Releases:
+    """Releases `v<OLD>/` and `v<NEW>/` (and `latest/`, the newer) in `folder`, served at
+    `url` on loopback."""
+
+    folder: Path
+    url: str
+
+
+class Quiet(http.server.SimpleHTTPRequestHandler):
+    """Serves a folder, logging nothing."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+def build(version: str, out: Path) -> None:
+    env = {
+        **os.environ,
+        "CAPYCTL_RELEASE_VERSION": version,
+        "CAPYCTL_RELEASE_PLATFORMS": ARCH,
+        "CAPYCTL_RELEASE_PYTHONS": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "release"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def releases() -> Iterator[Releases]:
+    folder = short_dir("capy-releases")
+    build(OLD, folder / f"v{OLD}")
+    build(NEW, folder / f"v{NEW}")
+    shutil.copytree(folder / f"v{NEW}", folder / "latest")
+    handler = functools.partial(Quiet, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Releases(folder, f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def install(*args: str, prefix: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sh", str(ROOT / "install.sh"), "--prefix", str(prefix), *args],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+        check=False,
+    )
+
+
+def run(prefix: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(
+        [str(prefix / "bin" / "capyctl"), *args],
+        capture_output=True,
+        text=True,
+        env=env if env is not None else clean_env(),
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_the_release_holds_the_wheels_an_executable_and_their_sums(releases: Releases) -> None:
+    folder = releases.folder / f"v{OLD}"
+    names = sorted(path.name for path in folder.iterdir())
+    assert f"capyctl-{OLD}-linux-{ARCH}.pex" in names
+    assert f"capycommon-{OLD}-py3-none-any.whl" in names
+    assert "install.sh" in names
+    assert len([name for name in names if name.endswith(".whl")]) == 7
+    listed = sorted(line.split()[1] for line in (folder / "SHA256SUMS").read_text().splitlines())
+    assert listed == [name for name in names if name != "SHA256SUMS"]
+
+
+def test_install_runs_the_demo_and_is_harmless_twice(releases: Releases) -> None:
+    root = short_dir("capy-inst")
+    prefix, state = root / "prefix", root / "demo"
+    inference = free_port()
+    demo: subprocess.Popen[bytes] | None = None
+    try:
+        first = install("--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert run(prefix, "--version") == f"capyctl {OLD}\n"
+        again = install("--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
+        assert again.returncode == 0, again.stderr
+        assert f"capyctl {OLD} is already installed" in again.stdout
+        latest = install("--releases", releases.url, prefix=prefix)
+        assert latest.returncode == 0, latest.stderr
+        assert run(prefix, "--version") == f"capyctl {NEW}\n"
+
+        log = root / "demo.out"
+        env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(24900))
+        argv = [str(prefix / "bin" / "capyctl"), "demo", "--state-dir", str(state)]
+        argv += ["--listen", f"127.0.0.1:{inference}"]
+        argv += ["--management-listen", f"127.0.0.1:{free_port()}"]
+        with log.open("wb") as out:
+            demo = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        wait_for(lambda: "Ctrl-C stops" in log.read_text(), 120, "the demo's instructions")
+        key = (state / "identity" / "credentials").read_text().split("api_key:")[1].split()[0]
+        with openai.OpenAI(
+            base_url=f"http://127.0.0.1:{inference}/v1", api_key=key, max_retries=0, timeout=120
+        ) as client:
+            answer = client.chat.completions.create(model="qwen3-8b", messages=HELLO)
+        assert answer.choices[0].message.content
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=120) == 0, log.read_text()[-4000:]
+    finally:
+        if demo is not None and demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        for pid in processes_mentioning(str(state)):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_corrupted_file_is_refused_by_name(releases: Releases, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    shutil.copytree(releases.folder / f"v{OLD}", release)
+    executable = release / f"capyctl-{OLD}-linux-{ARCH}.pex"
+    data = bytearray(executable.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    executable.write_bytes(bytes(data))
+    refused = install("--from", str(release), prefix=tmp_path / "prefix")
+    assert refused.returncode == 1
+    assert f"capyctl-{OLD}-linux-{ARCH}.pex does not match SHA256SUMS" in refused.stderr
+    assert not (tmp_path / "prefix" / "bin" / "capyctl").exists()
+    assert not (tmp_path / "prefix" / "lib" / "capyctl" / OLD).exists()
+
+
+def start(prefix: Path, state: Path, env: dict[str, str], listeners: tuple[str, str]) -> Role:
+    """The installed capyctl's standalone role on `state`, healthy."""
+    log = state.parent / "role.out"
+    argv = [str(prefix / "bin" / "capyctl"), "start", "standalone", "--state-dir", str(state)]
+    argv += ["--listen", listeners[0], "--management-listen", listeners[1]]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    role = Role("standalone", state, *listeners, proc, log, env)
+    try:
+        wait_for(lambda: role.healthy() or proc.poll() is not None, timeout=60, what="the role")
+    except BaseException:
+        role.stop()
+        raise
+    assert proc.poll() is None, role.output()[-4000:]
+    return role
+
+
+def _record(state: Path) -> InstanceRecord | None:
+    with contextlib.closing(redis.Redis(unix_socket_path=str(state / "redis" / "redis.sock"))) as c:
+        raw = cast(bytes | None, c.get(keys.instance("local", "demo", 0)))
+    return None if raw is None else InstanceRecord.model_validate_json(raw)
+
+
+def _ask(role: Role) -> str | None:
+    key = role.credentials()["api_key"]
+    with openai.OpenAI(base_url=f"http://{role.inference}/v1", api_key=key, timeout=60) as client:
+        answer = client.chat.completions.create(model="demo", messages=HELLO)
+    return answer.choices[0].message.content
+
+
+def test_upgrade_and_rollback_keep_the_engine(releases: Releases) -> None:
+    root = short_dir("capy-upg")
+    prefix, state, home = root / "prefix", root / "state", root / "home"
+    env = clean_env(
+        HOME=str(home),
+        CAPYCTL_SIMULATED_GPUS="gpu0:24GiB",
+        CAPYCTL_HOST_NAME="local",
+        CAPYCTL_ENGINE_PORTS=engine_ports(25100),
+    )
+    listeners = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
+    pgid = 0
+    roles: list[Role] = []
+    try:
+        assert install("--releases", releases.url, "--version", OLD, prefix=prefix).returncode == 0
+        fast = Behaviour(load_seconds=0.3, tokens_per_second=200)
+        venv = install_python_engine(root / "vllm", "vllm", "0.29.0", fast)
+        run(prefix, "engine", "add", str(venv), "--state-dir", str(state), env=env)
+        sparse_model(home / "models" / "demo", 2 * GiB)
+        (root / "demo.yaml").write_text("name: demo\nengine: vllm\nmodel: demo\n")
+
+        role = start(prefix, state, env, listeners)
+        roles.append(role)
+        assert (state / "release").read_text() == f"{OLD}\n"
+        deploy = ["deploy", "model", "--file", str(root / "demo.yaml"), "--wait"]
+        run(prefix, *deploy, "--state-dir", str(state), env=env)
+        ready = _record(state)
+        assert ready is not None
+        assert ready.process is not None
+        pgid = ready.process.pgid
+        assert _ask(role)
+        assert role.stop() == 0
+
+        upgraded = install("--releases", releases.url, "--version", f"v{NEW}", prefix=prefix)
+        assert upgraded.returncode == 0, upgraded.stderr
+        assert f"also installed: {OLD}" in upgraded.stdout
+        assert run(prefix, "--version") == f"capyctl {NEW}\n"
+        upgraded_role = start(prefix, state, env, listeners)
+        roles.append(upgraded_role)
+        wait_for(lambda: "re-adopted" in upgraded_role.output(), 30, "re-adoption after upgrade")
+        assert _record(state) == ready, "the same engine, left as it was"
+        assert _ask(upgraded_role)
+        assert (state / "release").read_text() == f"{NEW}\n"
+        assert upgraded_role.stop() == 0
+
+        back = install("--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
+        assert back.returncode == 0, back.stderr
+        assert run(prefix, "--version") == f"capyctl {OLD}\n"
+        rolled_back = start(prefix, state, env, listeners)
+        roles.append(rolled_back)
+        wait_for(lambda: rolled_back.output().count("re-adopted") >= 2, 30, "re-adoption again")
+        assert _record(state) == ready
+        assert _ask(rolled_back)
+        assert (state / "release").read_text() == f"{NEW}\n", "a start never lowers it"
+        assert rolled_back.stop() == 0
+        assert group_members(pgid), "the engine outlived every role"
+
+        (state / "release").write_text(f"{MAJOR}.{MINOR + 1}.0\n")
+        refused = subprocess.run(
+            [str(prefix / "bin" / "capyctl"), "start", "standalone", "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+        assert refused.returncode == 5
+        assert f"CapyCTL {MAJOR}.{MINOR + 1}.0, and this is CapyCTL {OLD}" in refused.stderr
+    finally:
+        for each in roles:
+            each.stop()
+        if pgid and group_members(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
