@@ -142,6 +142,12 @@ def test_the_release_holds_the_wheels_an_executable_and_their_sums(releases: Rel
     assert listed == [name for name in names if name != "SHA256SUMS"]
 
 
+def test_the_same_tree_builds_the_same_files(releases: Releases, tmp_path: Path) -> None:
+    build(OLD, tmp_path / "again")
+    first = (releases.folder / f"v{OLD}" / "SHA256SUMS").read_text()
+    assert (tmp_path / "again" / "SHA256SUMS").read_text() == first
+
+
 def test_install_runs_the_demo_and_is_harmless_twice(releases: Releases) -> None:
     root = short_dir("capy-inst")
     prefix, state = root / "prefix", root / "demo"
@@ -173,7 +179,13 @@ def test_install_runs_the_demo_and_is_harmless_twice(releases: Releases) -> None
             answer = client.chat.completions.create(model="qwen3-8b", messages=HELLO)
         assert answer.choices[0].message.content
         demo.send_signal(signal.SIGINT)
-        assert demo.wait(timeout=120) == 0, log.read_text()[-4000:]
+        try:
+            # It drains the engines (up to 30 s), then stops the role (up to 60 s); a loaded
+            # machine (the whole suite beside it) has been seen to need more than 120 s.
+            code = demo.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the demo did not stop within 240 s:\n{log.read_text()[-4000:]}")
+        assert code == 0, log.read_text()[-4000:]
     finally:
         if demo is not None and demo.poll() is None:
             demo.kill()
