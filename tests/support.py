@@ -38,6 +38,18 @@ CAPYCTL = str(BIN / "capyctl")
 SERVICES = ("router", "scheduler", "hostd", "memwatch")
 
 
+@contextmanager
+def ctrl_c_heard() -> Iterator[None]:
+    """Children started within hear a Ctrl-C (SIGINT). A shell that runs the suite in the
+    background leaves SIGINT ignored in it, and an ignored signal stays ignored in every
+    child; a handled one is reset to its default in a child."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def wait_for(
     condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1
 ) -> T:

@@ -18,6 +18,7 @@ import openai
 from support import (
     CAPYCTL,
     clean_env,
+    ctrl_c_heard,
     engine_ports,
     free_port,
     live_processes,
@@ -44,16 +45,10 @@ def _start(root: Path, inference: int, out: int | IO[bytes], pty: bool = False) 
         f"127.0.0.1:{free_port()}",
     ]
     env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(24800))
-    # A shell that runs the suite in the background leaves SIGINT ignored in it, and an
-    # ignored signal stays ignored in every child: the demo would not hear its Ctrl-C. A
-    # handled one is reset to its default in a child.
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with ctrl_c_heard():  # the demo stops on its Ctrl-C
         if not pty:
             return Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         return Popen(["setsid", "--ctty", *argv], stdin=out, stdout=out, stderr=out, env=env)
-    finally:
-        signal.signal(signal.SIGINT, before)
 
 
 def _client(usage: str, inference: int) -> openai.OpenAI:
