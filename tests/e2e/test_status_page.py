@@ -179,6 +179,7 @@ def browser() -> Iterator[Any]:
 def test_the_page_follows_parks_and_wakes_live_in_a_browser(
     cluster: Cluster, browser: Any, tmp_path: Path
 ) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     deploy_three(cluster)
@@ -193,9 +194,18 @@ def test_the_page_follows_parks_and_wakes_live_in_a_browser(
         lambda: browser.find_element(By.ID, "live").is_displayed(), 10, what="the live updates"
     )
 
+    # The live updates replace whole sections at any moment: each read is one script, so no
+    # element found is stale by the time it is read.
+    def read(script: str) -> Any:
+        return browser.execute_script(f"return {script}")
+
     def state(name: str) -> str:
-        found = browser.find_elements(By.CSS_SELECTOR, f'article[data-deployment="{name}"]')
-        return str(found[0].get_attribute("data-state")) if found else ""
+        query = f"document.querySelector('article[data-deployment=\"{name}\"]')"
+        return str(read(f"{query}?.dataset.state ?? ''"))
+
+    def moments(name: str) -> list[str]:
+        query = f"document.querySelectorAll('#timeline li[data-deployment=\"{name}\"]')"
+        return list(read(f"Array.from({query}, (item) => item.dataset.what)"))
 
     assert {state(n) for n in ("alpha", "beta", "gamma")} == {"idle"}
     # A mark on the window: a reload would lose it.
@@ -206,21 +216,22 @@ def test_the_page_follows_parks_and_wakes_live_in_a_browser(
     wait_for(lambda: state("alpha") == "ready", 15, what="alpha ready on the page")
     cluster.ok("park", "deployment", "beta", "--wait")
     wait_for(lambda: state("beta") == "parked", 15, what="beta's park on the page")
-    moments = browser.find_elements(By.CSS_SELECTOR, '#timeline li[data-deployment="beta"]')
-    assert "park" in {m.get_attribute("data-what") for m in moments}
+    assert "park" in moments("beta")
     client.chat.completions.create(model="beta", messages=HI, max_tokens=2)
     wait_for(lambda: state("beta") == "ready", 15, what="beta's wake on the page")
-    assert browser.find_element(
-        By.CSS_SELECTOR, '#timeline li[data-what="wake"][data-deployment="beta"]'
-    )
+    assert "wake" in moments("beta")
     # Times are shown relative to now by the script.
-    shown = browser.find_element(By.CSS_SELECTOR, "#timeline time").text
+    shown = read("document.querySelector('#timeline time').textContent")
     assert shown.endswith(" ago") or shown == "just now", shown
 
-    # The button parks alpha, after a confirmation.
-    browser.find_element(
-        By.CSS_SELECTOR, 'article[data-deployment="alpha"] button[data-action="park"]'
-    ).click()
+    # The button parks alpha, after a confirmation (found again if an update replaced it).
+    button = 'article[data-deployment="alpha"] button[data-action="park"]'
+    for _ in range(5):
+        try:
+            browser.find_element(By.CSS_SELECTOR, button).click()
+            break
+        except StaleElementReferenceException:
+            continue
     dialog = browser.switch_to.alert
     assert "Park alpha?" in dialog.text
     dialog.accept()
@@ -228,8 +239,8 @@ def test_the_page_follows_parks_and_wakes_live_in_a_browser(
     assert cluster.state("alpha") == "parked"
     assert "Asked: park alpha." in browser.find_element(By.ID, "notice").text
     assert browser.execute_script("return window.capyctlMark") == "kept"
-    legend = browser.find_elements(By.CSS_SELECTOR, 'figure[data-domain="gpu0"] li.parked')
-    assert legend, "the GPU's bar shows the parked models"
+    parked = read("document.querySelectorAll('figure[data-domain=\"gpu0\"] li.parked').length")
+    assert parked, "the GPU's bar shows the parked models"
 
     shot = Path(os.environ.get("CAPYCTL_PAGE_SCREENSHOT") or tmp_path / "page.png")
     assert browser.save_screenshot(str(shot))

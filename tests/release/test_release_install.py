@@ -209,6 +209,66 @@ def test_a_corrupted_file_is_refused_by_name(releases: Releases, tmp_path: Path)
     assert not (tmp_path / "prefix" / "lib" / "capyctl" / OLD).exists()
 
 
+# What install.sh runs, from the system's own folders; redis-server left out on purpose.
+TOOLS = [
+    "sh",
+    "awk",
+    "cat",
+    "cp",
+    "cut",
+    "id",
+    "ln",
+    "mkdir",
+    "mktemp",
+    "mv",
+    "rm",
+    "sed",
+    "sha256sum",
+    "uname",
+]
+NOBODY = 65534
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/usr/bin/python3").exists(),
+    reason="needs root (to run the installer as nobody), setpriv and the system's python3",
+)
+def test_a_user_without_redis_is_told_the_command(releases: Releases) -> None:
+    """A user who is not root, on a machine without redis-server, gets capyctl and the exact
+    command that installs redis-server; nothing is installed for them system-wide."""
+    root = short_dir("capy-user")
+    try:
+        release, tools, home = root / "release", root / "bin", root / "home"
+        shutil.copytree(releases.folder / f"v{OLD}", release)
+        tools.mkdir()
+        for tool in TOOLS:
+            found = shutil.which(tool, path="/usr/bin:/bin")
+            assert found is not None, tool
+            (tools / tool).symlink_to(found)
+        (tools / "python3").symlink_to("/usr/bin/python3")
+        home.mkdir()
+        for path in (root, *root.rglob("*")):
+            if not path.is_symlink():
+                os.chown(path, NOBODY, NOBODY)
+        argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        argv += ["env", "-i", f"HOME={home}", f"PATH={tools}", "sh", str(ROOT / "install.sh")]
+        argv += ["--from", str(release)]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (
+            "CapyCTL needs redis-server; install it with: sudo apt-get install -y redis-server"
+            in result.stdout
+        )
+        assert f"{home}/.local/bin is not on your PATH" in result.stdout
+        installed = home / ".local" / "bin" / "capyctl"
+        version = subprocess.run(
+            [str(installed), "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert version.stdout == f"capyctl {OLD}\n", version.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def start(prefix: Path, state: Path, env: dict[str, str], listeners: tuple[str, str]) -> Role:
     """The installed capyctl's standalone role on `state`, healthy."""
     log = state.parent / "role.out"
