@@ -284,23 +284,13 @@ async def last_duration(
     """How long the deployment's last `from_state` -> ready took on the host (a start or a
     wake, `Event.duration_s`), from the newest `count` of the host's events; None when none
     of them is one."""
-    entries = cast(
-        list[tuple[bytes, dict[bytes, bytes]]],
-        await client.xrevrange(keys.host_events(host), count=count),
-    )
-    for _, fields in entries:
-        try:
-            found = json.loads(fields[b"event"])
-        except (KeyError, ValueError):
-            continue
+    for event in await recent_events(client, host, count):
         if (
-            isinstance(found, dict)
-            and found.get("kind") == "transition"
-            and found.get("deployment") == deployment
-            and found.get("from_state") == from_state
-            and found.get("to_state") == InstanceState.READY
+            event.kind == "transition"
+            and event.deployment == deployment
+            and event.from_state == from_state
+            and event.to_state == InstanceState.READY
+            and event.duration_s is not None
         ):
-            event = _event(fields)
-            if event is not None and event.duration_s is not None:
-                return event.duration_s
+            return event.duration_s
     return None

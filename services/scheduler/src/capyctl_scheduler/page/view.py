@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from capycommon.management import Charge, EngineRow, HostRow
+from capycommon.management import Charge, DeploymentStatus, EngineRow, HostRow
 from capycommon.state import desired, places
 from capycommon.state.desired import Decision
 from capycommon.state.instances import LIVE_STATES, InstanceState
@@ -145,17 +145,14 @@ async def gather(manager: Manager) -> PageView:
         places.awaiting(client),
         manager.engines(),
     )
-    charges = [
-        (name, charge)
-        for name in sorted(snap.deployments)
-        for charge in status.detail(snap, name).charges
-    ]
+    details = {name: status.detail(snap, name) for name in sorted(snap.deployments)}
+    charges = [(name, charge) for name, detail in details.items() for charge in detail.charges]
     by_host = dict(zip(hosts, readings, strict=True))
     rows = status.host_rows(snap, by_host)
     return PageView(
         taken_at=snap.now,
         hosts=tuple(_host(snap, row, by_host[row.name], charges, engines) for row in rows),
-        deployments=tuple(_deployment(snap, name, waiting) for name in sorted(snap.deployments)),
+        deployments=tuple(_deployment(snap, d, waiting) for d in details.values()),
         timeline=timeline([e for found in events for e in found], decisions),
     )
 
@@ -218,11 +215,12 @@ def _order(phase: str | None) -> int:
     return {"ready": 0, "starting": 1, "waking": 1, "parked": 2}.get(phase or "", 0)
 
 
-def _deployment(snap: Snapshot, name: str, waiting: dict[str, int]) -> DeploymentLine:
+def _deployment(
+    snap: Snapshot, detail: DeploymentStatus, waiting: dict[str, int]
+) -> DeploymentLine:
+    name, state = detail.name, detail.state
     record = snap.deployments[name]
     instance = snap.instances.get(name)
-    state = status.state_of(snap, name)
-    detail = status.detail(snap, name)
     placements = tuple(
         Placement(host=i.host, gpu=i.gpu, state=i.state, since=i.since)
         for i in detail.instances
