@@ -136,6 +136,8 @@ class Faults:
     drop_commit: bool = False  # omit X-Repo-Commit
     tree_page_size: int | None = None  # paginate the tree listing, linked by `Link`
     bytes_per_second: int | None = None  # send file bodies no faster than this
+    hold_after: int | None = None  # send N bytes of each file body, then wait for `released`
+    released: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,7 @@ class MockHub:
             headers=headers,
         )
         self.requests.append(request)
-        pace = self.faults.bytes_per_second
-        await _send(send, self._route(request), head=request.method == "HEAD", pace=pace)
+        await _send(send, self._route(request), request.method == "HEAD", self.faults)
 
     def _route(self, request: Recorded) -> _Answer:
         parts = [unquote(part) for part in request.path.split("/")[1:]]
@@ -373,9 +374,10 @@ class MockHub:
         return _Answer(status, headers, body, cut)
 
 
-async def _send(send: Send, answer: _Answer, head: bool, pace: int | None = None) -> None:
-    """Send `answer` with its full Content-Length, at most `pace` bytes a second. A cut answer
-    stops after `cut_after` bytes and returns unfinished, and uvicorn then closes the
+async def _send(send: Send, answer: _Answer, head: bool, faults: Faults) -> None:
+    """Send `answer` with its full Content-Length, at most `faults.bytes_per_second` bytes a
+    second, pausing after `faults.hold_after` bytes until `faults.released` is set. A cut
+    answer stops after `cut_after` bytes and returns unfinished, and uvicorn then closes the
     connection: the client sees a body shorter than announced."""
     headers = [(name.encode(), value.encode()) for name, value in answer.headers.items()]
     headers.append((b"content-length", str(len(answer.body)).encode()))
@@ -385,7 +387,12 @@ async def _send(send: Send, answer: _Answer, head: bool, pace: int | None = None
         return
     body = memoryview(answer.body)
     end = len(body) if answer.cut_after is None else answer.cut_after
+    pace, hold = faults.bytes_per_second, faults.hold_after
     for start in range(0, end, CHUNK):
+        if hold is not None and start >= hold:
+            while not faults.released.is_set():
+                await asyncio.sleep(0.05)
+            hold = None
         chunk = bytes(body[start : min(start + CHUNK, end)])
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
         if pace is not None:

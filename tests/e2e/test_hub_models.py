@@ -146,7 +146,10 @@ def test_a_request_waits_while_the_model_downloads_and_status_shows_the_bytes(
     hub: MockHub, cluster: Cluster
 ) -> None:
     v1 = hub.repos["acme/tiny"].refs["v1"]
-    hub.faults.bytes_per_second = 1 << 20  # 3 MiB of weights: about 3 s
+    # 2 MiB of the 3 MiB of weights in about 2 s, then the rest once the test has looked.
+    hub.faults.bytes_per_second = 1 << 20
+    hub.faults.hold_after = 2 << 20
+    hub.faults.released.clear()
     try:
         cluster.deploy("paced", model={"hf": "acme/tiny", "revision": "v1"}, **_small())
         # Before any byte is downloaded, the Hub's listing gives the weights' size.
@@ -166,7 +169,7 @@ def test_a_request_waits_while_the_model_downloads_and_status_shows_the_bytes(
             )
             shown = wait_for(
                 lambda: _download_row(cluster.ok("status", "deployment", "paced")),
-                timeout=30,
+                timeout=60,
                 what="the download in status",
             )
             assert not asked.done(), "the request waits for the download"
@@ -174,9 +177,11 @@ def test_a_request_waits_while_the_model_downloads_and_status_shows_the_bytes(
                 r"download +[\d.]+ [KM]iB of 3\.0 MiB \(\d+%\) at [\d.]+ [KM]iB/s on local",
                 shown,
             ), shown
+            hub.faults.released.set()
             answer = asked.result(timeout=120)
     finally:
-        hub.faults.bytes_per_second = None
+        hub.faults.bytes_per_second = hub.faults.hold_after = None
+        hub.faults.released.set()
     assert answer.choices[0].message.content
     assert cluster.status("paced")["download"] is None
     assert (cluster.root / "models/sources/huggingface" / f"acme--tiny@{v1}").is_dir()

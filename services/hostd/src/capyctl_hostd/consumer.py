@@ -3,7 +3,9 @@ Instance commands go to the runner, `Describe` to the models shelf, `Pull` and `
 model store (after which the shelf looks again).
 
 A fixed consumer name means a restarted hostd gets the commands its predecessor had taken
-but not finished; the generation checks make a repeat harmless.
+but not finished; the generation checks make a repeat harmless. A read that fails after Redis
+sent its commands (its answer late past the socket timeout) loses none: the next read takes
+them from the delivered history (`streams.Reader`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from redis.exceptions import ResponseError
 
 from capycommon.service import REDIS_ERRORS, until_stop, wait_event
 from capycommon.state import hostcommands
-from capycommon.state.streams import Entry, Fields, Group
+from capycommon.state.streams import Entry, Fields, Reader
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.runner import Runner
 
@@ -25,42 +27,32 @@ log = logging.getLogger(__name__)
 
 
 async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
-    group = hostcommands.group(runner.client, runner.host)
-    await group.ensure()
+    reader = Reader(hostcommands.group(runner.client, runner.host))
+    await reader.group.ensure()
     tasks: set[asyncio.Task[None]] = set()
-    cursor = "0"  # first what was delivered but never acknowledged, then new entries
     try:
         while not stop.is_set():
-            entries = await _read(group, cursor, stop)
-            for entry_id, fields in entries:
-                task = asyncio.create_task(_run(runner, shelf, group, entry_id, fields))
+            for entry_id, fields in await _read(reader, stop):
+                task = asyncio.create_task(_run(runner, shelf, reader, entry_id, fields))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-            cursor = next_cursor(cursor, entries)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def next_cursor(cursor: str, entries: list[Entry]) -> str:
-    """Where the next read starts. While reading what was delivered but never acknowledged
-    (any cursor but `>`), after the last entry read; once that history is read out, at the
-    new entries (`>`). Only new entries are blocked for: a cursor left in the history would
-    read nothing new for ever."""
-    if cursor == ">":
-        return cursor
-    return entries[-1][0] if entries else ">"
-
-
 # How long one read of the stream blocks for new commands: a command wakes it at once, so
-# only an idle hostd's round trips depend on it; under the Redis client's 5 s socket timeout.
-BLOCK_MS = 4000
+# only an idle hostd's round trips depend on it; well under the Redis client's 5 s socket
+# timeout, which a busy machine's delays must not reach.
+BLOCK_MS = 2000
 
 
-async def _read(group: Group, cursor: str, stop: asyncio.Event) -> list[Entry]:
-    """The next commands, or none once `stop` is set (the blocked read is cancelled then)."""
-    read = asyncio.ensure_future(group.read(cursor, count=16, block_ms=BLOCK_MS))
+async def _read(reader: Reader, stop: asyncio.Event) -> list[Entry]:
+    """The next commands, or none once `stop` is set (the blocked read is cancelled then).
+    Only new entries are blocked for; the delivered history is read without waiting."""
+    block_ms = None if reader.in_history else BLOCK_MS
+    read = asyncio.ensure_future(reader.read(count=16, block_ms=block_ms))
     try:
         await until_stop(read, stop)
     finally:
@@ -77,11 +69,11 @@ async def _read(group: Group, cursor: str, stop: asyncio.Event) -> list[Entry]:
         # Redis lost the group, or the stream under a blocked read: recreate them.
         if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
             raise
-        await group.ensure()
+        await reader.group.ensure()
     return []
 
 
-async def _run(runner: Runner, shelf: Shelf, group: Group, entry_id: str, fields: Fields) -> None:
+async def _run(runner: Runner, shelf: Shelf, reader: Reader, entry_id: str, fields: Fields) -> None:
     try:
         command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
     except (KeyError, ValidationError) as exc:
@@ -108,4 +100,4 @@ async def _run(runner: Runner, shelf: Shelf, group: Group, entry_id: str, fields
             # A bug of ours: logged, and acknowledged, so it is not carried out again and again.
             log.exception("command %s failed", entry_id)
     with contextlib.suppress(*REDIS_ERRORS):
-        await group.ack(entry_id)
+        await reader.ack(entry_id)

@@ -26,7 +26,7 @@ from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import gpumemory, notify
 from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, demand_group
 from capycommon.state.store import read_host_events
-from capycommon.state.streams import Group
+from capycommon.state.streams import Reader
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.changes import Changes
 from capyctl_scheduler.charges import gpu_memory
@@ -53,33 +53,34 @@ class Demands:
     open: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     # deployment -> the generation a router asked to restart (its places all held by cuts).
     restarts: dict[str, int] = field(default_factory=dict)
-    _cursor: str = "0"
     # Whether the group was made (once; again only when a read finds it gone).
     _ensured: bool = False
+    _reader: Reader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._reader = Reader(demand_group(self.client))
 
     async def read(self) -> None:
-        group = demand_group(self.client)
+        group = self._reader.group
         if not self._ensured:
             await group.ensure()
             self._ensured = True
         try:
-            await self._read(group)
+            await self._read()
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             await group.ensure()  # Redis lost the group (its data): make it, read it whole
-            self._cursor = "0"
-            await self._read(group)
+            await self._read()
 
-    async def _read(self, group: Group) -> None:
+    async def _read(self) -> None:
+        """First the entries delivered but never acknowledged, then all the new ones."""
         while True:
-            entries = await group.read(self._cursor, count=1000)
+            new = not self._reader.in_history
+            entries = await self._reader.read(count=1000)
             for entry_id, fields in entries:
                 self._take(entry_id, fields)
-            if self._cursor != ">":
-                # First the entries delivered but never acknowledged, then new ones.
-                self._cursor = entries[-1][0] if entries else ">"
-            elif len(entries) < 1000:
+            if new and len(entries) < 1000:
                 return
 
     def _take(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
@@ -100,7 +101,7 @@ class Demands:
         self.restarts.pop(deployment, None)
         found = self.open.pop(deployment, [])
         if found:
-            await demand_group(self.client).ack(*(entry for entry, _ in found))
+            await self._reader.ack(*(entry for entry, _ in found))
 
     async def expire(
         self, deployments: Mapping[str, DeploymentRecord], now: float, default_deadline: float
@@ -120,7 +121,7 @@ class Demands:
                     self.open[name] = kept
                 else:
                     del self.open[name]
-                await demand_group(self.client).ack(*stale)
+                await self._reader.ack(*stale)
 
 
 @dataclass
