@@ -12,7 +12,6 @@ from typing import Annotated, TypeVar
 import typer
 from pydantic import BaseModel
 
-from capycommon.deployments import load_deployment
 from capycommon.errors import ActivationTimeout, CapyError, InvalidRequest, NotFound
 from capycommon.management import (
     Action,
@@ -27,12 +26,9 @@ from capycommon.management import (
 )
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.units import format_duration, format_size
-from capycommon.yamldoc import load_yaml_document
 from capyctl_cli import output
 from capyctl_cli.management import Management, wait_for
 from capyctl_cli.options import JsonOpt, StateDirOpt, command_group, expected_errors
-from capyctl_cli.pin import pin
-from capyctl_cli.progress import DownloadBar
 
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait until it is done.")]
 TimeoutOpt = Annotated[
@@ -48,6 +44,10 @@ delete_app = command_group("Stop and forget a deployment (model files stay).")
 list_app = command_group("List deployments, engines or hosts.")
 drain_app = command_group("Stop every engine on a host; deployments stay on demand.")
 undrain_app = command_group("Let a drained host take models again.")
+# `capyctl start|status deployment`: one command each, in groups of the CLI's root.
+start_app = typer.Typer()
+status_app = typer.Typer()
+logs_app = command_group("Show an engine's recent log lines.")
 
 
 def _api(state_dir: str | None) -> Management:
@@ -78,6 +78,12 @@ def deploy_model(
     as_json: JsonOpt = False,
 ) -> None:
     """Declare a deployment (or a new revision of it) from a YAML document."""
+    # The document's schema, its Hub pinning and the progress bar: only a deploy needs them.
+    from capycommon.deployments import load_deployment  # noqa: PLC0415
+    from capycommon.yamldoc import load_yaml_document  # noqa: PLC0415
+    from capyctl_cli.pin import pin  # noqa: PLC0415
+    from capyctl_cli.progress import DownloadBar  # noqa: PLC0415
+
     # Every problem of the document, named with its file, before sending.
     deployment = load_deployment(file)
     root, _ = resolve_state_dir(state_dir, dict(os.environ))
@@ -150,8 +156,17 @@ verb_command(
     ("stopped",),
 )
 verb_command(delete_app, "delete", "Stop a deployment's engine and forget the deployment.", ())
+verb_command(
+    start_app,
+    "start",
+    "Start (or wake) a deployment; it also lifts an operator stop.",
+    ("ready",),
+    timeout_s=1800.0,
+)
 
 
+@status_app.command("deployment")
+@expected_errors
 def status_deployment(
     name: NameArg,
     state_dir: StateDirOpt = None,
@@ -163,6 +178,8 @@ def status_deployment(
     output.show(status, lambda: render_status(status), as_json=as_json)
 
 
+@logs_app.command("deployment")
+@expected_errors
 def logs_deployment(
     name: NameArg,
     lines: Annotated[

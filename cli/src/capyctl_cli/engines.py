@@ -17,7 +17,6 @@ from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settingsources import locate_document
 from capycommon.state import enginefacts
 from capyctl_cli import output, record
-from capyctl_cli.launcher import lock_is_held
 from capyctl_cli.options import (
     ConfigOpt,
     JsonOpt,
@@ -28,6 +27,7 @@ from capyctl_cli.options import (
     role_of,
 )
 from capyctl_cli.record import RoleRecord
+from capyctl_cli.rolelock import lock_is_held
 
 app = command_group("Register the engines installed on this machine.")
 

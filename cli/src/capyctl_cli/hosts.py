@@ -40,13 +40,14 @@ from capycommon.paths import StatePaths, ensure_private_dir, resolve_state_dir, 
 from capycommon.units import format_size
 from capycommon.version import __version__
 from capyctl_cli import output
-from capyctl_cli.launcher import lock_is_held
 from capyctl_cli.management import Management
 from capyctl_cli.options import JsonOpt, StateDirOpt, command_group, expected_errors
+from capyctl_cli.rolelock import lock_is_held
 
 invite_app = command_group("Invite a host to join this server.")
 join_app = command_group("Join this machine to a server.")
 revoke_app = command_group("Revoke a joined host.")
+status_app = typer.Typer()  # `capyctl status host`
 
 JOIN_TIMEOUT_S = 30.0
 
@@ -283,6 +284,8 @@ def _ask(join: joinfile.JoinFile, request: JoinRequest) -> JoinAnswer:
         ) from None
 
 
+@status_app.command("host")
+@expected_errors
 def status_host(name: HostArg, state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
     """One host: joined, connected, last heartbeat, version, GPUs, engines, revoked."""
     with Management(_paths(state_dir)) as api:

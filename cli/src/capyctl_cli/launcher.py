@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import logging
 import math
 import os
@@ -30,10 +29,9 @@ from capycommon.errors import (
     CapyError,
     Internal,
     StateCorrupt,
-    StateDirInUse,
     ToolchainMissing,
 )
-from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
+from capycommon.paths import StatePaths, write_atomic
 from capycommon.redistarget import RedisTarget, control_target, target_for
 from capycommon.service import HOST_FINAL_EXITS, bind
 from capycommon.settings import HostSettings, Role, ServerSettings, host_name, setting_specs
@@ -41,6 +39,7 @@ from capycommon.state import persistence
 from capycommon.units import format_size
 from capycommon.version import __version__
 from capyctl_cli import record, redisconf, stateversion, supervisor
+from capyctl_cli.rolelock import acquire_lock
 from capyctl_cli.roles import Prepared, service_command
 
 log = logging.getLogger("capyctl.launcher")
@@ -55,43 +54,6 @@ REFUSED_EVERY_S = 2.0
 # How often it asks supervisord about Redis while it has no running redis-server to follow.
 REDIS_CHECK_S = 1.0
 _PR_SET_PDEATHSIG = 1
-
-
-def acquire_lock(paths: StatePaths) -> int:
-    """Hold the state dir's role lock, or refuse naming the role that holds it."""
-    ensure_private_dir(paths.root)
-    ensure_private_dir(paths.run_dir)
-    fd = os.open(paths.role_lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        holder = _describe_holder(paths)
-        raise StateDirInUse(
-            f"{holder} already runs on the state dir {paths.root}; stop it first, or start "
-            "this one with another --state-dir"
-        ) from None
-    return fd
-
-
-def lock_is_held(paths: StatePaths) -> bool:
-    """Whether a role holds the state dir's lock right now (checked without keeping it)."""
-    try:
-        fd = os.open(paths.role_lock, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def _describe_holder(paths: StatePaths) -> str:
-    found = record.read(paths)
-    return "another role" if found is None else f"the {found.role} role (pid {found.pid})"
 
 
 def child_environment(prepared: Prepared, env: Mapping[str, str]) -> dict[str, str]:

@@ -29,7 +29,7 @@ from capycommon.paths import StatePaths
 from capycommon.settingvalues import split_address
 from capycommon.version import __version__
 from capyctl_cli import record
-from capyctl_cli.launcher import lock_is_held
+from capyctl_cli.rolelock import lock_is_held
 
 RETRIES = 3
 Answer = TypeVar("Answer", bound=wire.Versioned)

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import redis
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from capycommon.paths import StatePaths, write_atomic
 from capycommon.redistarget import RedisTarget, control_target, joined_target
+
+if TYPE_CHECKING:
+    import redis
 
 
 class RoleRecord(BaseModel):
@@ -44,6 +47,8 @@ def read(paths: StatePaths) -> RoleRecord | None:
 @contextmanager
 def redis_of(record: RoleRecord, timeout: float = 5.0) -> Iterator[redis.Redis]:
     """A client of the role's Redis, closed on exit."""
+    import redis  # noqa: PLC0415 - only the commands that read Redis pay for its client
+
     target = target_of(record)
     client = redis.Redis.from_url(
         target.url,

@@ -17,8 +17,8 @@ from capycommon.state import heartbeats, memory, persistence
 from capycommon.state.memory import MemoryReading
 from capycommon.units import format_size
 from capyctl_cli import output, record, supervisor
-from capyctl_cli.launcher import lock_is_held
 from capyctl_cli.record import RoleRecord
+from capyctl_cli.rolelock import lock_is_held
 
 # The processes that run workers, each with its own heartbeat (`capyctl_router.workers`).
 WORKERS_OF = frozenset({"router"})

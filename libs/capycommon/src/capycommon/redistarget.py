@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from capycommon import joined as joined_file
 from capycommon.errors import CredentialsUnusable, InvalidConfig
 from capycommon.paths import StatePaths, read_private
-from capycommon.settings import AnySettings, HostSettings, ServerSettings
+
+if TYPE_CHECKING:
+    from capycommon.settings import AnySettings
 
 # The server's own Redis user: the router, the scheduler and the CLI on the server.
 CONTROL_USER = "capyctl"
@@ -69,6 +71,9 @@ class RedisTarget:
 
 
 def target_for(settings: AnySettings, paths: StatePaths) -> RedisTarget:
+    # The settings' classes, here only: a command that reads a role's record needs no settings.
+    from capycommon.settings import HostSettings, ServerSettings  # noqa: PLC0415
+
     if settings.redis.url is not None:
         return RedisTarget(settings.redis.url)
     if isinstance(settings, ServerSettings):
