@@ -23,13 +23,24 @@ import redis.asyncio as aioredis
 import yaml
 
 from capycommon.engines import registry
+from capycommon.errors import CapyError, NotFound
+from capycommon.paths import StatePaths
 from capycommon.state import desired, keys
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.store import Event
+from capyctl_cli.management import Management
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour, CrashAtStart, Faults, ToolCall
 from enginesim.install import install_llama_server, install_python_engine
-from support import Role, capyctl, clean_env, kill_started_under, short_dir, start_role
+from support import (
+    Role,
+    capyctl,
+    clean_env,
+    kill_started_under,
+    short_dir,
+    start_role,
+    wait_for,
+)
 
 GiB = 1 << 30
 HOST = "local"
@@ -168,12 +179,26 @@ class Cluster:
         )
 
     def clean(self) -> None:
+        """Delete every deployment at once, through the management API's client, and wait
+        until each is gone (its engine stopped), as `delete deployment --wait` does."""
         for client in self.clients:
             client.close()
-        for name in desired.read_all(self.client):
-            deleted = self.cli("delete", "deployment", name, "--wait")
-            # A deployment a test deleted may finish going between the read and the delete.
-            assert deleted.returncode == 0 or "[not_found]" in deleted.stderr, deleted.stderr
+        if not desired.read_all(self.client):
+            return
+        with Management(StatePaths(self.role.state_dir)) as api:
+            for name in desired.read_all(self.client):
+                try:
+                    api.act(name, "delete")
+                except CapyError as exc:
+                    # A deployment a test deleted may finish going between the read and here.
+                    if exc.code != NotFound.code:
+                        raise
+            wait_for(
+                lambda: not api.deployments(),
+                timeout=120,
+                what="every deployment deleted",
+                interval=0.25,
+            )
 
 
 def install_engines(root: Path) -> None:

@@ -1,76 +1,17 @@
 """`capyctl-router --role ROLE`: serve the inference API, from `server.router.workers`
-worker processes on one listener (`capyctl_router.workers`)."""
+worker processes on one listener (`capyctl_router.workers`). The parent holds the listener
+and its workers; only a worker loads the API (`capyctl_router.worker`)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import functools
-import os
 import socket
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from capycommon import credentials
-from capycommon.service import REDIS_ERRORS, ServiceContext, run, serve_http
-from capycommon.settings import ServerSettings, StandaloneSettings
-from capycommon.state import places
-from capyctl_router.app import Router, create_app
-from capyctl_router.dispatch import Dispatcher, Limits
-from capyctl_router.metrics import Metrics
-from capyctl_router.remote import client_context
-from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
-from capyctl_router.workers import METRICS_VARIABLE, run_workers, worker_name
-
-# How long the router keeps an idle connection to an engine for the next request.
-ENGINE_KEEPALIVE_S = 2.0
-
-
-async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> None:
-    """One worker: the inference API on the parent's listener. `events`: this worker turns
-    the hosts' events into the lifecycle metrics (one does, for all)."""
-    assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
-    server = ctx.settings.server
-    # Its own host's engines (a standalone's, or a server's embedded host's) on loopback.
-    hosts = set() if ctx.host is None else {ctx.host}
-    table = Table(ctx.redis, hosts)
-    limits = Limits(
-        waiting_per_deployment=server.routing.max_pending_per_deployment,
-        waiting_total=server.routing.max_pending_total,
-        request_deadline_s=server.scheduling.request_deadline,
-        stream_idle_s=server.routing.stream_idle_timeout,
-    )
-    metrics = Metrics()
-    owner = places.owner_id(ctx.name, os.getpid())
-    dispatcher = Dispatcher(ctx.redis, table, metrics, limits, owner=owner)
-    # An idle connection to an engine is dropped well before the engine closes it (uvicorn's
-    # keep-alive, vLLM's and SGLang's, is 5 s), so a request is never sent on one being closed.
-    # A server's router reaches every engine through its host's ingress, over TLS.
-    tls = client_context(ctx.paths) if isinstance(ctx.settings, ServerSettings) else None
-    engines = Engines(keepalive_s=ENGINE_KEEPALIVE_S, tls=tls)
-    router = Router(dispatcher, engines)
-    app = create_app(credentials.load(ctx.paths.credentials), router)
-    await table.sync()
-    work = [
-        serve_http(
-            app, server.listeners.inference.bind, ctx.stop, server.listeners.inference, listener
-        ),
-        table.run(ctx.stop),
-        dispatcher.settle(ctx.stop),
-    ]
-    if events:
-        folder = os.environ.get(METRICS_VARIABLE)
-        where = Path(folder) if folder else None
-        work.append(metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop, where))
-    try:
-        await asyncio.gather(*work)
-    finally:
-        engines.close()
-        with contextlib.suppress(*REDIS_ERRORS):  # else they expire with this worker
-            await places.drop_owner(ctx.redis, owner)
+from capycommon.service import run
+from capyctl_router.workers import run_workers, worker_name
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -81,6 +22,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     found, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if found.worker is None:
         sys.exit(run("router", functools.partial(run_workers, argv=rest), rest))
+    from capyctl_router.worker import serve  # noqa: PLC0415 - the parent never serves
+
     listener = socket.socket(fileno=found.listen_fd)
     body = functools.partial(serve, listener=listener, events=found.worker == 0)
     sys.exit(run(worker_name(found.worker), body, rest))
