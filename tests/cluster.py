@@ -183,10 +183,11 @@ class Cluster:
         until each is gone (its engine stopped), as `delete deployment --wait` does."""
         for client in self.clients:
             client.close()
-        if not desired.read_all(self.client):
+        names = desired.read_all(self.client)
+        if not names:
             return
         with Management(StatePaths(self.role.state_dir)) as api:
-            for name in desired.read_all(self.client):
+            for name in names:
                 try:
                     api.act(name, "delete")
                 except CapyError as exc:

@@ -20,6 +20,7 @@ from capyctl_cli import launcher, output, roles
 from capyctl_cli.options import (
     ConfigOpt,
     JsonOpt,
+    RoleOpt,
     StateDirOpt,
     command_group,
     expected_errors,
@@ -121,7 +122,7 @@ def init(
 @expected_errors
 def run_process(
     process: Annotated[str, typer.Argument(help="redis, router, scheduler, hostd or memwatch.")],
-    role: Annotated[str, typer.Option("--role", help="standalone, server or host.")] = "standalone",
+    role: RoleOpt = "standalone",
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
@@ -145,7 +146,7 @@ def run_process(
 def config_show(
     ctx: typer.Context,
     flags: dict[str, str | None],
-    role: Annotated[str, typer.Option("--role", help="standalone, server or host.")] = "standalone",
+    role: RoleOpt = "standalone",
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,

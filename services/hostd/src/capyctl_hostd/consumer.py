@@ -50,9 +50,8 @@ BLOCK_MS = 2000
 
 async def _read(reader: Reader, stop: asyncio.Event) -> list[Entry]:
     """The next commands, or none once `stop` is set (the blocked read is cancelled then).
-    Only new entries are blocked for; the delivered history is read without waiting."""
-    block_ms = None if reader.in_history else BLOCK_MS
-    read = asyncio.ensure_future(reader.read(count=16, block_ms=block_ms))
+    Only new entries are blocked for: Redis answers a read of the history at once."""
+    read = asyncio.ensure_future(reader.read(count=16, block_ms=BLOCK_MS))
     try:
         await until_stop(read, stop)
     finally:
