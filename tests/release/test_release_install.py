@@ -10,11 +10,13 @@ import functools
 import http.server
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,11 +74,11 @@ class Quiet(http.server.SimpleHTTPRequestHandler):
         return
 
 
-def build(version: str, out: Path) -> None:
+def build(version: str, out: Path, platforms: str = ARCH) -> None:
     env = {
         **os.environ,
         "CAPYCTL_RELEASE_VERSION": version,
-        "CAPYCTL_RELEASE_PLATFORMS": ARCH,
+        "CAPYCTL_RELEASE_PLATFORMS": platforms,
         "CAPYCTL_RELEASE_PYTHONS": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
     result = subprocess.run(
@@ -147,6 +149,46 @@ def test_the_same_tree_builds_the_same_files(releases: Releases, tmp_path: Path)
     build(OLD, tmp_path / "again")
     first = (releases.folder / f"v{OLD}" / "SHA256SUMS").read_text()
     assert (tmp_path / "again" / "SHA256SUMS").read_text() == first
+
+
+# ELF's e_machine of each platform the release builds for.
+MACHINES = {"x86_64": 62, "aarch64": 183}
+
+
+def distributions(executable: Path) -> dict[str, str]:
+    """The wheels a pex holds, by project and version: their platform tags."""
+    with zipfile.ZipFile(executable) as pex:
+        wheels = {name.split("/")[1] for name in pex.namelist() if name.startswith(".deps/")}
+    held: dict[str, str] = {}
+    for wheel in wheels - {""}:
+        project, version, *_, platform_tag = wheel.removesuffix(".whl").split("-")
+        held[f"{project}=={version}"] = platform_tag
+    return held
+
+
+def test_the_other_platform_holds_the_same_wheels_built_for_it(
+    releases: Releases, tmp_path: Path
+) -> None:
+    """The executable for the machine the suite does not run on (no such machine here to run
+    it): the same projects at the same versions as this machine's, each native one built for
+    its processor, and every native library in it an ELF file for that processor."""
+    other = next(arch for arch in MACHINES if arch != ARCH)
+    build(OLD, tmp_path / "other", platforms=other)
+    executable = tmp_path / "other" / f"capyctl-{OLD}-linux-{other}.pex"
+    mine = distributions(releases.folder / f"v{OLD}" / f"capyctl-{OLD}-linux-{ARCH}.pex")
+    theirs = distributions(executable)
+    assert sorted(theirs) == sorted(mine)
+    native = {name: tag for name, tag in theirs.items() if tag != "any"}
+    assert {name.split("==")[0] for name in native} >= {"pydantic_core", "cryptography", "pyyaml"}
+    for name, tag in native.items():
+        assert all(part.endswith(f"_{other}") for part in tag.split(".")), (name, tag)
+    with zipfile.ZipFile(executable) as pex:
+        libraries = [name for name in pex.namelist() if re.search(r"\.so(\.|$)", name)]
+        assert libraries
+        for name in libraries:
+            header = pex.read(name)[:20]
+            assert header[:4] == b"\x7fELF", name
+            assert int.from_bytes(header[18:20], "little") == MACHINES[other], name
 
 
 def test_install_runs_the_demo_and_is_harmless_twice(releases: Releases) -> None:
@@ -265,6 +307,58 @@ def test_a_user_without_redis_is_told_the_command(releases: Releases) -> None:
             [str(installed), "--version"], capture_output=True, text=True, timeout=60, check=False
         )
         assert version.stdout == f"capyctl {OLD}\n", version.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# Debian's package manager as the installer meets it, writing down what it was asked; an
+# install of redis-server puts one on the PATH, as the real one does.
+FAKE_APT_GET = """#!/bin/sh
+printf '%s %s\\n' "$DEBIAN_FRONTEND" "$*" >>{log}
+case " $* " in
+*" install "*" redis-server "*)
+    printf '#!/bin/sh\\necho redis-server 7\\n' >{tools}/redis-server
+    /bin/chmod 0755 {tools}/redis-server ;;
+esac
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+    reason="needs root (the installer installs redis-server only as root) and the system's python3",
+)
+def test_root_gets_redis_server_from_debian_once(releases: Releases) -> None:
+    """As root, on a machine without redis-server, the installer runs apt-get for Debian's
+    redis-server, without questions; a second run finds it and asks for nothing."""
+    root = short_dir("capy-root")
+    try:
+        tools, log, prefix = root / "bin", root / "apt-get.log", root / "prefix"
+        tools.mkdir()
+        for tool in TOOLS:
+            found = shutil.which(tool, path="/usr/bin:/bin")
+            assert found is not None, tool
+            (tools / tool).symlink_to(found)
+        (tools / "python3").symlink_to("/usr/bin/python3")
+        apt_get = tools / "apt-get"
+        apt_get.write_text(FAKE_APT_GET.format(log=log, tools=tools))
+        apt_get.chmod(0o755)
+        argv = ["env", "-i", f"HOME={root}", f"PATH={tools}", "sh", str(ROOT / "install.sh")]
+        argv += ["--from", str(releases.folder / f"v{OLD}"), "--prefix", str(prefix)]
+
+        first = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "install: installing redis-server from Debian" in first.stdout
+        assert log.read_text().splitlines() == [
+            "noninteractive update -qq",
+            "noninteractive install -y -qq --no-install-recommends redis-server",
+        ]
+        assert (tools / "redis-server").exists()
+        assert "sudo apt-get" not in first.stdout
+
+        again = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "redis-server" not in again.stdout
+        assert len(log.read_text().splitlines()) == 2
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
