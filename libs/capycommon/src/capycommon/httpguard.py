@@ -88,7 +88,8 @@ def guarded_protocol(
         _refused = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            assert isinstance(transport, asyncio.Transport)  # a stream's, over TLS or not
+            # A stream's, over TLS or not (uvloop's are not asyncio.Transport subclasses).
+            transport = cast(asyncio.Transport, transport)
             super().connection_made(cast(asyncio.Transport, CorkedTransport(transport)))
             why = None if admit is None else admit(transport)
             if why is not None:

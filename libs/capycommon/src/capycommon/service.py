@@ -155,8 +155,14 @@ def parse_args(name: str, argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(name: str, body: Body | None, argv: Sequence[str] | None = None) -> int:
-    """Run service `name` until it is told to stop; returns the process exit code."""
+def run(
+    name: str,
+    body: Body | None,
+    argv: Sequence[str] | None = None,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+) -> int:
+    """Run service `name` until it is told to stop, on an event loop from `loop_factory`
+    (asyncio's own by default); returns the process exit code."""
     args = parse_args(name, argv)
     env = dict(os.environ)
     try:
@@ -170,7 +176,8 @@ def run(name: str, body: Body | None, argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     logs.configure(name, settings.log.level, settings.log.format)
     try:
-        return asyncio.run(_serve(name, args.role, settings, paths, document, body))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(_serve(name, args.role, settings, paths, document, body))
     except CapyError as exc:
         log.error("error [%s]: %s", exc.code, exc.message)
         if args.role == "host" and isinstance(exc, HOST_FINAL):

@@ -22,11 +22,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     found, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if found.worker is None:
         sys.exit(run("router", functools.partial(run_workers, argv=rest), rest))
+    import uvloop  # noqa: PLC0415 - the parent never serves
+
     from capyctl_router.worker import serve  # noqa: PLC0415 - the parent never serves
 
     listener = socket.socket(fileno=found.listen_fd)
     body = functools.partial(serve, listener=listener, events=found.worker == 0)
-    sys.exit(run(worker_name(found.worker), body, rest))
+    # A worker's event loop is libuv's (uvloop): every request's turns of the loop, its
+    # sockets' reads and writes and its timers cost about half of asyncio's own (bench/).
+    sys.exit(run(worker_name(found.worker), body, rest, loop_factory=uvloop.new_event_loop))
 
 
 if __name__ == "__main__":

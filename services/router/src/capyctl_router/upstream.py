@@ -20,6 +20,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Mapping
+from typing import cast
 
 import httptools
 
@@ -211,8 +212,7 @@ class Connection(asyncio.Protocol):
     # asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
 
     def data_received(self, data: bytes) -> None:
         if self.answer is None:  # nothing was asked: an engine that talks out of turn
