@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from capycommon.state import desired, keys
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.store import Event
 from capyctl_cli.management import Management
+from capyctl_cli.management import wait_for as wait_until
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour, CrashAtStart, Faults, ToolCall
 from enginesim.install import install_llama_server, install_python_engine
@@ -82,15 +84,32 @@ class Cluster:
         assert result.returncode == 0, f"capyctl {' '.join(args)}: {result.stderr}"
         return result.stdout
 
+    # The management API through the CLI's own client, in this process: what `capyctl deploy
+    # model`, `start deployment --wait` and `status deployment --json` send and read, for the
+    # tests whose subject is not the command line (a capyctl process costs about a second of
+    # CPU; the CLI's commands have tests of their own).
+
+    def api(self) -> Management:
+        return Management(StatePaths(self.role.state_dir))
+
     def deploy(self, name: str, **fields: Any) -> None:
         document = {"name": name, "engine": "vllm", "model": "m14", **fields}
-        path = self.root / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(document))
-        self.ok("deploy", "model", "--file", str(path))
+        source = document["model"]
+        unpinned = isinstance(source, dict) and "@" not in str(source.get("hf", "@"))
+        assert not unpinned, "a Hub branch or tag is pinned by `capyctl deploy model`"
+        with self.api() as api:
+            api.deploy(document)
+
+    def start(self, name: str, timeout: float = 120) -> None:
+        """Start (or wake) the deployment and wait until it is ready."""
+        with self.api() as api:
+            since = time.time()
+            api.act(name, "start")
+            wait_until(api, name, lambda status: status.state == "ready", timeout, "ready", since)
 
     def status(self, name: str) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(self.ok("status", "deployment", name, "--json"))
-        return data
+        with self.api() as api:
+            return api.status(name).model_dump(mode="json")
 
     @property
     def client(self) -> redis.Redis:

@@ -241,7 +241,7 @@ def test_a_hang_up_closes_the_engine_connection_and_settles_as_each_engine_allow
     """SGLang runs a hung-up decision request to its end (sglang#45842): it counts until the
     next stop. llama.cpp drops it with its connection: it settles once the engine reads idle."""
     deploy_decisions(cluster, "slowjudge", engines["sgslow"], "judge")
-    cluster.ok("start", "deployment", "slowjudge", "--wait")
+    cluster.start("slowjudge")
     _hang_up(cluster, "slowjudge", lambda: cluster.engine_running("slowjudge"))
     assert cluster.engine_running("slowjudge") == 1, "the engine still works on it"
     requests = cluster.status("slowjudge")["requests"]
@@ -254,11 +254,11 @@ def test_a_hang_up_closes_the_engine_connection_and_settles_as_each_engine_allow
     )
     assert cluster.status("slowjudge")["requests"]["settle_at_stop"] == 1, "until the next stop"
     cluster.ok("stop", "deployment", "slowjudge", "--wait")
-    cluster.ok("start", "deployment", "slowjudge", "--wait")
+    cluster.start("slowjudge")
     assert cluster.status("slowjudge")["requests"]["settle_at_stop"] == 0, "the stop settled it"
 
     deploy_decisions(cluster, "slowkev", engines["llamaslow"], "kev.gguf", residency="restart_only")
-    cluster.ok("start", "deployment", "slowkev", "--wait")
+    cluster.start("slowkev")
     _hang_up(cluster, "slowkev", lambda: llama_running(cluster, "slowkev"))
     wait_for(
         lambda: llama_running(cluster, "slowkev") == 0,
@@ -284,7 +284,7 @@ def test_request_ids_metrics_and_the_deadline_work_as_for_chat(
     )
     assert re.fullmatch(r"decision-[0-9a-f]{24}", raw.headers["x-capyctl-request-id"])
     assert raw.parse().answers[0].type == "predicate"
-    cluster.ok("start", "deployment", "late", "--wait")
+    cluster.start("late")
     status, error = refused(
         cluster, "/decisions", {"model": "late", "input": STATE, "questions": QUESTIONS}
     )

@@ -82,7 +82,7 @@ def test_a_model_that_would_park_deep_stops_instead(no_deep_park: Cluster) -> No
     assert "residency       restart_only on local (unified memory:" in text
     assert "deep parking    off on host local (host.deep_park: off)" in text
 
-    cluster.ok("start", "deployment", "dp", "--wait")
+    cluster.start("dp")
     instance = cluster.instance("dp")
     assert instance is not None
     assert instance.residency == "restart_only"

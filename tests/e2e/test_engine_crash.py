@@ -120,13 +120,13 @@ def test_capyctl_logs_shows_an_engines_recent_lines_from_its_file_or_its_memory(
     cluster: Cluster,
 ) -> None:
     cluster.deploy("kept", engine="vllm", model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "kept", "--wait")
+    cluster.start("kept")
     shown = cluster.ok("logs", "deployment", "kept", "--lines", "5")
     head, *lines = shown.splitlines()
     assert head == f"# kept on host {HOST}: its log file"
     assert 0 < len(lines) <= 5
     cluster.deploy("zero", engine="vllm", model="small", engine_config=SMALL, retention="zero")
-    cluster.ok("start", "deployment", "zero", "--wait")
+    cluster.start("zero")
     found = json.loads(cluster.ok("logs", "deployment", "zero", "--json"))
     assert found["kept"] == "memory"
     assert any("vLLM API server version" in line for line in found["lines"]), found["lines"]

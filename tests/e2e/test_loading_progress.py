@@ -114,7 +114,7 @@ def test_a_cold_start_shows_progress_and_the_sdk_reads_the_stream_unchanged(
 
 def test_a_wake_shows_waking(cluster: Cluster, loader: str) -> None:
     cluster.deploy("sleepy", engine=loader, model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "sleepy", "--wait")
+    cluster.start("sleepy")
     cluster.ok("park", "deployment", "sleepy", "--wait")
     comments, events = comments_then_events(raw_stream(cluster, "sleepy", ON))
     assert any(re.search(r", waking( \d+%)?$", line) for line in comments), comments

@@ -17,7 +17,7 @@ from support import group_members, live_processes, processes_mentioning, start_r
 def _ready(cluster: Cluster) -> InstanceRecord:
     """Declare the model, start it and return its ready instance record."""
     cluster.deploy("lost", model="small")
-    cluster.ok("start", "deployment", "lost", "--wait")
+    cluster.start("lost")
     record = cluster.instance("lost")
     assert record is not None
     assert record.state == "ready"

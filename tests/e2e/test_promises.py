@@ -130,7 +130,7 @@ def test_a_restart_only_park_stops_the_engine_and_a_request_cold_starts_it(
     cluster: Cluster,
 ) -> None:
     cluster.deploy("ro", model="gguf", engine="llama", engine_config={"context_length": 4096})
-    cluster.ok("start", "deployment", "ro", "--wait")
+    cluster.start("ro")
     assert "parked" in cluster.ok("park", "deployment", "ro", "--wait")
     instance = cluster.instance("ro")
     assert instance is not None

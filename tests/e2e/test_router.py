@@ -113,7 +113,7 @@ def test_answers_are_the_engines_own(cluster: Cluster) -> None:
 
 def test_a_request_for_a_parked_model_wakes_it(cluster: Cluster) -> None:
     cluster.deploy("sleepy", model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "sleepy", "--wait")
+    cluster.start("sleepy")
     cluster.ok("park", "deployment", "sleepy", "--wait")
     answer = sdk(cluster).chat.completions.create(model="sleepy", messages=HI)
     assert answer.choices[0].message.content == "Hello from the engine simulator."
@@ -238,7 +238,7 @@ def _load_lines(metrics: str) -> list[str]:
 
 def test_a_client_hang_up_stops_the_engines_work(cluster: Cluster) -> None:
     cluster.deploy("slow", engine="slow", model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "slow", "--wait")
+    cluster.start("slow")
     for stream in (True, False):
         _hang_up(cluster, "slow", stream=stream, after_first=True)
         # Its place comes back once hostd reads the engine idle (a loaded machine reads late);
@@ -250,20 +250,20 @@ def test_a_client_hang_up_stops_the_engines_work(cluster: Cluster) -> None:
         )
     # A 5 s prefill: the engine has the request and has sent nothing yet.
     cluster.deploy("hang", engine="prefill", model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "hang", "--wait")
+    cluster.start("hang")
     for stream in (True, False):
         _hang_up(cluster, "hang", stream=stream, after_first=False)
     requests = cluster.status("hang")["requests"]
     assert requests["settle_at_stop"] == 2, "cut before any answer: counted until a stop"
     assert requests["running"] == 2
     cluster.ok("stop", "deployment", "hang", "--wait")
-    cluster.ok("start", "deployment", "hang", "--wait")
+    cluster.start("hang")
     assert cluster.status("hang")["requests"]["settle_at_stop"] == 0, "the stop settled them"
 
 
 def test_sglang_aborts_a_cut_request_by_its_id(cluster: Cluster) -> None:
     cluster.deploy("sg", engine="slowsglang", model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "sg", "--wait")
+    cluster.start("sg")
     before = cluster.engine_aborted("sg")
     for stream in (True, False):
         _hang_up(cluster, "sg", stream=stream, after_first=True)
@@ -280,7 +280,7 @@ def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) 
     install = install_python_engine(cluster.root / "e" / "sg22", "sglang", "0.5.22", slow)
     cluster.ok("engine", "add", str(install), "--name", "sg22")
     cluster.deploy("sg22", engine="sg22", model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "sg22", "--wait")
+    cluster.start("sg22")
     headers = {"Authorization": f"Bearer {cluster.api_key}"}
 
     async def scenario() -> list[tuple[str, float]]:

@@ -155,7 +155,7 @@ def test_a_redis_restart_under_load_fails_no_request_and_leaks_no_place(
 ) -> None:
     cluster.deploy("steady", engine="steady", engine_config=FOURTEEN)
     cluster.deploy("next", engine_config=FOURTEEN)
-    cluster.ok("start", "deployment", "steady", "--wait")
+    cluster.start("steady")
     offset = _router_log(cluster).stat().st_size
     before = cluster.role.processes()["redis"]["pid"]
     load = Load(cluster, "steady")
@@ -181,7 +181,7 @@ def test_a_redis_restart_under_load_fails_no_request_and_leaks_no_place(
 
 def test_a_killed_router_worker_loses_only_its_own_requests(cluster: Cluster) -> None:
     cluster.deploy("busy", engine="steady", model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "busy", "--wait")
+    cluster.start("busy")
     workers = {w["name"]: w for w in cluster.role.processes()["router"]["workers"]}
     assert set(workers) == {"router-0", "router-1"}
     assert {w["state"] for w in workers.values()} == {"RUNNING"}

@@ -58,21 +58,21 @@ def test_park_and_wake_at_each_residency(cluster: Cluster) -> None:
         "ro", model="gguf", engine="llama", engine_config={"context_length": 4096, **small}
     )
     for name, tier in (("hb", "host_backed"), ("deep", "deep")):
-        cluster.ok("start", "deployment", name, "--wait")
+        cluster.start(name)
         assert "parked" in cluster.ok("park", "deployment", name, "--wait")
         assert cluster.instance(name).residency == tier  # type: ignore[union-attr]
         assert "ready" in cluster.ok("start", "deployment", name, "--wait")
         reasons = [reason for _, to, reason in cluster.transitions(name) if to == "parked"]
         assert reasons
         assert f"parked ({tier})" in reasons[0]
-    cluster.ok("start", "deployment", "ro", "--wait")
+    cluster.start("ro")
     assert "parked" in cluster.ok("park", "deployment", "ro", "--wait"), "a restart_only park"
     assert cluster.state("ro") == "stopped", "it parks by stopping"
 
 
 def test_a_request_after_an_operator_park_wakes_it_for_good(cluster: Cluster) -> None:
     cluster.deploy("p", model="small", engine_config=SMALL)
-    cluster.ok("start", "deployment", "p", "--wait")
+    cluster.start("p")
     assert "parked" in cluster.ok("park", "deployment", "p", "--wait")
     client = openai.OpenAI(base_url=cluster.base_url, api_key=cluster.api_key, max_retries=0)
     answer = client.chat.completions.create(
@@ -97,7 +97,7 @@ def test_idle_models_park_then_stop(cluster: Cluster) -> None:
         lifecycle={"ready_idle_timeout": "2s", "parked_idle_timeout": "2s"},
         engine_config={"memory": {"request": "4GiB"}},
     )
-    cluster.ok("start", "deployment", "idle", "--wait")
+    cluster.start("idle")
     wait_for(lambda: cluster.state("idle") == "stopped", timeout=30, what="idle park then stop")
     reasons = [(to, reason) for _, to, reason in cluster.transitions("idle")]
     assert ("draining", "drain: idle for 2s") in reasons
@@ -133,7 +133,7 @@ def _slow_request(cluster: Cluster, name: str, tokens: int) -> threading.Thread:
 def test_a_busy_victim_is_waited_for(cluster: Cluster) -> None:
     cluster.deploy("busy", engine="slow", engine_config=FOURTEEN)
     cluster.deploy("next", engine_config=FOURTEEN)
-    cluster.ok("start", "deployment", "busy", "--wait")
+    cluster.start("busy")
     # About 25 s at 8 tokens/s: still running when a loaded machine's scheduler gets to it.
     request = _slow_request(cluster, "busy", tokens=200)
     wait_for(lambda: cluster.status("busy")["state"] == "ready", timeout=5, what="ready")
@@ -164,7 +164,7 @@ def test_a_park_that_frees_no_memory_stops_the_engine(cluster: Cluster) -> None:
     cluster.deploy(
         "leaky", engine="leaky", model="small", engine_config={"memory": {"request": "4GiB"}}
     )
-    cluster.ok("start", "deployment", "leaky", "--wait")
+    cluster.start("leaky")
     pgid = cluster.instance("leaky").process.pgid  # type: ignore[union-attr]
     cluster.ok("park", "deployment", "leaky")
     wait_for(lambda: cluster.state("leaky") == "stopped", timeout=30, what="leaky stopped")
@@ -202,7 +202,7 @@ def test_wait_exit_codes(cluster: Cluster) -> None:
 
 def test_an_operator_stop_suspends_on_demand_activation(cluster: Cluster) -> None:
     cluster.deploy("op", model="small", engine_config={"memory": {"request": "4GiB"}})
-    cluster.ok("start", "deployment", "op", "--wait")
+    cluster.start("op")
     assert "stopped" in cluster.ok("stop", "deployment", "op", "--wait")
     cluster.demand("op")
     wait_for(
@@ -219,8 +219,8 @@ def test_drain_stops_every_engine_and_keeps_deployments_on_demand(cluster: Clust
     small = {"memory": {"request": "4GiB"}}
     cluster.deploy("d1", model="small", engine_config=small)
     cluster.deploy("d2", model="small", engine_config=small)
-    cluster.ok("start", "deployment", "d1", "--wait")
-    cluster.ok("start", "deployment", "d2", "--wait")
+    cluster.start("d1")
+    cluster.start("d2")
     assert "stopping d1, d2" in cluster.ok("drain", "standalone")
     wait_for(
         lambda: {cluster.state("d1"), cluster.state("d2")} == {"stopped"},
@@ -236,7 +236,7 @@ def test_the_scheduler_killed_mid_switch_neither_double_charges_nor_orphans(
 ) -> None:
     cluster.deploy("x", engine_config=FOURTEEN)
     cluster.deploy("y", engine_config=FOURTEEN)
-    cluster.ok("start", "deployment", "x", "--wait")
+    cluster.start("x")
     cluster.ok("start", "deployment", "y")
     # x drains and parks in a few hundred ms (memwatch reads every 20 ms after the park call);
     # y's start, which follows, takes longer: the kill lands in the switch either way.

@@ -12,11 +12,11 @@ def test_placement_across_two_gpus() -> None:
         cluster.deploy("p", engine_config=FOURTEEN)
         cluster.deploy("q", engine_config=FOURTEEN)
         cluster.deploy("r", engine_config=FOURTEEN, devices=[{"id": "gpu1"}])
-        cluster.ok("start", "deployment", "p", "--wait")
-        cluster.ok("start", "deployment", "q", "--wait")
+        cluster.start("p")
+        cluster.start("q")
         gpus = {n: cluster.status(n)["instances"][0]["gpu"] for n in "pq"}
         assert sorted(gpus.values()) == ["gpu0", "gpu1"], "the one with most headroom"
-        cluster.ok("start", "deployment", "r", "--wait")
+        cluster.start("r")
         assert cluster.status("r")["instances"][0]["gpu"] == "gpu1", "pinned"
         displaced = next(n for n in "pq" if gpus[n] == "gpu1")
         assert cluster.state(displaced) == "parked", "the switch happened on r's GPU"
