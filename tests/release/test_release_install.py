@@ -323,17 +323,39 @@ esac
 """
 
 
+def _own_mounts() -> bool:
+    """Whether this process may make a mount namespace of its own (root in most containers)."""
+    probe = ["unshare", "--mount", "true"]
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(probe, stderr=subprocess.DEVNULL, check=False).returncode == 0
+
+
+# Runs install.sh with nothing of the caller's environment, in a mount namespace of its own
+# whose /usr/local is the folder given ($1), then the capyctl it put on /usr/local/bin: as
+# root with no --prefix, the installer installs system-wide.
+AS_ROOT = """mount --bind "$1" /usr/local
+env -i HOME="$2" PATH="$3" sh "$4" --from "$5" || exit
+/usr/local/bin/capyctl --version
+"""
+
+
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
-    reason="needs root (the installer installs redis-server only as root) and the system's python3",
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not _own_mounts(),
+    reason="needs root (the installer installs redis-server only as root), a mount namespace "
+    "(to install into /usr/local without touching this machine's) and the system's python3",
 )
-def test_root_gets_redis_server_from_debian_once(releases: Releases) -> None:
-    """As root, on a machine without redis-server, the installer runs apt-get for Debian's
-    redis-server, without questions; a second run finds it and asks for nothing."""
+def test_root_installs_system_wide_with_redis_server_from_debian_once(
+    releases: Releases,
+) -> None:
+    """As root, on a machine without redis-server, the installer puts capyctl in
+    /usr/local/bin and runs apt-get for Debian's redis-server, without questions; a second
+    run finds both and asks for nothing."""
     root = short_dir("capy-root")
     try:
-        tools, log, prefix = root / "bin", root / "apt-get.log", root / "prefix"
+        tools, log, local = root / "bin", root / "apt-get.log", root / "usr-local"
         tools.mkdir()
+        local.mkdir()
         for tool in TOOLS:
             found = shutil.which(tool, path="/usr/bin:/bin")
             assert found is not None, tool
@@ -342,11 +364,15 @@ def test_root_gets_redis_server_from_debian_once(releases: Releases) -> None:
         apt_get = tools / "apt-get"
         apt_get.write_text(FAKE_APT_GET.format(log=log, tools=tools))
         apt_get.chmod(0o755)
-        argv = ["env", "-i", f"HOME={root}", f"PATH={tools}", "sh", str(ROOT / "install.sh")]
-        argv += ["--from", str(releases.folder / f"v{OLD}"), "--prefix", str(prefix)]
+        release = releases.folder / f"v{OLD}"
+        argv = ["unshare", "--mount", "sh", "-c", AS_ROOT, "as-root", str(local), str(root)]
+        argv += [str(tools), str(ROOT / "install.sh"), str(release)]
 
         first = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
         assert first.returncode == 0, first.stdout + first.stderr
+        assert "install: /usr/local/bin/capyctl is capyctl " + OLD in first.stdout
+        assert first.stdout.endswith(f"capyctl {OLD}\n"), first.stdout
+        assert (local / "lib" / "capyctl" / OLD / "installed").exists()
         assert "install: installing redis-server from Debian" in first.stdout
         assert log.read_text().splitlines() == [
             "noninteractive update -qq",
@@ -357,6 +383,7 @@ def test_root_gets_redis_server_from_debian_once(releases: Releases) -> None:
 
         again = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
         assert again.returncode == 0, again.stdout + again.stderr
+        assert f"capyctl {OLD} is already installed" in again.stdout
         assert "redis-server" not in again.stdout
         assert len(log.read_text().splitlines()) == 2
     finally:
