@@ -93,10 +93,16 @@ class Cluster:
         return Management(StatePaths(self.role.state_dir))
 
     def deploy(self, name: str, **fields: Any) -> None:
+        """Declare a deployment from `<root>/<name>.yaml` (written here): a Hub branch or tag
+        through `capyctl deploy model`, which pins it to a commit; anything else as that
+        command sends it."""
         document = {"name": name, "engine": "vllm", "model": "m14", **fields}
+        path = self.root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(document))
         source = document["model"]
-        unpinned = isinstance(source, dict) and "@" not in str(source.get("hf", "@"))
-        assert not unpinned, "a Hub branch or tag is pinned by `capyctl deploy model`"
+        if isinstance(source, dict) and "@" not in str(source.get("hf", "@")):
+            self.ok("deploy", "model", "--file", str(path))
+            return
         with self.api() as api:
             api.deploy(document)
 
