@@ -271,6 +271,17 @@ TOOLS = [
 NOBODY = 65534
 
 
+def link_tools(folder: Path) -> None:
+    """A folder of the TOOLS and the system's python3, from the system's own folders: the
+    installer's whole PATH."""
+    folder.mkdir()
+    for tool in TOOLS:
+        found = shutil.which(tool, path="/usr/bin:/bin")
+        assert found is not None, tool
+        (folder / tool).symlink_to(found)
+    (folder / "python3").symlink_to("/usr/bin/python3")
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/usr/bin/python3").exists(),
     reason="needs root (to run the installer as nobody), setpriv and the system's python3",
@@ -282,12 +293,7 @@ def test_a_user_without_redis_is_told_the_command(releases: Releases) -> None:
     try:
         release, tools, home = root / "release", root / "bin", root / "home"
         shutil.copytree(releases.folder / f"v{OLD}", release)
-        tools.mkdir()
-        for tool in TOOLS:
-            found = shutil.which(tool, path="/usr/bin:/bin")
-            assert found is not None, tool
-            (tools / tool).symlink_to(found)
-        (tools / "python3").symlink_to("/usr/bin/python3")
+        link_tools(tools)
         home.mkdir()
         for path in (root, *root.rglob("*")):
             if not path.is_symlink():
@@ -354,13 +360,8 @@ def test_root_installs_system_wide_with_redis_server_from_debian_once(
     root = short_dir("capy-root")
     try:
         tools, log, local = root / "bin", root / "apt-get.log", root / "usr-local"
-        tools.mkdir()
+        link_tools(tools)
         local.mkdir()
-        for tool in TOOLS:
-            found = shutil.which(tool, path="/usr/bin:/bin")
-            assert found is not None, tool
-            (tools / tool).symlink_to(found)
-        (tools / "python3").symlink_to("/usr/bin/python3")
         apt_get = tools / "apt-get"
         apt_get.write_text(FAKE_APT_GET.format(log=log, tools=tools))
         apt_get.chmod(0o755)
