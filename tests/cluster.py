@@ -100,7 +100,7 @@ class Cluster:
         path = self.root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(document))
         source = document["model"]
-        if isinstance(source, dict) and "@" not in str(source.get("hf", "@")):
+        if isinstance(source, dict) and "hf" in source and "@" not in source["hf"]:
             self.ok("deploy", "model", "--file", str(path))
             return
         with self.api() as api:
@@ -211,7 +211,7 @@ class Cluster:
         names = desired.read_all(self.client)
         if not names:
             return
-        with Management(StatePaths(self.role.state_dir)) as api:
+        with self.api() as api:
             for name in names:
                 try:
                     api.act(name, "delete")
