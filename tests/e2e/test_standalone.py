@@ -28,8 +28,10 @@ from support import (
 )
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def standalone() -> Iterator[Role]:
+    """One role for the file's tests that leave it running: those that kill one of its
+    processes wait until it is back and the role healthy again."""
     with role_running() as role:
         yield role
 
