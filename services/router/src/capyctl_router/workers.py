@@ -1,12 +1,15 @@
 """The router's processes: a parent that holds the inference listener, and its workers.
 
 `capyctl-router --role ROLE` is the parent (service `router`). It binds the inference
-listener once and runs `server.router.workers` worker processes (services `router-0`,
-`router-1`, ...) that accept connections from that one socket and share their state through
-Redis. A killed worker loses only the requests it was serving: the others keep taking
-connections from the same queue, and the parent starts it again at once, removes it from
-the place owners (its places are given back) and drops its gauges. Stopping the parent stops
-its workers (SIGTERM: their requests may finish); a worker whose parent died stops too.
+listener once, loads the workers' code, and forks `server.router.workers` worker processes
+(services `router-0`, `router-1`, ...) that accept connections from that one socket and share
+their state through Redis. A fork starts a worker in milliseconds and shares the loaded code
+with the parent, where a new interpreter would import it all again (about a CPU-second).
+
+A killed worker loses only the requests it was serving: the others keep taking connections
+from the same queue, and the parent starts it again at once, removes it from the place
+owners (its places are given back) and drops its gauges. Stopping the parent stops its
+workers (SIGTERM: their requests may finish); a worker whose parent died stops too.
 
 The workers' metrics are one set: each writes its own into a folder of the state dir
 (Prometheus's multiprocess mode) and the /metrics of any of them sums them all.
@@ -26,6 +29,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,13 +40,13 @@ from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, ServiceContext, bind, until_stop, wait_event
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.state import places
+from capyctl_router import worker
 from capyctl_router.metrics import start_cursors
 from capyctl_router.remote import client_context
+from capyctl_router.worker import worker_name
 
 log = logging.getLogger(__name__)
 
-# Names the folder of Prometheus's multiprocess mode, for the workers' metrics.
-METRICS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 # Memory-backed files, where the machine has them; the folder is made by mkdtemp (0700).
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108
 METRICS_PREFIX = "capyctl-router-metrics-"
@@ -54,15 +58,13 @@ RESTART_PAUSE_MAX_S = 30.0
 # a service's own work has to stop).
 WORKER_STOP_S = 9.0
 # prctl(PR_SET_PDEATHSIG, SIGTERM) in a worker before it runs: it stops when its parent dies.
-# The call is made ready here, as a child between fork and exec must not load anything.
 _PR_SET_PDEATHSIG = 1
 _die_with_parent = functools.partial(
     ctypes.CDLL(None, use_errno=True).prctl, _PR_SET_PDEATHSIG, int(signal.SIGTERM)
 )
-
-
-def worker_name(index: int) -> str:
-    return f"router-{index}"
+# The signals the parent's event loop handles: blocked across a fork, so that none reaches
+# the child before it has let go of the parent's handlers.
+_HANDLED = frozenset({signal.SIGTERM, signal.SIGINT})
 
 
 async def run_workers(ctx: ServiceContext, argv: Sequence[str]) -> None:
@@ -106,23 +108,17 @@ async def _keep_worker(
 ) -> None:
     """Run worker `index` until the stop, starting it again whenever it exits."""
     name = worker_name(index)
-    fd = listener.fileno()
-    command = [sys.executable, "-m", "capyctl_router", *argv]
-    command += ["--worker", str(index), "--listen-fd", str(fd)]
-    env = {**os.environ, METRICS_VARIABLE: str(folder)}
     quick_exits = 0
     while not ctx.stop.is_set():
         started = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *command, env=env, pass_fds=(fd,), preexec_fn=_die_with_parent
-        )
+        child = Child(_fork(index, argv, listener, folder))
         try:
-            code = await _until_exit(proc, ctx.stop)
+            code = await _until_exit(child, ctx.stop)
         finally:
-            if proc.returncode is None:  # the parent's own work was cancelled
-                proc.kill()
-                await proc.wait()
-            await _gone(ctx, name, proc.pid, folder)
+            if child.returncode is None:  # the parent's own work was cancelled
+                child.kill()
+                await child.wait()
+            await _gone(ctx, name, child.pid, folder)
         if ctx.stop.is_set():
             return
         quick_exits = quick_exits + 1 if time.monotonic() - started < RESTART_QUICK_S else 0
@@ -130,23 +126,84 @@ async def _keep_worker(
         log.warning(
             "%s (pid %d) exited with %s; starting it again",
             name,
-            proc.pid,
+            child.pid,
             _exit_text(code),
             extra={"after_s": pause},
         )
         await wait_event(ctx.stop, pause)
 
 
-async def _until_exit(proc: asyncio.subprocess.Process, stop: asyncio.Event) -> int:
+def _fork(index: int, argv: Sequence[str], listener: socket.socket, folder: Path) -> int:
+    """Fork worker `index`; its pid, in the parent. The child never returns: it leaves the
+    parent's event loop and signal handlers behind, runs the worker, and exits."""
+    parent = os.getpid()
+    masked = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+    pid = os.fork()
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, masked)
+        return pid
+    code = 1
+    try:
+        # A signal must not wake the parent's loop through the wakeup fd they share.
+        signal.set_wakeup_fd(-1)
+        for signum in _HANDLED:
+            signal.signal(signum, signal.SIG_DFL)
+        _die_with_parent()
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, masked)
+        asyncio.events._set_running_loop(None)  # the parent's; the worker runs its own
+        code = worker.main(index, argv, listener, folder)
+    except BaseException:  # said here; the parent sees the exit code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class Child:
+    """A forked worker, watched through a pidfd: its exit wakes the event loop."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        _, status = os.waitpid(self.pid, 0)
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._exited.set_result(self.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.returncode is None:  # not yet reaped: the pid is still this worker's
+            os.kill(self.pid, signum)
+
+
+async def _until_exit(child: Child, stop: asyncio.Event) -> int:
     """The worker's exit status; on the stop, it is asked to stop (then killed, if it has
     not after WORKER_STOP_S)."""
-    exited = asyncio.ensure_future(proc.wait())
+    exited = asyncio.ensure_future(child.wait())
     await until_stop(exited, stop)
     if not exited.done():
-        proc.terminate()
+        child.terminate()
         done, _ = await asyncio.wait([exited], timeout=WORKER_STOP_S)
         if not done:
-            proc.kill()
+            child.kill()
     return await exited
 
 
