@@ -203,3 +203,23 @@ def test_a_killed_router_worker_loses_only_its_own_requests(cluster: Cluster) ->
     again = wait_for(restarted, timeout=15, what="the worker to be started again")
     print(f"router-1 started again: pid {victim} -> {again['pid']}")
     wait_for(lambda: _running_places(cluster, "busy") == 0, timeout=5, what="every place back")
+
+
+def test_a_signal_to_one_worker_ends_only_that_worker(cluster: Cluster) -> None:
+    """A worker is a fork of the router's parent: a SIGTERM to it ends it alone, and it is
+    forked again; the parent and the other worker go on."""
+    before = cluster.role.processes()["router"]
+    workers = {w["name"]: w["pid"] for w in before["workers"]}
+    os.kill(workers["router-0"], signal.SIGTERM)
+
+    def again() -> bool:
+        now = cluster.role.processes()["router"]
+        found = {w["name"]: w for w in now["workers"]}
+        new = found.get("router-0")
+        return bool(new and new["pid"] != workers["router-0"] and new["state"] == "RUNNING")
+
+    wait_for(again, timeout=15, what="router-0 to be started again")
+    after = cluster.role.processes()["router"]
+    assert after["pid"] == before["pid"], "the parent goes on"
+    assert {w["name"]: w["pid"] for w in after["workers"]}["router-1"] == workers["router-1"]
+    assert cluster.role.healthy()
