@@ -154,6 +154,8 @@ def _fork(index: int, argv: Sequence[str], listener: socket.socket, folder: Path
         signal.pthread_sigmask(signal.SIG_SETMASK, masked)
         asyncio.events._set_running_loop(None)  # the parent's; the worker runs its own
         code = worker.main(index, argv, listener, folder)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # said here; the parent sees the exit code
         traceback.print_exc()
     finally:
