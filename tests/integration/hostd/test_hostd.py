@@ -20,7 +20,7 @@ from capyctl_hostd.ports import is_free
 from enginesim.behaviour import CrashAtStart, Faults
 from enginesim.install import write_behaviour
 from integration.hostd.harness import FAST, GiB, Hostd, assert_group_gone, environ, launch
-from support import group_members, short_dir, wait_for
+from support import engine_ports, group_members, short_dir, wait_for
 
 
 @pytest.mark.parametrize("family", ["vllm", "sglang"])
@@ -122,10 +122,12 @@ def test_a_host_that_allows_engine_telemetry_leaves_the_engines_own_defaults(
 def test_a_foreign_process_on_a_port_is_skipped(
     redis_socket: Path, installs: dict[str, Path], model: Path
 ) -> None:
+    # Two ports of this test process's own, below the kernel's ephemeral ones: the one after
+    # an ephemeral port may be any process's.
+    taken = int(engine_ports(24600).split("-")[0])
     with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
+        squatter.bind(("127.0.0.1", taken))
         squatter.listen()
-        taken = squatter.getsockname()[1]
         root = short_dir("hostd")
         harness = Hostd(
             root / "state", root / "home", redis_socket, engine_ports=f"{taken}-{taken + 1}"
