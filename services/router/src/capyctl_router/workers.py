@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import gc
 import logging
 import os
 import shutil
@@ -137,6 +138,9 @@ def _fork(index: int, argv: Sequence[str], listener: socket.socket, folder: Path
     """Fork worker `index`; its pid, in the parent. The child never returns: it leaves the
     parent's event loop and signal handlers behind, runs the worker, and exits."""
     parent = os.getpid()
+    # What the parent holds now is the worker's for good: kept out of the worker's garbage
+    # collections, which would otherwise walk it all (and copy every page they touch).
+    gc.freeze()
     masked = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
     pid = os.fork()
     if pid:
