@@ -31,11 +31,11 @@ def parse_stat(text: str) -> StatFields:
     return StatFields(state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]), start_ticks=start)
 
 
-def _read_stat(proc_root: str, pid: str) -> bytes | None:
-    """/proc/<pid>/stat as bytes, or None when the process is gone. Read with one open and
-    one read: a walk of /proc reads hundreds of these, hostd and memwatch several a second."""
+def _read_stat(path: str) -> bytes | None:
+    """A stat file's bytes, or None when the process is gone. Read with one open and one
+    read: a walk of /proc reads hundreds of these, hostd and memwatch several a second."""
     try:
-        descriptor = os.open(f"{proc_root}/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -48,7 +48,7 @@ def _read_stat(proc_root: str, pid: str) -> bytes | None:
 
 def stat(pid: int, proc_root: Path = PROC) -> StatFields | None:
     """The process's fields now, or None when it is gone."""
-    raw = _read_stat(str(proc_root), str(pid))
+    raw = _read_stat(f"{proc_root}/{pid}/stat")
     try:
         return None if raw is None else parse_stat(raw.decode(errors="replace"))
     except (IndexError, ValueError):
@@ -60,21 +60,10 @@ def group_members(pgids: Collection[int], proc_root: Path = PROC) -> dict[int, l
     found: dict[int, list[int]] = {pgid: [] for pgid in pgids}
     if not found:
         return found
-    root = str(proc_root)
-    for name in os.listdir(root):
-        if not name.isdigit():
-            continue
-        raw = _read_stat(root, name)
-        if raw is None:
-            continue
-        # After `pid (comm) `: state, ppid, pgid; only these three are split off.
-        fields = raw[raw.rfind(b") ") + 2 :].split(maxsplit=3)
-        try:
-            pgid = int(fields[2])
-        except (IndexError, ValueError):
-            continue
-        if pgid in found and fields[0] != b"Z":
-            found[pgid].append(int(name))
+    for name in os.listdir(proc_root):
+        fields = stat(int(name), proc_root) if name.isdigit() else None
+        if fields is not None and fields.pgid in found and fields.state != "Z":
+            found[fields.pgid].append(int(name))
     return {pgid: sorted(pids) for pgid, pids in found.items()}
 
 
