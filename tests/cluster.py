@@ -55,6 +55,7 @@ SMALL = {"memory": {"request": "4GiB"}}
 _RUNNING = re.compile(
     r"^(?:vllm:num_requests_running|sglang:num_running_reqs)\{[^}]*\} (\S+)$", re.M
 )
+_GENERATED = re.compile(r"^(?:vllm|sglang):generation_tokens_total\{[^}]*\} (\S+)$", re.M)
 _ABORTED = re.compile(r"^sglang:num_aborted_requests(?:_total)?\{[^}]*\} (\S+)$", re.M)
 
 
@@ -178,6 +179,12 @@ class Cluster:
     def engine_running(self, name: str) -> int:
         found = _RUNNING.search(self.engine_metrics(name))
         assert found is not None, "the engine reports its running requests"
+        return int(float(found[1]))
+
+    def engine_generated(self, name: str) -> int:
+        """The tokens the engine has generated since it started, as its metrics count them."""
+        found = _GENERATED.search(self.engine_metrics(name))
+        assert found is not None, "the engine reports its generated tokens"
         return int(float(found[1]))
 
     def engine_aborted(self, name: str) -> int:

@@ -205,6 +205,7 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
                     raise AssertionError(f"the router answered {answered}")
                 return cluster.engine_running(name) == 1
 
+            generated = cluster.engine_generated(name)
             task = asyncio.create_task(send())
             try:
                 await asyncio.to_thread(
@@ -218,8 +219,13 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
                 ) from None
             if stream and after_first:
                 await asyncio.wait_for(first.wait(), 10)
-            if after_first and not stream:
-                await asyncio.sleep(1)  # tokens are being made for the collected answer
+            if after_first and not stream:  # tokens are being made for the collected answer
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: cluster.engine_generated(name) > generated,
+                    timeout=10,
+                    what="the engine to make a token of the collected answer",
+                )
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
