@@ -237,5 +237,9 @@ def test_readings_come_every_10_ms_once_hostd_asks_while_an_instance_parks(
 
         parked = ready.model_copy(update={"state": InstanceState.PARKED, "since": time.time()})
         put(client, parked)
-        time.sleep(0.5)  # the announcement is taken up
+        wait_for(
+            lambda: _readings_over(memwatch, 0.2) == 0,
+            timeout=10,
+            what="memwatch to take up the park's announcement and read every 2 s",
+        )
         assert _readings_over(memwatch, 2.0) <= 2, "one every 2 s again once it parked"
