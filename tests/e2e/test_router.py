@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from capycommon.state import places
-from cluster import FOURTEEN, SMALL, Cluster, running
+from capycommon.state import keys, places
+from cluster import FOURTEEN, HOST, SMALL, Cluster, running
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
 from support import wait_for
@@ -122,6 +122,41 @@ def test_a_request_for_a_parked_model_wakes_it(cluster: Cluster) -> None:
     assert woke[-2:] == ["waking", "ready"]
     models = sdk(cluster).models.list()
     assert "sleepy" in [m.id for m in models.data]
+
+
+def test_a_run_of_requests_asks_redis_for_a_place_once_per_worker(cluster: Cluster) -> None:
+    """Each router worker keeps the place of a request that ended as a spare and lets its
+    next requests through on it: twenty requests in a row run the admission script at most
+    once a worker (two); a park right after finds no request running and the spares back."""
+    cluster.deploy("steady", model="small", engine_config=SMALL)
+    cluster.start("steady")
+    client = sdk(cluster)
+    taking = keys.instance(HOST, "steady", 0)  # only the admission script reads the record
+    redis = cluster.client
+    try:
+        redis.config_set("slowlog-max-len", 10_000)
+        redis.config_set("slowlog-log-slower-than", 0)  # every command
+        redis.slowlog_reset()
+        for i in range(20):
+            if i % 2:
+                chunks = client.chat.completions.create(model="steady", messages=HI, stream=True)
+                assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                assert client.chat.completions.create(model="steady", messages=HI).choices
+        logged = redis.slowlog_get(10_000)
+        redis.config_set("slowlog-log-slower-than", 10_000)
+        commands = [_text(entry["command"]) for entry in logged]
+        takes = [c for c in commands if c.upper().startswith("EVALSHA") and taking in c]
+        assert 1 <= len(takes) <= 2, f"{len(takes)} admissions through Redis for 20 requests"
+        cluster.ok("park", "deployment", "steady", "--wait")
+        found = places.read(redis, "steady")
+        assert (found.running, found.spare) == (0, 0)
+    finally:
+        redis.close()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def test_100_concurrent_requests_over_three_models_that_do_not_fit_together(

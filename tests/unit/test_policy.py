@@ -425,6 +425,19 @@ def test_a_drain_that_no_router_request_holds_parks_at_once() -> None:
     assert kinds(plan(replace(quiet, places=held))) == []
 
 
+def test_a_drain_waits_for_the_routers_spare_places() -> None:
+    records = [deployment("a", inflight=drain_to_park(10.0, "idle"))]
+    draining = [instance("a", S.DRAINING, since=10.0)]
+    quiet = snapshot(10.01, records, draining, loads={"a": load(1, 0, 9.5)})
+    # A spare may carry a request its router let through before it heard of the drain.
+    spare = {"a": Places(generation=1, spare=1)}
+    assert kinds(plan(replace(quiet, places=spare))) == []
+    read_after = replace(quiet, loads={"a": load(1, 0, 10.005)}, places=spare)
+    assert kinds(plan(read_after)) == [], "an idle reading does not prove it unused"
+    stale = {"a": Places(generation=0, spare=1)}
+    assert kinds(plan(replace(quiet, places=stale))) == [("park", "a")], "another generation's"
+
+
 # Idle timeouts --------------------------------------------------------------------------------
 
 
@@ -636,6 +649,9 @@ def test_router_places_make_a_model_busy_and_cut_requests_make_it_stop_not_park(
     stale = {"a": Places(generation=0, running=5, settle_at_stop=5)}
     actions = plan(b_demanded(places=stale))
     assert next(a for a in actions if a.kind == "drain").then == "park", "another generation's"
+    spare = {"a": Places(generation=1, spare=1)}
+    actions = plan(b_demanded(places=spare))
+    assert next(a for a in actions if a.kind == "drain").then == "park", "a spare is no request"
 
 
 def test_a_restart_is_asked_when_cut_requests_hold_every_place() -> None:

@@ -1,9 +1,12 @@
 """Places owned by router workers, on a real redis-server: a gone owner's places count for
-nothing (but those cut before any answer, until the stop), and an owner's `keep` puts its
-own count right after Redis lost it or never heard of a change."""
+nothing (but those cut before any answer, until the stop), an owner's `keep` puts its own
+count right after Redis lost it or never heard of a change, and the spare place a worker
+keeps between requests counts against the limit, never as a running request."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -108,3 +111,110 @@ async def test_the_queue_bounds_count_every_live_owners_waiting(client: aioredis
     assert not await second.join(NAME, 2, 3), "written back: two wait for it"
     await first.leave(NAME)
     assert await second.join(NAME, 2, 3)
+
+
+async def _spares(client: aioredis.Redis) -> tuple[int, int]:
+    found = await places.aread(client, NAME)
+    return found.running, found.spare
+
+
+async def _calls(client: aioredis.Redis) -> int:
+    """Scripts Redis ran so far."""
+    stats = await client.info("commandstats")
+    return sum(
+        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
+    )
+
+
+@pytest.mark.anyio
+async def test_a_kept_spare_serves_the_next_request_without_redis(client: aioredis.Redis) -> None:
+    book = PlaceBook(client, "router-0:1")
+    assert await book.take(HOST, NAME, 1) == 1
+    await book.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (0, 1), "kept: no request runs on it"
+    before = await _calls(client)
+    for _ in range(5):
+        assert book.use_spare(NAME, 1)
+        assert not book.use_spare(NAME, 1), "one spare, one request at a time"
+        await book.end(NAME, 1, spare=True, keep=True)
+    assert await _calls(client) == before, "five requests, no script"
+    assert not book.use_spare(NAME, 2), "not for another generation"
+    assert await _spares(client) == (0, 1)
+
+
+@pytest.mark.anyio
+async def test_spares_count_against_the_limit_until_given_back(client: aioredis.Redis) -> None:
+    first, second = PlaceBook(client, "router-0:1"), PlaceBook(client, "router-1:2")
+    assert await first.take(HOST, NAME, 1, limit=2) == 1
+    assert await first.take(HOST, NAME, 1, limit=2) == 1
+    await first.end(NAME, 1, spare=False, keep=True)
+    await first.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (0, 1), "one spare kept, the other place given back"
+    assert await second.take(HOST, NAME, 1, limit=2) == 1
+    assert await second.take(HOST, NAME, 1, limit=2) == 0, "the spare holds the last place"
+    await first.drop_spares(NAME)
+    assert await second.take(HOST, NAME, 1, limit=2) == 1
+    assert await _spares(client) == (2, 0)
+    assert first.held == {}
+
+
+@pytest.mark.anyio
+async def test_a_spare_ends_given_back_unless_its_instance_is_still_ready(
+    client: aioredis.Redis,
+) -> None:
+    book = PlaceBook(client, "router-0:1")
+    assert await book.take(HOST, NAME, 1) == 1
+    await book.end(NAME, 1, spare=False, keep=True)
+    assert book.use_spare(NAME, 1)
+    await book.end(NAME, 1, spare=True, keep=False)
+    assert await _spares(client) == (0, 0)
+    assert book.held == {}
+    assert not book.use_spare(NAME, 1)
+
+
+@pytest.mark.anyio
+async def test_an_unused_spare_is_given_back(
+    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(places, "SPARE_IDLE_S", 0.05)
+    book = PlaceBook(client, "router-0:1")
+    assert await book.take(HOST, NAME, 1) == 1
+    await book.end(NAME, 1, spare=False, keep=True)
+    await book.drop_idle_spares()
+    assert await _spares(client) == (0, 1), "just kept"
+    due = book.spares_due()
+    assert due is not None
+    await asyncio.sleep(max(0.0, due - time.monotonic()))
+    await book.drop_idle_spares()
+    assert await _spares(client) == (0, 0)
+    assert book.spares_due() is None
+
+
+@pytest.mark.anyio
+async def test_a_request_cut_on_a_spare_counts_as_cut(client: aioredis.Redis) -> None:
+    book = PlaceBook(client, "router-0:1")
+    assert await book.take(HOST, NAME, 1) == 1
+    await book.end(NAME, 1, spare=False, keep=True)
+    assert book.use_spare(NAME, 1)
+    await book.cut(NAME, 1, "settle_at_stop", spare=True)
+    assert await _counts(client) == (1, 0, 1)
+    assert await _spares(client) == (1, 0)
+
+
+@pytest.mark.anyio
+async def test_keep_writes_spares_back_and_a_gone_owners_count_for_nothing(
+    client: aioredis.Redis,
+) -> None:
+    mine, theirs = PlaceBook(client, "router-0:1"), PlaceBook(client, "router-1:2")
+    for book in (mine, theirs):
+        assert await book.take(HOST, NAME, 1) == 1
+        await book.end(NAME, 1, spare=False, keep=True)
+    await client.delete(keys.places(NAME))  # a restarted Redis that lost its last writes
+    assert await mine.keep([NAME])
+    assert await theirs.keep([NAME])
+    assert await _spares(client) == (0, 2)
+    await places.drop_owner(client, theirs.owner)
+    assert await _spares(client) == (0, 1)
+    assert await mine.keep([NAME])
+    kept = set(await client.hkeys(keys.places(NAME)))
+    assert kept == {b"generation", b"spare:router-0:1"}, "the gone one's forgotten"

@@ -1,13 +1,15 @@
 """The router served on a real socket, with a real redis-server behind a small pool: many
 more concurrent requests than places, queue and Redis connections end in 200 or 429 queue_full
-(never a 500) and leave no place taken; a client that leaves mid-body or mid-stream is one
-log line, no traceback."""
+(never a 500) and leave no place taken; the spare place a run of requests leaves goes back
+the moment its instance drains; a client that leaves mid-body or mid-stream is one log line,
+no traceback."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,8 @@ from capycommon.credentials import generate
 from capycommon.service import redis_client
 from capycommon.settings import ConnectionLimits
 from capycommon.state import places
+from capycommon.state.instances import InstanceState
+from capycommon.state.store import InstanceStore
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
@@ -76,6 +80,7 @@ class Stand:
     client: aioredis.Redis
     dispatcher: Dispatcher
     port: int
+    engine: Engine
 
     def gauge(self, name: str) -> float | None:
         return self.dispatcher.metrics.registry.get_sample_value(name, {"deployment": NAME})
@@ -104,7 +109,7 @@ async def stand(redis_socket: Path) -> AsyncIterator[Stand]:
         ]
         try:
             async with served(app, ConnectionLimits(connections_per_client=1000)) as port:
-                yield Stand(client, dispatcher, port)
+                yield Stand(client, dispatcher, port, engine)
         finally:
             stop.set()
             await asyncio.gather(*background)
@@ -134,6 +139,31 @@ async def test_many_more_requests_than_places_queue_or_are_refused_never_fail(
 
 async def _zero(stand: Stand) -> bool:
     return await stand.running() == 0
+
+
+@pytest.mark.anyio
+async def test_a_spare_place_goes_back_the_moment_its_instance_drains(
+    stand: Stand, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(places, "SPARE_IDLE_S", 600.0)  # not given back for being unused
+    stand.engine.go.set()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{stand.port}", timeout=30) as http:
+        for _ in range(3):
+            answer = await http.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+            assert answer.status_code == 200
+    found = await places.aread(stand.client, NAME)
+    assert (found.running, found.spare) == (0, 1), "its place kept for the next request"
+    store = InstanceStore(stand.client, HOST)
+    ready = await store.get(NAME, 0)
+    assert ready is not None
+    draining = ready.model_copy(update={"state": InstanceState.DRAINING, "since": time.time()})
+    await store.transition(draining, allowed=[InstanceState.READY], generation=1, reason="test")
+    await wait_for_async(lambda: _no_spare(stand), timeout=5, what="the spare given back")
+    assert stand.dispatcher.book.held == {}
+
+
+async def _no_spare(stand: Stand) -> bool:
+    return (await places.aread(stand.client, NAME)).spare == 0
 
 
 def _chat_head(length: int) -> bytes:

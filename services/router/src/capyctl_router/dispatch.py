@@ -2,8 +2,10 @@
 starts it; and what happens to the place of a request cut short.
 
 A request takes one of the instance's 32 places through the admission script (which also
-checks the instance is ready at the generation the router saw). When none is free, or
-nothing is ready, it waits in its deployment's queue (64 by default, 256 in all; beyond
+checks the instance is ready at the generation the router saw), or goes through on a spare
+place its worker kept from the request before, while the worker's table shows the instance
+ready at that generation (a drain waits for spares: `capycommon.state.places`). When none is
+free, or nothing is ready, it waits in its deployment's queue (64 by default, 256 in all; beyond
 that 429 queue_full at once, the wake still asked for). The first waiter of a wave sends one
 demand; everyone waiting is woken together when the deployment changes.
 
@@ -29,7 +31,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import redis.asyncio as aioredis
@@ -121,7 +123,11 @@ class Dispatcher:
 
     def __post_init__(self) -> None:
         self.book = PlaceBook(self.client, self.owner)
-        self._cut_made = asyncio.Event()
+        # Set when the settle loop has something new to look at: a cut, or a first spare.
+        self._sooner = asyncio.Event()
+        # Spares given back when their instance is no longer ready (`_changed`), until done.
+        self._drops: set[asyncio.Task[None]] = set()
+        self.table.on_change = self._changed
 
     def deadline_of(self, record: DeploymentRecord) -> float:
         """How long a request for it may wait for its first output."""
@@ -191,6 +197,8 @@ class Dispatcher:
             await self._demand(name)
             REDIS_OUTAGE.ok()
             return None
+        if self.book.use_spare(name, target.generation):
+            return replace(target, spare=True)
         taken = await self.book.take(target.host, name, target.generation, self.limits.running)
         REDIS_OUTAGE.ok()
         if taken == 1:
@@ -279,11 +287,35 @@ class Dispatcher:
             await self._demand(name, restart=target.generation)
 
     async def release(self, target: Target) -> None:
+        """A request ended: its place is kept as a spare while its instance stays ready, or
+        given back."""
+        name, generation = target.deployment, target.generation
+        first = not self.book.spare_used
         try:
-            await self.book.give(target.deployment, target.generation)
+            await self.book.end(
+                name, generation, target.spare, keep=self.table.ready_at(name, generation)
+            )
         except REDIS_ERRORS as exc:
-            self._failed(exc)  # given back here: the next keep gives it back in Redis
-        self.table.wake(target.deployment)
+            self._failed(exc)  # counted here: the next keep writes it in Redis
+        if first and self.book.spare_used:
+            self._sooner.set()  # its time unused is watched from now
+        self.table.wake(name)
+
+    def _changed(self, name: str) -> None:
+        """The table changed `name`: spares kept for an instance no longer ready at their
+        generation are given back at once (its drain waits for them)."""
+        free = self.book.free.get(name)
+        if free is None or self.table.ready_at(name, free[0]):
+            return
+        drop = asyncio.ensure_future(self._drop_spares(name))
+        self._drops.add(drop)
+        drop.add_done_callback(self._drops.discard)
+
+    async def _drop_spares(self, name: str) -> None:
+        try:
+            await self.book.drop_spares(name)
+        except REDIS_ERRORS as exc:
+            self._failed(exc)  # dropped here: the next keep writes it in Redis
 
     async def cut(
         self, target: Target, request_id: str, answered: bool, decision: bool = False
@@ -307,9 +339,9 @@ class Dispatcher:
             self._cuts[request_id] = Cut(
                 name, target.generation, target.host, settles, time.time(), reported
             )
-            self._cut_made.set()
+            self._sooner.set()
         try:
-            await self.book.cut(name, target.generation, settles)
+            await self.book.cut(name, target.generation, settles, spare=target.spare)
             if reported:
                 await self._abort(target, request_id)
         except REDIS_ERRORS as exc:
@@ -330,13 +362,14 @@ class Dispatcher:
         reading taken after the cut), and write its own count back every few seconds, and
         once Redis answers again after a failure."""
         while not stop.is_set():
-            await wait_any(stop, self._cut_made, timeout=self._settle_wait())
-            self._cut_made.clear()
+            await wait_any(stop, self._sooner, timeout=self._settle_wait())
+            self._sooner.clear()
             if stop.is_set():
                 return
             try:
                 if self._cuts:
                     await self._settle_once()
+                await self.book.drop_idle_spares()
                 await self._keep()
             except REDIS_ERRORS as exc:
                 self._failed(exc)
@@ -347,8 +380,11 @@ class Dispatcher:
         router wakes a few times less a second."""
         if self._cuts or self._redis_failed:
             return SETTLE_EVERY_S
-        due = self._kept + KEEP_EVERY_S - time.monotonic()
-        return min(KEEP_EVERY_S, max(SETTLE_EVERY_S, due))
+        due = self._kept + KEEP_EVERY_S
+        spares = self.book.spares_due()
+        if spares is not None:
+            due = min(due, spares)
+        return min(KEEP_EVERY_S, max(SETTLE_EVERY_S, due - time.monotonic()))
 
     async def _keep(self) -> None:
         now = time.monotonic()

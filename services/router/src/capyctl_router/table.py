@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,8 @@ class Target:
     ingress: Ingress | None = None
     # The engine runs with an LMCache server beside it.
     lmcache: bool = False
+    # The request holds one of its worker's spare places (`capycommon.state.places`).
+    spare: bool = False
 
 
 @dataclass
@@ -78,6 +81,8 @@ class Table:
     unreachable: frozenset[str] = frozenset()
     _events: dict[str, asyncio.Event] = field(default_factory=dict)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
+    # Told the name of every deployment that changed, as its waiters are woken.
+    on_change: Callable[[str], None] | None = None
     # Set when a full read finds a host whose channel the subscription lacks.
     _joined: asyncio.Event = field(default_factory=asyncio.Event)
     # One per full read under way: the deployments and hosts notifications re-read since it
@@ -125,6 +130,15 @@ class Table:
             lmcache=instance.cache is not None,
         )
 
+    def ready_at(self, name: str, generation: int) -> bool:
+        """Whether the deployment's instance is ready at `generation`, as the table knows."""
+        instance = self.instances.get(name)
+        return (
+            instance is not None
+            and instance.state == InstanceState.READY
+            and instance.generation == generation
+        )
+
     def changed(self, name: str) -> asyncio.Event:
         """An event set at the next change of the deployment (or of its places)."""
         return self._events.setdefault(name, asyncio.Event())
@@ -133,6 +147,8 @@ class Table:
         event = self._events.pop(name, None)
         if event is not None:
             event.set()
+        if self.on_change is not None:
+            self.on_change(name)
 
     # Keeping it current ---------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from typing import Literal
 from capycommon.errors import DeviceUnobserved, HostDrained, HostUnreachable, InsufficientResources
 from capycommon.state.desired import DeploymentRecord, EvictionCause
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
+from capycommon.state.places import Places
 from capycommon.units import format_duration
 from capyctl_scheduler.actions import (
     Action,
@@ -342,21 +343,24 @@ def _drain_step(
 
     Nothing runs on it when the routers hold no place of its generation and its engine's
     last reading was idle: no place can be taken once it drains (the take checks the
-    instance is ready), and the snapshot reads the places after the instance, so every
-    request let through before the drain is counted. Otherwise its engine must read idle in
-    a reading taken after the drain began: a request cut short may still run there."""
+    instance is ready), a router gives its spare places back once it hears of the drain
+    (one may carry a request it let through before), and the snapshot reads the places after
+    the instance, so every request let through before the drain is counted. Otherwise its
+    engine must read idle in a reading taken after the drain began: a request cut short may
+    still run there."""
     load = snapshot.loads.get(record.name)
     waited = snapshot.now - instance.since
     held = snapshot.places.get(record.name)
-    routed = held.running if held is not None and held.generation == instance.generation else 0
-    unrouted = routed == 0 and instance.state == S.DRAINING
+    if held is None or held.generation != instance.generation:
+        held = Places()
+    unrouted = held.running + held.spare == 0 and instance.state == S.DRAINING
     if load is not None and load.generation == instance.generation:
         quiet = load.running + load.waiting == 0
         idle = quiet and (load.read_at > instance.since or unrouted)
     else:
         idle = True  # nothing serves through an engine whose load hostd does not report
-    if held is not None and held.generation == instance.generation and held.serving > 0:
-        idle = False  # a router still has requests on it
+    if held.serving + held.spare > 0:
+        idle = False  # a router still has requests on it, or may have
     if idle:
         if then == "park" and can_park(snapshot, instance):
             return [park(snapshot, instance, why, cause)]

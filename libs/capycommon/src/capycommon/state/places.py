@@ -13,6 +13,15 @@ they may not have reached the engine's queue, so nothing but a stop proves them 
 requests a worker holds waiting for a place are counted the same way, in one hash for every
 deployment (`<deployment> <owner>`), so the queue bounds hold for all workers together.
 
+A worker keeps the place of a request that ended as a spare (`spare:<owner>`, one per
+deployment) while the instance stays ready, and lets its next request for that deployment
+through on it without asking Redis: a run of requests costs Redis nothing after the first.
+A spare counts against the limit but not as a running request (it is idle, or carries a
+request Redis was not told of), so nothing waits for spares but a drain: the worker gives its
+spares back as soon as it hears the instance is no longer ready, those in use when their
+requests end, and any spare left unused for SPARE_IDLE_S, so that other workers may take
+its place.
+
 An owner lives while its entry in the owners' sorted set has not expired: it refreshes it
 every few seconds, and whoever sees it exit (its parent) removes it. Every count is summed
 over live owners only, so a worker that was killed, or a Redis that lost some writes, leaves
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from typing import cast
@@ -43,10 +53,14 @@ OWNER_TTL_S = 10.0
 QUIET_S = 1.0
 # The place fields of an owner, by the settlement they wait for ("" for a running request).
 FIELDS = {"": "run", "settle_when_idle": "idle", "settle_at_stop": "stop"}
+# Spare places a worker keeps per deployment, and how long one may stay unused.
+SPARES = 1
+SPARE_IDLE_S = 1.0
 
 # Lua shared by the scripts: Redis's clock; whether an owner lives (and refreshing it); a
 # count lowered, its field dropped at zero; the counts of a places hash summed over its live
-# owners (cut-at-stop places over every owner).
+# owners (cut-at-stop places over every owner): generation, running (with the cuts), cuts
+# that settle when idle, cuts that settle at the stop, spares.
 _LIB = """
 local function now()
   local t = redis.call('TIME')
@@ -69,7 +83,7 @@ local function lower(key, field, n)
 end
 local function count(places, owners, at)
   local fields = redis.call('HGETALL', places)
-  local generation, running, idle, stop = 0, 0, 0, 0
+  local generation, running, idle, stop, spare = 0, 0, 0, 0, 0
   local live = {}
   for i = 1, #fields, 2 do
     local kind, owner = string.match(fields[i], '^(%a+):(.+)$')
@@ -81,17 +95,22 @@ local function count(places, owners, at)
     elseif kind then
       if live[owner] == nil then live[owner] = alive(owners, owner, at) end
       if live[owner] then
-        running = running + value
-        if kind == 'idle' then idle = idle + value end
+        if kind == 'spare' then
+          spare = spare + value
+        else
+          running = running + value
+          if kind == 'idle' then idle = idle + value end
+        end
       end
     end
   end
-  return {generation, running + stop, idle, stop}
+  return {generation, running + stop, idle, stop, spare}
 end
 """
 
 # KEYS: the instance record, the places hash, the owners. ARGV: generation, limit, owner,
-# owner TTL. Returns 1 (taken), 0 (all places taken) or -1 (not ready at that generation).
+# owner TTL. Returns 1 (taken), 0 (all places taken, spares too) or -1 (not ready at that
+# generation).
 _TAKE = (
     _LIB
     + """
@@ -105,14 +124,15 @@ if redis.call('HGET', KEYS[2], 'generation') ~= ARGV[1] then
 end
 local at = now()
 refresh(KEYS[3], ARGV[3], ARGV[4], at)
-if count(KEYS[2], KEYS[3], at)[2] >= tonumber(ARGV[2]) then return 0 end
+local held = count(KEYS[2], KEYS[3], at)
+if held[2] + held[5] >= tonumber(ARGV[2]) then return 0 end
 redis.call('HINCRBY', KEYS[2], 'run:' .. ARGV[3], 1)
 return 1
 """
 )
 
 # KEYS: the places hash. ARGV: generation, owner, places to move, the field they leave (run,
-# idle or stop) and the field they join ("" for none: given back). Nothing changes for
+# idle, stop or spare) and the field they join ("" for none: given back). Nothing changes for
 # another generation (a stop settled them).
 _MOVE = (
     _LIB
@@ -175,8 +195,8 @@ _LEAVE = _LIB + "lower(KEYS[1], ARGV[1], 1)"
 
 # KEYS: the owners, the waiting hash, then the places hash of each deployment. ARGV: owner,
 # owner TTL, then for each deployment its name, the generation of the owner's places (0: it
-# holds none), its run, idle and stop counts, and its waiting requests. Refreshes the owner,
-# forgets expired owners (with their waiting requests and their running and idle-cut
+# holds none), its run, idle, stop and spare counts, and its waiting requests. Refreshes the
+# owner, forgets expired owners (with their waiting requests and all but their cut-at-stop
 # places), and writes the owner's counts as they are: a places hash Redis lost, or left at an
 # older generation, starts again at the owner's.
 _KEEP = (
@@ -192,11 +212,11 @@ for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
   end
 end
 for i = 3, #KEYS do
-  local base = 3 + (i - 3) * 6
+  local base = 3 + (i - 3) * 7
   local deployment, generation = ARGV[base], ARGV[base + 1]
   for _, field in ipairs(redis.call('HKEYS', KEYS[i])) do
     local kind, other = string.match(field, '^(%a+):(.+)$')
-    if (kind == 'run' or kind == 'idle') and not alive(KEYS[1], other, at) then
+    if kind and kind ~= 'stop' and not alive(KEYS[1], other, at) then
       redis.call('HDEL', KEYS[i], field)
     end
   end
@@ -206,15 +226,15 @@ for i = 3, #KEYS do
     redis.call('HSET', KEYS[i], 'generation', generation)
     current = generation
   end
-  for j, kind in ipairs({'run', 'idle', 'stop'}) do
+  for j, kind in ipairs({'run', 'idle', 'stop', 'spare'}) do
     if current == generation and ARGV[base + 1 + j] ~= '0' then
       redis.call('HSET', KEYS[i], kind .. ':' .. owner, ARGV[base + 1 + j])
     else
       redis.call('HDEL', KEYS[i], kind .. ':' .. owner)
     end
   end
-  if ARGV[base + 5] ~= '0' then
-    redis.call('HSET', KEYS[2], deployment .. ' ' .. owner, ARGV[base + 5])
+  if ARGV[base + 6] ~= '0' then
+    redis.call('HSET', KEYS[2], deployment .. ' ' .. owner, ARGV[base + 6])
   else
     redis.call('HDEL', KEYS[2], deployment .. ' ' .. owner)
   end
@@ -223,8 +243,8 @@ return 1
 """
 )
 
-# KEYS: the places hash, the owners. Returns generation, running, settle_when_idle and
-# settle_at_stop as live owners hold them.
+# KEYS: the places hash, the owners. Returns generation, running, settle_when_idle,
+# settle_at_stop and spare as live owners hold them.
 _READ = _LIB + "return count(KEYS[1], KEYS[2], now())"
 
 
@@ -244,6 +264,9 @@ class Places(BaseModel):
     running: int = 0
     settle_when_idle: int = 0
     settle_at_stop: int = 0
+    # Places router workers keep for their next requests: idle, or carrying a request let
+    # through since Redis last heard (a drain waits for them to be given back).
+    spare: int = 0
 
     @property
     def serving(self) -> int:
@@ -269,8 +292,12 @@ class PlaceBook:
     def __init__(self, client: aioredis.Redis, owner: str) -> None:
         self.client = client
         self.owner = owner
-        # (deployment, generation) -> this owner's places by field: run, idle, stop.
+        # (deployment, generation) -> this owner's places by field: run, idle, stop, spare.
         self.held: dict[tuple[str, int], Counter[str]] = {}
+        # deployment -> (generation, spare places free to use here), and when one was last
+        # kept or used (monotonic).
+        self.free: dict[str, tuple[int, int]] = {}
+        self.spare_used: dict[str, float] = {}
         # deployment -> this owner's requests waiting for a place.
         self.waiting: Counter[str] = Counter()
         # Every request runs two scripts (take, give): they go through the client's pipe,
@@ -313,15 +340,65 @@ class PlaceBook:
                 self.held.setdefault((deployment, generation), Counter())["run"] += 1
         return found
 
+    def use_spare(self, deployment: str, generation: int) -> bool:
+        """Let a request through on a free spare place of the deployment's instance at
+        `generation`, if this owner has one: nothing is sent to Redis. The caller saw the
+        instance ready at that generation."""
+        found = self.free.get(deployment)
+        if found is None or found[0] != generation:
+            return False
+        if found[1] > 1:
+            self.free[deployment] = (generation, found[1] - 1)
+        else:
+            del self.free[deployment]
+        self.spare_used[deployment] = time.monotonic()
+        return True
+
+    async def end(self, deployment: str, generation: int, spare: bool, keep: bool) -> None:
+        """A running request ended (`spare`: it came through on a spare place). Its place
+        is kept as a free spare when `keep` (the instance is still ready at `generation`) and
+        fewer than SPARES are free here; else it is given back."""
+        found = self.free.get(deployment)
+        free = 0 if found is None else found[1]
+        if keep and free < SPARES and (found is None or found[0] == generation):
+            # Free here first, so that a drop of the spares meanwhile gives it back too.
+            self.free[deployment] = (generation, free + 1)
+            self.spare_used[deployment] = time.monotonic()
+            if not spare:
+                await self._moved(deployment, generation, 1, "run", "spare")
+            return
+        await self._moved(deployment, generation, 1, "spare" if spare else "run", "")
+
+    async def drop_spares(self, deployment: str) -> None:
+        """Give back the deployment's free spare places (its instance is no longer ready at
+        their generation, or they stayed unused)."""
+        found = self.free.pop(deployment, None)
+        self.spare_used.pop(deployment, None)
+        if found is not None:
+            await self._moved(deployment, found[0], found[1], "spare", "")
+
+    def spares_due(self) -> float | None:
+        """When the oldest free spare will have stayed unused SPARE_IDLE_S (monotonic)."""
+        if not self.spare_used:
+            return None
+        return min(self.spare_used.values()) + SPARE_IDLE_S
+
+    async def drop_idle_spares(self) -> None:
+        """Give back the spare places that stayed unused SPARE_IDLE_S."""
+        now = time.monotonic()
+        for deployment, used in list(self.spare_used.items()):
+            if now - used >= SPARE_IDLE_S:
+                await self.drop_spares(deployment)
+
     async def give(self, deployment: str, generation: int, count: int = 1, cut: str = "") -> None:
         """Give back `count` places: of running requests, or of cut requests that settled
         (`cut` is the field they count in: settle_when_idle or settle_at_stop)."""
         await self._moved(deployment, generation, count, FIELDS[cut], "")
 
-    async def cut(self, deployment: str, generation: int, settle: str) -> None:
-        """Mark one taken place as a cut request that settles `settle_when_idle` or
-        `settle_at_stop`."""
-        await self._moved(deployment, generation, 1, "run", FIELDS[settle])
+    async def cut(self, deployment: str, generation: int, settle: str, spare: bool = False) -> None:
+        """Mark one taken place (a spare one, `spare`) as a cut request that settles
+        `settle_when_idle` or `settle_at_stop`."""
+        await self._moved(deployment, generation, 1, "spare" if spare else "run", FIELDS[settle])
 
     async def _moved(
         self, deployment: str, generation: int, count: int, source: str, target: str
@@ -381,7 +458,11 @@ class PlaceBook:
             args = [self.owner, str(OWNER_TTL_S)]
             for name in names:
                 generation, held = newest.get(name, (0, Counter()))
-                counts = [generation, held["run"], held["idle"], held["stop"], self.waiting[name]]
+                counts = [
+                    generation,
+                    *(held[kind] for kind in ("run", "idle", "stop", "spare")),
+                    self.waiting[name],
+                ]
                 args += [name, *(str(n) for n in counts)]
             names_keys = [keys.places(name) for name in names]
             await self.pipe.run(
@@ -400,6 +481,10 @@ class PlaceBook:
         for (name, generation), held in list(self.held.items()):
             if generation < newest[name][0] and held["run"] == 0:
                 del self.held[(name, generation)]
+        for name, (generation, _) in list(self.free.items()):
+            if generation < newest.get(name, (generation, None))[0]:  # a stop settled them
+                del self.free[name]
+                self.spare_used.pop(name, None)
         return newest
 
 
@@ -410,9 +495,13 @@ async def drop_owner(client: aioredis.Redis, owner: str) -> None:
 
 
 def _places(found: list[int]) -> Places:
-    generation, running, idle, stop = (int(n) for n in found)
+    generation, running, idle, stop, spare = (int(n) for n in found)
     return Places(
-        generation=generation, running=running, settle_when_idle=idle, settle_at_stop=stop
+        generation=generation,
+        running=running,
+        settle_when_idle=idle,
+        settle_at_stop=stop,
+        spare=spare,
     )
 
 
