@@ -21,8 +21,9 @@ import redis.asyncio as aioredis
 from capycommon.credentials import generate
 from capycommon.service import redis_client
 from capycommon.settings import ConnectionLimits
-from capycommon.state import places
+from capycommon.state import keys, notify, places
 from capycommon.state.instances import InstanceState
+from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
@@ -157,9 +158,18 @@ async def test_a_spare_place_goes_back_the_moment_its_instance_drains(
     ready = await store.get(NAME, 0)
     assert ready is not None
     draining = ready.model_copy(update={"state": InstanceState.DRAINING, "since": time.time()})
-    await store.transition(draining, allowed=[InstanceState.READY], generation=1, reason="test")
-    await wait_for_async(lambda: _no_spare(stand), timeout=5, what="the spare given back")
-    assert stand.dispatcher.book.held == {}
+    async with notify.subscribed(stand.client, [keys.notifications()]) as pubsub:
+        await store.transition(draining, allowed=[InstanceState.READY], generation=1, reason="t")
+        await wait_for_async(lambda: _no_spare(stand), timeout=5, what="the spare given back")
+        assert stand.dispatcher.book.held == {}
+        # The scheduler, whose drain waits for it, is told.
+        async with asyncio.timeout(5):
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+                if message is not None:
+                    note = Notification.model_validate_json(message["data"])
+                    if (note.kind, note.id) == ("places", NAME):
+                        break
 
 
 async def _no_spare(stand: Stand) -> bool:

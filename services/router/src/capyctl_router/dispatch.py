@@ -313,7 +313,7 @@ class Dispatcher:
 
     async def _drop_spares(self, name: str) -> None:
         try:
-            await self.book.drop_spares(name)
+            await self.book.drop_spares(name, announce=True)
         except REDIS_ERRORS as exc:
             self._failed(exc)  # dropped here: the next keep writes it in Redis
 

@@ -44,6 +44,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
 from capycommon.state import keys
+from capycommon.state.notify import Notification
 from capycommon.state.pipe import Pipe, Script
 
 LIMIT = 32
@@ -369,13 +370,17 @@ class PlaceBook:
             return
         await self._moved(deployment, generation, 1, "spare" if spare else "run", "")
 
-    async def drop_spares(self, deployment: str) -> None:
+    async def drop_spares(self, deployment: str, announce: bool = False) -> None:
         """Give back the deployment's free spare places (its instance is no longer ready at
-        their generation, or they stayed unused)."""
+        their generation, or they stayed unused). `announce`: say so on the control plane's
+        channel, where the scheduler hears it (a drain waits for them)."""
         found = self.free.pop(deployment, None)
         self.spare_used.pop(deployment, None)
         if found is not None:
             await self._moved(deployment, found[0], found[1], "spare", "")
+            if announce:
+                note = Notification(kind="places", id=deployment, version=found[0])
+                await self.client.publish(keys.notifications(), note.model_dump_json())
 
     def spares_due(self) -> float | None:
         """When the oldest free spare will have stayed unused SPARE_IDLE_S (monotonic)."""
