@@ -145,17 +145,33 @@ async def test_a_kept_spare_serves_the_next_request_without_redis(client: aiored
 @pytest.mark.anyio
 async def test_spares_count_against_the_limit_until_given_back(client: aioredis.Redis) -> None:
     first, second = PlaceBook(client, "router-0:1"), PlaceBook(client, "router-1:2")
-    assert await first.take(HOST, NAME, 1, limit=2) == 1
-    assert await first.take(HOST, NAME, 1, limit=2) == 1
+    assert await first.take(HOST, NAME, 1, limit=4) == 1
+    assert await first.take(HOST, NAME, 1, limit=4) == 1
     await first.end(NAME, 1, spare=False, keep=True)
     await first.end(NAME, 1, spare=False, keep=True)
     assert await _spares(client) == (0, 1), "one spare kept, the other place given back"
-    assert await second.take(HOST, NAME, 1, limit=2) == 1
-    assert await second.take(HOST, NAME, 1, limit=2) == 0, "the spare holds the last place"
+    for _ in range(3):
+        assert await second.take(HOST, NAME, 1, limit=4) == 1
+    assert await second.take(HOST, NAME, 1, limit=4) == 0, "the spare holds the last place"
     await first.drop_spares(NAME)
-    assert await second.take(HOST, NAME, 1, limit=2) == 1
-    assert await _spares(client) == (2, 0)
+    assert await second.take(HOST, NAME, 1, limit=4) == 1
+    assert await _spares(client) == (4, 0)
     assert first.held == {}
+
+
+@pytest.mark.anyio
+async def test_no_spare_is_kept_while_more_than_half_the_places_are_held(
+    client: aioredis.Redis,
+) -> None:
+    mine, theirs = PlaceBook(client, "router-0:1"), PlaceBook(client, "router-1:2")
+    for _ in range(2):
+        assert await theirs.take(HOST, NAME, 1, limit=4) == 1
+    assert await mine.take(HOST, NAME, 1, limit=4) == 1, "the third of four"
+    await mine.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (2, 0), "given back: other workers may need it"
+    for _ in range(2):
+        await theirs.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (0, 1), "its last take found half held: one kept"
 
 
 @pytest.mark.anyio

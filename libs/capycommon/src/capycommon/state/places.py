@@ -14,8 +14,10 @@ requests a worker holds waiting for a place are counted the same way, in one has
 deployment (`<deployment> <owner>`), so the queue bounds hold for all workers together.
 
 A worker keeps the place of a request that ended as a spare (`spare:<owner>`, one per
-deployment) while the instance stays ready, and lets its next request for that deployment
-through on it without asking Redis: a run of requests costs Redis nothing after the first.
+deployment) while the instance stays ready and at most half its places were held at its
+last take, and lets its next request for that deployment through on it without asking
+Redis: a run of requests costs Redis nothing after the first, and a busy instance, whose
+places other workers need, keeps none.
 A spare counts against the limit but not as a running request (it is idle, or carries a
 request Redis was not told of), so nothing waits for spares but a drain: the worker gives its
 spares back as soon as it hears the instance is no longer ready, those in use when their
@@ -110,8 +112,8 @@ end
 """
 
 # KEYS: the instance record, the places hash, the owners. ARGV: generation, limit, owner,
-# owner TTL. Returns 1 (taken), 0 (all places taken, spares too) or -1 (not ready at that
-# generation).
+# owner TTL. Returns the places held now, this one and spares included (taken), 0 (all places
+# taken, spares too) or -1 (not ready at that generation).
 _TAKE = (
     _LIB
     + """
@@ -128,7 +130,7 @@ refresh(KEYS[3], ARGV[3], ARGV[4], at)
 local held = count(KEYS[2], KEYS[3], at)
 if held[2] + held[5] >= tonumber(ARGV[2]) then return 0 end
 redis.call('HINCRBY', KEYS[2], 'run:' .. ARGV[3], 1)
-return 1
+return held[2] + held[5] + 1
 """
 )
 
@@ -299,6 +301,8 @@ class PlaceBook:
         # kept or used (monotonic).
         self.free: dict[str, tuple[int, int]] = {}
         self.spare_used: dict[str, float] = {}
+        # deployment -> whether at most half its places were held at this owner's last take.
+        self._roomy: dict[str, bool] = {}
         # deployment -> this owner's requests waiting for a place.
         self.waiting: Counter[str] = Counter()
         # Every request runs two scripts (take, give): they go through the client's pipe,
@@ -324,7 +328,8 @@ class PlaceBook:
                 self._quiet.set()
 
     async def take(self, host: str, deployment: str, generation: int, limit: int = LIMIT) -> int:
-        """1 taken, 0 all taken, -1 the instance is not ready at `generation`."""
+        """1 taken, 0 all taken, -1 the instance is not ready at `generation`. Whether at most
+        half the places are held now decides if the place may be kept as a spare (`end`)."""
         async with self._change():
             found = int(
                 await self.pipe.run(
@@ -337,9 +342,10 @@ class PlaceBook:
                     [str(generation), str(limit), self.owner, str(OWNER_TTL_S)],
                 )
             )
-            if found == 1:
+            if found > 0:
                 self.held.setdefault((deployment, generation), Counter())["run"] += 1
-        return found
+                self._roomy[deployment] = found * 2 <= limit
+        return min(found, 1)
 
     def use_spare(self, deployment: str, generation: int) -> bool:
         """Let a request through on a free spare place of the deployment's instance at
@@ -357,10 +363,12 @@ class PlaceBook:
 
     async def end(self, deployment: str, generation: int, spare: bool, keep: bool) -> None:
         """A running request ended (`spare`: it came through on a spare place). Its place
-        is kept as a free spare when `keep` (the instance is still ready at `generation`) and
-        fewer than SPARES are free here; else it is given back."""
+        is kept as a free spare when `keep` (the instance is still ready at `generation`),
+        the last take found at most half the places held, and fewer than SPARES are free
+        here; else it is given back."""
         found = self.free.get(deployment)
         free = 0 if found is None else found[1]
+        keep = keep and self._roomy.get(deployment, False)
         if keep and free < SPARES and (found is None or found[0] == generation):
             # Free here first, so that a drop of the spares meanwhile gives it back too.
             self.free[deployment] = (generation, free + 1)
