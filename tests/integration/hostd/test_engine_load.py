@@ -1,7 +1,9 @@
-"""hostd publishes each serving engine's running and waiting requests, once a second."""
+"""hostd publishes each serving engine's running and waiting requests, once a second, and
+five times a second while one reads busy, saying when it reads idle again."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -10,10 +12,12 @@ from pathlib import Path
 
 import openai
 
+from capycommon.state import keys
 from capycommon.state.hostcommands import Park, Stop, Wake
 from capycommon.state.load import EngineLoad
+from capycommon.state.notify import Notification
 from enginesim.install import write_behaviour
-from integration.hostd.harness import FAST, Hostd, launch
+from integration.hostd.harness import FAST, HOST, Hostd, launch
 from support import wait_for
 
 # 40 tokens at 10 a second: a request that runs for about four seconds.
@@ -64,6 +68,54 @@ def test_the_load_shows_a_request_while_it_runs_and_goes_with_the_engine(
     harness.send(Stop(deployment="a", generation=1))
     harness.wait_state("a", "stopped")
     wait_for(lambda: "a:0" not in harness.loads(), timeout=5, what="the entry gone")
+
+
+def test_a_busy_engine_is_read_often_and_its_idle_reading_is_announced(
+    hostd: tuple[Hostd, str], model: Path, installs: dict[str, Path]
+) -> None:
+    harness, gpu = hostd
+    write_behaviour(installs["vllm"], SLOW)
+    harness.send(launch("a", 1, gpu, model))
+    ready = harness.wait_state("a", "ready")
+    wait_for(lambda: _load(harness), timeout=5, what="the first entry")
+    chat = openai.OpenAI(base_url=f"http://127.0.0.1:{ready.port}/v1", api_key=harness.secret("a"))
+    pubsub = harness.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+    pubsub.subscribe(keys.host_notifications(HOST))
+    with chat, pubsub, ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(
+            lambda: chat.chat.completions.create(
+                model="a", messages=[{"role": "user", "content": "hi"}]
+            )
+        )
+        busy = wait_for(lambda: _load(harness, 1), timeout=5, what="the running request")
+        readings = {busy.read_at}
+        while len(readings) < 4 and not reply.done():
+            readings |= {found.read_at for found in [_load(harness, 1)] if found is not None}
+            time.sleep(0.02)
+        assert len(readings) == 4, "read again and again while the request ran"
+        gaps = [b - a for a, b in itertools.pairwise(sorted(readings))]
+        assert max(gaps) < 0.6, f"read every fifth of a second while busy, not every second: {gaps}"
+        assert reply.result(timeout=30).choices[0].message.content
+        while (message := pubsub.get_message(timeout=0.01)) is not None:
+            pass  # what was said while it ran
+        idle = wait_for(lambda: _load(harness, 0), timeout=5, what="the idle reading")
+        said: list[Notification] = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(n.kind == "load" for n in said):
+            message = pubsub.get_message(timeout=0.1)
+            if message is not None:
+                said.append(Notification.model_validate_json(message["data"]))
+        assert any(n.kind == "load" for n in said), "its idle reading is announced"
+        assert idle.read_at - busy.read_at < 5
+    # Idle, it is read once a second again.
+    first = wait_for(lambda: _newer(harness, idle), timeout=5, what="an idle reading")
+    second = wait_for(lambda: _newer(harness, first), timeout=5, what="the next idle reading")
+    assert second.read_at - first.read_at > 0.8
+
+
+def _newer(harness: Hostd, than: EngineLoad) -> EngineLoad | None:
+    found = _load(harness, 0)
+    return found if found is not None and found.read_at > than.read_at else None
 
 
 def test_an_engine_that_does_not_answer_keeps_its_entry(

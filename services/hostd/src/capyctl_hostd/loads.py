@@ -7,12 +7,14 @@ address and key, so it reads the engine's own metrics and keeps the host's load 
 for the others. Per tick: the records and the hash are read, the engines are asked together,
 one transaction writes.
 
-A drain is the scheduler's write; a switch waits for a reading taken after it began. So
-hostd follows its host's notifications and reads at once when one of its instances changes
-(starts draining, becomes ready, stops serving), then every `DRAINING_INTERVAL_S` while any
-drains, and says on the host's channel that a draining engine's reading was written, so the
-scheduler re-plans without waiting for its next tick. With no engine serving there is
-nothing to read: it waits for the next change (at most `QUIET_S`).
+A drain is the scheduler's write; a switch waits for a reading taken after it began, and
+never picks a model its last reading found busy. So hostd follows its host's notifications
+and reads at once when one of its instances changes (starts draining, becomes ready, stops
+serving), then every `SOON_S` while any drains or last read busy, and says on the host's
+channel that a draining engine's reading was written, or that a busy engine now reads idle,
+so the scheduler re-plans without waiting for its next tick: a switch asked for just after a
+model's last request waits a fifth of a second for its idle reading, not a second. With no
+engine serving there is nothing to read: it waits for the next change (at most `QUIET_S`).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ log = logging.getLogger(__name__)
 S = InstanceState
 INTERVAL_S = 1.0
 # While an instance drains, the scheduler waits for a reading taken after the drain began to
-# park or stop it (a switch waits on that): read more often then.
-DRAINING_INTERVAL_S = 0.2
+# park or stop it, and while one reads busy, a switch may wait for it to read idle: read more
+# often then.
+SOON_S = 0.2
 # With no engine serving, the longest it waits for an instance's change; a bound on what a
 # lost notification could leave stale.
 QUIET_S = 30.0
@@ -49,20 +52,18 @@ TIMEOUTS = Timeouts(metrics=INTERVAL_S)
 
 
 async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTERVAL_S) -> None:
-    """Every `interval_s` while an engine serves (every DRAINING_INTERVAL_S while one drains),
-    and at once when an instance changes; a tick Redis interrupts is retried at the next."""
+    """Every `interval_s` while an engine serves (every SOON_S while one drains or reads
+    busy), and at once when an instance changes; a tick Redis interrupts is retried at the
+    next."""
     changed = asyncio.Event()
     follower = asyncio.create_task(follow_changes(runner, changed, stop))
     try:
         while not stop.is_set():
             changed.clear()
-            serving, draining = True, False
+            serving, soon = True, False
             with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
-                serving, draining = await tick(runner)
-            if draining:
-                wait = min(interval_s, DRAINING_INTERVAL_S)
-            else:
-                wait = interval_s if serving else QUIET_S
+                serving, soon = await tick(runner)
+            wait = QUIET_S if not serving else min(interval_s, SOON_S) if soon else interval_s
             await wait_any(changed, stop, timeout=wait)
     finally:
         follower.cancel()
@@ -97,11 +98,12 @@ def _an_instance(data: object) -> bool:
 
 async def tick(runner: Runner) -> tuple[bool, bool]:
     """Read every serving engine's load and bring the host's load hash up to date; whether an
-    instance serves, and whether one is draining.
+    instance serves, and whether one is draining or reads busy (to be read again soon).
 
     An entry written for an instance that stopped serving while its engine was asked lives
     until the next tick removes it; its generation tells a reader which launch it was. When
-    a draining instance's entry is written, the host's channel says so.
+    a draining instance's entry is written, or a busy one's now reads idle, the host's
+    channel says so.
     """
     held = dict(runner.engines)
     records, published = await _read(runner, list(held))
@@ -115,12 +117,26 @@ async def tick(runner: Runner) -> tuple[bool, bool]:
     serving_members = {record.member for record in serving}
     gone = [member for member in published if member not in serving_members]
     draining = {record.member for record in serving if record.state == S.DRAINING}
+    busy = {member for member, found in entries.items() if found.running + found.waiting > 0}
+    settled = {
+        member
+        for member, found in entries.items()
+        if member not in busy and _was_busy(published.get(member), found.generation)
+    }
+    soon = bool(draining or busy)
     if not entries and not gone:
-        return bool(serving), bool(draining)
-    await load.publish_loads(
-        runner.client, runner.host, entries, gone, notify=bool(draining & set(entries))
+        return bool(serving), soon
+    told = bool(draining & set(entries) or settled)
+    await load.publish_loads(runner.client, runner.host, entries, gone, notify=told)
+    return bool(serving), soon
+
+
+def _was_busy(previous: EngineLoad | None, generation: int) -> bool:
+    return (
+        previous is not None
+        and previous.generation == generation
+        and previous.running + previous.waiting > 0
     )
-    return bool(serving), bool(draining)
 
 
 def entry(
