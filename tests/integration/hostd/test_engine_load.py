@@ -7,13 +7,14 @@ import itertools
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 
 from capycommon.state import keys
 from capycommon.state.hostcommands import Park, Stop, Wake
+from capycommon.state.instances import InstanceRecord
 from capycommon.state.load import EngineLoad
 from capycommon.state.notify import Notification
 from enginesim.install import write_behaviour
@@ -30,29 +31,43 @@ def _load(harness: Hostd, running: int | None = None) -> EngineLoad | None:
     return found if found is not None and running in (None, found.running) else None
 
 
+def _slow(harness: Hostd, gpu: str, model: Path, installs: dict[str, Path]) -> InstanceRecord:
+    """a, launched on the slow engine, ready."""
+    write_behaviour(installs["vllm"], SLOW)
+    harness.send(launch("a", 1, gpu, model))
+    return harness.wait_state("a", "ready")
+
+
+def _asked(pool: ThreadPoolExecutor, harness: Hostd, ready: InstanceRecord) -> Future[str]:
+    """One chat sent to a's engine directly; its answer's text."""
+
+    def ask() -> str:
+        url = f"http://127.0.0.1:{ready.port}/v1"
+        with openai.OpenAI(base_url=url, api_key=harness.secret("a")) as chat:
+            answer = chat.chat.completions.create(
+                model="a", messages=[{"role": "user", "content": "hi"}]
+            )
+        return answer.choices[0].message.content or ""
+
+    return pool.submit(ask)
+
+
 def test_the_load_shows_a_request_while_it_runs_and_goes_with_the_engine(
     hostd: tuple[Hostd, str], model: Path, installs: dict[str, Path]
 ) -> None:
     harness, gpu = hostd
-    write_behaviour(installs["vllm"], SLOW)
-    harness.send(launch("a", 1, gpu, model))
-    ready = harness.wait_state("a", "ready")
+    ready = _slow(harness, gpu, model, installs)
     idle = wait_for(lambda: _load(harness), timeout=5, what="the first entry")
     assert (idle.generation, idle.running, idle.waiting) == (1, 0, 0)
     assert idle.last_active_at == ready.since, "idle since it became ready"
     assert idle.read_at >= ready.since
 
-    chat = openai.OpenAI(base_url=f"http://127.0.0.1:{ready.port}/v1", api_key=harness.secret("a"))
-    with chat, ThreadPoolExecutor(1) as pool:
-        reply = pool.submit(
-            lambda: chat.chat.completions.create(
-                model="a", messages=[{"role": "user", "content": "hi"}]
-            )
-        )
+    with ThreadPoolExecutor(1) as pool:
+        reply = _asked(pool, harness, ready)
         busy = wait_for(lambda: _load(harness, 1), timeout=5, what="the running request")
         assert not reply.done(), "seen while the request ran"
         assert busy.last_active_at == busy.read_at
-        assert reply.result(timeout=30).choices[0].message.content
+        assert reply.result(timeout=30)
     after = wait_for(lambda: _load(harness, 0), timeout=5, what="the load back to nothing")
     assert after.waiting == 0
     assert busy.read_at <= after.last_active_at < after.read_at, "last active while it ran"
@@ -74,19 +89,12 @@ def test_a_busy_engine_is_read_often_and_its_idle_reading_is_announced(
     hostd: tuple[Hostd, str], model: Path, installs: dict[str, Path]
 ) -> None:
     harness, gpu = hostd
-    write_behaviour(installs["vllm"], SLOW)
-    harness.send(launch("a", 1, gpu, model))
-    ready = harness.wait_state("a", "ready")
+    ready = _slow(harness, gpu, model, installs)
     wait_for(lambda: _load(harness), timeout=5, what="the first entry")
-    chat = openai.OpenAI(base_url=f"http://127.0.0.1:{ready.port}/v1", api_key=harness.secret("a"))
     pubsub = harness.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
     pubsub.subscribe(keys.host_notifications(HOST))
-    with chat, pubsub, ThreadPoolExecutor(1) as pool:
-        reply = pool.submit(
-            lambda: chat.chat.completions.create(
-                model="a", messages=[{"role": "user", "content": "hi"}]
-            )
-        )
+    with pubsub, ThreadPoolExecutor(1) as pool:
+        reply = _asked(pool, harness, ready)
         busy = wait_for(lambda: _load(harness, 1), timeout=5, what="the running request")
         readings = {busy.read_at}
         while len(readings) < 4 and not reply.done():
@@ -95,7 +103,7 @@ def test_a_busy_engine_is_read_often_and_its_idle_reading_is_announced(
         assert len(readings) == 4, "read again and again while the request ran"
         gaps = [b - a for a, b in itertools.pairwise(sorted(readings))]
         assert max(gaps) < 0.6, f"read every fifth of a second while busy, not every second: {gaps}"
-        assert reply.result(timeout=30).choices[0].message.content
+        assert reply.result(timeout=30)
         while (message := pubsub.get_message(timeout=0.01)) is not None:
             pass  # what was said while it ran
         idle = wait_for(lambda: _load(harness, 0), timeout=5, what="the idle reading")
