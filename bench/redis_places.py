@@ -84,11 +84,11 @@ async def main(pairs: int, rounds: int) -> None:
         pipe = Pipe.of(client)
 
         async def through_redis_py() -> None:
-            assert await take_script(keys=TAKE_KEYS, args=TAKE_ARGS) == 1
+            assert await take_script(keys=TAKE_KEYS, args=TAKE_ARGS) >= 1  # the places held
             await give_script(keys=GIVE_KEYS, args=GIVE_ARGS)
 
         async def through_pipe() -> None:
-            assert await pipe.run(places._TAKE_SCRIPT, TAKE_KEYS, TAKE_ARGS) == 1
+            assert await pipe.run(places._TAKE_SCRIPT, TAKE_KEYS, TAKE_ARGS) >= 1
             await pipe.run(places._MOVE_SCRIPT, GIVE_KEYS, GIVE_ARGS)
 
         sides = {"redis-py": through_redis_py, "pipe": through_pipe}
