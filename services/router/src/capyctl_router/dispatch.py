@@ -359,8 +359,8 @@ class Dispatcher:
     async def settle(self, stop: asyncio.Event) -> None:
         """Keep this router's places true: give back those of cut requests as they settle
         (when hostd reports the end of one it aborted, or when the engine reads idle, a
-        reading taken after the cut), and write its own count back every few seconds, and
-        once Redis answers again after a failure."""
+        reading taken after the cut) and spares left unused for SPARE_IDLE_S, and write its
+        own count back every few seconds, and once Redis answers again after a failure."""
         while not stop.is_set():
             await wait_any(stop, self._sooner, timeout=self._settle_wait())
             self._sooner.clear()
