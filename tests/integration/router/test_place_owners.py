@@ -5,7 +5,6 @@ keeps between requests counts against the limit, never as a running request."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from capycommon.service import redis_client
 from capycommon.state import keys, places
 from capycommon.state.places import PlaceBook
 from integration.router.ready import put_ready
+from support import wait_for_async
 
 NAME = "m"
 HOST = "local"
@@ -192,7 +192,7 @@ async def test_a_spare_ends_given_back_unless_its_instance_is_still_ready(
 async def test_an_unused_spare_is_given_back(
     client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(places, "SPARE_IDLE_S", 0.05)
+    monkeypatch.setattr(places, "SPARE_IDLE_S", 0.3)
     book = PlaceBook(client, "router-0:1")
     assert await book.take(HOST, NAME, 1) == 1
     await book.end(NAME, 1, spare=False, keep=True)
@@ -200,9 +200,13 @@ async def test_an_unused_spare_is_given_back(
     assert await _spares(client) == (0, 1), "just kept"
     due = book.spares_due()
     assert due is not None
-    await asyncio.sleep(max(0.0, due - time.monotonic()))
-    await book.drop_idle_spares()
-    assert await _spares(client) == (0, 0)
+
+    async def given_back() -> bool:
+        await book.drop_idle_spares()
+        return await _spares(client) == (0, 0)
+
+    await wait_for_async(given_back, timeout=5, what="the unused spare given back", interval=0.05)
+    assert time.monotonic() >= due
     assert book.spares_due() is None
 
 

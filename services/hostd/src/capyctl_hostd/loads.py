@@ -117,26 +117,20 @@ async def tick(runner: Runner) -> tuple[bool, bool]:
     serving_members = {record.member for record in serving}
     gone = [member for member in published if member not in serving_members]
     draining = {record.member for record in serving if record.state == S.DRAINING}
-    busy = {member for member, found in entries.items() if found.running + found.waiting > 0}
-    settled = {
-        member
-        for member, found in entries.items()
-        if member not in busy and _was_busy(published.get(member), found.generation)
-    }
-    soon = bool(draining or busy)
+    soon = bool(draining) or any(found.busy for found in entries.values())
     if not entries and not gone:
         return bool(serving), soon
-    told = bool(draining & set(entries) or settled)
+    settled = any(
+        not found.busy and _was_busy(published.get(member), found.generation)
+        for member, found in entries.items()
+    )
+    told = bool(draining & set(entries)) or settled
     await load.publish_loads(runner.client, runner.host, entries, gone, notify=told)
     return bool(serving), soon
 
 
 def _was_busy(previous: EngineLoad | None, generation: int) -> bool:
-    return (
-        previous is not None
-        and previous.generation == generation
-        and previous.running + previous.waiting > 0
-    )
+    return previous is not None and previous.generation == generation and previous.busy
 
 
 def entry(

@@ -304,8 +304,8 @@ class Dispatcher:
     def _changed(self, name: str) -> None:
         """The table changed `name`: spares kept for an instance no longer ready at their
         generation are given back at once (its drain waits for them)."""
-        free = self.book.free.get(name)
-        if free is None or self.table.ready_at(name, free[0]):
+        generation = self.book.free.get(name)
+        if generation is None or self.table.ready_at(name, generation):
             return
         drop = asyncio.ensure_future(self._drop_spares(name))
         self._drops.add(drop)
@@ -440,7 +440,7 @@ class Dispatcher:
             found = (await load.aread_loads(self.client, host)).get(f"{name}:0")
             if found is None or found.generation != generation:
                 continue
-            if found.running + found.waiting == 0:
+            if not found.busy:
                 settled = [request_id for request_id, cut in cuts if found.read_at > cut.at]
                 if settled:
                     await self.book.give(name, generation, len(settled), cut="settle_when_idle")

@@ -355,7 +355,7 @@ def _drain_step(
         held = Places()
     unrouted = held.running + held.spare == 0 and instance.state == S.DRAINING
     if load is not None and load.generation == instance.generation:
-        quiet = load.running + load.waiting == 0
+        quiet = not load.busy
         idle = quiet and (load.read_at > instance.since or unrouted)
     else:
         idle = True  # nothing serves through an engine whose load hostd does not report

@@ -72,11 +72,7 @@ def busy(snapshot: Snapshot, name: str, instance: InstanceRecord) -> bool:
     if held is not None and held.generation == instance.generation and held.serving > 0:
         return True
     load = snapshot.loads.get(name)
-    return (
-        load is not None
-        and load.generation == instance.generation
-        and load.running + load.waiting > 0
-    )
+    return load is not None and load.generation == instance.generation and load.busy
 
 
 def protected(record: DeploymentRecord) -> bool:

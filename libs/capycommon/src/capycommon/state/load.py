@@ -31,6 +31,11 @@ class EngineLoad(BaseModel):
     last_active_at: float
     read_at: float
 
+    @property
+    def busy(self) -> bool:
+        """Whether any request ran or waited at `read_at`."""
+        return self.running + self.waiting > 0
+
 
 def decode(raw: Mapping[bytes | str, bytes | str]) -> dict[str, EngineLoad]:
     """The hash's entries by member (as HGETALL gives them, bytes or text)."""

@@ -56,8 +56,7 @@ OWNER_TTL_S = 10.0
 QUIET_S = 1.0
 # The place fields of an owner, by the settlement they wait for ("" for a running request).
 FIELDS = {"": "run", "settle_when_idle": "idle", "settle_at_stop": "stop"}
-# Spare places a worker keeps per deployment, and how long one may stay unused.
-SPARES = 1
+# How long a worker's spare place may stay unused before it is given back.
 SPARE_IDLE_S = 1.0
 
 # Lua shared by the scripts: Redis's clock; whether an owner lives (and refreshing it); a
@@ -297,9 +296,9 @@ class PlaceBook:
         self.owner = owner
         # (deployment, generation) -> this owner's places by field: run, idle, stop, spare.
         self.held: dict[tuple[str, int], Counter[str]] = {}
-        # deployment -> (generation, spare places free to use here), and when one was last
-        # kept or used (monotonic).
-        self.free: dict[str, tuple[int, int]] = {}
+        # deployment -> the generation of its free spare place here; and when the deployment's
+        # spare was last kept or used (monotonic), while it has one, free or in use.
+        self.free: dict[str, int] = {}
         self.spare_used: dict[str, float] = {}
         # deployment -> whether at most half its places were held at this owner's last take.
         self._roomy: dict[str, bool] = {}
@@ -351,27 +350,20 @@ class PlaceBook:
         """Let a request through on a free spare place of the deployment's instance at
         `generation`, if this owner has one: nothing is sent to Redis. The caller saw the
         instance ready at that generation."""
-        found = self.free.get(deployment)
-        if found is None or found[0] != generation:
+        if self.free.get(deployment) != generation:
             return False
-        if found[1] > 1:
-            self.free[deployment] = (generation, found[1] - 1)
-        else:
-            del self.free[deployment]
+        del self.free[deployment]
         self.spare_used[deployment] = time.monotonic()
         return True
 
     async def end(self, deployment: str, generation: int, spare: bool, keep: bool) -> None:
         """A running request ended (`spare`: it came through on a spare place). Its place
-        is kept as a free spare when `keep` (the instance is still ready at `generation`),
-        the last take found at most half the places held, and fewer than SPARES are free
-        here; else it is given back."""
-        found = self.free.get(deployment)
-        free = 0 if found is None else found[1]
-        keep = keep and self._roomy.get(deployment, False)
-        if keep and free < SPARES and (found is None or found[0] == generation):
-            # Free here first, so that a drop of the spares meanwhile gives it back too.
-            self.free[deployment] = (generation, free + 1)
+        is kept as the free spare when `keep` (the instance is still ready at `generation`),
+        the last take found at most half the places held, and none is free here yet; else it
+        is given back."""
+        if keep and self._roomy.get(deployment, False) and deployment not in self.free:
+            # Free here first, so that a drop of the spare meanwhile gives it back too.
+            self.free[deployment] = generation
             self.spare_used[deployment] = time.monotonic()
             if not spare:
                 await self._moved(deployment, generation, 1, "run", "spare")
@@ -379,15 +371,15 @@ class PlaceBook:
         await self._moved(deployment, generation, 1, "spare" if spare else "run", "")
 
     async def drop_spares(self, deployment: str, announce: bool = False) -> None:
-        """Give back the deployment's free spare places (its instance is no longer ready at
-        their generation, or they stayed unused). `announce`: say so on the control plane's
-        channel, where the scheduler hears it (a drain waits for them)."""
-        found = self.free.pop(deployment, None)
+        """Give back the deployment's free spare place (its instance is no longer ready at its
+        generation, or it stayed unused). `announce`: say so on the control plane's channel,
+        where the scheduler hears it (a drain waits for it)."""
+        generation = self.free.pop(deployment, None)
         self.spare_used.pop(deployment, None)
-        if found is not None:
-            await self._moved(deployment, found[0], found[1], "spare", "")
+        if generation is not None:
+            await self._moved(deployment, generation, 1, "spare", "")
             if announce:
-                note = Notification(kind="places", id=deployment, version=found[0])
+                note = Notification(kind="places", id=deployment, version=generation)
                 await self.client.publish(keys.notifications(), note.model_dump_json())
 
     def spares_due(self) -> float | None:
@@ -494,8 +486,8 @@ class PlaceBook:
         for (name, generation), held in list(self.held.items()):
             if generation < newest[name][0] and held["run"] == 0:
                 del self.held[(name, generation)]
-        for name, (generation, _) in list(self.free.items()):
-            if generation < newest.get(name, (generation, None))[0]:  # a stop settled them
+        for name, generation in list(self.free.items()):
+            if generation < newest.get(name, (generation, None))[0]:  # a stop settled it
                 del self.free[name]
                 self.spare_used.pop(name, None)
         return newest
