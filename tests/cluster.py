@@ -26,7 +26,7 @@ import yaml
 from capycommon.engines import registry
 from capycommon.errors import CapyError, NotFound
 from capycommon.paths import StatePaths
-from capycommon.state import desired, keys
+from capycommon.state import desired, keys, places
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.store import Event
 from capyctl_cli.management import Management
@@ -226,12 +226,33 @@ class Cluster:
                     # A deployment a test deleted may finish going between the read and here.
                     if exc.code != NotFound.code:
                         raise
-            wait_for(
-                lambda: not api.deployments(),
-                timeout=120,
-                what="every deployment deleted",
-                interval=0.25,
-            )
+            try:
+                wait_for(
+                    lambda: not api.deployments(),
+                    timeout=120,
+                    what="every deployment deleted",
+                    interval=0.25,
+                )
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; left: {self._left(api)}") from None
+
+    def _left(self, api: Management) -> str:
+        """The deployments left, each with its instance, places and last decisions: what a
+        delete that did not end waits for."""
+        found = []
+        for status in api.deployments():
+            name = status.name
+            instance = self.instance(name)
+            state = None if instance is None else (instance.state, instance.generation)
+            held = places.read(self.client, name)
+            decisions = [d.get("reason") for d in self.decisions(name)[-4:]]
+            found.append(f"{name}: instance {state}, {held!r}, decisions {decisions}")
+        logs = self.role.state_dir / "logs"
+        for service in ("scheduler", "hostd"):
+            path = logs / f"{service}.log"
+            lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+            found.append(f"the end of {service}.log:\n" + "\n".join(lines[-15:]))
+        return "; ".join(found)
 
 
 def install_engines(root: Path) -> None:
