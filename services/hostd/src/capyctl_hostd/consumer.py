@@ -28,10 +28,13 @@ log = logging.getLogger(__name__)
 
 async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
     reader = Reader(hostcommands.group(runner.client, runner.host))
-    await reader.group.ensure()
     tasks: set[asyncio.Task[None]] = set()
+    grouped = False
     try:
         while not stop.is_set():
+            if not grouped:
+                grouped = await _grouped(reader, stop)
+                continue
             for entry_id, fields in await _read(reader, stop):
                 task = asyncio.create_task(_run(runner, shelf, reader, entry_id, fields))
                 tasks.add(task)
@@ -68,8 +71,19 @@ async def _read(reader: Reader, stop: asyncio.Event) -> list[Entry]:
         # Redis lost the group, or the stream under a blocked read: recreate them.
         if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
             raise
-        await reader.group.ensure()
+        await _grouped(reader, stop)  # if Redis failed, the next read finds it lost again
     return []
+
+
+async def _grouped(reader: Reader, stop: asyncio.Event) -> bool:
+    """Make the group (and the stream) unless they exist; False when Redis failed, after a
+    pause: a blip while hostd starts is ridden out as one later is."""
+    try:
+        await reader.group.ensure()
+    except REDIS_ERRORS:
+        await wait_event(stop, 0.5)
+        return False
+    return True
 
 
 async def _run(runner: Runner, shelf: Shelf, reader: Reader, entry_id: str, fields: Fields) -> None:
