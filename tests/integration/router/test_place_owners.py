@@ -1,10 +1,11 @@
 """Places owned by router workers, on a real redis-server: a gone owner's places count for
 nothing (but those cut before any answer, until the stop), an owner's `keep` puts its own
-count right after Redis lost it or never heard of a change, and the spare place a worker
-keeps between requests counts against the limit, never as a running request."""
+count right after Redis lost it or never heard of a change, and the spare places a worker
+keeps between requests count against the limit, never as a running request."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -145,33 +146,82 @@ async def test_a_kept_spare_serves_the_next_request_without_redis(client: aiored
 @pytest.mark.anyio
 async def test_spares_count_against_the_limit_until_given_back(client: aioredis.Redis) -> None:
     first, second = PlaceBook(client, "router-0:1"), PlaceBook(client, "router-1:2")
-    assert await first.take(HOST, NAME, 1, limit=4) == 1
+    assert await first.take(HOST, NAME, 1, limit=4) == 1, "the only owner: all 4 its share"
     assert await first.take(HOST, NAME, 1, limit=4) == 1
     await first.end(NAME, 1, spare=False, keep=True)
     await first.end(NAME, 1, spare=False, keep=True)
-    assert await _spares(client) == (0, 1), "one spare kept, the other place given back"
-    for _ in range(3):
+    assert await _spares(client) == (0, 2), "both kept"
+    for _ in range(2):
         assert await second.take(HOST, NAME, 1, limit=4) == 1
-    assert await second.take(HOST, NAME, 1, limit=4) == 0, "the spare holds the last place"
+    assert await second.take(HOST, NAME, 1, limit=4) == 0, "the spares hold the last places"
     await first.drop_spares(NAME)
     assert await second.take(HOST, NAME, 1, limit=4) == 1
-    assert await _spares(client) == (4, 0)
+    assert await _spares(client) == (3, 0)
     assert first.held == {}
 
 
 @pytest.mark.anyio
-async def test_no_spare_is_kept_while_more_than_half_the_places_are_held(
+async def test_no_spare_is_kept_beyond_the_owners_share(client: aioredis.Redis) -> None:
+    mine, theirs = PlaceBook(client, "router-0:1"), PlaceBook(client, "router-1:2")
+    assert await theirs.take(HOST, NAME, 1, limit=4) == 1
+    for _ in range(3):
+        assert await mine.take(HOST, NAME, 1, limit=4) == 1, "two live owners: a share of 2"
+    await mine.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (3, 0), "it held 3: given back, others may need it"
+    await mine.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (2, 1), "it held 2, its share: kept"
+    await mine.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (1, 2), "it held 2 again: kept"
+    assert mine.use_spare(NAME, 1)
+    assert mine.use_spare(NAME, 1)
+    assert not mine.use_spare(NAME, 1), "one request a spare"
+
+
+@pytest.mark.anyio
+async def test_the_share_is_over_the_routers_workers_or_more_live_owners(
+    client: aioredis.Redis,
+) -> None:
+    mine = PlaceBook(client, "router-0:1", workers=2)
+    for _ in range(2):
+        assert await mine.take(HOST, NAME, 1, limit=8) == 1
+    assert mine.share(NAME) == 4, "alone for now, but one of two workers: a worker forked again"
+    others = [PlaceBook(client, f"other-{n}:{n}") for n in range(3)]
+    for other in others:
+        assert await other.keep([NAME]), "another router's workers"
+    assert await mine.keep([NAME])
+    assert mine.share(NAME) == 2, "four live owners, learnt at the keep"
+    for _ in range(2):
+        await mine.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (0, 2), "it held 2, its share: both kept"
+    await places.drop_owner(client, others[0].owner)
+    assert mine.use_spare(NAME, 1)
+    assert await mine.take(HOST, NAME, 1, limit=8) == 1, "three live owners now: a share of 2"
+    await mine.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (0, 2), "it held 3: given back (the spare in use stays)"
+
+
+@pytest.mark.anyio
+async def test_a_free_spare_never_keeps_another_owner_from_its_share(
     client: aioredis.Redis,
 ) -> None:
     mine, theirs = PlaceBook(client, "router-0:1"), PlaceBook(client, "router-1:2")
+    assert await mine.keep([NAME]), "mine is a live owner before theirs takes"
     for _ in range(2):
         assert await theirs.take(HOST, NAME, 1, limit=4) == 1
-    assert await mine.take(HOST, NAME, 1, limit=4) == 1, "the third of four"
-    await mine.end(NAME, 1, spare=False, keep=True)
-    assert await _spares(client) == (2, 0), "given back: other workers may need it"
     for _ in range(2):
         await theirs.end(NAME, 1, spare=False, keep=True)
-    assert await _spares(client) == (0, 1), "its last take found half held: one kept"
+    assert await _spares(client) == (0, 2), "two live owners: its share of 2 kept"
+    assert theirs.use_spare(NAME, 1)
+    assert theirs.use_spare(NAME, 1)
+    assert await theirs.take(HOST, NAME, 1, limit=4) == 1, "its spares in use: it takes"
+    await theirs.end(NAME, 1, spare=True, keep=True)
+    assert await _spares(client) == (1, 1), "it held 3: given back"
+    await theirs.end(NAME, 1, spare=True, keep=True)
+    await theirs.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (0, 2), "its share, no more"
+    for _ in range(2):
+        assert await mine.take(HOST, NAME, 1, limit=4) == 1, "its share of 2"
+    assert await mine.take(HOST, NAME, 1, limit=4) == 0, "the limit holds, the spares in it"
 
 
 @pytest.mark.anyio
@@ -208,6 +258,31 @@ async def test_an_unused_spare_is_given_back(
     await wait_for_async(given_back, timeout=5, what="the unused spare given back", interval=0.05)
     assert time.monotonic() >= due
     assert book.spares_due() is None
+
+
+@pytest.mark.anyio
+async def test_spares_beyond_what_the_requests_use_are_given_back(
+    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(places, "SPARE_IDLE_S", 0.3)
+    book = PlaceBook(client, "router-0:1")
+    for _ in range(3):
+        assert await book.take(HOST, NAME, 1) == 1
+    for _ in range(3):
+        await book.end(NAME, 1, spare=False, keep=True)
+    assert await _spares(client) == (0, 3), "a burst of three: three kept"
+    started = time.monotonic()
+
+    async def down_to_the_one_in_use() -> bool:
+        assert book.use_spare(NAME, 1), "a request a turn uses the newest spare"
+        await book.end(NAME, 1, spare=True, keep=True)
+        await book.drop_idle_spares()
+        return await _spares(client) == (0, 1)
+
+    await wait_for_async(down_to_the_one_in_use, timeout=5, what="the unused two given back")
+    assert time.monotonic() - started >= 0.3
+    await asyncio.sleep(0.4)
+    assert await down_to_the_one_in_use(), "the one in use stays"
 
 
 @pytest.mark.anyio

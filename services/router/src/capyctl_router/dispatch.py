@@ -94,6 +94,8 @@ class Cut:
 @dataclass(frozen=True)
 class Limits:
     running: int = places.LIMIT
+    # The router's workers, who share the places (`capycommon.state.places`).
+    workers: int = 1
     waiting_per_deployment: int = 64
     waiting_total: int = 256
     request_deadline_s: float = 1800.0
@@ -122,7 +124,7 @@ class Dispatcher:
     _redis_failed: bool = False
 
     def __post_init__(self) -> None:
-        self.book = PlaceBook(self.client, self.owner)
+        self.book = PlaceBook(self.client, self.owner, self.limits.workers)
         # Set when the settle loop has something new to look at: a cut, or a first spare.
         self._sooner = asyncio.Event()
         # Spares given back when their instance is no longer ready (`_changed`), until done.
@@ -290,21 +292,21 @@ class Dispatcher:
         """A request ended: its place is kept as a spare while its instance stays ready, or
         given back."""
         name, generation = target.deployment, target.generation
-        first = not self.book.spare_used
+        first = self.book.spares_due() is None
         try:
             await self.book.end(
                 name, generation, target.spare, keep=self.table.ready_at(name, generation)
             )
         except REDIS_ERRORS as exc:
             self._failed(exc)  # counted here: the next keep writes it in Redis
-        if first and self.book.spare_used:
-            self._sooner.set()  # its time unused is watched from now
+        if first and self.book.spares_due() is not None:
+            self._sooner.set()  # their time unused is watched from now
         self.table.wake(name)
 
     def _changed(self, name: str) -> None:
         """The table changed `name`: spares kept for an instance no longer ready at their
         generation are given back at once (its drain waits for them)."""
-        generation = self.book.free.get(name)
+        generation = self.book.free_generation(name)
         if generation is None or self.table.ready_at(name, generation):
             return
         drop = asyncio.ensure_future(self._drop_spares(name))

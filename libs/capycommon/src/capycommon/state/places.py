@@ -13,16 +13,20 @@ they may not have reached the engine's queue, so nothing but a stop proves them 
 requests a worker holds waiting for a place are counted the same way, in one hash for every
 deployment (`<deployment> <owner>`), so the queue bounds hold for all workers together.
 
-A worker keeps the place of a request that ended as a spare (`spare:<owner>`, one per
-deployment) while the instance stays ready and at most half its places were held at its
-last take, and lets its next request for that deployment through on it without asking
-Redis: a run of requests costs Redis nothing after the first, and a busy instance, whose
-places other workers need, keeps none.
+A worker keeps the place of a request that ended as a spare (`spare:<owner>`, counted per
+deployment) while the instance stays ready and the worker holds no more than its share of
+the places (the limit over the router's workers, or over the live owners where more live:
+each take and keep counts them), and lets its next requests for that deployment through on
+its spares without asking Redis: a steady stream of requests costs Redis next to nothing,
+however busy the instance. A worker with a free spare takes no place (it uses a spare
+first), so free spares only ever sit within their owner's share: a worker that holds less
+than its share never waits behind another's idle spares.
+
 A spare counts against the limit but not as a running request (it is idle, or carries a
 request Redis was not told of), so nothing waits for spares but a drain: the worker gives its
 spares back as soon as it hears the instance is no longer ready, those in use when their
-requests end, and any spare left unused for SPARE_IDLE_S, so that other workers may take
-its place.
+requests end, and each spare left unused for SPARE_IDLE_S (a request uses the newest, so
+spares beyond what the requests need grow old), so that other workers may take their places.
 
 An owner lives while its entry in the owners' sorted set has not expired: it refreshes it
 every few seconds, and whoever sees it exit (its parent) removes it. Every count is summed
@@ -35,6 +39,7 @@ its memory, every few seconds (`PlaceBook.keep`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import time
 from collections import Counter
@@ -111,8 +116,8 @@ end
 """
 
 # KEYS: the instance record, the places hash, the owners. ARGV: generation, limit, owner,
-# owner TTL. Returns the places held now, this one and spares included (taken), 0 (all places
-# taken, spares too) or -1 (not ready at that generation).
+# owner TTL. Returns the live owners, this one included (taken), 0 (all places taken, spares
+# too) or -1 (not ready at that generation).
 _TAKE = (
     _LIB
     + """
@@ -129,7 +134,7 @@ refresh(KEYS[3], ARGV[3], ARGV[4], at)
 local held = count(KEYS[2], KEYS[3], at)
 if held[2] + held[5] >= tonumber(ARGV[2]) then return 0 end
 redis.call('HINCRBY', KEYS[2], 'run:' .. ARGV[3], 1)
-return held[2] + held[5] + 1
+return redis.call('ZCOUNT', KEYS[3], '(' .. tostring(at), '+inf')
 """
 )
 
@@ -195,7 +200,8 @@ return found
 # KEYS: the waiting hash. ARGV: its field (`<deployment> <owner>`).
 _LEAVE = _LIB + "lower(KEYS[1], ARGV[1], 1)"
 
-# KEYS: the owners, the waiting hash, then the places hash of each deployment. ARGV: owner,
+# KEYS: the owners, the waiting hash, then the places hash of each deployment. Returns the
+# live owners, this one included. ARGV: owner,
 # owner TTL, then for each deployment its name, the generation of the owner's places (0: it
 # holds none), its run, idle, stop and spare counts, and its waiting requests. Refreshes the
 # owner, forgets expired owners (with their waiting requests and all but their cut-at-stop
@@ -241,7 +247,7 @@ for i = 3, #KEYS do
     redis.call('HDEL', KEYS[2], deployment .. ' ' .. owner)
   end
 end
-return 1
+return redis.call('ZCOUNT', KEYS[1], '(' .. tostring(at), '+inf')
 """
 )
 
@@ -291,21 +297,25 @@ class PlaceBook:
     away) or that Redis lost (a restart that dropped its last writes) is put right there.
     """
 
-    def __init__(self, client: aioredis.Redis, owner: str) -> None:
+    def __init__(self, client: aioredis.Redis, owner: str, workers: int = 1) -> None:
         self.client = client
         self.owner = owner
+        # The owners the places are shared by: this router's workers, or the live owners
+        # its last take or keep counted, where more live (another router's).
+        self.workers = workers
+        self._owners = workers
         # (deployment, generation) -> this owner's places by field: run, idle, stop, spare.
         self.held: dict[tuple[str, int], Counter[str]] = {}
-        # deployment -> the generation of its free spare place here; and when the deployment's
-        # spare was last kept or used (monotonic), while it has one, free or in use.
-        self.free: dict[str, int] = {}
-        self.spare_used: dict[str, float] = {}
-        # deployment -> whether at most half its places were held at this owner's last take.
-        self._roomy: dict[str, bool] = {}
+        # deployment -> the generation of its free spare places here, and when each was kept
+        # (monotonic, oldest first): a request uses the newest, so spares beyond what the
+        # requests need grow old and are given back.
+        self.free: dict[str, tuple[int, list[float]]] = {}
+        # deployment -> the limit of its places at this owner's last take.
+        self._limit: dict[str, int] = {}
         # deployment -> this owner's requests waiting for a place.
         self.waiting: Counter[str] = Counter()
-        # Every request runs two scripts (take, give): they go through the client's pipe,
-        # which costs a fraction of redis-py's pool (`capycommon.state.pipe`).
+        # A request without a spare runs two scripts (take, give): they go through the pipe
+        # of the client, which costs a fraction of redis-py's pool (`capycommon.state.pipe`).
         self.pipe = Pipe.of(client)
         self._open = asyncio.Event()
         self._open.set()
@@ -327,8 +337,9 @@ class PlaceBook:
                 self._quiet.set()
 
     async def take(self, host: str, deployment: str, generation: int, limit: int = LIMIT) -> int:
-        """1 taken, 0 all taken, -1 the instance is not ready at `generation`. Whether at most
-        half the places are held now decides if the place may be kept as a spare (`end`)."""
+        """1 taken, 0 all taken, -1 the instance is not ready at `generation`. The limit and
+        the live owners counted now set this owner's share, up to which it keeps spares
+        (`end`)."""
         async with self._change():
             found = int(
                 await self.pipe.run(
@@ -343,57 +354,80 @@ class PlaceBook:
             )
             if found > 0:
                 self.held.setdefault((deployment, generation), Counter())["run"] += 1
-                self._roomy[deployment] = found * 2 <= limit
+                self._limit[deployment] = limit
+                self._owners = found
         return min(found, 1)
 
     def use_spare(self, deployment: str, generation: int) -> bool:
         """Let a request through on a free spare place of the deployment's instance at
         `generation`, if this owner has one: nothing is sent to Redis. The caller saw the
         instance ready at that generation."""
-        if self.free.get(deployment) != generation:
+        found = self.free.get(deployment)
+        if found is None or found[0] != generation:
             return False
-        del self.free[deployment]
-        self.spare_used[deployment] = time.monotonic()
+        kept = found[1]
+        kept.pop()
+        if not kept:
+            del self.free[deployment]
         return True
+
+    def share(self, deployment: str) -> int:
+        """The most places of the deployment this owner may hold and keep spares."""
+        return self._limit.get(deployment, 0) // max(self.workers, self._owners)
+
+    def free_generation(self, deployment: str) -> int | None:
+        """The generation of the deployment's free spare places here, if it has any."""
+        found = self.free.get(deployment)
+        return None if found is None else found[0]
 
     async def end(self, deployment: str, generation: int, spare: bool, keep: bool) -> None:
         """A running request ended (`spare`: it came through on a spare place). Its place
-        is kept as the free spare when `keep` (the instance is still ready at `generation`),
-        the last take found at most half the places held, and none is free here yet; else it
-        is given back."""
-        if keep and self._roomy.get(deployment, False) and deployment not in self.free:
-            # Free here first, so that a drop of the spare meanwhile gives it back too.
-            self.free[deployment] = generation
-            self.spare_used[deployment] = time.monotonic()
+        is kept as a free spare when `keep` (the instance is still ready at `generation`) and
+        this owner holds no more than its share; else it is given back."""
+        held = self.held.get((deployment, generation), Counter()).total()
+        found = self.free.get(deployment, (generation, []))
+        if keep and held <= self.share(deployment) and found[0] == generation:
+            # Free here first, so that a drop of the spares meanwhile gives it back too.
+            self.free[deployment] = found
+            found[1].append(time.monotonic())
             if not spare:
                 await self._moved(deployment, generation, 1, "run", "spare")
             return
         await self._moved(deployment, generation, 1, "spare" if spare else "run", "")
 
     async def drop_spares(self, deployment: str, announce: bool = False) -> None:
-        """Give back the deployment's free spare place (its instance is no longer ready at its
-        generation, or it stayed unused). `announce`: say so on the control plane's channel,
-        where the scheduler hears it (a drain waits for it)."""
-        generation = self.free.pop(deployment, None)
-        self.spare_used.pop(deployment, None)
-        if generation is not None:
-            await self._moved(deployment, generation, 1, "spare", "")
+        """Give back the deployment's free spare places (its instance is no longer ready at
+        their generation). `announce`: say so on the control plane's channel, where the
+        scheduler hears it (a drain waits for them)."""
+        found = self.free.pop(deployment, None)
+        if found is not None:
+            generation, kept = found
+            await self._moved(deployment, generation, len(kept), "spare", "")
             if announce:
                 note = Notification(kind="places", id=deployment, version=generation)
                 await self.client.publish(keys.notifications(), note.model_dump_json())
 
     def spares_due(self) -> float | None:
         """When the oldest free spare will have stayed unused SPARE_IDLE_S (monotonic)."""
-        if not self.spare_used:
+        if not self.free:
             return None
-        return min(self.spare_used.values()) + SPARE_IDLE_S
+        return min(kept[0] for _, kept in self.free.values()) + SPARE_IDLE_S
 
     async def drop_idle_spares(self) -> None:
-        """Give back the spare places that stayed unused SPARE_IDLE_S."""
-        now = time.monotonic()
-        for deployment, used in list(self.spare_used.items()):
-            if now - used >= SPARE_IDLE_S:
-                await self.drop_spares(deployment)
+        """Give back the free spare places that stayed unused SPARE_IDLE_S."""
+        stale = time.monotonic() - SPARE_IDLE_S
+        for deployment in list(self.free):
+            found = self.free.get(deployment)  # as it is now: a give back may have awaited
+            if found is None:
+                continue
+            generation, kept = found
+            count = bisect.bisect_right(kept, stale)
+            if count == 0:
+                continue
+            del kept[:count]
+            if not kept:
+                del self.free[deployment]
+            await self._moved(deployment, generation, count, "spare", "")
 
     async def give(self, deployment: str, generation: int, count: int = 1, cut: str = "") -> None:
         """Give back `count` places: of running requests, or of cut requests that settled
@@ -470,8 +504,10 @@ class PlaceBook:
                 ]
                 args += [name, *(str(n) for n in counts)]
             names_keys = [keys.places(name) for name in names]
-            await self.pipe.run(
-                _KEEP_SCRIPT, [keys.place_owners(), keys.waiting(), *names_keys], args
+            self._owners = int(
+                await self.pipe.run(
+                    _KEEP_SCRIPT, [keys.place_owners(), keys.waiting(), *names_keys], args
+                )
             )
             return True
         finally:
@@ -486,10 +522,9 @@ class PlaceBook:
         for (name, generation), held in list(self.held.items()):
             if generation < newest[name][0] and held["run"] == 0:
                 del self.held[(name, generation)]
-        for name, generation in list(self.free.items()):
-            if generation < newest.get(name, (generation, None))[0]:  # a stop settled it
+        for name, (generation, _) in list(self.free.items()):
+            if generation < newest.get(name, (generation, None))[0]:  # a stop settled them
                 del self.free[name]
-                self.spare_used.pop(name, None)
         return newest
 
 
