@@ -36,6 +36,13 @@ async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
     await found.aclose()
 
 
+@pytest.fixture
+def quick_book(client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> PlaceBook:
+    """A worker's book whose spares are given back after 0.3 s unused."""
+    monkeypatch.setattr(places, "SPARE_IDLE_S", 0.3)
+    return PlaceBook(client, "router-0:1")
+
+
 async def _counts(client: aioredis.Redis) -> tuple[int, int, int]:
     found = await places.aread(client, NAME)
     return found.running, found.settle_when_idle, found.settle_at_stop
@@ -239,11 +246,8 @@ async def test_a_spare_ends_given_back_unless_its_instance_is_still_ready(
 
 
 @pytest.mark.anyio
-async def test_an_unused_spare_is_given_back(
-    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(places, "SPARE_IDLE_S", 0.3)
-    book = PlaceBook(client, "router-0:1")
+async def test_an_unused_spare_is_given_back(client: aioredis.Redis, quick: PlaceBook) -> None:
+    book = quick
     assert await book.take(HOST, NAME, 1) == 1
     await book.end(NAME, 1, spare=False, keep=True)
     await book.drop_idle_spares()
@@ -262,10 +266,9 @@ async def test_an_unused_spare_is_given_back(
 
 @pytest.mark.anyio
 async def test_spares_beyond_what_the_requests_use_are_given_back(
-    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+    client: aioredis.Redis, quick_book: PlaceBook
 ) -> None:
-    monkeypatch.setattr(places, "SPARE_IDLE_S", 0.3)
-    book = PlaceBook(client, "router-0:1")
+    book = quick_book
     for _ in range(3):
         assert await book.take(HOST, NAME, 1) == 1
     for _ in range(3):
