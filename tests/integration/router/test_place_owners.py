@@ -246,8 +246,8 @@ async def test_a_spare_ends_given_back_unless_its_instance_is_still_ready(
 
 
 @pytest.mark.anyio
-async def test_an_unused_spare_is_given_back(client: aioredis.Redis, quick: PlaceBook) -> None:
-    book = quick
+async def test_an_unused_spare_is_given_back(client: aioredis.Redis, quick_book: PlaceBook) -> None:
+    book = quick_book
     assert await book.take(HOST, NAME, 1) == 1
     await book.end(NAME, 1, spare=False, keep=True)
     await book.drop_idle_spares()
