@@ -27,12 +27,27 @@ async def test_the_group_is_made_once_redis_comes() -> None:
     where = str(folder / "redis.sock")
     client = aioredis.Redis(unix_socket_path=where, socket_timeout=2, retry=Retry(NoBackoff(), 0))
     runner = cast(Runner, SimpleNamespace(client=client, host="local"))
+    # First a socket that closes every connection it takes, as a Redis going away does.
+    tries = 0
+
+    def refuse(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal tries
+        tries += 1
+        writer.close()
+
+    refusing = await asyncio.start_unix_server(refuse, path=where)
     stop = asyncio.Event()
     reading = asyncio.create_task(consume(runner, cast(Shelf, None), stop))
     server = None
     try:
-        await asyncio.sleep(1.2)  # a few tries against no Redis at all
+
+        async def tried_again() -> bool:
+            return tries >= 2 or reading.done()
+
+        await wait_for_async(tried_again, timeout=10, what="a second try", interval=0.02)
         assert not reading.done(), "the consumer ended while Redis was away"
+        refusing.close()
+        await refusing.wait_closed()
         server = await asyncio.to_thread(redis_server, folder)
         # A malformed command: dropped, and acknowledged, without a runner's work.
         entry = await client.xadd(keys.host_commands("local"), {hostcommands.FIELD: "{}"})

@@ -292,14 +292,14 @@ class Dispatcher:
         """A request ended: its place is kept as a spare while its instance stays ready, or
         given back."""
         name, generation = target.deployment, target.generation
-        first = self.book.spares_due() is None
+        first = not self.book.free
         try:
             await self.book.end(
                 name, generation, target.spare, keep=self.table.ready_at(name, generation)
             )
         except REDIS_ERRORS as exc:
             self._failed(exc)  # counted here: the next keep writes it in Redis
-        if first and self.book.spares_due() is not None:
+        if first and self.book.free:
             self._sooner.set()  # their time unused is watched from now
         self.table.wake(name)
 

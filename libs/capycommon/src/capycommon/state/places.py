@@ -64,10 +64,10 @@ FIELDS = {"": "run", "settle_when_idle": "idle", "settle_at_stop": "stop"}
 # How long a worker's spare place may stay unused before it is given back.
 SPARE_IDLE_S = 1.0
 
-# Lua shared by the scripts: Redis's clock; whether an owner lives (and refreshing it); a
-# count lowered, its field dropped at zero; the counts of a places hash summed over its live
-# owners (cut-at-stop places over every owner): generation, running (with the cuts), cuts
-# that settle when idle, cuts that settle at the stop, spares.
+# Lua shared by the scripts: Redis's clock; whether an owner lives (and refreshing it); how
+# many live; a count lowered, its field dropped at zero; the counts of a places hash summed
+# over its live owners (cut-at-stop places over every owner): generation, running (with the
+# cuts), cuts that settle when idle, cuts that settle at the stop, spares.
 _LIB = """
 local function now()
   local t = redis.call('TIME')
@@ -79,6 +79,9 @@ local function alive(owners, owner, at)
 end
 local function refresh(owners, owner, ttl, at)
   redis.call('ZADD', owners, at + tonumber(ttl), owner)
+end
+local function live(owners, at)
+  return redis.call('ZCOUNT', owners, '(' .. tostring(at), '+inf')
 end
 local function lower(key, field, n)
   local left = (tonumber(redis.call('HGET', key, field)) or 0) - n
@@ -134,7 +137,7 @@ refresh(KEYS[3], ARGV[3], ARGV[4], at)
 local held = count(KEYS[2], KEYS[3], at)
 if held[2] + held[5] >= tonumber(ARGV[2]) then return 0 end
 redis.call('HINCRBY', KEYS[2], 'run:' .. ARGV[3], 1)
-return redis.call('ZCOUNT', KEYS[3], '(' .. tostring(at), '+inf')
+return live(KEYS[3], at)
 """
 )
 
@@ -247,7 +250,7 @@ for i = 3, #KEYS do
     redis.call('HDEL', KEYS[2], deployment .. ' ' .. owner)
   end
 end
-return redis.call('ZCOUNT', KEYS[1], '(' .. tostring(at), '+inf')
+return live(KEYS[1], at)
 """
 )
 
