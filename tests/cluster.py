@@ -362,6 +362,9 @@ def start_cluster(
                 "server": {
                     "scheduling": scheduling or {"drain_timeout": 10, "park_verify_timeout": 3},
                     "routing": routing or {},
+                    # Two workers whatever the machine's CPUs: requests share places
+                    # across workers, as on any machine of 8 CPUs or more.
+                    "router": {"workers": 2},
                 },
             }
         )

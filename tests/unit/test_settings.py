@@ -17,7 +17,9 @@ from capycommon.settings import (
     HostSection,
     HostSettings,
     Role,
+    RouterSection,
     StandaloneSettings,
+    auto_workers,
     host_name,
     machine_host_name,
     own_host,
@@ -311,6 +313,34 @@ def test_deep_park_is_on_or_off(tmp_path: Path) -> None:
     assert loaded.settings.host.deep_park == "on"
     with pytest.raises(InvalidConfig, match=r"--deep-park sets host\.deep_park to 'disabled'"):
         load_settings("host", document=None, env={}, flags={"--deep-park": "disabled"})
+
+
+def test_router_workers_are_a_count_or_auto(tmp_path: Path) -> None:
+    def router(document: Path | None = None, **env: str) -> RouterSection:
+        settings = load_settings("standalone", document=document, env=env).settings
+        assert isinstance(settings, StandaloneSettings)
+        return settings.server.router
+
+    doc = tmp_path / "standalone.yaml"
+    doc.write_text("server:\n  router:\n    workers: 3\n")
+    assert router(doc).worker_count == 3
+    assert router().workers == "auto"
+    assert router().worker_count == auto_workers()
+    assert router(CAPYCTL_SERVER_ROUTER_WORKERS="2").workers == 2
+    for bad in ("0", "65", "two", "1.5"):
+        with pytest.raises(
+            InvalidConfig,
+            match=rf"--server-router-workers sets server\.router\.workers to '{bad}': "
+            rf"'{bad}' is no count of workers; give a whole number from 1 to 64, or auto",
+        ):
+            load_settings(
+                "standalone", document=None, env={}, flags={"--server-router-workers": bad}
+            )
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (96, 8)])
+def test_auto_is_one_worker_per_four_cpus_from_one_to_eight(cpus: int, workers: int) -> None:
+    assert auto_workers(cpus) == workers
 
 
 @pytest.mark.parametrize(

@@ -166,6 +166,22 @@ def _on_off(value: object) -> object:
     return value
 
 
+WORKERS_MAX = 64
+
+
+def _workers(value: object) -> object:
+    """A count of router workers, 1 to WORKERS_MAX, or `auto`."""
+    if value == "auto":
+        return value
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit() or not 1 <= int(text) <= WORKERS_MAX:
+        raise ValueError(
+            f"{value!r} is no count of workers; give a whole number from 1 to {WORKERS_MAX}, "
+            "or auto"
+        )
+    return int(text)
+
+
 ListenAddress = Annotated[str, AfterValidator(_check_address)]
 LoopbackAddress = Annotated[str, AfterValidator(_check_loopback_address)]
 PortRange = Annotated[str, AfterValidator(_check_port_range)]
@@ -178,5 +194,6 @@ HostName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$"), Setting(m
 Seconds = Annotated[float, Setting(metavar="SECONDS")]
 Limit = Annotated[str | None, AfterValidator(_check_limit), Setting(metavar="SIZE|N%")]
 OnOff = Annotated[Literal["on", "off"], BeforeValidator(_on_off)]
+Workers = Annotated[int | Literal["auto"], BeforeValidator(_workers), Setting(metavar="N|auto")]
 SimulatedGpus = Annotated[str | None, AfterValidator(_check_simulated_gpus)]
 Size = Annotated[str | None, AfterValidator(_check_size)]

@@ -62,7 +62,7 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
         waiting_total=server.routing.max_pending_total,
         request_deadline_s=server.scheduling.request_deadline,
         stream_idle_s=server.routing.stream_idle_timeout,
-        workers=server.router.workers,
+        workers=server.router.worker_count,
     )
     metrics = Metrics()
     owner = places.owner_id(ctx.name, os.getpid())

@@ -77,10 +77,10 @@ async def run_workers(ctx: ServiceContext, argv: Sequence[str]) -> None:
         client_context(ctx.paths)
     listener = bind(server.listeners.inference.bind)
     folder = _metrics_folder(ctx.paths.run_dir)
-    log.info("starting %d workers", server.router.workers)
+    log.info("starting %d workers", server.router.worker_count)
     try:
         async with asyncio.TaskGroup() as workers:
-            for index in range(server.router.workers):
+            for index in range(server.router.worker_count):
                 workers.create_task(_keep_worker(ctx, index, argv, listener, folder))
     finally:
         listener.close()
