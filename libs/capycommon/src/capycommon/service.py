@@ -518,6 +518,9 @@ async def serve_http(
         timeout_keep_alive=limits.keep_alive_timeout,
         log_config=None,
         access_log=False,
+        # Nothing reads a request's client address, so none is taken from X-Forwarded-*
+        # headers (uvicorn trusts them from loopback by default): a cost on every request.
+        proxy_headers=False,
         lifespan="off",
         # A stop waits this long for requests in flight, then closes their connections.
         timeout_graceful_shutdown=10,

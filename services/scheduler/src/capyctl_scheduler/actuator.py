@@ -55,9 +55,7 @@ class Actuator:
     _orphan_stops: dict[str, float] = field(default_factory=dict)
 
     async def apply(self, snapshot: Snapshot, actions: list[Action]) -> None:
-        # A switch is recorded on its deployment before any of its victims is released, so
-        # a scheduler killed in between still knows when it began.
-        for action in sorted(actions, key=lambda action: not action.victims):
+        for action in sorted(actions, key=lambda action: _order(snapshot, action)):
             try:
                 await self._apply(snapshot, action)
             except Conflict as exc:
@@ -287,12 +285,14 @@ class Actuator:
         if action.victims:
             began = record.switch
             victims = (*(began.victims if began else ()), *action.victims)
-            changes["switch"] = Switch(
+            switch = Switch(
                 host=action.host,
                 gpu=action.gpu,
                 started_at=began.started_at if began else time.time(),
                 victims=tuple(dict.fromkeys(victims)),
             )
+            if switch != began:
+                changes["switch"] = switch
         last = record.last_operation
         if changes or last is None or (last.kind, last.reason) != ("wait", action.reason):
             await self._write(record, action, **changes)
@@ -425,6 +425,18 @@ HANDLERS: Mapping[Kind, Handler] = {
     "switched": Actuator._switched,
     "drop_switch": Actuator._drop_switch,
 }
+
+
+def _order(snapshot: Snapshot, action: Action) -> int:
+    """When an action is applied in its plan: a switch is recorded on its deployment before
+    any of its victims is released, so a scheduler killed in between still knows when it
+    began; any other wait (bookkeeping only) after every command, which is what it waits on."""
+    if action.kind != "wait":
+        return 1
+    record = snapshot.deployments.get(action.deployment)
+    began = record.switch if record is not None else None
+    recorded = began is not None and set(action.victims) <= set(began.victims)
+    return 0 if action.victims and not recorded else 2
 
 
 def _cache_launch(resolved: Resolved, footprint: Footprint) -> hc.CacheLaunch | None:

@@ -1,0 +1,110 @@
+"""What the actuator writes for a switch, on a real redis-server: the switch is on its
+deployment's record before its first victim is released, and a wait that adds nothing to it
+is neither written again nor sent ahead of the victims' commands."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import redis.asyncio as aioredis
+
+from capycommon.deployments.load import parse_deployment
+from capycommon.state import keys
+from capycommon.state.desired import DECISION_FIELD, DeploymentRecord, DeploymentStore, Victim
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capyctl_scheduler.actions import Action
+from capyctl_scheduler.actuator import Actuator
+from capyctl_scheduler.snapshot import Snapshot
+
+HOST = "local"
+VICTIM = Victim(deployment="b", generation=1)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    now = time.time()
+    for name in ("a", "b"):
+        document = parse_deployment({"name": name, "engine": "vllm", "model": "m"}, "test")
+        record = DeploymentRecord(
+            name=name,
+            revision=1,
+            digest="d",
+            document=document,
+            created_at=now,
+            updated_at=now,
+            generation=1,
+        )
+        await DeploymentStore(client).put(record)
+    yield client
+    await client.aclose()
+
+
+async def _snapshot(client: aioredis.Redis) -> Snapshot:
+    """The deployments as Redis holds them, with `b` ready: what the handlers read."""
+    ready = InstanceRecord(
+        deployment="b",
+        instance=0,
+        revision=1,
+        generation=1,
+        state=InstanceState.READY,
+        since=time.time(),
+        host=HOST,
+        residency="host_backed",
+    )
+    deployments = await DeploymentStore(client).all()
+    return Snapshot(time.time(), deployments, {"b": ready}, {}, {})
+
+
+async def _decisions(client: aioredis.Redis) -> list[tuple[str, str]]:
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.events()))
+    found = [json.loads(fields[DECISION_FIELD.encode()]) for _, fields in entries]
+    return [(d["kind"], d["deployment"]) for d in found]
+
+
+def _wait(reason: str) -> Action:
+    return Action("wait", "a", reason, host=HOST, gpu="gpu0", victims=(VICTIM,))
+
+
+def _stop(reason: str) -> Action:
+    return Action("stop", "b", reason, host=HOST, generation=1, cause="switch")
+
+
+@pytest.mark.anyio
+async def test_a_switch_is_recorded_first_and_only_once(client: aioredis.Redis) -> None:
+    actuator = Actuator(client, _ack)
+    await actuator.apply(await _snapshot(client), [_stop("for a"), _wait("b must go")])
+    assert await _decisions(client) == [("wait", "a"), ("stop", "b")], "the switch first"
+    first = await DeploymentStore(client).get("a")
+    assert first is not None
+    assert first.switch is not None
+    assert first.switch.victims == (VICTIM,)
+
+    # The next tick: the same victim, the switch on the record already.
+    await actuator.apply(await _snapshot(client), [_stop("for a, again"), _wait("b must go")])
+    again = await DeploymentStore(client).get("a")
+    assert again == first, "a wait that changes nothing is not written"
+    assert (await _decisions(client))[2:] == [("stop", "b")]
+
+    # A new reason is written, after the victim's command.
+    await actuator.apply(
+        await _snapshot(client), [_wait("b is parking"), _stop("for a, once more")]
+    )
+    assert (await _decisions(client))[3:] == [("stop", "b"), ("wait", "a")]
+    last = await DeploymentStore(client).get("a")
+    assert last is not None
+    assert last.switch == first.switch
+
+
+async def _ack(deployment: str) -> None:
+    """The demands' acknowledgement: none is open here."""
