@@ -17,7 +17,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from capycommon.state import places
+from capycommon.state import keys, places
 from cluster import SMALL, Cluster
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
@@ -215,11 +215,31 @@ def test_a_hang_up_while_waiting_leaves_the_queue(cluster: Cluster) -> None:
             assert await waiting(cluster) == 1
 
     asyncio.run(hang_up())
-    wait_for(
-        lambda: asyncio.run(waiting(cluster)) == 0,
-        timeout=5,
-        what="the request that hung up to leave the queue",
-    )
+    try:
+        wait_for(
+            lambda: asyncio.run(waiting(cluster)) == 0,
+            timeout=5,
+            what="the request that hung up to leave the queue",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {asyncio.run(counted(cluster))}") from None
+
+
+async def counted(cluster: Cluster) -> str:
+    """Where a waiting request is counted: in Redis, by owner, and by each router worker's
+    own count (its metrics)."""
+    client = aioredis.Redis(unix_socket_path=str(cluster.role.state_dir / "redis/redis.sock"))
+    try:
+        found = await client.hgetall(keys.waiting())
+    finally:
+        await client.aclose()
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    async with httpx.AsyncClient() as http:
+        metrics = await http.get(f"http://{cluster.role.inference}/metrics", headers=headers)
+    own = [
+        line for line in metrics.text.splitlines() if line.startswith("capyctl_requests_waiting")
+    ]
+    return f"Redis counts {found}; the router's workers count {own}"
 
 
 async def waiting(cluster: Cluster) -> int:

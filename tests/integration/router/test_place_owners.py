@@ -1,13 +1,16 @@
 """Places owned by router workers, on a real redis-server: a gone owner's places count for
 nothing (but those cut before any answer, until the stop), an owner's `keep` puts its own
 count right after Redis lost it or never heard of a change, and the spare places a worker
-keeps between requests count against the limit, never as a running request."""
+keeps between requests count against the limit, never as a running request. A change whose
+caller gave up once it was on its way to Redis is written over at once."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -15,6 +18,10 @@ import redis.asyncio as aioredis
 from capycommon.service import redis_client
 from capycommon.state import keys, places
 from capycommon.state.places import PlaceBook
+from capyctl_router import dispatch
+from capyctl_router.dispatch import Dispatcher
+from capyctl_router.metrics import Metrics
+from capyctl_router.table import Table
 from integration.router.ready import put_ready
 from support import wait_for_async
 
@@ -316,3 +323,100 @@ async def test_keep_writes_spares_back_and_a_gone_owners_count_for_nothing(
     assert await mine.keep([NAME])
     kept = set(await client.hkeys(keys.places(NAME)))
     assert kept == {b"generation", b"spare:router-0:1"}, "the gone one's forgotten"
+
+
+# Holds Redis for ARGV[1] microseconds: commands sent meanwhile wait there, unanswered.
+BUSY = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat
+  t = redis.call('TIME')
+until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
+"""
+
+
+async def _cut_short(redis_socket: Path, change: Coroutine[Any, Any, Any]) -> None:
+    """Send `change` while Redis is busy, and cancel its caller once it is written: Redis
+    makes it after the caller gave up, as when a client hangs up at that moment."""
+    busy = redis_client(f"unix://{redis_socket}")
+    try:
+        holding = asyncio.ensure_future(busy.eval(BUSY, 0, 300_000))
+        await asyncio.sleep(0.1)  # Redis runs the script
+        task = asyncio.ensure_future(change)
+        for _ in range(3):  # the pipe writes what was sent in the loop's next turn
+            await asyncio.sleep(0)
+        assert task.cancel(), "cancelled while Redis holds it"
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await holding
+    finally:
+        await busy.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_join_cut_short_is_written_over_at_once(
+    client: aioredis.Redis, redis_socket: Path
+) -> None:
+    book = PlaceBook(client, "router-0:1")
+    heard: list[bool] = []
+    book.on_unsure = lambda: heard.append(True)
+    assert await book.join(NAME, 10, 10)  # Redis has the scripts, the pipe is open
+    await book.leave(NAME)
+    await _cut_short(redis_socket, book.join(NAME, 10, 10))
+    assert book.waiting[NAME] == 0, "its caller never heard it joined"
+    assert await places.awaiting(client) == {NAME: 1}, "Redis counted it"
+    assert heard == [True]
+    assert book.unsure
+    assert await book.keep([NAME])
+    assert await places.awaiting(client) == {}
+    assert not book.unsure
+
+
+@pytest.mark.anyio
+async def test_a_take_cut_short_is_written_over_at_once(
+    client: aioredis.Redis, redis_socket: Path
+) -> None:
+    book = PlaceBook(client, "router-0:1")
+    heard: list[bool] = []
+    book.on_unsure = lambda: heard.append(True)
+    assert await book.take(HOST, NAME, 1) == 1  # Redis has the scripts, the pipe is open
+    await book.give(NAME, 1)
+    await _cut_short(redis_socket, book.take(HOST, NAME, 1))
+    assert book.held == {}
+    assert await _counts(client) == (1, 0, 0), "Redis counted the place taken"
+    assert heard == [True]
+    assert await book.keep([NAME])
+    assert await _counts(client) == (0, 0, 0)
+    assert not book.unsure
+
+
+@pytest.mark.anyio
+async def test_a_router_keeps_at_once_after_a_change_cut_short(
+    client: aioredis.Redis, redis_socket: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dispatch, "KEEP_EVERY_S", 60.0)  # no keep comes on its own
+    table = Table(client, {HOST})
+    await table.sync()
+    dispatcher = Dispatcher(client, table, Metrics())
+    book = dispatcher.book
+    stop = asyncio.Event()
+    settling = asyncio.ensure_future(dispatcher.settle(stop))
+    try:
+        await wait_for_async(
+            lambda: client.zscore(keys.place_owners(), book.owner), 2, "the first keep"
+        )
+        assert await book.join(NAME, 10, 10)  # Redis has the scripts, the pipe is open
+        await book.leave(NAME)
+        await _cut_short(redis_socket, book.join(NAME, 10, 10))
+        await wait_for_async(
+            lambda: _written_over(book, client), 2, "the router to write its count over"
+        )
+    finally:
+        stop.set()
+        await settling
+
+
+async def _written_over(book: PlaceBook, client: aioredis.Redis) -> bool:
+    """A keep ran since the change was cut short (sent after it, so run after it), and
+    nobody waits."""
+    return not book.unsure and await places.awaiting(client) == {}

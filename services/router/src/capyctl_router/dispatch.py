@@ -130,6 +130,9 @@ class Dispatcher:
         # Spares given back when their instance is no longer ready (`_changed`), until done.
         self._drops: set[asyncio.Task[None]] = set()
         self.table.on_change = self._changed
+        # A change cut short (a client hung up while its script was on its way) is put
+        # right by a keep at once, not at the next one due.
+        self.book.on_unsure = self._sooner.set
 
     def deadline_of(self, record: DeploymentRecord) -> float:
         """How long a request for it may wait for its first output."""
@@ -390,7 +393,7 @@ class Dispatcher:
 
     async def _keep(self) -> None:
         now = time.monotonic()
-        if not self._redis_failed and now - self._kept < KEEP_EVERY_S:
+        if not (self._redis_failed or self.book.unsure) and now - self._kept < KEEP_EVERY_S:
             return
         self._redis_failed = False
         if await self.book.keep(self.table.records):

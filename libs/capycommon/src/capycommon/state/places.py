@@ -43,7 +43,7 @@ import bisect
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import cast
 
 import redis
@@ -297,7 +297,9 @@ class PlaceBook:
 
     Every change is counted here as it is made in Redis; `keep` writes these counts back as
     they are, while no change is in flight, so a change whose answer was lost (Redis went
-    away) or that Redis lost (a restart that dropped its last writes) is put right there.
+    away) or that Redis lost (a restart that dropped its last writes) is put right there. A
+    change cut short once it may have reached Redis (its caller cancelled: a client hung up)
+    leaves the owner `unsure`, and tells `on_unsure`, so that its keep comes at once.
     """
 
     def __init__(self, client: aioredis.Redis, owner: str, workers: int = 1) -> None:
@@ -325,6 +327,11 @@ class PlaceBook:
         self._quiet = asyncio.Event()
         self._quiet.set()
         self._in_flight = 0
+        # A change was cut short (its caller cancelled, Redis failed) after it may have
+        # reached Redis: Redis may count what this owner does not, until the next keep.
+        # `on_unsure` hears of it at once, so the owner keeps without waiting its turn.
+        self.unsure = False
+        self.on_unsure: Callable[[], None] | None = None
 
     @contextlib.asynccontextmanager
     async def _change(self) -> AsyncIterator[None]:
@@ -334,6 +341,11 @@ class PlaceBook:
         self._quiet.clear()
         try:
             yield
+        except BaseException:
+            self.unsure = True
+            if self.on_unsure is not None:
+                self.on_unsure()
+            raise
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -495,6 +507,9 @@ class PlaceBook:
                 await asyncio.wait_for(self._quiet.wait(), QUIET_S)
             if not self._quiet.is_set():
                 return False
+            # Every change cut short so far is written over here (Redis runs the commands
+            # of the one connection in order, so a late one ran before this keep).
+            self.unsure = False
             newest = self._newest()
             names = sorted(set(deployments) | set(newest) | set(self.waiting))
             args = [self.owner, str(OWNER_TTL_S)]
@@ -507,11 +522,15 @@ class PlaceBook:
                 ]
                 args += [name, *(str(n) for n in counts)]
             names_keys = [keys.places(name) for name in names]
-            self._owners = int(
-                await self.pipe.run(
-                    _KEEP_SCRIPT, [keys.place_owners(), keys.waiting(), *names_keys], args
+            try:
+                self._owners = int(
+                    await self.pipe.run(
+                        _KEEP_SCRIPT, [keys.place_owners(), keys.waiting(), *names_keys], args
+                    )
                 )
-            )
+            except BaseException:
+                self.unsure = True
+                raise
             return True
         finally:
             self._open.set()
