@@ -16,7 +16,7 @@ Each round also shows where the time went, in milliseconds after the request was
 Redis (the demand, the scheduler's decisions and commands, hostd's transitions) and hostd's
 log (when it took a command up, its engine calls and canary).
 
-    .venv/bin/python bench/wake.py [--rounds N] [--only wake switch cold]
+    .venv/bin/python bench/wake.py [--rounds N] [--only wake switch cold] [--late-release-ms MS]
 """
 
 from __future__ import annotations
@@ -55,8 +55,12 @@ BEHAVIOUR = Behaviour(
     sleep_seconds=0.25,
     wake_seconds=0.25,
     tokens_per_second=1000,
-    memory_lag_seconds=0.1,
 )
+# How late the simulated device shows a park's memory released after the park call returned.
+# vLLM frees it within its /sleep call (its worker reads the freed bytes from the driver before
+# it returns), so its device shows the release a little late at most; SGLang's
+# /release_memory_occupation can return before the memory is freed (`--late-release-ms 100`).
+LATE_RELEASE_MS = 20
 # 14 GiB charged on the card each (12.75 GiB asked, 1.25 GiB CUDA context): two never fit on
 # a 24 GiB GPU, so a request for the parked one is a switch.
 MEMORY = {"request": "13056MiB", "startup": "14GiB"}
@@ -85,14 +89,14 @@ def _until(check: Callable[[], Any], what: str, timeout: float = 120) -> Any:
 class Stand:
     """A standalone role with the deployments `a` and `b` of the simulated vLLM."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, behaviour: Behaviour) -> None:
         self.root = root
         self.state = root / "state"
         self.env = benchrole.role_env(root)
         ports = random.randrange(20_000, 30_000, 10)
         # Ports of its own: other roles on this machine use the default range.
         document = benchrole.write_document(root, "256GiB", engine_ports=f"{ports}-{ports + 9}")
-        benchrole.install_vllm(root, document.parent, "vllm", BEHAVIOUR)
+        benchrole.install_vllm(root, document.parent, "vllm", behaviour)
         benchrole.sparse_model(root / "models" / "m10", 10 * GiB)
         self.inference = f"127.0.0.1:{benchrole.free_port()}"
         self.log = (root / "role.log").open("wb")
@@ -601,17 +605,19 @@ def _ready_at(stand: Stand, since: float) -> float | None:
     return None
 
 
-def main(rounds: int, phases: list[str]) -> None:
+def main(rounds: int, phases: list[str], late_release_ms: float) -> None:
     root = Path(tempfile.mkdtemp(prefix="capy-wake-"))
-    stand = Stand(root)
+    behaviour = BEHAVIOUR.model_copy(update={"memory_lag_seconds": late_release_ms / 1000})
+    stand = Stand(root, behaviour)
     try:
         runs = {"wake": wakes, "switch": switches, "cold": cold_starts}
         results = [runs[name](stand, rounds) for name in phases]
         for figures in results:
             figures.print()
         print(
-            f"\nthe simulator as vLLM: wake_up {BEHAVIOUR.wake_seconds:g} s per tag (two tags), "
-            f"sleep {BEHAVIOUR.sleep_seconds:g} s, load {BEHAVIOUR.load_seconds:g} s; "
+            f"\nthe simulator as vLLM: wake_up {behaviour.wake_seconds:g} s per tag (two tags), "
+            f"sleep {behaviour.sleep_seconds:g} s, load {behaviour.load_seconds:g} s; its device "
+            f"shows a park's release {late_release_ms:g} ms after the call returned; "
             "each request streamed, max_tokens 1"
         )
     finally:
@@ -625,5 +631,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only", nargs="+", choices=("wake", "switch", "cold"), default=["wake", "switch", "cold"]
     )
+    parser.add_argument(
+        "--late-release-ms",
+        type=float,
+        default=LATE_RELEASE_MS,
+        help="how late the simulated device shows a park's memory released after the call",
+    )
     args = parser.parse_args()
-    main(args.rounds, args.only)
+    main(args.rounds, args.only, args.late_release_ms)
