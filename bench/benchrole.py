@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
@@ -38,11 +38,13 @@ def role_env(root: Path) -> dict[str, str]:
     return env
 
 
-def write_document(root: Path, host_ram: str, **host: str) -> Path:
+def write_document(
+    root: Path, host_ram: str, server: dict[str, Any] | None = None, **host: str
+) -> Path:
     """The role's document, `kind: standalone` on one simulated 24 GiB GPU with `host_ram` of
-    host RAM, its models under `root`/models (and any other `host` fields), written into the
-    config dir of the state dir `root`/state (made here, where the engines are registered
-    too); its path."""
+    host RAM, its models under `root`/models (and any other `host` fields, and a `server`
+    section where given), written into the config dir of the state dir `root`/state (made
+    here, where the engines are registered too); its path."""
     config = root / "state" / "config"
     config.mkdir(parents=True)
     document = config / "standalone.yaml"
@@ -52,7 +54,10 @@ def write_document(root: Path, host_ram: str, **host: str) -> Path:
         "models_root": str(root / "models"),
         **host,
     }
-    document.write_text(yaml.safe_dump({"kind": "standalone", "host": fields}))
+    found: dict[str, Any] = {"kind": "standalone", "host": fields}
+    if server:
+        found["server"] = server
+    document.write_text(yaml.safe_dump(found))
     return document
 
 

@@ -214,11 +214,12 @@ class Stand:
     """A standalone role on a simulated GPU with the deployments `bench` (instant) and
     `bench-paced` of the simulated vLLM."""
 
-    def __init__(self, root: Path, pace: float, streams: int) -> None:
+    def __init__(self, root: Path, pace: float, streams: int, workers: str) -> None:
         self.root = root
         self.state = root / "state"
         self.env = benchrole.role_env(root)
-        document = benchrole.write_document(root, "64GiB")
+        router = {"workers": workers if workers == "auto" else int(workers)}
+        document = benchrole.write_document(root, "64GiB", server={"router": router})
         paced = INSTANT.model_copy(update={"instant": False, "tokens_per_second": pace})
         for profile, behaviour in (("vllm", INSTANT), ("vllm-paced", paced)):
             benchrole.install_vllm(root, document.parent, profile, behaviour)
@@ -862,7 +863,7 @@ def main(args: argparse.Namespace) -> None:
     stand: Stand | None = None
     try:
         print(f"starting a standalone role in {root} ...", flush=True)
-        stand = Stand(root, args.pace, args.streams)
+        stand = Stand(root, args.pace, args.streams, args.workers)
         instant, paced = stand.engines
         print(
             f"the engine simulator as vLLM 0.29.0 on a simulated GPU; {os.cpu_count()} CPUs "
@@ -930,5 +931,8 @@ if __name__ == "__main__":
     parser.add_argument("--stream-tokens", type=int, default=32, help="streams: tokens each")
     parser.add_argument("--no-litellm", action="store_true", help="capacity: leave LiteLLM out")
     parser.add_argument("--no-nginx", action="store_true", help="capacity: leave nginx out")
+    parser.add_argument(
+        "--workers", default="auto", help="the router's workers: N, or auto (the role's default)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run's folder and logs")
     main(parser.parse_args())
