@@ -14,6 +14,26 @@ from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.instances import CacheRecord, InstanceRecord, InstanceState
 
 
+async def put_deployment(
+    client: aioredis.Redis, name: str, family: str = "vllm", api: str = "chat"
+) -> DeploymentRecord:
+    """Deployment `name` of `family` (serving `api`) at revision and generation 1, with no
+    instance."""
+    now = time.time()
+    written = {"name": name, "engine": family, "model": "m", "api": api}
+    record = DeploymentRecord(
+        name=name,
+        revision=1,
+        digest="d",
+        document=parse_deployment(written, "test"),
+        created_at=now,
+        updated_at=now,
+        generation=1,
+    )
+    await DeploymentStore(client).put(record)
+    return record
+
+
 async def put_ready(
     client: aioredis.Redis,
     name: str,
@@ -27,18 +47,7 @@ async def put_ready(
     """Deployment `name` of `family` (serving `api`), its instance ready at generation 1 on
     `host`, serving as `served` on `port` behind `secret`."""
     now = time.time()
-    written = {"name": name, "engine": family, "model": "m", "api": api}
-    document = parse_deployment(written, "test")
-    record = DeploymentRecord(
-        name=name,
-        revision=1,
-        digest="d",
-        document=document,
-        created_at=now,
-        updated_at=now,
-        generation=1,
-    )
-    await DeploymentStore(client).put(record)
+    document = (await put_deployment(client, name, family, api)).document
     instance = InstanceRecord(
         deployment=name,
         instance=0,

@@ -13,13 +13,13 @@ from typing import cast
 import pytest
 import redis.asyncio as aioredis
 
-from capycommon.deployments.load import parse_deployment
 from capycommon.state import keys
-from capycommon.state.desired import DECISION_FIELD, DeploymentRecord, DeploymentStore, Victim
+from capycommon.state.desired import DECISION_FIELD, DeploymentStore, Victim
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.snapshot import Snapshot
+from integration.router.ready import put_deployment
 
 HOST = "local"
 VICTIM = Victim(deployment="b", generation=1)
@@ -33,19 +33,8 @@ def anyio_backend() -> str:
 @pytest.fixture
 async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis(unix_socket_path=str(redis_socket))
-    now = time.time()
     for name in ("a", "b"):
-        document = parse_deployment({"name": name, "engine": "vllm", "model": "m"}, "test")
-        record = DeploymentRecord(
-            name=name,
-            revision=1,
-            digest="d",
-            document=document,
-            created_at=now,
-            updated_at=now,
-            generation=1,
-        )
-        await DeploymentStore(client).put(record)
+        await put_deployment(client, name)
     yield client
     await client.aclose()
 
