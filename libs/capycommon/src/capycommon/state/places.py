@@ -329,7 +329,8 @@ class PlaceBook:
         self._in_flight = 0
         # A change was cut short (its caller cancelled, Redis failed) after it may have
         # reached Redis: Redis may count what this owner does not, until the next keep.
-        # `on_unsure` hears of it at once, so the owner keeps without waiting its turn.
+        # `on_unsure` hears of a cancelled one at once, so the owner keeps without waiting
+        # its turn.
         self.unsure = False
         self.on_unsure: Callable[[], None] | None = None
 
@@ -341,9 +342,11 @@ class PlaceBook:
         self._quiet.clear()
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             self.unsure = True
-            if self.on_unsure is not None:
+            # A Redis failure is retried at the owner's own pace; a cancelled caller's change
+            # is put right at once.
+            if isinstance(exc, asyncio.CancelledError) and self.on_unsure is not None:
                 self.on_unsure()
             raise
         finally:
