@@ -3,22 +3,34 @@ notification applied after the read began is newer than what the read found, and
 
 A deployment created while a full read waited on Redis used to vanish from the table when the
 read finished (its snapshot predates it), and a request for it got 404 until the next read.
+A route the table does not know is looked for again in Redis, by a read begun after the
+request came, before it is refused: a deployment declared a moment before the request, whose
+notification has not come yet, is served.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from typing import cast
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from capycommon.credentials import generate
 from capycommon.state import keys
-from capycommon.state.desired import DeploymentStore
+from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, DeploymentStore
 from capycommon.state.instances import InstanceRecord, InstanceState
+from capyctl_router import table as table_module
+from capyctl_router.app import Router, create_app
+from capyctl_router.dispatch import Dispatcher, Limits
+from capyctl_router.metrics import Metrics
 from capyctl_router.remote import Ingress
 from capyctl_router.table import Table
-from integration.router.ready import put_ready
+from capyctl_router.upstream import Engines
+from integration.router.ready import put_deployment, put_ready
 
 
 @pytest.fixture
@@ -116,3 +128,79 @@ async def test_a_notification_read_before_the_full_read_began_does_not_outrank_i
         table.go_on.set()
         await read
         assert table.deployment_of("m") is not None
+
+
+@pytest.mark.anyio
+async def test_a_route_declared_before_its_notification_is_found(redis_socket: Path) -> None:
+    async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
+        table = Table(client, {"local"})
+        await table.sync()
+        await put_deployment(client, "late")  # its notification not applied yet
+        assert table.deployment_of("late") is None
+        found = await table.find("late", time.monotonic())
+        assert found is not None
+        assert found.name == "late"
+        assert table.deployment_of("late") is not None, "kept, as its notification would"
+        assert await table.find("never", time.monotonic()) is None
+
+
+class HeldStore(DeploymentStore):
+    """A deployment store whose reads, once done, wait for `go_on` before they answer."""
+
+    read = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def all(self) -> dict[str, DeploymentRecord]:
+        found = await super().all()
+        HeldStore.read.set()
+        await HeldStore.go_on.wait()
+        return found
+
+
+@pytest.fixture
+def held_store(monkeypatch: pytest.MonkeyPatch) -> type[HeldStore]:
+    HeldStore.read, HeldStore.go_on = asyncio.Event(), asyncio.Event()
+    monkeypatch.setattr(table_module, "DeploymentStore", HeldStore)
+    return HeldStore
+
+
+@pytest.mark.anyio
+async def test_a_miss_is_answered_by_a_read_begun_after_it(
+    redis_socket: Path, held_store: type[HeldStore]
+) -> None:
+    """A request that missed while a read begun before it was under way waits for the next
+    read: the earlier one may predate the deployment it asks for."""
+    async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
+        table = Table(client, {"local"})
+        first = asyncio.create_task(table.find("late", time.monotonic()))
+        await asyncio.wait_for(held_store.read.wait(), 5)  # it has read: `late` is not there
+        await put_deployment(client, "late")
+        second = asyncio.create_task(table.find("late", time.monotonic()))
+        held_store.go_on.set()
+        assert await first is None, "its read began before `late` was declared"
+        found = await second
+        assert found is not None, "a read begun after the request found it"
+
+
+@pytest.mark.anyio
+async def test_a_request_for_a_deployment_not_yet_notified_is_not_refused(
+    redis_socket: Path,
+) -> None:
+    """Through the router: the model is demanded (it has no instance yet), not a 404."""
+    async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
+        table = Table(client, {"local"})
+        await table.sync()
+        await put_deployment(client, "late")
+        dispatcher = Dispatcher(client, table, Metrics(), Limits(request_deadline_s=0.5))
+        credentials = generate()
+        app = create_app(credentials, Router(dispatcher, Engines()))
+        body = {"model": "late", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {"Authorization": f"Bearer {credentials.api_key}"}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            answer = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert answer.status_code == 503, answer.text
+        assert "did not become ready" in answer.json()["error"]["message"]
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.demands()))
+        demanded = [Demand.model_validate_json(f[DEMAND_FIELD.encode()]) for _, f in entries]
+        assert [d.deployment for d in demanded] == ["late"]

@@ -12,6 +12,7 @@ model load (`CapyCTL-Progress: on`, see `proxy`).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import secrets
 import time
@@ -37,7 +38,7 @@ from capycommon.errors import (
     WrongApi,
     http_code_for,
 )
-from capycommon.service import wait_event
+from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state.desired import DeploymentRecord
 from capycommon.version import __version__
 from capyctl_router import decisions
@@ -296,6 +297,19 @@ async def routes_read(table: Table) -> None:
         raise RedisUnreachable("the router has not read its routes from Redis yet; retry shortly")
 
 
+async def _find(table: Table, call: Call, arrived: float) -> DeploymentRecord | None:
+    """The deployment of a route the routing table does not know, read again from Redis
+    (it may have been declared a moment ago); RedisUnreachable if it cannot be read soon."""
+    try:
+        async with asyncio.timeout(ROUTES_WAIT_S):
+            return await table.find(call.route, arrived)
+    except (*REDIS_ERRORS, TimeoutError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise RedisUnreachable(
+            f"the router cannot read its routes from Redis ({reason}); retry shortly"
+        ) from None
+
+
 def wants_progress(request: Request) -> bool:
     """Whether the request asks to see its model load (`CapyCTL-Progress: on`); off when the
     header is absent, refused when it is neither on nor off."""
@@ -322,7 +336,7 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
     call.progress = progress and call.client_streams
     if not router.table.synced.is_set():
         await routes_read(router.table)
-    record = router.table.deployment_of(call.route)
+    record = router.table.deployment_of(call.route) or await _find(router.table, call, arrived)
     if record is None:
         raise UnknownModel(f"no model {call.route!r}; GET /v1/models lists them")
     check_api(call, record)

@@ -6,7 +6,10 @@ in full again every few seconds and on every reconnect, since pub/sub loses mess
 disconnected. A full read takes many round trips, and notifications are applied meanwhile:
 what a notification applied after the full read began is newer than what that read found,
 so the read keeps it (a deployment created during a read is never dropped until the next).
-Waiters for a deployment are woken whenever anything about it changes.
+Waiters for a deployment are woken whenever anything about it changes. A route the table does
+not know is looked for again in Redis before a request for it is refused (`find`): a
+deployment declared a moment before its request, whose notification has not come yet, is
+served.
 
 The notifications are read as they come, with no timeout to wake an idle worker: the full
 read finds a host that joined, and the subscription is then made again with its channel.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +92,9 @@ class Table:
     # One per full read under way: the deployments and hosts notifications re-read since it
     # began (see `_Fresh`).
     _reads: list[_Fresh] = field(default_factory=list)
+    # The read of the deployments under way for requests whose route was not known, and
+    # when it began (`find`).
+    _records_read: tuple[float, asyncio.Future[None]] | None = None
     own: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +105,13 @@ class Table:
     def deployment_of(self, route: str) -> DeploymentRecord | None:
         name = self.routes.get(route)
         return None if name is None else self.records.get(name)
+
+    async def find(self, route: str, since: float) -> DeploymentRecord | None:
+        """The deployment serving a route the table did not know, looked for again in Redis
+        by a read begun after `since` (when the request came, monotonic): one declared just
+        before the request, whose notification has not come yet, is found, not refused."""
+        await self._records_read_since(since)
+        return self.deployment_of(route)
 
     def target(self, name: str) -> Target | None:
         """The deployment's instance when it is ready, with what it takes to reach it."""
@@ -203,6 +217,42 @@ class Table:
             if before.get(name) != now or name not in records or (now and now.host in moved):
                 self.wake(name)
         self.synced.set()
+
+    async def _records_read_since(self, since: float) -> None:
+        """Return once a read of the deployments begun after `since` has been applied: one
+        read for every request that missed meanwhile, the next one made once a read under way
+        began too early."""
+        while True:
+            reading = self._records_read
+            if reading is None:
+                started = asyncio.ensure_future(self._new_records())
+                started.add_done_callback(_seen)  # its failure is its waiters', if any are left
+                reading = self._records_read = (time.monotonic(), started)
+            began, task = reading
+            try:
+                await asyncio.shield(task)
+            finally:
+                if task.done() and self._records_read is reading:
+                    self._records_read = None
+            if began >= since:
+                return
+
+    async def _new_records(self) -> None:
+        """Add the deployments Redis holds that the table lacks, as their notifications
+        would (one that came while this read was under way wins)."""
+        fresh = _Fresh()
+        self._reads.append(fresh)
+        try:
+            found = await DeploymentStore(self.client).all()
+        finally:
+            self._reads.remove(fresh)
+        new = [name for name in found if name not in self.records and name not in fresh.records]
+        for name in new:
+            for other in self._reads:
+                other.records.add(name)
+            self.records[name] = found[name]
+        if new:
+            self.routes = {route: n for n, r in self.records.items() for route in r.document.routes}
 
     async def _read_ingress(self, host: str) -> Ingress | None:
         info, identity = await asyncio.gather(
@@ -369,6 +419,11 @@ def _take(into: dict[Any, Any], source: dict[Any, Any], key: object) -> None:
         into[key] = source[key]
     else:
         into.pop(key, None)
+
+
+def _seen(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _text(value: bytes | str) -> str:
