@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from capycommon.service import redis_client
 from capycommon.state import keys, places
+from capycommon.state.pipe import Script
 from capycommon.state.places import PlaceBook
 from capyctl_router import dispatch
 from capyctl_router.dispatch import Dispatcher
@@ -326,43 +327,40 @@ async def test_keep_writes_spares_back_and_a_gone_owners_count_for_nothing(
 
 
 # Holds Redis for ARGV[1] microseconds: commands sent meanwhile wait there, unanswered.
-BUSY = """
+BUSY = Script.of("""
 local t = redis.call('TIME')
 local start = t[1] * 1000000 + t[2]
 repeat
   t = redis.call('TIME')
 until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
-"""
+""")
 
 
-async def _cut_short(redis_socket: Path, change: Coroutine[Any, Any, Any]) -> None:
-    """Send `change` while Redis is busy, and cancel its caller once it is written: Redis
-    makes it after the caller gave up, as when a client hangs up at that moment."""
-    busy = redis_client(f"unix://{redis_socket}")
-    try:
-        holding = asyncio.ensure_future(busy.eval(BUSY, 0, 300_000))
-        await asyncio.sleep(0.1)  # Redis runs the script
-        task = asyncio.ensure_future(change)
-        for _ in range(3):  # the pipe writes what was sent in the loop's next turn
-            await asyncio.sleep(0)
-        assert task.cancel(), "cancelled while Redis holds it"
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await holding
-    finally:
-        await busy.aclose()
+async def _cut_short(book: PlaceBook, change: Coroutine[Any, Any, Any]) -> None:
+    """Send `change` behind a script that holds Redis for 0.3 s, on the book's one connection,
+    and cancel its caller once it is written: Redis makes it after the caller gave up, as
+    when a client hangs up at that moment."""
+    await book.pipe.run(BUSY, [], [0])  # Redis has the script: it is not sent again behind
+    holding = asyncio.ensure_future(book.pipe.run(BUSY, [], [300_000]))
+    task = asyncio.ensure_future(change)
+    for _ in range(3):  # the pipe writes what was sent in the loop's next turn
+        await asyncio.sleep(0)
+    assert task.cancel(), "cancelled while Redis holds it"
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await holding
 
 
 @pytest.mark.anyio
 async def test_a_join_cut_short_is_written_over_at_once(
-    client: aioredis.Redis, redis_socket: Path
+    client: aioredis.Redis,
 ) -> None:
     book = PlaceBook(client, "router-0:1")
     heard: list[bool] = []
     book.on_unsure = lambda: heard.append(True)
     assert await book.join(NAME, 10, 10)  # Redis has the scripts, the pipe is open
     await book.leave(NAME)
-    await _cut_short(redis_socket, book.join(NAME, 10, 10))
+    await _cut_short(book, book.join(NAME, 10, 10))
     assert book.waiting[NAME] == 0, "its caller never heard it joined"
     assert await places.awaiting(client) == {NAME: 1}, "Redis counted it"
     assert heard == [True]
@@ -374,14 +372,14 @@ async def test_a_join_cut_short_is_written_over_at_once(
 
 @pytest.mark.anyio
 async def test_a_take_cut_short_is_written_over_at_once(
-    client: aioredis.Redis, redis_socket: Path
+    client: aioredis.Redis,
 ) -> None:
     book = PlaceBook(client, "router-0:1")
     heard: list[bool] = []
     book.on_unsure = lambda: heard.append(True)
     assert await book.take(HOST, NAME, 1) == 1  # Redis has the scripts, the pipe is open
     await book.give(NAME, 1)
-    await _cut_short(redis_socket, book.take(HOST, NAME, 1))
+    await _cut_short(book, book.take(HOST, NAME, 1))
     assert book.held == {}
     assert await _counts(client) == (1, 0, 0), "Redis counted the place taken"
     assert heard == [True]
@@ -392,7 +390,7 @@ async def test_a_take_cut_short_is_written_over_at_once(
 
 @pytest.mark.anyio
 async def test_a_router_keeps_at_once_after_a_change_cut_short(
-    client: aioredis.Redis, redis_socket: Path, monkeypatch: pytest.MonkeyPatch
+    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(dispatch, "KEEP_EVERY_S", 60.0)  # no keep comes on its own
     table = Table(client, {HOST})
@@ -407,7 +405,7 @@ async def test_a_router_keeps_at_once_after_a_change_cut_short(
         )
         assert await book.join(NAME, 10, 10)  # Redis has the scripts, the pipe is open
         await book.leave(NAME)
-        await _cut_short(redis_socket, book.join(NAME, 10, 10))
+        await _cut_short(book, book.join(NAME, 10, 10))
         await wait_for_async(
             lambda: _written_over(book, client), 2, "the router to write its count over"
         )

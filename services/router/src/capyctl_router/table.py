@@ -204,7 +204,7 @@ class Table:
             self._joined.set()
         self.hosts = hosts
         self.records = records
-        self.routes = {route: n for n, r in records.items() for route in r.document.routes}
+        self.routes = _routes(records)
         before, reached = self.instances, self.ingresses
         self.instances = instances
         self.secrets = secrets
@@ -240,6 +240,7 @@ class Table:
     async def _new_records(self) -> None:
         """Add the deployments Redis holds that the table lacks, as their notifications
         would (one that came while this read was under way wins)."""
+        reads = list(self._reads)  # those begun before it, which it is newer than
         fresh = _Fresh()
         self._reads.append(fresh)
         try:
@@ -248,11 +249,11 @@ class Table:
             self._reads.remove(fresh)
         new = [name for name in found if name not in self.records and name not in fresh.records]
         for name in new:
-            for other in self._reads:
+            for other in reads:
                 other.records.add(name)
             self.records[name] = found[name]
         if new:
-            self.routes = {route: n for n, r in self.records.items() for route in r.document.routes}
+            self.routes = _routes(self.records)
 
     async def _read_ingress(self, host: str) -> Ingress | None:
         info, identity = await asyncio.gather(
@@ -317,7 +318,7 @@ class Table:
             self.instances.pop(name, None)
         else:
             self.records[name] = record
-        self.routes = {route: n for n, r in self.records.items() for route in r.document.routes}
+        self.routes = _routes(self.records)
         self.wake(name)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -419,6 +420,11 @@ def _take(into: dict[Any, Any], source: dict[Any, Any], key: object) -> None:
         into[key] = source[key]
     else:
         into.pop(key, None)
+
+
+def _routes(records: dict[str, DeploymentRecord]) -> dict[str, str]:
+    """Each route and the deployment it names."""
+    return {route: name for name, record in records.items() for route in record.document.routes}
 
 
 def _seen(task: asyncio.Future[None]) -> None:

@@ -283,15 +283,8 @@ class Actuator:
         first: when it began, kept from its first victim on, and every victim since."""
         changes: dict[str, object] = {}
         if action.victims:
-            began = record.switch
-            victims = (*(began.victims if began else ()), *action.victims)
-            switch = Switch(
-                host=action.host,
-                gpu=action.gpu,
-                started_at=began.started_at if began else time.time(),
-                victims=tuple(dict.fromkeys(victims)),
-            )
-            if switch != began:
+            switch = _switch(record, action)
+            if switch != record.switch:
                 changes["switch"] = switch
         last = record.last_operation
         if changes or last is None or (last.kind, last.reason) != ("wait", action.reason):
@@ -427,6 +420,19 @@ HANDLERS: Mapping[Kind, Handler] = {
 }
 
 
+def _switch(record: DeploymentRecord, action: Action) -> Switch:
+    """The deployment's switch with the wait's victims: when it began, kept from its first
+    victim on, and every victim since."""
+    began = record.switch
+    victims = (*(began.victims if began else ()), *action.victims)
+    return Switch(
+        host=action.host,
+        gpu=action.gpu,
+        started_at=began.started_at if began else time.time(),
+        victims=tuple(dict.fromkeys(victims)),
+    )
+
+
 def _order(snapshot: Snapshot, action: Action) -> int:
     """When an action is applied in its plan: a switch is recorded on its deployment before
     any of its victims is released, so a scheduler killed in between still knows when it
@@ -434,9 +440,8 @@ def _order(snapshot: Snapshot, action: Action) -> int:
     if action.kind != "wait":
         return 1
     record = snapshot.deployments.get(action.deployment)
-    began = record.switch if record is not None else None
-    recorded = began is not None and set(action.victims) <= set(began.victims)
-    return 0 if action.victims and not recorded else 2
+    records = record is not None and action.victims and _switch(record, action) != record.switch
+    return 0 if records else 2
 
 
 def _cache_launch(resolved: Resolved, footprint: Footprint) -> hc.CacheLaunch | None:

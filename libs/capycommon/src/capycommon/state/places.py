@@ -510,9 +510,6 @@ class PlaceBook:
                 await asyncio.wait_for(self._quiet.wait(), QUIET_S)
             if not self._quiet.is_set():
                 return False
-            # Every change cut short so far is written over here (Redis runs the commands
-            # of the one connection in order, so a late one ran before this keep).
-            self.unsure = False
             newest = self._newest()
             names = sorted(set(deployments) | set(newest) | set(self.waiting))
             args = [self.owner, str(OWNER_TTL_S)]
@@ -525,15 +522,14 @@ class PlaceBook:
                 ]
                 args += [name, *(str(n) for n in counts)]
             names_keys = [keys.places(name) for name in names]
-            try:
-                self._owners = int(
-                    await self.pipe.run(
-                        _KEEP_SCRIPT, [keys.place_owners(), keys.waiting(), *names_keys], args
-                    )
+            self._owners = int(
+                await self.pipe.run(
+                    _KEEP_SCRIPT, [keys.place_owners(), keys.waiting(), *names_keys], args
                 )
-            except BaseException:
-                self.unsure = True
-                raise
+            )
+            # Every change cut short before is written over (no change starts meanwhile, and
+            # Redis runs the commands of the one connection in order: a late one ran first).
+            self.unsure = False
             return True
         finally:
             self._open.set()
