@@ -167,16 +167,19 @@ def test_a_request_waits_while_the_model_downloads_and_status_shows_the_bytes(
                     messages=HELLO,  # type: ignore[arg-type]
                 )
             )
-            shown = wait_for(
-                lambda: _download_row(cluster.ok("status", "deployment", "paced")),
-                timeout=60,
-                what="the download in status",
-            )
+            # The first row may be written before a byte came (0 B at 0 B/s): wait for bytes.
+            moving = r"download +[\d.]+ [KM]iB of 3\.0 MiB \(\d+%\) at [\d.]+ [KM]iB/s on local"
+            rows: list[str | None] = []
+
+            def downloading() -> str | None:
+                rows.append(_download_row(cluster.ok("status", "deployment", "paced")))
+                return rows[-1] if re.fullmatch(moving, rows[-1] or "") else None
+
+            try:
+                wait_for(downloading, timeout=60, what="bytes in status's download row")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; the last rows: {rows[-3:]}") from None
             assert not asked.done(), "the request waits for the download"
-            assert re.fullmatch(
-                r"download +[\d.]+ [KM]iB of 3\.0 MiB \(\d+%\) at [\d.]+ [KM]iB/s on local",
-                shown,
-            ), shown
             hub.faults.released.set()
             answer = asked.result(timeout=120)
     finally:
