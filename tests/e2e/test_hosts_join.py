@@ -225,9 +225,9 @@ def test_a_new_authority_stops_a_joined_host_until_it_recovers() -> None:
 
 
 def test_an_invitation_into_a_missing_folder_is_refused_before_any_secret_is_made(
-    server: Role,
+    server: Role, tmp_path: Path
 ) -> None:
-    target = short_dir() / "missing" / "gpu-x.join"
+    target = tmp_path / "missing" / "gpu-x.join"
     refused = server.capyctl("invite", "host", "gpu-x", "--output", str(target))
     assert refused.returncode == 2, refused.stderr
     assert f"{target.parent} is not a folder" in refused.stderr
