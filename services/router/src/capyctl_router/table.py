@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.asyncio.client import PubSub
 
+from capycommon.flight import Flight
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
 from capycommon.state import hostinfo, hostmarks, identities, notify
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
@@ -92,12 +92,13 @@ class Table:
     # One per full read under way: the deployments and hosts notifications re-read since it
     # began (see `_Fresh`).
     _reads: list[_Fresh] = field(default_factory=list)
-    # The read of the deployments under way for requests whose route was not known, and
-    # when it began (`find`).
-    _records_read: tuple[float, asyncio.Future[None]] | None = None
+    # The deployments read again for requests whose route was not known (`find`): one read
+    # for every request that missed meanwhile.
+    _records_read: Flight[None] = field(init=False)
     own: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
+        self._records_read = Flight(self._new_records)
         self.own = frozenset(self.hosts)
 
     # Reading --------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ class Table:
         """The deployment serving a route the table did not know, looked for again in Redis
         by a read begun after `since` (when the request came, monotonic): one declared just
         before the request, whose notification has not come yet, is found, not refused."""
-        await self._records_read_since(since)
+        await self._records_read.join(since)
         return self.deployment_of(route)
 
     def target(self, name: str) -> Target | None:
@@ -217,25 +218,6 @@ class Table:
             if before.get(name) != now or name not in records or (now and now.host in moved):
                 self.wake(name)
         self.synced.set()
-
-    async def _records_read_since(self, since: float) -> None:
-        """Return once a read of the deployments begun after `since` has been applied: one
-        read for every request that missed meanwhile, the next one made once a read under way
-        began too early."""
-        while True:
-            reading = self._records_read
-            if reading is None:
-                started = asyncio.ensure_future(self._new_records())
-                started.add_done_callback(_seen)  # its failure is its waiters', if any are left
-                reading = self._records_read = (time.monotonic(), started)
-            began, task = reading
-            try:
-                await asyncio.shield(task)
-            finally:
-                if task.done() and self._records_read is reading:
-                    self._records_read = None
-            if began >= since:
-                return
 
     async def _new_records(self) -> None:
         """Add the deployments Redis holds that the table lacks, as their notifications
@@ -425,11 +407,6 @@ def _take(into: dict[Any, Any], source: dict[Any, Any], key: object) -> None:
 def _routes(records: dict[str, DeploymentRecord]) -> dict[str, str]:
     """Each route and the deployment it names."""
     return {route: name for name, record in records.items() for route in record.document.routes}
-
-
-def _seen(task: asyncio.Future[None]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def _text(value: bytes | str) -> str:

@@ -32,6 +32,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from capycommon.flight import Flight
+
 # An answer: an integer, a string (bytes), nil, or an array of answers; an error answer
 # inside an array stays there as its exception.
 Reply: TypeAlias = Any
@@ -275,7 +277,8 @@ class Pipe:
     def __init__(self, address: Address) -> None:
         self.address = address
         self._connection: _Connection | None = None
-        self._opening: asyncio.Future[_Connection] | None = None
+        # The connection is opened once for every command waiting for it.
+        self._opening = Flight(self._connect)
 
     @classmethod
     def of(cls, client: aioredis.Redis) -> Pipe:
@@ -291,7 +294,7 @@ class Pipe:
         """Send one command and wait for its answer."""
         connection = self._connection
         if connection is None or connection.failure is not None:
-            connection = await self._open()
+            connection = await self._opening.join()
         return await connection.send(pack(args))
 
     async def run(self, script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Reply:
@@ -306,19 +309,6 @@ class Pipe:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
-
-    async def _open(self) -> _Connection:
-        """The connection, opened once for every command waiting for it."""
-        if self._opening is None:
-            self._opening = asyncio.ensure_future(self._connect())
-            # Its failure is seen by the commands waiting, if any are left to see it.
-            self._opening.add_done_callback(_seen)
-        opening = self._opening
-        try:
-            return await asyncio.shield(opening)
-        finally:
-            if opening.done() and self._opening is opening:
-                self._opening = None
 
     async def _connect(self) -> _Connection:
         address = self.address
@@ -353,11 +343,6 @@ class Pipe:
             raise
         self._connection = connection
         return connection
-
-
-def _seen(opening: asyncio.Future[_Connection]) -> None:
-    if not opening.cancelled():
-        opening.exception()
 
 
 # Each client pool's pipe; the pool going away takes its pipe along.
