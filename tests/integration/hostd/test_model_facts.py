@@ -245,9 +245,13 @@ def bare_hostd(redis_socket: Path) -> Iterator[Hostd]:
 
 
 def published(harness: Hostd) -> HostModels:
-    found = hostfacts.read(harness.client, HOST)
-    assert found is not None, "hostd publishes its models when it starts"
-    return found
+    """hostd's models as it published them; it publishes them once it starts, which may come
+    after its first heartbeat (what the harness waits for)."""
+    return wait_for(
+        lambda: hostfacts.read(harness.client, HOST),
+        timeout=15,
+        what="hostd to publish its models, as it does when it starts",
+    )
 
 
 def test_hostd_publishes_its_models_and_keeps_them_current(bare_hostd: Hostd) -> None:
