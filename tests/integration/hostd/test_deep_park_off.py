@@ -12,7 +12,7 @@ from typing import cast
 from capycommon.state import keys
 from capycommon.state.hostinfo import HostInfo
 from integration.hostd.harness import HOST, Hostd, environ, launch
-from support import group_members, short_dir
+from support import group_members, short_dir, wait_for
 
 
 def test_deep_parking_off(redis_socket: Path, installs: dict[str, Path], model: Path) -> None:
@@ -24,7 +24,12 @@ def test_deep_parking_off(redis_socket: Path, installs: dict[str, Path], model: 
     gpu = harness.prepare(installs)
     harness.start()
     try:
-        raw = cast(bytes, harness.client.get(keys.host_info(HOST)))
+        # Published as hostd starts serving, which may come after its first heartbeat.
+        raw = wait_for(
+            lambda: cast(bytes | None, harness.client.get(keys.host_info(HOST))),
+            timeout=15,
+            what="hostd's host info",
+        )
         assert HostInfo.model_validate_json(raw) == HostInfo(deep_park=False)
 
         harness.send(launch("a", 1, gpu, model, residency="host_backed"))
