@@ -26,8 +26,8 @@ READY = InstanceRecord(
 def test_an_entry_reads_back_the_same() -> None:
     assert EngineLoad.model_validate_json(BUSY.model_dump_json()) == BUSY
     raw = BUSY.model_dump_json()
-    assert decode({b"chat:0": raw.encode(), "code:1": raw}) == {"chat:0": BUSY, "code:1": BUSY}
-    assert decode({}) == {}
+    assert decode({b"chat:0": raw.encode(), "code:1": raw}, "k") == {"chat:0": BUSY, "code:1": BUSY}
+    assert decode({}, "k") == {}
 
 
 def test_an_entry_refuses_unknown_and_missing_fields() -> None:

@@ -46,6 +46,7 @@ from capycommon.hangup import Watch, uncancel
 from capycommon.paths import StatePaths
 from capycommon.service import REDIS_ERRORS, bind, serve_http
 from capycommon.settings import ConnectionLimits
+from capycommon.tasks import beside
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.serving import Serving
 from capyctl_hostd.upstream import EngineConnectionError, Engines
@@ -136,21 +137,19 @@ class HostIngress:
     ) -> None:
         """Serve until `stop` is set, forwarding to `engines` (hostd's, by member) while
         `serving` says they serve."""
-        follower = asyncio.create_task(serving.follow(stop))
         app = Ingress(engines, serving)
         try:
-            await serve_http(
-                app,
-                self.address,
-                stop,
-                LIMITS,
-                listener=self.listener,
-                tls=self.context,
-                admit=admit_router,
-            )
+            async with beside(serving.follow(stop), "the ingress's view of the instances"):
+                await serve_http(
+                    app,
+                    self.address,
+                    stop,
+                    LIMITS,
+                    listener=self.listener,
+                    tls=self.context,
+                    admit=admit_router,
+                )
         finally:
-            follower.cancel()
-            await asyncio.gather(follower, return_exceptions=True)
             app.close()
 
 

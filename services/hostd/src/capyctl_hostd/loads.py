@@ -33,6 +33,7 @@ from capycommon.state import load, notify
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
 from capycommon.state.notify import Notification
+from capycommon.tasks import beside
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.runner import Runner
 
@@ -56,8 +57,7 @@ async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTER
     busy), and at once when an instance changes; a tick Redis interrupts is retried at the
     next."""
     changed = asyncio.Event()
-    follower = asyncio.create_task(follow_changes(runner, changed, stop))
-    try:
+    async with beside(follow_changes(runner, changed, stop), "hostd's instance notifications"):
         while not stop.is_set():
             changed.clear()
             serving, soon = True, False
@@ -65,10 +65,6 @@ async def publish(runner: Runner, stop: asyncio.Event, interval_s: float = INTER
                 serving, soon = await tick(runner)
             wait = QUIET_S if not serving else min(interval_s, SOON_S) if soon else interval_s
             await wait_any(changed, stop, timeout=wait)
-    finally:
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
 
 
 async def follow_changes(runner: Runner, changed: asyncio.Event, stop: asyncio.Event) -> None:

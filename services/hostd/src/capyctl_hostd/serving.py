@@ -17,7 +17,6 @@ already refuses both.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ from pydantic import ValidationError
 
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import notify
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.instances import InstanceState
 from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
 
@@ -75,22 +74,16 @@ class Serving:
                 await wait_event(stop, RETRY_S)
 
     async def _read_all(self) -> None:
-        found: dict[str, tuple[int, InstanceState]] = {}
-        for member, raw in await self.store.raws():
-            with contextlib.suppress(ValidationError):  # not a record this view can check
-                record = InstanceRecord.model_validate_json(raw)
-                found[member] = (record.generation, record.state)
-        self._seen = found
+        # A record this view cannot check is refused by the store, and left out.
+        records = await self.store.all()
+        self._seen = {record.member: (record.generation, record.state) for record in records}
 
     async def _read(self, member: str) -> tuple[int, InstanceState] | None:
         """The instance's generation and state in Redis; None when it has no record."""
         deployment, _, index = member.rpartition(":")
         if not deployment or not index.isdigit():
             return None
-        try:
-            record = await self.store.get(deployment, int(index))
-        except ValidationError:  # not a record this view can check
-            return None
+        record = await self.store.get(deployment, int(index))
         return None if record is None else (record.generation, record.state)
 
 

@@ -31,6 +31,7 @@ from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.memory import MemoryReading, StartupPeak
 from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
+from capycommon.tasks import beside
 from capyctl_memwatch import peaks
 from capyctl_memwatch.backends import Backend
 from capyctl_memwatch.peaks import PeakSampler
@@ -143,7 +144,6 @@ class Peaks:
         self.host = host
         self.sampler = sampler
         self.pending: list[StartupPeak] = []
-        self.refused: set[str] = set()
         self.changed = asyncio.Event()
         # Which subscription to the host's channel is confirmed (a new one after each break),
         # or None while there is none; and which one the last step began under.
@@ -158,18 +158,13 @@ class Peaks:
     async def run(self, stop: asyncio.Event) -> None:
         """Step on every announcement, every 500 ms while a launch is starting, and at least
         every QUIET_S, until `stop` is set."""
-        listener = asyncio.create_task(self.listen(stop))
-        try:
+        async with beside(self.listen(stop), "memwatch's instance notifications"):
             while not stop.is_set():
                 await self.step()
                 busy = self.sampler.launches or self.parking
                 interval = peaks.INTERVAL_S if busy else QUIET_S
                 await wait_any(self.changed, stop, timeout=interval)
                 self.changed.clear()
-        finally:
-            listener.cancel()
-            with suppress(asyncio.CancelledError):
-                await listener
 
     async def listen(self, stop: asyncio.Event) -> None:
         """Follow the host's channel; every message wakes the sampler but an engine's load
@@ -221,17 +216,9 @@ class Peaks:
             log.info("startup peak measured", extra=peak.model_dump(mode="json"))
 
     async def load(self) -> list[InstanceRecord]:
-        """The host's instance records (hostd writes them; a malformed one is skipped)."""
-        records = []
-        for member, raw in await InstanceStore(self.client, self.host).raws():
-            try:
-                records.append(InstanceRecord.model_validate_json(raw))
-            except ValidationError as exc:
-                if member not in self.refused:
-                    extra = {"member": member, "error": str(exc)}
-                    log.warning("unreadable instance record", extra=extra)
-                self.refused.add(member)
-        return records
+        """The host's instance records (hostd writes them; a malformed one is refused by the
+        store, and skipped)."""
+        return await InstanceStore(self.client, self.host).all()
 
 
 def _a_load(data: object) -> bool:
@@ -251,12 +238,7 @@ async def watch(client: aioredis.Redis, host: str, backend: Backend, stop: async
     sampler = PeakSampler(host, GroupMeter(backend.read))
     startup = Peaks(client, host, sampler)
     startup.on_parked = readings.parked
-    listener = asyncio.create_task(readings.listen(stop))
-    try:
+    async with beside(readings.listen(stop), "memwatch's requests for readings"):
         await asyncio.gather(
             every(readings.interval, stop, readings.step, readings.asked), startup.run(stop)
         )
-    finally:
-        listener.cancel()
-        with suppress(asyncio.CancelledError):
-            await listener

@@ -17,21 +17,21 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import gpumemory
+from capycommon.state import gpumemory, refusals
 from capycommon.state.desired import Decision, read_decisions
 from capycommon.state.gpumemory import ChargePhase, GpuMemory
 from capycommon.state.store import Event, read_host_events
@@ -194,9 +194,12 @@ class Metrics:
     def queue_full(self, deployment: str) -> None:
         self.queue_fulls.labels(deployment).inc()
 
-    def render(self, gpus: GpuMemory | None = None) -> bytes:
-        """This process's metrics, or every worker's in multiprocess mode, and the GPUs'
-        memory of `gpus` (the scheduler's last summary)."""
+    def render(
+        self, gpus: GpuMemory | None = None, refused: Mapping[tuple[str, str], int] | None = None
+    ) -> bytes:
+        """This process's metrics, or every worker's in multiprocess mode, the GPUs'
+        memory of `gpus` (the scheduler's last summary), and the control plane's `refused`
+        values by host and kind."""
         folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if folder is None:
             text = generate_latest(self.registry)
@@ -206,16 +209,17 @@ class Metrics:
             text = generate_latest(every)
         ledger = CollectorRegistry()
         ledger.register(GpuCollector(gpus))
+        ledger.register(RefusedCollector(refused or {}))
         return text + generate_latest(ledger)
 
     async def scrape(self, client: aioredis.Redis) -> bytes:
         """`render` with the scheduler's summary of the GPUs' memory, read now (one GET);
         without it when Redis does not answer."""
         try:
-            gpus = await gpumemory.aread(client)
+            gpus, refused = await asyncio.gather(gpumemory.aread(client), refusals.aread(client))
         except (*REDIS_ERRORS, ValidationError):
-            gpus = None
-        return self.render(gpus)
+            gpus, refused = None, None
+        return self.render(gpus, refused)
 
     async def follow_events(
         self,
@@ -308,6 +312,26 @@ class Metrics:
             engine = min(engine_s, seconds)
             self.lifecycle_engine_s.labels(deployment, operation).observe(engine)
             self.lifecycle_overhead_s.labels(deployment, operation).observe(seconds - engine)
+
+
+class RefusedCollector(Collector):
+    """The values the control plane refused to believe, by the host whose prefix held them
+    ('' for the control plane's own keys) and their kind (`capycommon.state.quarantine`)."""
+
+    def __init__(self, refused: Mapping[tuple[str, str], int]) -> None:
+        self.refused = refused
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "capyctl_host_records_refused",
+            "Values read from Redis that the control plane refused: malformed, oversized, or "
+            "naming another host or a generation the scheduler did not decide; each logged "
+            "once with its host.",
+            labels=["host", "kind"],
+        )
+        for (host, kind), count in sorted(self.refused.items()):
+            family.add_metric([host, kind], count)
+        yield family
 
 
 class GpuCollector(Collector):

@@ -37,11 +37,12 @@ from redis.asyncio.client import PubSub
 
 from capycommon.flight import Flight
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
-from capycommon.state import hostinfo, hostmarks, identities, notify
+from capycommon.state import hostinfo, hostmarks, identities, notify, ownership, refusals
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
+from capycommon.tasks import beside
 from capyctl_router.remote import Ingress, ingress_of
 
 RESYNC_S = 5.0
@@ -179,14 +180,10 @@ class Table:
     async def _sync(self, fresh: _Fresh) -> None:
         hosts = self.hosts | await hostinfo.hosts(self.client)
         records = await DeploymentStore(self.client).all()
-        instances: dict[str, InstanceRecord] = {}
+        read: list[InstanceRecord] = []
         for host in sorted(hosts):
-            for record in await InstanceStore(self.client, host).all():
-                if record.instance != 0 or record.deployment not in records:
-                    continue
-                known = instances.get(record.deployment)
-                if known is None or record.generation > known.generation:
-                    instances[record.deployment] = record
+            read += await InstanceStore(self.client, host).all()
+        instances, _ = ownership.owners(read, records)
         secrets = {}
         for name, instance in instances.items():
             if instance.state == InstanceState.READY and instance.host in self.own:
@@ -281,12 +278,29 @@ class Table:
         known = self.instances.get(deployment)
         if record is None or (known is not None and record.generation < known.generation):
             return
+        if not await self._believed(record):
+            return
         for fresh in reads:
             fresh.instances.add(deployment)
         if record.state == InstanceState.READY and secret is not None:
             self.secrets[(deployment, record.generation)] = secret
         self.instances[deployment] = record
         self.wake(deployment)
+
+    async def _believed(self, record: InstanceRecord) -> bool:
+        """Whether a record a host announced may be its deployment's instance, by the
+        scheduler's decisions (`capycommon.state.ownership`). A record ahead of the table's
+        deployment is weighed against the deployment read again: the scheduler writes its
+        decision before hostd can act on it, but its notification may still be on its way."""
+        deployment = self.records.get(record.deployment)
+        if deployment is not None and record.generation > deployment.generation:
+            deployment = await DeploymentStore(self.client).get(record.deployment)
+        if deployment is None:
+            return False
+        why = ownership.refusal(record, deployment)
+        if why is not None:
+            ownership.refuse(record, why)
+        return why is None and ownership.candidate(record, deployment)
 
     async def _deployment(self, name: str) -> None:
         reads = list(self._reads)
@@ -300,23 +314,21 @@ class Table:
             self.instances.pop(name, None)
         else:
             self.records[name] = record
+            instance = self.instances.get(name)
+            if instance is not None and not ownership.candidate(instance, record):
+                self.instances.pop(name)  # placed elsewhere now
         self.routes = _routes(self.records)
         self.wake(name)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the notifications; read everything again on (re)connect and every 5 s."""
-        resync = asyncio.create_task(self._resync(stop))
-        try:
+        async with beside(self._resync(stop), "the routing table's full read"):
             while not stop.is_set():
                 try:
                     await self._follow(stop)
                 except REDIS_ERRORS as exc:
                     REDIS_OUTAGE.failed(exc)
                     await wait_event(stop, 1.0)
-        finally:
-            resync.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await resync
 
     async def _follow(self, stop: asyncio.Event) -> None:
         """Subscribe, read everything, then follow the notifications until the stop, or until
@@ -360,6 +372,7 @@ class Table:
         while not await wait_event(stop, RESYNC_S):
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.sync()
+                await refusals.send(self.client)
 
 
 @dataclass

@@ -117,7 +117,12 @@ class Actuator:
         instance = snapshot.instances.get(record.name)
         await self._send(
             record.model_copy(
-                update={"generation": action.generation, "park_requested": None, "refusal": None}
+                update={
+                    "generation": action.generation,
+                    "host": action.host,
+                    "park_requested": None,
+                    "refusal": None,
+                }
             ),
             action,
             command,

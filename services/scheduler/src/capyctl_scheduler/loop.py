@@ -11,7 +11,6 @@ moment picks up the same snapshot and plans again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -25,8 +24,10 @@ from redis.exceptions import ResponseError
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import gpumemory, notify
 from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, demand_group
+from capycommon.state.refusals import send as send_refusals
 from capycommon.state.store import read_host_events
 from capycommon.state.streams import Reader
+from capycommon.tasks import beside
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.changes import Changes
 from capyctl_scheduler.charges import gpu_memory
@@ -186,6 +187,7 @@ class Scheduler:
         if summary != self.gpu_memory:  # written when it changed, and once at start
             await gpumemory.publish(self.client, summary)
             self.gpu_memory = summary
+        await send_refusals(self.client)  # the values this tick's reads refused, counted
         if self.demands.open or self.observer.describing:
             self.quiet_until = None  # a malformed demand to drop, a host to ask again
         else:
@@ -200,26 +202,23 @@ class Scheduler:
         return min(QUIET_MAX_S, max(TICK_S, self.quiet_until - now + 0.01))
 
     async def run(self, stop: asyncio.Event) -> None:
-        listener = asyncio.create_task(self._listen(stop))
         try:
-            while not stop.is_set():
-                try:
-                    await self.tick()
-                except REDIS_ERRORS as exc:
-                    log.warning("decision loop paused: Redis: %s", exc)
-                    await wait_event(stop, 1.0)
-                    continue
-                # A notification that came during the tick has set `wake`: plan again at
-                # once, with everything it and any others told (a burst costs one tick).
-                # The stop too: a quiet loop waits up to QUIET_MAX_S, past supervisord's
-                # patience with a stopping service.
-                await wait_any(self.wake, stop, timeout=self.pause(time.time()))
-                self.wake.clear()
+            async with beside(self._listen(stop), "the scheduler's notifications"):
+                while not stop.is_set():
+                    try:
+                        await self.tick()
+                    except REDIS_ERRORS as exc:
+                        log.warning("decision loop paused: Redis: %s", exc)
+                        await wait_event(stop, 1.0)
+                        continue
+                    # A notification that came during the tick has set `wake`: plan again at
+                    # once, with everything it and any others told (a burst costs one tick).
+                    # The stop too: a quiet loop waits up to QUIET_MAX_S, past supervisord's
+                    # patience with a stopping service.
+                    await wait_any(self.wake, stop, timeout=self.pause(time.time()))
+                    self.wake.clear()
         finally:
             self.changes.close()
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
 
     async def _listen(self, stop: asyncio.Event) -> None:
         """Every notification of the control plane or of a host wakes the loop; the

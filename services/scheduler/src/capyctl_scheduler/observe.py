@@ -30,6 +30,7 @@ from capycommon.state import (
     hostmarks,
     identities,
     load,
+    ownership,
     places,
 )
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
@@ -139,7 +140,7 @@ class Observer:
         lost_after = self.tunables.host_lost_after_s
         stranded = [r for r in records if hosts[r.host].gone(now, lost_after)]
         records = [r for r in records if not hosts[r.host].gone(now, lost_after)]
-        instances, orphans = _owners(records, deployments)
+        instances, orphans = ownership.owners(records, deployments)
         names = list(instances)
         pairs = [(name, host) for name in deployments for host in hosts]
         found_places, found_bindings = await asyncio.gather(
@@ -444,19 +445,3 @@ def _unpublished(host: str) -> Binding:
             f"host {host} has published no engines; register one there with capyctl engine add"
         ),
     )
-
-
-def _owners(
-    records: list[InstanceRecord], deployments: Mapping[str, DeploymentRecord]
-) -> tuple[dict[str, InstanceRecord], list[InstanceRecord]]:
-    """Each deployment's instance 0 (the highest generation on any host), and the live
-    instances nobody owns: a deleted deployment's, or an older generation still running."""
-    instances: dict[str, InstanceRecord] = {}
-    orphans: list[InstanceRecord] = []
-    for record in sorted(records, key=lambda r: -r.generation):
-        owned = record.deployment in deployments and record.instance == 0
-        if owned and record.deployment not in instances:
-            instances[record.deployment] = record
-        elif record.state in LIVE_STATES or record.cache is not None:
-            orphans.append(record)  # a live engine, or an LMCache server a park kept
-    return instances, orphans

@@ -8,14 +8,15 @@ hostd's and lives apart, under each host's prefix.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Literal, cast
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from capycommon.deployments import Deployment
-from capycommon.state import hostcommands, keys
+from capycommon.state import hostcommands, keys, quarantine
 from capycommon.state.hostcommands import HostCommand
 from capycommon.state.notify import Notification
 from capycommon.state.streams import Group
@@ -152,6 +153,10 @@ class DeploymentRecord(_Frozen):
     deleting: bool = False
     # The last generation drawn; each activation draws the next.
     generation: int = 0
+    # The host that generation was placed on, by the scheduler's own decision: no other
+    # host's record of it is believed (`capycommon.state.ownership`). None for a record
+    # written before placements were kept, until its next activation.
+    host: str | None = None
     inflight: Inflight | None = None
     attempts: Attempts = Attempts()
     last_operation: Operation | None = None
@@ -172,19 +177,16 @@ class DeploymentStore:
         self.client = client
 
     async def get(self, name: str) -> DeploymentRecord | None:
-        raw = await self.client.get(keys.deployment(name))
-        return None if raw is None else DeploymentRecord.model_validate_json(raw)
+        key = keys.deployment(name)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(DeploymentRecord, raw, key)
 
     async def all(self) -> dict[str, DeploymentRecord]:
         names = sorted(_text(n) for n in await self.client.smembers(keys.deployments()))
         if not names:
             return {}
         raws = await self.client.mget([keys.deployment(name) for name in names])
-        return {
-            name: DeploymentRecord.model_validate_json(raw)
-            for name, raw in zip(names, raws, strict=True)
-            if raw is not None
-        }
+        return _records(names, raws)
 
     async def put(self, record: DeploymentRecord, decision: str | None = None) -> DeploymentRecord:
         """Write the record (its version bumped) and announce it; with `decision` (the JSON
@@ -237,11 +239,22 @@ def read_all(client: redis.Redis) -> dict[str, DeploymentRecord]:
     if not names:
         return {}
     raws = cast(list[bytes | None], client.mget([keys.deployment(name) for name in names]))
-    return {
-        name: DeploymentRecord.model_validate_json(raw)
-        for name, raw in zip(names, raws, strict=True)
-        if raw is not None
-    }
+    return _records(names, raws)
+
+
+def _records(names: list[str], raws: Sequence[bytes | str | None]) -> dict[str, DeploymentRecord]:
+    """The deployment records read for `names`, by name; one that is absent, malformed or
+    stored under another name is left out (refused)."""
+    found = quarantine.parse_many(
+        DeploymentRecord, dict(zip((keys.deployment(n) for n in names), raws, strict=True))
+    )
+    records = {}
+    for key, record in found.items():
+        if key != keys.deployment(record.name):
+            quarantine.REFUSALS.refuse(key, record.name, f"names deployment {record.name!r}")
+            continue
+        records[record.name] = record
+    return records
 
 
 async def read_decisions(
@@ -254,10 +267,7 @@ async def read_decisions(
     found: list[tuple[str, Decision | None]] = []
     for _, entries in read or []:
         for entry_id, fields in entries:
-            try:
-                decision = Decision.model_validate_json(fields[DECISION_FIELD.encode()])
-            except (KeyError, ValidationError):
-                decision = None
+            decision = quarantine.parse_entry(Decision, fields, DECISION_FIELD, keys.events())
             found.append((_text(entry_id), decision))
     return found
 
@@ -268,13 +278,8 @@ async def recent_decisions(client: aioredis.Redis, count: int) -> list[Decision]
         list[tuple[bytes, dict[bytes, bytes]]],
         await client.xrevrange(keys.events(), count=count),
     )
-    found = []
-    for _, fields in entries:
-        try:
-            found.append(Decision.model_validate_json(fields[DECISION_FIELD.encode()]))
-        except (KeyError, ValidationError):
-            continue
-    return found
+    found = (quarantine.parse_entry(Decision, f, DECISION_FIELD, keys.events()) for _, f in entries)
+    return [decision for decision in found if decision is not None]
 
 
 class Demand(_Frozen):

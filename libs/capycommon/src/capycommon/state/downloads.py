@@ -15,7 +15,7 @@ from typing import Literal
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 
 # A record hostd stopped refreshing (hostd gone mid-download) expires on its own.
 TTL_S = 60
@@ -45,8 +45,9 @@ async def clear(client: aioredis.Redis, host: str, deployment: str) -> None:
 
 
 async def aread(client: aioredis.Redis, host: str, deployment: str) -> Download | None:
-    raw = await client.get(keys.host_download(host, deployment))
-    return None if raw is None else Download.model_validate_json(raw)
+    key = keys.host_download(host, deployment)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(Download, raw, key)
 
 
 class StoreOperation(BaseModel):
@@ -74,5 +75,6 @@ async def write_operation(
 async def aread_operation(
     client: aioredis.Redis, host: str, operation: str
 ) -> StoreOperation | None:
-    raw = await client.get(keys.host_store_operation(host, operation))
-    return None if raw is None else StoreOperation.model_validate_json(raw)
+    key = keys.host_store_operation(host, operation)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(StoreOperation, raw, key)

@@ -7,7 +7,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
 from capycommon.engines.registry import EngineProfile, Registry
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 from capycommon.state.notify import Notification
 
 
@@ -42,11 +42,13 @@ def publish_sync(client: redis.Redis, host: str, registry: Registry) -> None:
 
 
 def read_published(client: redis.Redis, host: str) -> PublishedEngines | None:
-    raw = client.get(keys.engines(host))
-    return None if raw is None else PublishedEngines.model_validate_json(raw)
+    key = keys.engines(host)
+    raw = client.get(key)
+    return None if raw is None else quarantine.parse(PublishedEngines, raw, key)
 
 
 async def aread_published(client: aioredis.Redis, host: str) -> PublishedEngines | None:
     """The host's published engines; None before its hostd first published them."""
-    raw = await client.get(keys.engines(host))
-    return None if raw is None else PublishedEngines.model_validate_json(raw)
+    key = keys.engines(host)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(PublishedEngines, raw, key)

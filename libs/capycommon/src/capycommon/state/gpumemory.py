@@ -9,7 +9,7 @@ from typing import Literal
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 
 # What an instance is charged as: the ledger's phases, an LMCache server kept for a stopped
 # instance (`cache`), and an engine no deployment owns (`orphan`, its whole GPU).
@@ -45,5 +45,6 @@ async def publish(client: aioredis.Redis, summary: GpuMemory) -> None:
 
 async def aread(client: aioredis.Redis) -> GpuMemory | None:
     """The last summary; None before the scheduler wrote one."""
-    raw = await client.get(keys.gpu_memory())
-    return None if raw is None else GpuMemory.model_validate_json(raw)
+    key = keys.gpu_memory()
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(GpuMemory, raw, key)

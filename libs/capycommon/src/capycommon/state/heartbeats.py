@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 
 # Three beats within the time to live, so a late one never makes a live service look gone;
 # every Python process of a role beats (and a router worker keeps its places as often), so a
@@ -36,7 +35,8 @@ async def clear(client: aioredis.Redis, host: str, service: str, pid: int) -> No
     """Remove a service's heartbeat, unless a newer process already wrote its own."""
     key = keys.heartbeat(service, host)
     raw = await client.get(key)
-    if raw is not None and json.loads(raw).get("pid") == pid:
+    beat = None if raw is None else quarantine.parse(Heartbeat, raw, key)
+    if beat is not None and beat.pid == pid:
         await client.delete(key)
 
 
@@ -47,8 +47,9 @@ async def alive(client: aioredis.Redis, service: str, host: str) -> bool:
 
 async def aread(client: aioredis.Redis, service: str, host: str) -> Heartbeat | None:
     """The live heartbeat of `service` on `host`, or None."""
-    raw = await client.get(keys.heartbeat(service, host))
-    return None if raw is None else Heartbeat.model_validate_json(raw)
+    key = keys.heartbeat(service, host)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(Heartbeat, raw, key)
 
 
 def read_all(client: redis.Redis, host: str | None, services: list[str]) -> dict[str, Heartbeat]:
@@ -59,9 +60,11 @@ def read_all(client: redis.Redis, host: str | None, services: list[str]) -> dict
             continue
         if service in keys.HOST_SERVICES and host is None:
             continue
-        raw = client.get(keys.heartbeat(service, host or ""))
-        if raw is not None:
-            found[service] = Heartbeat.model_validate_json(raw)
+        key = keys.heartbeat(service, host or "")
+        raw = client.get(key)
+        beat = None if raw is None else quarantine.parse(Heartbeat, raw, key)
+        if beat is not None:
+            found[service] = beat
     return found
 
 
@@ -70,11 +73,15 @@ def read_workers(client: redis.Redis, service: str) -> dict[str, Heartbeat]:
     found: dict[str, Heartbeat] = {}
     for key in client.scan_iter(match=keys.worker_heartbeats(service)):
         raw = client.get(key)
-        if raw is not None:
-            beat = Heartbeat.model_validate_json(raw)
+        beat = None if raw is None else quarantine.parse(Heartbeat, raw, _text(key))
+        if beat is not None:
             found[beat.service] = beat
     return found
 
 
 def age(heartbeat: Heartbeat, now: float | None = None) -> float:
     return (time.time() if now is None else now) - heartbeat.last_seen
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

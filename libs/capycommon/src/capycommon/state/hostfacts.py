@@ -17,7 +17,7 @@ import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 from capycommon.state.hostcommands import HubPull
 from capycommon.state.notify import Notification
 
@@ -129,10 +129,12 @@ async def publish(client: aioredis.Redis, host: str, models: HostModels) -> None
 
 async def aread(client: aioredis.Redis, host: str) -> HostModels | None:
     """The host's models; None before its hostd first published them."""
-    raw = await client.get(keys.host_models(host))
-    return None if raw is None else HostModels.model_validate_json(raw)
+    key = keys.host_models(host)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(HostModels, raw, key)
 
 
 def read(client: redis.Redis, host: str) -> HostModels | None:
-    raw = client.get(keys.host_models(host))
-    return None if raw is None else HostModels.model_validate_json(raw)
+    key = keys.host_models(host)
+    raw = client.get(key)
+    return None if raw is None else quarantine.parse(HostModels, raw, key)

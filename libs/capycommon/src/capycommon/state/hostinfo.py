@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 from capycommon.state.notify import Notification
 
 
@@ -34,8 +34,9 @@ async def publish(client: aioredis.Redis, host: str, info: HostInfo) -> None:
 
 async def aread(client: aioredis.Redis, host: str) -> HostInfo | None:
     """The host's info; None before its hostd first started."""
-    raw = await client.get(keys.host_info(host))
-    return None if raw is None else HostInfo.model_validate_json(raw)
+    key = keys.host_info(host)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(HostInfo, raw, key)
 
 
 async def join(client: aioredis.Redis, host: str) -> None:

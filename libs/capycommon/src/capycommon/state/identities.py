@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from redis.asyncio.client import PubSub
 
 from capycommon.joinfile import invitation_id
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 from capycommon.state.notify import Notification
 
 
@@ -50,13 +50,15 @@ async def invite(client: aioredis.Redis, secret: str, invitation: Invitation, tt
 async def take_invitation(client: aioredis.Redis, secret: str) -> Invitation | None:
     """The invitation of `secret`, gone from then on; None when it is unknown, already used
     or expired."""
-    raw = await client.getdel(keys.invitation(invitation_id(secret)))
-    return None if raw is None else Invitation.model_validate_json(raw)
+    key = keys.invitation(invitation_id(secret))
+    raw = await client.getdel(key)
+    return None if raw is None else quarantine.parse(Invitation, raw, key)
 
 
 async def read(client: aioredis.Redis, host: str) -> HostIdentity | None:
-    raw = await client.get(keys.host_identity(host))
-    return None if raw is None else HostIdentity.model_validate_json(raw)
+    key = keys.host_identity(host)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(HostIdentity, raw, key)
 
 
 async def write(client: aioredis.Redis, identity: HostIdentity) -> None:
@@ -69,8 +71,9 @@ async def revoke_serial(client: aioredis.Redis, serial: str) -> None:
 
 async def peek_invitation(client: aioredis.Redis, secret: str) -> Invitation | None:
     """The invitation of `secret`, left in place (checks come before it is taken)."""
-    raw = await client.get(keys.invitation(invitation_id(secret)))
-    return None if raw is None else Invitation.model_validate_json(raw)
+    key = keys.invitation(invitation_id(secret))
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(Invitation, raw, key)
 
 
 async def set_server_version(client: aioredis.Redis, version: str) -> None:

@@ -171,6 +171,12 @@ def idempotency(key: str) -> str:
     return f"{PREFIX}:idempotency:{key}"
 
 
+def page_session(digest: str) -> str:
+    """A status page login's session, by the SHA-256 of its id (the id is in its cookie
+    alone), expiring with it (`capycommon.state.pagesessions`)."""
+    return f"{PREFIX}:page-session:{digest}"
+
+
 def hosts() -> str:
     """The set of host names known to the control plane."""
     return f"{PREFIX}:hosts"
@@ -231,6 +237,11 @@ def unreachable_hosts() -> str:
     """Joined hosts the scheduler found unreachable (their hostd's heartbeat lapsed): host ->
     since when (Unix seconds). Routers send nothing there."""
     return f"{PREFIX}:unreachable-hosts"
+
+
+def refusals() -> str:
+    """Hash: `<host>:<kind>` -> how many values the control plane refused (`quarantine`)."""
+    return f"{PREFIX}:refusals"
 
 
 def drained_hosts() -> str:

@@ -16,7 +16,7 @@ import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 from capycommon.state.notify import Notification
 
 
@@ -37,9 +37,13 @@ class EngineLoad(BaseModel):
         return self.running + self.waiting > 0
 
 
-def decode(raw: Mapping[bytes | str, bytes | str]) -> dict[str, EngineLoad]:
-    """The hash's entries by member (as HGETALL gives them, bytes or text)."""
-    return {_text(member): EngineLoad.model_validate_json(value) for member, value in raw.items()}
+def decode(raw: Mapping[bytes | str, bytes | str], key: str) -> dict[str, EngineLoad]:
+    """The hash `key`'s entries by member (as HGETALL gives them, bytes or text), those
+    that are no EngineLoad refused."""
+    found = {
+        _text(member): quarantine.parse(EngineLoad, value, key) for member, value in raw.items()
+    }
+    return {member: load for member, load in found.items() if load is not None}
 
 
 def _text(value: bytes | str) -> str:
@@ -48,12 +52,14 @@ def _text(value: bytes | str) -> str:
 
 def read_loads(client: redis.Redis, host: str) -> dict[str, EngineLoad]:
     """The published load of each serving engine on the host, by member."""
-    return decode(client.hgetall(keys.engine_load(host)))
+    key = keys.engine_load(host)
+    return decode(client.hgetall(key), key)
 
 
 async def aread_loads(client: aioredis.Redis, host: str) -> dict[str, EngineLoad]:
     """The published load of each serving engine on the host, by member."""
-    return decode(await client.hgetall(keys.engine_load(host)))
+    key = keys.engine_load(host)
+    return decode(await client.hgetall(key), key)
 
 
 async def publish_loads(

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, ValidationError
 from redis.asyncio.client import PubSub
 
-from capycommon.state import keys, notify
+from capycommon.state import keys, notify, quarantine
 from capycommon.state.notify import Notification
 
 # A reading older than this is unobserved: it admits nothing.
@@ -112,14 +112,16 @@ def kind_of(message: dict[str, object] | None) -> str | None:
 
 def read_reading(client: redis.Redis, host: str) -> MemoryReading | None:
     """The host's latest reading, or None when memwatch never wrote one."""
-    raw = client.get(keys.memory(host))
-    return None if raw is None else MemoryReading.model_validate_json(raw)
+    key = keys.memory(host)
+    raw = client.get(key)
+    return None if raw is None else quarantine.parse(MemoryReading, raw, key)
 
 
 async def aread_reading(client: aioredis.Redis, host: str) -> MemoryReading | None:
     """The host's latest reading, or None when memwatch never wrote one."""
-    raw = await client.get(keys.memory(host))
-    return None if raw is None else MemoryReading.model_validate_json(raw)
+    key = keys.memory(host)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(MemoryReading, raw, key)
 
 
 def _peak_key(peak: StartupPeak) -> str:
@@ -133,15 +135,17 @@ async def write_startup_peak(client: aioredis.Redis, peak: StartupPeak) -> None:
 def read_startup_peak(
     client: redis.Redis, host: str, deployment: str, revision: int, fingerprint: str
 ) -> StartupPeak | None:
-    raw = client.get(keys.startup_peak(host, deployment, revision, fingerprint))
-    return None if raw is None else StartupPeak.model_validate_json(raw)
+    key = keys.startup_peak(host, deployment, revision, fingerprint)
+    raw = client.get(key)
+    return None if raw is None else quarantine.parse(StartupPeak, raw, key)
 
 
 async def aread_startup_peak(
     client: aioredis.Redis, host: str, deployment: str, revision: int, fingerprint: str
 ) -> StartupPeak | None:
-    raw = await client.get(keys.startup_peak(host, deployment, revision, fingerprint))
-    return None if raw is None else StartupPeak.model_validate_json(raw)
+    key = keys.startup_peak(host, deployment, revision, fingerprint)
+    raw = await client.get(key)
+    return None if raw is None else quarantine.parse(StartupPeak, raw, key)
 
 
 async def write_cache_server_rss(
@@ -152,5 +156,11 @@ async def write_cache_server_rss(
 
 
 async def aread_cache_server_rss(client: aioredis.Redis, host: str, fingerprint: str) -> int | None:
-    raw = await client.get(keys.cache_server_rss(host, fingerprint))
-    return None if raw is None else int(raw)
+    key = keys.cache_server_rss(host, fingerprint)
+    raw = await client.get(key)
+    if raw is None:
+        return None
+    if not raw.isdigit() or len(raw) > 20:
+        quarantine.REFUSALS.refuse(key, raw, "not a size in bytes")
+        return None
+    return int(raw)

@@ -16,7 +16,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 
 FIELD = "end"
 # About this many ends are kept per host; the router reads them within a second.
@@ -61,5 +61,6 @@ async def read_after(
     if not read:
         return after, []
     entries = read[0][1]
-    ends = [RequestEnd.model_validate_json(fields[FIELD.encode()]) for _, fields in entries]
-    return entries[-1][0].decode(), ends
+    key = keys.request_ends(host)
+    found = (quarantine.parse_entry(RequestEnd, fields, FIELD, key) for _, fields in entries)
+    return entries[-1][0].decode(), [end for end in found if end is not None]

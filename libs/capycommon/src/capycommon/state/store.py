@@ -4,15 +4,14 @@ cleanly and nobody sees a state without its event."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Mapping
 from typing import Literal, cast
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
 
@@ -26,7 +25,8 @@ _TRANSITION = """
 local current = redis.call('GET', KEYS[1])
 local state = 'absent'
 if current then
-  local record = cjson.decode(current)
+  local ok, record = pcall(cjson.decode, current)
+  if not ok or type(record) ~= 'table' then return {0, current} end
   state = record['state']
   if ARGV[2] ~= '' and tostring(record['generation']) ~= ARGV[2] then
     return {0, current}
@@ -90,11 +90,14 @@ class InstanceStore:
         self._script = client.register_script(_TRANSITION)
 
     async def get(self, deployment: str, index: int) -> InstanceRecord | None:
-        raw = await self.client.get(keys.instance(self.host, deployment, index))
-        return None if raw is None else InstanceRecord.model_validate_json(raw)
+        """The record of the instance; None when there is none, or none to believe."""
+        key = keys.instance(self.host, deployment, index)
+        raw = await self.client.get(key)
+        return None if raw is None else self._believed(key, f"{deployment}:{index}", raw)
 
     async def all(self) -> list[InstanceRecord]:
-        return [InstanceRecord.model_validate_json(raw) for _, raw in await self.raws()]
+        """Every record on the host that can be believed (`_believed`)."""
+        return self._all_believed(await self.raws())
 
     async def raws(self) -> list[tuple[str, bytes]]:
         """Each record on the host as written, by member (for readers that skip a malformed
@@ -104,13 +107,36 @@ class InstanceStore:
 
     async def get_many(self, members: Iterable[str]) -> list[InstanceRecord]:
         """The records of these members that exist."""
-        found = await self._raws([m for m in members if _split(m) is not None])
-        return [InstanceRecord.model_validate_json(raw) for _, raw in found]
+        return self._all_believed(await self._raws([m for m in members if _split(m) is not None]))
+
+    def _all_believed(self, found: list[tuple[str, bytes]]) -> list[InstanceRecord]:
+        believed = (self._believed(self._key(m), m, raw) for m, raw in found)
+        return [record for record in believed if record is not None]
+
+    def _believed(self, key: str, member: str, raw: bytes | str) -> InstanceRecord | None:
+        """The record `raw` read at `key`, when it is an instance record of this host and of
+        that member; else None (refused: a host writes its own prefix as it likes, so who
+        wrote a record, and what it is of, come from its key, never from its data)."""
+        record = quarantine.parse(InstanceRecord, raw, key)
+        if record is None:
+            return None
+        if record.host != self.host:
+            quarantine.REFUSALS.refuse(
+                key, raw, f"a record of host {self.host} names host {record.host!r}"
+            )
+            return None
+        if record.member != member:
+            quarantine.REFUSALS.refuse(key, raw, f"the record of {member} is of {record.member}")
+            return None
+        return record
+
+    def _key(self, member: str) -> str:
+        return keys.instance(self.host, *cast(tuple[str, int], _split(member)))
 
     async def _raws(self, members: list[str]) -> list[tuple[str, bytes]]:
         if not members:
             return []
-        named = [keys.instance(self.host, *cast(tuple[str, int], _split(m))) for m in members]
+        named = [self._key(m) for m in members]
         raws = cast(list[bytes | None], await self.client.mget(named))
         return [(m, raw) for m, raw in zip(members, raws, strict=True) if raw is not None]
 
@@ -189,8 +215,8 @@ class InstanceStore:
         )
         written, current = int(result[0]), result[1]
         if not written:
-            raw = current.decode() if isinstance(current, bytes) else current
-            raise Conflict(InstanceRecord.model_validate_json(raw) if raw else None)
+            key = keys.instance(self.host, new.deployment, new.instance)
+            raise Conflict(self._believed(key, new.member, current) if current else None)
         return new
 
     async def refused(self, deployment: str, index: int, generation: int, reason: str) -> None:
@@ -244,7 +270,9 @@ async def read_events(client: aioredis.Redis, host: str, count: int = 1000) -> l
         list[tuple[bytes, dict[bytes, bytes]]],
         await client.xrange(keys.host_events(host), count=count),
     )
-    return [Event.model_validate(json.loads(fields[b"event"])) for _, fields in entries]
+    key = keys.host_events(host)
+    found = (quarantine.parse_entry(Event, fields, "event", key) for _, fields in entries)
+    return [event for event in found if event is not None]
 
 
 async def recent_events(client: aioredis.Redis, host: str, count: int) -> list[Event]:
@@ -253,7 +281,8 @@ async def recent_events(client: aioredis.Redis, host: str, count: int) -> list[E
         list[tuple[bytes, dict[bytes, bytes]]],
         await client.xrevrange(keys.host_events(host), count=count),
     )
-    return [event for _, fields in entries if (event := _event(fields)) is not None]
+    key = keys.host_events(host)
+    return [event for _, fields in entries if (event := _event(fields, key)) is not None]
 
 
 async def read_host_events(
@@ -267,15 +296,13 @@ async def read_host_events(
     found: list[tuple[str, str, Event | None]] = []
     for stream, entries in read or []:
         for entry_id, fields in entries:
-            found.append((hosts[stream.decode()], entry_id.decode(), _event(fields)))
+            key = stream.decode()
+            found.append((hosts[key], entry_id.decode(), _event(fields, key)))
     return found
 
 
-def _event(fields: dict[bytes, bytes]) -> Event | None:
-    try:
-        return Event.model_validate_json(fields[b"event"])
-    except (KeyError, ValidationError):
-        return None
+def _event(fields: dict[bytes, bytes], key: str) -> Event | None:
+    return quarantine.parse_entry(Event, fields, "event", key)
 
 
 async def last_duration(

@@ -1,0 +1,66 @@
+"""Work run beside a block: a failure takes the block down and is raised, naming the work;
+work that ends quietly, or is cancelled at the block's end, raises nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from capycommon.tasks import TaskFailed, beside
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _fail_when(event: asyncio.Event) -> None:
+    await event.wait()
+    raise ValueError("a bad record")
+
+
+async def test_a_failure_beside_cancels_the_block_and_is_raised() -> None:
+    go = asyncio.Event()
+    reached = asyncio.Event()
+
+    async def block() -> None:
+        async with beside(_fail_when(go), "resync"):
+            reached.set()
+            go.set()
+            await asyncio.Event().wait()  # a loop that would never end on its own
+
+    with pytest.raises(TaskFailed, match="resync failed: ValueError") as caught:
+        await block()
+    assert reached.is_set()
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert not asyncio.current_task().cancelling()  # type: ignore[union-attr]
+
+
+async def test_work_that_ends_quietly_or_outlives_the_block_raises_nothing() -> None:
+    async def quiet() -> None:
+        return None
+
+    async with beside(quiet(), "quiet") as task:
+        await task
+    forever = asyncio.Event()
+    async with beside(forever.wait(), "forever") as task:  # type: ignore[arg-type]
+        pass
+    assert task.cancelled()
+
+
+async def test_a_cancel_from_outside_still_cancels() -> None:
+    started = asyncio.Event()
+
+    async def body() -> None:
+        async with beside(asyncio.Event().wait(), "idle"):  # type: ignore[arg-type]
+            started.set()
+            await asyncio.Event().wait()
+
+    outer = asyncio.create_task(body())
+    await started.wait()
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
