@@ -11,10 +11,9 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from capycommon.errors import CredentialsUnusable
+from capycommon.errors import CredentialsUnusable, InvalidConfig
 from capycommon.paths import ensure_private_dir, read_private, write_atomic
+from capycommon.yamldoc import parse_yaml
 
 TOKEN_PATTERN = re.compile(r"[A-Za-z0-9._~+/=-]{32,256}")
 FIELDS = ("api_key", "admin_token")
@@ -46,8 +45,8 @@ def load(path: Path) -> Credentials:
     regenerate = f"delete {path} to generate new credentials, or restore a good copy"
     text = read_private(path, missing="start the role once to create it", fix=regenerate)
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
+        data = parse_yaml(text, str(path))
+    except InvalidConfig:
         data = None
     if not isinstance(data, dict) or set(data) != set(FIELDS):
         raise CredentialsUnusable(

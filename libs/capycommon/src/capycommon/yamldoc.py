@@ -1,6 +1,8 @@
 """Reading a YAML document strictly: a duplicate key is refused instead of keeping the last
-one, a document that is too large, not UTF-8 or full of aliases (a "billion laughs" bomb) is
-refused before it is built, and every error names the file."""
+one, a document that is too large, not UTF-8, nested too deep or full of aliases (a "billion
+laughs" bomb) is refused before it is built, a value its tag cannot build (a 5,000-digit
+integer, a 13th month, a list as a key) is refused where it stands, and every error names the
+file."""
 
 from __future__ import annotations
 
@@ -15,13 +17,21 @@ from capycommon.errors import InvalidConfig
 # document that would take the CLI's memory or time.
 MAX_BYTES = 1 << 20
 MAX_ALIASES = 64
+# A role or deployment document is a few levels deep; PyYAML builds a document by
+# recursion, and a thousand levels end in a RecursionError.
+MAX_DEPTH = 32
+
+
+def _where(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """A YAML loader that refuses duplicate keys instead of keeping the last one, and more
-    than MAX_ALIASES aliases."""
+    """A YAML loader that refuses duplicate keys instead of keeping the last one, more than
+    MAX_ALIASES aliases, nesting deeper than MAX_DEPTH, and values their tag cannot build."""
 
     aliases = 0
+    depth = 0
 
     def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
@@ -31,13 +41,44 @@ class _StrictLoader(yaml.SafeLoader):
                     f"more than {MAX_ALIASES} YAML aliases; write the values out instead of "
                     "repeating them by alias"
                 )
-        return super().compose_node(parent, index)
+        if self.depth >= MAX_DEPTH:
+            # check_event has read the node's first event into current_event.
+            mark: yaml.Mark = self.current_event.start_mark
+            raise InvalidConfig(
+                f"nested more than {MAX_DEPTH} levels deep at {_where(mark)}; "
+                "a CapyCTL document is a few levels deep: check that this is the right file"
+            )
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, OverflowError):
+            # A plain value its resolved tag cannot build: int('1' * 5000), 2001-13-45, ...
+            kind = node.tag.rsplit(":", 1)[-1]
+            shown = node.value if isinstance(node.value, str) else ""
+            shown = repr(shown[:40] + "..." if len(shown) > 40 else shown)
+            raise InvalidConfig(
+                f"the value {shown} at {_where(node.start_mark)} is not a valid YAML {kind}; "
+                "correct it, or quote it to keep it as text"
+            ) from None
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node)
+        try:
+            hash(key)
+        except TypeError:
+            raise InvalidConfig(
+                f"the key at {_where(key_node.start_mark)} is a {key_node.id}; "
+                "a key must be a plain value"
+            ) from None
         if key in seen:
             line = key_node.start_mark.line + 1
             raise InvalidConfig(f"duplicate key {key!r} at line {line}; keep one of them")
@@ -70,9 +111,14 @@ def load_yaml_document(path: Path) -> Any:
             f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); "
             "save it as UTF-8"
         ) from None
+    return parse_yaml(text, str(path))
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse YAML text strictly, as load_yaml_document does a file; errors name `source`."""
     try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except InvalidConfig as exc:
-        raise InvalidConfig(f"{path}: {exc.message}") from None
+        raise InvalidConfig(f"{source}: {exc.message}") from None
     except yaml.YAMLError as exc:
-        raise InvalidConfig(f"{path} is not valid YAML: {exc}; fix the document") from None
+        raise InvalidConfig(f"{source} is not valid YAML: {exc}; fix the document") from None

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from capycommon.engines.families import Family, check_supported, is_verified
 from capycommon.errors import InvalidConfig, ProfileExists, ProfileNotFound
 from capycommon.paths import write_atomic
+from capycommon.yamldoc import parse_yaml
 
 FILE_NAME = "engines.yaml"
 REVISION_PREFIX = "# capyctl-document-revision: "
@@ -83,10 +84,10 @@ def read(path: Path) -> Registry:
     text = path.read_text(encoding="utf-8")
     match = re.match(rf"{re.escape(REVISION_PREFIX)}(\d+)\n", text)
     revision = int(match[1]) if match else 0
+    data = parse_yaml(text, str(path)) or {}
     try:
-        data = yaml.safe_load(text) or {}
         document = EnginesDocument.model_validate(data)
-    except (yaml.YAMLError, ValidationError) as exc:
+    except ValidationError as exc:
         raise InvalidConfig(
             f"{path} is not a valid engines document ({exc}); fix it or remove the entry"
         ) from None
