@@ -5,11 +5,12 @@ nothing to an unreachable host."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 from capycommon.state.notify import Notification
 
 
@@ -25,10 +26,23 @@ async def aread(client: aioredis.Redis) -> HostMarks:
         pipe.hgetall(keys.unreachable_hosts())
         pipe.smembers(keys.drained_hosts())
         unreachable, drained = await pipe.execute()
+    marked = {_text(host): _since(since) for host, since in unreachable.items()}
     return HostMarks(
-        unreachable={_text(host): float(since) for host, since in unreachable.items()},
+        unreachable={host: since for host, since in marked.items() if since is not None},
         drained=frozenset(_text(host) for host in drained),
     )
+
+
+def _since(raw: bytes | str) -> float | None:
+    """A mark's time; None (refused) for anything but a finite number."""
+    try:
+        since = float(raw)
+    except ValueError:
+        since = math.nan
+    if not math.isfinite(since):
+        quarantine.REFUSALS.refuse(keys.unreachable_hosts(), raw, "a mark that is not a time")
+        return None
+    return since
 
 
 async def mark_unreachable(client: aioredis.Redis, host: str, since: float) -> None:
