@@ -1,9 +1,10 @@
 """The status page's routes on the management listener.
 
 `GET /` shows the page to the admin (its login's cookie, or `Authorization: Bearer <admin
-token>`), and the login form to anyone else; `POST /login` takes the token and sets the
-cookie; `GET /events` streams the page's sections as server-sent events, each time the
-scheduler hears a notification (at most once a second) and every REFRESH_S; the buttons ask
+token>`), and the login form to anyone else; `POST /login` takes the token, opens a session
+and sets its cookie; `POST /logout` ends the session (`session`); `GET /events` streams the
+page's sections as server-sent events, each time the scheduler hears a notification (at most
+once a second) and every REFRESH_S, until its session ends; the buttons ask
 for confirmation (`GET /confirm`, or a dialog where scripts run) and post to `/actions`,
 which calls the management API's own operation under an Idempotency-Key, as `capyctl park`
 does. `/static/` serves the page's one stylesheet and one script from the package.
@@ -35,6 +36,7 @@ from capycommon import requestbody
 from capycommon.credentials import Credentials
 from capycommon.errors import CapyError, InvalidRequest
 from capycommon.service import REDIS_ERRORS
+from capycommon.state.pagesessions import PageSessions
 from capyctl_scheduler.errorbody import error_response
 from capyctl_scheduler.idempotency import Idempotency
 from capyctl_scheduler.manage import Manager
@@ -64,12 +66,14 @@ class Gate:
     """Who is signed in, and the answers that say so."""
 
     credentials: Credentials
+    sessions: PageSessions
 
-    def signed_in(self, request: Request) -> Via | None:
+    async def signed_in(self, request: Request) -> Via | None:
         token = self.credentials.admin_token
         if session.is_admin_header(request.headers.get("authorization"), token):
             return "header"
-        if session.valid(request.cookies.get(session.COOKIE), token):
+        opened = request.cookies.get(session.COOKIE)
+        if await self.sessions.is_open(opened, session.mark(token)):
             return "cookie"
         return None
 
@@ -94,11 +98,11 @@ def html(body: str, status: int = 200) -> HTMLResponse:
 def install(
     app: FastAPI, credentials: Credentials, manager: Manager, idempotency: Idempotency
 ) -> None:
-    gate = Gate(credentials)
+    gate = Gate(credentials, PageSessions(manager.scheduler.client))
 
     @app.get("/", include_in_schema=False)
     async def page(request: Request, done: str = "", name: str = "") -> Response:
-        if gate.signed_in(request) is None:
+        if await gate.signed_in(request) is None:
             return gate.login_page()
         notice = f"Asked: {done} {name}." if done in ACTIONS and name else ""
         return html(render.page(await gather(manager), gate.form_key(request), notice))
@@ -108,7 +112,8 @@ def install(
         return await _login(gate, request)
 
     @app.post("/logout", include_in_schema=False)
-    async def logout() -> Response:
+    async def logout(request: Request) -> Response:
+        await gate.sessions.close(request.cookies.get(session.COOKIE))
         answer = RedirectResponse("/", status_code=303)
         answer.delete_cookie(session.COOKIE, path="/", httponly=True, samesite="strict")
         return answer
@@ -117,7 +122,7 @@ def install(
     async def confirm(
         request: Request, target: str = "", name: str = "", action: str = ""
     ) -> Response:
-        if gate.signed_in(request) is None:
+        if await gate.signed_in(request) is None:
             return gate.login_page()
         _check(target, name, action)
         key = secrets.token_hex(16)
@@ -129,11 +134,15 @@ def install(
 
     @app.get("/events", include_in_schema=False)
     async def events(request: Request) -> Response:
-        if gate.signed_in(request) is None:
+        if await gate.signed_in(request) is None:
             return error_response(401, "unauthenticated", "log in at / first")
         expires = time.time() + session.LIFETIME_S
+
+        async def signed_in() -> bool:
+            return time.time() < expires and await gate.signed_in(request) is not None
+
         return StreamingResponse(
-            _stream(manager, expires),
+            _stream(manager, signed_in),
             media_type="text/event-stream",
             headers={"X-Accel-Buffering": "no"},
         )
@@ -159,10 +168,11 @@ async def _login(gate: Gate, request: Request) -> Response:
     token = gate.credentials.admin_token
     if not session.is_token(given, token):
         return gate.login_page("That is not the admin token.")
+    opened = await gate.sessions.open(session.mark(token), session.LIFETIME_S)
     answer = RedirectResponse("/", status_code=303)
     answer.set_cookie(
         session.COOKIE,
-        session.issue(token),
+        opened,
         max_age=session.LIFETIME_S,
         path="/",
         httponly=True,
@@ -177,7 +187,7 @@ async def _act(
 ) -> Response:
     """A button: the management API's operation, once per key; JSON for the page's script,
     else back to the page."""
-    via = gate.signed_in(request)
+    via = await gate.signed_in(request)
     wants_json = "application/json" in request.headers.get("accept", "")
     if via is None:
         if wants_json:
@@ -237,17 +247,20 @@ def _fields(body: bytes) -> dict[str, str]:
     return {k: v[0] for k, v in found.items()}
 
 
-async def _stream(manager: Manager, expires: float) -> AsyncIterator[str]:
+async def _stream(manager: Manager, signed_in: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
     """The page's sections: all at first, then each that changed, after each notification
     the scheduler heard (at most once every MIN_GAP_S) and every REFRESH_S; until the
-    session ends or the scheduler stops."""
+    session ends (a logout, its expiry: seen at the next update) or the scheduler stops."""
     changes = manager.scheduler.changes
     sent: dict[str, str] = {}
     quiet_since = time.monotonic()
     yield "retry: 2000\n\n"
-    while time.time() < expires and not changes.closed:
+    while not changes.closed:
         seen = changes.count
         try:
+            if not await signed_in():
+                yield _event("ended", "the session ended; log in again")
+                return
             parts = render.sections(await gather(manager))
         except REDIS_ERRORS as exc:
             yield _event("trouble", f"the scheduler cannot read Redis ({exc}); retrying")

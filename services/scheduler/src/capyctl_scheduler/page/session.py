@@ -1,18 +1,18 @@
-"""Who may open the status page: the admin token, given once in the login form (which sets
-a session cookie) or in the Authorization header.
+"""Who may open the status page: the admin token, given once in the login form (which opens
+a session) or in the Authorization header.
 
-The cookie holds no token: it is an expiry signed with the admin token (HMAC-SHA256), so a
-new admin token ends every session, and nothing is kept on the server. It is HttpOnly (no
-script reads it) and SameSite=Strict (no other site's page sends it). A form the page posts
-carries a second value signed from the session, so only a page this scheduler rendered for
-that session can act with it.
+A login opens a session kept on the server (`capycommon.state.pagesessions`): the cookie
+holds only its random id, and a logout ends it there, so a copy of the cookie opens nothing
+afterwards. Each session is opened under the admin token's mark, so a new admin token ends
+every session. The cookie is HttpOnly (no script reads it) and SameSite=Strict (no other
+site's page sends it). A form the page posts carries a second value signed from the session,
+so only a page this scheduler rendered for that session can act with it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import time
 
 from capycommon import httpauth
 
@@ -21,24 +21,9 @@ COOKIE = "capyctl_session"
 LIFETIME_S = 12 * 3600
 
 
-def issue(admin_token: str, now: float | None = None) -> str:
-    """A session value that expires LIFETIME_S from now."""
-    expires = int((now if now is not None else time.time()) + LIFETIME_S)
-    return f"v1.{expires}.{_sign(admin_token, f'session {expires}')}"
-
-
-def valid(value: str | None, admin_token: str, now: float | None = None) -> bool:
-    """Whether `value` is a session this admin token signed that has not expired."""
-    if not value:
-        return False
-    version, _, rest = value.partition(".")
-    expires, _, signature = rest.partition(".")
-    if version != "v1" or not expires.isdigit():
-        return False
-    expected = _sign(admin_token, f"session {expires}")
-    if not hmac.compare_digest(signature.encode(), expected.encode()):
-        return False
-    return int(expires) > (now if now is not None else time.time())
+def mark(admin_token: str) -> str:
+    """The mark a session is opened under: the admin token's, which does not reveal it."""
+    return _sign(admin_token, "page sessions")
 
 
 def form_key(admin_token: str, session: str) -> str:

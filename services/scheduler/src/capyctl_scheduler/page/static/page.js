@@ -42,6 +42,8 @@ function follow() {
     if (old) { old.outerHTML = part.html; tick(); }
   });
   source.addEventListener("trouble", (event) => notice(JSON.parse(event.data)));
+  // A logout (here or in another tab) or the session's expiry: back to the login form.
+  source.addEventListener("ended", () => { source.close(); window.location.reload(); });
 }
 
 function randomKey() {
