@@ -15,7 +15,7 @@ from starlette.types import Message
 
 from capycommon import management as wire
 from capycommon import requestbody
-from capycommon.errors import BodyTooLarge, CapyError, InvalidRequest
+from capycommon.errors import BodyTooLarge, CapyError, InvalidRequest, RequestTimeout
 from capyctl_router.bodies import BODIES, ChatBody, CompletionBody, EmbeddingBody
 from hostile import KINDS
 
@@ -182,3 +182,18 @@ def test_the_openapi_document_describes_the_bodies_and_the_token() -> None:
 
 async def _nothing() -> None:
     return None
+
+
+def test_a_body_trickled_past_its_whole_bound_is_a_408() -> None:
+    """Each part within the idle bound, the whole past `total_s`."""
+    parts = [b"{"] + [b" "] * 1000
+
+    async def slow() -> Message:
+        await asyncio.sleep(0.01)  # the client's pace
+        return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"", "headers": []}
+    with pytest.raises(RequestTimeout) as refused:
+        asyncio.run(requestbody.read(Request(scope, slow), 1 << 20, total_s=0.2))
+    assert (refused.value.http_status, refused.value.code) == (408, "request_timeout")
+    assert "the body took longer than 0.2 s to arrive" in refused.value.message

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 from capycommon.service import serve_http
 from capycommon.settings import ConnectionLimits
-from support import free_port, wait_for_async
+from support import wait_for_async
 
 HOST = "127.0.0.1"
 
 
 @contextlib.asynccontextmanager
 async def served(app: Any, limits: ConnectionLimits) -> AsyncIterator[int]:
-    """`app` listening on a free loopback port (yielded) until the block ends."""
-    port = free_port()
+    """`app` listening on a loopback port the system chose (yielded) until the block ends:
+    the listener is bound before its port is known, so no other process can take it."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    listener.bind((HOST, 0))
+    listener.listen(2048)
+    port = int(listener.getsockname()[1])
     stop = asyncio.Event()
-    serving = asyncio.create_task(serve_http(app, f"{HOST}:{port}", stop, limits))
+    serving = asyncio.create_task(serve_http(app, f"{HOST}:{port}", stop, limits, listener))
 
     async def accepting() -> bool:
         with contextlib.suppress(ConnectionRefusedError):

@@ -267,6 +267,13 @@ class BodyTooLarge(CapyError):
     code = "body_too_large"
 
 
+class RequestTimeout(CapyError):
+    """A request's body did not arrive whole within its bound: a client sending it too slowly
+    would hold its connection for as long as it liked."""
+
+    code = "request_timeout"
+
+
 class UnknownModel(CapyError):
     code = "unknown_model"
 
@@ -499,6 +506,7 @@ CODES: dict[str, tuple[int, int]] = {
     "activation_timeout": (10, 504),
     "engine_timeout": (10, 504),
     "unavailable": (10, 503),
+    "request_timeout": (10, 408),
     # 13: a failure inside CapyCTL or an engine.
     "internal": (13, 500),
     "launch_failed": (13, 500),

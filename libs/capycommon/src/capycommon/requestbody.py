@@ -2,8 +2,9 @@
 
 A client's mistake is a 400 that names it, found before anything acts on the request: the
 router takes no place for it, the scheduler claims no Idempotency-Key. The body is read
-within a size bound and an idle bound (a body shorter than its Content-Length ends in a 400,
-not in a held connection), then parsed as strict JSON: UTF-8 only, no lone surrogate, no NaN
+within a size bound, an idle bound (a body shorter than its Content-Length ends in a 400, not
+in a held connection) and a bound on its whole reading (a body trickled a byte at a time ends
+in a 408 request_timeout), then parsed as strict JSON: UTF-8 only, no lone surrogate, no NaN
 or Infinity, no number that would not survive being written out again, no nesting deeper
 than MAX_DEPTH. What passes, any JSON writer can write again, so nothing in it can fail once
 the request is admitted (an engine's request body is such a writer's output).
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from pydantic_core import ErrorDetails
 
-from capycommon.errors import BodyTooLarge, InvalidRequest
+from capycommon.errors import BodyTooLarge, InvalidRequest, RequestTimeout
 
 # No request of ours nests deeper; a tool's JSON schema rarely passes 10 levels.
 MAX_DEPTH = 64
@@ -36,28 +37,38 @@ MAX_DEPTH = 64
 MAX_DIGITS = 100
 # A client that sends nothing of its body for this long is refused, not waited for.
 READ_IDLE_S = 5.0
+# The longest a whole body may take to arrive, unless the caller says (the inference
+# listener's body_timeout): 4 MiB at 1 Mbit/s take 34 s.
+READ_TOTAL_S = 60.0
 # One lone UTF-16 surrogate: JSON lets `\ud800` be written, UTF-8 cannot carry it.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 M = TypeVar("M", bound=BaseModel)
 
 
-async def read(request: Request, limit: int) -> bytes:
+async def read(request: Request, limit: int, total_s: float = READ_TOTAL_S) -> bytes:
     """The whole body, at most `limit` bytes (else 413 body_too_large), each part coming within
-    READ_IDLE_S of the one before (else 400: the body is shorter than it said)."""
+    READ_IDLE_S of the one before (else 400: the body is shorter than it said), all of it
+    within `total_s` (else 408 request_timeout)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(_too_large(limit))
     body = bytearray()
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(READ_IDLE_S) as idle:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise BodyTooLarge(_too_large(limit))
-                idle.reschedule(loop.time() + READ_IDLE_S)
+        async with asyncio.timeout(total_s) as whole:
+            async with asyncio.timeout(READ_IDLE_S) as idle:
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise BodyTooLarge(_too_large(limit))
+                    idle.reschedule(loop.time() + READ_IDLE_S)
     except TimeoutError:
         announced = f" of the {declared} its Content-Length announced" if declared else ""
+        if whole.expired():
+            raise RequestTimeout(
+                f"the body took longer than {total_s:g} s to arrive ({len(body)} bytes"
+                f"{announced} came); send it whole within that"
+            ) from None
         raise InvalidRequest(
             f"the body stopped after {len(body)} bytes{announced} (nothing came for "
             f"{READ_IDLE_S:g} s); send the whole body"

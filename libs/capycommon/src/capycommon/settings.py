@@ -51,9 +51,9 @@ class Strict(BaseModel):
 
 class ConnectionLimits(Strict):
     """What one client's connections may hold of a listener, beyond what HTTP itself bounds:
-    a connection that sends no request head in time (or sends it too slowly), one left idle
-    between requests, and one client's pile of connections are closed or refused, so they
-    cannot hold the listener's file descriptors."""
+    a connection that sends no request head in time (or sends it too slowly), or a request
+    body too slowly, one left idle between requests, and one client's pile of connections are
+    closed or refused, so they cannot hold the listener's file descriptors."""
 
     header_timeout: Seconds = Field(
         default=10.0,
@@ -61,6 +61,14 @@ class ConnectionLimits(Strict):
         le=300,
         description="Seconds a client has to send a request's head, from connecting or from "
         "the first byte of its next request; a slower connection is closed.",
+        examples=["30"],
+    )
+    body_timeout: Seconds = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="Seconds a client has to send a request's whole body, from the end of its "
+        "head; a slower one is answered 408 request_timeout and its connection closed.",
         examples=["30"],
     )
     keep_alive_timeout: Annotated[int, Setting(metavar="SECONDS")] = Field(

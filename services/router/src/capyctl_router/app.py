@@ -82,6 +82,8 @@ Authorization = Annotated[str | None, Header(include_in_schema=False)]
 class Router:
     dispatcher: Dispatcher
     engines: Engines
+    # The longest a request's whole body may take to arrive (the listener's body_timeout).
+    body_timeout_s: float = requestbody.READ_TOTAL_S
 
     @property
     def table(self) -> Table:
@@ -330,7 +332,7 @@ async def forward(router: Router, kind: str, request: Request) -> Response:
     a place on its deployment's engine and the engine's answer."""
     arrived = time.monotonic()
     progress = wants_progress(request)
-    raw = await requestbody.read(request, MAX_BODY)
+    raw = await requestbody.read(request, MAX_BODY, router.body_timeout_s)
     # System One's question ids are keys: one given twice would be lost, not refused.
     call = _call(kind, requestbody.parse_object(raw, unique_keys=kind == "systemone"))
     call.progress = progress and call.client_streams

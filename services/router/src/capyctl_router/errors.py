@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from capycommon.errors import CapyError
+from capycommon.errors import CapyError, RequestTimeout
 
 _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 # Refusals a prompt retry cannot change: the openai SDK does not retry an answer that says
@@ -68,6 +68,9 @@ def retry_headers(code: str, status: int) -> dict[str, str]:
 
 def capy_error_response(exc: CapyError) -> JSONResponse:
     headers = retry_headers(exc.code, exc.http_status)
+    if exc.code == RequestTimeout.code:
+        # The rest of a body sent too slowly is not waited for: the connection ends here.
+        headers["Connection"] = "close"
     return envelope(exc.http_status, exc.code, exc.message, headers=headers)
 
 

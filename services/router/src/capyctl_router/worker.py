@@ -72,7 +72,7 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
     # A server's router reaches every engine through its host's ingress, over TLS.
     tls = client_context(ctx.paths) if isinstance(ctx.settings, ServerSettings) else None
     engines = Engines(keepalive_s=ENGINE_KEEPALIVE_S, tls=tls)
-    router = Router(dispatcher, engines)
+    router = Router(dispatcher, engines, server.listeners.inference.body_timeout)
     app = create_app(credentials.load(ctx.paths.credentials), router)
     await table.sync()
     work = [
