@@ -10,6 +10,7 @@ from typing import Any
 from capycommon.errors import NotFound
 from capycommon.state.desired import Inflight
 from capycommon.state.instances import InstanceRecord, InstanceState
+from capyctl_scheduler.charges import gpu_memory
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains
 from capyctl_scheduler.policy import HOST_CHECK_S, plan, quiet_until
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
@@ -142,6 +143,16 @@ def test_once_a_host_is_gone_its_deployments_start_elsewhere() -> None:
     snapshot = two_hosts(a, host("b"), [], stranded=(on(a, "m", S.READY),), demands={"m": NOW})
     [start] = plan(snapshot)
     assert (start.kind, start.host, start.generation) == ("start", "b", 2)
+
+
+def test_a_gone_hosts_engines_stay_charged_as_unknown_while_its_gpu_is_seen() -> None:
+    """A host revoked (or lost) while its reading still comes: its engine, documented to run
+    on, keeps its GPU charged, as unknown, not freed the moment the host is cut off."""
+    a = host("a", revoked=True, unreachable_since=NOW)
+    snapshot = two_hosts(a, host("b"), [], stranded=(on(a, "m", S.READY),))
+    [gpu_a] = [gpu for gpu in gpu_memory(snapshot).gpus if gpu.host == "a"]
+    assert gpu_a.charged == {"unknown": 24 * GiB}
+    assert gpu_a.free == 0
 
 
 def test_a_quiet_plan_looks_again_soon_while_hosts_are_joined() -> None:

@@ -348,7 +348,8 @@ class GpuCollector(Collector):
             "capyctl_gpu_memory_bytes",
             "What the scheduler's ledger charges on the GPU, by phase: starting, ready (also "
             "draining, parking, stopping), parked, waking; cache: LMCache servers kept for "
-            "stopped models; orphan: engines no deployment owns.",
+            "stopped models; orphan: engines no deployment owns; unknown: engines of a host the "
+            "server lost or revoked, which run on as far as anyone knows.",
             labels=[*where, "phase"],
         )
         figures = {

@@ -46,7 +46,8 @@ def charges(snapshot: Snapshot, host: str) -> dict[str, Mapping[str, int]]:
 
 def phased(snapshot: Snapshot, host: str) -> dict[str, tuple[ChargePhase, Mapping[str, int]]]:
     """`charges`, each with the phase it is charged as (`cache`: a stopped instance's kept
-    LMCache server; `orphan`: an engine no deployment owns)."""
+    LMCache server; `orphan`: an engine no deployment owns; `unknown`: an engine of a host
+    the server lost or revoked, which runs on as far as anyone knows)."""
     view = snapshot.hosts[host]
     found: dict[str, tuple[ChargePhase, Mapping[str, int]]] = {}
     for name, instance in snapshot.on_host.get(host, {}).items():
@@ -71,6 +72,12 @@ def phased(snapshot: Snapshot, host: str) -> dict[str, tuple[ChargePhase, Mappin
         else:
             whole = _whole(view, view.gpu_of(orphan.gpu_uuid))
             found[f"orphan:{orphan.member}"] = ("orphan", whole)
+    for record in snapshot.stranded:
+        # An engine of a host the server lost or revoked runs on as far as anyone knows: its
+        # memory stays charged until the host is back and its records show it gone.
+        if record.host == host:
+            whole = _whole(view, view.gpu_of(record.gpu_uuid))
+            found[f"unknown:{record.member}"] = ("unknown", whole)
     return found
 
 

@@ -13,7 +13,7 @@ from capycommon.state import keys, quarantine
 
 # What an instance is charged as: the ledger's phases, an LMCache server kept for a stopped
 # instance (`cache`), and an engine no deployment owns (`orphan`, its whole GPU).
-ChargePhase = Literal["starting", "ready", "parked", "waking", "cache", "orphan"]
+ChargePhase = Literal["starting", "ready", "parked", "waking", "cache", "orphan", "unknown"]
 
 
 class GpuCharges(BaseModel):
