@@ -72,12 +72,12 @@ def phased(snapshot: Snapshot, host: str) -> dict[str, tuple[ChargePhase, Mappin
         else:
             whole = _whole(view, view.gpu_of(orphan.gpu_uuid))
             found[f"orphan:{orphan.member}"] = ("orphan", whole)
-    for record in snapshot.stranded:
+    for lost in snapshot.stranded:
         # An engine of a host the server lost or revoked runs on as far as anyone knows: its
         # memory stays charged until the host is back and its records show it gone.
-        if record.host == host:
-            whole = _whole(view, view.gpu_of(record.gpu_uuid))
-            found[f"unknown:{record.member}"] = ("unknown", whole)
+        if lost.host == host:
+            whole = _whole(view, view.gpu_of(lost.gpu_uuid))
+            found[f"unknown:{lost.member}"] = ("unknown", whole)
     return found
 
 
