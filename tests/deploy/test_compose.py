@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from capycommon.settings import EnrollmentSection
+from capycommon.enrollsettings import EnrollmentSection
 from capycommon.settingvalues import split_address
 from capyctl_cli.roles import PROCESSES
 

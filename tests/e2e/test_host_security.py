@@ -28,7 +28,7 @@ from redis.retry import Retry
 
 from capycommon import joinfile, pki
 from capycommon.enrollment import JOIN_PATH, JoinRequest
-from capycommon.state import keys
+from capycommon.state import functions, keys
 from capycommon.version import __version__
 from support import Role, capyctl, join_host, short_dir, start_host, start_role, wait_for
 
@@ -48,6 +48,16 @@ SERVER_COMMANDS: tuple[tuple[str, ...], ...] = (
     ("FUNCTION", "LIST"),
     ("DEBUG", "SLEEP", "0"),
 )
+SCRIPTING: tuple[tuple[str, ...], ...] = (
+    ("EVAL", "return 1", "0"),
+    ("EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", "0"),
+    ("SCRIPT", "LOAD", "return 1"),
+    ("FUNCTION", "LOAD", "REPLACE", functions.SOURCE),
+    ("FUNCTION", "DELETE", functions.LIBRARY),
+)
+# A transition's arguments: from absent, any generation, a record, its event, its member and
+# its notification.
+TRANSITION_ARGS = ("absent", "", "{}", "{}", "m:0", "{}")
 
 
 @dataclass
@@ -274,13 +284,19 @@ def test_a_hosts_user_reaches_its_own_prefix_and_nothing_else(server: Server) ->
         verdict = send(control, "ACL", "DRYRUN", "host-a", *words)
         assert b"no permissions" in verdict, (words, verdict)
 
-    # A script reaches no more than its user: neither through its declared keys nor inside.
-    with pytest.raises(NoPermissionError):
-        host.eval("return redis.call('GET', KEYS[1])", 1, "capyctl:host:b:probe")
-    with pytest.raises(ResponseError, match="can't access at least one of the keys"):
-        host.eval("return redis.call('SET', 'capyctl:host:b:probe', 'a')", 1, "capyctl:host:a:x")
-    with pytest.raises(ResponseError, match="can't access at least one of the keys"):
-        host.eval("return redis.call('SADD', 'capyctl:deployments', 'x')", 0)
+    # No script of its own (one holds the whole server while it runs): only the control
+    # plane's functions, which reach no more than its user, whatever keys they are given.
+    for words in SCRIPTING:
+        with pytest.raises(NoPermissionError, match="no permissions to run"):
+            send(host, *words)
+    others_keys = (
+        keys.instance("b", "m", 0),
+        keys.instances("b"),
+        keys.host_events("b"),
+        keys.host_notifications("b"),
+    )
+    with pytest.raises(NoPermissionError, match="no permissions to access one of the keys"):
+        send(host, "FCALL", functions.TRANSITION, "4", *others_keys, *TRANSITION_ARGS)
 
     # Another host's channels and the scheduler's: neither announce nor listen.
     for channel in ("capyctl:host:b:notify", "capyctl:host:b:memory-notify", "capyctl:notify"):

@@ -36,3 +36,9 @@ def test_redis_listens_on_a_private_socket_only(tmp_path: Path) -> None:
     assert "unixsocketperm 700" in lines
     assert "appendonly yes" in lines
     assert "appendfsync everysec" in lines
+
+
+def test_redis_bounds_a_scripts_time_and_a_values_size(tmp_path: Path) -> None:
+    lines = redisconf.render(StatePaths(tmp_path)).splitlines()
+    assert "busy-reply-threshold 1000" in lines
+    assert "proto-max-bulk-len 8mb" in lines

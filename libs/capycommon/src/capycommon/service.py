@@ -52,6 +52,7 @@ from capycommon.settings import (
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.settingvalues import split_address
 from capycommon.state import heartbeats, identities, pipe
+from capycommon.state.functions import FunctionsMissing
 from capycommon.state.heartbeats import Heartbeat
 from capycommon.state.pipe import ClosingPool, ReplyParser
 from capycommon.version import __version__
@@ -62,12 +63,21 @@ log = logging.getLogger(__name__)
 RedisCannotWrite = pipe.RedisCannotWrite
 
 
-# What a service rides out as an outage: Redis away, slow, or unable to save.
 # A host's services stop for good on these: retrying cannot help, and the role stops with the
 # error's exit code, which its units do not restart.
 HOST_FINAL = (HostRevoked, CertificateInvalid, HostVersionIncompatible)
 HOST_FINAL_EXITS = tuple(sorted({kind("").exit_code for kind in HOST_FINAL}))
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisCannotWrite)
+# What a service rides out as an outage: Redis away, slow, unable to save, held by a script
+# past its time limit (the scheduler stops it), or without CapyCTL's functions (the control
+# plane loads them).
+REDIS_ERRORS = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    RedisCannotWrite,
+    pipe.RedisBusy,
+    FunctionsMissing,
+)
 # Each service's connections to Redis: enough for its few blocking readers (pub/sub, stream
 # reads) and many short commands at once; a command waits this long for a free one.
 REDIS_CONNECTIONS = 32

@@ -22,6 +22,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from capycommon.enrollsettings import EnrollmentSection
 from capycommon.settingnames import Setting, SettingSpec, specs_of
 from capycommon.settingvalues import (
     DialAddress,
@@ -433,50 +434,6 @@ class StandaloneSettings(RoleSettings):
     kind: Literal["standalone"] = "standalone"
     server: ServerSection = ServerSection()
     host: HostSection = Field(default_factory=HostSection)
-
-
-class EnrollmentSection(Strict):
-    """How hosts join this server (the bootstrap listener, server TLS) and then reach its
-    Redis (its TLS port, mutual TLS with a certificate its authority signed)."""
-
-    control_bind: ListenAddress = Field(
-        "0.0.0.0:7445",
-        description="The server Redis's TLS port for joined hosts; only a client certificate "
-        "from this server's authority gets through.",
-        examples=["100.64.0.10:7445"],
-    )
-    bootstrap_bind: ListenAddress = Field(
-        "127.0.0.1:7444",
-        description="Where hosts join with an invitation (server TLS); set a LAN or tailnet "
-        "address for hosts on other machines.",
-        examples=["100.64.0.10:7444"],
-    )
-    control_address: DialAddress = Field(
-        None,
-        description="The HOST:PORT that hosts dial for the TLS port (none: control_bind; on "
-        "every interface, this machine's hostname).",
-        examples=["gpu-server.lan:7445"],
-    )
-    bootstrap_address: DialAddress = Field(
-        None,
-        description="The HOST:PORT that hosts join at (none: bootstrap_bind; on every "
-        "interface, this machine's hostname).",
-        examples=["gpu-server.lan:7444"],
-    )
-    invitation_ttl: Seconds = Field(
-        default=900.0,
-        ge=1,
-        le=3600,
-        description="Seconds an invitation may wait for its host to join.",
-        examples=["300"],
-    )
-    certificate_lifetime: Seconds = Field(
-        default=30 * 86400.0,
-        ge=10,
-        le=365 * 86400.0,
-        description="Seconds a host certificate is valid; hosts renew theirs after two thirds.",
-        examples=["604800"],
-    )
 
 
 class EmbeddedHostSection(HostSection):

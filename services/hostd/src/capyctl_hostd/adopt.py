@@ -96,7 +96,8 @@ async def _unfinished_launches(runner: Runner) -> dict[str, int]:
     await group.ensure()
     found: dict[str, int] = {}
     for _entry_id, fields in await group.read("0", count=PENDING_READ):
-        with contextlib.suppress(KeyError, ValidationError):
+        # TypeError: an entry trimmed from the stream (`hostcommands.KEEP`) has no fields.
+        with contextlib.suppress(KeyError, TypeError, ValidationError):
             command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
             if isinstance(command, hostcommands.Launch):
                 member = f"{command.deployment}:{command.instance}"

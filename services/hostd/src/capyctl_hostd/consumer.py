@@ -89,7 +89,7 @@ async def _grouped(reader: Reader, stop: asyncio.Event) -> bool:
 async def _run(runner: Runner, shelf: Shelf, reader: Reader, entry_id: str, fields: Fields) -> None:
     try:
         command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
-    except (KeyError, ValidationError) as exc:
+    except (KeyError, TypeError, ValidationError) as exc:  # TypeError: trimmed (no fields)
         log.error("dropping a malformed command %s: %s", entry_id, exc)
     else:
         try:

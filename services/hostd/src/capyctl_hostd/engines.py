@@ -236,6 +236,15 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
     return found[-lines:] if lines > 0 else []
 
 
+def memory_tail(held: bytes, lines: int) -> list[str]:
+    """The last lines of a log kept in memory, from its last TAIL_BYTES as a file's: the
+    tail goes through Redis as one value, and Redis takes none over its proto-max-bulk-len."""
+    found = held[-TAIL_BYTES:].decode(errors="replace").splitlines()
+    if len(held) > TAIL_BYTES:
+        found = found[1:]  # the first line kept may be the end of a longer one
+    return found[-lines:] if lines > 0 else []
+
+
 async def wait_ready(engine: Engine, control: EngineControl, deadline_s: float) -> None:
     """Until the engine reports ready; fail at once if it exits, or at the deadline."""
     started = time.monotonic()

@@ -648,7 +648,7 @@ class Runner:
                 launch_id=record.launch_id,
                 note="its log was kept in memory only (retention: zero), and went with its engine",
             )
-        found = held.decode("utf-8", "replace").splitlines()[-lines:]
+        found = engines.memory_tail(held, lines)
         return enginelogs.LogTail(kept="memory", lines=found, launch_id=record.launch_id)
 
     # Shared steps ----------------------------------------------------------------------------

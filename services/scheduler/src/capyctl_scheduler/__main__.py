@@ -13,10 +13,12 @@ from capycommon.state import hostinfo, identities
 from capycommon.version import __version__
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.enroll import Enrollment, bootstrap_app
+from capyctl_scheduler.hostquota import HostQuota
 from capyctl_scheduler.ledger import Limits
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.manage import Manager
 from capyctl_scheduler.observe import Observer
+from capyctl_scheduler.redisguard import RedisGuard
 from capyctl_scheduler.snapshot import Tunables
 
 
@@ -49,9 +51,12 @@ async def serve(ctx: ServiceContext) -> None:
     for host in scheduler.observer.hosts:
         await hostinfo.join(ctx.redis, host)
     enrollment = None
-    work = [scheduler.run(ctx.stop)]
+    # The guard loads CapyCTL's Redis functions first thing, and stops runaway scripts.
+    work = [RedisGuard(ctx.redis).run(ctx.stop), scheduler.run(ctx.stop)]
     if isinstance(ctx.settings, ServerSettings):
         enrollment = Enrollment(ctx.redis, ctx.paths, ctx.settings)
+        quota = ctx.settings.enrollment.host_quota_bytes
+        work.append(HostQuota(ctx.redis, enrollment, quota).watch(ctx.stop))
         await identities.set_server_version(ctx.redis, __version__)
         tls = (ctx.paths.server_certificate, ctx.paths.server_key)
         bootstrap = ctx.settings.enrollment.bootstrap_bind

@@ -6,7 +6,10 @@ stream there, and announce on their own channels; the one key they read outside 
 server's version. So a host's user may touch exactly that prefix, read that one key, and
 run only the commands hostd and memwatch send. Nothing else: no other host's keys, no
 desired state, no key names of others (no SCAN, KEYS, RANDOMKEY), no server commands (no
-CONFIG, ACL, CLIENT LIST, MONITOR, FLUSHALL), no SCRIPT FLUSH or FUNCTION.
+CONFIG, ACL, CLIENT LIST, MONITOR, FLUSHALL), and no scripts of its own (no EVAL, EVALSHA,
+SCRIPT, FUNCTION LOAD/DELETE/FLUSH): a script holds the whole server while it runs. A host
+calls the control plane's functions (`functions`, FCALL) instead, whose keys Redis checks
+against the host's patterns as it checks a command's.
 """
 
 from __future__ import annotations
@@ -66,10 +69,7 @@ HOST_COMMANDS = (
     "publish",
     "subscribe",
     "unsubscribe",
-    "evalsha",
-    "eval",
-    "script|load",
-    "script|exists",
+    "fcall",
     "multi",
     "exec",
     "discard",
@@ -123,12 +123,21 @@ def acl_file(control_password: str, kept_lines: list[str]) -> str:
 
 
 def host_lines(text: str) -> list[str]:
-    """The host users' lines of an ACL file Redis saved."""
+    """The host users' lines of an ACL file Redis saved, each with the commands a host may
+    run now (HOST_COMMANDS), whatever it was saved with: a host that joined under an older
+    release loses what hosts no longer have (EVAL, SCRIPT LOAD) at the server's next start.
+    Its password, keys and channels stay as saved."""
     return [
-        line.strip()
+        current_commands(line.strip())
         for line in text.splitlines()
         if line.strip().startswith(f"user {HOST_USER_PREFIX}")
     ]
+
+
+def current_commands(line: str) -> str:
+    """A saved user line with its command rules (`+...`, `-...`) replaced by HOST_COMMANDS."""
+    kept = [word for word in line.split() if not word.startswith(("+", "-"))]
+    return " ".join([*kept, "-@all", *(f"+{command}" for command in HOST_COMMANDS)])
 
 
 async def set_host_user(client: aioredis.Redis, host: str, password: str) -> None:

@@ -217,7 +217,12 @@ class DeploymentStore:
             pipe.sadd(keys.deployments(), record.name)
             if command is not None:
                 host, sent = command
-                pipe.xadd(keys.host_commands(host), {hostcommands.FIELD: sent.model_dump_json()})
+                pipe.xadd(
+                    keys.host_commands(host),
+                    {hostcommands.FIELD: sent.model_dump_json()},
+                    maxlen=hostcommands.KEEP,
+                    approximate=True,
+                )
             if decision is not None:
                 pipe.xadd(keys.events(), {DECISION_FIELD: decision}, maxlen=EVENTS_MAXLEN)
             pipe.publish(keys.notifications(), note.model_dump_json())

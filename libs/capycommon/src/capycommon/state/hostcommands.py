@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # the deployments' schema reads the host's facts, which name 
     from capycommon.deployments.schema import ModelSource
 
 FIELD = "command"
+# The commands a host's stream keeps, the oldest trimmed first: hostd reads each within a
+# second, and the stream counts against the host's share of Redis (its quota).
+KEEP = 10_000
 
 
 class _Command(BaseModel):
@@ -187,7 +190,12 @@ COMMAND: TypeAdapter[HostCommand] = TypeAdapter(Annotated[HostCommand, Field(dis
 
 async def send(client: aioredis.Redis, host: str, command: HostCommand) -> str:
     """Append a command to the host's stream; returns its stream id."""
-    entry = await client.xadd(keys.host_commands(host), {FIELD: command.model_dump_json()})
+    entry = await client.xadd(
+        keys.host_commands(host),
+        {FIELD: command.model_dump_json()},
+        maxlen=KEEP,
+        approximate=True,
+    )
     return entry.decode() if isinstance(entry, bytes) else str(entry)
 
 

@@ -45,13 +45,19 @@ class RedisCannotWrite(ResponseError):
     because its disk is full. It takes writes again on its own once it can save."""
 
 
+class RedisBusy(ResponseError):
+    """Redis is running a script past its time limit and answers nothing else (its BUSY
+    answer) until the script ends or is killed (`capyctl_scheduler.redisguard`)."""
+
+
 class ReplyParser(_AsyncRESP2Parser):
-    """redis-py's parser, raising Redis's MISCONF refusal as RedisCannotWrite; its error
-    mapping is the pipe's too."""
+    """redis-py's parser, raising Redis's MISCONF refusal as RedisCannotWrite and its BUSY
+    answer as RedisBusy; its error mapping is the pipe's too."""
 
     EXCEPTION_CLASSES = {  # noqa: RUF012 - a plain class dict, as in its base
         **_AsyncRESP2Parser.EXCEPTION_CLASSES,
         "MISCONF": RedisCannotWrite,
+        "BUSY": RedisBusy,
     }
 
 

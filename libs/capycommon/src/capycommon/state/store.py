@@ -1,6 +1,6 @@
 """Writing instance state: every write is a compare-and-set on (state, generation), done in
-one Lua script together with its event and its notification, so a stale writer loses
-cleanly and nobody sees a state without its event."""
+one Lua function (`functions.TRANSITION`) together with its event and its notification, so
+a stale writer loses cleanly and nobody sees a state without its event."""
 
 from __future__ import annotations
 
@@ -11,38 +11,12 @@ from typing import Literal, cast
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
-from capycommon.state import keys, quarantine
+from capycommon.state import functions, keys, quarantine
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.notify import Notification
 
 ABSENT = "absent"
 _Read = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
-
-# KEYS: instance, instances set, events stream, notify channel.
-# ARGV: allowed states (comma list, may include "absent"), expected generation ("" = any),
-#       new record, event, member, notification.
-_TRANSITION = """
-local current = redis.call('GET', KEYS[1])
-local state = 'absent'
-if current then
-  local ok, record = pcall(cjson.decode, current)
-  if not ok or type(record) ~= 'table' then return {0, current} end
-  state = record['state']
-  if ARGV[2] ~= '' and tostring(record['generation']) ~= ARGV[2] then
-    return {0, current}
-  end
-end
-local allowed = false
-for name in string.gmatch(ARGV[1], '[^,]+') do
-  if name == state then allowed = true end
-end
-if not allowed then return {0, current or ''} end
-redis.call('SET', KEYS[1], ARGV[3])
-redis.call('SADD', KEYS[2], ARGV[5])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'event', ARGV[4])
-redis.call('PUBLISH', KEYS[4], ARGV[6])
-return {1, ARGV[3]}
-"""
 
 
 class Event(BaseModel):
@@ -87,7 +61,6 @@ class InstanceStore:
     def __init__(self, client: aioredis.Redis, host: str) -> None:
         self.client = client
         self.host = host
-        self._script = client.register_script(_TRANSITION)
 
     async def get(self, deployment: str, index: int) -> InstanceRecord | None:
         """The record of the instance; None when there is none, or none to believe."""
@@ -197,14 +170,16 @@ class InstanceStore:
             at=now,
         )
         note = Notification(kind="instance", id=new.member, version=new.generation)
-        result = await self._script(
-            keys=[
+        result = await functions.call(
+            self.client,
+            functions.TRANSITION,
+            [
                 keys.instance(self.host, new.deployment, new.instance),
                 keys.instances(self.host),
                 keys.host_events(self.host),
                 keys.host_notifications(self.host),
             ],
-            args=[
+            [
                 ",".join(str(s) for s in allowed),
                 "" if generation is None else str(generation),
                 new.model_dump_json(),

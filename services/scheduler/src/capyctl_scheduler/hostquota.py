@@ -1,0 +1,113 @@
+"""Each joined host's share of the server's Redis (`enrollment.host_quota`).
+
+A host's Redis user may write anything under its own prefix, so nothing but a measure bounds
+how much memory it takes (a single value is bounded by the server Redis's
+proto-max-bulk-len). Every SWEEP_EVERY_S the scheduler measures each joined host's keys:
+it walks the prefix with SCAN, BATCH keys at a time, asks MEMORY USAGE of each (SAMPLES 0:
+every element counted, so no shape of value hides its size) and pauses PACE_S between
+batches, so a sweep costs Redis a few short commands a host and leaves it to serve everyone
+else between them. A host found over its quota is cut off as a revocation does it (its
+certificate's serial revoked, its Redis user deleted and its connections closed), and its
+keys are dropped (UNLINK, freed in Redis's background), as they hold more than its share
+and would cut off a recovered host again; it is logged once, with the host's name, and
+recorded in the control plane's decisions. It comes back as a revoked host does
+(`capyctl invite host NAME --recover`).
+
+Between two sweeps a host may write past its quota: by as much as it can send in
+SWEEP_EVERY_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import hostinfo, identities, keys
+from capycommon.state.desired import Decision, DeploymentStore
+from capycommon.units import format_size
+from capyctl_scheduler.enroll import Enrollment
+
+log = logging.getLogger(__name__)
+
+SWEEP_EVERY_S = 10.0
+BATCH = 100
+PACE_S = 0.005
+CUT_OFF = "host_over_quota"
+
+
+async def host_keys(client: aioredis.Redis, host: str) -> AsyncIterator[list[bytes]]:
+    """The host's keys, BATCH names at a time, PACE_S apart."""
+    cursor = 0
+    pattern = f"{keys.host_prefix(host)}:*"
+    while True:
+        cursor, names = cast(
+            tuple[int, list[bytes]], await client.scan(cursor, match=pattern, count=BATCH)
+        )
+        if names:
+            yield names
+        if cursor == 0:
+            return
+        await asyncio.sleep(PACE_S)
+
+
+async def host_bytes(client: aioredis.Redis, host: str, over: int | None = None) -> int:
+    """The memory the host's keys take, by Redis's count; the walk stops once past `over`."""
+    total = 0
+    async for names in host_keys(client, host):
+        async with client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.memory_usage(name, samples=0)
+            sizes = cast(list[int | None], await pipe.execute())
+        total += sum(size or 0 for size in sizes)
+        if over is not None and total > over:
+            break
+    return total
+
+
+class HostQuota:
+    def __init__(self, client: aioredis.Redis, enrollment: Enrollment, quota: int) -> None:
+        self.client = client
+        self.enrollment = enrollment
+        self.quota = quota
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.sweep()
+            except REDIS_ERRORS as exc:
+                log.debug("host quotas: Redis unavailable; measuring again later: %s", exc)
+            await wait_event(stop, SWEEP_EVERY_S)
+
+    async def sweep(self) -> list[str]:
+        """Measure every joined host that is not revoked; cut off those over the quota.
+        Returns the names of those cut off."""
+        cut = []
+        for name in sorted(await hostinfo.hosts(self.client)):
+            identity = await identities.read(self.client, name)
+            if identity is None or identity.revoked_at is not None:
+                continue  # not a joined host (a server's own), or cut off already
+            used = await host_bytes(self.client, name, over=self.quota)
+            if used > self.quota:
+                await self.cut_off(name, used)
+                cut.append(name)
+        return cut
+
+    async def cut_off(self, host: str, used: int) -> None:
+        await self.enrollment.revoke(host)
+        async for names in host_keys(self.client, host):
+            await self.client.unlink(*names)
+        reason = (
+            f"its keys took {format_size(used)} or more of the server's Redis, over its quota "
+            f"of {format_size(self.quota)} (enrollment.host_quota): revoked, its keys dropped"
+        )
+        decision = Decision(kind=CUT_OFF, deployment="", host=host, reason=reason, at=time.time())
+        await DeploymentStore(self.client).decided(decision.model_dump_json())
+        log.error(
+            "cut off host %s: %s", host, reason, extra={"used_bytes": used, "quota": self.quota}
+        )

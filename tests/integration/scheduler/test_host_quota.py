@@ -1,0 +1,106 @@
+"""A host's share of the server's Redis is bounded: no single value over the bound of the
+configuration capyctl writes, and a host whose keys take more than its quota is cut off as
+a revocation does it, its keys dropped, while Redis goes on serving the control plane."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.exceptions import AuthenticationError
+
+from capycommon.settings import ServerSettings
+from capycommon.state import acl, desired, hostinfo, identities, keys
+from capycommon.state.identities import HostIdentity
+from capycommon.version import __version__
+from capyctl_scheduler.enroll import Enrollment
+from capyctl_scheduler.hostquota import CUT_OFF, HostQuota, host_bytes
+from integration.scheduler.serverredis import ServerRedis, server_redis
+
+MiB = 1 << 20
+QUOTA = 16 * MiB
+
+
+@pytest.fixture
+def server() -> Iterator[ServerRedis]:
+    with server_redis() as found:
+        yield found
+
+
+async def join(server: ServerRedis, host: str) -> None:
+    """Host `host` joined, as enrollment leaves it: its record, its name, its user."""
+    client = server.acontrol()
+    try:
+        now = time.time()
+        identity = HostIdentity(
+            name=host,
+            host_id=f"id-{host}",
+            serial=f"serial-{host}",
+            not_after=now + 86400,
+            version=__version__,
+            joined_at=now,
+        )
+        await identities.write(client, identity)
+        await hostinfo.join(client, host)
+        await acl.set_host_user(client, host, server.password(host))
+    finally:
+        await client.aclose()
+
+
+def test_a_value_over_the_bound_is_refused(server: ServerRedis) -> None:
+    server.add_host("a")
+    host = server.host("a")
+    with pytest.raises((redis.ConnectionError, redis.ResponseError)):
+        host.set("capyctl:host:a:big", b"x" * (8 * MiB + 1))
+    assert server.control().exists("capyctl:host:a:big") == 0
+    # Up to the bound is taken: several times the largest value CapyCTL writes (1 MiB).
+    assert server.host("a").set("capyctl:host:a:big", b"x" * (8 * MiB)) is True
+
+
+@pytest.mark.anyio
+async def test_a_host_over_its_quota_is_cut_off_and_redis_serves_on(
+    server: ServerRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    await join(server, "a")
+    await join(server, "b")
+    greedy, modest = server.host("a"), server.host("b")
+    for index in range(3):
+        assert greedy.set(f"capyctl:host:a:junk:{index}", b"x" * (7 * MiB)) is True
+    assert modest.set("capyctl:host:b:heartbeat:hostd", "{}") is True
+    assert greedy.ping() is True  # a connection open before the cut
+    client = server.acontrol()
+    caplog.set_level(logging.INFO, "capyctl_scheduler.hostquota")
+    try:
+        assert await host_bytes(client, "a") > QUOTA
+        quota = HostQuota(client, Enrollment(client, server.paths, ServerSettings()), QUOTA)
+        assert await quota.sweep() == ["a"]
+
+        # Cut off: its open connection closed, its user gone, its keys dropped.
+        with pytest.raises((redis.ConnectionError, AuthenticationError)):
+            greedy.ping()
+        with pytest.raises(AuthenticationError):
+            server.host("a").ping()
+        control = server.control()
+        assert control.keys("capyctl:host:a:*") == []
+        revoked = await identities.read(client, "a")
+        assert revoked is not None
+        assert revoked.revoked_at is not None
+        # Host b, under its quota, and Redis for the control plane: as they were.
+        assert modest.get("capyctl:host:b:heartbeat:hostd") == b"{}"
+        assert (await identities.read(client, "b")) is not None
+        assert await client.ping() is True
+
+        decisions = await desired.recent_decisions(client, 5)
+        assert [(d.kind, d.host) for d in decisions] == [(CUT_OFF, "a")]
+        assert "over its quota of 16.0 MiB" in decisions[0].reason
+
+        # Measured again: nothing more to do, nothing logged again.
+        assert await quota.sweep() == []
+        cuts = [r for r in caplog.records if r.message.startswith("cut off host a")]
+        assert len(cuts) == 1
+    finally:
+        await client.aclose()
+    assert control.exists(keys.host_identity("a")) == 1  # the server's record of it stays
