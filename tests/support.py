@@ -82,10 +82,25 @@ async def wait_for_async(
 
 
 def free_port() -> int:
+    """A port nothing holds now, which another process may take before it is used: the port
+    of a process the test starts is held with `reserved_port` instead."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def reserved_port(host: str = "127.0.0.1") -> socket.socket:
+    """A port the system chose, held for a process the test starts: a socket bound to it and
+    never listening, so no other process is given it (by a bind to port 0, or as an outgoing
+    connection's source port) while the process, which binds it with SO_REUSEADDR or
+    SO_REUSEPORT as engines, the simulator, uvicorn and ZMQ do, still can. Its port is
+    `getsockname()[1]`; close it once the process is gone."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, 0))
+    return sock
 
 
 def engine_ports(base: int = 24000) -> str:

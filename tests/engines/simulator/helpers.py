@@ -27,7 +27,7 @@ from enginesim import (
     write_behaviour,
 )
 from enginesim.install import PythonFamily
-from support import children_of, free_port, group_members, wait_for
+from support import children_of, group_members, reserved_port, wait_for
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -239,11 +239,21 @@ class Launcher:
 
     folder: Path
     started: list[Engine] = field(default_factory=list)
+    # The ports held for the processes of the test, until its cleanup (`reserved_port`).
+    held: list[socket.socket] = field(default_factory=list)
+
+    def reserve(self, count: int = 1) -> list[int]:
+        """`count` ports the system chose, held for the test's processes until its cleanup:
+        none is given to anyone else meanwhile, even between a process and its restart."""
+        held = [reserved_port() for _ in range(count)]
+        self.held += held
+        return [int(sock.getsockname()[1]) for sock in held]
 
     def start(
         self, argv: list[str], env: dict[str, str], port: int | None = None, key: str | None = None
     ) -> Engine:
-        port = port or free_port()
+        """Start `argv` with `{port}` replaced by `port` (by default, one held for it)."""
+        port = port or self.reserve()[0]
         log = self.folder / f"engine-{len(self.started)}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
@@ -269,6 +279,8 @@ class Launcher:
             with_group_killed(engine.proc.pid)
             if engine.proc.poll() is None:
                 engine.proc.wait(timeout=10)
+        for sock in self.held:
+            sock.close()
 
 
 @dataclass(frozen=True)

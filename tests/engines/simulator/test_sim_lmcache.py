@@ -6,7 +6,6 @@ import json
 import socket
 import subprocess
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,15 +73,6 @@ class Server:
         return ids
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports that nothing listens on now."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind((LOOPBACK, 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-
-
 def version_of(venv: Path, name: str) -> str:
     """The installed version of `name`, read as CapyCTL's probe reads it."""
     probe = subprocess.run(
@@ -141,8 +131,8 @@ class Setup:
 
     def server_argv(self, *extra: str, ports: tuple[int, int] | None = None) -> list[str]:
         """The server as CapyCTL launches it, `python -I -m ...`, on the ZMQ and Prometheus
-        `ports` (free ones by default); its HTTP port is `{port}`."""
-        zmq, prometheus = ports or free_ports(2)
+        `ports` (by default, two held for it); its HTTP port is `{port}`."""
+        zmq, prometheus = ports or self.launcher.reserve(2)
         return [
             str(self.lmcache / "bin" / "python"),
             "-I",
@@ -173,9 +163,11 @@ class Setup:
         ports_of: Server | None = None,
     ) -> Server:
         """A server, started (it may still be initialising), on new ports or on those of
-        `ports_of`."""
+        `ports_of` (held for the test until its end, so no one took them meanwhile)."""
         write_behaviour(self.lmcache, behaviour)
-        zmq, prometheus = (ports_of.zmq, ports_of.prometheus) if ports_of else free_ports(2)
+        zmq, prometheus = (
+            (ports_of.zmq, ports_of.prometheus) if ports_of else self.launcher.reserve(2)
+        )
         http = ports_of.proc.port if ports_of else None
         argv = self.server_argv(*extra, ports=(zmq, prometheus))
         env = closed_env(None, self.home, **seeded(seed))
@@ -555,7 +547,7 @@ def test_vllm_runs_uncached_while_its_server_is_gone_then_registers_again(
 
 
 def test_vllm_exits_when_its_server_cannot_be_reached(setup: Setup) -> None:
-    (port,) = free_ports(1)
+    (port,) = setup.launcher.reserve(1)  # held, and nothing listens on it
     behaviour = FAST.model_copy(update={"kv_connect_seconds": 1.0})
     extra = {"lmcache.mp.host": LOOPBACK, "lmcache.mp.port": port}  # a bare address
     engine = setup.vllm_engine(

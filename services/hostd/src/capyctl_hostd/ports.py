@@ -1,4 +1,15 @@
-"""Leasing engine ports on 127.0.0.1 from the host's range, never stealing one."""
+"""Leasing engine ports on 127.0.0.1 from the host's range, never stealing one, and holding
+each leased port until its engine (or LMCache server) is done with it.
+
+A lease is a socket bound to the port and never listening: no other process can bind the
+port meanwhile (nor does the system hand it out as an outgoing connection's source port),
+from the lease through a download of the model to the engine's own bind, which still
+succeeds, as every engine binds with SO_REUSEADDR (vLLM, SGLang's uvicorn, LMCache's servers
+and ZMQ) or SO_REUSEPORT (llama.cpp's HTTP library): a socket that is not listening lets a
+socket bound with SO_REUSEADDR listen beside it, and one of the same user bound with
+SO_REUSEPORT. (So may another process that binds that very port with one of them; once the
+engine listens, only one with SO_REUSEPORT, which `procs.foreign_listeners` finds.)
+"""
 
 from __future__ import annotations
 
@@ -6,30 +17,52 @@ import socket
 
 from capycommon.errors import PortsExhausted
 
+HOST = "127.0.0.1"
+
 
 def is_free(port: int) -> bool:
     """Whether nobody listens on or holds 127.0.0.1:port right now (a port in TIME_WAIT is
     free: engines bind with SO_REUSEADDR)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
+    held = hold(port)
+    if held is None:
+        return False
+    held.close()
     return True
+
+
+def hold(port: int) -> socket.socket | None:
+    """127.0.0.1:port held for an engine to come, or None when someone listens on or holds
+    it. The bind, with SO_REUSEADDR alone, is the test of freedom (a port in TIME_WAIT is
+    free; one that an engine of this user listens on with SO_REUSEPORT is not); SO_REUSEPORT
+    is set after it, for the engine that binds with it alone."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((HOST, port))
+    except OSError:
+        sock.close()
+        return None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return sock
 
 
 class PortLeaser:
     def __init__(self, start: int, end: int) -> None:
         self.start = start
         self.end = end
-        self.leased: set[int] = set()
+        # Each port leased, with the socket that holds it (None: an adopted engine's, which
+        # its engine holds itself).
+        self.leased: dict[int, socket.socket | None] = {}
 
     def lease(self) -> int:
-        """The lowest port in the range that is neither leased nor held by anyone."""
+        """The lowest port in the range that is neither leased nor held by anyone, held from
+        now until it is released."""
         for port in range(self.start, self.end + 1):
-            if port not in self.leased and is_free(port):
-                self.leased.add(port)
+            if port in self.leased:
+                continue
+            held = hold(port)
+            if held is not None:
+                self.leased[port] = held
                 return port
         raise PortsExhausted(
             f"every engine port in {self.start}-{self.end} is leased or held by another "
@@ -38,8 +71,11 @@ class PortLeaser:
 
     def hold(self, port: int) -> None:
         """Mark a port in use by an engine adopted after a restart."""
-        self.leased.add(port)
+        self.leased.setdefault(port, None)
 
     def release(self, port: int | None) -> None:
-        if port is not None:
-            self.leased.discard(port)
+        if port is None:
+            return
+        held = self.leased.pop(port, None)
+        if held is not None:
+            held.close()
