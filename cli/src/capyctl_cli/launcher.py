@@ -25,12 +25,7 @@ from typing import IO
 
 import redis
 
-from capycommon.errors import (
-    CapyError,
-    Internal,
-    StateCorrupt,
-    ToolchainMissing,
-)
+from capycommon.errors import CapyError, ToolchainMissing
 from capycommon.paths import StatePaths, write_atomic
 from capycommon.redistarget import RedisTarget, control_target, target_for
 from capycommon.service import HOST_FINAL_EXITS, bind
@@ -38,7 +33,7 @@ from capycommon.settings import HostSettings, Role, ServerSettings, host_name, s
 from capycommon.state import persistence
 from capycommon.units import format_size
 from capycommon.version import __version__
-from capyctl_cli import record, redisconf, stateversion, supervisor
+from capyctl_cli import aofrepair, record, redisconf, stateversion, supervisor
 from capyctl_cli.rolelock import acquire_lock
 from capyctl_cli.roles import Prepared, service_command
 
@@ -85,6 +80,9 @@ def programs(role: Role, prepared: Prepared) -> list[supervisor.Program]:
                     "redis-server is not installed; run `sudo apt-get install -y redis-server` "
                     "(or scripts/setup as root)"
                 )
+            refusal = aofrepair.unlisted_data(prepared.paths)
+            if refusal is not None:
+                raise refusal
             conf = redisconf.render(prepared.paths, prepared.control)
             write_atomic(prepared.paths.redis_conf, conf)
             argv = [server, str(prepared.paths.redis_conf)]
@@ -335,7 +333,7 @@ class RedisWatch:
             return None  # supervisord is not listening yet
         redis_info = next((p for p in found if p.name == "redis"), None)
         if redis_info is not None and redis_info.state == "FATAL":
-            return redis_failure(self.paths)
+            return aofrepair.redis_failure(self.paths)
         if redis_info is not None and redis_info.state == "RUNNING" and redis_info.pid:
             self._follow(redis_info.pid)
         return None
@@ -350,33 +348,6 @@ class RedisWatch:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
-
-
-def redis_failure(paths: StatePaths) -> CapyError:
-    """Why the role's redis-server cannot start, from the last lines of its log."""
-    lines = _tail(supervisor.log_file(paths, "redis"), 40)
-    reason = next((line for line in reversed(lines) if "#" in line), "see its log")
-    reason = reason.split("# ", 1)[-1].split(": make a backup", 1)[0].strip()
-    aof = paths.redis_dir / "appendonly"
-    if not any("AOF" in line or "append only" in line for line in lines):
-        return Internal(
-            f"Redis cannot start: {reason} (its log: {supervisor.log_file(paths, 'redis')})"
-        )
-    manifest = aof / "appendonly.aof.manifest"
-    return StateCorrupt(
-        f"Redis cannot load the role's data in {aof}: {reason}. Back it up first "
-        f"(cp -a {aof} {aof}.bak), then repair it: redis-check-aof --fix {manifest}, and "
-        "start again; what the repair drops (the last writes) CapyCTL re-reads from the hosts"
-    )
-
-
-def _tail(path: Path, count: int) -> list[str]:
-    try:
-        with path.open("rb") as file:
-            file.seek(max(0, file.seek(0, os.SEEK_END) - 16384))
-            return file.read().decode("utf-8", "replace").splitlines()[-count:]
-    except OSError:
-        return []
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> int:
