@@ -34,11 +34,30 @@ PULLED = one_commit_repo(
         HubFile("model.safetensors", bytes(range(256)) * 4096, lfs=True),
     ],
 )
+# Listings no git tree makes, which a hostile or broken mirror may serve: a file and a folder
+# of the same name, and a name longer than a file system holds.
+CONFIG = HubFile("config.json", b'{"model_type": "odd"}\n', lfs=False)
+LONG_NAME = "w" * 300 + ".safetensors"
+ODD = {
+    "acme/clash": (
+        "'weights' as a file and a folder",
+        [
+            CONFIG,
+            HubFile("weights", b"a file", lfs=False),
+            HubFile("weights/model.safetensors", b"a file in a folder", lfs=True),
+        ],
+    ),
+    "acme/long": (
+        f"{LONG_NAME!r} in acme/long whose name is longer than a file system holds",
+        [CONFIG, HubFile(LONG_NAME, b"weights", lfs=True)],
+    ),
+}
 
 
 @pytest.fixture(scope="module")
 def hub() -> Iterator[MockHub]:
-    served = MockHub.start([tiny_repo(), gated_repo(TOKEN), PULLED])
+    odd = [one_commit_repo(repo, files) for repo, (_, files) in ODD.items()]
+    served = MockHub.start([tiny_repo(), gated_repo(TOKEN), PULLED, *odd])
     yield served
     served.stop()
 
@@ -293,6 +312,24 @@ def test_a_pull_of_a_repository_the_hub_does_not_have_names_it(
     assert refused.returncode == 2, refused.stderr
     assert "hf_repo_not_found" in refused.stderr
     assert "acme/nothing" in refused.stderr
+
+
+@pytest.mark.parametrize("repo", ODD, ids=ODD)
+def test_a_listing_no_git_tree_makes_is_refused_and_leaves_nothing(
+    cluster: Cluster, repo: str
+) -> None:
+    """Refused by hostd from the listing, before a byte is downloaded: no store, staging
+    folder or partial file."""
+    said, _ = ODD[repo]
+    refused = cluster.cli("model", "pull", repo)
+    assert refused.returncode == 13, refused.stderr
+    assert refused.stderr.startswith("error [hf_integrity]: "), refused.stderr
+    assert said in refused.stderr
+    assert "Traceback" not in refused.stderr
+    sources = cluster.root / "models" / "sources"
+    name = repo.replace("/", "--")
+    assert list((sources / "huggingface").glob(f"*{name}@*")) == []
+    assert list((sources / ".capyctl" / "partial").glob(f"{name}@*")) == []
 
 
 def _samples(cluster: Cluster, labels: dict[str, str]) -> dict[str, float]:

@@ -16,6 +16,7 @@ from capycommon.errors import DiskFull, HfIntegrity
 from capycommon.hub import HubSource, StorePaths, read_manifest
 from capycommon.hub.integrity import git_blob_sha1
 from capycommon.hub.store import (
+    MAX_NAME_BYTES,
     Stored,
     check_room,
     commit_store,
@@ -68,6 +69,65 @@ def test_a_listed_path_outside_the_repository_is_refused(path: str) -> None:
     entry = {"type": "file", "path": path, "size": 1, "oid": "a" * 40}
     with pytest.raises(HfIntegrity, match="not a relative path"):
         plan_from_tree(HubSource("acme/tiny", COMMIT), COMMIT, [entry])
+
+
+def _file(path: str) -> dict[str, Any]:
+    return {"type": "file", "path": path, "size": 1, "oid": "a" * 40}
+
+
+LONGEST = "n" * (MAX_NAME_BYTES - len(".partial"))
+UNFIT = {
+    "a name over 255 bytes": "w" * 300,
+    "a name that with .partial is over 255 bytes": LONGEST + "x",
+    "a folder's name over 255 bytes": "d" * 256 + "/model.safetensors",
+    "a path over 1024 bytes": "/".join(["f" * 200] * 6),
+}
+
+
+@pytest.mark.parametrize("path", UNFIT.values(), ids=UNFIT.keys())
+def test_a_name_no_file_system_holds_is_refused(path: str) -> None:
+    with pytest.raises(HfIntegrity) as caught:
+        plan_from_tree(HubSource("acme/tiny", COMMIT), COMMIT, [_file(path)])
+    assert f"lists a file {path!r} in acme/tiny whose name is longer" in caught.value.message
+
+
+def test_the_longest_name_that_fits_is_kept() -> None:
+    plan = plan_from_tree(HubSource("acme/tiny", COMMIT), COMMIT, [_file(f"d/{LONGEST}")])
+    assert [f.path for f in plan.files] == [f"d/{LONGEST}"]
+
+
+CLASHES = {
+    "a file and a listed folder": ([_file("x"), {"type": "directory", "path": "x"}], "'x'"),
+    "a file and another file's folder": ([_file("a/b"), _file("a/b/c")], "'a/b'"),
+    "a file and a deeper file's folder": ([_file("a"), _file("a/b/c")], "'a'"),
+}
+
+
+@pytest.mark.parametrize(("entries", "path"), CLASHES.values(), ids=CLASHES.keys())
+def test_a_path_both_a_file_and_a_folder_is_refused(
+    entries: list[dict[str, Any]], path: str
+) -> None:
+    """Even where the choice of files keeps only one of them: no git tree lists both."""
+    with pytest.raises(HfIntegrity) as caught:
+        plan_from_tree(HubSource("acme/tiny", COMMIT, ("*.json",)), COMMIT, entries)
+    assert f"of acme/tiny@{COMMIT} lists {path} as a file and a folder" in caught.value.message
+
+
+def test_a_path_listed_twice_is_refused() -> None:
+    with pytest.raises(HfIntegrity, match="lists 'x' twice, which no git tree holds"):
+        plan_from_tree(HubSource("acme/tiny", COMMIT), COMMIT, [_file("x"), _file("x")])
+
+
+def test_a_store_that_cannot_be_built_leaves_no_staging_folder(tmp_path: Path) -> None:
+    """A partial file gone before the move (here: never written) fails the commit, which
+    removes what it had built."""
+    plan = plan_from_tree(HubSource("acme/tiny"), COMMIT, tree())
+    paths = StorePaths.of(tmp_path, plan.source, COMMIT)
+    paths.partial("config.json").parent.mkdir(parents=True)
+    paths.partial("config.json").write_bytes(CONFIG)
+    with pytest.raises(FileNotFoundError):
+        commit_store(paths, plan, [])
+    assert list(paths.store.parent.iterdir()) == []
 
 
 def test_an_entry_without_a_size_is_the_hub_breaking_its_contract() -> None:

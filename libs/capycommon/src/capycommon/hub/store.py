@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import stat
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -31,6 +32,11 @@ MANIFEST = ".capyctl-manifest.json"
 # What the Hub's own client keeps inside a model folder: never part of a model.
 _HF_CACHE = (".cache", "huggingface")
 RESERVE_BYTES = 1 << 30
+# A file's partial download is `<path>.partial`: with that suffix, each part of a listed path
+# must fit a file system's 255-byte name; the whole path stays far below PATH_MAX.
+PARTIAL = ".partial"
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class StorePaths:
         return self.private / "locks" / f"{self.name}.lock"
 
     def partial(self, path: str) -> Path:
-        return self.partial_dir / f"{path}.partial"
+        return self.partial_dir / f"{path}{PARTIAL}"
 
     def staging(self) -> Path:
         return self.store.parent / f".{self.name}.staging-{os.getpid()}"
@@ -104,8 +110,9 @@ def make_private(folder: Path) -> None:
 
 
 def safe_path(path: str, repo: str) -> str:
-    """`path` when it is a plain relative path inside the repository; a Hub that lists
-    `../x`, `/x` or an empty part is not trusted with our disk."""
+    """`path` when it is a plain relative path inside the repository that fits on disk; a Hub
+    that lists `../x`, `/x`, an empty part or a name no file system holds is not trusted with
+    our disk."""
     parts = PurePosixPath(path).parts
     if (
         not path
@@ -116,6 +123,18 @@ def safe_path(path: str, repo: str) -> str:
         or not parts
     ):
         raise HfIntegrity(f"the Hub lists a file {path!r} in {repo} that is not a relative path")
+    try:
+        on_disk = f"{path}{PARTIAL}".encode()
+    except UnicodeEncodeError:
+        raise HfIntegrity(f"the Hub lists a file {path!r} in {repo} that is not UTF-8") from None
+    if len(on_disk) > MAX_PATH_BYTES or any(
+        len(part) > MAX_NAME_BYTES for part in on_disk.split(b"/")
+    ):
+        raise HfIntegrity(
+            f"the Hub lists a file {path!r} in {repo} whose name is longer than a file system "
+            f"holds ({MAX_NAME_BYTES} bytes a name with the {PARTIAL} suffix of its download, "
+            f"{MAX_PATH_BYTES} bytes a path); no model needs one, and nothing was downloaded"
+        )
     return path
 
 
@@ -129,28 +148,62 @@ def in_store(path: str) -> bool:
 def plan_from_tree(source: HubSource, commit: str, entries: Iterable[Mapping[str, Any]]) -> Plan:
     """The files of the tree listing `entries` that `source` selects (see `HubSource.selects`),
     sorted by path. Folders are skipped; so are `.cache/huggingface/` and a file named like our
-    manifest. An entry without a size or identity fails: the Hub broke its contract."""
+    manifest. An entry without a size or identity fails: the Hub broke its contract; so does a
+    listing no git tree makes (a path twice, or both a file and a folder)."""
     files: dict[str, Expected] = {}
+    listed: list[str] = []
+    folders: set[str] = set()
     for entry in entries:
+        if entry.get("type") == "directory":
+            folders.add(str(entry.get("path")))
         if entry.get("type") != "file":
             continue
-        try:
-            path = safe_path(str(entry["path"]), source.repo)
-            lfs = entry.get("lfs")
-            if isinstance(lfs, Mapping):
-                expected = Expected(path, int(lfs["size"]), str(lfs["oid"]).lower(), lfs=True)
-            else:
-                expected = Expected(path, int(entry["size"]), str(entry["oid"]).lower(), lfs=False)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HfIntegrity(
-                f"the Hub's tree listing of {source.repo}@{commit} has an entry without its "
-                f"{exc}: {dict(entry)!r}; is the endpoint a Hugging Face Hub?"
-            ) from None
-        if expected.size < 0:
-            raise HfIntegrity(f"the Hub lists {path} in {source.repo} with a negative size")
-        if in_store(path) and source.selects(path):
-            files[path] = expected
+        expected = _expected(entry, source, commit)
+        listed.append(expected.path)
+        if in_store(expected.path) and source.selects(expected.path):
+            files[expected.path] = expected
+    _check_tree(listed, folders, source, commit)
     return Plan(source, commit, tuple(files[path] for path in sorted(files)))
+
+
+def _expected(entry: Mapping[str, Any], source: HubSource, commit: str) -> Expected:
+    """A file entry of the tree listing, checked."""
+    try:
+        path = safe_path(str(entry["path"]), source.repo)
+        lfs = entry.get("lfs")
+        if isinstance(lfs, Mapping):
+            expected = Expected(path, int(lfs["size"]), str(lfs["oid"]).lower(), lfs=True)
+        else:
+            expected = Expected(path, int(entry["size"]), str(entry["oid"]).lower(), lfs=False)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HfIntegrity(
+            f"the Hub's tree listing of {source.repo}@{commit} has an entry without its "
+            f"{exc}: {dict(entry)!r}; is the endpoint a Hugging Face Hub?"
+        ) from None
+    if expected.size < 0:
+        raise HfIntegrity(f"the Hub lists {path} in {source.repo} with a negative size")
+    return expected
+
+
+def _check_tree(listed: list[str], folders: set[str], source: HubSource, commit: str) -> None:
+    """Refuses a listing no git tree makes, which could not be stored either: a path listed
+    twice, or a path that is both a file and a folder (a listed folder, or the folder of
+    another listed file)."""
+    twice = sorted(path for path, count in Counter(listed).items() if count > 1)
+    parents = {
+        "/".join(parts[:depth])
+        for parts in (path.split("/") for path in listed)
+        for depth in range(1, len(parts))
+    }
+    both = sorted(set(listed) & (folders | parents))
+    if not twice and not both:
+        return
+    problem = f"lists {twice[0]!r} twice" if twice else f"lists {both[0]!r} as a file and a folder"
+    raise HfIntegrity(
+        f"the Hub's tree listing of {source.repo}@{commit} {problem}, which no git tree holds; "
+        "nothing was downloaded: is the endpoint a Hugging Face Hub, or a mirror that serves "
+        "another listing?"
+    )
 
 
 def partial_bytes(paths: StorePaths, plan: Plan) -> int:
@@ -246,12 +299,16 @@ def commit_store(paths: StorePaths, plan: Plan, files: Iterable[Stored]) -> Path
         remove_tree(stale)
     staging = paths.staging()
     staging.mkdir(parents=True)
-    for file in plan.files:
-        target = staging / file.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(paths.partial(file.path), target)
-    write_manifest(staging, plan, files)
-    make_read_only(staging)
-    os.rename(staging, paths.store)
+    try:
+        for file in plan.files:
+            target = staging / file.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(paths.partial(file.path), target)
+        write_manifest(staging, plan, files)
+        make_read_only(staging)
+        os.rename(staging, paths.store)
+    except BaseException:
+        remove_tree(staging)  # the partial files it took are downloaded again
+        raise
     shutil.rmtree(paths.partial_dir, ignore_errors=True)
     return paths.store
