@@ -97,8 +97,16 @@ def test_only_the_admin_token_opens_the_page(cluster: Cluster) -> None:
         )
         assert forged.status_code == 400
         assert "not from this session" in forged.text
-        assert client.post("/logout").status_code == 303
-        assert client.get("/").status_code == 401
+        with logged_in(cluster) as other:
+            kept = client.cookies["capyctl_session"]
+            assert client.post("/logout").status_code == 303
+            assert client.get("/").status_code == 401
+            # The logout ended the session on the server: its cookie, replayed, opens
+            # nothing; another login's session stays open.
+            replayed = httpx.get(url, cookies={"capyctl_session": kept})
+            assert replayed.status_code == 401
+            assert 'action="/login"' in replayed.text
+            assert other.get("/").status_code == 200
 
 
 def test_the_page_shows_memory_and_acts_with_scripts_off(cluster: Cluster) -> None:
