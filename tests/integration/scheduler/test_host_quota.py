@@ -16,6 +16,8 @@ from redis.exceptions import AuthenticationError
 from capycommon.settings import ServerSettings
 from capycommon.state import acl, desired, hostinfo, identities, keys
 from capycommon.state.identities import HostIdentity
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.store import InstanceStore
 from capycommon.version import __version__
 from capyctl_scheduler.enroll import Enrollment
 from capyctl_scheduler.hostquota import CUT_OFF, HostQuota, host_bytes
@@ -71,6 +73,17 @@ async def test_a_host_over_its_quota_is_cut_off_and_redis_serves_on(
     for index in range(3):
         assert greedy.set(f"capyctl:host:a:junk:{index}", b"x" * (7 * MiB)) is True
     assert modest.set("capyctl:host:b:heartbeat:hostd", "{}") is True
+    live = InstanceRecord(
+        deployment="m",
+        instance=0,
+        revision=1,
+        generation=1,
+        state=InstanceState.READY,
+        since=time.time(),
+        host="a",
+    )
+    greedy.set(keys.instance("a", "m", 0), live.model_dump_json())
+    greedy.sadd(keys.instances("a"), "m:0")
     assert greedy.ping() is True  # a connection open before the cut
     client = server.acontrol()
     caplog.set_level(logging.INFO, "capyctl_scheduler.hostquota")
@@ -79,13 +92,18 @@ async def test_a_host_over_its_quota_is_cut_off_and_redis_serves_on(
         quota = HostQuota(client, Enrollment(client, server.paths, ServerSettings()), QUOTA)
         assert await quota.sweep() == ["a"]
 
-        # Cut off: its open connection closed, its user gone, its keys dropped.
+        # Cut off: its open connection closed, its user gone, its keys dropped but for the
+        # record of its live engine, which runs on and stays charged.
         with pytest.raises((redis.ConnectionError, AuthenticationError)):
             greedy.ping()
         with pytest.raises(AuthenticationError):
             server.host("a").ping()
         control = server.control()
-        assert control.keys("capyctl:host:a:*") == []
+        assert sorted(control.keys("capyctl:host:a:*")) == [
+            keys.instance("a", "m", 0).encode(),
+            keys.instances("a").encode(),
+        ]
+        assert await InstanceStore(client, "a").all() == [live]
         revoked = await identities.read(client, "a")
         assert revoked is not None
         assert revoked.revoked_at is not None

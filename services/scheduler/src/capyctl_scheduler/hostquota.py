@@ -13,7 +13,8 @@ order of Redis's seeded hash, which a host cannot choose). A host found over its
 cut off as a revocation does it (its
 certificate's serial revoked, its Redis user deleted and its connections closed), and its
 keys are dropped (UNLINK, freed in Redis's background), as they hold more than its share
-and would cut off a recovered host again; it is logged once, with the host's name, and
+and would cut off a recovered host again, but for the records of its live engines, which run
+on and stay charged; it is logged once, with the host's name, and
 recorded in the control plane's decisions. It comes back as a revoked host does
 (`capyctl invite host NAME --recover`).
 
@@ -34,6 +35,8 @@ import redis.asyncio as aioredis
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import hostinfo, identities, keys
 from capycommon.state.desired import Decision, DeploymentStore
+from capycommon.state.instances import LIVE_STATES
+from capycommon.state.store import InstanceStore
 from capycommon.units import format_size
 from capyctl_scheduler.enroll import Enrollment
 
@@ -109,8 +112,14 @@ class HostQuota:
 
     async def cut_off(self, host: str, used: int) -> None:
         await self.enrollment.revoke(host)
+        # Its engines run on, as a revoked host's do: the records of the live ones are kept
+        # (the few KiB each that the store believes), so their memory stays charged.
+        store = InstanceStore(self.client, host)
+        kept = [r for r in await store.all() if r.state in LIVE_STATES or r.cache is not None]
         async for names in host_keys(self.client, host):
             await self.client.unlink(*names)
+        for record in kept:
+            await store.keep(record)
         reason = (
             f"its keys took {format_size(used)} or more of the server's Redis, over its quota "
             f"of {format_size(self.quota)} (enrollment.host_quota): revoked, its keys dropped"

@@ -113,6 +113,17 @@ class InstanceStore:
         raws = cast(list[bytes | None], await self.client.mget(named))
         return [(m, raw) for m, raw in zip(members, raws, strict=True) if raw is not None]
 
+    async def keep(self, record: InstanceRecord) -> None:
+        """Write `record` back as it was read, with no compare-and-set, event or notification
+        (the control plane's, for a host it cut off and whose keys it dropped)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(
+                keys.instance(self.host, record.deployment, record.instance),
+                record.model_dump_json(),
+            )
+            pipe.sadd(keys.instances(self.host), record.member)
+            await pipe.execute()
+
     async def forget(self, deployment: str, index: int) -> None:
         """Remove every trace of the instance on the host: its record, its membership and its
         load (for a deployment that is deleted)."""
