@@ -1,14 +1,16 @@
 #!/bin/sh
 # Install a CapyCTL release: curl -fsSL <releases>/latest/install.sh | sh
 #
-# It downloads the release's SHA256SUMS and the executable for this machine
-# (capyctl-<version>-linux-<arch>.pex), refuses any file whose SHA-256 differs from the one
-# SHA256SUMS lists, unpacks the executable into <prefix>/lib/capyctl/<version>/ (a virtual
-# environment on the system's Python 3.11+) and links <prefix>/bin/capyctl to it. The prefix
-# is /usr/local as root and ~/.local otherwise. Other versions stay installed beside it, so
-# `install.sh --version <previous>` rolls back; running it twice is harmless; it never reads
-# or writes a state dir. Debian's redis-server is installed where it is missing (as root;
-# otherwise the command is printed).
+# It downloads the release's SHA256SUMS and its signature SHA256SUMS.sig, and refuses a
+# release whose SHA256SUMS the CapyCTL release key, whose public half this script carries, did
+# not sign (ssh-keygen -Y verify, OpenSSH 8.1 or newer). It downloads the executable for this
+# machine (capyctl-<version>-linux-<arch>.pex), refuses any file whose SHA-256 differs from
+# the one SHA256SUMS lists, unpacks the executable into <prefix>/lib/capyctl/<version>/ (a
+# virtual environment on the system's Python 3.11+) and links <prefix>/bin/capyctl to it. The
+# prefix is /usr/local as root and ~/.local otherwise. Other versions stay installed beside
+# it, so `install.sh --version <previous>` rolls back; running it twice is harmless; it never
+# reads or writes a state dir. Debian's redis-server is installed where it is missing (as
+# root; otherwise the command is printed).
 #
 # Options (after `sh -s --` when piped):
 #   --version vX.Y.Z   install this release instead of the latest (from <releases>/vX.Y.Z/)
@@ -23,6 +25,9 @@ umask 022
 
 # Where this release's releases are published; scripts/release writes it (CAPYCTL_RELEASE_URL).
 RELEASES_URL=""
+# The public half of the key that signs the releases' SHA256SUMS; scripts/release writes it.
+# The repository's copy of this script carries none, and installs nothing.
+RELEASE_SIGNER=""
 
 say() { printf 'install: %s\n' "$*"; }
 fail() {
@@ -40,11 +45,23 @@ while [ $# -gt 0 ]; do
     --releases) [ $# -ge 2 ] || fail "--releases needs a value"; releases=$2; shift 2 ;;
     --from) [ $# -ge 2 ] || fail "--from needs a value"; from=$2; shift 2 ;;
     --prefix) [ $# -ge 2 ] || fail "--prefix needs a value"; prefix=$2; shift 2 ;;
-    -h | --help) sed -n '2,22p' "$0" 2>/dev/null || true; exit 0 ;;
+    -h | --help) sed -n '2,20p' "$0" 2>/dev/null || true; exit 0 ;;
     *) fail "unknown option $1 (see --help)" ;;
     esac
 done
 version=${version#v}
+
+# A version as scripts/release builds one (X.Y.Z, then letters, digits and dots): checked
+# before it is part of a URL or a path.
+valid_version() {
+    case $1 in
+    "" | *[!0-9a-z.]*) return 1 ;;
+    esac
+    [ ${#1} -le 64 ] && printf '%s\n' "$1" | awk '!/^[0-9]+\.[0-9]+\.[0-9]+[.a-z0-9]*$/ { exit 1 }'
+}
+if [ -n "$version" ] && ! valid_version "$version"; then
+    fail "--version $version is not a CapyCTL version (X.Y.Z, such as v0.1.0)"
+fi
 
 if [ -z "$from" ]; then
     [ -n "$releases" ] || fail "no release source: pass --releases URL or --from DIR"
@@ -67,19 +84,42 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
     fail "CapyCTL needs Python 3.11 or newer as $python; on Debian: sudo apt-get install -y python3"
 fi
 
-# Fetch one file of the release into a local path: a URL with curl (or wget), a folder by copy.
+# Fetch one file of the release into a local path: a URL with curl (or wget), a folder by copy;
+# a failure says $3 when given.
 fetch() {
     case $from in
     http://* | https://*)
         if command -v curl >/dev/null 2>&1; then
-            curl -fsSL --retry 3 -o "$2" "$from/$1" || fail "cannot download $from/$1"
+            curl -fsSL --retry 3 -o "$2" "$from/$1" || fail "${3:-cannot download $from/$1}"
         else
-            wget -q -O "$2" "$from/$1" || fail "cannot download $from/$1"
+            wget -q -O "$2" "$from/$1" || fail "${3:-cannot download $from/$1}"
         fi
         ;;
-    file://*) cp "${from#file://}/$1" "$2" 2>/dev/null || fail "no $1 in ${from#file://}" ;;
-    *) cp "$from/$1" "$2" 2>/dev/null || fail "no $1 in $from" ;;
+    file://*) cp "${from#file://}/$1" "$2" 2>/dev/null || fail "${3:-no $1 in ${from#file://}}" ;;
+    *) cp "$from/$1" "$2" 2>/dev/null || fail "${3:-no $1 in $from}" ;;
     esac
+}
+
+# Refuse the release unless the release key signed its SHA256SUMS: a mirror or a proxy that
+# serves other files cannot make that signature.
+check_signature() {
+    [ -n "$RELEASE_SIGNER" ] || fail "this install.sh carries no release key (it is the" \
+        "repository's copy): run the install.sh published with a release, or one that" \
+        "scripts/release wrote"
+    command -v ssh-keygen >/dev/null 2>&1 || fail "checking the release's signature needs" \
+        "ssh-keygen from OpenSSH 8.1 or newer; on Debian: sudo apt-get install -y openssh-client"
+    fetch SHA256SUMS.sig "$work/SHA256SUMS.sig" \
+        "the release at $from has no signature (SHA256SUMS.sig); refusing it"
+    printf 'capyctl-release namespaces="capyctl-release" %s\n' "$RELEASE_SIGNER" >"$work/signers"
+    if ! said=$(ssh-keygen -Y verify -f "$work/signers" -I capyctl-release -n capyctl-release \
+        -s "$work/SHA256SUMS.sig" <"$work/SHA256SUMS" 2>&1); then
+        case $said in
+        *"option -- "*Y*) fail "checking the release's signature needs ssh-keygen from OpenSSH" \
+            "8.1 or newer; $(command -v ssh-keygen) is older" ;;
+        esac
+        fail "SHA256SUMS of the release at $from is not signed by the CapyCTL release key;" \
+            "refusing the release (a damaged download, or a mirror that serves other files)"
+    fi
 }
 
 sha256() {
@@ -106,11 +146,14 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/capyctl-install.XXXXXX")
 trap 'rm -rf "$work"' EXIT INT TERM
 
 fetch SHA256SUMS "$work/SHA256SUMS"
+check_signature
 file=$(awk -v arch="$arch" '$2 ~ ("^[*]?capyctl-.*-linux-" arch "[.]pex$") { sub(/^[*]/, "", $2); print $2; exit }' \
     "$work/SHA256SUMS")
 [ -n "$file" ] || fail "the release at $from has no executable for linux-$arch"
 found=${file#capyctl-}
 found=${found%-linux-"$arch".pex}
+valid_version "$found" ||
+    fail "the release at $from names its executable $file, whose version is not X.Y.Z; refusing it"
 if [ -n "$version" ] && [ "$found" != "$version" ]; then
     fail "the release at $from is $found, not $version"
 fi

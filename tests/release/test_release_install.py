@@ -1,24 +1,18 @@
 """A release as a user gets it: scripts/release builds two releases of the tree whose versions
-differ, a loopback HTTP server serves them, and install.sh installs them into a temporary
-prefix. The installed capyctl runs the demo; a corrupted file is refused by name; an upgrade
-and a rollback on one state dir keep the running engine (the same process serves)."""
+differ, a loopback HTTP server serves them, and the install.sh published with them installs
+them into a temporary prefix (release.builds). The installed capyctl runs the demo; a
+corrupted file is refused by name; an upgrade and a rollback on one state dir keep the running
+engine (the same process serves). The signature's tests: test_release_signature.py."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import http.server
 import os
-import platform
 import re
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -28,10 +22,10 @@ import redis
 
 from capycommon.state import keys
 from capycommon.state.instances import InstanceRecord
-from capycommon.version import __version__
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
+from release.builds import ARCH, MAJOR, MINOR, NEW, OLD, Releases, build, install
 from support import (
     Role,
     clean_env,
@@ -44,81 +38,12 @@ from support import (
     wait_for,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-ARCH = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}[
-    platform.machine().lower()
-]
-MAJOR, MINOR, PATCH = (int(part) for part in __version__.split(".")[:3])
-OLD = f"{MAJOR}.{MINOR}.{PATCH}"
-NEW = f"{MAJOR}.{MINOR}.{PATCH + 1}"
 GiB = 1 << 30
 HELLO: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 
-# Two release builds, then installs and roles: past the suite's default of 180 s a test.
+# Two release builds (the session's), then installs and roles: past the suite's default of
+# 180 s a test.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
-
-
-@dataclass(frozen=True)
-class Releases:
-    """Releases `v<OLD>/` and `v<NEW>/` (and `latest/`, the newer) in `folder`, served at
-    `url` on loopback."""
-
-    folder: Path
-    url: str
-
-
-class Quiet(http.server.SimpleHTTPRequestHandler):
-    """Serves a folder, logging nothing."""
-
-    def log_message(self, format: str, *args: object) -> None:
-        return
-
-
-def build(version: str, out: Path, platforms: str = ARCH) -> None:
-    env = {
-        **os.environ,
-        "CAPYCTL_RELEASE_VERSION": version,
-        "CAPYCTL_RELEASE_PLATFORMS": platforms,
-        "CAPYCTL_RELEASE_PYTHONS": f"{sys.version_info.major}.{sys.version_info.minor}",
-    }
-    result = subprocess.run(
-        [str(ROOT / "scripts" / "release"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-@pytest.fixture(scope="module")
-def releases() -> Iterator[Releases]:
-    folder = short_dir("capy-releases")
-    build(OLD, folder / f"v{OLD}")
-    build(NEW, folder / f"v{NEW}")
-    shutil.copytree(folder / f"v{NEW}", folder / "latest")
-    handler = functools.partial(Quiet, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield Releases(folder, f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def install(*args: str, prefix: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["sh", str(ROOT / "install.sh"), "--prefix", str(prefix), *args],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        timeout=300,
-        check=False,
-    )
 
 
 def run(prefix: Path, *args: str, env: dict[str, str] | None = None) -> str:
@@ -142,13 +67,15 @@ def test_the_release_holds_the_wheels_an_executable_and_their_sums(releases: Rel
     assert "install.sh" in names
     assert len([name for name in names if name.endswith(".whl")]) == 7
     listed = sorted(line.split()[1] for line in (folder / "SHA256SUMS").read_text().splitlines())
-    assert listed == [name for name in names if name != "SHA256SUMS"]
+    assert listed == [name for name in names if not name.startswith("SHA256SUMS")]
+    assert "SHA256SUMS.sig" in names
 
 
 def test_the_same_tree_builds_the_same_files(releases: Releases, tmp_path: Path) -> None:
-    build(OLD, tmp_path / "again")
-    first = (releases.folder / f"v{OLD}" / "SHA256SUMS").read_text()
-    assert (tmp_path / "again" / "SHA256SUMS").read_text() == first
+    build(OLD, tmp_path / "again", releases.key)
+    for name in ("SHA256SUMS", "SHA256SUMS.sig"):  # an Ed25519 signature is deterministic
+        first = (releases.folder / f"v{OLD}" / name).read_bytes()
+        assert (tmp_path / "again" / name).read_bytes() == first, name
 
 
 # ELF's e_machine of each platform the release builds for.
@@ -173,7 +100,7 @@ def test_the_other_platform_holds_the_same_wheels_built_for_it(
     it): the same projects at the same versions as this machine's, each native one built for
     its processor, and every native library in it an ELF file for that processor."""
     other = next(arch for arch in MACHINES if arch != ARCH)
-    build(OLD, tmp_path / "other", platforms=other)
+    build(OLD, tmp_path / "other", releases.key, platforms=other)
     executable = tmp_path / "other" / f"capyctl-{OLD}-linux-{other}.pex"
     mine = distributions(releases.folder / f"v{OLD}" / f"capyctl-{OLD}-linux-{ARCH}.pex")
     theirs = distributions(executable)
@@ -197,13 +124,13 @@ def test_install_runs_the_demo_and_is_harmless_twice(releases: Releases) -> None
     inference = free_port()
     demo: subprocess.Popen[bytes] | None = None
     try:
-        first = install("--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
+        first = install(releases, "--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
         assert first.returncode == 0, first.stdout + first.stderr
         assert run(prefix, "--version") == f"capyctl {OLD}\n"
-        again = install("--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
+        again = install(releases, "--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
         assert again.returncode == 0, again.stderr
         assert f"capyctl {OLD} is already installed" in again.stdout
-        latest = install("--releases", releases.url, prefix=prefix)
+        latest = install(releases, "--releases", releases.url, prefix=prefix)
         assert latest.returncode == 0, latest.stderr
         assert run(prefix, "--version") == f"capyctl {NEW}\n"
 
@@ -244,7 +171,7 @@ def test_a_corrupted_file_is_refused_by_name(releases: Releases, tmp_path: Path)
     data = bytearray(executable.read_bytes())
     data[len(data) // 2] ^= 0xFF
     executable.write_bytes(bytes(data))
-    refused = install("--from", str(release), prefix=tmp_path / "prefix")
+    refused = install(releases, "--from", str(release), prefix=tmp_path / "prefix")
     assert refused.returncode == 1
     assert f"capyctl-{OLD}-linux-{ARCH}.pex does not match SHA256SUMS" in refused.stderr
     assert not (tmp_path / "prefix" / "bin" / "capyctl").exists()
@@ -266,6 +193,7 @@ TOOLS = [
     "rm",
     "sed",
     "sha256sum",
+    "ssh-keygen",
     "uname",
 ]
 NOBODY = 65534
@@ -299,7 +227,7 @@ def test_a_user_without_redis_is_told_the_command(releases: Releases) -> None:
             if not path.is_symlink():
                 os.chown(path, NOBODY, NOBODY)
         argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-        argv += ["env", "-i", f"HOME={home}", f"PATH={tools}", "sh", str(ROOT / "install.sh")]
+        argv += ["env", "-i", f"HOME={home}", f"PATH={tools}", "sh", str(release / "install.sh")]
         argv += ["--from", str(release)]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -368,7 +296,7 @@ def test_root_installs_system_wide_with_redis_server_from_debian_once(
         apt_get.chmod(0o755)
         release = releases.folder / f"v{OLD}"
         argv = ["unshare", "--mount", "sh", "-c", AS_ROOT, "as-root", str(local), str(root)]
-        argv += [str(tools), str(ROOT / "install.sh"), str(release)]
+        argv += [str(tools), str(release / "install.sh"), str(release)]
 
         first = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
         assert first.returncode == 0, first.stdout + first.stderr
@@ -435,7 +363,12 @@ def test_upgrade_and_rollback_keep_the_engine(releases: Releases) -> None:
     pgid = 0
     roles: list[Role] = []
     try:
-        assert install("--releases", releases.url, "--version", OLD, prefix=prefix).returncode == 0
+        assert (
+            install(
+                releases, "--releases", releases.url, "--version", OLD, prefix=prefix
+            ).returncode
+            == 0
+        )
         fast = Behaviour(load_seconds=0.3, tokens_per_second=200)
         venv = install_python_engine(root / "vllm", "vllm", "0.29.0", fast)
         run(prefix, "engine", "add", str(venv), "--state-dir", str(state), env=env)
@@ -454,7 +387,9 @@ def test_upgrade_and_rollback_keep_the_engine(releases: Releases) -> None:
         assert _ask(role)
         assert role.stop() == 0
 
-        upgraded = install("--releases", releases.url, "--version", f"v{NEW}", prefix=prefix)
+        upgraded = install(
+            releases, "--releases", releases.url, "--version", f"v{NEW}", prefix=prefix
+        )
         assert upgraded.returncode == 0, upgraded.stderr
         assert f"also installed: {OLD}" in upgraded.stdout
         assert run(prefix, "--version") == f"capyctl {NEW}\n"
@@ -466,7 +401,7 @@ def test_upgrade_and_rollback_keep_the_engine(releases: Releases) -> None:
         assert (state / "release").read_text() == f"{NEW}\n"
         assert upgraded_role.stop() == 0
 
-        back = install("--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
+        back = install(releases, "--releases", releases.url, "--version", f"v{OLD}", prefix=prefix)
         assert back.returncode == 0, back.stderr
         assert run(prefix, "--version") == f"capyctl {OLD}\n"
         rolled_back = start(prefix, state, env, listeners)
