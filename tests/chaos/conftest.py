@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from cluster import SMALL, Cluster, running
+from hostilehost import Hostile, hostile_cluster
 
 # The deployments the suite keeps busy, and the engine each runs on.
 MODELS = {"alpha": "vllm", "beta": "sglang"}
@@ -28,3 +29,11 @@ def two_models(request: pytest.FixtureRequest) -> Iterator[Cluster]:
                     model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=1
                 )
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[Hostile]:
+    """A server with hosts ha and hb, s1 pinned to hb and serving; ha about to turn hostile
+    (`hostilehost`)."""
+    with hostile_cluster() as found:
+        yield found
