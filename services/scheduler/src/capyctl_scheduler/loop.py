@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -127,25 +127,45 @@ class Demands:
 
 @dataclass
 class Refusals:
-    """Commands hostd refused, from the hosts' event streams: (deployment, generation)."""
+    """Commands hostd refused, from the hosts' event streams: (deployment, generation) -> when
+    Redis took the refusal, in ms (its stream entry's time, on the scheduler's own machine)."""
 
     client: aioredis.Redis
     hosts: list[str]
-    seen: dict[tuple[str, int], float] = field(default_factory=dict)
+    seen: dict[tuple[str, int], int] = field(default_factory=dict)
     _cursors: dict[str, str] = field(default_factory=dict)
 
-    async def read(self) -> frozenset[tuple[str, int]]:
+    async def read(self) -> None:
         if not self.hosts:
-            return frozenset()
+            return
         start = f"{int((time.time() - REFUSAL_MEMORY_S) * 1000)}-0"
         cursors = {host: self._cursors.get(host, start) for host in self.hosts}
         for host, entry_id, event in await read_host_events(self.client, cursors, count=1000):
             self._cursors[host] = entry_id
             if event is not None and event.kind == "refused":
-                self.seen[(event.deployment, event.generation)] = event.at
-        now = time.time()
-        self.seen = {k: at for k, at in self.seen.items() if now - at < REFUSAL_MEMORY_S}
-        return frozenset(self.seen)
+                self.seen[(event.deployment, event.generation)] = _entry_ms(entry_id)
+        oldest = (time.time() - REFUSAL_MEMORY_S) * 1000
+        self.seen = {k: at for k, at in self.seen.items() if at >= oldest}
+
+    def answering(self, deployments: Mapping[str, DeploymentRecord]) -> frozenset[tuple[str, int]]:
+        """The refusals of the effects in flight: each came after its effect's command was
+        sent. An earlier refusal of the same generation is another command's, as that of a
+        deployment deleted and declared again under the same name (its generations start
+        again from 1): a launch hostd is about to carry out is not taken for refused."""
+        found = set()
+        for name, record in deployments.items():
+            effect = record.inflight
+            if effect is None:
+                continue
+            at = self.seen.get((name, effect.generation))
+            if at is not None and at >= int(effect.sent_at * 1000):
+                found.add((name, effect.generation))
+        return frozenset(found)
+
+
+def _entry_ms(entry_id: str) -> int:
+    """When Redis took a stream entry, in ms since the epoch (the first part of its id)."""
+    return int(entry_id.split("-", 1)[0])
 
 
 @dataclass
@@ -169,10 +189,11 @@ class Scheduler:
 
     async def tick(self) -> Snapshot:
         # Independent reads, sent together: a wake or a switch waits on several ticks.
-        _, refused = await asyncio.gather(self.demands.read(), self.refusals.read())
+        await asyncio.gather(self.demands.read(), self.refusals.read())
         snapshot = await self.observer.snapshot(
-            self.demands.oldest(), refused, restarts=self.demands.restarts
+            self.demands.oldest(), restarts=self.demands.restarts
         )
+        snapshot = replace(snapshot, refused=self.refusals.answering(snapshot.deployments))
         if sorted(snapshot.hosts) != self.refusals.hosts:
             # A host joined: follow its events and its channel too.
             self.refusals.hosts = sorted(snapshot.hosts)

@@ -167,6 +167,12 @@ def _inflight(snapshot: Snapshot, record: DeploymentRecord) -> str:
     return "pending"
 
 
+def _stopping(record: DeploymentRecord, instance: InstanceRecord) -> bool:
+    """Whether a stop of the instance is in flight (until it is done or expires)."""
+    effect = record.inflight
+    return effect is not None and effect.kind == "stop" and effect.generation == instance.generation
+
+
 # One deployment ---------------------------------------------------------------------------
 
 
@@ -181,7 +187,9 @@ def _deployment(  # noqa: PLR0911 (a decision table: one return per case)
 
     if record.deleting:
         if instance is not None and live:
-            return [] if state == S.STOPPING else [stop(instance, "deleted", cause="operator")]
+            # Its stop is sent once: hostd would refuse a second one, when it got there.
+            stopping = state == S.STOPPING or _stopping(record, instance)
+            return [] if stopping else [stop(instance, "deleted", cause="operator")]
         return [Action("forget", name, "deleted: no engine left")]
     if record.inflight is not None:
         return _while_in_flight(snapshot, record, instance)

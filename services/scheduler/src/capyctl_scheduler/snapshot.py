@@ -139,7 +139,7 @@ class Snapshot:
     restarts: Mapping[str, int] = field(default_factory=dict)
     # deployment -> the request places of its instance's generation (routers').
     places: Mapping[str, Places] = field(default_factory=dict)
-    # (deployment, generation) of commands hostd refused.
+    # (deployment, generation) of the effects in flight whose command hostd refused.
     refused: frozenset[tuple[str, int]] = frozenset()
     # Live instances nobody owns: their deployment is gone, or a newer generation runs.
     orphans: tuple[InstanceRecord, ...] = ()

@@ -1,0 +1,144 @@
+"""The scheduler's loop over a real redis-server, with a hostd slow to read its command
+stream (none reads it here): a command is sent once and answered by what hostd says of that
+command alone. A deployment deleted is stopped once, not again on every plan until hostd gets
+there (hostd would refuse the second stop); and a refusal of an earlier deployment of the same
+name, whose generations started from 1 too, refuses no launch of the new one, which would
+otherwise be started again as generation 2 while hostd starts generation 1."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import redis.asyncio as aioredis
+
+from capycommon.deployments import parse_deployment, revision_digest
+from capycommon.engines.families import Family
+from capycommon.state import hostcommands, hostfacts, keys
+from capycommon.state.desired import DeploymentRecord, DeploymentStore
+from capycommon.state.enginefacts import PublishedEngines
+from capycommon.state.hostfacts import HostModels, ModelFacts
+from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.memory import write_reading
+from capycommon.state.store import InstanceStore
+from capyctl_scheduler.loop import Scheduler
+from capyctl_scheduler.observe import Observer
+from support import engine_profile
+from unit.readings import GiB, idle_reading
+
+HOST = "local"
+ROOT = "/srv/models"
+SMALL = ModelFacts(path=f"{ROOT}/small", kind="folder", weights_bytes=2 * GiB)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
+    """Redis as a live host left it: one engine, the model `small`, one idle 24 GiB GPU."""
+    found = aioredis.Redis(unix_socket_path=str(redis_socket))
+    engines = PublishedEngines(
+        revision=1, source="engines.yaml", profiles=[engine_profile(Family.VLLM)]
+    )
+    await found.set(keys.engines(HOST), engines.model_dump_json())
+    await found.set(keys.heartbeat("hostd", HOST), "{}")
+    await hostfacts.publish(found, HOST, HostModels(models_root=ROOT, models={"small": SMALL}))
+    yield found
+    await found.aclose()
+
+
+async def tick(client: aioredis.Redis, scheduler: Scheduler) -> None:
+    """One turn of the loop, on a fresh reading of the GPU (as memwatch writes each second)."""
+    reading = idle_reading((24 * GiB, False)).model_copy(update={"taken_at": time.time()})
+    await write_reading(client, reading)
+    await scheduler.tick()
+
+
+def declared(name: str, **record: Any) -> DeploymentRecord:
+    """`name` serving `small`, started and kept ready by the operator (no request needed)."""
+    written = {
+        "name": name,
+        "engine": "vllm",
+        "model": "small",
+        "lifecycle": {"activation": "explicit"},
+    }
+    document = parse_deployment(written, "test")
+    return DeploymentRecord(
+        name=name,
+        revision=1,
+        digest=revision_digest(document),
+        document=document,
+        created_at=0.0,
+        updated_at=0.0,
+        **record,
+    )
+
+
+async def sent(client: aioredis.Redis) -> list[tuple[str, str, int]]:
+    """The commands on the host's stream: (kind, deployment, generation), oldest first."""
+    entries = cast(
+        list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.host_commands(HOST))
+    )
+    found = [hostcommands.parse(fields[b"command"]) for _, fields in entries]
+    return [
+        (c.kind, c.deployment, c.generation)
+        for c in found
+        if isinstance(c, hostcommands.Launch | hostcommands.Stop)
+    ]
+
+
+@pytest.mark.anyio
+async def test_a_refusal_of_an_earlier_deployment_of_the_name_refuses_no_launch(
+    client: aioredis.Redis,
+) -> None:
+    store = InstanceStore(client, HOST)
+    # What hostd said of the deployment `a` deleted a moment ago: its second stop came late.
+    await store.refused("a", 0, 1, "stop refused: no such instance on this host")
+    scheduler = Scheduler(client, Observer(client, [HOST]))
+    await DeploymentStore(client).put(declared("a", wanted="ready"))
+    await tick(client, scheduler)
+    assert await sent(client) == [("launch", "a", 1)]
+    for _ in range(3):  # hostd has not read its stream yet
+        await tick(client, scheduler)
+    assert await sent(client) == [("launch", "a", 1)], "one launch, and no generation 2"
+    record = await DeploymentStore(client).get("a")
+    assert record is not None
+    assert record.generation == 1
+    assert record.inflight is not None
+    assert (record.inflight.kind, record.inflight.generation) == ("launch", 1)
+    # A refusal of this launch, once hostd reads it, ends it.
+    await store.refused("a", 0, 1, "launch refused: the instance is starting; stop it first")
+    await tick(client, scheduler)
+    record = await DeploymentStore(client).get("a")
+    assert record is not None
+    assert record.inflight is None or record.inflight.generation == 2
+
+
+@pytest.mark.anyio
+async def test_a_deleted_deployment_is_stopped_once(client: aioredis.Redis) -> None:
+    store = InstanceStore(client, HOST)
+    ready = InstanceRecord(
+        deployment="b",
+        instance=0,
+        revision=1,
+        generation=1,
+        state=InstanceState.READY,
+        since=time.time(),
+        host=HOST,
+        gpu_uuid="GPU-0",
+        residency="host_backed",
+    )
+    await store.transition(ready, allowed=["absent"], generation=None, reason="launch: test")
+    await DeploymentStore(client).put(declared("b", generation=1, host=HOST, deleting=True))
+    scheduler = Scheduler(client, Observer(client, [HOST]))
+    await tick(client, scheduler)
+    assert await sent(client) == [("stop", "b", 1)]
+    for _ in range(3):  # hostd has not read its stream yet
+        await tick(client, scheduler)
+    assert await sent(client) == [("stop", "b", 1)], "stopped once"
