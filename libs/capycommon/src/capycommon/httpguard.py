@@ -9,7 +9,10 @@ descriptor for as long as the client likes. Its only bound on connections is glo
 everyone past it). `guarded_protocol` adds both at the protocol level, below the app: a
 connection whose request head is not complete within the header timeout (counted from the
 connection's opening, or from the first byte of its next request) is closed, and a
-connection from an address that already holds its bound is answered 503 and closed.
+connection from an address that already holds its bound is answered 503 and closed. A
+connection whose answer went out before its request's body ended (the app refused it, or
+read none of it) is closed too: uvicorn would read the rest for as long as it came, each
+byte putting its keep-alive timeout off again.
 
 A listener may also admit its peers one by one (`Admit`): over mutual TLS, a connection whose
 peer is not of the kind the listener serves is closed as it opens, before any of its bytes
@@ -119,6 +122,15 @@ def guarded_protocol(
         def on_headers_complete(self) -> None:
             self._head_done()
             super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                # Answered before its body all came (a refusal, a route that reads none):
+                # the rest is not waited for, however slowly it comes.
+                log.debug("closing a connection answered before its request body ended")
+                self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             cycle = self.cycle
