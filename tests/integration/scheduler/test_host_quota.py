@@ -15,12 +15,13 @@ from redis.exceptions import AuthenticationError
 
 from capycommon.settings import ServerSettings
 from capycommon.state import acl, desired, hostinfo, identities, keys
+from capycommon.state.hostkeys import host_bytes
 from capycommon.state.identities import HostIdentity
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.store import InstanceStore
 from capycommon.version import __version__
 from capyctl_scheduler.enroll import Enrollment
-from capyctl_scheduler.hostquota import CUT_OFF, HostQuota, host_bytes
+from capyctl_scheduler.hostquota import CUT_OFF, HostQuota
 from integration.scheduler.serverredis import ServerRedis, send, server_redis
 
 MiB = 1 << 20

@@ -27,13 +27,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import cast
 
 import redis.asyncio as aioredis
 
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import hostinfo, identities, keys
+from capycommon.state import hostinfo, hostkeys, identities
 from capycommon.state.desired import Decision, DeploymentStore
 from capycommon.state.instances import LIVE_STATES
 from capycommon.state.store import InstanceStore
@@ -43,43 +41,7 @@ from capyctl_scheduler.enroll import Enrollment
 log = logging.getLogger(__name__)
 
 SWEEP_EVERY_S = 10.0
-BATCH = 100
-PACE_S = 0.005
-SAMPLED = 1000
 CUT_OFF = "host_over_quota"
-
-
-async def host_keys(client: aioredis.Redis, host: str) -> AsyncIterator[list[bytes]]:
-    """The host's keys, BATCH names at a time, PACE_S apart."""
-    cursor = 0
-    pattern = f"{keys.host_prefix(host)}:*"
-    while True:
-        cursor, names = cast(
-            tuple[int, list[bytes]], await client.scan(cursor, match=pattern, count=BATCH)
-        )
-        if names:
-            yield names
-        if cursor == 0:
-            return
-        await asyncio.sleep(PACE_S)
-
-
-async def host_bytes(client: aioredis.Redis, host: str, over: int | None = None) -> int:
-    """The memory the host's keys take, by Redis's count; the walk stops once past `over`."""
-    total = 0
-    async for names in host_keys(client, host):
-        async with client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.type(name)
-            kinds = cast(list[bytes], await pipe.execute())
-        async with client.pipeline(transaction=False) as pipe:
-            for name, kind in zip(names, kinds, strict=True):
-                pipe.memory_usage(name, samples=SAMPLED if kind in {b"hash", b"set"} else 0)
-            sizes = cast(list[int | None], await pipe.execute())
-        total += sum(size or 0 for size in sizes)
-        if over is not None and total > over:
-            break
-    return total
 
 
 class HostQuota:
@@ -104,7 +66,7 @@ class HostQuota:
             identity = await identities.read(self.client, name)
             if identity is None or identity.revoked_at is not None:
                 continue  # not a joined host (a server's own), or cut off already
-            used = await host_bytes(self.client, name, over=self.quota)
+            used = await hostkeys.host_bytes(self.client, name, over=self.quota)
             if used > self.quota:
                 await self.cut_off(name, used)
                 cut.append(name)
@@ -116,8 +78,7 @@ class HostQuota:
         # (the few KiB each that the store believes), so their memory stays charged.
         store = InstanceStore(self.client, host)
         kept = [r for r in await store.all() if r.state in LIVE_STATES or r.cache is not None]
-        async for names in host_keys(self.client, host):
-            await self.client.unlink(*names)
+        await hostkeys.drop(self.client, host)
         for record in kept:
             await store.keep(record)
         reason = (
