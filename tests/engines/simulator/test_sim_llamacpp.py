@@ -125,7 +125,7 @@ def test_requests_beyond_the_slots_are_deferred_and_hang_ups_free_the_slot(
         next(line for line in lines if "content" in line)
         second = threading.Thread(target=lambda: later.append(_chat(served, 2)))
         second.start()
-        wait_for(lambda: served.metric("llamacpp:requests_deferred") == 1, 5, "a deferral")
+        wait_for(lambda: served.metric("llamacpp:requests_deferred") == 1, 30, "a deferral")
         assert served.metric("llamacpp:requests_processing") == 1
         assert served.get("/slots").json()[0]["is_processing"] is True
         assert served.get("/slots", params={"fail_on_no_slot": "1"}).status_code == 503
