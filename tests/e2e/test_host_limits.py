@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from hostilehost import redis_as_host
 from support import Role, clean_env, join_host, short_dir, start_host, start_role, wait_for
 
 MiB = 1 << 20
@@ -42,22 +41,7 @@ class Server:
 
     def as_host(self, host: str) -> redis.Redis:
         """The server's Redis as `host` dials it: its certificate, user and password."""
-        identity = self.state(host) / "identity"
-        joined = json.loads((identity / "joined.json").read_text())
-        address, port = joined["redis_address"].rsplit(":", 1)
-        return redis.Redis(
-            host=address,
-            port=int(port),
-            ssl=True,
-            ssl_certfile=str(identity / "host.pem"),
-            ssl_ca_certs=str(identity / "server-ca.pem"),
-            ssl_cert_reqs="required",
-            username=joined["redis_user"],
-            password=joined["redis_password"],
-            protocol=2,
-            retry=Retry(NoBackoff(), 0),
-            socket_timeout=10,
-        )
+        return redis_as_host(self.state(host))
 
     def pids(self, *roles: Role) -> dict[str, int]:
         return {
