@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import httpx
-import openai
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -27,7 +26,7 @@ from capycommon.state.instances import InstanceRecord
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
-from serversetup import ServerSetup
+from serversetup import ServerSetup, ask
 from support import (
     Role,
     capyctl,
@@ -166,12 +165,6 @@ def hostile_cluster() -> Iterator[Hostile]:
             role.stop()
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def ask(client: openai.OpenAI, model: str) -> str:
-    messages: Any = [{"role": "user", "content": "hello"}]
-    answer = client.chat.completions.create(model=model, messages=messages, max_tokens=4)
-    return answer.choices[0].message.content or ""
 
 
 def forged_record(values: dict[str, Any]) -> bytes:

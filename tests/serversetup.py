@@ -1,5 +1,6 @@
 """A server role the end-to-end tests of joined hosts drive: its Redis as the control plane's
-user, an OpenAI client of its endpoint, its CLI, and deployments declared on it."""
+user, an OpenAI client of its endpoint, its CLI, deployments declared on it, and a question to a
+model, answered whole or streamed."""
 
 from __future__ import annotations
 
@@ -48,3 +49,14 @@ class ServerSetup:
         path = self.folder / f"{name}.yaml"
         path.write_text(yaml.safe_dump(document))
         self.ok("deploy", "model", "--file", str(path))
+
+
+def ask(client: openai.OpenAI, model: str, stream: bool = False) -> str:
+    messages: Any = [{"role": "user", "content": "hello"}]
+    if not stream:
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+        return answer.choices[0].message.content or ""
+    parts = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, stream=True
+    )
+    return "".join(chunk.choices[0].delta.content or "" for chunk in parts if chunk.choices)

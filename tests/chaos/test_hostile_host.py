@@ -36,7 +36,8 @@ from redis.exceptions import RedisError
 
 from capycommon.state import keys
 from capycommon.state.instances import InstanceState
-from hostilehost import Hostile, ask, forged_record, refused_by_metrics
+from hostilehost import Hostile, forged_record, refused_by_metrics
+from serversetup import ask
 from support import wait_for
 
 # Three roles start for this file, and a few hundred hostile writes run on them.

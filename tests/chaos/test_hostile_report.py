@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from capycommon.state import keys
-from hostilehost import SMALL, Hostile, ask, forged_record, refused_by_metrics
+from hostilehost import SMALL, Hostile, forged_record, refused_by_metrics
+from serversetup import ask
 from support import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

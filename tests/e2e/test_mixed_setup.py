@@ -17,7 +17,7 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import openai
 import pytest
@@ -29,7 +29,7 @@ from cluster import running
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
-from serversetup import ServerSetup
+from serversetup import ServerSetup, ask
 from support import (
     Role,
     capyctl,
@@ -69,17 +69,6 @@ class Setup(ServerSetup):
     def where(self, name: str) -> str | None:
         found = self.live(name)
         return None if found is None else found.host
-
-
-def ask(client: openai.OpenAI, model: str, stream: bool = False) -> str:
-    messages: Any = [{"role": "user", "content": "hello"}]
-    if not stream:
-        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
-        return answer.choices[0].message.content or ""
-    parts = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=8, stream=True
-    )
-    return "".join(chunk.choices[0].delta.content or "" for chunk in parts if chunk.choices)
 
 
 def _models(home: Path) -> None:

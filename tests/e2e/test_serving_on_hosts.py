@@ -29,7 +29,7 @@ from capycommon.state.instances import LIVE_STATES, InstanceRecord
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
-from serversetup import ServerSetup
+from serversetup import ServerSetup, ask
 from support import (
     Role,
     capyctl,
@@ -87,17 +87,6 @@ class Setup(ServerSetup):
         )
         self.hosts[name] = role
         return role
-
-
-def ask(client: openai.OpenAI, model: str, stream: bool = False) -> str:
-    messages: Any = [{"role": "user", "content": "hello"}]
-    if not stream:
-        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
-        return answer.choices[0].message.content or ""
-    parts = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=8, stream=True
-    )
-    return "".join(chunk.choices[0].delta.content or "" for chunk in parts if chunk.choices)
 
 
 @pytest.fixture(scope="module")
