@@ -8,7 +8,11 @@ import pytest
 import redis
 
 from capycommon.state import functions
-from support import redis_server, short_dir
+from support import Role, redis_server, short_dir
+
+# What a failed test's report carries of each service log of the roles it used.
+LOG_TAIL_LINES = 30
+LOG_LINE_CHARS = 400
 
 
 @pytest.fixture
@@ -34,3 +38,36 @@ def anyio_backend() -> str:
     """Every async test runs on asyncio, the services' loop (trio, which selenium brings
     into the environment, would otherwise be tried too)."""
     return "asyncio"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Iterator[pytest.TestReport]:
+    """A test that fails while a role runs carries the tail of each of the role's service
+    logs in its report: a failure seen once on a loaded machine can be read, not guessed."""
+    report = yield
+    if report.failed and call.when == "call":
+        for role in _roles(item):
+            for log in sorted((role.state_dir / "logs").glob("*.log")):
+                report.sections.append((f"{role.role} {log.name}", _tail(log)))
+    return report
+
+
+def _roles(item: pytest.Item) -> list[Role]:
+    """The roles among the test's fixtures: a role itself, or what holds one as `.role`."""
+    found: list[Role] = []
+    for value in getattr(item, "funcargs", {}).values():
+        role = value if isinstance(value, Role) else getattr(value, "role", None)
+        if isinstance(role, Role) and role not in found:
+            found.append(role)
+    return found
+
+
+def _tail(log: Path) -> str:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+    kept = [line[:LOG_LINE_CHARS] for line in lines if "heartbeat" not in line]
+    return "\n".join(kept[-LOG_TAIL_LINES:])
