@@ -5,7 +5,9 @@ Make an install with `install_python_engine` or `install_llama_server`, choose i
 with a `Behaviour` (rewritten between launches by `write_behaviour`), and launch it as the
 real engine is launched. The behaviour to match is in the shared `reference/engines.md`.
 `install_lmcache` adds a stand-in LMCache server (`LMCacheBehaviour`), in a venv of its own
-or an engine's, for engines launched with LMCache's connector.
+or an engine's, for engines launched with LMCache's connector. `ENGINESIM_CUDA=1` in an
+engine's environment makes its memory real CUDA memory through torch (`enginesim.cuda`), for
+runs on a real GPU.
 """
 
 from enginesim.behaviour import (

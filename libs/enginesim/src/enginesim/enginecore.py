@@ -1,7 +1,9 @@
 """The stand-in for vLLM's `VLLM::EngineCore` child: it holds the simulated device memory.
 
 It reads `<gpu_bytes> <host_bytes>` lines from its parent on stdin, claims that much, and
-answers `ok` on stdout once an allocation is claimed (a release lands after the lag).
+answers `ok` on stdout once an allocation is claimed (a release lands after the lag). In the
+CUDA mode (`enginesim.cuda`) it holds the claim as real device memory too, as vLLM's
+EngineCore holds the engine's.
 SIGTERM or SIGINT: release and exit 0. End of stdin (the parent died): keep holding until
 killed (`--orphan stay`, as vLLM's EngineCore does) or release and exit (`--orphan exit`).
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 
 from capycommon import simgpu
+from enginesim import cuda
 from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice
 
 
@@ -25,7 +28,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _holder(args: argparse.Namespace) -> Holder:
+def _claims(args: argparse.Namespace) -> Holder:
     if args.dir is None:
         return NoHolder()
     folder = Path(args.dir)
@@ -33,6 +36,16 @@ def _holder(args: argparse.Namespace) -> Holder:
         if device.uuid == args.uuid:
             return LocalHolder(SimDevice(folder, device), args.lag)
     raise SystemExit(f"EngineCore: no simulated device {args.uuid} in {folder}")
+
+
+def _holder(args: argparse.Namespace) -> Holder:
+    """The claims, with real device memory behind them in the CUDA mode."""
+    claims = _claims(args)
+    try:
+        return cuda.wrap(claims, os.environ)
+    except cuda.CudaUnavailable as exc:
+        claims.close()
+        raise SystemExit(f"EngineCore: {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,8 @@ When `CAPYCTL_SIMGPU_DIR` is set the engine reads `<dir>/devices.json`, takes th
 `CUDA_VISIBLE_DEVICES` names (a UUID, or an index), and claims memory by writing
 `<dir>/<pid>.json` (`capycommon.simgpu`). Each change lands `lag` seconds after it was asked
 for, as freed CUDA memory shows up late in NVML. Without the variable nothing is accounted.
+With `ENGINESIM_CUDA=1` each claim is also real device memory, allocated through torch by the
+holder (`enginesim.cuda`), with or without the variable.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from capycommon import simgpu
+from enginesim import cuda
 
 if TYPE_CHECKING:
     from enginesim.process import Process
@@ -73,7 +76,11 @@ def find_device(env: Mapping[str, str]) -> SimDevice | None:
 
 
 def cuda_device(process: Process) -> SimDevice | None:
-    """The device as torch finds it in vLLM and SGLang: none visible is a crash at start."""
+    """The device as torch finds it in vLLM and SGLang: none visible is a crash at start, as
+    is the CUDA mode without torch (`enginesim.cuda`)."""
+    refused = cuda.refusal(os.environ)
+    if refused is not None:
+        process.die(refused)
     try:
         return find_device(os.environ)
     except NoDevice as exc:
@@ -209,3 +216,13 @@ class ChildHolder:
                 self.proc.stdin.close()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+def with_cuda(process: Process, holder: Holder) -> Holder:
+    """`holder` with real device memory behind it in the CUDA mode (`enginesim.cuda`); a
+    torch that cannot serve it is a crash at start, naming the fix."""
+    try:
+        return cuda.wrap(holder, os.environ)
+    except cuda.CudaUnavailable as exc:
+        holder.close()
+        process.die(str(exc))

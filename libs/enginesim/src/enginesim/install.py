@@ -30,6 +30,8 @@ PythonFamily = Literal["vllm", "sglang"]
 BEHAVIOUR_FILE = "_capyctl_sim.json"
 LLAMA_BEHAVIOUR_SUFFIX = ".sim.json"
 LINK_FILE = "_capyctl_enginesim.pth"
+# After LINK_FILE: Python reads a folder's .pth files in the order of their names.
+EXTRA_FILE = "_capyctl_extra.pth"
 
 _SHIM = '''"""Simulated {family} {version}: hands over to enginesim."""
 
@@ -182,6 +184,13 @@ def _link_this_environment(venv: Path) -> None:
     """Make this interpreter's packages (capycommon, fastapi, uvicorn) importable there."""
     lines = [f"import site; site.addsitedir({str(d)!r})\n" for d in site.getsitepackages()]
     (_site_packages(venv) / LINK_FILE).write_text("".join(lines))
+
+
+def add_packages(venv: Path, folder: Path) -> None:
+    """Make the packages in `folder` (another environment's site-packages, say, where torch
+    is installed) importable in `venv`, after its own and this interpreter's: a package both
+    hold is taken from them."""
+    (_site_packages(venv) / EXTRA_FILE).write_text(f"{folder}\n")
 
 
 def _make_venv(venv: Path) -> None:

@@ -31,7 +31,7 @@ from enginesim import decisions
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour
 from enginesim.engine import Engine, Work
-from enginesim.gpu import LocalHolder, NoDevice, NoHolder, find_device
+from enginesim.gpu import LocalHolder, NoDevice, NoHolder, find_device, with_cuda
 from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.metrics import Exposition
 from enginesim.openai_chat import (
@@ -207,8 +207,10 @@ class LlamaFrontend(Frontend):
         kv = self.args.ctx_size * KV_PER_TOKEN + self.args.parallel * COMPUTE_PER_SLOT
         sizes = {"weights": self.model_size, "kv_cache": kv}
         if device is None:
-            return Regions.of(NoHolder(), sizes, self.behaviour)
-        holder = LocalHolder(device, self.behaviour.memory_lag_seconds)
+            unclaimed = with_cuda(self.process, NoHolder())
+            self.process.at_exit(unclaimed.close)
+            return Regions.of(unclaimed, sizes, self.behaviour)
+        holder = with_cuda(self.process, LocalHolder(device, self.behaviour.memory_lag_seconds))
         self.process.at_exit(holder.close)
         if self.args.n_gpu_layers == "0":
             holder.set(0, self.model_size + kv)

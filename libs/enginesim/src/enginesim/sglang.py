@@ -39,7 +39,7 @@ from pathlib import Path
 from enginesim import decisions, kvconnector
 from enginesim import process as proc
 from enginesim.behaviour import Behaviour, SchedulerDies
-from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice, cuda_device
+from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice, cuda_device, with_cuda
 from enginesim.kvconnector import KvConfigError, KvConnector
 from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.process import Process
@@ -348,6 +348,7 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     holder: Holder = NoHolder()
     if device is not None:
         holder = LocalHolder(device, behaviour.memory_lag_seconds)
+    holder = with_cuda(process, holder)
     process.at_exit(holder.close)
     regions = plan_memory(process, args, holder, behaviour, device)
     regions.loading(regions.sizes["weights"])
