@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from capycommon.engines.families import Family
 from capycommon.errors import NotFound
 from capycommon.state.desired import Inflight
 from capycommon.state.instances import InstanceRecord, InstanceState
@@ -14,6 +15,7 @@ from capyctl_scheduler.charges import gpu_memory
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains
 from capyctl_scheduler.policy import HOST_CHECK_S, plan, quiet_until
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
+from unit.launches import terms
 from unit.readings import idle_reading
 from unit.test_policy import REQUEST, deployment
 
@@ -33,6 +35,7 @@ def bound(view: HostView) -> Binding:
         weights=10 * GiB,
         device=view.domains["gpu0"],
         host_backed=True,
+        terms=terms(Family.VLLM, view.domains["gpu0"].capacity),
         request=REQUEST,
         startup=(REQUEST + 5 * GiB // 4, "declared"),
     )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from capycommon.engines.families import Family
 from capycommon.errors import DeviceUnobserved, InsufficientResources
+from capyctl_scheduler.engineterms import CUDA_CONTEXT
 from capyctl_scheduler.ledger import (
     Domain,
     GiB,
@@ -15,7 +17,10 @@ from capyctl_scheduler.ledger import (
     derive_unified,
 )
 from capyctl_scheduler.placement import place
+from unit.launches import terms
 from unit.readings import idle_reading
+
+MiB = 1 << 20
 
 
 def test_discrete_domains_follow_the_standalone_policy() -> None:
@@ -68,18 +73,34 @@ def test_an_unobserved_domain_admits_nothing() -> None:
 def test_derived_footprint_of_a_discrete_deployment() -> None:
     weights = 8 * GiB
     card = Domain("gpu0", 48 * GiB, 44 * GiB, 4 * GiB, 8 * GiB)
-    footprint = derive_discrete(gpu="gpu0", weights=weights, device=card, host_backed=True)
+    vllm = terms(Family.VLLM, card.capacity)
+    footprint = derive_discrete(
+        gpu="gpu0", weights=weights, device=card, host_backed=True, terms=vllm
+    )
     ready = footprint.charge("ready")
-    assert ready["gpu0"] == weights * 110 // 100 + 4 * GiB + 5 * GiB // 4
-    assert footprint.engine_budget == weights * 110 // 100 + 4 * GiB
+    budget = weights * 110 // 100 + 4 * GiB
+    assert ready["gpu0"] == budget + 5 * GiB // 4
+    assert footprint.engine_budget == budget
     assert ready["system"] == 4 * GiB + 12 * GiB, "host overhead plus 1.5 x weights parked copy"
-    assert footprint.charge("parked")["gpu0"] == GiB
-    assert footprint.charge("starting")["gpu0"] == weights * 9 // 4 + 8 * GiB
-    assert footprint.charge("starting")["gpu0"] == weights * 9 // 4 + 8 * GiB
+    # vLLM 0.29 on a 48 GiB card: graphs of up to 512 sequences (2 x 256, its default), which
+    # its sleep keeps beside the CUDA context.
+    assert footprint.charge("parked")["gpu0"] == CUDA_CONTEXT + 512 * 2 * MiB
+    # Its start stays within the budget it is told (27% of the card) plus its CUDA context and
+    # 150 MiB: below the ready charge, which it is charged.
+    told = card.capacity * 27 // 100
+    assert vllm.startup_peak(weights, 4 * GiB, budget, card.capacity) == (
+        CUDA_CONTEXT + told + 150 * MiB
+    )
+    assert footprint.charge("starting")["gpu0"] == ready["gpu0"]
     assert (footprint.device_provenance, footprint.host_provenance) == ("derived", "derived")
     assert footprint.charge("cold") == {}
     declared = derive_discrete(
-        gpu="gpu0", weights=weights, device=card, host_backed=False, startup=(20 * GiB, "declared")
+        gpu="gpu0",
+        weights=weights,
+        device=card,
+        host_backed=False,
+        terms=vllm,
+        startup=(20 * GiB, "declared"),
     )
     assert declared.charge("starting")["gpu0"] == 20 * GiB
     assert declared.charge("ready")["system"] == 4 * GiB
@@ -103,7 +124,13 @@ def test_placement() -> None:
 
 def test_a_derived_peak_above_the_card_needs_the_card_empty() -> None:
     card = Domain("gpu0", 24 * GiB, 22 * GiB, 2 * GiB, 6 * GiB)
-    footprint = derive_discrete(gpu="gpu0", weights=8 * GiB, device=card, host_backed=False)
+    # SGLang told to prefill 8192 tokens at a time: 12 GiB of activations beside its budget.
+    chunked = terms(
+        Family.SGLANG, card.capacity, engine_config={"extra_args": ["--chunked-prefill-size=8192"]}
+    )
+    footprint = derive_discrete(
+        gpu="gpu0", weights=8 * GiB, device=card, host_backed=False, terms=chunked
+    )
     assert footprint.charge("starting")["gpu0"] == 22 * GiB
     assert footprint.device_provenance == "whole_device"
     ledger = Ledger(
@@ -116,6 +143,7 @@ def test_a_derived_peak_above_the_card_needs_the_card_empty() -> None:
         weights=8 * GiB,
         device=card,
         host_backed=False,
+        terms=chunked,
         startup=(16 * GiB, "measured"),
         startup_host=(6 * GiB, "measured"),
     )
@@ -130,6 +158,7 @@ def test_a_declared_request_replaces_the_derived_one() -> None:
         weights=8 * GiB,
         device=card,
         host_backed=False,
+        terms=terms(Family.VLLM, card.capacity),
         request=12 * GiB,
         kv_cache=2 * GiB,
     )
@@ -139,13 +168,14 @@ def test_a_declared_request_replaces_the_derived_one() -> None:
 
 def test_unified_footprint() -> None:
     pool = Domain("unified", 128 * GiB, 64 * GiB, 25 * GiB, 32 * GiB)
-    footprint = derive_unified(weights=40 * GiB, domain=pool)
+    vllm = terms(Family.VLLM, pool.capacity)
+    footprint = derive_unified(weights=40 * GiB, domain=pool, terms=vllm)
     margin = 40 * GiB * 15 // 100 + 4 * GiB  # above 8 GiB
     assert footprint.charge("ready") == {"unified": 40 * GiB + 4 * GiB + margin}
     assert footprint.charge("parked") == {"unified": 2 * GiB}
     assert footprint.charge("starting") == {"unified": 64 * GiB}, "2.25 x 40 GiB is above 64 GiB"
     assert footprint.device_provenance == "whole_device"
-    small = derive_unified(weights=4 * GiB, domain=pool)
+    small = derive_unified(weights=4 * GiB, domain=pool, terms=vllm)
     assert small.charge("ready") == {"unified": 4 * GiB + 4 * GiB + 8 * GiB}
     assert small.charge("starting") == {"unified": 16 * GiB + 5 * GiB // 4}
     assert small.device_provenance == "derived"
@@ -165,7 +195,8 @@ def test_limits_override_the_derived_policy() -> None:
 
 def test_an_lmcache_server_is_charged_beside_its_engine_in_every_phase_but_cold() -> None:
     card = Domain("gpu0", 24 * GiB, 22 * GiB, 2 * GiB, 6 * GiB)
-    plain = derive_discrete(gpu="gpu0", weights=8 * GiB, device=card, host_backed=False)
+    vllm = terms(Family.VLLM, card.capacity)
+    plain = derive_discrete(gpu="gpu0", weights=8 * GiB, device=card, host_backed=False, terms=vllm)
     cached = plain.with_cache(6 * GiB, ("gpu0", 768 << 20), "derived")
     assert cached.cache_provenance == "derived"
     assert plain.cache_provenance is None
@@ -175,7 +206,7 @@ def test_an_lmcache_server_is_charged_beside_its_engine_in_every_phase_but_cold(
         assert after["system"] == before["system"] + 6 * GiB, phase
         assert after["gpu0"] == before["gpu0"] + (768 << 20), phase
     pool = Domain("unified", 128 * GiB, 64 * GiB, 25 * GiB, 32 * GiB)
-    unified = derive_unified(weights=8 * GiB, domain=pool)
+    unified = derive_unified(weights=8 * GiB, domain=pool, terms=terms(Family.VLLM, pool.capacity))
     shared = unified.with_cache(6 * GiB, ("unified", 768 << 20), "measured")
     extra = 6 * GiB + (768 << 20)
     assert shared.charge("ready") == {"unified": unified.charge("ready")["unified"] + extra}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from capycommon.deployments import parse_deployment
+from capycommon.engines.families import Family
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
@@ -14,6 +15,7 @@ from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains
 from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
+from unit.launches import terms
 
 S = InstanceState
 NOW = 100_000.0
@@ -33,6 +35,7 @@ LAYOUT: list[tuple[InstanceState | None, int, bool]] = [
     (S.STOPPED, 0, False),  # demanded, with a 70 GiB startup peak: a switch
 ]
 IDLE, FITS, SWITCH = 4, 8, 9
+VLLM = terms(Family.VLLM, 80 * GiB)
 
 
 def _view(host: str) -> HostView:
@@ -67,6 +70,7 @@ def _binding(view: HostView, index: int) -> Binding:
             weights=request // 2,
             device=view.domains[gpu],
             host_backed=True,
+            terms=VLLM,
             request=request,
             startup=(startup, "declared"),
         )

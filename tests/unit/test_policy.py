@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from capycommon.deployments import parse_deployment
+from capycommon.engines.families import Family
 from capycommon.errors import ProfileNotPublished
 from capycommon.state.desired import Attempts, DeploymentRecord, Inflight
 from capycommon.state.instances import InstanceRecord, InstanceState
@@ -14,15 +15,20 @@ from capycommon.state.load import EngineLoad
 from capycommon.state.places import Places
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged
+from capyctl_scheduler.engineterms import CUDA_CONTEXT
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains, derive_unified
 from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
+from unit.launches import terms
 from unit.readings import idle_reading
 
 S = InstanceState
 HOST = "local"
 # A model charged 14 GiB on its card: a 12.75 GiB request plus 1.25 GiB of CUDA context.
 REQUEST = 12 * GiB + 3 * GiB // 4
+# Parked, a vLLM 0.29 engine on a 24 GiB card keeps its CUDA context and its graph pool: its
+# graphs of up to 512 sequences (twice its default of 256), 2 MiB each.
+PARKED = CUDA_CONTEXT + 512 * (2 << 20)
 
 
 def view(*sizes: int, unified: bool = False, ram: int = 256 * GiB) -> HostView:
@@ -74,7 +80,8 @@ def instance(
 def binding(host: HostView, weights: int = 10 * GiB, request: int | None = REQUEST) -> Binding:
     if host.unified:
         pool = host.domains["unified"]
-        footprint = derive_unified(weights=weights, domain=pool, request=request)
+        vllm = terms(Family.VLLM, pool.capacity)
+        footprint = derive_unified(weights=weights, domain=pool, terms=vllm, request=request)
         return Binding(HOST, footprints=dict.fromkeys(host.gpus, footprint))
     return Binding(
         HOST,
@@ -84,6 +91,7 @@ def binding(host: HostView, weights: int = 10 * GiB, request: int | None = REQUE
                 weights=weights,
                 device=host.domains[gpu],
                 host_backed=True,
+                terms=terms(Family.VLLM, host.domains[gpu].capacity),
                 request=request,
                 startup=((request or 0) + 5 * GiB // 4, "declared"),
             )
@@ -92,11 +100,18 @@ def binding(host: HostView, weights: int = 10 * GiB, request: int | None = REQUE
     )
 
 
-def derived(host: HostView, weights: int, request: int | None = None) -> Binding:
-    """A binding whose startup peak was never measured nor declared."""
+def derived(host: HostView, weights: int, request: int | None = None, **document: Any) -> Binding:
+    """A binding whose startup peak was never measured nor declared: a vLLM deployment's,
+    or of the engine and settings `document` names (`family`, `engine_config`)."""
+    family = document.pop("family", Family.VLLM)
     footprints = {
         gpu: derive_discrete(
-            gpu=gpu, weights=weights, device=host.domains[gpu], host_backed=False, request=request
+            gpu=gpu,
+            weights=weights,
+            device=host.domains[gpu],
+            host_backed=False,
+            terms=terms(family, host.domains[gpu].capacity, **document),
+            request=request,
         )
         for gpu in host.gpus
     }
@@ -283,9 +298,9 @@ def test_three_14gib_models_on_a_24gib_gpu_switch_in_turn() -> None:
     draining = instance("a", S.DRAINING, since=50.0)
     actions = plan(b_demanded(51.0, drained, draining, loads={"a": load(1, 0, 50.5)}))
     park = next(a for a in actions if a.kind == "park")
-    assert park.release_bound == GiB, "the parked charge bounds what it may keep"
+    assert park.release_bound == PARKED, "the parked charge bounds what it may keep"
     assert waits(actions) == ["switch: waiting for memory being released to start"]
-    # a parked: b starts beside a's 1 GiB residue.
+    # a parked: b starts beside a's residue.
     actions = plan(b_demanded(60.0, records, instance("a", S.PARKED, since=55.0)))
     assert kinds(actions) == [("start", "b")]
     # c comes: b (ready, least recently used is a but a is parked already) is the victim.
@@ -346,10 +361,14 @@ def test_a_document_no_host_can_run_is_refused_at_once() -> None:
 
 
 def test_a_first_start_stops_the_victim_that_parking_would_not_shrink_enough() -> None:
-    # Three 6 GiB models on a 24 GiB card: a derived peak of 21.5 GiB fits an empty card, not
-    # beside a parked residue. The ready one stops instead of parking.
+    # 6 GiB models on a 24 GiB card, on SGLang with 8192-token chunked prefills: by SGLang's
+    # terms a start needs 10.6 GiB of weights and KV cache, 12 GiB of activations beside them
+    # and more: only an empty card holds that, not one with a parked residue. The ready one
+    # stops instead of parking.
     found = b_demanded()
-    six = derived(found.hosts[HOST], weights=6 * GiB)
+    chunked = {"extra_args": ["--chunked-prefill-size", "8192"]}
+    six = derived(found.hosts[HOST], weights=6 * GiB, family=Family.SGLANG, engine_config=chunked)
+    assert six.footprints["gpu0"].device_provenance == "whole_device"
     found = replace(found, bindings={name: {HOST: six} for name in ("a", "b")})
     actions = plan(found)
     assert [(a.kind, a.deployment, a.then) for a in actions if a.kind != "wait"] == [

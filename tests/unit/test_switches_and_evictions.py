@@ -21,6 +21,7 @@ from capyctl_scheduler.policy import plan
 from capyctl_scheduler.snapshot import Snapshot, Tunables
 from unit.test_policy import (
     HOST,
+    PARKED,
     REQUEST,
     S,
     b_demanded,
@@ -211,7 +212,7 @@ def test_gpu_memory_is_the_ledger_by_gpu_and_phase() -> None:
     summary = {gpu.gpu: gpu for gpu in gpu_memory(found).gpus}
     assert sorted(summary) == ["gpu0", "gpu1"], "host RAM is no GPU"
     ready = REQUEST + 5 * GiB // 4
-    assert summary["gpu0"].charged == {"ready": ready, "parked": GiB}
+    assert summary["gpu0"].charged == {"ready": ready, "parked": PARKED}
     assert summary["gpu1"].charged == {"starting": ready}
     ledger = charged(found, HOST)
     for name, gpu in summary.items():

@@ -34,6 +34,7 @@ from capycommon.state.desired import (
 from capycommon.state.instances import InstanceState
 from capycommon.state.store import Conflict, Event, InstanceStore, read_host_events
 from capyctl_scheduler.actions import Action, Kind
+from capyctl_scheduler.engineterms import told_fraction
 from capyctl_scheduler.ledger import Footprint
 from capyctl_scheduler.snapshot import Snapshot
 
@@ -99,7 +100,7 @@ class Actuator:
             served_name=record.document.routes[0],
             residency=resolved.residency.value,
             gpu_uuid=view.gpus[action.gpu],
-            memory_fraction=_fraction(footprint.engine_budget, total),
+            memory_fraction=told_fraction(footprint.engine_budget, total),
             kv_cache_bytes=footprint.kv_cache if config.memory.kv_cache else None,
             context_length=config.context_length,
             max_concurrent_requests=config.max_concurrent_requests,
@@ -502,8 +503,3 @@ def switch_engine_s(switch: Switch, generation: int, name: str, events: list[Eve
         elif of == (name, generation) and (event.from_state, event.to_state) in READIED:
             target = event.engine_s or 0.0
     return engine + target
-
-
-def _fraction(budget: int, total: int) -> float:
-    """The share of the card an engine may take, rounded up to a hundredth."""
-    return min(0.95, -(-budget * 100 // total) / 100)

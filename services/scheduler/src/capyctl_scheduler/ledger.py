@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from capycommon.errors import DeviceUnobserved, InsufficientResources
 from capycommon.state.memory import MemoryReading
 from capycommon.units import format_size, parse_size
 
+if TYPE_CHECKING:
+    from capyctl_scheduler.engineterms import EngineTerms
+
 GiB = 1 << 30
 SYSTEM = "system"
 UNIFIED = "unified"
 
-CUDA_CONTEXT = 5 * GiB // 4  # CUDA context and graphs, beside the engine's own request
+BESIDE_BUDGET = 5 * GiB // 4  # a ready engine's CUDA context and graphs beside its budget
 ENGINE_HOST_OVERHEAD = 4 * GiB  # an engine's host RAM, a placeholder until measured
 
 Phase = Literal["cold", "starting", "ready", "parked", "waking"]
@@ -148,22 +151,25 @@ def derive_discrete(
     weights: int,
     device: Domain,
     host_backed: bool,
+    terms: EngineTerms,
     request: int | None = None,
     kv_cache: int | None = None,
     startup: tuple[int, Provenance] | None = None,
     startup_host: tuple[int, Provenance] | None = None,
 ) -> Footprint:
-    """A discrete-GPU deployment: device request = weights x 1.10 + KV (or the declared
-    request), plus 1.25 GiB of CUDA context and graphs; 4 GiB of engine host overhead (until
-    measured); a host_backed copy is 1.5 x weights of host RAM for the engine's whole life;
-    parked keeps a 1 GiB device residue."""
+    """A discrete-GPU deployment: device request (its budget) = weights x 1.10 + KV (or the
+    declared request), plus 1.25 GiB of CUDA context and graphs when ready; 4 GiB of engine
+    host overhead (until measured); a host_backed copy is 1.5 x weights of host RAM for the
+    engine's whole life. An unmeasured start is charged what its engine's own terms reach
+    (`EngineTerms.startup_peak`), at least its ready charge; parked, what its park leaves
+    (`EngineTerms.parked_residue`), at most its ready charge."""
     kv = kv_cache if kv_cache is not None else min(4 * GiB, device.managed_limit // 4)
     budget = request if request is not None else weights * 110 // 100 + kv
-    ready_device = budget + CUDA_CONTEXT
+    ready_device = budget + BESIDE_BUDGET
     copy = weights * 3 // 2 if host_backed else 0
     host_start, host_provenance = startup_host or (ENGINE_HOST_OVERHEAD, "derived")
     host = max(host_start, ENGINE_HOST_OVERHEAD) + copy
-    derived = max(ready_device, weights * 9 // 4 + 8 * GiB)
+    derived = max(ready_device, terms.startup_peak(weights, kv, budget, device.capacity))
     ceiling = min(device.managed_limit, device.capacity - device.free_reserve)
     peak, provenance = _startup(derived, ceiling, startup)
     ready = {gpu: ready_device, SYSTEM: host}
@@ -173,7 +179,7 @@ def derive_discrete(
             "starting": {gpu: max(peak, ready_device), SYSTEM: host},
             "ready": ready,
             "waking": ready,
-            "parked": {gpu: min(GiB, ready_device), SYSTEM: host},
+            "parked": {gpu: min(terms.parked_residue(), ready_device), SYSTEM: host},
         },
         device_provenance=provenance,
         host_provenance=host_provenance,
@@ -186,16 +192,23 @@ def derive_unified(
     *,
     weights: int,
     domain: Domain,
+    terms: EngineTerms,
     request: int | None = None,
     kv_cache: int | None = None,
     startup: tuple[int, Provenance] | None = None,
 ) -> Footprint:
     """A deployment on unified memory, charged on the one pool: request = weights + KV +
-    margin (8 GiB, or 0.15 x weights + 4 GiB when larger); parked keeps 2 GiB."""
+    margin (8 GiB, or 0.15 x weights + 4 GiB when larger); parked keeps 2 GiB (the engine
+    process's own memory lives in the same pool). An unmeasured start is charged the most of
+    its ready charge, its engine's own terms, and weights x 2.25 + margin: the files its
+    loader reads land in the same pool as the copy it makes (a GB10 held 54.2 GiB loading a
+    model it ran in 43.95, the eager loader; 34.5 in 26.63, the lazy one)."""
     kv = kv_cache if kv_cache is not None else min(4 * GiB, domain.managed_limit // 4)
     margin = max(8 * GiB, weights * 15 // 100 + 4 * GiB)
     ready = request if request is not None else weights + kv + margin
-    derived = max(ready + CUDA_CONTEXT, weights * 9 // 4 + margin)
+    budget = min(ready, weights * 110 // 100 + kv)
+    engine = terms.startup_peak(weights, kv, budget, domain.capacity)
+    derived = max(ready + BESIDE_BUDGET, weights * 9 // 4 + margin, engine)
     ceiling = min(domain.managed_limit, domain.capacity - domain.free_reserve)
     peak, provenance = _startup(derived, ceiling, startup)
     return Footprint(
@@ -208,7 +221,7 @@ def derive_unified(
         },
         device_provenance=provenance,
         host_provenance=provenance,
-        engine_budget=min(ready, weights * 110 // 100 + kv),
+        engine_budget=budget,
         kv_cache=kv,
     )
 

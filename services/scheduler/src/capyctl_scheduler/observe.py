@@ -18,7 +18,6 @@ import redis.asyncio as aioredis
 from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
 from capycommon.deployments.resolve import named_path
 from capycommon.engines import lmcache
-from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, ProfileNotPublished
 from capycommon.state import (
@@ -53,10 +52,9 @@ from capyctl_scheduler.ledger import (
     Footprint,
     Limits,
     Provenance,
-    derive_discrete,
     derive_domains,
-    derive_unified,
 )
+from capyctl_scheduler.sizing import engine_footprints
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
 
 # A Describe the host has not answered yet is sent again after this many seconds.
@@ -399,31 +397,7 @@ class Observer:
             startup = (peak.device_bytes, "measured")
         if peak is not None:
             startup_host = (peak.host_bytes, "measured")
-        weights = resolved.weights_bytes or 0
-        if view.unified:
-            pool = view.domains["unified"]
-            footprint = derive_unified(
-                weights=weights,
-                domain=pool,
-                request=memory.request,
-                kv_cache=memory.kv_cache,
-                startup=startup,
-            )
-            return dict.fromkeys(view.gpus, footprint)
-        return {
-            gpu: derive_discrete(
-                gpu=gpu,
-                weights=weights,
-                device=view.domains[gpu],
-                host_backed=resolved.residency == Residency.HOST_BACKED,
-                request=memory.request,
-                kv_cache=memory.kv_cache,
-                startup=startup,
-                startup_host=startup_host,
-            )
-            for gpu in view.gpus
-            if gpu in view.domains
-        }
+        return engine_footprints(resolved, view, startup, startup_host)
 
 
 def _paths(records: Iterable[DeploymentRecord]) -> dict[str, hostcommands.HubPull | None]:

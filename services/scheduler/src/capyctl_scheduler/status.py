@@ -211,6 +211,8 @@ def _charges(snapshot: Snapshot, name: str) -> list[Charge]:
                     provenance = footprint.host_provenance
                 elif phase == "starting":
                     provenance = footprint.device_provenance
+                elif phase == "parked":
+                    provenance = "derived"  # what the engine's park leaves; nobody declares it
                 else:
                     provenance = "declared" if declared else "derived"
             rows.append(
