@@ -1,6 +1,6 @@
 """The promises of the release notes on one machine, end to end with the openai SDK: no
-request waits without bound, first starts get the room they need, idle models give their
-memory back, and a restart_only model parks by stopping."""
+request waits without bound, first starts get the room their engine says they need, idle
+models give their memory back, and a restart_only model parks by stopping."""
 
 from __future__ import annotations
 
@@ -35,37 +35,38 @@ def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
     return body.get("error", body)  # type: ignore[no-any-return]
 
 
-def test_three_models_that_each_need_the_whole_card_to_start_take_turns(cluster: Cluster) -> None:
+def test_three_first_starts_park_the_model_in_their_way_and_peaks_are_measured(
+    cluster: Cluster,
+) -> None:
     # The case a new user met: three 6 GiB models with nothing but a name, an engine and a
-    # model, on one 24 GiB card, on an engine that takes 6 GiB more while it loads than ready.
-    # A first start's derived peak (21.5 GiB) fits only an empty card: the model in the way
-    # is stopped, since parking it would not free enough.
+    # model, on one 24 GiB card. A first start is charged as vLLM sizes itself, the share of
+    # the card it is told (10.8 GiB) with its CUDA context: the 11.85 GiB ready charge. Two do
+    # not fit, so each first start parks the model in its way, which leaves it room.
+    # This engine takes 6 GiB more while it loads than vLLM's own sizing says: memwatch
+    # measures that on the first start, and the measured peak replaces the estimate.
     for name in "abc":
         cluster.deploy(name, engine="peaky", model="six")
     for name in "abc":
         ask(cluster, name)
         assert cluster.state(name) == "ready"
-    stopped = [
-        reason
-        for name in "ab"
-        for _, to, reason in cluster.transitions(name)
-        if to == "stopping" and "parking it would not free enough" in reason
-    ]
-    assert len(stopped) == 2, "b's and c's first starts stopped the model in their way"
-    # memwatch stores a peak only for a start it watched whole (under heavy load it may not).
-    measured = cluster.status("a")["startup"]["device_provenance"] == "measured"
+    history = {name: cluster.transitions(name) for name in "abc"}
+    parked = [name for name in "ab" if any(to == "parking" for _, to, _ in history[name])]
+    assert parked == ["a", "b"], (
+        f"b's and c's first starts parked the model in their way: {history}"
+    )
+    assert not any(to == "stopping" for name in "abc" for _, to, _ in history[name]), history
     ask(cluster, "a")
     assert cluster.state("a") == "ready"
-    status = cluster.status("a")
-    assert status["startup"]["device_provenance"] == "measured"
-    peak = status["startup"]["device_bytes"]
-    assert peak < 21 * (1 << 30), f"the measured peak ({peak}) replaced the derived 21.5 GiB"
     final = [to for _, to, _ in cluster.transitions("c")][-1]
-    history = {name: cluster.transitions(name) for name in "abc"}
-    if measured:
-        assert final == "parked", f"with a's measured peak, c parks for it: {history}"
+    assert final == "parked", f"a's wake parked c: {cluster.transitions('c')}"
+    # memwatch stores a peak only for a start it watched whole (under heavy load it may not);
+    # what it stores is the load's, 6 GiB above the estimate.
+    startup = cluster.status("a")["startup"]
+    if startup["device_provenance"] == "measured":
+        peak = startup["device_bytes"]
+        assert 16 * (1 << 30) < peak < 18 * (1 << 30), f"the load's peak, measured: {peak}"
     else:
-        assert final == "stopped", f"a's peak is still derived: c stops for it: {history}"
+        assert startup["device_provenance"] == "derived", startup
 
 
 def test_a_model_bigger_than_the_card_is_refused_at_once_with_figures(cluster: Cluster) -> None:
