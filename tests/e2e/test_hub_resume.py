@@ -12,7 +12,7 @@ import random
 import re
 import signal
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ def test_a_download_cut_by_a_restart_of_hostd_resumes_from_its_partial_file(
         assert MiB <= kept < weights.size, "hostd was stopped half way"
         wait_for(cluster.role.healthy, timeout=30, what="supervisord to start hostd again")
         # The request waits through the restart, as for any start, and is answered.
-        answer = asked.result(timeout=90)
+        answer = _answered(asked, hub, partial)
     assert answer.choices[0].message.content
 
     starts = [_range_start(get) for get in _gets(hub, repo.repo_id, commit, WEIGHTS)]
@@ -135,6 +135,17 @@ def test_two_deployments_of_one_commit_starting_at_once_share_one_download(
 
 def _ask(cluster: Cluster, model: str) -> ChatCompletion:
     return cluster.openai(timeout=120).chat.completions.create(model=model, messages=HELLO)
+
+
+def _answered(asked: Future[ChatCompletion], hub: MockHub, partial: Path) -> ChatCompletion:
+    """The answer, or a failure that says how far the download got and what reached the hub."""
+    try:
+        return asked.result(timeout=90)
+    except TimeoutError:
+        seen = [(r.method, r.path, r.headers.get("range")) for r in hub.requests]
+        raise AssertionError(
+            f"no answer in 90 s; {_size(partial)} bytes in {partial}; the hub saw {seen}"
+        ) from None
 
 
 def _size(path: Path) -> int:

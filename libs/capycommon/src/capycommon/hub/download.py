@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +41,10 @@ Progress = Callable[[int, int], None]
 _CHUNK = 1 << 16
 _PROGRESS_EVERY_S = 0.1
 _LOCK_POLL_S = 0.2
+# A wait on another process's download of the same store is logged once it lasts this long.
+_LOCK_TELL_AFTER_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 class _Meter:
@@ -187,12 +192,16 @@ async def _process_lock(paths: StorePaths) -> AsyncIterator[None]:
     paths.root.mkdir(parents=True, exist_ok=True)
     make_private(paths.lock.parent)
     fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    waited = 0.0
     try:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if waited < _LOCK_TELL_AFTER_S <= waited + _LOCK_POLL_S:
+                    log.info("waiting for another process's download", extra={"lock": paths.lock})
+                waited += _LOCK_POLL_S
                 await asyncio.sleep(_LOCK_POLL_S)
         yield
     finally:
