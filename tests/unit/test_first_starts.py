@@ -74,12 +74,15 @@ SIX = 6 * GiB
 SIX_TOLD = told(SIX * 11 // 10 + 4 * GiB, CARD) / GiB  # 45% of the card: 10.8 GiB
 SMALL = {"engine_config": {"memory": {"request": "4GiB"}}}
 SMALL_TOLD = told(4 * GiB, CARD) / GiB  # 17%
+BIG_REQUEST = {"engine_config": {"memory": {"request": "20GiB", "kv_cache": "2GiB"}}}
 GGUF = 1 + 8192 * 128 / 1024**2 + 8 / 1024  # with the context llama.cpp must be given
 ROWS = [
     Row("sim vLLM, six", Family.VLLM, SIX, CARD, {}, 11.85, SIX_TOLD, False),
     Row("sim vLLM, peaky six", Family.VLLM, SIX, CARD, {}, 11.85, SIX_TOLD + 6, False),
     Row("sim vLLM, small", Family.VLLM, 2 * GiB, CARD, SMALL, 5.25, SMALL_TOLD, True),
     Row("sim vLLM, six, 2 GiB KV", Family.VLLM, SIX, CARD, kv("2GiB"), 12.74, 8.0, False),
+    # vLLM refuses to start unless the share it is told is free, KV cache given or not.
+    Row("sim vLLM, six, 2 GiB KV of 20", Family.VLLM, SIX, CARD, BIG_REQUEST, 21.9, 8.0, False),
     Row("sim SGLang, six", Family.SGLANG, SIX, CARD, {}, 15.07, SIX_TOLD, False),
     Row("sim llama.cpp, gguf", Family.LLAMACPP, GiB, CARD, {}, 6.35, GGUF, True),
     Row("H200 vLLM, 50 + 2 GiB KV", Family.VLLM, 50 * GiB, H200, kv("2GiB"), 65.74, 53.0, True),

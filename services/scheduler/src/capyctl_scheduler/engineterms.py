@@ -79,8 +79,8 @@ class EngineTerms:
     """What one launch holds on its device beside its budget, by its engine's own rules.
 
     `activations` are one batch's (vLLM: max_num_batched_tokens; SGLang: a chunked prefill),
-    `graphs` its CUDA graphs; `inside` says which of them its engine keeps within the budget;
-    `kv_fixed`: vLLM told its KV cache's size, which then ignores the budget."""
+    `graphs` its CUDA graphs; `*_inside` says whether its engine keeps them within the
+    budget; `kv_fixed`: vLLM told its KV cache's size, which then ignores the budget."""
 
     family: Family
     activations: int
@@ -102,7 +102,7 @@ class EngineTerms:
             return 0
         static = int(told_fraction(budget, capacity) * capacity)
         if self.kv_fixed:
-            static = max(budget, weights + kv_cache + self.activations)
+            static = max(static, weights + kv_cache + self.activations)
         beside = 0 if self.activations_inside or self.kv_fixed else self.activations
         beside += 0 if self.graphs_inside and not self.kv_fixed else self.graphs
         return CUDA_CONTEXT + static + beside + self.margin
