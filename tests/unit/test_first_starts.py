@@ -16,9 +16,10 @@ from capyctl_scheduler.ledger import Footprint, derive_domains
 from capyctl_scheduler.policy import plan
 from capyctl_scheduler.sizing import engine_footprints
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
+from capyctl_scheduler.status import detail
 from unit.launches import resolved, terms
 from unit.readings import idle_reading
-from unit.test_policy import deployment, instance, kinds, load
+from unit.test_policy import deployment, instance, kinds, load, snapshot
 
 S = InstanceState
 MiB = 1 << 20
@@ -222,3 +223,13 @@ def test_a_parked_engine_keeps_its_context_and_what_its_park_leaves() -> None:
     assert terms(Family.SGLANG, CARD).parked_residue() == CUDA_CONTEXT + 512 * MiB
     # The simulator parks at its residue (512 MiB by default), within either charge.
     assert 512 * MiB <= terms(Family.SGLANG, CARD).parked_residue()
+
+
+def test_status_says_the_parked_charge_is_derived_even_with_a_declared_request() -> None:
+    declared = deployment("a", engine_config={"memory": {"request": "13056MiB"}})
+    found = snapshot(1.0, [declared], [instance("a", S.PARKED)])
+    charges = {c.domain: c for c in detail(found, "a").charges}
+    assert (charges["gpu0"].phase, charges["gpu0"].provenance) == ("parked", "derived")
+    assert charges["gpu0"].bytes == CUDA_CONTEXT + 512 * 2 * MiB
+    ready = snapshot(1.0, [declared], [instance("a", S.READY)])
+    assert {c.domain: c.provenance for c in detail(ready, "a").charges}["gpu0"] == "declared"
