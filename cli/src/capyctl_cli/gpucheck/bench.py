@@ -13,6 +13,7 @@ engine's environment, the way a deployment sets any engine variable.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import httpx
 from capycommon import credentials
 from capycommon import management as wire
 from capycommon.engines import detect, registry
+from capycommon.errors import CapyError
 from capycommon.state import keys, memory, quarantine
 from capycommon.state.instances import InstanceRecord
 from capycommon.units import format_size_exact
@@ -207,10 +209,13 @@ class Bench:
             )
 
     def close(self) -> None:
-        """The role stopped, and whatever a failed step left ended."""
+        """The role stopped, and whatever a failed step left ended: a drain first while the
+        role runs, else (it failed too) the processes by PID."""
         try:
             if self.role.proc.poll() is None:
                 self.drain()
+        except (CapyError, Fail) as exc:
+            print(f"gpu-check: the drain at the end failed ({exc}); ending by PID", file=sys.stderr)
         finally:
             self.role.stop()
             end_left_under(self.folder)

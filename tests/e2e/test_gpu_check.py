@@ -1,0 +1,156 @@
+"""scripts/gpu-check as a person runs it. Here, without a GPU or torch, each GPU step says SKIP
+naming what is missing and the command exits 0. Rehearsed on a simulated GPU, with a stand-in
+torch that every process of the check imports (through PYTHONPATH, and the engine's venv),
+each step that can run without the real device passes with its figures: the same code as on a
+GPU, but memwatch's simulated backend in place of NVML."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pynvml  # type: ignore[import-untyped]
+import pytest
+
+from support import clean_env, processes_mentioning
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu-check"
+STEPS = {
+    1: "nvml-attribution",
+    2: "nvml-tests",
+    3: "role-on-gpu",
+    4: "engine-on-cuda",
+    5: "models-in-turn",
+    6: "clean-drain",
+}
+LINE = re.compile(r"^(PASS|FAIL|SKIP) (\d) ([a-z-]+): (.*) \(\d+\.\d s\)$")
+NO_GPU = "no NVIDIA GPU to read: NVML does not start (NVML Shared Library Not Found)"
+# torch as the check and the engine simulator's CUDA mode use it, with nothing behind it: on
+# simulated GPUs the claims are the memory.
+FAKE_TORCH = '''"""A stand-in for torch with a CUDA device and no memory of its own."""
+__version__ = "0.0+fake"
+uint8 = "uint8"
+
+
+class version:
+    cuda = "12.4"
+
+
+class Tensor:
+    def __init__(self, size):
+        self.size = size
+
+
+def empty(size, dtype=None, device=None):
+    return Tensor(size)
+
+
+class cuda:
+    @staticmethod
+    def is_available():
+        return True
+
+    @staticmethod
+    def init():
+        return None
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+    @staticmethod
+    def synchronize():
+        return None
+'''
+
+
+def nvml_here() -> bool:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+def gpu_check(*args: str, timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env=clean_env(**env),
+        timeout=timeout,
+        check=False,
+    )
+
+
+def steps(output: str) -> dict[int, tuple[str, str]]:
+    """Each step's (status, text), checked to be on one line of its own, in order."""
+    found: dict[int, tuple[str, str]] = {}
+    for line in output.splitlines():
+        match = LINE.match(line)
+        if match is not None:
+            status, number, name, text = match.groups()
+            assert STEPS[int(number)] == name, line
+            found[int(number)] = (status, text)
+    assert list(found) == list(STEPS), output
+    return found
+
+
+@pytest.mark.skipif(nvml_here(), reason="an NVIDIA GPU is here: the check runs its steps")
+def test_without_a_gpu_each_gpu_step_says_skip_naming_nvml_and_it_exits_0() -> None:
+    done = gpu_check(timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = steps(done.stdout)
+    for number in (1, 3, 4, 5, 6):
+        assert found[number] == ("SKIP", NO_GPU)
+    status, text = found[2]
+    assert status == "SKIP"
+    assert text.startswith("the 2 NVML-gated tests skipped (no NVIDIA GPU here: ")
+    assert text.endswith(" others passed"), "the tests that need no GPU ran and passed"
+    head = done.stdout.splitlines()[0]
+    assert head.startswith("gpu-check: capyctl ")
+    assert head.endswith(f"from a clone at {ROOT}")
+    assert "gpu-check: 0 PASS, 0 FAIL, 6 SKIP in " in done.stdout
+    assert "logs are kept" not in done.stdout
+
+
+def test_a_release_executable_that_is_not_there_is_refused() -> None:
+    done = gpu_check("--pex", "/nonexistent/capyctl.pex", timeout=30)
+    assert done.returncode == 2
+    assert "gpu-check: no release executable at /nonexistent/capyctl.pex" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rehearsed_on_a_simulated_gpu_every_step_that_can_run_here_passes(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    done = gpu_check("--simulated-gpus", "gpu0:24GiB", timeout=540, PYTHONPATH=str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = steps(done.stdout)
+    assert [found[n][0] for n in STEPS] == ["PASS", "SKIP", "PASS", "PASS", "PASS", "PASS"]
+    assert re.match(
+        r"NVML credited 6\.0 GiB to the child's PID in 3/3 rounds and saw each release "
+        r"[\d-]+ ms after the free; CUDA context 500\.0 MiB \(simulated, gpu0 gpu0 24\.0 GiB\)",
+        found[1][1],
+    ), found[1][1]
+    assert found[3][1].startswith("source simulated: gpu0 gpu0 24.0 GiB; host RAM ")
+    engine = re.match(
+        r"cold start [\d.]+ s, park [\d.]+ s, wake [\d.]+ s; a ([\d.]+ GiB) model held \1 ready, "
+        r"0 B parked, \1 woken; startup peak \(with 1\.0 GiB of start-up extra\) measured by "
+        r"memwatch ([\d.]+ GiB), read by NVML \2$",
+        found[4][1],
+    )
+    assert engine is not None, found[4][1]
+    turns = found[5][1]
+    assert turns.startswith("3 models of 8.4 GiB on gpu0 gpu0 24.0 GiB (managed limit 22.1 GiB)")
+    assert "asked model-a, model-b, model-c, model-a: all answered" in turns
+    assert "drained in " in found[6][1]
+    assert "then NVML credited 0 B to the check's processes" in found[6][1]
+    assert "gpu-check: 5 PASS, 0 FAIL, 1 SKIP in " in done.stdout
+    assert processes_mentioning("/tmp/gpu-check-") == [], "nothing of the check left running"
