@@ -7,26 +7,13 @@ GPU, but memwatch's simulated backend in place of NVML."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
-import pynvml  # type: ignore[import-untyped]
 import pytest
 
-from support import clean_env, processes_mentioning
+from gpucheckrun import NO_GPU, ROOT, STEPS, gpu_check, nvml_here, steps
+from support import processes_mentioning
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu-check"
-STEPS = {
-    1: "nvml-attribution",
-    2: "nvml-tests",
-    3: "role-on-gpu",
-    4: "engine-on-cuda",
-    5: "models-in-turn",
-    6: "clean-drain",
-}
-LINE = re.compile(r"^(PASS|FAIL|SKIP) (\d) ([a-z-]+): (.*) \(\d+\.\d s\)$")
-NO_GPU = "no NVIDIA GPU to read: NVML does not start (NVML Shared Library Not Found)"
 # torch as the check and the engine simulator's CUDA mode use it, with nothing behind it: on
 # simulated GPUs the claims are the memory.
 FAKE_TORCH = '''"""A stand-in for torch with a CUDA device and no memory of its own."""
@@ -64,39 +51,6 @@ class cuda:
     def synchronize():
         return None
 '''
-
-
-def nvml_here() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
-def gpu_check(*args: str, timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        env=clean_env(**env),
-        timeout=timeout,
-        check=False,
-    )
-
-
-def steps(output: str) -> dict[int, tuple[str, str]]:
-    """Each step's (status, text), checked to be on one line of its own, in order."""
-    found: dict[int, tuple[str, str]] = {}
-    for line in output.splitlines():
-        match = LINE.match(line)
-        if match is not None:
-            status, number, name, text = match.groups()
-            assert STEPS[int(number)] == name, line
-            found[int(number)] = (status, text)
-    assert list(found) == list(STEPS), output
-    return found
 
 
 @pytest.mark.skipif(nvml_here(), reason="an NVIDIA GPU is here: the check runs its steps")

@@ -38,6 +38,13 @@ class Check:
     _bench: Bench | Skip | None = None
     role_env: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.simgpu is not None and self.simulated:
+            self.role_env = {
+                "CAPYCTL_SIMULATED_GPUS": self.simulated,
+                "CAPYCTL_SIMGPU_DIR": str(self.simgpu),
+            }
+
     @property
     def simgpu(self) -> Path | None:
         return self.folder / "simgpu" if self.simulated else None
@@ -48,17 +55,11 @@ class Check:
 
     def watch(self) -> DeviceWatch:
         if self._watch is None:
-            folder = self.simgpu
+            simulated = (self.simgpu, self.simulated) if self.simgpu and self.simulated else None
             try:
-                spec = (folder, self.simulated) if folder and self.simulated else None
-                self._watch = DeviceWatch.start(spec)
+                self._watch = DeviceWatch.start(simulated)
             except Skip as exc:
                 self._watch = exc
-            if folder is not None and self.simulated:
-                self.role_env = {
-                    "CAPYCTL_SIMULATED_GPUS": self.simulated,
-                    "CAPYCTL_SIMGPU_DIR": str(folder),
-                }
         if isinstance(self._watch, Skip):
             raise self._watch
         return self._watch

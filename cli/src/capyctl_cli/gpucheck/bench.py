@@ -88,8 +88,12 @@ class Bench:
         install_engine(folder, torch, document)
         role = Role.start(folder, env)
         gpu = max(watch.first.gpus, key=lambda g: g.free)
-        with role.api() as api:
-            (host,) = (h for h in api.hosts() if h.name == HOST)
+        try:
+            with role.api() as api:
+                (host,) = (h for h in api.hosts() if h.name == HOST)
+        except BaseException:
+            role.stop()
+            raise
         domain = next(d for d in host.domains if d.name == f"gpu{gpu.index}")
         return cls(folder, role, watch, gpu, domain)
 
