@@ -116,7 +116,9 @@ def test_tool_calls(served: Engine) -> None:
 def test_requests_beyond_the_slots_are_deferred_and_hang_ups_free_the_slot(
     served: Engine,
 ) -> None:
-    body = {"messages": HELLO, "stream": True}
+    # The first answer goes on until it is hung up on (ignore_eos, as llama-server takes it), so
+    # the slot stays taken however late the second request comes on a loaded machine.
+    body = {"messages": HELLO, "stream": True, "max_tokens": 4000, "ignore_eos": True}
     later: list[str] = []
     with httpx.stream(
         "POST", f"{served.base}/v1/chat/completions", json=body, headers=served.headers
@@ -129,9 +131,9 @@ def test_requests_beyond_the_slots_are_deferred_and_hang_ups_free_the_slot(
         assert served.metric("llamacpp:requests_processing") == 1
         assert served.get("/slots").json()[0]["is_processing"] is True
         assert served.get("/slots", params={"fail_on_no_slot": "1"}).status_code == 503
-    second.join(timeout=10)
+    second.join(timeout=30)
     assert later == ["Thinking it"]
-    wait_for(lambda: served.metric("llamacpp:requests_processing") == 0, 5, "a free slot")
+    wait_for(lambda: served.metric("llamacpp:requests_processing") == 0, 30, "a free slot")
     text = served.get("/metrics").text
     for name in (
         "prompt_tokens_total",
