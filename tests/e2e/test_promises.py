@@ -155,6 +155,16 @@ def test_status_says_when_the_model_will_next_park(cluster: Cluster) -> None:
     assert "ready 5m, parked 30m" in text
 
 
+def test_status_names_a_folder_model_as_it_was_declared(cluster: Cluster) -> None:
+    """A model from a folder is shown by that folder, as the document wrote it: the status's
+    canonical document carries `hf: null` beside the path, which once printed `hf None`."""
+    cluster.deploy("folder", model="small")
+    lines = cluster.ok("status", "deployment", "folder").splitlines()
+    shown = [line.split() for line in lines if line.startswith("model ")]
+    assert shown == [["model", "small"]], lines
+    assert not any(line.startswith("commit ") for line in lines), lines
+
+
 def test_the_roles_idle_defaults_park_then_stop_unless_a_deployment_says_never() -> None:
     scheduling = {
         "drain_timeout": 10,

@@ -235,12 +235,13 @@ def render_status(status: DeploymentStatus) -> str:
 
 
 def _model(status: DeploymentStatus) -> list[tuple[str, str]]:
-    """Where the model comes from: a folder, or a Hub repository at its pinned commit, with
-    the download's progress while one is under way."""
+    """Where the model comes from, as it was declared: a folder, or a Hub repository at its
+    pinned commit, with the download's progress while one is under way. The canonical
+    document names both fields, the one not given as null, so the source is the one set."""
     model = status.document.get("model")
     if not isinstance(model, dict):
         return []
-    if "hf" not in model:
+    if not model.get("hf"):
         return [("model", str(model.get("path")))]
     repo, _, commit = str(model["hf"]).partition("@")
     revision = f" ({model['revision']})" if model.get("revision") else ""
