@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from capycommon.errors import CODES, exit_code_for, http_status_for
+from capycommon.errorcodes import CODES, exit_code_for, http_status_for
 
 ROOT = Path(__file__).resolve().parents[2]
 # Our sources, not the engine simulator's (libs/enginesim): it speaks the engines' codes.

@@ -1,12 +1,7 @@
 from __future__ import annotations
 
-from capycommon.errors import (
-    CapyError,
-    InvalidConfig,
-    ServicePortInUse,
-    exit_code_for,
-    http_status_for,
-)
+from capycommon.errorcodes import exit_code_for, http_status_for
+from capycommon.errors import CapyError, InvalidConfig, ServicePortInUse
 
 
 def test_codes_map_to_exit_codes_in_one_place() -> None:

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from capycommon import httpauth, requestbody
 from capycommon.credentials import Credentials
+from capycommon.errorcodes import http_code_for
 from capycommon.errors import (
     CapyError,
     InvalidRequest,
@@ -36,7 +37,6 @@ from capycommon.errors import (
     UnknownModel,
     UnsupportedParameter,
     WrongApi,
-    http_code_for,
 )
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state.desired import DeploymentRecord

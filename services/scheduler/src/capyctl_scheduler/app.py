@@ -18,12 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capycommon import httpauth, requestbody
 from capycommon import management as wire
 from capycommon.credentials import Credentials
+from capycommon.errorcodes import http_code_for
 from capycommon.errors import (
     CapyError,
     InvalidRequest,
     NotFound,
     RedisUnreachable,
-    http_code_for,
 )
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE
 from capycommon.version import __version__

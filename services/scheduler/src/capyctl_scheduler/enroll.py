@@ -28,6 +28,7 @@ from capycommon.enrollment import (
     dial_addresses,
     incompatibility,
 )
+from capycommon.errorcodes import http_code_for
 from capycommon.errors import (
     CapyError,
     CertificateRequestRefused,
@@ -36,7 +37,6 @@ from capycommon.errors import (
     IdentityConflict,
     InvitationRefused,
     NotFound,
-    http_code_for,
 )
 from capycommon.paths import StatePaths
 from capycommon.service import REDIS_ERRORS, until_stop, wait_event
