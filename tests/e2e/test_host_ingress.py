@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from capycommon import ingress, pki
+from capycommon.authority import Authority
 from capycommon.state import keys
 from capycommon.state.hostinfo import HostInfo
 from support import Role, join_host, short_dir, start_host, start_role, wait_for
@@ -63,7 +64,7 @@ def _host_info(server: Role, name: str) -> HostInfo | None:
 def _client_context(server: Role, folder: Path, kind: pki.Kind) -> ssl.SSLContext:
     """A TLS client presenting a certificate of `kind` from the server's authority, checking
     the ingress's certificate (its serverAuth purpose included) but not its name."""
-    authority = pki.Authority.load(server.state_dir / "identity" / "ca")
+    authority = Authority.load(server.state_dir / "identity" / "ca")
     key = pki.new_private_key()
     cert = authority.sign_request(
         pki.certificate_request(key, kind),
@@ -177,7 +178,7 @@ def _without_server_auth(server: Role, host_pem: bytes) -> bytes:
     """The host's certificate as an earlier release issued it (clientAuth only), for the
     same key, name and identity, from the server's authority; with its key, as host.pem
     holds them."""
-    authority = pki.Authority.load(server.state_dir / "identity" / "ca")
+    authority = Authority.load(server.state_dir / "identity" / "ca")
     current = x509.load_pem_x509_certificate(host_pem)
     key = serialization.load_pem_private_key(host_pem, password=None)
     now = datetime.now(UTC)

@@ -27,6 +27,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 from redis.retry import Retry
 
 from capycommon import joinfile, pki
+from capycommon.authority import Authority
 from capycommon.enrollment import JOIN_PATH, JoinRequest
 from capycommon.state import functions, keys
 from capycommon.version import __version__
@@ -67,7 +68,7 @@ class Server:
 
     role: Role
     root: Path
-    foreign: pki.Authority
+    foreign: Authority
 
     def state(self, host: str) -> Path:
         return self.root / host / "state"
@@ -133,7 +134,7 @@ def server() -> Iterator[Server]:
     (root / "server").mkdir()
     role = start_role("server", state_dir=root / "server" / "state")
     try:
-        found = Server(role, root, pki.Authority.create(root / "foreign-ca", "Another authority"))
+        found = Server(role, root, Authority.create(root / "foreign-ca", "Another authority"))
         for host in ("a", "b"):
             found.state(host).parent.mkdir()
             join_host(role, host, found.state(host))

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from capycommon import joinfile, pki
+from capycommon.authority import Authority
 from capycommon.errors import CredentialsUnusable
 from capycommon.version import __version__
 
@@ -22,7 +23,7 @@ AGAIN = r"copy the join file again .*`capyctl invite host NAME` on the server"
 @pytest.fixture(scope="module")
 def server_ca(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("pki") / "authority"
-    return pki.Authority.create(folder, "capyctl test authority").certificate_pem.decode()
+    return Authority.create(folder, "capyctl test authority").certificate_pem.decode()
 
 
 def invitation(ca: str, /, **changes: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from capycommon import pki
+from capycommon.authority import Authority
 from capycommon.errors import (
     CertificateInvalid,
     CertificateRequestRefused,
@@ -31,12 +32,12 @@ HOUR = timedelta(hours=1)
 HOST_ID = "01J9ZQ4Y5W6X7A8B9C0D1E2F3G"
 
 
-def make_authority(folder: Path) -> pki.Authority:
-    return pki.Authority.create(folder, "capyctl test authority")
+def make_authority(folder: Path) -> Authority:
+    return Authority.create(folder, "capyctl test authority")
 
 
 def host_certificate(
-    authority: pki.Authority, name: str = "gpu-1", lifetime: timedelta = HOUR
+    authority: Authority, name: str = "gpu-1", lifetime: timedelta = HOUR
 ) -> tuple[bytes, bytes]:
     """A host's key, made on its side, and the certificate the authority signs for it."""
     key = pki.new_private_key()
@@ -57,12 +58,12 @@ def test_an_authority_is_written_privately_once_and_loads_back(tmp_path: Path) -
     assert re.fullmatch(r"[0-9a-f]{64}", made.fingerprint)
     assert "key=" not in repr(made)
 
-    loaded = pki.Authority.load(folder)
+    loaded = Authority.load(folder)
     assert loaded.fingerprint == made.fingerprint
-    assert pki.Authority.ensure(folder, "another name").fingerprint == made.fingerprint
+    assert Authority.ensure(folder, "another name").fingerprint == made.fingerprint
     with pytest.raises(CredentialsUnusable, match=r"already holds a certificate authority"):
         make_authority(folder)
-    assert pki.Authority.load(folder).fingerprint == made.fingerprint
+    assert Authority.load(folder).fingerprint == made.fingerprint
 
     ca = x509.load_pem_x509_certificate(made.certificate_pem)
     constraints = ca.extensions.get_extension_for_class(x509.BasicConstraints)
@@ -74,8 +75,8 @@ def test_an_authority_is_written_privately_once_and_loads_back(tmp_path: Path) -
 
 
 def test_ensure_makes_an_authority_in_an_empty_folder(tmp_path: Path) -> None:
-    made = pki.Authority.ensure(tmp_path / "pki", "capyctl")
-    assert pki.Authority.ensure(tmp_path / "pki", "capyctl").fingerprint == made.fingerprint
+    made = Authority.ensure(tmp_path / "pki", "capyctl")
+    assert Authority.ensure(tmp_path / "pki", "capyctl").fingerprint == made.fingerprint
 
 
 def test_a_key_file_others_can_read_is_refused(tmp_path: Path) -> None:
@@ -84,9 +85,9 @@ def test_a_key_file_others_can_read_is_refused(tmp_path: Path) -> None:
     key = folder / "ca.key"
     key.chmod(0o644)
     with pytest.raises(CredentialsUnusable, match=rf"{key} .*mode 0644\); run `chmod 600 {key}`"):
-        pki.Authority.load(folder)
+        Authority.load(folder)
     with pytest.raises(CredentialsUnusable, match=r"mode 0644"):
-        pki.Authority.ensure(folder, "capyctl")
+        Authority.ensure(folder, "capyctl")
 
 
 def test_a_key_that_is_not_the_certificates_is_refused(tmp_path: Path) -> None:
@@ -94,7 +95,7 @@ def test_a_key_that_is_not_the_certificates_is_refused(tmp_path: Path) -> None:
     make_authority(folder)
     (folder / "ca.key").write_bytes(pki.new_private_key())
     with pytest.raises(CredentialsUnusable, match=r"ca.key is not the key of .*ca.pem"):
-        pki.Authority.load(folder)
+        Authority.load(folder)
 
 
 def test_a_folder_with_one_of_the_two_files_is_refused_not_replaced(tmp_path: Path) -> None:
@@ -103,7 +104,7 @@ def test_a_folder_with_one_of_the_two_files_is_refused_not_replaced(tmp_path: Pa
     (folder / "ca.pem").unlink()
     key_before = (folder / "ca.key").read_bytes()
     with pytest.raises(CredentialsUnusable, match=r"ca.pem does not exist; restore .* delete"):
-        pki.Authority.ensure(folder, "capyctl")
+        Authority.ensure(folder, "capyctl")
     assert (folder / "ca.key").read_bytes() == key_before
 
 
@@ -165,7 +166,7 @@ def test_a_router_certificate_names_its_kind(tmp_path: Path) -> None:
 
 
 def issued_with(
-    authority: pki.Authority, kind: pki.Kind, usages: list[x509.ObjectIdentifier]
+    authority: Authority, kind: pki.Kind, usages: list[x509.ObjectIdentifier]
 ) -> tuple[bytes, bytes]:
     """A certificate of `kind` as the authority would sign it, but with `usages` (as an
     earlier release issued a host's, or as no release issues a router's); and its key."""
@@ -217,7 +218,7 @@ def test_a_router_certificate_that_could_serve_is_refused(tmp_path: Path) -> Non
 
 
 def test_no_certificate_outlives_its_authority(tmp_path: Path) -> None:
-    authority = pki.Authority.create(tmp_path / "pki", "short", lifetime=timedelta(days=2))
+    authority = Authority.create(tmp_path / "pki", "short", lifetime=timedelta(days=2))
     cert, _ = host_certificate(authority, lifetime=timedelta(days=30))
     assert pki.read_certificate(cert).not_after == authority.certificate.not_valid_after_utc
 
@@ -391,7 +392,7 @@ def test_host_ids_are_crockford_base32_and_sort_by_time() -> None:
 
 def handshake(
     tmp_path: Path,
-    authority: pki.Authority,
+    authority: Authority,
     client_cert: bytes,
     client_key: bytes,
     server: tuple[bytes, bytes] | None = None,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from capycommon import pki
+from capycommon.authority import CERT_FILE, CLOCK_SKEW
 from capycommon.errors import CredentialsUnusable
 from capycommon.paths import StatePaths, ensure_private_dir
 from capycommon.settings import ServerSettings
@@ -38,14 +39,14 @@ def test_each_start_issues_the_router_a_certificate_under_one_identity(tmp_path:
     assert file.stat().st_mode & 0o777 == 0o600
     blocks = _blocks(file)
     assert set(blocks) == {"CERTIFICATE", "PRIVATE KEY"}
-    ca = (paths.authority_dir / pki.CERT_FILE).read_bytes()
+    ca = (paths.authority_dir / CERT_FILE).read_bytes()
     first = pki.verify_issued(blocks["CERTIFICATE"], ca, datetime.now(UTC))
     assert first.kind == "router"
     assert first.common_name == serveridentity.ROUTER_NAME
     assert first.identity == paths.router_id.read_text().strip()
     assert pki.key_matches(blocks["CERTIFICATE"], blocks["PRIVATE KEY"])
     lifetime = first.not_after - first.not_before
-    assert lifetime == serveridentity.SERVER_CERTIFICATE_LIFETIME + pki.CLOCK_SKEW
+    assert lifetime == serveridentity.SERVER_CERTIFICATE_LIFETIME + CLOCK_SKEW
 
     serveridentity.prepare(paths, ServerSettings())
     again = _blocks(file)

@@ -10,6 +10,7 @@ import socket
 from datetime import timedelta
 
 from capycommon import pki
+from capycommon.authority import CERT_FILE, Authority
 from capycommon.enrollment import WILDCARDS
 from capycommon.errors import CredentialsUnusable
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
@@ -27,7 +28,7 @@ ROUTER_NAME = "capyctl-router"
 
 def prepare(paths: StatePaths, settings: ServerSettings) -> ControlPort:
     ensure_private_dir(paths.identity_dir)
-    authority = pki.Authority.ensure(paths.authority_dir, "CapyCTL server authority")
+    authority = Authority.ensure(paths.authority_dir, "CapyCTL server authority")
     certificate, key = authority.issue_server(server_names(settings), SERVER_CERTIFICATE_LIFETIME)
     write_atomic(paths.server_key, key.decode(), mode=0o600)
     write_atomic(paths.server_certificate, certificate.decode(), mode=0o644)
@@ -38,10 +39,10 @@ def prepare(paths: StatePaths, settings: ServerSettings) -> ControlPort:
     except FileNotFoundError:
         kept = []
     write_atomic(paths.redis_users, acl.acl_file(password, kept), mode=0o600)
-    return ControlPort(settings.enrollment.control_bind, str(authority.folder / pki.CERT_FILE))
+    return ControlPort(settings.enrollment.control_bind, str(authority.folder / CERT_FILE))
 
 
-def issue_router_certificate(paths: StatePaths, authority: pki.Authority) -> None:
+def issue_router_certificate(paths: StatePaths, authority: Authority) -> None:
     """The router's client certificate (kind router, its identity kept from the first start)
     and a new private key, in one owner-only file: one rename replaces both."""
     key = pki.new_private_key()

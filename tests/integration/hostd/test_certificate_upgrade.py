@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from capycommon import pki
+from capycommon.authority import Authority
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import ServiceContext, redis_client
 from capycommon.settings import HostSettings
@@ -31,7 +32,7 @@ HOST = "gpu-1"
 HOST_ID = "01J9ZQ4Y5W6X7A8B9C0D1E2F3G"
 
 
-def earlier_release(authority: pki.Authority, public_key: PublicKeyTypes) -> bytes:
+def earlier_release(authority: Authority, public_key: PublicKeyTypes) -> bytes:
     """What a server of an earlier release signs for the host: clientAuth only."""
     assert isinstance(public_key, ec.EllipticCurvePublicKey)
     now = datetime.now(UTC)
@@ -59,7 +60,7 @@ def earlier_release(authority: pki.Authority, public_key: PublicKeyTypes) -> byt
 def test_a_server_of_an_earlier_release_is_asked_once(
     redis_socket: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    authority = pki.Authority.create(tmp_path / "ca", "capyctl test authority")
+    authority = Authority.create(tmp_path / "ca", "capyctl test authority")
     paths = StatePaths(tmp_path / "host")
     ensure_private_dir(paths.identity_dir)
     key = pki.new_private_key()

@@ -32,6 +32,7 @@ import openai
 import pytest
 
 from capycommon import ingress, pki
+from capycommon.authority import Authority
 from capycommon.engines.launch import Residency
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import redis_client
@@ -76,14 +77,14 @@ class Identity:
 
 @dataclass(frozen=True)
 class Pki:
-    authority: pki.Authority
+    authority: Authority
     ca: Path
     host: Identity
     router: Identity
     state: StatePaths
 
 
-def issue(authority: pki.Authority, folder: Path, kind: pki.Kind, name: str, stem: str) -> Identity:
+def issue(authority: Authority, folder: Path, kind: pki.Kind, name: str, stem: str) -> Identity:
     """A certificate of `kind` from `authority`, in `stem`.crt and its key in `stem`.key."""
     key = pki.new_private_key()
     request = pki.certificate_request(key, name)
@@ -100,7 +101,7 @@ def issue(authority: pki.Authority, folder: Path, kind: pki.Kind, name: str, ste
 def certificates() -> Iterator[Pki]:
     """An authority, a host's identity files as a joined host keeps them, and a router's."""
     folder = short_dir("ingress")
-    authority = pki.Authority.create(folder / "ca", "capyctl test authority")
+    authority = Authority.create(folder / "ca", "capyctl test authority")
     state = StatePaths(folder / "host")
     ensure_private_dir(state.identity_dir)
     host = issue(authority, folder, "host", HOST, "host")
@@ -424,7 +425,7 @@ def test_no_client_certificate_fails_the_handshake(
     sees its handshake fail; over TLS 1.3 its handshake ends before the ingress checks its
     certificate, and the ingress's failure shows as a connection closed with no answer."""
     folder = certificates.ca.parent.parent
-    stranger = pki.Authority.ensure(folder / "stranger", "stranger")
+    stranger = Authority.ensure(folder / "stranger", "stranger")
     foreign = issue(stranger, folder, "router", "router", f"foreign-router-{version.name}")
     for identity in (None, foreign):
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from capycommon import ingress, pki
+from capycommon.authority import Authority
 from capycommon.credentials import generate
 from capycommon.paths import StatePaths, ensure_private_dir
 from capycommon.service import redis_client
@@ -56,13 +57,8 @@ HI: list[Any] = [{"role": "user", "content": "hi"}]
 ENGINE_KEY = "engine-key"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _issued(
-    authority: pki.Authority, folder: Path, kind: pki.Kind, identity: str, name: str = HOST
+    authority: Authority, folder: Path, kind: pki.Kind, identity: str, name: str = HOST
 ) -> Path:
     """A certificate the authority issues (a host's: clientAuth and serverAuth) and its key,
     in one file."""
@@ -109,7 +105,7 @@ def _serving_router_certificate(server: Server, folder: Path) -> Path:
     return file
 
 
-def _server_context(authority: pki.Authority, certificate: Path) -> ssl.SSLContext:
+def _server_context(authority: Authority, certificate: Path) -> ssl.SSLContext:
     """An ingress's TLS: its own certificate, and one of the server's authority required of
     the client."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -130,7 +126,7 @@ class Server:
     host HOST joined and its deployment NAME ready at generation 1."""
 
     paths: StatePaths
-    authority: pki.Authority
+    authority: Authority
     client: aioredis.Redis
     host_id: str = field(default_factory=pki.new_identity)
 
@@ -167,7 +163,7 @@ async def server(redis_socket: Path) -> AsyncIterator[Server]:
     folder = short_dir("ingress")
     paths = StatePaths(folder / "state")
     ensure_private_dir(paths.identity_dir)
-    authority = pki.Authority.ensure(paths.authority_dir, "capyctl test authority")
+    authority = Authority.ensure(paths.authority_dir, "capyctl test authority")
     serveridentity.issue_router_certificate(paths, authority)
     client = redis_client(f"unix://{redis_socket}")
     await put_ready(client, NAME, host=HOST, secret=ENGINE_KEY)
@@ -345,7 +341,7 @@ def _routers_own(server: Server, _: Path) -> Path:
 
 def _other_authority(server: Server, folder: Path) -> Path:
     """The host's name and id, from another server's authority."""
-    stranger = pki.Authority.create(folder / "stranger", "another authority")
+    stranger = Authority.create(folder / "stranger", "another authority")
     return _issued(stranger, folder, "host", server.host_id)
 
 

@@ -17,6 +17,7 @@ import ssl
 from dataclasses import dataclass
 
 from capycommon import pki
+from capycommon.authority import CERT_FILE
 from capycommon.errors import CertificateInvalid, CredentialsUnusable
 from capycommon.paths import StatePaths, read_private
 from capycommon.settingvalues import split_dial_address
@@ -65,7 +66,7 @@ def client_context(paths: StatePaths) -> ssl.SSLContext:
     """The router's TLS context for the hosts' ingresses. Refused, naming the file and the
     fix, when the router's certificate or the authority's is missing or unusable."""
     certificate = paths.router_certificate
-    authority = paths.authority_dir / pki.CERT_FILE
+    authority = paths.authority_dir / CERT_FILE
     read_private(certificate, missing=RESTART, fix=RESTART)  # owner-only, as a key must be
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2

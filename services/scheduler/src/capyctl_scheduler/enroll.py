@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capycommon import joinfile, pki, requestbody
 from capycommon import management as wire
+from capycommon.authority import Authority
 from capycommon.enrollment import (
     JOIN_PATH,
     JoinAnswer,
@@ -64,12 +65,12 @@ class Enrollment:
         self.paths = paths
         self.settings = settings
         self.lifetime = timedelta(seconds=settings.enrollment.certificate_lifetime)
-        self._authority: pki.Authority | None = None
+        self._authority: Authority | None = None
 
     @property
-    def authority(self) -> pki.Authority:
+    def authority(self) -> Authority:
         if self._authority is None:
-            self._authority = pki.Authority.load(self.paths.authority_dir)
+            self._authority = Authority.load(self.paths.authority_dir)
         return self._authority
 
     async def invite(self, request: wire.InvitationRequest) -> wire.InvitationAnswer:
