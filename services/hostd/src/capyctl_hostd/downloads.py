@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -59,6 +60,31 @@ class _Figures:
     latest: Download | None = None
     # Those waiting for it: the last one out reports how it ended.
     waiters: int = 0
+
+    def progress(self, wanted: hc.HubPull, done: int, total: int) -> None:
+        """Note the bytes done of `total`, and the rate since the download (re)started."""
+        now = time.time()
+        if self.first_done is None:
+            self.first_done = done
+        self.latest = Download(
+            repo=wanted.repo,
+            commit=wanted.commit,
+            done_bytes=done,
+            total_bytes=total,
+            rate=(done - self.first_done) / max(now - self.started, 1e-3),
+            started_at=self.started,
+            at=now,
+        )
+
+    async def follow(self, publish: Callable[[Download], Awaitable[None]]) -> None:
+        """Publish the latest figures every WRITE_EVERY_S while they change, until cancelled."""
+        told: Download | None = None
+        while True:
+            await asyncio.sleep(WRITE_EVERY_S)
+            if self.latest is not None and self.latest is not told:
+                told = self.latest
+                with contextlib.suppress(*REDIS_ERRORS):
+                    await publish(told)
 
 
 @dataclass
@@ -174,31 +200,7 @@ class ModelStore:
         access = hub_access(self.state_dir, os.environ)
         figures = self._figures.setdefault(paths.name, _Figures(started=time.time()))
         figures.waiters += 1
-
-        def progress(done: int, total: int) -> None:
-            now = time.time()
-            if figures.first_done is None:
-                figures.first_done = done
-            figures.latest = Download(
-                repo=wanted.repo,
-                commit=wanted.commit,
-                done_bytes=done,
-                total_bytes=total,
-                rate=(done - figures.first_done) / max(now - figures.started, 1e-3),
-                started_at=figures.started,
-                at=now,
-            )
-
-        async def follow() -> None:
-            told: Download | None = None
-            while True:
-                await asyncio.sleep(WRITE_EVERY_S)
-                if figures.latest is not None and figures.latest is not told:
-                    told = figures.latest
-                    with contextlib.suppress(*REDIS_ERRORS):
-                        await publish(told)
-
-        writer = asyncio.create_task(follow())
+        writer = asyncio.create_task(figures.follow(publish))
         ended = False
         failure: CapyError | None = None
         try:
@@ -207,7 +209,7 @@ class ModelStore:
                 self.models_root,
                 endpoint=access.endpoint,
                 token=access.token,
-                progress=progress,
+                progress=functools.partial(figures.progress, wanted),
                 offline=access.offline,
             )
             ended = True
