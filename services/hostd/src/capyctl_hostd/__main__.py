@@ -18,10 +18,11 @@ from capycommon.state import enginefacts, hostinfo
 from capycommon.state.hostinfo import HostInfo
 from capycommon.state.store import InstanceStore
 from capyctl_hostd import adopt, consumer, loads, renewal
+from capyctl_hostd.hostpaths import HostPaths
 from capyctl_hostd.ingress import HostIngress
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.ports import PortLeaser
-from capyctl_hostd.runner import HostPaths, Runner
+from capyctl_hostd.runner import Runner
 from capyctl_hostd.serving import Serving
 
 log = logging.getLogger(__name__)
@@ -99,19 +100,8 @@ async def serve(ctx: ServiceContext) -> None:
         assert isinstance(ctx.settings, HostSettings)
         door = HostIngress.open(ctx.settings.host.ingress.bind, ctx.paths)
         info = info.model_copy(update={"ingress": ingress_address(ctx.settings)})
-    # Every step is safe to repeat: a Redis blip while starting is ridden out like one later
-    # (the heartbeat gives up, and hostd exits, only once Redis stays away too long).
-    while True:
-        try:
-            await hostinfo.publish(ctx.redis, ctx.host, info)
-            await shelf.start()
-            await publish_engines(ctx, paths)
-            await adopt.adopt_all(runner)
-            break
-        except REDIS_ERRORS as exc:
-            log.warning("lost Redis while starting; trying again: %s", exc)
-            if await wait_event(ctx.stop, 0.5):
-                return
+    if not await start(ctx, info, shelf, runner):
+        return
     work = [
         consumer.consume(runner, shelf, ctx.stop),
         adopt.watch(runner, ctx.stop),
@@ -121,12 +111,31 @@ async def serve(ctx: ServiceContext) -> None:
     if door is not None:
         work.append(renewal.keep_certificate(ctx, renewed=door.reload))
         serving = Serving(runner.store, runner.client, runner.host)
-        work.append(door.serve(runner.engines, serving, ctx.stop))
+        work.append(door.serve(runner.holdings.engines, serving, ctx.stop))
     try:
         await asyncio.gather(*work)
     finally:
-        for engine in runner.engines.values():  # the engines run on; hostd's clients end
+        for engine in runner.holdings.engines.values():  # the engines run on; hostd's clients end
             await engine.close_controls()
+
+
+async def start(ctx: ServiceContext, info: HostInfo, shelf: Shelf, runner: Runner) -> bool:
+    """Publish what the host says of itself, its models and its engines, then re-adopt what
+    runs; False when hostd is stopped first. Every step is safe to repeat: a Redis blip while
+    starting is ridden out like one later (the heartbeat gives up, and hostd exits, only once
+    Redis stays away too long)."""
+    assert ctx.host is not None
+    while True:
+        try:
+            await hostinfo.publish(ctx.redis, ctx.host, info)
+            await shelf.start()
+            await publish_engines(ctx, runner.paths)
+            await adopt.adopt_all(runner)
+            return True
+        except REDIS_ERRORS as exc:
+            log.warning("lost Redis while starting; trying again: %s", exc)
+            if await wait_event(ctx.stop, 0.5):
+                return False
 
 
 def main() -> None:

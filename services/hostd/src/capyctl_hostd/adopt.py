@@ -19,8 +19,9 @@ from capycommon.service import REDIS_ERRORS, wait_any
 from capycommon.state import hostcommands
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
-from capyctl_hostd import cacheserver, procs
+from capyctl_hostd import procs
 from capyctl_hostd.engines import Engine, last_lines
+from capyctl_hostd.holdings import Holdings
 from capyctl_hostd.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,16 @@ async def adopt_all(runner: Runner) -> None:
     took and never finished: the command, read again, resumes it (a download goes on from its
     partial files), so the cut costs no failed start."""
     records = {record.member: record for record in await runner.store.all()}
-    await adopt_caches(runner, records)
-    for entry in list(runner.owned.entries.values()):
+    await adopt_caches(runner.holdings, records)
+    for entry in list(runner.holdings.owned.entries.values()):
         record = records.get(entry.member)
         if not entry.counted_by(record):
-            await runner.stop_uncounted(entry, record)
+            await runner.holdings.stop_uncounted(entry, record)
     resumed = await _unfinished_launches(runner)
     for record in records.values():
         if record.state not in LIVE_STATES:
             continue
-        if runner.cut_launch(record, resumed.get(record.member, -1)):
+        if runner.launcher.cut_launch(record, resumed.get(record.member, -1)):
             log.info("%s: its launch was cut by a restart; its command resumes it", record.member)
             continue
         try:
@@ -57,7 +58,7 @@ async def adopt_all(runner: Runner) -> None:
             continue  # the record moved on while we looked
 
 
-async def adopt_caches(runner: Runner, records: dict[str, InstanceRecord]) -> None:
+async def adopt_caches(holdings: Holdings, records: dict[str, InstanceRecord]) -> None:
     """Find again the LMCache servers the instance records name that still run; a kept one
     (a stopped instance's) that is gone stops being charged. Then stop every other server
     hostd's own record names: nothing counts it."""
@@ -66,27 +67,11 @@ async def adopt_caches(runner: Runner, records: dict[str, InstanceRecord]) -> No
         if cache is None:
             continue
         if procs.is_alive(cache.process):
-            server = cacheserver.found_again(member, cache)
-            runner.caches[member] = server
-            runner.kept.keep(server)
-            for port in (cache.zmq_port, cache.http_port, cache.metrics_port):
-                runner.ports.hold(port)
-            log.info(
-                "LMCache server re-adopted", extra={"member": member, "pid": cache.process.pid}
-            )
+            holdings.caches.found_again(member, cache)
         elif record.state not in LIVE_STATES:
             with contextlib.suppress(Conflict):
-                records[member] = await runner.forget_cache(record, "its LMCache server is gone")
-    for member, entry in list(runner.kept.entries.items()):
-        held = runner.caches.get(member)
-        if held is not None and held.record.process == entry.record.process:
-            continue
-        if procs.is_alive(entry.record.process):
-            log.warning("%s: an LMCache server no record names; stopping it", member)
-            await procs.stop_group(entry.record.process.pgid)
-        runner.kept.drop(member)
-        if held is not None:
-            runner.kept.keep(held)
+                records[member] = await holdings.forget_cache(record, "its LMCache server is gone")
+    await holdings.caches.stop_unnamed()
 
 
 async def _unfinished_launches(runner: Runner) -> dict[str, int]:
@@ -109,17 +94,18 @@ async def adopt(runner: Runner, record: InstanceRecord) -> None:
     alive = record.process is not None and procs.is_alive(record.process)
     engine = await _rebuild(runner, record) if alive else None
     if engine is not None and record.state in STABLE:
-        runner.engines[record.member] = engine
+        runner.holdings.engines[record.member] = engine
         runner.ports.hold(record.port or 0)
-        runner.own(record)  # an engine launched before hostd kept its own record
+        runner.holdings.own(record)  # an engine launched before hostd kept its own record
         log.info("re-adopted", extra={"member": record.member, "pid": engine.pgid})
         return
     if engine is not None:
         # A start, park or wake was cut by the restart: its outcome is unknown, so stop it.
-        runner.engines[record.member] = engine
-        await runner.stop(record, f"interrupted by a restart of hostd while {record.state}")
+        runner.holdings.engines[record.member] = engine
+        why = f"interrupted by a restart of hostd while {record.state}"
+        await runner.lifecycle.stop(record, why)
         return
-    await _reap(runner, record, "its engine is gone (found after a restart of hostd)")
+    await _reap(runner.holdings, record, "its engine is gone (found after a restart of hostd)")
 
 
 async def _rebuild(runner: Runner, record: InstanceRecord) -> Engine | None:
@@ -141,13 +127,14 @@ async def _rebuild(runner: Runner, record: InstanceRecord) -> Engine | None:
     return Engine(spec, record.process.pgid, Path(record.log_path or "/dev/null"))
 
 
-async def _reap(runner: Runner, record: InstanceRecord, why: str) -> None:
+async def _reap(holdings: Holdings, record: InstanceRecord, why: str) -> None:
     """The engine's leader is gone: clean what it left, then record the failure."""
     log.warning("%s: %s", record.member, why)
     if record.state == S.STOPPING:
-        await runner.stop_finish(record, why)
+        await holdings.stop_finish(record, why)
         return
-    await runner.fail(record, f"{why}; {last_lines(Path(record.log_path or os.devnull), 'none')}")
+    lines = last_lines(Path(record.log_path or os.devnull), "none")
+    await holdings.fail(record, f"{why}; {lines}")
 
 
 # How often the watch looks without being woken: for engines whose records Redis lost while
@@ -163,15 +150,15 @@ async def watch(runner: Runner, stop: asyncio.Event, interval_s: float = CHECK_S
     deaths = Deaths()
     try:
         while not stop.is_set():
-            runner.spawned.clear()
-            leaders = [engine.pgid for engine in runner.engines.values()]
-            leaders += [server.pgid for server in runner.caches.values()]
+            runner.holdings.spawned.clear()
+            leaders = [engine.pgid for engine in runner.holdings.engines.values()]
+            leaders += [server.pgid for server in runner.holdings.caches.servers.values()]
             deaths.follow(leaders)
             deaths.exited.clear()
             with contextlib.suppress(*REDIS_ERRORS):  # back at the next turn, or hostd exits
                 await _check(runner)
             # A launch wakes the watch too, so its engine's leader is followed from the start.
-            await wait_any(deaths.exited, runner.spawned, stop, timeout=interval_s)
+            await wait_any(deaths.exited, runner.holdings.spawned, stop, timeout=interval_s)
     finally:
         deaths.close()
 
@@ -214,11 +201,11 @@ class Deaths:
 
 async def _check(runner: Runner) -> None:
     await _check_caches(runner)
-    held = list(runner.engines.items())
+    held = list(runner.holdings.engines.items())
     records = {r.member: r for r in await runner.store.get_many(member for member, _ in held)}
     for member, engine in held:
         record = records.get(member)
-        entry = runner.owned.entries.get(member)
+        entry = runner.holdings.owned.entries.get(member)
         if entry is not None and not entry.counted_by(record):
             await _stop_uncounted(runner, member)
         elif record is not None and record.state in STABLE and not _runs(engine, record):
@@ -229,7 +216,8 @@ async def _check_caches(runner: Runner) -> None:
     """An LMCache server that died: a live instance fails (its engine holds mappings of the
     server's memory, and is started anew with a new server); a stopped one whose server a
     park kept stops being charged for it."""
-    for member, server in list(runner.caches.items()):
+    caches = runner.holdings.caches
+    for member, server in list(caches.servers.items()):
         if server.alive():
             continue
         lock = runner.lock_for(member)
@@ -238,16 +226,16 @@ async def _check_caches(runner: Runner) -> None:
         async with lock:
             deployment, _, index = member.rpartition(":")
             record = await runner.store.get(deployment, int(index))
-            if runner.caches.get(member) is not server:
+            if caches.servers.get(member) is not server:
                 continue
             why = "its LMCache server exited on its own"
             with contextlib.suppress(Conflict):
                 if record is not None and record.state in LIVE_STATES:
-                    await runner.fail(record, f"{why}; see {server.record.log_path}")
+                    await runner.holdings.fail(record, f"{why}; see {server.record.log_path}")
                 elif record is not None and record.cache is not None:
-                    await runner.forget_cache(record, why)
+                    await runner.holdings.forget_cache(record, why)
                 else:
-                    await runner.stop_cache(member, why)
+                    await caches.stop_member(member, why)
 
 
 def _runs(engine: Engine, record: InstanceRecord) -> bool:
@@ -264,7 +252,7 @@ async def _fail(runner: Runner, record: InstanceRecord, engine: Engine) -> None:
         code = engine.exit_code()
         why = f"the engine exited on its own (code {code}); {last_lines(engine.log_path, 'none')}"
         with contextlib.suppress(Conflict):
-            await runner.fail(record, why)
+            await runner.holdings.fail(record, why)
 
 
 async def _stop_uncounted(runner: Runner, member: str) -> None:
@@ -276,6 +264,6 @@ async def _stop_uncounted(runner: Runner, member: str) -> None:
     async with lock:
         deployment, _, index = member.rpartition(":")
         record = await runner.store.get(deployment, int(index))
-        entry = runner.owned.entries.get(member)
+        entry = runner.holdings.owned.entries.get(member)
         if entry is not None and not entry.counted_by(record):
-            await runner.stop_uncounted(entry, record)
+            await runner.holdings.stop_uncounted(entry, record)

@@ -6,6 +6,9 @@ hostd's own record of the servers it started (`Kept`, in its state dir) finds it
 stops it when no instance record names it. Its output goes to the log writer of the launch
 that started it, which the engine then shares: one log for both. A server kept through a
 restart_only park keeps writing there.
+
+`CacheServers` holds hostd's servers, by member: it gives a launch its server (the one a park
+kept, when it fits, else a new one on three leased ports), and stops one, its ports coming back.
 """
 
 from __future__ import annotations
@@ -20,17 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from capycommon import procfs
 from capycommon.engines import lmcache
+from capycommon.engines.families import Family
 from capycommon.engines.launch import ENGINE_HOST
 from capycommon.engines.lmcache import ServerPorts
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import LaunchFailed
 from capycommon.paths import write_atomic
-from capycommon.state.instances import CacheRecord
-from capyctl_hostd import procs
+from capycommon.state import hostcommands as hc
+from capycommon.state.instances import CacheRecord, InstanceRecord
+from capycommon.state.memory import write_cache_server_rss
+from capyctl_hostd import engines, procs
+from capyctl_hostd.ports import PortLeaser
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +279,133 @@ class Kept:
         write_atomic(self.path, data)
 
 
-def found_again(member: str, record: CacheRecord) -> CacheServer:
-    """A server hostd did not start in this run, as an instance record names it."""
-    return CacheServer(member, record)
+class CacheServers:
+    """The LMCache servers hostd holds, by member: beside a live engine, or kept through a
+    restart_only park; with hostd's own record of them (`Kept`) and the ports they hold."""
+
+    def __init__(
+        self,
+        kept: Path,
+        ports: PortLeaser,
+        client: aioredis.Redis,
+        host: str,
+        runtime_dir: Path,
+    ) -> None:
+        self.servers: dict[str, CacheServer] = {}
+        self.kept = Kept(kept)
+        self.ports = ports
+        self.client = client
+        self.host = host
+        self.runtime_dir = runtime_dir
+
+    async def for_launch(
+        self,
+        command: hc.Launch,
+        record: InstanceRecord,
+        log_path: Path | None,
+        secret: str,
+        profiles: dict[str, EngineProfile],
+    ) -> tuple[CacheServer | None, subprocess.Popen[bytes] | None]:
+        """The LMCache server the engine connects to, healthy: the one a restart_only park
+        kept, when it fits this launch, else one started now (with the launch's log writer,
+        which the engine then shares). A kept server that does not fit is stopped first."""
+        wanted = command.cache
+        install = None if wanted is None else profiles.get(wanted.profile)
+        held = self.servers.get(record.member)
+        if held is not None and (
+            install is None
+            or wanted is None
+            or not held.fits(install, command.revision, wanted.pool_bytes)
+        ):
+            await self.stop_member(record.member, "it does not fit this launch")
+            held = None
+        if wanted is None:
+            return None, None
+        if install is None or install.family != Family.LMCACHE:
+            raise LaunchFailed(
+                f"no LMCache named {wanted.profile!r} is registered on host {self.host}"
+            )
+        if held is not None:
+            await wait_healthy(held, REGISTERED_WITHIN_S)
+            log.info("%s: connects to the LMCache server a park kept", record.member)
+            return held, None
+        assert log_path is not None, "retention: zero never starts LMCache"
+        writer = engines.open_log(log_path, secret)
+        server = self._start(record, install, command.revision, wanted, log_path, writer)
+        await wait_healthy(server)
+        rss = resident_bytes(server)
+        if rss is not None:
+            await write_cache_server_rss(self.client, self.host, install.fingerprint, rss)
+        return server, writer
+
+    def _start(
+        self,
+        record: InstanceRecord,
+        install: EngineProfile,
+        revision: int,
+        wanted: hc.CacheLaunch,
+        log_path: Path,
+        writer: subprocess.Popen[bytes],
+    ) -> CacheServer:
+        """A new server for the launch `record` names, on three leased ports, held from now; if
+        it does not start, its ports come back and its log writer is closed."""
+        ports = ServerPorts(self.ports.lease(), self.ports.lease(), self.ports.lease())
+        assert record.gpu_uuid is not None
+        try:
+            server = start(
+                record.member,
+                install,
+                ports,
+                revision,
+                wanted.pool_bytes,
+                (wanted.host_bytes, wanted.device_bytes),
+                record.gpu_uuid,
+                log_path,
+                writer,
+                self.runtime_dir,
+            )
+        except BaseException:
+            for port in (ports.zmq, ports.http, ports.metrics):
+                self.ports.release(port)
+            if writer.stdin is not None:
+                writer.stdin.close()
+            raise
+        self.servers[record.member] = server
+        self.kept.keep(server)
+        return server
+
+    async def stop_member(self, member: str, why: str) -> CacheServer | None:
+        """Stop the member's LMCache server, if hostd holds one; its ports come back."""
+        server = self.servers.pop(member, None)
+        if server is None:
+            return None
+        log.info("%s: stopping its LMCache server: %s", member, why)
+        await stop(server)
+        for port in (server.record.zmq_port, server.record.http_port, server.record.metrics_port):
+            self.ports.release(port)
+        self.kept.drop(member)
+        return server
+
+    def found_again(self, member: str, record: CacheRecord) -> None:
+        """Hold again a server hostd did not start in this run, which an instance record names
+        and which still runs, with its ports."""
+        server = CacheServer(member, record)
+        self.servers[member] = server
+        self.kept.keep(server)
+        for port in (record.zmq_port, record.http_port, record.metrics_port):
+            self.ports.hold(port)
+        log.info("LMCache server re-adopted", extra={"member": member, "pid": record.process.pid})
+
+    async def stop_unnamed(self) -> None:
+        """Stop every server hostd's own record names that it does not hold: nothing counts
+        it."""
+        for member, entry in list(self.kept.entries.items()):
+            held = self.servers.get(member)
+            if held is not None and held.record.process == entry.record.process:
+                continue
+            if procs.is_alive(entry.record.process):
+                log.warning("%s: an LMCache server no record names; stopping it", member)
+                await procs.stop_group(entry.record.process.pgid)
+            self.kept.drop(member)
+            if held is not None:
+                self.kept.keep(held)

@@ -101,14 +101,14 @@ async def tick(runner: Runner) -> tuple[bool, bool]:
     a draining instance's entry is written, or a busy one's now reads idle, the host's
     channel says so.
     """
-    held = dict(runner.engines)
+    held = dict(runner.holdings.engines)
     records, published = await _read(runner, list(held))
     serving = [r for r in records if r.state in SERVING]
     reads = await asyncio.gather(*(_load(held[r.member]) for r in serving))
     entries = {
         record.member: entry(record, found, read_at, published.get(record.member))
         for record, (found, read_at) in zip(serving, reads, strict=True)
-        if found is not None and record.member in runner.engines
+        if found is not None and record.member in runner.holdings.engines
     }
     serving_members = {record.member for record in serving}
     gone = [member for member in published if member not in serving_members]
