@@ -11,11 +11,6 @@ import pytest
 from capycommon.flight import Flight
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Work:
     """Work that counts its runs and ends each when `go` is set."""
 

@@ -12,11 +12,6 @@ from capycommon.tasks import TaskFailed, beside
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _fail_when(event: asyncio.Event) -> None:
     await event.wait()
     raise ValueError("a bad record")

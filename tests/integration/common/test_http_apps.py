@@ -22,11 +22,6 @@ async def _get(app: object, path: str, token: str | None = None) -> httpx.Respon
         return await client.get(path, headers=headers)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_router_health_needs_no_key() -> None:
     response = await _get(router_app(CREDENTIALS), "/health")

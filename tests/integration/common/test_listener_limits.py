@@ -19,11 +19,6 @@ from support import wait_for_async
 APP = create_app(generate())
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _health(port: int) -> int:
     async with connected(port) as (reader, writer):
         writer.write(request_head("GET", "/health"))

@@ -13,11 +13,6 @@ from capycommon.service import bind
 from support import free_port
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_connections_accepted_from_a_service_listener_have_nagle_off() -> None:
     listener = bind(f"127.0.0.1:{free_port()}")

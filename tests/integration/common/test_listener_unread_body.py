@@ -20,11 +20,6 @@ APP = create_app(generate())
 CLOSED_WITHIN_S = 5.0
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _trickle(writer: asyncio.StreamWriter) -> None:
     with contextlib.suppress(ConnectionError):
         for _ in range(1000):

@@ -65,11 +65,6 @@ class Server:
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def server() -> Iterator[Server]:
     found = Server()
     found.start()

@@ -40,11 +40,6 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def hub() -> Iterator[MockHub]:
     hub = MockHub.start([tiny_repo(), gated_repo("hf_good")])
     try:

@@ -38,11 +38,6 @@ EVERY_S = 0.1
 CHAT = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class Stand:
     client: aioredis.Redis

@@ -63,11 +63,6 @@ async def _app(client: aioredis.Redis, port: int, engines: Engines) -> FastAPI:
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def routed(redis_socket: Path) -> AsyncIterator[tuple[RawEngine, openai.AsyncOpenAI]]:
     engine = _engine()
     server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)

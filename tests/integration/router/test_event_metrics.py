@@ -17,11 +17,6 @@ from capyctl_router.metrics import Metrics, start_cursors
 HOST = "gpu-m"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def download(received: int) -> Event:
     return Event(
         kind="download",

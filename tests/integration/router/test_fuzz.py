@@ -56,11 +56,6 @@ EMBEDDINGS = (
 )
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class Served:
     """The router in front of a fake engine that checks what it gets is JSON anyone reads."""

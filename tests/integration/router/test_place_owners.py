@@ -31,11 +31,6 @@ HOST = "local"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
     found = redis_client(f"unix://{redis_socket}")
     await put_ready(found, NAME, host=HOST)

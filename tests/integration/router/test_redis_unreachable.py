@@ -25,11 +25,6 @@ HOST = "local"
 NAME = "m"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_a_request_gets_a_503_to_retry_within_2_s(redis_socket: Path) -> None:
     live = redis_client(f"unix://{redis_socket}")

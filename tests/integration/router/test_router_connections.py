@@ -44,11 +44,6 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream"
 POOL = 8
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _event(content: str) -> bytes:
     chunk = {"choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}]}
     return f"data: {json.dumps(chunk)}\n\n".encode()

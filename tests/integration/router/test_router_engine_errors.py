@@ -74,11 +74,6 @@ def _engine_error(message: str) -> dict[str, Any]:
     return {"message": message, "type": "server_error", "param": None, "code": "engine_error"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Cluster:
     """One ready deployment per family, all served by `engine` (a fake engine's answer)."""
 

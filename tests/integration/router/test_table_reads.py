@@ -33,11 +33,6 @@ from capyctl_router.upstream import Engines
 from integration.router.ready import put_deployment, put_ready
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class HeldRead(Table):
     """A table whose full read stops where it asks for a joined host's ingress (after it
     read the deployments and instances) until the test lets it go on."""

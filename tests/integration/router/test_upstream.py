@@ -17,11 +17,6 @@ from capyctl_router.upstream import HIGH_WATER, EngineConnectionError, Engines
 from integration.router.fakeengine import RawEngine, engine_serving
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _counted(body: bytes) -> RawEngine:
     """An engine answering `body` to every request, framed by Content-Length."""
     return RawEngine(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))

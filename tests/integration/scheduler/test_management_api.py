@@ -30,11 +30,6 @@ M = TypeVar("M", bound=BaseModel)
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def api(redis_socket: Path, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """The management app of a scheduler whose one host has published a vLLM profile."""
     client = aioredis.Redis(unix_socket_path=str(redis_socket))

@@ -34,11 +34,6 @@ MUTATIONS = ["/deployments", "/deployments/m/actions", f"/hosts/{HOST}/drain"]
 FUZZ = fuzzing(100)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _manager(client: aioredis.Redis) -> Manager:
     return Manager(Scheduler(client, Observer(client, [HOST])))
 

@@ -30,11 +30,6 @@ BASE = "http://scheduler"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
     found = aioredis.Redis(unix_socket_path=str(redis_socket))
     yield found
