@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from capycommon.service import redis_client
-from capycommon.state import keys, places
+from capycommon.state import keys, places, placescripts
 from capycommon.state.pipe import Pipe
 
 HOST, NAME, GENERATION, OWNER = "local", "bench", 1, "router-0:1"
@@ -79,8 +79,8 @@ async def main(pairs: int, rounds: int) -> None:
     try:
         record = {"state": "ready", "generation": GENERATION}
         await client.set(keys.instance(HOST, NAME, 0), json.dumps(record))
-        take_script = client.register_script(places._TAKE)
-        give_script = client.register_script(places._MOVE)
+        take_script = client.register_script(placescripts.TAKE)
+        give_script = client.register_script(placescripts.MOVE)
         pipe = Pipe.of(client)
 
         async def through_redis_py() -> None:
@@ -88,8 +88,8 @@ async def main(pairs: int, rounds: int) -> None:
             await give_script(keys=GIVE_KEYS, args=GIVE_ARGS)
 
         async def through_pipe() -> None:
-            assert await pipe.run(places._TAKE_SCRIPT, TAKE_KEYS, TAKE_ARGS) >= 1
-            await pipe.run(places._MOVE_SCRIPT, GIVE_KEYS, GIVE_ARGS)
+            assert await pipe.run(placescripts.TAKE_SCRIPT, TAKE_KEYS, TAKE_ARGS) >= 1
+            await pipe.run(placescripts.MOVE_SCRIPT, GIVE_KEYS, GIVE_ARGS)
 
         sides = {"redis-py": through_redis_py, "pipe": through_pipe}
         print(f"{pairs} take+give pairs a side a round, {rounds} rounds, medians")
