@@ -28,7 +28,7 @@ from capycommon.engines.families import Family
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths
-from capycommon.state.instances import CacheRecord, ProcessIdentity
+from capycommon.state.instances import CacheRecord, InstanceRecord, InstanceState, ProcessIdentity
 from capyctl_cli import status
 
 T = TypeVar("T")
@@ -494,3 +494,18 @@ def cache_record(**changes: Any) -> CacheRecord:
         "device_bytes": 1 << 30,
     }
     return CacheRecord(**{**values, **changes})
+
+
+def instance_record(deployment: str, host: str, **changes: Any) -> InstanceRecord:
+    """Instance 0 of the deployment's first revision and generation on `host`, READY since
+    now, as hostd records it; `changes` set any other field."""
+    values: dict[str, Any] = {
+        "deployment": deployment,
+        "instance": 0,
+        "revision": 1,
+        "generation": 1,
+        "state": InstanceState.READY,
+        "since": time.time(),
+        "host": host,
+    }
+    return InstanceRecord(**{**values, **changes})

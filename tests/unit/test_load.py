@@ -7,20 +7,12 @@ import pytest
 from pydantic import ValidationError
 
 from capycommon.engines.control import Load
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad, decode
 from capyctl_hostd.loads import entry
+from support import instance_record
 
 BUSY = EngineLoad(generation=3, running=2, waiting=1, last_active_at=1005.0, read_at=1005.0)
-READY = InstanceRecord(
-    deployment="chat",
-    instance=0,
-    revision=1,
-    generation=3,
-    state=InstanceState.READY,
-    since=1000.0,
-    host="h",
-)
+READY = instance_record("chat", "h", generation=3, since=1000.0)
 
 
 def test_an_entry_reads_back_the_same() -> None:

@@ -5,7 +5,6 @@ refuses a store a launch or a live instance uses, and anything that is not a dow
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,21 +15,16 @@ from capycommon.errors import InvalidConfig
 from capycommon.hub.store import remove_tree
 from capycommon.state import downloads
 from capycommon.state import hostcommands as hc
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.store import InstanceStore, read_events
 from capyctl_hostd.downloads import ModelStore, store_folder
 from mockhub import Faults, MockHub, tiny_repo
+from support import instance_record
 
 HOST = "gpu-s"
 REPO = tiny_repo()
 V1 = REPO.refs["v1"]
 WHOLE = hc.HubPull(repo="acme/tiny", commit=V1)
 STORE = f"sources/huggingface/acme--tiny@{V1}"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture
@@ -123,16 +117,7 @@ async def test_a_removal_waits_for_no_user_of_the_store(store: ModelStore) -> No
     assert refused is not None
     assert (refused.state, refused.code) == ("failed", "model_in_use")
 
-    running = InstanceRecord(
-        deployment="tiny",
-        instance=0,
-        revision=1,
-        generation=1,
-        state=InstanceState.READY,
-        since=time.time(),
-        host=HOST,
-        model_path=str(folder),
-    )
+    running = instance_record("tiny", HOST, model_path=str(folder))
     await store.instances.transition(running, allowed=["absent"], generation=None, reason="test")
     await store.remove(hc.Remove(operation="op-5", name=STORE))
     refused = await downloads.aread_operation(store.client, HOST, "op-5")

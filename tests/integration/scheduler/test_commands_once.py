@@ -15,42 +15,24 @@ from typing import Any, cast
 import pytest
 import redis.asyncio as aioredis
 
-from capycommon.deployments import parse_deployment, revision_digest
-from capycommon.engines.families import Family
-from capycommon.state import hostcommands, hostfacts, keys
+from capycommon.state import hostcommands, keys
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
-from capycommon.state.enginefacts import PublishedEngines
-from capycommon.state.hostfacts import HostModels, ModelFacts
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.memory import write_reading
 from capycommon.state.store import InstanceStore
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.observe import Observer
-from support import engine_profile
+from integration.scheduler.livehost import deployment_record, live_host
+from support import instance_record
 from unit.readings import GiB, idle_reading
 
 HOST = "local"
-ROOT = "/srv/models"
-SMALL = ModelFacts(path=f"{ROOT}/small", kind="folder", weights_bytes=2 * GiB)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture
 async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
     """Redis as a live host left it: one engine, the model `small`, one idle 24 GiB GPU."""
-    found = aioredis.Redis(unix_socket_path=str(redis_socket))
-    engines = PublishedEngines(
-        revision=1, source="engines.yaml", profiles=[engine_profile(Family.VLLM)]
-    )
-    await found.set(keys.engines(HOST), engines.model_dump_json())
-    await found.set(keys.heartbeat("hostd", HOST), "{}")
-    await hostfacts.publish(found, HOST, HostModels(models_root=ROOT, models={"small": SMALL}))
-    yield found
-    await found.aclose()
+    async with live_host(redis_socket, HOST) as found:
+        yield found
 
 
 async def tick(client: aioredis.Redis, scheduler: Scheduler) -> None:
@@ -68,16 +50,7 @@ def declared(name: str, **record: Any) -> DeploymentRecord:
         "model": "small",
         "lifecycle": {"activation": "explicit"},
     }
-    document = parse_deployment(written, "test")
-    return DeploymentRecord(
-        name=name,
-        revision=1,
-        digest=revision_digest(document),
-        document=document,
-        created_at=0.0,
-        updated_at=0.0,
-        **record,
-    )
+    return deployment_record(written, **record)
 
 
 async def sent(client: aioredis.Redis) -> list[tuple[str, str, int]]:
@@ -123,17 +96,7 @@ async def test_a_refusal_of_an_earlier_deployment_of_the_name_refuses_no_launch(
 @pytest.mark.anyio
 async def test_a_deleted_deployment_is_stopped_once(client: aioredis.Redis) -> None:
     store = InstanceStore(client, HOST)
-    ready = InstanceRecord(
-        deployment="b",
-        instance=0,
-        revision=1,
-        generation=1,
-        state=InstanceState.READY,
-        since=time.time(),
-        host=HOST,
-        gpu_uuid="GPU-0",
-        residency="host_backed",
-    )
+    ready = instance_record("b", HOST, gpu_uuid="GPU-0", residency="host_backed")
     await store.transition(ready, allowed=["absent"], generation=None, reason="launch: test")
     await DeploymentStore(client).put(declared("b", generation=1, host=HOST, deleting=True))
     scheduler = Scheduler(client, Observer(client, [HOST]))

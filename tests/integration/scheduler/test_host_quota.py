@@ -17,12 +17,12 @@ from capycommon.settings import ServerSettings
 from capycommon.state import acl, desired, hostinfo, identities, keys
 from capycommon.state.hostkeys import host_bytes
 from capycommon.state.identities import HostIdentity
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.store import InstanceStore
 from capycommon.version import __version__
 from capyctl_scheduler.enroll import Enrollment
 from capyctl_scheduler.hostquota import CUT_OFF, HostQuota
 from integration.scheduler.serverredis import ServerRedis, send, server_redis
+from support import instance_record
 
 MiB = 1 << 20
 QUOTA = 16 * MiB
@@ -74,15 +74,7 @@ async def test_a_host_over_its_quota_is_cut_off_and_redis_serves_on(
     for index in range(3):
         assert greedy.set(f"capyctl:host:a:junk:{index}", b"x" * (7 * MiB)) is True
     assert modest.set("capyctl:host:b:heartbeat:hostd", "{}") is True
-    live = InstanceRecord(
-        deployment="m",
-        instance=0,
-        revision=1,
-        generation=1,
-        state=InstanceState.READY,
-        since=time.time(),
-        host="a",
-    )
+    live = instance_record("m", "a")
     greedy.set(keys.instance("a", "m", 0), live.model_dump_json())
     greedy.sadd(keys.instances("a"), "m:0")
     assert greedy.ping() is True  # a connection open before the cut

@@ -22,7 +22,7 @@ from capycommon.state.pipe import RedisBusy
 from capycommon.state.store import Conflict, InstanceStore
 from capyctl_scheduler.redisguard import GUARD_EVERY_S, RedisGuard
 from integration.scheduler.serverredis import PASSWORD, ServerRedis, send, server_redis
-from support import wait_for_async
+from support import instance_record, wait_for_async
 
 ONE = "return 1"
 ONE_SHA = hashlib.sha1(ONE.encode(), usedforsecurity=False).hexdigest()
@@ -58,15 +58,7 @@ def server() -> Iterator[ServerRedis]:
 
 
 def record(host: str) -> InstanceRecord:
-    return InstanceRecord(
-        deployment="m",
-        instance=0,
-        revision=1,
-        generation=1,
-        state=InstanceState.STARTING,
-        since=time.time(),
-        host=host,
-    )
+    return instance_record("m", host, state=InstanceState.STARTING)
 
 
 def test_a_hosts_user_runs_no_script_of_its_own(server: ServerRedis) -> None:

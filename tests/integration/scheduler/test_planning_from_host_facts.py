@@ -12,50 +12,27 @@ from typing import cast
 import pytest
 import redis.asyncio as aioredis
 
-from capycommon.deployments import parse_deployment, revision_digest
-from capycommon.engines.families import Family
 from capycommon.state import hostcommands, hostfacts, keys
 from capycommon.state.desired import DeploymentRecord, DeploymentStore
-from capycommon.state.enginefacts import PublishedEngines
-from capycommon.state.hostfacts import HostModels, ModelFacts
+from capycommon.state.hostfacts import ModelFacts
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan
-from support import engine_profile, wait_for_async
+from integration.scheduler.livehost import deployment_record, live_host
+from support import wait_for_async
+from unit.readings import GiB
 
 HOST = "h1"
-GiB = 1 << 30
-ROOT = "/srv/models"
-VLLM = engine_profile(Family.VLLM)
-SMALL = ModelFacts(path=f"{ROOT}/small", kind="folder", weights_bytes=2 * GiB)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture
 async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
     """Redis as hostd left it: a live host with one engine and the model `small`."""
-    found = aioredis.Redis(unix_socket_path=str(redis_socket))
-    engines = PublishedEngines(revision=1, source="engines.yaml", profiles=[VLLM])
-    await found.set(keys.engines(HOST), engines.model_dump_json())
-    await found.set(keys.heartbeat("hostd", HOST), "{}")
-    await hostfacts.publish(found, HOST, HostModels(models_root=ROOT, models={"small": SMALL}))
-    yield found
-    await found.aclose()
+    async with live_host(redis_socket, HOST) as found:
+        yield found
 
 
 def record(name: str, model: str) -> DeploymentRecord:
-    document = parse_deployment({"name": name, "engine": "vllm", "model": model}, "test")
-    return DeploymentRecord(
-        name=name,
-        revision=1,
-        digest=revision_digest(document),
-        document=document,
-        created_at=0.0,
-        updated_at=0.0,
-    )
+    return deployment_record({"name": name, "engine": "vllm", "model": model})
 
 
 async def describes(client: aioredis.Redis) -> list[tuple[str, ...]]:

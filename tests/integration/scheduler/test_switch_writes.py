@@ -15,19 +15,14 @@ import redis.asyncio as aioredis
 
 from capycommon.state import keys
 from capycommon.state.desired import DECISION_FIELD, DeploymentStore, Victim
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.snapshot import Snapshot
 from integration.router.ready import put_deployment
+from support import instance_record
 
 HOST = "local"
 VICTIM = Victim(deployment="b", generation=1)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture
@@ -41,16 +36,7 @@ async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
 
 async def _snapshot(client: aioredis.Redis) -> Snapshot:
     """The deployments as Redis holds them, with `b` ready: what the handlers read."""
-    ready = InstanceRecord(
-        deployment="b",
-        instance=0,
-        revision=1,
-        generation=1,
-        state=InstanceState.READY,
-        since=time.time(),
-        host=HOST,
-        residency="host_backed",
-    )
+    ready = instance_record("b", HOST, residency="host_backed")
     deployments = await DeploymentStore(client).all()
     return Snapshot(time.time(), deployments, {"b": ready}, {}, {})
 
