@@ -28,6 +28,7 @@ HEAVY = (
     "capycommon.settings",
     "capycommon.deployments",
     "capycommon.service",
+    "capycommon.httpserve",
     "redis",
     "cryptography",
 )

@@ -26,9 +26,10 @@ from typing import IO
 import redis
 
 from capycommon.errors import CapyError, ToolchainMissing
+from capycommon.httpserve import bind
 from capycommon.paths import StatePaths, write_atomic
 from capycommon.redistarget import RedisTarget, control_target, target_for
-from capycommon.service import HOST_FINAL_EXITS, bind
+from capycommon.service import HOST_FINAL_EXITS
 from capycommon.settings import HostSettings, Role, ServerSettings, host_name, setting_specs
 from capycommon.state import persistence
 from capycommon.units import format_size

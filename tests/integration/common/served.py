@@ -9,7 +9,7 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-from capycommon.service import serve_http
+from capycommon.httpserve import serve_http
 from capycommon.settings import ConnectionLimits
 from support import wait_for_async
 

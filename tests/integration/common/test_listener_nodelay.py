@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from capycommon.service import bind
+from capycommon.httpserve import bind
 from support import free_port
 
 

@@ -43,8 +43,9 @@ from capycommon.errors import (
     StaleDispatch,
 )
 from capycommon.hangup import Watch, uncancel
+from capycommon.httpserve import bind, serve_http
 from capycommon.paths import StatePaths
-from capycommon.service import REDIS_ERRORS, bind, serve_http
+from capycommon.service import REDIS_ERRORS
 from capycommon.settings import ConnectionLimits
 from capycommon.tasks import beside
 from capyctl_hostd.engines import Engine

@@ -14,7 +14,8 @@ import uvloop
 from prometheus_client import values
 
 from capycommon import credentials
-from capycommon.service import REDIS_ERRORS, ServiceContext, run, serve_http
+from capycommon.httpserve import serve_http
+from capycommon.service import REDIS_ERRORS, ServiceContext, run
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.state import places
 from capyctl_router.app import Router, create_app

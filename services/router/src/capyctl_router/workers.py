@@ -37,8 +37,9 @@ from pathlib import Path
 from prometheus_client import multiprocess
 
 from capycommon import credentials
+from capycommon.httpserve import bind
 from capycommon.paths import write_atomic
-from capycommon.service import REDIS_ERRORS, ServiceContext, bind, until_stop, wait_event
+from capycommon.service import REDIS_ERRORS, ServiceContext, until_stop, wait_event
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.state import places
 from capyctl_router import worker

@@ -6,7 +6,8 @@ import asyncio
 import sys
 
 from capycommon import credentials
-from capycommon.service import ServiceContext, run, serve_http
+from capycommon.httpserve import serve_http
+from capycommon.service import ServiceContext, run
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.settingvalues import idle_seconds
 from capycommon.state import hostinfo, identities
