@@ -13,7 +13,7 @@ import pytest
 
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import ENGINE_FAMILIES, Family
-from capycommon.engines.launch import LaunchSpec, Residency
+from capycommon.engines.launch import LaunchPlan, LaunchSpec, Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.engines.runtime import capyctl_sglang_launch
 from capycommon.errors import InvalidConfig
@@ -76,17 +76,22 @@ def spec(family: Family, residency: Residency, models: Path, **changes: object) 
     return LaunchSpec(**values)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("family", "residency"), CASES, ids=str)
-def test_argv_matches_the_golden_file(tmp_path: Path, family: Family, residency: Residency) -> None:
-    plan = adapter_for(family).plan(spec(family, residency, tmp_path))
+def assert_golden(plan: LaunchPlan, models: Path, golden: Path) -> None:
+    """The plan's argv and environment, with `models` written as <models>, are the golden
+    file's; UPDATE_GOLDEN=1 writes the file instead."""
     rendered = json.dumps(
-        {"argv": [arg.replace(str(tmp_path), "<models>") for arg in plan.argv], "env": plan.env},
+        {"argv": [arg.replace(str(models), "<models>") for arg in plan.argv], "env": plan.env},
         indent=2,
     )
-    golden = GOLDEN / f"{family}-{residency}.json"
     if os.environ.get("UPDATE_GOLDEN") == "1":
         golden.write_text(rendered + "\n")
     assert golden.read_text() == rendered + "\n", f"regenerate with UPDATE_GOLDEN=1 ({golden})"
+
+
+@pytest.mark.parametrize(("family", "residency"), CASES, ids=str)
+def test_argv_matches_the_golden_file(tmp_path: Path, family: Family, residency: Residency) -> None:
+    plan = adapter_for(family).plan(spec(family, residency, tmp_path))
+    assert_golden(plan, tmp_path, GOLDEN / f"{family}-{residency}.json")
 
 
 @pytest.mark.parametrize(
@@ -103,14 +108,7 @@ def test_a_decision_models_argv_matches_the_golden_file(
     micro-batch."""
     decider = spec(family, residency, tmp_path, api="decisions", tool_call_parser=None)
     plan = adapter_for(family).plan(replace(decider, reasoning_parser=None))
-    rendered = json.dumps(
-        {"argv": [arg.replace(str(tmp_path), "<models>") for arg in plan.argv], "env": plan.env},
-        indent=2,
-    )
-    golden = GOLDEN / f"{family}-decisions.json"
-    if os.environ.get("UPDATE_GOLDEN") == "1":
-        golden.write_text(rendered + "\n")
-    assert golden.read_text() == rendered + "\n", f"regenerate with UPDATE_GOLDEN=1 ({golden})"
+    assert_golden(plan, tmp_path, GOLDEN / f"{family}-decisions.json")
 
 
 @pytest.mark.parametrize(

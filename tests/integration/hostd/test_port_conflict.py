@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from capycommon import procfs
@@ -33,35 +35,10 @@ def _reuse_port_socket(port: int = 0) -> socket.socket:
     return sock
 
 
-def test_a_foreign_listener_on_the_engines_port_is_found() -> None:
-    with _reuse_port_socket() as ours:
-        port = ours.getsockname()[1]
-        engine = subprocess.Popen(
-            [sys.executable, "-c", LISTENER, str(port)],
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-        )
-        try:
-            assert engine.stdout is not None
-            assert engine.stdout.readline() == b"listening\n"
-            wait_for(
-                lambda: len(procfs.listening_inodes(port)) == 2,
-                timeout=5,
-                what="both listeners in /proc/net/tcp",
-            )
-            foreign = procs.foreign_listeners(port, engine.pid)
-            assert foreign == procfs.socket_inodes([os.getpid()]) & procfs.listening_inodes(port)
-            assert len(foreign) == 1, "this test's socket is the foreign one"
-        finally:
-            os.killpg(engine.pid, signal.SIGKILL)
-            engine.wait()
-            engine.stdout.close()  # type: ignore[union-attr]
-    assert procs.foreign_listeners(port, engine.pid) == set(), "nobody listens any more"
-
-
-def test_an_engine_alone_on_its_port_has_no_foreign_listener() -> None:
-    with _reuse_port_socket() as probe:
-        port = probe.getsockname()[1]
+@contextmanager
+def _engine_listening(port: int, listeners: int) -> Iterator[subprocess.Popen[bytes]]:
+    """An engine stand-in listening on `port` (with SO_REUSEPORT) in a session of its own,
+    once /proc/net/tcp shows `listeners` listeners there; killed on the way out."""
     engine = subprocess.Popen(
         [sys.executable, "-c", LISTENER, str(port)],
         stdout=subprocess.PIPE,
@@ -71,15 +48,32 @@ def test_an_engine_alone_on_its_port_has_no_foreign_listener() -> None:
         assert engine.stdout is not None
         assert engine.stdout.readline() == b"listening\n"
         wait_for(
-            lambda: len(procfs.listening_inodes(port)) == 1,
+            lambda: len(procfs.listening_inodes(port)) == listeners,
             timeout=5,
-            what="its listener in /proc/net/tcp",
+            what=f"{listeners} listener(s) in /proc/net/tcp",
         )
-        assert procs.foreign_listeners(port, engine.pid) == set()
+        yield engine
     finally:
         os.killpg(engine.pid, signal.SIGKILL)
         engine.wait()
         engine.stdout.close()  # type: ignore[union-attr]
+
+
+def test_a_foreign_listener_on_the_engines_port_is_found() -> None:
+    with _reuse_port_socket() as ours:
+        port = ours.getsockname()[1]
+        with _engine_listening(port, listeners=2) as engine:
+            foreign = procs.foreign_listeners(port, engine.pid)
+            assert foreign == procfs.socket_inodes([os.getpid()]) & procfs.listening_inodes(port)
+            assert len(foreign) == 1, "this test's socket is the foreign one"
+    assert procs.foreign_listeners(port, engine.pid) == set(), "nobody listens any more"
+
+
+def test_an_engine_alone_on_its_port_has_no_foreign_listener() -> None:
+    with _reuse_port_socket() as probe:
+        port = probe.getsockname()[1]
+    with _engine_listening(port, listeners=1) as engine:
+        assert procs.foreign_listeners(port, engine.pid) == set()
 
 
 def test_listeners_are_read_from_proc_net_tcp(tmp_path: Path) -> None:
