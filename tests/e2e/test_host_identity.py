@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from capycommon.settings import machine_host_name
+from capycommon.hostsettings import machine_host_name
 from support import capyctl, clean_env, free_port, processes_mentioning, short_dir, start_role
 
 

@@ -26,6 +26,7 @@ print(json.dumps(sorted(sys.modules)))
 HEAVY = (
     "capyctl_cli.launcher",
     "capycommon.settings",
+    "capycommon.hostsettings",
     "capycommon.deployments",
     "capycommon.service",
     "capycommon.httpserve",

@@ -10,18 +10,17 @@ import yaml
 
 from capycommon.enrollment import ingress_address
 from capycommon.errors import InvalidConfig
+from capycommon.hostsettings import HostSection, machine_host_name
 from capycommon.paths import resolve_state_dir
 from capycommon.settingnames import derived_flag, derived_variable
 from capycommon.settings import (
     ROLES,
-    HostSection,
     HostSettings,
     Role,
     RouterSection,
     StandaloneSettings,
     auto_workers,
     host_name,
-    machine_host_name,
     own_host,
     redacted,
     setting_specs,

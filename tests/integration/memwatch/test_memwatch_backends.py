@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from capycommon import simgpu
-from capycommon.settings import HostSection
+from capycommon.hostsettings import HostSection
 from capyctl_memwatch.backends import NoBackend, SimulatedBackend
 from capyctl_memwatch.choose import open_backend, simgpu_dir
 from capyctl_memwatch.hostram import HostRamReader

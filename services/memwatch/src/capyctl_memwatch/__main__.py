@@ -6,8 +6,9 @@ import asyncio
 import sys
 
 from capycommon.errors import InvalidConfig
+from capycommon.hostsettings import HostSection
 from capycommon.service import ServiceContext, run
-from capycommon.settings import HostSection, own_host
+from capycommon.settings import own_host
 from capyctl_memwatch.choose import open_backend
 from capyctl_memwatch.hostram import HostRamReader
 from capyctl_memwatch.watch import watch

@@ -8,7 +8,7 @@ from typing import Any
 
 import pynvml  # type: ignore[import-untyped]
 
-from capycommon.settings import HostSection
+from capycommon.hostsettings import HostSection
 from capyctl_memwatch.backends import Backend, NoBackend, SimulatedBackend
 from capyctl_memwatch.hostram import HostRamReader
 from capyctl_memwatch.nvml import NvmlBackend

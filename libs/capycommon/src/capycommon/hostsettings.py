@@ -1,0 +1,168 @@
+"""A host's settings (`host.*`): its name, where its models are, the ports and controls of
+its engines, simulated GPUs; a joined host's ingress; and a server's own embedded host.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from capycommon.settingnames import Setting
+from capycommon.settingvalues import (
+    DialAddress,
+    HostName,
+    ListenAddress,
+    OnOff,
+    PortRange,
+    SimulatedGpus,
+    Size,
+)
+
+
+def machine_host_name(hostname: str | None = None) -> str:
+    """This machine's hostname made a host name: its first label, lower-cased, each run of
+    other characters a hyphen, at most 63 characters; `local` if nothing is left."""
+    label = (socket.gethostname() if hostname is None else hostname).split(".")[0].lower()
+    name = re.sub(r"[^a-z0-9-]+", "-", label).strip("-")[:63].rstrip("-")
+    return name or "local"
+
+
+class HostSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)  # as `settings.Strict`
+
+    name: HostName = Field(
+        default_factory=machine_host_name,
+        description="This host's name; the state dir keeps the name of its first start.",
+        examples=["gpu-box"],
+    )
+    models_root: Annotated[
+        Path,
+        AfterValidator(lambda p: p.expanduser()),
+        Setting(flags=("--models-root",), variables=("CAPYCTL_MODELS_ROOT",)),
+    ] = Field(
+        default_factory=lambda: Path.home() / "models",
+        description="The folder that model names in deployments are relative to.",
+        examples=["/srv/models"],
+    )
+    engine_ports: Annotated[
+        PortRange,
+        Setting(
+            flags=("--engine-ports",),
+            variables=("CAPYCTL_ENGINE_PORTS",),
+            metavar="START-END",
+            empty_refused=True,
+        ),
+    ] = Field(
+        "8100-8199",
+        description="The loopback ports engines listen on.",
+        examples=["8200-8299"],
+    )
+    deep_park: Annotated[
+        OnOff,
+        Setting(flags=("--deep-park",), variables=("CAPYCTL_DEEP_PARK",), empty_refused=True),
+    ] = Field(
+        "on",
+        description="off: no engine here parks deep or runs with its development controls "
+        "(vLLM's dev mode); models that would park deep stop instead.",
+        examples=["off"],
+    )
+    engine_telemetry: Annotated[
+        Literal["off", "allow"],
+        Setting(
+            flags=("--engine-telemetry",),
+            variables=("CAPYCTL_ENGINE_TELEMETRY",),
+            empty_refused=True,
+        ),
+    ] = Field(
+        "off",
+        description="off: every engine here gets DO_NOT_TRACK=1 (vLLM also VLLM_DO_NOT_TRACK=1 "
+        "and VLLM_NO_USAGE_STATS=1), so none reports usage off the host; allow: the engines' "
+        "own defaults.",
+        examples=["allow"],
+    )
+    retention: Annotated[
+        Literal["default", "zero"],
+        Setting(flags=("--retention",), variables=("CAPYCTL_RETENTION",), empty_refused=True),
+    ] = Field(
+        "default",
+        description="zero: engines here keep no log and write no core dump, unless a "
+        "deployment says retention: default.",
+        examples=["zero"],
+    )
+    lmcache: Annotated[
+        Literal["auto", "off"],
+        Setting(flags=("--lmcache",), variables=("CAPYCTL_LMCACHE",), empty_refused=True),
+    ] = Field(
+        "auto",
+        description="off: no model here runs with LMCache, whatever its deployment says (one "
+        "that says lmcache: required fails here).",
+        examples=["off"],
+    )
+    simulated_gpus: Annotated[
+        SimulatedGpus,
+        Setting(variables=("CAPYCTL_SIMULATED_GPUS",), metavar="NAME:SIZE,..."),
+    ] = Field(
+        None,
+        description="Simulated GPUs instead of NVML: gpu0:24GiB,gpu1:24GiB or unified:128GiB.",
+        examples=["gpu0:24GiB"],
+    )
+    simulated_host_ram: Annotated[
+        Size,
+        Setting(variables=("CAPYCTL_SIMULATED_HOST_RAM",), metavar="SIZE"),
+    ] = Field(
+        None,
+        description="Simulated host RAM, e.g. 64GiB (with simulated GPUs only).",
+        examples=["64GiB"],
+    )
+    simgpu_dir: Annotated[Path | None, Setting(variables=("CAPYCTL_SIMGPU_DIR",))] = Field(
+        None,
+        description="Where simulated GPUs keep devices.json and the claims; none: <state>/simgpu.",
+        examples=["/srv/capyctl/simgpu"],
+    )
+
+
+class IngressSection(BaseModel):
+    """A joined host's ingress: where the server's router reaches this host's engines, over
+    mutual TLS (`capycommon.ingress`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)  # as `settings.Strict`
+
+    bind: ListenAddress = Field(
+        "0.0.0.0:8444",
+        description="Where this joined host's ingress listens for the server's router (mutual "
+        "TLS); only the server needs to reach it.",
+        examples=["100.64.0.21:8444"],
+    )
+    address: DialAddress = Field(
+        None,
+        description="The HOST:PORT the server's router dials for the ingress (none: bind; on "
+        "every interface, this machine's hostname).",
+        examples=["gpu-box.lan:8444"],
+    )
+
+
+class JoinedHostSection(HostSection):
+    """The host role's host settings: a standalone role's, and its ingress once joined."""
+
+    ingress: IngressSection = IngressSection()
+
+
+class EmbeddedHostSection(HostSection):
+    """A server's own host: with `embedded: on` the server also runs hostd and memwatch, and
+    serves models on this machine's GPUs beside those of its joined hosts."""
+
+    embedded: Annotated[
+        OnOff,
+        Setting(
+            flags=("--embedded-host",), variables=("CAPYCTL_EMBEDDED_HOST",), empty_refused=True
+        ),
+    ] = Field(
+        "off",
+        description="on: this server is also a host, as a standalone role is (its models run "
+        "here too, beside those of joined hosts); the other host settings apply only then.",
+        examples=["on"],
+    )
