@@ -10,6 +10,7 @@ import pytest
 from capycommon.errors import DeviceUnobserved
 from capyctl_memwatch.hostram import HostRamReader
 from capyctl_memwatch.nvml import NvmlBackend
+from gpucheckrun import nvml_here
 from integration.memwatch.fakenvml import GIB, FakeDevice, FakeNvml
 
 H100 = "GPU-11111111-2222-3333-4444-555555555555"
@@ -90,17 +91,8 @@ def test_a_device_that_fails_mid_run_is_unobserved() -> None:
         backend.read()
 
 
-def _real_nvml() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
 gpu_present = pytest.mark.skipif(
-    not _real_nvml(), reason="no NVIDIA GPU here: pynvml.nvmlInit() failed (NVML not found)"
+    not nvml_here(), reason="no NVIDIA GPU here: pynvml.nvmlInit() failed (NVML not found)"
 )
 
 
