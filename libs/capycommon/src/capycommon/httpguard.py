@@ -31,7 +31,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -74,97 +74,125 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
+class ServerGuard:
+    """What one server's connections are held to: its limits, whom it admits, and its
+    connections per client address against their bound (a connection over it is answered
+    `refusal`, and its address is logged once until it drops below)."""
+
+    def __init__(self, limits: ConnectionLimits, admit: Admit | None) -> None:
+        self.limits = limits
+        self.admit = admit
+        self.refusal = _refusal(limits.connections_per_client)
+        self.held: Counter[str] = Counter()
+        # Addresses at their bound that were told so in the log (once until they drop below).
+        self.warned: set[str] = set()
+
+    def take(self, peer: str) -> bool:
+        """Count one more connection of `peer`; False (nothing counted) at its bound."""
+        if self.held[peer] < self.limits.connections_per_client:
+            self.held[peer] += 1
+            return True
+        if peer not in self.warned:
+            self.warned.add(peer)
+            log.warning("client %s holds %d connections, its bound", peer, self.held[peer])
+        return False
+
+    def give(self, peer: str) -> None:
+        """One connection of `peer` closed."""
+        self.held[peer] -= 1
+        if self.held[peer] < self.limits.connections_per_client:
+            self.warned.discard(peer)
+        if not self.held[peer]:
+            del self.held[peer]
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools) held to its server's `guard` (a header timeout,
+    a bound per client address, whom it admits), writing through a `CorkedTransport`."""
+
+    guard: ClassVar[ServerGuard]
+    _head_timer: asyncio.TimerHandle | None = None
+    _counted: str | None = None
+    _refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream's, over TLS or not (uvloop's are not asyncio.Transport subclasses).
+        transport = cast(asyncio.Transport, transport)
+        super().connection_made(cast(asyncio.Transport, CorkedTransport(transport)))
+        why = None if self.guard.admit is None else self.guard.admit(transport)
+        if why is not None:
+            self._refused = True
+            log.warning("refused a connection from %s: %s", _address(self.client), why)
+            transport.close()
+            return
+        peer = self.client[0] if self.client else ""
+        if self.guard.take(peer):
+            self._counted = peer
+        else:
+            self.app = self.guard.refusal
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:  # a refused connection's bytes are never read
+            super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._await_head()  # a kept-alive connection's next head has begun
+
+    def on_headers_complete(self) -> None:
+        self._head_done()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+            # Answered before its body all came (a refusal, a route that reads none):
+            # the rest is not waited for, however slowly it comes.
+            log.debug("closing a connection answered before its request body ended")
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not cycle.response_complete:
+            log.info(
+                "client %s left while sending its request: %s %s",
+                _address(self.client),
+                cycle.scope["method"],
+                cycle.scope["path"],
+            )
+        super().connection_lost(exc)
+        self._head_done()
+        peer, self._counted = self._counted, None
+        if peer is not None:
+            self.guard.give(peer)
+
+    def _await_head(self) -> None:
+        if self._head_timer is None:
+            timeout = self.guard.limits.header_timeout
+            self._head_timer = self.loop.call_later(timeout, self._head_late)
+
+    def _head_done(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None  # the head's end would have cancelled it
+        if not self.transport.is_closing():
+            log.debug("closing a connection whose request head took too long")
+            self.transport.close()
+
+
 def guarded_protocol(
     limits: ConnectionLimits, admit: Admit | None = None
 ) -> type[HttpToolsProtocol]:
-    """uvicorn's HTTP/1.1 protocol (httptools) with a header timeout and a bound per client
-    address, for one server (the connections it counts are that server's), writing through
-    a `CorkedTransport`; with `admit`, only the connections it admits are served."""
-    held: Counter[str] = Counter()
-    # Addresses at their bound that were told so in the log (once until they drop below).
-    warned: set[str] = set()
-    refusal = _refusal(limits.connections_per_client)
+    """`GuardedProtocol` for one server (the connections it counts are that server's); with
+    `admit`, only the connections it admits are served."""
 
-    class Guarded(HttpToolsProtocol):
-        _head_timer: asyncio.TimerHandle | None = None
-        _counted: str | None = None
-        _refused = False
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            # A stream's, over TLS or not (uvloop's are not asyncio.Transport subclasses).
-            transport = cast(asyncio.Transport, transport)
-            super().connection_made(cast(asyncio.Transport, CorkedTransport(transport)))
-            why = None if admit is None else admit(transport)
-            if why is not None:
-                self._refused = True
-                log.warning("refused a connection from %s: %s", _address(self.client), why)
-                transport.close()
-                return
-            peer = self.client[0] if self.client else ""
-            if held[peer] >= limits.connections_per_client:
-                if peer not in warned:
-                    warned.add(peer)
-                    log.warning("client %s holds %d connections, its bound", peer, held[peer])
-                self.app = refusal
-            else:
-                held[peer] += 1
-                self._counted = peer
-            self._await_head()
-
-        def data_received(self, data: bytes) -> None:
-            if not self._refused:  # a refused connection's bytes are never read
-                super().data_received(data)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._await_head()  # a kept-alive connection's next head has begun
-
-        def on_headers_complete(self) -> None:
-            self._head_done()
-            super().on_headers_complete()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            cycle = self.cycle
-            if cycle is not None and cycle.more_body and not self.transport.is_closing():
-                # Answered before its body all came (a refusal, a route that reads none):
-                # the rest is not waited for, however slowly it comes.
-                log.debug("closing a connection answered before its request body ended")
-                self.transport.close()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            cycle = self.cycle
-            if cycle is not None and cycle.more_body and not cycle.response_complete:
-                log.info(
-                    "client %s left while sending its request: %s %s",
-                    _address(self.client),
-                    cycle.scope["method"],
-                    cycle.scope["path"],
-                )
-            super().connection_lost(exc)
-            self._head_done()
-            peer, self._counted = self._counted, None
-            if peer is not None:
-                held[peer] -= 1
-                if held[peer] < limits.connections_per_client:
-                    warned.discard(peer)
-                if not held[peer]:
-                    del held[peer]
-
-        def _await_head(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(limits.header_timeout, self._head_late)
-
-        def _head_done(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_late(self) -> None:
-            self._head_timer = None  # the head's end would have cancelled it
-            if not self.transport.is_closing():
-                log.debug("closing a connection whose request head took too long")
-                self.transport.close()
+    class Guarded(GuardedProtocol):
+        guard = ServerGuard(limits, admit)
 
     return Guarded
 
