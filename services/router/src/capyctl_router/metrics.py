@@ -88,6 +88,53 @@ def _now_id() -> str:
     return f"{int(time.time() * 1000)}-0"
 
 
+def _seconds(registry: CollectorRegistry, name: str, documentation: str, *labels: str) -> Histogram:
+    """A duration per deployment (and `labels`), in the buckets every one shares."""
+    return Histogram(
+        name, documentation, ["deployment", *labels], buckets=SECONDS, registry=registry
+    )
+
+
+class LifecycleSeconds:
+    """Start, wake, park and switch durations, each with its engines' part apart from
+    CapyCTL's."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.total = _seconds(
+            registry,
+            "capyctl_lifecycle_seconds",
+            "Start, wake and park durations, from the hosts' events; switch durations, from "
+            "the scheduler's decision to release the first victim to the model ready.",
+            "operation",
+        )
+        self.engine = _seconds(
+            registry,
+            "capyctl_lifecycle_engine_seconds",
+            "The engine's own part of each start, wake and park: its load (from its spawn to "
+            "its health), its wake calls, its sleep call; of a switch: the victims' sleep "
+            "calls and stops, and the model's load or wake calls.",
+            "operation",
+        )
+        self.overhead = _seconds(
+            registry,
+            "capyctl_lifecycle_overhead_seconds",
+            "CapyCTL's part of each start, wake, park and switch: all but the engines' own "
+            "part (waiting for the GPU, readiness checks, the canary, memory verification, "
+            "drains).",
+            "operation",
+        )
+
+    def observe(
+        self, deployment: str, operation: str, seconds: float, engine_s: float | None
+    ) -> None:
+        """One start, wake, park or switch, and its engines' part apart from CapyCTL's."""
+        self.total.labels(deployment, operation).observe(seconds)
+        if engine_s is not None:
+            engine = min(engine_s, seconds)
+            self.engine.labels(deployment, operation).observe(engine)
+            self.overhead.labels(deployment, operation).observe(seconds - engine)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -110,15 +157,9 @@ class Metrics:
             multiprocess_mode="livesum",
         )
 
-        def seconds(name: str, documentation: str, *labels: str) -> Histogram:
-            """A duration per deployment (and `labels`), in the buckets every one shares."""
-            return Histogram(
-                name, documentation, ["deployment", *labels], buckets=SECONDS, registry=r
-            )
-
-        self.queue_wait_s = seconds("capyctl_queue_wait_seconds", "Time until a place.")
-        self.ttft_s = seconds(
-            "capyctl_time_to_first_token_seconds", "From arrival to the engine's first output."
+        self.queue_wait_s = _seconds(r, "capyctl_queue_wait_seconds", "Time until a place.")
+        self.ttft_s = _seconds(
+            r, "capyctl_time_to_first_token_seconds", "From arrival to the engine's first output."
         )
         self.cancellations = Counter(
             "capyctl_cancellations", "Requests cut short.", ["deployment"], registry=r
@@ -126,26 +167,7 @@ class Metrics:
         self.queue_fulls = Counter(
             "capyctl_queue_full", "Requests refused: queue full.", ["deployment"], registry=r
         )
-        self.lifecycle_s = seconds(
-            "capyctl_lifecycle_seconds",
-            "Start, wake and park durations, from the hosts' events; switch durations, from "
-            "the scheduler's decision to release the first victim to the model ready.",
-            "operation",
-        )
-        self.lifecycle_engine_s = seconds(
-            "capyctl_lifecycle_engine_seconds",
-            "The engine's own part of each start, wake and park: its load (from its spawn to "
-            "its health), its wake calls, its sleep call; of a switch: the victims' sleep "
-            "calls and stops, and the model's load or wake calls.",
-            "operation",
-        )
-        self.lifecycle_overhead_s = seconds(
-            "capyctl_lifecycle_overhead_seconds",
-            "CapyCTL's part of each start, wake, park and switch: all but the engines' own "
-            "part (waiting for the GPU, readiness checks, the canary, memory verification, "
-            "drains).",
-            "operation",
-        )
+        self.lifecycle = LifecycleSeconds(r)
         self.evictions = Counter(
             "capyctl_evictions",
             "Engines the scheduler parked or stopped while they served or were parked, by "
@@ -153,7 +175,8 @@ class Metrics:
             ["deployment", "reason"],
             registry=r,
         )
-        self.ready_wait_s = seconds(
+        self.ready_wait_s = _seconds(
+            r,
             "capyctl_ready_wait_seconds",
             "How long requests that found their model not ready waited for it (a start or a "
             "wake): the delay a request for a parked or stopped model feels.",
@@ -288,7 +311,9 @@ class Metrics:
         if decision.kind == "evicted" and decision.cause is not None:
             self.evictions.labels(decision.deployment, decision.cause).inc()
         elif decision.kind == "switched" and decision.duration_s is not None:
-            self._lifecycle(decision.deployment, "switch", decision.duration_s, decision.engine_s)
+            self.lifecycle.observe(
+                decision.deployment, "switch", decision.duration_s, decision.engine_s
+            )
 
     def _event(self, event: Event) -> None:
         if event.kind == "download" and event.repo and event.outcome:
@@ -301,17 +326,7 @@ class Metrics:
         operation = OPERATIONS.get((event.from_state or "", event.to_state or ""))
         if operation is None or event.duration_s is None:
             return
-        self._lifecycle(event.deployment, operation, event.duration_s, event.engine_s)
-
-    def _lifecycle(
-        self, deployment: str, operation: str, seconds: float, engine_s: float | None
-    ) -> None:
-        """One start, wake, park or switch, and its engines' part apart from CapyCTL's."""
-        self.lifecycle_s.labels(deployment, operation).observe(seconds)
-        if engine_s is not None:
-            engine = min(engine_s, seconds)
-            self.lifecycle_engine_s.labels(deployment, operation).observe(engine)
-            self.lifecycle_overhead_s.labels(deployment, operation).observe(seconds - engine)
+        self.lifecycle.observe(event.deployment, operation, event.duration_s, event.engine_s)
 
 
 class RefusedCollector(Collector):
