@@ -14,6 +14,7 @@ from capycommon.state.desired import DeploymentRecord
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.ownership import owners
 from capycommon.state.quarantine import REFUSALS
+from support import instance_record
 
 
 def deployment(generation: int, host: str | None) -> DeploymentRecord:
@@ -34,16 +35,7 @@ def deployment(generation: int, host: str | None) -> DeploymentRecord:
 def record(
     host: str, generation: int, state: InstanceState = InstanceState.READY
 ) -> InstanceRecord:
-    return InstanceRecord(
-        deployment="s1",
-        instance=0,
-        revision=1,
-        generation=generation,
-        state=state,
-        since=time.time(),
-        host=host,
-        port=8100,
-    )
+    return instance_record("s1", host, generation=generation, state=state, port=8100)
 
 
 def test_the_placed_hosts_record_is_the_instance_and_a_forged_higher_one_an_orphan(
