@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Request, params
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -154,7 +154,18 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
 
         return app
 
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    _add_router_routes(app, router, credentials, Depends(require_api_key))
+    return app
+
+
+def _add_router_routes(
+    app: RouterApp, router: Router, credentials: Credentials, api_key: params.Depends
+) -> None:
+    """The routes that need the router: the models listed, the metrics, and the inference
+    routes (declared to FastAPI for the OpenAPI document, and served by `RouterApp` before its
+    routing). `api_key` is the dependency that requires the API key."""
+
+    @app.get("/v1/models", dependencies=[api_key])
     async def list_models() -> dict[str, Any]:
         """Every route of a deployment that is not operator-stopped; it wakes nothing. A
         decision model's says so as llama.cpp does: `architecture.output_modalities`."""
@@ -183,13 +194,12 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
             _endpoint(router, kind),
             methods=["POST"],
             name=kind.replace(".", "_"),
-            dependencies=[Depends(require_api_key)],
+            dependencies=[api_key],
             openapi_extra=requestbody.openapi_body(body),
         )
     app.proxied = {f"/v1/{kind.replace('.', '/')}": kind for kind in [*BODIES, *DECISION_BODIES]}
     app.api_key = credentials.api_key
     app.inference = router
-    return app
 
 
 def _listed(route: str, record: DeploymentRecord) -> dict[str, Any]:
