@@ -86,12 +86,14 @@ def start_standalone(
     host: str = "local",
     extra_flags: Sequence[str] = (),
     new_session: bool = False,
+    capyctl: Sequence[str] = CAPYCTL,
 ) -> subprocess.Popen[bytes]:
     """`capyctl start standalone` listening for inference on `inference` (management on a
-    free port), its output in `log`; `new_session` puts it in a process group of its own."""
+    free port), its output in `log`; `new_session` puts it in a process group of its own;
+    `capyctl` runs the CLI (this clone's by default, or an installed executable)."""
     return subprocess.Popen(
         [
-            *CAPYCTL,
+            *capyctl,
             "start",
             "standalone",
             "--state-dir",
@@ -114,11 +116,15 @@ def start_standalone(
 
 
 def cli(
-    state: Path, env: dict[str, str], *args: str, check: bool = False
+    state: Path,
+    env: dict[str, str],
+    *args: str,
+    check: bool = False,
+    capyctl: Sequence[str] = CAPYCTL,
 ) -> subprocess.CompletedProcess[str]:
     """`capyctl <args>` against the role in `state`; `check` stops the bench on a failure."""
     found = subprocess.run(
-        [*CAPYCTL, *args, "--state-dir", str(state)],
+        [*capyctl, *args, "--state-dir", str(state)],
         env=env,
         capture_output=True,
         text=True,

@@ -52,10 +52,12 @@ from types import FrameType
 from typing import IO
 
 import redis
-import router
 import yaml
 
+import benchclient
 import benchrole
+import router
+import routerrole
 from benchrole import GiB
 from capycommon.paths import StatePaths
 from capycommon.redistarget import CONTROL_USER
@@ -73,7 +75,7 @@ DOCUMENT = {
     "model": DEPLOYMENT,
     "engine_config": {"memory": {"request": "6GiB"}},
 }
-KINDS = {"chat": router.SHORT, "stream": router.SHORT_STREAM}
+KINDS = {"chat": benchclient.SHORT, "stream": benchclient.SHORT_STREAM}
 # (row, kind, timed to the first token rather than the last byte)
 ROWS = (
     ("chat, not streamed", "chat", False),
@@ -116,7 +118,7 @@ class Role:
         credentials = yaml.safe_load((self.state / "identity" / "credentials").read_text())
         return str(credentials["api_key"])
 
-    def engine(self, host: str) -> router.Engine:
+    def engine(self, host: str) -> benchclient.Engine:
         """The deployment's engine on `host`, from the role's Redis."""
         paths = StatePaths(self.state)
         password = None
@@ -134,7 +136,7 @@ class Role:
             raise SystemExit(f"the {self.name} role's {DEPLOYMENT} has no engine on {host}")
         model = record.served_name or DEPLOYMENT
         process = record.process
-        return router.Engine(record.port, secret.decode(), model, process.pid, process.pgid)
+        return benchclient.Engine(record.port, secret.decode(), model, process.pid, process.pgid)
 
     def deploy(self, folder: Path) -> None:
         """Deploy `bench` and start it, waiting until it serves."""
@@ -214,13 +216,13 @@ class Stand:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.roles: dict[str, Role] = {}
-        self.engines: dict[str, router.Engine] = {}
+        self.engines: dict[str, benchclient.Engine] = {}
 
     def start(self) -> None:
         local_ports, host_ports = _engine_ports()
         local = self.root / "local"
         document = benchrole.write_document(local, "64GiB", engine_ports=local_ports)
-        venv = benchrole.install_vllm(self.root, document.parent, "vllm", router.INSTANT)
+        venv = benchrole.install_vllm(self.root, document.parent, "vllm", routerrole.INSTANT)
         benchrole.sparse_model(local / "models" / DEPLOYMENT, MODEL_SIZE)
         log = (local / "role.log").open("wb")
         env = benchrole.role_env(local)
@@ -276,16 +278,16 @@ class Stand:
         }
         self.roles["host"] = _start("host", folder, [], env, settings=settings)
 
-    def targets(self) -> dict[str, router.Target]:
+    def targets(self) -> dict[str, benchclient.Target]:
         local, host = self.engines["local"], self.engines["host"]
         server, standalone = self.roles["server"], self.roles["local"]
         return {
-            "engine local": router.Target("engine local", local.port, local.key, local.model),
-            "engine host": router.Target("engine host", host.port, host.key, host.model),
-            "router local": router.Target(
+            "engine local": benchclient.Target("engine local", local.port, local.key, local.model),
+            "engine host": benchclient.Target("engine host", host.port, host.key, host.model),
+            "router local": benchclient.Target(
                 "router local", standalone.port, standalone.api_key(), DEPLOYMENT
             ),
-            "router ingress": router.Target(
+            "router ingress": benchclient.Target(
                 "router ingress", server.port, server.api_key(), DEPLOYMENT
             ),
         }
@@ -315,7 +317,7 @@ class Stand:
         logs = (log for role in self.roles.values() for log in (role.state / "logs").glob("*.log"))
         return sum(log.read_text(errors="replace").count("Traceback") for log in logs)
 
-    def _running(self) -> list[router.Engine]:
+    def _running(self) -> list[benchclient.Engine]:
         return [e for e in self.engines.values() if Path(f"/proc/{e.pid}").exists()]
 
 
@@ -353,9 +355,9 @@ def _kill_mentioning(root: Path) -> list[int]:
 class Side:
     """One side's requests and their replies, round by round."""
 
-    target: router.Target
+    target: benchclient.Target
     sent: int = 0  # warm-ups included
-    replies: dict[str, list[list[router.Reply]]] = field(default_factory=dict)
+    replies: dict[str, list[list[benchclient.Reply]]] = field(default_factory=dict)
 
     def seconds(self, kind: str, first: bool, rounds: slice = slice(None)) -> list[float]:
         return [
@@ -368,7 +370,7 @@ class Side:
 async def _round(sides: list[Side], requests: int) -> None:
     """WARM then `requests` requests of each kind a side, one at a time, each side on its own
     keep-alive connection; the sides' order turns at each request."""
-    connections = [router.Connection(side.target.port) for side in sides]
+    connections = [benchclient.Connection(side.target.port) for side in sides]
     wire = [{kind: side.target.request(body) for kind, body in KINDS.items()} for side in sides]
     for side in sides:
         for kind in KINDS:
@@ -379,7 +381,7 @@ async def _round(sides: list[Side], requests: int) -> None:
             for kind in KINDS:
                 for n in turn:
                     reply = await connections[n].send(wire[n][kind])
-                    if not router._ended_well(reply, kind == "stream"):
+                    if not benchclient.ended_well(reply, kind == "stream"):
                         said = reply.body[:300].decode(errors="replace")
                         raise SystemExit(f"{sides[n].target.name}: {reply.status} {said}")
                     sides[n].sent += 1
@@ -390,15 +392,15 @@ async def _round(sides: list[Side], requests: int) -> None:
             connection.close()
 
 
-async def _first_answer(target: router.Target, seconds: float = 30) -> None:
+async def _first_answer(target: benchclient.Target, seconds: float = 30) -> None:
     """Wait until `target` answers a short chat: a server's router learns of the host's
     ingress a moment after the deployment is ready."""
     deadline = time.monotonic() + seconds
     while True:
-        connection = router.Connection(target.port)
+        connection = benchclient.Connection(target.port)
         try:
-            reply = await connection.send(target.request(router.SHORT))
-            if router._ended_well(reply, False):
+            reply = await connection.send(target.request(benchclient.SHORT))
+            if benchclient.ended_well(reply, False):
                 return
             said = f"{reply.status} {reply.body[:300].decode(errors='replace')}"
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -419,7 +421,8 @@ class Cpu:
 
     def read(self) -> dict[str, float]:
         return {
-            name: sum(router._cpu_seconds(pid) for pid in pids) for name, pids in self.pids.items()
+            name: sum(benchclient.cpu_seconds(pid) for pid in pids)
+            for name, pids in self.pids.items()
         }
 
     def used(self) -> dict[str, float]:
@@ -461,7 +464,7 @@ def latency(stand: Stand, rounds: int, requests: int) -> None:
 
 def _show_latency(sides: dict[str, Side], rounds: int, requests: int) -> None:
     def ms(name: str, kind: str, first: bool, p: float, which: slice = slice(None)) -> float:
-        return router._pct(sides[name].seconds(kind, first, which), p) * 1000
+        return benchclient.pct(sides[name].seconds(kind, first, which), p) * 1000
 
     print(
         f"\nlatency at concurrency 1, ms ({rounds * requests} requests a row and side, in "
@@ -497,7 +500,7 @@ def capacity(stand: Stand, concurrency: int, seconds: float, rounds: int) -> Non
     failed: dict[str, int] = dict.fromkeys(rates, 0)
     for r in range(rounds):
         for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
-            ok, bad = asyncio.run(router._load(side, router.SHORT, concurrency, seconds))
+            ok, bad = asyncio.run(router._load(side, benchclient.SHORT, concurrency, seconds))
             rates[side.name].append(ok / seconds)
             failed[side.name] += bad
     mean = {name: statistics.mean(values) for name, values in rates.items()}
