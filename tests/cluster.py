@@ -29,6 +29,7 @@ from capycommon.paths import StatePaths
 from capycommon.state import desired, keys, places
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.store import Event
+from capyctl_cli.gpucheck.role import end_left_under
 from capyctl_cli.management import Management
 from capyctl_cli.management import wait_for as wait_until
 from enginerun import sparse_model
@@ -38,7 +39,6 @@ from support import (
     Role,
     capyctl,
     clean_env,
-    kill_started_under,
     short_dir,
     start_role,
     wait_for,
@@ -386,5 +386,5 @@ def running(prefix: str, gpus: str = "gpu0:24GiB", **settings: Any) -> Iterator[
             cluster.clean()
         finally:  # a role is never left behind, even when its engines could not be deleted
             cluster.role.stop()
-            kill_started_under(root)  # engines or LMCache servers a failed delete left
+            end_left_under(root)  # engines or LMCache servers a failed delete left
             shutil.rmtree(root, ignore_errors=True)

@@ -23,10 +23,7 @@ class ServerSetup:
 
     @property
     def redis(self) -> redis.Redis:
-        state = self.server.state_dir
-        password = (state / "identity" / "redis-password").read_text().strip()
-        sock = state / "redis" / "redis.sock"
-        return redis.Redis(unix_socket_path=str(sock), username="capyctl", password=password)
+        return self.server.control()
 
     def openai(self, timeout: float = 60) -> openai.OpenAI:
         key = self.server.credentials()["api_key"]

@@ -4,7 +4,6 @@ services), and the engine profile that tests of several folders register."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -250,6 +249,15 @@ class Role:
         )
         return data
 
+    def control(self, **options: Any) -> redis.Redis:
+        """The role's Redis on its unix socket, as the control plane's user; `options` go to
+        the client (protocol=2, say)."""
+        password = (self.state_dir / "identity" / "redis-password").read_text().strip()
+        sock = self.state_dir / "redis" / "redis.sock"
+        return redis.Redis(
+            unix_socket_path=str(sock), username="capyctl", password=password, **options
+        )
+
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -418,6 +426,28 @@ def join_host(server: Role, name: str, state: Path, *extra: str) -> Path:
     return join_file
 
 
+def join_hosts(server: Role, root: Path, *names: str) -> None:
+    """Hosts `names` joined to `server`, each with its state in `root/<name>/state`."""
+    for name in names:
+        (root / name).mkdir()
+        join_host(server, name, root / name / "state")
+
+
+def join_with_engines(server: Role, name: str, home: Path, engines: dict[str, Path]) -> Path:
+    """Host `name` joined to `server`, its HOME at `home` (made here) and its state in
+    `home/state`, with each of `engines` (name: install) added; the state folder."""
+    state = home / "state"
+    home.mkdir(parents=True)
+    join_host(server, name, state)
+    env = clean_env(HOME=str(home))
+    for engine, path in engines.items():
+        added = capyctl(
+            "engine", "add", str(path), "--name", engine, "--state-dir", str(state), env=env
+        )
+        assert added.returncode == 0, added.stderr
+    return state
+
+
 def start_host(
     state: Path,
     gpus: str = "gpu0:24GiB",
@@ -456,25 +486,6 @@ def start_host(
             handle.stop()
             raise
     return handle
-
-
-def kill_started_under(root: Path) -> list[int]:
-    """SIGKILL every process whose command line names a path under `root` (an engine or an
-    LMCache server of a test's own installs or state), and return their PIDs."""
-    killed = []
-    marker = str(root).encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-    return killed
 
 
 def cache_record(**changes: Any) -> CacheRecord:

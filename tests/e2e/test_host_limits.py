@@ -16,7 +16,15 @@ import pytest
 import redis
 
 from hostilehost import redis_as_host
-from support import Role, clean_env, join_host, short_dir, start_host, start_role, wait_for
+from support import (
+    Role,
+    clean_env,
+    join_hosts,
+    short_dir,
+    start_host,
+    start_role,
+    wait_for,
+)
 
 MiB = 1 << 20
 BUSY_LOOP = "local i = 0 while true do i = i + 1 end"
@@ -31,13 +39,7 @@ class Server:
         return self.root / host / "state"
 
     def control(self) -> redis.Redis:
-        identity = self.role.state_dir / "identity"
-        return redis.Redis(
-            unix_socket_path=str(self.role.state_dir / "redis" / "redis.sock"),
-            username="capyctl",
-            password=(identity / "redis-password").read_text().strip(),
-            protocol=2,
-        )
+        return self.role.control(protocol=2)
 
     def as_host(self, host: str) -> redis.Redis:
         """The server's Redis as `host` dials it: its certificate, user and password."""
@@ -59,9 +61,7 @@ def server() -> Iterator[Server]:
     role = start_role("server", state_dir=root / "server" / "state", env=env)
     try:
         found = Server(role, root)
-        for host in ("a", "b"):
-            found.state(host).parent.mkdir()
-            join_host(role, host, found.state(host))
+        join_hosts(role, root, "a", "b")
         yield found
     finally:
         role.stop()

@@ -31,7 +31,16 @@ from capycommon.authority import Authority
 from capycommon.enrollment import JOIN_PATH, JoinRequest
 from capycommon.state import functions, keys
 from capycommon.version import __version__
-from support import Role, capyctl, join_host, short_dir, start_host, start_role, wait_for
+from support import (
+    Role,
+    capyctl,
+    join_host,
+    join_hosts,
+    short_dir,
+    start_host,
+    start_role,
+    wait_for,
+)
 
 # Commands no host may run: they read other keys' names, the server's settings or users,
 # watch every client, or wipe what others wrote.
@@ -81,13 +90,7 @@ class Server:
 
     def control(self) -> redis.Redis:
         """The server's Redis on its unix socket, as the control plane's user."""
-        identity = self.role.state_dir / "identity"
-        return redis.Redis(
-            unix_socket_path=str(self.role.state_dir / "redis" / "redis.sock"),
-            username="capyctl",
-            password=(identity / "redis-password").read_text().strip(),
-            protocol=2,
-        )
+        return self.role.control(protocol=2)
 
     def tls(
         self, certificate: Path | None, username: str | None = None, password: str | None = None
@@ -135,9 +138,7 @@ def server() -> Iterator[Server]:
     role = start_role("server", state_dir=root / "server" / "state")
     try:
         found = Server(role, root, Authority.create(root / "foreign-ca", "Another authority"))
-        for host in ("a", "b"):
-            found.state(host).parent.mkdir()
-            join_host(role, host, found.state(host))
+        join_hosts(role, root, "a", "b")
         yield found
     finally:
         role.stop()

@@ -25,7 +25,7 @@ import pytest
 from capycommon.state import keys
 from capycommon.state.hostinfo import HostInfo
 from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
-from cluster import running
+from cluster import FOURTEEN, SMALL, GiB, running
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
@@ -36,7 +36,7 @@ from support import (
     clean_env,
     engine_ports,
     free_port,
-    join_host,
+    join_with_engines,
     processes_mentioning,
     short_dir,
     start_host,
@@ -44,9 +44,6 @@ from support import (
     wait_for,
 )
 
-GiB = 1 << 30
-FOURTEEN = {"memory": {"request": "13056MiB", "startup": "14GiB"}}
-SMALL = {"memory": {"request": "4GiB"}}
 EMBEDDED = "gpu-main"
 JOINED = {"gpu-a": "127.0.0.2", "gpu-b": "127.0.0.3"}
 HOSTS = (EMBEDDED, *JOINED)
@@ -109,10 +106,7 @@ def setup() -> Iterator[Setup]:
     try:
         for index, (name, address) in enumerate(JOINED.items()):
             home = folder / name
-            host_state = home / "state"
-            home.mkdir(parents=True)
-            join_host(server, name, host_state)
-            _add_engine(engine, host_state, clean_env(HOME=str(home)))
+            host_state = join_with_engines(server, name, home, {"vllm": engine})
             _models(home)
             found.hosts[name] = start_host(
                 host_state,

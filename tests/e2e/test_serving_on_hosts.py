@@ -26,16 +26,16 @@ import pytest
 
 from capycommon.state import keys
 from capycommon.state.instances import LIVE_STATES, InstanceRecord
+from cluster import FOURTEEN, SMALL, GiB
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
 from serversetup import ServerSetup, ask
 from support import (
     Role,
-    capyctl,
     clean_env,
     free_port,
-    join_host,
+    join_with_engines,
     processes_mentioning,
     short_dir,
     start_host,
@@ -43,9 +43,6 @@ from support import (
     wait_for,
 )
 
-GiB = 1 << 30
-FOURTEEN = {"memory": {"request": "13056MiB", "startup": "14GiB"}}
-SMALL = {"memory": {"request": "4GiB"}}
 # A host unreachable this long is gone: its models start elsewhere.
 LOST_AFTER_S = 6
 HOSTS = {"gpu-a": "127.0.0.2", "gpu-b": "127.0.0.3"}
@@ -111,15 +108,7 @@ def setup() -> Iterator[Setup]:
     try:
         for name, address in HOSTS.items():
             home = folder / name
-            state = home / "state"
-            home.mkdir(parents=True)
-            join_host(server, name, state)
-            env = clean_env(HOME=str(home))
-            for engine, path in installs.items():
-                added = capyctl(
-                    "engine", "add", str(path), "--name", engine, "--state-dir", str(state), env=env
-                )
-                assert added.returncode == 0, added.stderr
+            join_with_engines(server, name, home, installs)
             sparse_model(home / "models" / "m14", 10 * GiB)
             sparse_model(home / "models" / "small", 2 * GiB)
             found.ingress[name] = f"{address}:{free_port()}"
