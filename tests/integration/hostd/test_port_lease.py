@@ -1,7 +1,7 @@
 """hostd's engine ports: a leased port is held until released, so no other process binds it
 meanwhile, while the engine it is leased for binds and listens on it, whether with
 SO_REUSEADDR (vLLM, SGLang, LMCache) or SO_REUSEPORT alone; a port another process listens
-on is never leased."""
+on, or another hostd holds, is never leased."""
 
 from __future__ import annotations
 
@@ -81,3 +81,15 @@ def test_every_port_leased_is_a_clear_error() -> None:
     one.hold(held)  # an adopted engine's port: leased, with nothing held for it
     with pytest.raises(PortsExhausted):
         one.lease()
+
+
+def test_two_hostds_on_one_machine_never_lease_one_port() -> None:
+    # Two roles on one machine whose ranges overlap: each lease is passed over by the other.
+    mine, theirs = leaser(), leaser()
+    held = mine.lease()
+    try:
+        other = theirs.lease()
+        theirs.release(other)
+        assert other != held, "a port another hostd holds is not leased again"
+    finally:
+        mine.release(held)

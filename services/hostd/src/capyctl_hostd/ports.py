@@ -1,14 +1,16 @@
 """Leasing engine ports on 127.0.0.1 from the host's range, never stealing one, and holding
 each leased port until its engine (or LMCache server) is done with it.
 
-A lease is a socket bound to the port and never listening: no other process can bind the
-port meanwhile (nor does the system hand it out as an outgoing connection's source port),
-from the lease through a download of the model to the engine's own bind, which still
-succeeds, as every engine binds with SO_REUSEADDR (vLLM, SGLang's uvicorn, LMCache's servers
-and ZMQ) or SO_REUSEPORT (llama.cpp's HTTP library): a socket that is not listening lets a
-socket bound with SO_REUSEADDR listen beside it, and one of the same user bound with
-SO_REUSEPORT. (So may another process that binds that very port with one of them; once the
-engine listens, only one with SO_REUSEPORT, which `procs.foreign_listeners` finds.)
+A lease is a socket bound to the port and never listening, bound with no option at all: the
+bind fails wherever another socket has the port (another hostd's lease, a listener, a
+connection in TIME_WAIT, which the lease then passes over), so two hostds on one machine
+never lease one port. SO_REUSEADDR and SO_REUSEPORT are set only after the bind, so that the
+engine's own bind still succeeds beside it, as every engine binds with SO_REUSEADDR (vLLM,
+SGLang's uvicorn, LMCache's servers and ZMQ) or SO_REUSEPORT (llama.cpp's HTTP library): a
+socket that is not listening lets a socket bound with SO_REUSEADDR listen beside it, and one
+of the same user bound with SO_REUSEPORT. (So may another process that binds that very port
+with one of them; once the engine listens, only one with SO_REUSEPORT, which
+`procs.foreign_listeners` finds.)
 """
 
 from __future__ import annotations
@@ -23,25 +25,28 @@ HOST = "127.0.0.1"
 def is_free(port: int) -> bool:
     """Whether nobody listens on or holds 127.0.0.1:port right now (a port in TIME_WAIT is
     free: engines bind with SO_REUSEADDR)."""
-    held = hold(port)
-    if held is None:
-        return False
-    held.close()
-    return True
-
-
-def hold(port: int) -> socket.socket | None:
-    """127.0.0.1:port held for an engine to come, or None when someone listens on or holds
-    it. The bind, with SO_REUSEADDR alone, is the test of freedom (a port in TIME_WAIT is
-    free; one that an engine of this user listens on with SO_REUSEPORT is not); SO_REUSEPORT
-    is set after it, for the engine that binds with it alone."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((HOST, port))
     except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+def hold(port: int) -> socket.socket | None:
+    """127.0.0.1:port held for an engine to come, or None when any other socket has it. The
+    bind, with no option, is the test (see the module's docstring); the options set after it
+    let the engine bind beside the lease."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((HOST, port))
+    except OSError:
         sock.close()
         return None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     return sock
 
