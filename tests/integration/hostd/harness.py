@@ -17,6 +17,7 @@ from capycommon.state import keys, memory
 from capycommon.state.hostcommands import Abort, Launch, Park, Stop, Wake
 from capycommon.state.instances import InstanceRecord
 from capycommon.state.load import EngineLoad, read_loads
+from capyctl_hostd.ports import is_free
 from enginesim.behaviour import Behaviour
 from support import clean_env, group_members, service_command, wait_for
 from support import engine_ports as port_range
@@ -144,6 +145,12 @@ class Hostd:
         )
         return [json.loads(fields[b"event"]) for _, fields in entries]
 
+    def transitions(self) -> list[tuple[str | None, str]]:
+        """Each state transition hostd recorded, (from, to), oldest first."""
+        return [
+            (e["from_state"], e["to_state"]) for e in self.events() if e["kind"] == "transition"
+        ]
+
     def device_bytes(self, record: InstanceRecord) -> tuple[int, int]:
         """What the engine's process group claims on the simulated GPU."""
         assert record.process is not None
@@ -182,3 +189,9 @@ def assert_group_gone(record: InstanceRecord) -> None:
     """The engine's whole process group has exited."""
     assert record.process is not None
     assert group_members(record.process.pgid) == []
+
+
+def assert_torn_down(record: InstanceRecord) -> None:
+    """The engine's whole process group has exited and its port is free again."""
+    assert_group_gone(record)
+    assert is_free(record.port or 0), "the port is free again"

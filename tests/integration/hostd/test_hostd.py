@@ -15,11 +15,18 @@ import openai
 import pytest
 
 from capycommon.state.hostcommands import Park, Stop, Wake
-from capycommon.state.instances import InstanceRecord
-from capyctl_hostd.ports import is_free
+from capycommon.state.instances import InstanceRecord, ProcessIdentity
 from enginesim.behaviour import CrashAtStart, Faults
 from enginesim.install import write_behaviour
-from integration.hostd.harness import FAST, GiB, Hostd, assert_group_gone, environ, launch
+from integration.hostd.harness import (
+    FAST,
+    GiB,
+    Hostd,
+    assert_group_gone,
+    assert_torn_down,
+    environ,
+    launch,
+)
 from support import engine_ports, group_members, short_dir, wait_for
 
 
@@ -62,13 +69,9 @@ def test_launch_park_wake_stop(
 
     harness.send(Stop(deployment="a", generation=1, reason="test"))
     stopped = harness.wait_state("a", "stopped")
-    assert_group_gone(stopped)
-    assert is_free(stopped.port or 0), "the port is free again"
+    assert_torn_down(stopped)
 
-    transitions = [
-        (e["from_state"], e["to_state"]) for e in harness.events() if e["kind"] == "transition"
-    ]
-    assert transitions == [
+    assert harness.transitions() == [
         (None, "starting"),
         ("starting", "starting"),
         ("starting", "ready"),
@@ -189,12 +192,8 @@ def test_a_stop_of_a_starting_engine_tears_it_down_at_once(
     stopped = harness.wait_state("a", "stopped", timeout=20)
     assert time.monotonic() - began < 15, "at once, not at the end of the engine's start"
     assert stopped.process == starting.process
-    assert_group_gone(stopped)
-    assert is_free(stopped.port or 0), "the port is free again"
-    transitions = [
-        (e["from_state"], e["to_state"]) for e in harness.events() if e["kind"] == "transition"
-    ]
-    assert transitions == [
+    assert_torn_down(stopped)
+    assert harness.transitions() == [
         (None, "starting"),
         ("starting", "starting"),
         ("starting", "stopping"),
@@ -203,19 +202,24 @@ def test_a_stop_of_a_starting_engine_tears_it_down_at_once(
     assert harness.device_bytes(stopped) == (0, 0)
 
 
+def _launched(harness: Hostd, gpu: str, model: Path) -> tuple[InstanceRecord, ProcessIdentity]:
+    """`a` launched and ready: its record and its engine's process."""
+    harness.send(launch("a", 1, gpu, model))
+    ready = harness.wait_state("a", "ready")
+    assert ready.process is not None
+    return ready, ready.process
+
+
 def test_a_left_behind_child_is_killed_with_its_group(
     hostd: tuple[Hostd, str], model: Path
 ) -> None:
     harness, gpu = hostd
-    harness.send(launch("a", 1, gpu, model))
-    ready = harness.wait_state("a", "ready")
-    assert ready.process is not None
-    pgid = ready.process.pgid
-    wait_for(lambda: len(group_members(pgid)) >= 2, timeout=5, what="the EngineCore child")
-    os.kill(ready.process.pid, signal.SIGKILL)  # the API server dies; its child holds the memory
+    ready, process = _launched(harness, gpu, model)
+    wait_for(lambda: len(group_members(process.pgid)) >= 2, timeout=5, what="the EngineCore child")
+    os.kill(process.pid, signal.SIGKILL)  # the API server dies; its child holds the memory
     failed = harness.wait_state("a", "failed", timeout=15)
     assert "exited on its own" in (failed.error or "")
-    assert group_members(pgid) == []
+    assert group_members(process.pgid) == []
     assert harness.device_bytes(ready) == (0, 0)
 
 
@@ -303,13 +307,10 @@ def test_an_engine_that_died_while_hostd_was_down_is_reaped(
     hostd: tuple[Hostd, str], model: Path
 ) -> None:
     harness, gpu = hostd
-    harness.send(launch("a", 1, gpu, model))
-    ready = harness.wait_state("a", "ready")
-    assert ready.process is not None
-    pgid = ready.process.pgid
+    _, process = _launched(harness, gpu, model)
     harness.kill9()
-    os.killpg(pgid, signal.SIGKILL)
-    wait_for(lambda: not group_members(pgid), timeout=5, what="the engine to die")
+    os.killpg(process.pgid, signal.SIGKILL)
+    wait_for(lambda: not group_members(process.pgid), timeout=5, what="the engine to die")
     harness.start()
     failed = harness.wait_state("a", "failed")
     assert "its engine is gone" in (failed.error or "")
