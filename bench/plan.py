@@ -19,11 +19,13 @@ from collections import Counter
 from collections.abc import Callable
 
 from capycommon.deployments import parse_deployment
+from capycommon.engines.families import Family
 from capycommon.state.desired import DeploymentRecord
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
 from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.actions import Action
+from capyctl_scheduler.engineterms import EngineTerms
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains
 from capyctl_scheduler.policy import plan
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
@@ -34,6 +36,18 @@ NOW = 100_000.0
 GPUS = 4
 PER_HOST = 10
 # What each deployment's instance is, by its index on its host: (state, GPU, busy).
+# vLLM 0.21 and later, which keeps its activations and graphs within the budget it is told,
+# with its own 150 MiB of slack; its park keeps its CUDA graph pool (about 1 GiB here).
+VLLM = EngineTerms(
+    family=Family.VLLM,
+    activations=0,
+    graphs=GiB,
+    activations_inside=True,
+    graphs_inside=True,
+    kv_fixed=False,
+    margin=150 << 20,
+    parked_keeps=GiB,
+)
 LAYOUT: tuple[tuple[S | None, int, bool], ...] = (
     (S.READY, 0, True),
     (S.READY, 0, False),
@@ -92,6 +106,7 @@ def _binding(view: HostView, request: int, startup: int) -> Binding:
             weights=request // 2,
             device=view.domains[gpu],
             host_backed=True,
+            terms=VLLM,
             request=request,
             startup=(startup, "declared"),
         )
