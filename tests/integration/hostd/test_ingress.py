@@ -38,7 +38,7 @@ from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import redis_client
 from capycommon.state import keys
 from capycommon.state.hostinfo import HostInfo
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.instances import InstanceState
 from capycommon.state.store import InstanceStore
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.ingress import HostIngress
@@ -47,7 +47,7 @@ from enginerun import KEY, RunningEngine, launch, make_devices
 from enginesim.install import install_python_engine
 from integration.hostd.harness import FAST, Hostd
 from integration.hostd.harness import HOST as HARNESS_HOST
-from support import free_port, short_dir, wait_for
+from support import free_port, instance_record, short_dir, wait_for
 
 HOST = "gpu-1"
 HOST_ID = "01J9ZQ4Y5W6X7A8B9C0D1E2F3G"
@@ -163,15 +163,7 @@ def record(redis_socket: Path, state: InstanceState, generation: int = GENERATIO
         try:
             store = InstanceStore(client, HOST)
             current = await store.get(DEPLOYMENT, 0)
-            new = InstanceRecord(
-                deployment=DEPLOYMENT,
-                instance=0,
-                revision=1,
-                generation=generation,
-                state=state,
-                since=time.time(),
-                host=HOST,
-            )
+            new = instance_record(DEPLOYMENT, HOST, generation=generation, state=state)
             await store.transition(
                 new,
                 allowed=[current.state if current else "absent"],
