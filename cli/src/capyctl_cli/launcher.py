@@ -37,6 +37,7 @@ from capycommon.version import __version__
 from capyctl_cli import aofrepair, record, redisconf, stateversion, supervisor
 from capyctl_cli.rolelock import acquire_lock
 from capyctl_cli.roles import Prepared, service_command
+from capyctl_cli.wakeups import Wake, drain, inotify
 
 log = logging.getLogger("capyctl.launcher")
 
@@ -153,23 +154,7 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
     waiter = threading.Thread(target=_wake_on_exit, args=(proc, wake), daemon=True)
     waiter.start()
     try:
-        while proc.poll() is None and not stop.is_set():
-            failure = watch.failure() if watch is not None else None
-            if watch is not None:
-                watch.report_refusal()
-            if failure is not None:
-                log.error("error [%s]: %s", failure.code, failure.message)
-                _stop(proc)
-                return failure.exit_code
-            if watch is None:
-                wake.wait([], None)
-            else:
-                wake.wait(watch.fds(), max(0.0, watch.due() - time.monotonic()))
-        if proc.poll() is not None:
-            log.error("supervisord exited with code %s; see %s", proc.returncode, paths.logs_dir)
-            return 13
-        log.info("stopping the %s role", role)
-        return _stop(proc)
+        return _until_stopped(role, proc, watch, wake, stop, paths)
     finally:
         signal.set_wakeup_fd(-1)
         waiter.join(timeout=1)  # supervisord is gone: its waiter writes no more
@@ -181,31 +166,33 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
         paths.role_record.unlink(missing_ok=True)
 
 
-class Wake:
-    """A pipe the launcher's main loop waits on (with any other descriptors): written by a
-    signal (`signal.set_wakeup_fd`) and when supervisord exits, so the loop sleeps until
-    something happens instead of looking every few hundred milliseconds."""
-
-    def __init__(self) -> None:
-        self.reader, self.writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-
-    def wait(self, fds: list[int], timeout: float | None) -> None:
-        """Until the pipe or one of `fds` is readable, or `timeout` seconds passed."""
-        poller = select.poll()
-        for fd in [self.reader, *fds]:
-            poller.register(fd, select.POLLIN)
-        poller.poll(None if timeout is None or math.isinf(timeout) else timeout * 1000)
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.reader, 512):
-                pass
-
-    def set(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self.writer, b"x")
-
-    def close(self) -> None:
-        os.close(self.reader)
-        os.close(self.writer)
+def _until_stopped(
+    role: Role,
+    proc: subprocess.Popen[bytes],
+    watch: RedisWatch | HostStopWatch | None,
+    wake: Wake,
+    stop: threading.Event,
+    paths: StatePaths,
+) -> int:
+    """Wait for a stop (a signal), supervisord's exit or a failure `watch` sees, and stop
+    supervisord where it still runs; returns the role's exit code."""
+    while proc.poll() is None and not stop.is_set():
+        failure = watch.failure() if watch is not None else None
+        if watch is not None:
+            watch.report_refusal()
+        if failure is not None:
+            log.error("error [%s]: %s", failure.code, failure.message)
+            _stop(proc)
+            return failure.exit_code
+        if watch is None:
+            wake.wait([], None)
+        else:
+            wake.wait(watch.fds(), max(0.0, watch.due() - time.monotonic()))
+    if proc.poll() is not None:
+        log.error("supervisord exited with code %s; see %s", proc.returncode, paths.logs_dir)
+        return 13
+    log.info("stopping the %s role", role)
+    return _stop(proc)
 
 
 def _wake_on_exit(proc: subprocess.Popen[bytes], wake: Wake) -> None:
@@ -232,7 +219,7 @@ class HostStopWatch:
     def __init__(self, paths: StatePaths) -> None:
         self.paths = paths
         paths.host_stopped.unlink(missing_ok=True)
-        self._watch = _inotify({paths.run_dir})
+        self._watch = inotify({paths.run_dir})
 
     def fds(self) -> list[int]:
         return [] if self._watch is None else [self._watch]
@@ -247,7 +234,7 @@ class HostStopWatch:
 
     def failure(self) -> CapyError | None:
         if self._watch is not None:
-            _drain(self._watch)
+            drain(self._watch)
         try:
             code, _, said = self.paths.host_stopped.read_text(encoding="utf-8").partition("\n")
         except OSError:
@@ -421,7 +408,7 @@ class LogFollower:
 
     def _run(self) -> None:
         folders = {path.parent for path in self.files}
-        watch = _inotify(folders)
+        watch = inotify(folders)
         fds = [] if watch is None else [watch]
         timeout = self.FALLBACK_S if watch is None else self.UNHEARD_S
         try:
@@ -429,7 +416,7 @@ class LogFollower:
                 self._poll()
                 self._stop.wait(fds, timeout)
                 if watch is not None:
-                    _drain(watch)
+                    drain(watch)
         finally:
             if watch is not None:
                 os.close(watch)
@@ -455,34 +442,6 @@ class LogFollower:
                     self.out.flush()
                 except (OSError, ValueError):
                     return
-
-
-# inotify(7): a file in the folder was written, created, or renamed into it.
-_IN_MODIFY, _IN_CREATE, _IN_MOVED_TO = 0x2, 0x100, 0x80
-
-
-def _inotify(folders: set[Path]) -> int | None:
-    """An inotify descriptor watching `folders`, or None where the kernel or libc has none."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
-    except (OSError, AttributeError):
-        return None
-    if fd < 0:
-        return None
-    mask = _IN_MODIFY | _IN_CREATE | _IN_MOVED_TO
-    for folder in folders:
-        if libc.inotify_add_watch(fd, os.fsencode(folder), mask) < 0:
-            os.close(fd)
-            return None
-    return fd
-
-
-def _drain(fd: int) -> None:
-    """Read the events waiting on an inotify descriptor: which file changed is not needed."""
-    with contextlib.suppress(BlockingIOError):
-        while os.read(fd, 65536):
-            pass
 
 
 def start(
