@@ -16,7 +16,6 @@ from capyctl_scheduler.ledger import (
     derive_domains,
     derive_unified,
 )
-from capyctl_scheduler.placement import place
 from unit.launches import terms
 from unit.readings import idle_reading
 
@@ -105,21 +104,6 @@ def test_derived_footprint_of_a_discrete_deployment() -> None:
     assert declared.charge("starting")["gpu0"] == 20 * GiB
     assert declared.charge("ready")["system"] == 4 * GiB
     assert declared.device_provenance == "declared"
-
-
-def test_placement() -> None:
-    two = Ledger(
-        {d.name: d for d in derive_domains(idle_reading((24 * GiB, False), (24 * GiB, False)))}
-    )
-    assert place(two, ["gpu0", "gpu1"]) == "gpu0", "a tie goes to the lowest index"
-    busy = two.admit("a:0", {"gpu0": 10 * GiB})
-    assert place(busy, ["gpu0", "gpu1"]) == "gpu1", "the most headroom"
-    assert place(busy, ["gpu0", "gpu1"], pinned="gpu0") == "gpu0"
-    assert place(busy, ["gpu0", "gpu1"], parked_on="gpu0") == "gpu0", "wake where it parked"
-    with pytest.raises(DeviceUnobserved, match="gpu7"):
-        place(busy, ["gpu0", "gpu1"], pinned="gpu7")
-    with pytest.raises(DeviceUnobserved):
-        place(busy, ["gpu3"])
 
 
 def test_a_derived_peak_above_the_card_needs_the_card_empty() -> None:

@@ -13,6 +13,7 @@ from capycommon.state.desired import Attempts, DeploymentRecord, Inflight
 from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.load import EngineLoad
 from capycommon.state.places import Places
+from capyctl_scheduler import placement
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.engineterms import CUDA_CONTEXT
@@ -228,6 +229,22 @@ def test_placement_across_two_gpus_takes_the_most_headroom() -> None:
     )
     assert kinds(actions) == [], "pinned to the full gpu0, whose model is busy"
     assert "insufficient_resources: needs 14.0 GiB on gpu0, 8.1 GiB free" in waits(actions)[0]
+
+
+def test_placement_breaks_a_tie_by_the_lowest_gpu_and_keeps_to_a_pinned_one() -> None:
+    host = view(24 * GiB, 24 * GiB)
+    free = snapshot(1.0, [deployment("b")], host=host)
+    assert placement.best(free, free.deployments["b"], {HOST: charged(free, HOST)}) == (
+        HOST,
+        "gpu0",
+    ), "a tie goes to the lowest index"
+    records = [deployment("a"), deployment("b", devices=[{"id": "gpu0"}])]
+    busy = snapshot(1.0, records, [instance("a", S.READY, gpu=0)], host=host)
+    ledgers = {HOST: charged(busy, HOST)}
+    assert placement.best(busy, busy.deployments["b"], ledgers) == (HOST, "gpu0"), "pinned"
+    elsewhere = deployment("b", devices=[{"id": "gpu7"}])
+    unseen = replace(busy, deployments={**busy.deployments, "b": elsewhere})
+    assert placement.best(unseen, elsewhere, ledgers) is None, "a GPU with no reading"
 
 
 def test_starts_are_one_at_a_time_per_gpu() -> None:

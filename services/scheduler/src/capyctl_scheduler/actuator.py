@@ -16,7 +16,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from capycommon.deployments import Resolved
 from capycommon.errors import ActivationFailed
 from capycommon.state import hostcommands as hc
 from capycommon.state import hostmarks
@@ -34,8 +33,7 @@ from capycommon.state.desired import (
 from capycommon.state.instances import InstanceState
 from capycommon.state.store import Conflict, Event, InstanceStore, read_host_events
 from capyctl_scheduler.actions import Action, Kind
-from capyctl_scheduler.engineterms import told_fraction
-from capyctl_scheduler.ledger import Footprint
+from capyctl_scheduler.launchcommand import launch_command
 from capyctl_scheduler.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -84,37 +82,7 @@ class Actuator:
     # Effects on the engines -------------------------------------------------------------
 
     async def _start(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
-        binding = snapshot.bindings[record.name][action.host]
-        resolved = binding.resolved
-        footprint = binding.footprints[action.gpu]
-        view = snapshot.hosts[action.host]
-        assert resolved is not None
-        config = record.document.engine_config
-        total = view.domains[view.domain_of(action.gpu)].capacity
-        command = hc.Launch(
-            deployment=record.name,
-            generation=action.generation,
-            revision=record.revision,
-            profile=resolved.profile.name,
-            model_path=str(resolved.model_path),
-            served_name=record.document.routes[0],
-            residency=resolved.residency.value,
-            gpu_uuid=view.gpus[action.gpu],
-            memory_fraction=told_fraction(footprint.engine_budget, total),
-            kv_cache_bytes=footprint.kv_cache if config.memory.kv_cache else None,
-            context_length=config.context_length,
-            max_concurrent_requests=config.max_concurrent_requests,
-            tool_call_parser=config.tool_call_parser,
-            reasoning_parser=config.reasoning_parser,
-            extra_args=resolved.extra_args,
-            env=dict(config.env),
-            reason=action.reason,
-            start_deadline_s=snapshot.tunables.start_deadline_s,
-            hub=hc.HubPull.of(record.document.model),
-            retention=record.document.retention,
-            cache=_cache_launch(resolved, footprint),
-            api=record.document.api,
-        )
+        command = launch_command(snapshot, record, action)
         instance = snapshot.instances.get(record.name)
         await self._send(
             record.model_copy(
@@ -448,19 +416,6 @@ def _order(snapshot: Snapshot, action: Action) -> int:
     record = snapshot.deployments.get(action.deployment)
     records = record is not None and action.victims and _switch(record, action) != record.switch
     return 0 if records else 2
-
-
-def _cache_launch(resolved: Resolved, footprint: Footprint) -> hc.CacheLaunch | None:
-    """The LMCache server of a launch, and what it is charged (as the ledger charged it)."""
-    if resolved.cache is None or footprint.cache_bytes is None:
-        return None
-    host_bytes, device_bytes = footprint.cache_bytes
-    return hc.CacheLaunch(
-        profile=resolved.cache.name,
-        pool_bytes=resolved.cache_pool,
-        host_bytes=host_bytes,
-        device_bytes=device_bytes,
-    )
 
 
 def _download_code(error: str | None) -> str | None:

@@ -96,21 +96,9 @@ class Manager:
         current = existing.get(deployment.name)
         others = [r.document for n, r in existing.items() if n != deployment.name]
         check_routes([*others, deployment])
-        if current is not None and current.deleting:
-            raise LifecycleConflict(
-                f"deployment {deployment.name!r} is being deleted; wait until it is gone, "
-                "then deploy it again"
-            )
-        if expected_revision is not None and (current.revision if current else 0) != (
-            expected_revision
-        ):
-            raise RevisionConflict(
-                f"deployment {deployment.name!r} is at revision "
-                f"{current.revision if current else 0}, not {expected_revision}; read it again"
-            )
+        _check_declarable(deployment.name, current, expected_revision)
         await self._check_runnable(deployment)
         digest = revision_digest(deployment)
-        now = time.time()
         op = operation_id()
         change: Change
         if current is not None and current.digest == digest:
@@ -118,32 +106,7 @@ class Manager:
             record = current
         else:
             change = "created" if current is None else "updated"
-            revision = 1 if current is None else current.revision + 1
-            base = current or DeploymentRecord(
-                name=deployment.name,
-                revision=0,
-                digest=digest,
-                document=deployment,
-                created_at=now,
-                updated_at=now,
-            )
-            record = await self.store.put(
-                base.model_copy(
-                    update={
-                        "revision": revision,
-                        "digest": digest,
-                        "document": deployment,
-                        "updated_at": now,
-                        "attempts": Attempts(),
-                        "last_operation": Operation(
-                            kind="deploy",
-                            reason=f"revision {revision} {change}",
-                            at=now,
-                            operation_id=op,
-                        ),
-                    }
-                )
-            )
+            record = await self.store.put(_revised(current, deployment, digest, change, op))
             self.scheduler.wake.set()
         return DeployAnswer(
             operation_id=op,
@@ -420,6 +383,52 @@ class Manager:
         if record is None:
             raise NotFound(f"no deployment named {name!r}; list them with capyctl list deployments")
         return record
+
+
+def _check_declarable(
+    name: str, current: DeploymentRecord | None, expected_revision: int | None
+) -> None:
+    """Refuse a declaration while the deployment is being deleted, or when the caller expected
+    another revision than the one it is at."""
+    if current is not None and current.deleting:
+        raise LifecycleConflict(
+            f"deployment {name!r} is being deleted; wait until it is gone, then deploy it again"
+        )
+    revision = current.revision if current else 0
+    if expected_revision is not None and revision != expected_revision:
+        raise RevisionConflict(
+            f"deployment {name!r} is at revision {revision}, not {expected_revision}; read it again"
+        )
+
+
+def _revised(
+    current: DeploymentRecord | None, deployment: Deployment, digest: str, change: Change, op: str
+) -> DeploymentRecord:
+    """The record of the deployment's next revision (its first for a new one), with its
+    attempts counted afresh."""
+    now = time.time()
+    revision = 1 if current is None else current.revision + 1
+    base = current or DeploymentRecord(
+        name=deployment.name,
+        revision=0,
+        digest=digest,
+        document=deployment,
+        created_at=now,
+        updated_at=now,
+    )
+    operation = Operation(
+        kind="deploy", reason=f"revision {revision} {change}", at=now, operation_id=op
+    )
+    return base.model_copy(
+        update={
+            "revision": revision,
+            "digest": digest,
+            "document": deployment,
+            "updated_at": now,
+            "attempts": Attempts(),
+            "last_operation": operation,
+        }
+    )
 
 
 def _no_host(host: str) -> NotFound:

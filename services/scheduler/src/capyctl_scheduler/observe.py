@@ -45,6 +45,7 @@ from capycommon.state.memory import (
     aread_reading,
     aread_startup_peak,
 )
+from capycommon.state.places import Places
 from capycommon.state.store import InstanceStore
 from capyctl_scheduler.ledger import (
     SYSTEM,
@@ -56,6 +57,20 @@ from capyctl_scheduler.ledger import (
 )
 from capyctl_scheduler.sizing import engine_footprints
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
+
+
+@dataclass(frozen=True)
+class _HostRead:
+    """What one snapshot read of one host."""
+
+    host: str
+    view: HostView
+    records: list[InstanceRecord]
+    # deployment -> its instance 0's engine load.
+    loads: dict[str, load.EngineLoad]
+    engines: PublishedEngines | None
+    models: HostModels | None
+
 
 # A Describe the host has not answered yet is sent again after this many seconds.
 DESCRIBE_RESEND_S = 10.0
@@ -106,54 +121,17 @@ class Observer:
         restarts: Mapping[str, int] | None = None,
     ) -> Snapshot:
         now = time.time() if now is None else now
-        # The reads are independent: sent together, they wait on Redis once, not in turn. The
-        # hosts read are those of the last snapshot; a host that joined since is read after.
-        marks = asyncio.ensure_future(hostmarks.aread(self.client))
-        previous = list(self.hosts)
-        known, deployments, per_host = await asyncio.gather(
-            self.known_hosts(),
-            DeploymentStore(self.client).all(),
-            asyncio.gather(*(self._host_reads(host, now, marks) for host in previous)),
-        )
-        joined = [host for host in known if host not in previous]
-        if joined:
-            per_host += await asyncio.gather(
-                *(self._host_reads(host, now, marks) for host in joined)
-            )
-        await marks  # read even with no host to view (its failure is this snapshot's)
-        per_host = sorted(found for found in per_host if found[0] in known)
-        hosts: dict[str, HostView] = {}
-        records: list[InstanceRecord] = []
-        loads: dict[str, load.EngineLoad] = {}
-        engines: dict[str, PublishedEngines | None] = {}
-        models: dict[str, HostModels | None] = {}
-        for host, view, found_records, found_loads, found_engines, found_models in per_host:
-            hosts[host], engines[host], models[host] = view, found_engines, found_models
-            records += found_records
-            for member, found in found_loads.items():
-                deployment, _, index = member.rpartition(":")
-                if index == "0":
-                    loads[deployment] = found
-            await self._ask(host, models[host], _paths(deployments.values()))
+        deployments, reads = await self._read(now)
+        hosts = {read.host: read.view for read in reads}
+        for read in reads:
+            await self._ask(read.host, read.models, _paths(deployments.values()))
         lost_after = self.tunables.host_lost_after_s
+        records = [record for read in reads for record in read.records]
         stranded = [r for r in records if hosts[r.host].gone(now, lost_after)]
         records = [r for r in records if not hosts[r.host].gone(now, lost_after)]
         instances, orphans = ownership.owners(records, deployments)
-        names = list(instances)
-        pairs = [(name, host) for name in deployments for host in hosts]
-        found_places, found_bindings = await asyncio.gather(
-            asyncio.gather(*(places.aread(self.client, name) for name in names)),
-            asyncio.gather(
-                *(
-                    self._binding(deployments[name], host, hosts[host], engines[host], models[host])
-                    for name, host in pairs
-                )
-            ),
-        )
-        held = dict(zip(names, found_places, strict=True))
-        bindings: dict[str, dict[str, Binding]] = {name: {} for name in deployments}
-        for (name, host), binding in zip(pairs, found_bindings, strict=True):
-            bindings[name][host] = binding
+        loads = {name: found for read in reads for name, found in read.loads.items()}
+        held, bindings = await self._places_and_bindings(deployments, instances, reads)
         return Snapshot(
             now=now,
             deployments=deployments,
@@ -170,16 +148,49 @@ class Observer:
             tunables=self.tunables,
         )
 
-    async def _host_reads(
-        self, host: str, now: float, marks: Awaitable[HostMarks]
-    ) -> tuple[
-        str,
-        HostView,
-        list[InstanceRecord],
-        dict[str, load.EngineLoad],
-        PublishedEngines | None,
-        HostModels | None,
-    ]:
+    async def _read(self, now: float) -> tuple[dict[str, DeploymentRecord], list[_HostRead]]:
+        """The deployments and what is read of each host it plans for, by host name."""
+        # The reads are independent: sent together, they wait on Redis once, not in turn. The
+        # hosts read are those of the last snapshot; a host that joined since is read after.
+        marks = asyncio.ensure_future(hostmarks.aread(self.client))
+        previous = list(self.hosts)
+        known, deployments, reads = await asyncio.gather(
+            self.known_hosts(),
+            DeploymentStore(self.client).all(),
+            asyncio.gather(*(self._host_reads(host, now, marks) for host in previous)),
+        )
+        joined = [host for host in known if host not in previous]
+        if joined:
+            reads += await asyncio.gather(*(self._host_reads(host, now, marks) for host in joined))
+        await marks  # read even with no host to view (its failure is this snapshot's)
+        return deployments, sorted((r for r in reads if r.host in known), key=lambda r: r.host)
+
+    async def _places_and_bindings(
+        self,
+        deployments: Mapping[str, DeploymentRecord],
+        instances: Mapping[str, InstanceRecord],
+        reads: Sequence[_HostRead],
+    ) -> tuple[dict[str, Places], dict[str, dict[str, Binding]]]:
+        """The request places of each instance, and each deployment bound to each host."""
+        names = list(instances)
+        pairs = [(name, read) for name in deployments for read in reads]
+        found_places, found_bindings = await asyncio.gather(
+            asyncio.gather(*(places.aread(self.client, name) for name in names)),
+            asyncio.gather(
+                *(
+                    self._binding(
+                        deployments[name], read.host, read.view, read.engines, read.models
+                    )
+                    for name, read in pairs
+                )
+            ),
+        )
+        bindings: dict[str, dict[str, Binding]] = {name: {} for name in deployments}
+        for (name, read), binding in zip(pairs, found_bindings, strict=True):
+            bindings[name][read.host] = binding
+        return dict(zip(names, found_places, strict=True)), bindings
+
+    async def _host_reads(self, host: str, now: float, marks: Awaitable[HostMarks]) -> _HostRead:
         """What a snapshot reads of one host, read together."""
         (reading, records, loads, engines, models), (alive, info, identity) = await asyncio.gather(
             asyncio.gather(
@@ -196,7 +207,9 @@ class Observer:
             ),
         )
         view = self._view(host, reading, alive, info, now, identity, await marks)
-        return host, view, records, loads, engines, models
+        # Each deployment's engine load is its instance 0's (members are `<deployment>:<i>`).
+        zero = {m.rpartition(":")[0]: found for m, found in loads.items() if m.endswith(":0")}
+        return _HostRead(host, view, records, zero, engines, models)
 
     async def _identity(self, host: str) -> HostIdentity | None:
         """A joined host's identity; None for the role's own host."""

@@ -1,29 +1,170 @@
-"""Placement: one GPU per model. A parked instance wakes where it parked; a pinned one goes
-where it is pinned; otherwise the GPU with the most headroom in the ledger."""
+"""Placement: one GPU per model. A start goes to the GPU with the most headroom in the ledger
+among the hosts the deployment may run on (`best`), a pinned one to the GPU it is pinned to;
+a parked instance wakes where it parked. When no host may take it now, `none_fits` says why:
+a refusal when only an operator (or a host coming back) changes that, else a wait.
+"""
 
 from __future__ import annotations
 
-from capycommon.errors import DeviceUnobserved
+from functools import cache
+
+from capycommon.errors import HostDrained, HostUnreachable
+from capycommon.state.desired import DeploymentRecord
+from capycommon.units import format_duration
+from capyctl_scheduler.actions import Action
 from capyctl_scheduler.ledger import Ledger
+from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
 
 
-def headroom(ledger: Ledger, domain: str) -> int:
-    """What the domain can still take before its managed limit or its free reserve."""
-    return ledger.headroom(domain)
+def best(
+    snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledger]
+) -> tuple[str, str] | None:
+    """The host and GPU a start of `record` goes to: the most headroom; on a tie the first
+    host, then the lowest GPU index. None when no host may take it now."""
+    # (headroom, then the tie-breaks: the first host, the lowest GPU index; host, GPU)
+    choices: list[tuple[int, tuple[int, ...], int, str, str]] = []
+    for host, binding in _allowed(snapshot, record):
+        view = snapshot.hosts.get(host)
+        if view is None or _unplaceable(snapshot, view, binding) is not None:
+            continue
+        ledger, host_rank = ledgers[host], _neg(host)
+        for gpu, domain in _gpus(view, record):
+            if domain in view.domains and gpu in binding.footprints:
+                gpu_rank = -int(gpu.removeprefix("gpu"))
+                choices.append((ledger.headroom(domain), host_rank, gpu_rank, host, gpu))
+    if not choices:
+        return None
+    *_, host, gpu = max(choices, key=lambda c: c[:3])
+    return host, gpu
 
 
-def place(
-    ledger: Ledger, gpus: list[str], *, pinned: str | None = None, parked_on: str | None = None
-) -> str:
-    """The GPU (domain name) for one instance; admission decides whether it fits there."""
-    if parked_on is not None:
-        return parked_on
-    if pinned is not None:
-        if pinned not in gpus or pinned not in ledger.domains:
-            raise DeviceUnobserved(f"devices[0].id: {pinned} has no fresh reading on this host")
-        return pinned
-    observed = [gpu for gpu in gpus if gpu in ledger.domains]
-    if not observed:
-        raise DeviceUnobserved("no GPU of this host has a fresh reading: admission is closed")
-    # Most headroom first; on a tie, the lowest index (gpu0 before gpu1).
-    return max(observed, key=lambda gpu: (headroom(ledger, gpu), -int(gpu.removeprefix("gpu"))))
+def none_fits(snapshot: Snapshot, record: DeploymentRecord) -> Action:
+    """Why no host may start it now: a refusal when waiting changes nothing until an operator
+    acts (or a host comes back), else a wait naming each host's reason."""
+    refusal = _blocked(snapshot, record)
+    if refusal is not None:
+        return refusal
+    allowed = _allowed(snapshot, record)
+    bindings = [binding for _, binding in allowed]
+    errors = [binding.error for binding in bindings if binding.error is not None]
+    if errors and len(errors) == len(bindings):
+        # The document cannot run on any host (its engine, its model, its park tier):
+        # waiting changes nothing until an operator does.
+        first = errors[0]
+        return Action("refuse", record.name, f"{first.code}: {first.message}", error=first.code)
+    why_not = [
+        f"{host}: no such host has joined"
+        for host in record.document.placement.hosts
+        if host not in snapshot.hosts
+    ]
+    for host, binding in allowed:
+        reason = _unplaceable(snapshot, snapshot.hosts.get(host), binding)
+        if reason is not None:
+            why_not.append(f"{host}: {reason}")
+    reasons = "; ".join(why_not) or "no hosts"
+    return Action("wait", record.name, "no host can run it: " + reasons)
+
+
+def unreachable(snapshot: Snapshot, record: DeploymentRecord, view: HostView) -> list[Action]:
+    """A demand for a deployment whose instance is on a host that cannot be reached now: it
+    waits for the host's grace to pass when another host may take it (its instance then counts
+    as gone, and it starts there), and is refused at once when none may."""
+    why = view.why_not_reachable(snapshot.now)
+    if any(
+        other.name != view.name and other.reachable and not other.drained
+        for other in _could_run(snapshot, record)
+    ):
+        grace = snapshot.tunables.host_lost_after_s
+        return [
+            Action(
+                "wait",
+                record.name,
+                f"{why}; it starts on another host once the host is gone for "
+                f"{format_duration(grace)}, unless it comes back",
+            )
+        ]
+    message = (
+        f"{why}; {record.name!r} may run nowhere else, so it serves again once the host is back"
+    )
+    return [Action("refuse", record.name, message, error=HostUnreachable.code)]
+
+
+def _allowed(snapshot: Snapshot, record: DeploymentRecord) -> list[tuple[str, Binding]]:
+    """The hosts the deployment may run on (placement.hosts), each with its binding there."""
+    return [
+        (host, binding)
+        for host, binding in sorted(snapshot.bindings.get(record.name, {}).items())
+        if record.document.allows(host)
+    ]
+
+
+def _could_run(snapshot: Snapshot, record: DeploymentRecord) -> list[HostView]:
+    """The hosts the deployment may run on (placement.hosts) and could: each has its model
+    and an engine of its family (its binding is no error)."""
+    bindings = snapshot.bindings.get(record.name, {})
+    return [
+        view
+        for name, view in snapshot.hosts.items()
+        if record.document.allows(name)
+        and (binding := bindings.get(name)) is not None
+        and binding.error is None
+    ]
+
+
+@cache
+def _neg(host: str) -> tuple[int, ...]:
+    return tuple(-ord(c) for c in host)
+
+
+def _gpus(view: HostView, record: DeploymentRecord) -> list[tuple[str, str]]:
+    """The GPUs a deployment may start on, each with its ledger domain."""
+    pinned = record.document.device
+    if view.unified:
+        return view.gpu_domains[:1]
+    return [(pinned, view.domain_of(pinned))] if pinned is not None else view.gpu_domains
+
+
+def _blocked(snapshot: Snapshot, record: DeploymentRecord) -> Action | None:
+    """A refusal when every host that could run the deployment (it may, and has its model and
+    engine) is unreachable or drained: it cannot start until one comes back or is undrained,
+    so its requests fail at once."""
+    named = record.document.placement.hosts
+    if any(host not in snapshot.hosts for host in named):
+        return None  # a host it names has yet to join: it may
+    views = _could_run(snapshot, record)
+    if not views:
+        return None  # no host has what it needs: refused (or waited for) on that
+    if not all(not view.reachable or view.drained for view in views):
+        return None
+    unreachable = [view for view in views if not view.reachable]
+    if unreachable:
+        why = "; ".join(view.why_not_reachable(snapshot.now) for view in unreachable)
+        message = f"{why}; {record.name!r} may run on no other host now"
+        return Action("refuse", record.name, message, error=HostUnreachable.code)
+    names = ", ".join(view.name for view in views)
+    message = (
+        f"every host {record.name!r} may run on is drained ({names}); undrain one with "
+        "capyctl undrain host NAME, or widen its placement.hosts"
+    )
+    return Action("refuse", record.name, message, error=HostDrained.code)
+
+
+def _unplaceable(snapshot: Snapshot, view: HostView | None, binding: Binding) -> str | None:
+    """Why a host may not take a start now; None when it may."""
+    if view is None or not view.reachable or view.drained or not view.alive:
+        return _host_unusable(snapshot, view)
+    if binding.error is not None:
+        return f"{binding.error.code}: {binding.error.message}"
+    if binding.waiting is not None:
+        return binding.waiting
+    if not view.domains:
+        return "device_unobserved: no fresh memory reading"
+    return None
+
+
+def _host_unusable(snapshot: Snapshot, view: HostView | None) -> str:
+    if view is not None and not view.reachable:
+        return view.why_not_reachable(snapshot.now)
+    if view is not None and view.drained:
+        return f"host {view.name} is drained"
+    return "its hostd is not running"

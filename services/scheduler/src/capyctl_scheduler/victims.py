@@ -1,6 +1,5 @@
 """Whom to evict, read from a snapshot: making room for a start or a wake on one GPU
-(`switch`), ending a switch once its deployment is ready (`switch_end`), and keeping each
-host's parked set within its bound (`bound_parked`).
+(`switch`), and ending a switch once its deployment is ready (`switch_end`).
 
 The choice among candidates is `switching.choose_victims`, over the ledger; this module
 finds the candidates (never busy, warm or explicit) and turns the releases into actions.
@@ -175,36 +174,3 @@ def _candidates(
 
 def _parked_full(snapshot: Snapshot, view: HostView) -> bool:
     return len(snapshot.parked.get(view.name, {})) >= snapshot.tunables.max_parked
-
-
-def bound_parked(snapshot: Snapshot, planned: list[Action]) -> list[Action]:
-    """Beyond max_parked on a host, the least recently parked stop (never warm or explicit)."""
-    bookkeeping = ("wait", "settle", "switched", "drop_switch")
-    touched = {action.deployment for action in planned if action.kind not in bookkeeping}
-    actions = []
-    for host in snapshot.hosts:
-        parked = sorted(
-            (
-                i
-                for name, i in snapshot.parked.get(host, {}).items()
-                if name in snapshot.deployments
-            ),
-            key=lambda i: i.since,
-        )
-        excess = len(parked) - snapshot.tunables.max_parked
-        for instance in parked:
-            if excess <= 0:
-                break
-            record = snapshot.deployments[instance.deployment]
-            if instance.deployment in touched or record.inflight is not None or protected(record):
-                continue
-            actions.append(
-                stop(
-                    instance,
-                    f"bounded parked set: at most {snapshot.tunables.max_parked} "
-                    f"parked on {host}; least recently used",
-                    cause="max_parked",
-                )
-            )
-            excess -= 1
-    return actions
