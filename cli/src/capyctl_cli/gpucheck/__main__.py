@@ -25,6 +25,7 @@ from capyctl_cli.gpucheck.devicewatch import DeviceWatch
 from capyctl_cli.gpucheck.machine import TorchSearch
 from capyctl_cli.gpucheck.report import Outcome, Skip, exit_code, run_step, summary
 from capyctl_cli.gpucheck.role import end_left_under
+from capyctl_cli.output import echo
 
 
 @dataclass
@@ -128,7 +129,7 @@ def run(check: Check) -> list[Outcome]:
     outcomes = []
     for number, (name, step) in enumerate(STEPS, start=1):
         outcome = run_step(number, name, functools.partial(step, check))
-        print(outcome.line(), flush=True)
+        echo(outcome.line())
         outcomes.append(outcome)
     return outcomes
 
@@ -139,20 +140,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-", dir="/tmp"))  # short: unix sockets
     root = machine.clone_root()
     source = f"a clone at {root}" if root else "a release executable"
-    print(
+    echo(
         f"gpu-check: capyctl {__version__}, Python {platform.python_version()} "
-        f"({sys.executable}), from {source}",
-        flush=True,
+        f"({sys.executable}), from {source}"
     )
     check = Check(folder, root, args.python, args.simulated_gpus)
     try:
         outcomes = run(check)
     finally:
         check.close()
-    print(summary(outcomes, time.monotonic() - started), flush=True)
+    echo(summary(outcomes, time.monotonic() - started))
     code = exit_code(outcomes)
     if code:
-        print(f"gpu-check: the logs are kept in {folder}", flush=True)
+        echo(f"gpu-check: the logs are kept in {folder}")
     else:
         shutil.rmtree(folder, ignore_errors=True)
     return code

@@ -120,25 +120,28 @@ def open_memory(backend: str, rest: Sequence[str]) -> Memory:
     raise ValueError(f"no backend {backend!r}")
 
 
-def say(word: str) -> None:
-    print(f"{word} {time.monotonic()}", flush=True)
+def say(line: str) -> None:
+    """One line of the protocol to the parent on stdout, flushed (this program runs apart
+    from the CLI, so its lines are its own, not the CLI's output)."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
 
 
 def main(argv: Sequence[str]) -> int:
     backend, size = argv[0], int(argv[1])
     try:
         memory = open_memory(backend, argv[2:])
-        say("ready")
+        say(f"ready {time.monotonic()}")
         for line in sys.stdin:
             if line.strip() == "alloc":
                 memory.alloc(size)
-                say("held")
+                say(f"held {time.monotonic()}")
             elif line.strip() == "free":
                 memory.free()
-                say("freed")
+                say(f"freed {time.monotonic()}")
         memory.close()
     except Exception as exc:  # the parent reads what went wrong on the line it waits for
-        print(f"error {type(exc).__name__}: {exc}", flush=True)
+        say(f"error {type(exc).__name__}: {exc}")
         return 1
     return 0
 

@@ -13,11 +13,9 @@ engine's environment, the way a deployment sets any engine variable.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import httpx
 
@@ -25,14 +23,14 @@ from capycommon import credentials
 from capycommon import management as wire
 from capycommon.engines import detect, registry
 from capycommon.errors import CapyError
-from capycommon.state import keys, memory, quarantine
-from capycommon.state.instances import InstanceRecord
+from capycommon.state import memory
 from capycommon.units import format_size_exact
 from capyctl_cli import record
 from capyctl_cli.gpucheck.devicewatch import DeviceWatch, Gpu, Reading
 from capyctl_cli.gpucheck.machine import Torch
 from capyctl_cli.gpucheck.report import Fail
 from capyctl_cli.gpucheck.role import HOST, Role, end_left_under, until, write_document
+from capyctl_cli.output import echo
 from enginesim.behaviour import Behaviour
 from enginesim.cuda import CUDA_ENV
 from enginesim.install import add_packages, install_python_engine
@@ -167,14 +165,7 @@ class Bench:
 
         def measured() -> int | None:
             with record.redis_of(running, timeout=5) as client:
-                key = keys.instance(HOST, name, 0)
-                raw = cast(bytes | None, client.get(key))
-                found = None if raw is None else quarantine.parse(InstanceRecord, raw, key)
-                if found is None or found.fingerprint is None:
-                    return None
-                peak = memory.read_startup_peak(
-                    client, HOST, name, found.revision, found.fingerprint
-                )
+                peak = memory.read_instance_peak(client, HOST, name, 0)
             return None if peak is None else peak.device_bytes
 
         return until(measured, 15, f"memwatch's measured startup peak of {name}", 0.25)
@@ -219,7 +210,7 @@ class Bench:
             if self.role.proc.poll() is None:
                 self.drain()
         except (CapyError, Fail) as exc:
-            print(f"gpu-check: the drain at the end failed ({exc}); ending by PID", file=sys.stderr)
+            echo(f"gpu-check: the drain at the end failed ({exc}); ending by PID", err=True)
         finally:
             self.role.stop()
             end_left_under(self.folder)

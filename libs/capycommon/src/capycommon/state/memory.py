@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from redis.asyncio.client import PubSub
 
 from capycommon.state import keys, notify, quarantine
+from capycommon.state.instances import InstanceRecord
 from capycommon.state.notify import Notification
 
 # A reading older than this is unobserved: it admits nothing.
@@ -138,6 +139,19 @@ def read_startup_peak(
     key = keys.startup_peak(host, deployment, revision, fingerprint)
     raw = client.get(key)
     return None if raw is None else quarantine.parse(StartupPeak, raw, key)
+
+
+def read_instance_peak(
+    client: redis.Redis, host: str, deployment: str, index: int
+) -> StartupPeak | None:
+    """The startup peak measured for the launch an instance record names (its revision and
+    engine build), or None while the record or the peak is missing (or refused)."""
+    key = keys.instance(host, deployment, index)
+    raw = client.get(key)
+    found = None if raw is None else quarantine.parse(InstanceRecord, raw, key)
+    if found is None or found.fingerprint is None:
+        return None
+    return read_startup_peak(client, host, deployment, found.revision, found.fingerprint)
 
 
 async def aread_startup_peak(
