@@ -1,6 +1,6 @@
 """How long the scheduler's pure plan takes for 100 deployments on 10 hosts.
 
-`policy.plan(snapshot)` is called on every pass of the decision loop. This builds, in memory,
+`policy.plan(snapshot)` is called on every pass of the planning loop. This builds, in memory,
 a snapshot of 10 hosts (four 80 GiB GPUs and 1 TiB of RAM each) and 100 deployments, each
 bound on every host: per host, six ready (two of them busy, one idle past its timeout), two
 parked, one cold and one stopped instance, and two demands, one of which needs a switch.
@@ -201,7 +201,7 @@ def main(repeat: int) -> None:
         print(f"  {label:<36}" + "".join(f"{figure * 1000:>9.3f}" for figure in figures))
     ratio = statistics.median(timed) / statistics.median(base)
     print(f"  100 x 10 / baseline, p50: {ratio:.0f}")
-    print(f"  decisions of the 100 x 10 plan: {_summary(plan(big))}")
+    print(f"  actions of the 100 x 10 plan: {_summary(plan(big))}")
     p50 = statistics.median(timed) * 1000
     verdict = "met" if p50 <= TARGET_MS else "NOT met"
     print(f"target: a plan of 100 deployments on 10 hosts within {TARGET_MS:g} ms (p50): {verdict}")

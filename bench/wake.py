@@ -13,7 +13,7 @@ printed beside its baseline, measured on the same engine in the same run:
   every few milliseconds) to hostd recording it ready, and to the request's first token.
 
 Each round also shows where the time went, in milliseconds after the request was sent: from
-Redis (the demand, the scheduler's decisions and commands, hostd's transitions) and hostd's
+Redis (the demand, the scheduler's choices and commands, hostd's transitions) and hostd's
 log (when it took a command up, its engine calls and canary).
 
     .venv/bin/python bench/wake.py [--rounds N] [--only wake switch cold] [--late-release-ms MS]
@@ -95,15 +95,15 @@ def _entries(stand: Stand, stream: str, since: float) -> list[tuple[float, dict[
 
 
 def timeline(stand: Stand, sent: float, names: tuple[str, ...]) -> Timeline:
-    """The demand, decisions, commands and hostd's transitions and engine calls since `sent`."""
+    """The demand, choices, commands and hostd's transitions and engine calls since `sent`."""
     line = Timeline(sent)
     demands = [
         at for at, d in _entries(stand, keys.demands(), sent - 0.01) if d.get("deployment") in names
     ]
     line.add("demand", min((d for d in demands if d >= sent - 0.005), default=None))
-    for _, decision in _entries(stand, keys.events(), sent - 0.01):
-        if decision.get("deployment") in names and decision.get("at", 0) >= sent:
-            line.add(f"decide {decision['kind']} {decision['deployment']}", decision["at"])
+    for _, choice in _entries(stand, keys.events(), sent - 0.01):
+        if choice.get("deployment") in names and choice.get("at", 0) >= sent:
+            line.add(f"decide {choice['kind']} {choice['deployment']}", choice["at"])
     for _, event in _entries(stand, keys.host_events(HOST), sent - 0.01):
         mine = event.get("deployment") in names and event.get("at", 0) >= sent
         if mine and event.get("kind") == "transition" and event["from_state"] != event["to_state"]:
@@ -284,7 +284,7 @@ def _switch_parts(
     x, y = members
     sent, end = span
     figures.part(
-        "request -> the ready one parking (drain, idle reading, decision)",
+        "request -> the ready one parking (drain, idle reading, choice)",
         line.gap(sent, f"{x} parking"),
     )
     figures.part(

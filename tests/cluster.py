@@ -138,11 +138,11 @@ class Cluster:
         found = (Event.model_validate_json(fields[b"event"]) for _, fields in entries)
         return [event for event in found if event.deployment == name]
 
-    def decisions(self, name: str) -> list[dict[str, Any]]:
-        """The scheduler's decisions about a deployment, oldest first."""
+    def choices(self, name: str) -> list[dict[str, Any]]:
+        """The scheduler's choices about a deployment, oldest first."""
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(keys.events()))
         found = (json.loads(fields[b"event"]) for _, fields in entries)
-        return [decision for decision in found if decision["deployment"] == name]
+        return [choice for choice in found if choice["deployment"] == name]
 
     def transitions(self, name: str) -> list[tuple[str | None, str | None, str]]:
         return [
@@ -237,7 +237,7 @@ class Cluster:
                 raise AssertionError(f"{exc}; left: {self._left(api)}") from None
 
     def _left(self, api: Management) -> str:
-        """The deployments left, each with its instance, places and last decisions: what a
+        """The deployments left, each with its instance, places and last choices: what a
         delete that did not end waits for."""
         found = []
         for status in api.deployments():
@@ -245,8 +245,8 @@ class Cluster:
             instance = self.instance(name)
             state = None if instance is None else (instance.state, instance.generation)
             held = places.read(self.client, name)
-            decisions = [d.get("reason") for d in self.decisions(name)[-4:]]
-            found.append(f"{name}: instance {state}, {held!r}, decisions {decisions}")
+            choices = [d.get("reason") for d in self.choices(name)[-4:]]
+            found.append(f"{name}: instance {state}, {held!r}, choices {choices}")
         logs = self.role.state_dir / "logs"
         for service in ("scheduler", "hostd"):
             path = logs / f"{service}.log"

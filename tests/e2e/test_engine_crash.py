@@ -81,7 +81,7 @@ def test_a_crashed_engine_fails_its_request_and_comes_back_at_once(cluster: Clus
     again = cluster.instance("crash")
     assert again is not None
     assert again.generation > crashed_generation
-    reasons = [d["reason"] for d in cluster.decisions("crash")]
+    reasons = [d["reason"] for d in cluster.choices("crash")]
     retried = [reason for reason in reasons if "retrying now" in reason]
     assert retried, reasons
     assert "the engine exited on its own (code -9); last log lines: " in retried[0]

@@ -143,7 +143,7 @@ def test_start_park_wake_and_switch_are_measured_with_the_engines_part_apart(
 def check_switch(cluster: Cluster, found: Samples) -> None:
     """The switch to b as the scheduler decided it, and what it holds: a's park (its sleep
     call) and b's start (its load), one after the other."""
-    (switched,) = [d for d in cluster.decisions("b") if d["kind"] == "switched"]
+    (switched,) = [d for d in cluster.choices("b") if d["kind"] == "switched"]
     labels = {"deployment": "b", "operation": "switch"}
     total = value(found, "capyctl_lifecycle_seconds_sum", **labels)
     engine = value(found, "capyctl_lifecycle_engine_seconds_sum", **labels)

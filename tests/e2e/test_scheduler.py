@@ -145,7 +145,7 @@ def test_a_busy_victim_is_waited_for(cluster: Cluster) -> None:
     cluster.ok("start", "deployment", "next")
     wait_for(
         lambda: any(
-            "1 busy, warm or explicit kept" in d["reason"] for d in cluster.decisions("next")
+            "1 busy, warm or explicit kept" in d["reason"] for d in cluster.choices("next")
         ),
         timeout=20,
         what="the switch to wait for the busy model",
@@ -206,7 +206,7 @@ def test_an_operator_stop_suspends_on_demand_activation(cluster: Cluster) -> Non
     assert "stopped" in cluster.ok("stop", "deployment", "op", "--wait")
     cluster.demand("op")
     wait_for(
-        lambda: any(d["kind"] == "drop_demand" for d in cluster.decisions("op")),
+        lambda: any(d["kind"] == "drop_demand" for d in cluster.choices("op")),
         timeout=10,
         what="the scheduler to drop the demand",
     )

@@ -142,7 +142,7 @@ def test_three_models_that_fit_only_across_both_hosts_are_served_in_turn(setup: 
         assert ask(client, name), f"{name} answered nothing"
         assert ask(client, name, stream=True), f"{name} streamed nothing"
     # Two 14 GiB models per 24 GiB GPU never fit: each host served, and switched.
-    served = {event["host"] for event in _decisions(setup) if event["kind"] == "start"}
+    served = {event["host"] for event in _choices(setup) if event["kind"] == "start"}
     assert served == {"gpu-a", "gpu-b"}
     raw = client.chat.completions.with_raw_response.create(
         model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=4
@@ -344,6 +344,6 @@ def _running(url: str, secret: str) -> int:
     raise AssertionError("the engine reports no running requests")
 
 
-def _decisions(setup: Setup) -> list[dict[str, Any]]:
+def _choices(setup: Setup) -> list[dict[str, Any]]:
     entries = cast(list[tuple[bytes, dict[bytes, bytes]]], setup.redis.xrange(keys.events()))
     return [json.loads(fields[b"event"]) for _, fields in entries]

@@ -1,5 +1,5 @@
 """Which instance records the control plane believes: a host's record counts as its
-deployment's instance only by the scheduler's own decisions (the generation it drew and the
+deployment's instance only by the scheduler's own choices (the generation it drew and the
 host it placed it on); a refused record's live engine is an orphan, stopped on its own host."""
 
 from __future__ import annotations

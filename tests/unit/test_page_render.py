@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from capycommon.management import EngineRow
-from capycommon.state.desired import Decision
+from capycommon.state.desired import Choice
 from capycommon.state.store import Event
 from capyctl_scheduler.page import render
 from capyctl_scheduler.page.view import (
@@ -147,18 +147,18 @@ def test_nothing_written_by_an_engine_or_an_operator_becomes_markup() -> None:
 
 
 def test_the_timeline_has_the_schedulers_switches_and_refusals() -> None:
-    def decided(kind: str, at: float, **fields: object) -> Decision:
-        return Decision.model_validate(
+    def chosen(kind: str, at: float, **fields: object) -> Choice:
+        return Choice.model_validate(
             {"kind": kind, "deployment": "b", "reason": kind, "at": at, **fields}
         )
 
-    decisions = [
-        decided("switched", 40.0, host="h1", duration_s=2.5, engine_s=1.0),
-        decided("refuse", 50.0),
-        decided("evicted", 45.0, cause="switch"),  # the host's park says it already
-        decided("start", 35.0),
+    choices = [
+        chosen("switched", 40.0, host="h1", duration_s=2.5, engine_s=1.0),
+        chosen("refuse", 50.0),
+        chosen("evicted", 45.0, cause="switch"),  # the host's park says it already
+        chosen("start", 35.0),
     ]
-    moments = timeline([event(30.0, "starting")], decisions)
+    moments = timeline([event(30.0, "starting")], choices)
     assert [(m.what, m.failed, m.duration_s) for m in moments] == [
         ("refused", True, None),
         ("switch", False, 2.5),

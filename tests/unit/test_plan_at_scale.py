@@ -1,4 +1,4 @@
-"""One plan over 100 deployments on 10 hosts: the decisions a small case makes, at scale."""
+"""One plan over 100 deployments on 10 hosts: the actions a small case plans, at scale."""
 
 from __future__ import annotations
 

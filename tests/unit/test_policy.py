@@ -1,4 +1,4 @@
-"""The scheduler's decisions, as a pure function of a snapshot and an injected clock."""
+"""The scheduler's choices, as a pure function of a snapshot and an injected clock."""
 
 from __future__ import annotations
 

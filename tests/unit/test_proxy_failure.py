@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from capycommon.errors import EngineError, EngineFailed
-from capyctl_router.proxy import Cut, Failure, failure
+from capyctl_router.proxy import Failure, NoAnswerInTime, failure
 from capyctl_router.upstream import EngineConnectionError
 
 
@@ -16,10 +16,10 @@ def test_an_engines_own_error_keeps_its_status_message_and_param() -> None:
 
 
 def test_a_cut_is_unavailable_with_its_reason_as_the_outcome() -> None:
-    assert failure(Cut("deadline")) == Failure(
+    assert failure(NoAnswerInTime("deadline")) == Failure(
         "deadline", 503, "unavailable", "no answer in time (deadline)"
     )
-    assert failure(Cut("stream idle")).outcome == "stream idle"
+    assert failure(NoAnswerInTime("stream idle")).outcome == "stream idle"
 
 
 def test_a_broken_engine_or_connection_is_an_engine_error() -> None:

@@ -105,9 +105,9 @@ async def test_a_host_over_its_quota_is_cut_off_and_redis_serves_on(
         assert (await identities.read(client, "b")) is not None
         assert await client.ping() is True
 
-        decisions = await desired.recent_decisions(client, 5)
-        assert [(d.kind, d.host) for d in decisions] == [(CUT_OFF, "a")]
-        assert "over its quota of 16.0 MiB" in decisions[0].reason
+        choices = await desired.recent_choices(client, 5)
+        assert [(d.kind, d.host) for d in choices] == [(CUT_OFF, "a")]
+        assert "over its quota of 16.0 MiB" in choices[0].reason
 
         # Measured again: nothing more to do, nothing logged again.
         assert await quota.sweep() == []

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.state import keys
-from capycommon.state.desired import DECISION_FIELD, DeploymentStore, Victim
+from capycommon.state.desired import CHOICE_FIELD, DeploymentStore, Victim
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.snapshot import Snapshot
@@ -41,9 +41,9 @@ async def _snapshot(client: aioredis.Redis) -> Snapshot:
     return Snapshot(time.time(), deployments, {"b": ready}, {}, {})
 
 
-async def _decisions(client: aioredis.Redis) -> list[tuple[str, str]]:
+async def _choices(client: aioredis.Redis) -> list[tuple[str, str]]:
     entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.events()))
-    found = [json.loads(fields[DECISION_FIELD.encode()]) for _, fields in entries]
+    found = [json.loads(fields[CHOICE_FIELD.encode()]) for _, fields in entries]
     return [(d["kind"], d["deployment"]) for d in found]
 
 
@@ -59,7 +59,7 @@ def _stop(reason: str) -> Action:
 async def test_a_switch_is_recorded_first_and_only_once(client: aioredis.Redis) -> None:
     actuator = Actuator(client, _ack)
     await actuator.apply(await _snapshot(client), [_stop("for a"), _wait("b must go")])
-    assert await _decisions(client) == [("wait", "a"), ("stop", "b")], "the switch first"
+    assert await _choices(client) == [("wait", "a"), ("stop", "b")], "the switch first"
     first = await DeploymentStore(client).get("a")
     assert first is not None
     assert first.switch is not None
@@ -69,13 +69,13 @@ async def test_a_switch_is_recorded_first_and_only_once(client: aioredis.Redis) 
     await actuator.apply(await _snapshot(client), [_stop("for a, again"), _wait("b must go")])
     again = await DeploymentStore(client).get("a")
     assert again == first, "a wait that changes nothing is not written"
-    assert (await _decisions(client))[2:] == [("stop", "b")]
+    assert (await _choices(client))[2:] == [("stop", "b")]
 
     # A new reason is written, after the victim's command.
     await actuator.apply(
         await _snapshot(client), [_wait("b is parking"), _stop("for a, once more")]
     )
-    assert (await _decisions(client))[3:] == [("stop", "b"), ("wait", "a")]
+    assert (await _choices(client))[3:] == [("stop", "b"), ("wait", "a")]
     last = await DeploymentStore(client).get("a")
     assert last is not None
     assert last.switch == first.switch

@@ -80,7 +80,7 @@ KEEP_EVERY_S = heartbeats.INTERVAL_S
 
 
 @dataclass(frozen=True)
-class Cut:
+class UnsettledCut:
     """A cut request whose place waits for it to settle."""
 
     deployment: str
@@ -112,7 +112,7 @@ class Dispatcher:
     # The wall-clock time of each deployment's last demand, to compare with a refusal's.
     _demanded_at: dict[str, float] = field(default_factory=dict)
     # Cut requests by id until they settle (a stop settles those of its generation).
-    _cuts: dict[str, Cut] = field(default_factory=dict)
+    _cuts: dict[str, UnsettledCut] = field(default_factory=dict)
     # host -> the cursor in its stream of request ends (`capycommon.state.settlement`).
     _ends_after: dict[str, str] = field(default_factory=dict)
     # When each deployment's places were last read for cut requests holding them all.
@@ -341,7 +341,7 @@ class Dispatcher:
             reported = target.family == "sglang"
         log.info("request %s on %s cut; it counts as %s", request_id, name, settles)
         if settles == "settle_when_idle" or reported:
-            self._cuts[request_id] = Cut(
+            self._cuts[request_id] = UnsettledCut(
                 name, target.generation, target.host, settles, time.time(), reported
             )
             self._sooner.set()
@@ -437,7 +437,7 @@ class Dispatcher:
 
     async def _settle_idle(self) -> None:
         """Requests the engine had answered settle once it reads idle after their cut."""
-        waiting: dict[tuple[str, int, str], list[tuple[str, Cut]]] = defaultdict(list)
+        waiting: dict[tuple[str, int, str], list[tuple[str, UnsettledCut]]] = defaultdict(list)
         for request_id, cut in self._cuts.items():
             if cut.settles == "settle_when_idle":
                 waiting[(cut.deployment, cut.generation, cut.host)].append((request_id, cut))

@@ -2,7 +2,7 @@
 queue wait, the wait for a model to become ready, time to first token, cancellations,
 queue_full; what the hosts' event streams report: start, wake and park durations, the
 engine's own part of each and CapyCTL's, and the bytes and durations of model downloads
-from the Hub; what the scheduler's decision stream reports: switch durations (the engines'
+from the Hub; what the scheduler's choice stream reports: switch durations (the engines'
 part apart) and evictions by cause; and, read at each scrape, what the scheduler's ledger
 charges on each GPU by phase, with each GPU's capacity and limits.
 
@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import gpumemory, refusals
-from capycommon.state.desired import Decision, read_decisions
+from capycommon.state.desired import Choice, read_choices
 from capycommon.state.gpumemory import ChargePhase, GpuMemory
 from capycommon.state.store import Event, read_host_events
 
@@ -55,13 +55,13 @@ def start_cursors(folder: Path) -> None:
 
 @dataclass
 class Cursors:
-    """How far the hosts' events and the scheduler's decisions were read, kept in the
+    """How far the hosts' events and the scheduler's choices were read, kept in the
     workers' metrics `folder` (when there is one) after each read."""
 
     start: str
     folder: Path | None = None
     hosts: dict[str, str] = field(default_factory=dict)
-    decisions: str | None = None
+    choices: str | None = None
 
     @classmethod
     def read(cls, folder: Path | None) -> Cursors:
@@ -71,8 +71,8 @@ class Cursors:
             try:
                 kept = json.loads((folder / CURSORS_FILE).read_text())
                 hosts = {str(h): str(c) for h, c in kept["hosts"].items()}
-                decisions = kept.get("decisions")
-                found = None if decisions is None else str(decisions)
+                choices = kept.get("choices")
+                found = None if choices is None else str(choices)
                 return cls(str(kept["start"]), folder, hosts, found)
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
@@ -80,7 +80,7 @@ class Cursors:
 
     def keep(self) -> None:
         if self.folder is not None:
-            kept = {"start": self.start, "hosts": self.hosts, "decisions": self.decisions}
+            kept = {"start": self.start, "hosts": self.hosts, "choices": self.choices}
             write_atomic(self.folder / CURSORS_FILE, json.dumps(kept))
 
 
@@ -104,7 +104,7 @@ class LifecycleSeconds:
             registry,
             "capyctl_lifecycle_seconds",
             "Start, wake and park durations, from the hosts' events; switch durations, from "
-            "the scheduler's decision to release the first victim to the model ready.",
+            "the scheduler's choice to release the first victim to the model ready.",
             "operation",
         )
         self.engine = _seconds(
@@ -253,7 +253,7 @@ class Metrics:
     ) -> None:
         """Observe each start, wake, park and download as hostd reports it, on every host the
         routing table knows (a server may have none yet), and each switch and eviction as the
-        scheduler's decision stream reports it.
+        scheduler's choice stream reports it.
 
         With the workers' metrics `folder`, the events are read from the router's start on,
         and how far they were read is kept there: a worker that starts again goes on from
@@ -262,7 +262,7 @@ class Metrics:
         cursors = Cursors.read(folder)
         await asyncio.gather(
             self._follow_hosts(client, hosts, stop, cursors),
-            self._follow_decisions(client, stop, cursors),
+            self._follow_choices(client, stop, cursors),
         )
 
     async def _follow_hosts(
@@ -290,30 +290,28 @@ class Metrics:
             if found:
                 cursors.keep()
 
-    async def _follow_decisions(
+    async def _follow_choices(
         self, client: aioredis.Redis, stop: asyncio.Event, cursors: Cursors
     ) -> None:
         while not stop.is_set():
-            cursor = cursors.decisions or cursors.start
+            cursor = cursors.choices or cursors.start
             try:
-                found = await read_decisions(client, cursor, count=100, block_ms=1000)
+                found = await read_choices(client, cursor, count=100, block_ms=1000)
             except REDIS_ERRORS:
                 await wait_event(stop, 1.0)
                 continue
-            for entry_id, decision in found:
-                cursors.decisions = entry_id
-                if decision is not None:
-                    self._decision(decision)
+            for entry_id, choice in found:
+                cursors.choices = entry_id
+                if choice is not None:
+                    self._choice(choice)
             if found:
                 cursors.keep()
 
-    def _decision(self, decision: Decision) -> None:
-        if decision.kind == "evicted" and decision.cause is not None:
-            self.evictions.labels(decision.deployment, decision.cause).inc()
-        elif decision.kind == "switched" and decision.duration_s is not None:
-            self.lifecycle.observe(
-                decision.deployment, "switch", decision.duration_s, decision.engine_s
-            )
+    def _choice(self, choice: Choice) -> None:
+        if choice.kind == "evicted" and choice.cause is not None:
+            self.evictions.labels(choice.deployment, choice.cause).inc()
+        elif choice.kind == "switched" and choice.duration_s is not None:
+            self.lifecycle.observe(choice.deployment, "switch", choice.duration_s, choice.engine_s)
 
     def _event(self, event: Event) -> None:
         if event.kind == "download" and event.repo and event.outcome:

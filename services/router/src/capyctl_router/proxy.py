@@ -96,7 +96,10 @@ class Undelivered(Exception):
     """The ingress never took the request: it may be admitted again."""
 
 
-class Cut(Exception):
+class NoAnswerInTime(Exception):
+    """The engine gave no answer within the request's deadline, or its stream went idle past
+    the idle bound: the router cuts the request, `why` saying which."""
+
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
@@ -107,7 +110,7 @@ FAILURES = (
     EngineError,
     EngineConnectionError,
     StaleDispatch,
-    Cut,
+    NoAnswerInTime,
     CacheSaltUnsupported,
     InvalidRequest,
 )
@@ -129,7 +132,7 @@ def failure(exc: BaseException) -> Failure:
     """The one reading of every way the engine's side can fail."""
     if isinstance(exc, EngineFailed):
         return Failure(exc.code, exc.status, exc.code, exc.message, exc.param)
-    if isinstance(exc, Cut):
+    if isinstance(exc, NoAnswerInTime):
         return Failure(exc.why, 503, "unavailable", f"no answer in time ({exc.why})")
     if isinstance(exc, StaleDispatch):
         return Failure(exc.code, 503, "unavailable", exc.message)
@@ -403,7 +406,7 @@ class Session:
             async with asyncio.timeout(self._left()):  # no task of its own, as wait_for's
                 response = await self._open()
         except TimeoutError:
-            raise Cut("deadline") from None
+            raise NoAnswerInTime("deadline") from None
         self._events = Events(response)
         return await self._next()
 
@@ -418,7 +421,7 @@ class Session:
         try:
             event = await self._events.next(until)
         except TimeoutError:
-            raise Cut("stream idle" if answered else "deadline") from None
+            raise NoAnswerInTime("stream idle" if answered else "deadline") from None
         if event is None:
             return None
         failure = event_failure(event)
@@ -435,7 +438,7 @@ class Session:
                 async with asyncio.timeout(self._left()):
                     raw = await self._whole()
             except TimeoutError:
-                raise Cut("deadline") from None
+                raise NoAnswerInTime("deadline") from None
             self._first_output()
             return self._shown(raw)
         assembly = Assembly(self.call)

@@ -289,9 +289,9 @@ class Table:
 
     async def _believed(self, record: InstanceRecord) -> bool:
         """Whether a record a host announced may be its deployment's instance, by the
-        scheduler's decisions (`capycommon.state.ownership`). A record ahead of the table's
+        scheduler's choices (`capycommon.state.ownership`). A record ahead of the table's
         deployment is weighed against the deployment read again: the scheduler writes its
-        decision before hostd can act on it, but its notification may still be on its way."""
+        choice before hostd can act on it, but its notification may still be on its way."""
         deployment = self.records.get(record.deployment)
         if deployment is not None and record.generation > deployment.generation:
             deployment = await DeploymentStore(self.client).get(record.deployment)

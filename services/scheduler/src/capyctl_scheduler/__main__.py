@@ -1,4 +1,4 @@
-"""`capyctl-scheduler --role ROLE`: serve the management API and make decisions."""
+"""`capyctl-scheduler --role ROLE`: serve the management API and run the planning loop."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from capycommon.state import hostmarks
 from capycommon.state.desired import (
     RETRY_COOLDOWNS_S,
     Attempts,
-    Decision,
+    Choice,
     DeploymentRecord,
     DeploymentStore,
     Inflight,
@@ -274,7 +274,7 @@ class Actuator:
             await DeploymentStore(self.client).put(settled)
             return
         effect = record.inflight
-        evicted = Decision(
+        evicted = Choice(
             kind="evicted",
             deployment=record.name,
             reason=f"{effect.kind}: {effect.reason}",
@@ -286,9 +286,9 @@ class Actuator:
         await DeploymentStore(self.client).put(settled, evicted.model_dump_json(exclude_none=True))
 
     async def _switched(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
-        """A switch ended with its deployment ready: its duration, from the decision to
+        """A switch ended with its deployment ready: its duration, from the choice to
         release its first victim to the ready transition, and the engines' part of it, as a
-        decision; the record's switch is cleared in the same write, so it counts once."""
+        choice; the record's switch is cleared in the same write, so it counts once."""
         switch, instance = record.switch, snapshot.instances.get(record.name)
         if switch is None or instance is None:
             return
@@ -296,7 +296,7 @@ class Actuator:
         hosts = {switch.host, instance.host}
         events = [e for host in sorted(hosts) for e in await self._events(host, switch.started_at)]
         engine = min(took, switch_engine_s(switch, instance.generation, record.name, events))
-        ended = Decision(
+        ended = Choice(
             kind="switched",
             deployment=record.name,
             reason=action.reason,
@@ -358,17 +358,17 @@ class Actuator:
     ) -> None:
         """The record with its effect in flight and the command, in one transaction."""
         sending = _with_operation(record, action).model_copy(update={"inflight": inflight})
-        await DeploymentStore(self.client).send(sending, _event_json(action), action.host, command)
+        await DeploymentStore(self.client).send(sending, _choice_json(action), action.host, command)
         log.info("%s %s on %s: %s", action.kind, record.name, action.host, action.reason)
 
     async def _write(
         self, record: DeploymentRecord, action: Action, **changes: object
     ) -> DeploymentRecord:
         changed = _with_operation(record, action).model_copy(update=changes)
-        return await DeploymentStore(self.client).put(changed, _event_json(action))
+        return await DeploymentStore(self.client).put(changed, _choice_json(action))
 
     async def _event(self, action: Action) -> None:
-        await DeploymentStore(self.client).decided(_event_json(action))
+        await DeploymentStore(self.client).chose(_choice_json(action))
 
 
 Handler = Callable[[Actuator, Snapshot, DeploymentRecord, Action], Coroutine[Any, Any, None]]
@@ -429,8 +429,8 @@ def _with_operation(record: DeploymentRecord, action: Action) -> DeploymentRecor
     return record.model_copy(update={"last_operation": operation})
 
 
-def _event_json(action: Action) -> str:
-    return Decision(
+def _choice_json(action: Action) -> str:
+    return Choice(
         kind=action.kind,
         deployment=action.deployment,
         reason=action.reason,

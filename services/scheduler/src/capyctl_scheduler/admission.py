@@ -1,6 +1,6 @@
 """Admission: a wake where the instance parked, or a start where placement puts it, each when
 the host's ledger admits its charge (every domain stays under its managed limit and leaves its
-free reserve); when the ledger refuses, a switch makes room (`victims.switch`).
+free reserve); when the ledger refuses, a switch makes room (`switch.switch`).
 
 Each admission charges the plan's own ledger of its host, so a later deployment in the same
 plan sees the memory taken; starts are one at a time per GPU, within one plan too.
@@ -16,7 +16,7 @@ from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import footprint_of
 from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.snapshot import Snapshot
-from capyctl_scheduler.victims import switch
+from capyctl_scheduler.switch import switch
 
 
 def wake(

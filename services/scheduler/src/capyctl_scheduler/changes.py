@@ -1,5 +1,5 @@
 """A count of the notifications the scheduler heard, and a wait for the next one: what the
-status page's live updates follow (the same pub/sub notifications the decision loop does)."""
+status page's live updates follow (the same pub/sub notifications the planning loop does)."""
 
 from __future__ import annotations
 

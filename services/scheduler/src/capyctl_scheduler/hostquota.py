@@ -15,7 +15,7 @@ certificate's serial revoked, its Redis user deleted and its connections closed)
 keys are dropped (UNLINK, freed in Redis's background), as they hold more than its share
 and would cut off a recovered host again, but for the records of its live engines, which run
 on and stay charged; it is logged once, with the host's name, and
-recorded in the control plane's decisions. It comes back as a revoked host does
+recorded in the scheduler's choice stream. It comes back as a revoked host does
 (`capyctl invite host NAME --recover`).
 
 Between two sweeps a host may write past its quota: by as much as it can send in
@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import hostinfo, hostkeys, identities
-from capycommon.state.desired import Decision, DeploymentStore
+from capycommon.state.desired import Choice, DeploymentStore
 from capycommon.state.instances import LIVE_STATES
 from capycommon.state.store import InstanceStore
 from capycommon.units import format_size
@@ -85,8 +85,8 @@ class HostQuota:
             f"its keys took {format_size(used)} or more of the server's Redis, over its quota "
             f"of {format_size(self.quota)} (enrollment.host_quota): revoked, its keys dropped"
         )
-        decision = Decision(kind=CUT_OFF, deployment="", host=host, reason=reason, at=time.time())
-        await DeploymentStore(self.client).decided(decision.model_dump_json())
+        choice = Choice(kind=CUT_OFF, deployment="", host=host, reason=reason, at=time.time())
+        await DeploymentStore(self.client).chose(choice.model_dump_json())
         log.error(
             "cut off host %s: %s", host, reason, extra={"used_bytes": used, "quota": self.quota}
         )

@@ -1,4 +1,4 @@
-"""The decision loop: read the demands and hostd's refusals, take a snapshot, plan, apply.
+"""The planning loop: read the demands and hostd's refusals, take a snapshot, plan, apply.
 
 It runs on every notification (a deployment, an instance or a demand changed), and at least
 once a second while anything is under way (a demand, an effect in flight, an engine moving
@@ -229,7 +229,7 @@ class Scheduler:
                     try:
                         await self.tick()
                     except REDIS_ERRORS as exc:
-                        log.warning("decision loop paused: Redis: %s", exc)
+                        log.warning("planning loop paused: Redis: %s", exc)
                         await wait_event(stop, 1.0)
                         continue
                     # A notification that came during the tick has set `wake`: plan again at

@@ -1,7 +1,7 @@
 """What the management API does: declare deployments, act on them, drain hosts.
 
 Each operation on deployments writes desired state (deployment records, demands) and wakes
-the decision loop; the loop does the rest. The model store's pulls and removals are the
+the planning loop; the loop does the rest. The model store's pulls and removals are the
 exception: they are sent to the host's hostd as commands, and read back from its records.
 """
 

@@ -5,7 +5,7 @@ joined hosts, stops orphans, then walks each deployment (the oldest demand first
 table, `_deployment` then `_steady`, where the first case that holds decides; last it keeps
 each host's parked set within its bound. The helpers the rows call live apart: `effects`
 (an effect in flight), `admission` (a wake or a start the ledger admits), `placement` (where
-a start goes, or why none may take it), `victims` (a switch) and `usage` (idle steps).
+a start goes, or why none may take it), `switch` (making room) and `usage` (idle steps).
 
 Each action names its deployment and carries its reason; `actuator.py` applies them. One
 effect is in flight per instance at a time; the ledger of each host is rebuilt from the
@@ -27,8 +27,8 @@ from capyctl_scheduler.actions import Action, drain, keeps_cache, release, stop
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.snapshot import Snapshot
+from capyctl_scheduler.switch import switch_end
 from capyctl_scheduler.usage import busy, next_idle_step, protected
-from capyctl_scheduler.victims import switch_end
 
 S = InstanceState
 

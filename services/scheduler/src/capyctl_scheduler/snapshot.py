@@ -1,6 +1,6 @@
 """What the scheduler decides from: one coherent view of Redis and the clock, as values.
 
-`observe.py` builds a Snapshot; `policy.plan` reads it and nothing else, so every decision
+`observe.py` builds a Snapshot; `policy.plan` reads it and nothing else, so every plan
 can be replayed in a unit test with an injected clock.
 """
 

@@ -1,176 +1,117 @@
-"""Whom to evict, read from a snapshot: making room for a start or a wake on one GPU
-(`switch`), and ending a switch once its deployment is ready (`switch_end`).
+"""Choosing whom to release when a demanded model does not fit (a switch).
 
-The choice among candidates is `switching.choose_victims`, over the ledger; this module
-finds the candidates (never busy, warm or explicit) and turns the releases into actions.
+Victims go least recently used first; never one with requests in flight or waiting, nor a
+warm or explicit deployment. Each victim parks when it can and its parked copy has room,
+otherwise it stops. The fewest victims that make room are chosen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from capycommon.errors import InsufficientResources
-from capycommon.state.desired import DeploymentRecord, Victim
-from capycommon.state.instances import InstanceState
-from capycommon.units import format_size
-from capyctl_scheduler import actions as act
-from capyctl_scheduler.actions import Action, can_park, drain, keeps_cache, stop
-from capyctl_scheduler.charges import after_releases, footprint_of
 from capyctl_scheduler.ledger import Ledger
-from capyctl_scheduler.snapshot import HostView, Snapshot
-from capyctl_scheduler.switching import Candidate, choose_victims
-from capyctl_scheduler.usage import busy, last_used, protected
-
-S = InstanceState
 
 
-def switch(
-    snapshot: Snapshot,
-    record: DeploymentRecord,
-    view: HostView,
-    gpu: str,
-    charge: Mapping[str, int],
-    ledger: Ledger,
-    verb: str,
-) -> list[Action]:
-    """Make room for `record` on `gpu`: wait for releases already under way, else choose
-    victims (least recently used, never busy, warm or explicit) and drain them. The wait that
-    names the victims also carries them: the actuator records the switch on the deployment's
-    record (when it began, its victims) before it releases any of them."""
-    name = record.name
-    projected = after_releases(snapshot, view, ledger)
-    if not projected.refusals(name, charge):
-        return [Action("wait", name, f"switch: waiting for memory being released to {verb}")]
-    candidates = list(_candidates(snapshot, view, name, projected))
-    try:
-        releases = choose_victims(projected, name, charge, candidates)
-    except InsufficientResources as exc:
-        beyond = _beyond_reach(snapshot, record, gpu, charge, ledger)
-        if beyond is not None:
-            code = InsufficientResources.code
-            return [Action("refuse", name, f"{code}: {beyond}", error=code)]
-        return [Action("wait", name, f"insufficient_resources: {exc.message}")]
-    actions = []
-    for release in releases:
-        instance = snapshot.instances[release.owner]
-        victim = snapshot.deployments[release.owner]
-        why = f"switch to {name}: {release.reason.removeprefix('switch: ')}"
-        if instance.state == S.PARKED:
-            actions.append(stop(instance, why, cause="switch"))
-        elif keeps_cache(instance):
-            actions.append(act.release(instance, why))
-        else:
-            actions.append(
-                drain(snapshot, victim, instance, why, then=release.action, cause="switch")
-            )
-    released = tuple(
-        Victim(deployment=r.owner, generation=snapshot.instances[r.owner].generation)
-        for r in releases
-    )
-    victims = ", ".join(release.owner for release in releases)
-    why = f"switch: releasing {victims} to {verb} {name} on {gpu}"
-    actions.append(Action("wait", name, why, host=view.name, gpu=gpu, victims=released))
-    return actions
+@dataclass(frozen=True)
+class Candidate:
+    owner: str
+    last_used: float
+    busy: bool  # requests in flight or waiting
+    protected: bool  # lifecycle.warm or activation: explicit
+    can_park: bool
+    parked_charge: Mapping[str, int]
 
 
-def switch_end(snapshot: Snapshot, record: DeploymentRecord) -> list[Action]:
-    """The end of a switch to `record`: counted once its deployment is ready, dropped once it
-    is no longer wanted (its demand expired or was refused, an operator stopped or deleted
-    it) and none of its start or wake is under way."""
-    if record.switch is None:
+@dataclass(frozen=True)
+class Release:
+    owner: str
+    action: Literal["park", "stop"]
+    reason: str
+
+
+Step = tuple[Candidate, Literal["park", "stop"]]
+
+
+def choose_victims(
+    ledger: Ledger, owner: str, charge: Mapping[str, int], candidates: Sequence[Candidate]
+) -> list[Release]:
+    """The releases that make `charge` fit for `owner`, or InsufficientResources.
+
+    Victims are taken least recently used first, each parked when it can be. When parking
+    every one of them still leaves too little (a first start whose peak nearly fills the
+    card, say), their parks become stops, least recently used first, until it fits."""
+    if not ledger.refusals(owner, charge):
         return []
-    name = record.name
-    instance = snapshot.instances.get(name)
-    if instance is not None and instance.state == S.READY:
-        why = "ready: the switch to it ended"
-        host, generation = instance.host, instance.generation
-        return [Action("switched", name, why, host=host, generation=generation)]
-    moving = record.inflight is not None or (
-        instance is not None and instance.state in (S.STARTING, S.WAKING, S.RECONCILING)
+    eligible = sorted(
+        (c for c in candidates if c.owner != owner and not c.busy and not c.protected),
+        key=lambda c: c.last_used,
     )
-    explicit = record.activation == "explicit" and record.wanted == "ready"
-    wanted = (name in snapshot.demands or explicit) and not (record.stopped or record.deleting)
-    if moving or wanted:
-        return []
-    return [Action("drop_switch", name, "the switch to it ended: it is no longer wanted")]
-
-
-def _beyond_reach(
-    snapshot: Snapshot,
-    record: DeploymentRecord,
-    gpu: str,
-    charge: Mapping[str, int],
-    ledger: Ledger,
-) -> str | None:
-    """Why `charge` cannot fit even once every instance that may be evicted is stopped (busy
-    ones included: they end), with the figures; None when waiting can make room."""
-    kept = ledger
-    for owner in ledger.charges:
-        other = snapshot.deployments.get(owner)
-        if owner != record.name and other is not None and not protected(other):
-            kept = kept.release(owner)
-    refusals = kept.refusals(record.name, charge)
-    if not refusals:
-        return None
-    parts = []
-    for refusal in refusals:
-        domain = ledger.domains[refusal.domain]
-        ceiling = min(domain.managed_limit, domain.capacity - domain.free_reserve)
-        freeable = ledger.total(refusal.domain, without=record.name) - kept.total(
-            refusal.domain, without=record.name
+    steps: list[Step] = []
+    for victim in eligible:
+        steps.append((victim, "park" if victim.can_park else "stop"))
+        if _fits(ledger, owner, charge, steps):
+            return _fewest(ledger, owner, charge, steps)
+    for index, (victim, action) in enumerate(steps):
+        if action == "park":
+            steps[index] = (victim, "stop")
+            if _fits(ledger, owner, charge, steps):
+                return _fewest(ledger, owner, charge, steps)
+    refusals = _apply(ledger, steps)[0].refusals(owner, charge)
+    skipped = len(candidates) - len(eligible)
+    raise InsufficientResources(
+        "; ".join(str(r) for r in refusals)
+        + (
+            f" (after releasing every idle model; {skipped} busy, warm or explicit kept)"
+            if skipped
+            else ""
         )
-        holders = sorted(
-            owner
-            for owner, held in kept.charges.items()
-            if owner != record.name and held.get(refusal.domain)
-        )
-        part = (
-            f"needs {format_size(refusal.needs)} on {refusal.domain}, which holds at most "
-            f"{format_size(ceiling)} for models ({format_size(domain.capacity)} with "
-            f"{format_size(domain.free_reserve)} reserve); stopping every model that may be "
-            f"evicted frees {format_size(freeable)}, leaving {format_size(refusal.free)}"
-        )
-        if holders:
-            part += f" ({', '.join(holders)}: warm, explicit or unknown, never evicted)"
-        parts.append(part)
-    return f"{record.name} cannot run on {gpu}: " + "; ".join(parts)
+    )
 
 
-def _candidates(
-    snapshot: Snapshot, view: HostView, requester: str, ledger: Ledger
-) -> Iterable[Candidate]:
-    parked_full = _parked_full(snapshot, view)
-    for name, instance in snapshot.on_host.get(view.name, {}).items():
-        record = snapshot.deployments.get(name)
-        if record is None or name == requester:
-            continue
-        if record.inflight is not None:
-            continue
-        if keeps_cache(instance):  # a restart_only park's LMCache server: released at once
-            yield Candidate(
-                owner=name,
-                last_used=instance.since,
-                busy=False,
-                protected=protected(record),
-                can_park=False,
-                parked_charge={},
-            )
-            continue
-        if instance.state not in (S.READY, S.PARKED):
-            continue
-        gpu = view.gpu_of(instance.gpu_uuid)
-        footprint = footprint_of(snapshot, name, view.name, gpu) if gpu else None
-        if footprint is None:
-            continue
-        yield Candidate(
-            owner=name,
-            last_used=last_used(snapshot, name, instance),
-            busy=busy(snapshot, name, instance),
-            protected=protected(record),
-            can_park=instance.state == S.READY and can_park(snapshot, instance) and not parked_full,
-            parked_charge=footprint.charge("parked"),
-        )
+def _fewest(
+    ledger: Ledger, owner: str, charge: Mapping[str, int], steps: Sequence[Step]
+) -> list[Release]:
+    """Drop, most recently used first, every victim the others make room without; then turn
+    back into parks the stops that can park and still leave room."""
+    kept = list(steps)
+    for step in reversed(steps):
+        trial = [s for s in kept if s is not step]
+        if _fits(ledger, owner, charge, trial):
+            kept = trial
+    for index in reversed(range(len(kept))):
+        victim, action = kept[index]
+        if action == "stop" and victim.can_park:
+            trial = [*kept[:index], (victim, "park"), *kept[index + 1 :]]
+            if _fits(ledger, owner, charge, trial):
+                kept = trial
+    return _apply(ledger, kept)[1]
 
 
-def _parked_full(snapshot: Snapshot, view: HostView) -> bool:
-    return len(snapshot.parked.get(view.name, {})) >= snapshot.tunables.max_parked
+def _fits(ledger: Ledger, owner: str, charge: Mapping[str, int], steps: Sequence[Step]) -> bool:
+    return not _apply(ledger, steps)[0].refusals(owner, charge)
+
+
+def _apply(ledger: Ledger, steps: Sequence[Step]) -> tuple[Ledger, list[Release]]:
+    releases = []
+    for victim, action in steps:
+        ledger, release = _release(ledger, victim, action)
+        releases.append(release)
+    return ledger, releases
+
+
+def _release(
+    ledger: Ledger, victim: Candidate, action: Literal["park", "stop"]
+) -> tuple[Ledger, Release]:
+    if action == "park" and not ledger.refusals(victim.owner, victim.parked_charge):
+        parked = ledger.admit(victim.owner, victim.parked_charge)
+        return parked, Release(victim.owner, "park", "switch: least recently used")
+    if action == "park":
+        why = "no room for its parked copy"
+    elif victim.can_park:
+        why = "parking it would not free enough"
+    else:
+        why = "cannot park"
+    return ledger.release(victim.owner), Release(victim.owner, "stop", f"switch: {why}")

@@ -1,6 +1,6 @@
 """Desired state: the declared deployments, and the demands that ask for them.
 
-The scheduler alone writes deployment records (through its management API and its decision
+The scheduler alone writes deployment records (through its management API and its choice
 loop); routers and the CLI read them and append demands. Observed state (instances) is
 hostd's and lives apart, under each host's prefix.
 """
@@ -27,9 +27,9 @@ from capycommon.state.streams import Group
 RETRY_COOLDOWNS_S = (0.0, 30.0, 60.0, 120.0)
 
 DEMAND_FIELD = "demand"
-# The decision stream keeps about this many of the scheduler's last decisions.
+# The choice stream keeps about this many of the scheduler's last choices.
 EVENTS_MAXLEN = 10_000
-DECISION_FIELD = "event"
+CHOICE_FIELD = "event"
 _Read = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 # Why the scheduler takes a serving or parked engine out (parks or stops it), one word each:
@@ -112,8 +112,8 @@ class Switch(_Frozen):
     victims: tuple[Victim, ...] = ()
 
 
-class Decision(_Frozen):
-    """One decision of the scheduler, in the control plane's events stream.
+class Choice(_Frozen):
+    """One choice of the scheduler, in the control plane's events stream.
 
     `evicted`: a park or stop that took a serving or parked engine out is done, with its
     `cause`. `switched`: a switch ended with its deployment ready, `duration_s` after the
@@ -153,7 +153,7 @@ class DeploymentRecord(_Frozen):
     deleting: bool = False
     # The last generation drawn; each activation draws the next.
     generation: int = 0
-    # The host that generation was placed on, by the scheduler's own decision: no other
+    # The host that generation was placed on, by the scheduler's own choice: no other
     # host's record of it is believed (`capycommon.state.ownership`). None for a record
     # written before placements were kept, until its next activation.
     host: str | None = None
@@ -188,26 +188,26 @@ class DeploymentStore:
         raws = await self.client.mget([keys.deployment(name) for name in names])
         return _records(names, raws)
 
-    async def put(self, record: DeploymentRecord, decision: str | None = None) -> DeploymentRecord:
-        """Write the record (its version bumped) and announce it; with `decision` (the JSON
-        of the scheduler's decision) append that to the decision stream too."""
-        return await self._write(record, decision, None)
+    async def put(self, record: DeploymentRecord, choice: str | None = None) -> DeploymentRecord:
+        """Write the record (its version bumped) and announce it; with `choice` (the JSON
+        of the scheduler's choice) append that to the choice stream too."""
+        return await self._write(record, choice, None)
 
     async def send(
-        self, record: DeploymentRecord, decision: str, host: str, command: HostCommand
+        self, record: DeploymentRecord, choice: str, host: str, command: HostCommand
     ) -> DeploymentRecord:
         """As `put`, and send `command` to `host`, all in one transaction: the record with its
         effect in flight never stands without the command, nor the command without it."""
-        return await self._write(record, decision, (host, command))
+        return await self._write(record, choice, (host, command))
 
-    async def decided(self, decision: str) -> None:
-        """Append a decision that changed no record to the decision stream."""
-        await self.client.xadd(keys.events(), {DECISION_FIELD: decision}, maxlen=EVENTS_MAXLEN)
+    async def chose(self, choice: str) -> None:
+        """Append a choice that changed no record to the choice stream."""
+        await self.client.xadd(keys.events(), {CHOICE_FIELD: choice}, maxlen=EVENTS_MAXLEN)
 
     async def _write(
         self,
         record: DeploymentRecord,
-        decision: str | None,
+        choice: str | None,
         command: tuple[str, HostCommand] | None,
     ) -> DeploymentRecord:
         written = record.model_copy(update={"version": record.version + 1})
@@ -223,8 +223,8 @@ class DeploymentStore:
                     maxlen=hostcommands.KEEP,
                     approximate=True,
                 )
-            if decision is not None:
-                pipe.xadd(keys.events(), {DECISION_FIELD: decision}, maxlen=EVENTS_MAXLEN)
+            if choice is not None:
+                pipe.xadd(keys.events(), {CHOICE_FIELD: choice}, maxlen=EVENTS_MAXLEN)
             pipe.publish(keys.notifications(), note.model_dump_json())
             await pipe.execute()
         return written
@@ -262,29 +262,29 @@ def _records(names: list[str], raws: Sequence[bytes | str | None]) -> dict[str, 
     return records
 
 
-async def read_decisions(
+async def read_choices(
     client: aioredis.Redis, cursor: str, count: int, block_ms: int | None = None
-) -> list[tuple[str, Decision | None]]:
-    """The decisions after `cursor` (a stream id), as (entry id, decision); the decision is
+) -> list[tuple[str, Choice | None]]:
+    """The choices after `cursor` (a stream id), as (entry id, choice); the choice is
     None where the entry is malformed."""
     streams = {keys.events(): cursor}
     read = cast(_Read, await client.xread(streams, count=count, block=block_ms))  # type: ignore[arg-type]
-    found: list[tuple[str, Decision | None]] = []
+    found: list[tuple[str, Choice | None]] = []
     for _, entries in read or []:
         for entry_id, fields in entries:
-            decision = quarantine.parse_entry(Decision, fields, DECISION_FIELD, keys.events())
-            found.append((_text(entry_id), decision))
+            choice = quarantine.parse_entry(Choice, fields, CHOICE_FIELD, keys.events())
+            found.append((_text(entry_id), choice))
     return found
 
 
-async def recent_decisions(client: aioredis.Redis, count: int) -> list[Decision]:
-    """The scheduler's last `count` decisions, newest first (malformed entries left out)."""
+async def recent_choices(client: aioredis.Redis, count: int) -> list[Choice]:
+    """The scheduler's last `count` choices, newest first (malformed entries left out)."""
     entries = cast(
         list[tuple[bytes, dict[bytes, bytes]]],
         await client.xrevrange(keys.events(), count=count),
     )
-    found = (quarantine.parse_entry(Decision, f, DECISION_FIELD, keys.events()) for _, f in entries)
-    return [decision for decision in found if decision is not None]
+    found = (quarantine.parse_entry(Choice, f, CHOICE_FIELD, keys.events()) for _, f in entries)
+    return [choice for choice in found if choice is not None]
 
 
 class Demand(_Frozen):

@@ -132,7 +132,7 @@ def engine_load(host: str) -> str:
     return f"{host_prefix(host)}:engine-load"
 
 
-# The control plane: desired state, demands and decisions (the scheduler owns these keys).
+# The control plane: desired state, demands and choices (the scheduler owns these keys).
 
 
 def deployment(name: str) -> str:
@@ -151,7 +151,7 @@ def demands() -> str:
 
 
 def events() -> str:
-    """The stream of the scheduler's decisions, each with its reason."""
+    """The stream of the scheduler's choices, each with its reason."""
     return f"{PREFIX}:events"
 
 

@@ -3,7 +3,7 @@
 A joined host writes its own prefix as it likes, so nothing it writes may decide where a
 deployment runs. The store already refuses a record whose data names another host than the
 prefix it was read from (`InstanceStore`); here a record is weighed against the scheduler's
-own decisions, kept in the deployment's record: the generation it last drew, and the host it
+own choices, kept in the deployment's record: the generation it last drew, and the host it
 placed that generation on. A record of a generation the scheduler never drew, or of the
 current generation on a host it did not place it on, is refused (logged once, counted). The
 deployment's instance is its highest believed record on the host it is placed on; every
@@ -21,7 +21,7 @@ from capycommon.state.instances import LIVE_STATES, InstanceRecord
 
 def refusal(record: InstanceRecord, deployment: DeploymentRecord) -> str | None:
     """Why `record` (read under its own host's prefix) cannot be its deployment's instance
-    by the scheduler's decisions; None when it can be, or is merely an older generation."""
+    by the scheduler's choices; None when it can be, or is merely an older generation."""
     if record.generation > deployment.generation:
         return (
             f"{record.member} of host {record.host} claims generation {record.generation}; "

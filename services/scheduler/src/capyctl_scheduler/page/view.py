@@ -1,7 +1,7 @@
 """What the status page shows, as values: each host's memory by what holds it, each
 deployment with its requests and its next idle step, the last lifecycle events, the engines.
 
-Built from one snapshot (the decision loop's own view, read anew), the hosts' readings and
+Built from one snapshot (the planning loop's own view, read anew), the hosts' readings and
 event streams, and the routers' waiting requests; the page's HTML is rendered from it
 (`render`), so the view and its figures can be tested without a browser.
 """
@@ -15,7 +15,7 @@ from typing import Literal
 
 from capycommon.management import Charge, DeploymentStatus, EngineRow, HostRow
 from capycommon.state import desired, places
-from capycommon.state.desired import Decision
+from capycommon.state.desired import Choice
 from capycommon.state.instances import LIVE_STATES, InstanceState
 from capycommon.state.memory import MemoryReading, aread_reading
 from capycommon.state.store import Event, recent_events
@@ -138,10 +138,10 @@ async def gather(manager: Manager) -> PageView:
     snap = await manager.snapshot()
     client = manager.scheduler.client
     hosts = sorted(snap.hosts)
-    readings, events, decisions, waiting, engines = await asyncio.gather(
+    readings, events, choices, waiting, engines = await asyncio.gather(
         asyncio.gather(*(aread_reading(client, h) for h in hosts)),
         asyncio.gather(*(recent_events(client, h, TIMELINE * 4) for h in hosts)),
-        desired.recent_decisions(client, TIMELINE * 4),
+        desired.recent_choices(client, TIMELINE * 4),
         places.awaiting(client),
         manager.engines(),
     )
@@ -153,7 +153,7 @@ async def gather(manager: Manager) -> PageView:
         taken_at=snap.now,
         hosts=tuple(_host(snap, row, by_host[row.name], charges, engines) for row in rows),
         deployments=tuple(_deployment(snap, d, waiting) for d in details.values()),
-        timeline=timeline([e for found in events for e in found], decisions),
+        timeline=timeline([e for found in events for e in found], choices),
     )
 
 
@@ -252,11 +252,11 @@ def _deployment(
     )
 
 
-def timeline(events: Sequence[Event], decisions: Sequence[Decision] = ()) -> tuple[Moment, ...]:
+def timeline(events: Sequence[Event], choices: Sequence[Choice] = ()) -> tuple[Moment, ...]:
     """The last lifecycle events of every host, and the scheduler's switches and refusals,
     newest first."""
     moments = [_moment(event) for event in events]
-    moments += [_decided(decision) for decision in decisions]
+    moments += [_chosen(choice) for choice in choices]
     found = [m for m in moments if m is not None]
     found.sort(key=lambda m: m.at, reverse=True)
     return tuple(found[:TIMELINE])
@@ -281,20 +281,20 @@ def _moment(event: Event) -> Moment | None:
     )
 
 
-def _decided(decision: Decision) -> Moment | None:
+def _chosen(choice: Choice) -> Moment | None:
     """A switch that ended (with how long it took), or a demand refused (a failure)."""
-    if decision.kind == "switched":
+    if choice.kind == "switched":
         what, failed = "switch", False
-    elif decision.kind == "refuse":
+    elif choice.kind == "refuse":
         what, failed = "refused", True
     else:
         return None
     return Moment(
-        at=decision.at,
-        host=decision.host or "",
-        deployment=decision.deployment,
+        at=choice.at,
+        host=choice.host or "",
+        deployment=choice.deployment,
         what=what,
-        reason=decision.reason,
-        duration_s=decision.duration_s,
+        reason=choice.reason,
+        duration_s=choice.duration_s,
         failed=failed,
     )

@@ -8,7 +8,7 @@ import pytest
 
 from capycommon.errors import InsufficientResources
 from capyctl_scheduler.ledger import GiB, Ledger, derive_domains
-from capyctl_scheduler.switching import Candidate, Release, choose_victims
+from capyctl_scheduler.victims import Candidate, Release, choose_victims
 from unit.readings import idle_reading
 
 NEEDS = {"gpu0": 14 * GiB, "system": 4 * GiB}
