@@ -30,7 +30,6 @@ import os
 import time
 import uuid
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,13 +37,12 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from enginesim import decisions
+from enginesim import decisions, sglang_metrics
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour, version_tuple
 from enginesim.engine import Engine, Token, Work
 from enginesim.kvconnector import CachingFrontend, KvConnector
 from enginesim.memory import Regions
-from enginesim.metrics import Exposition
 from enginesim.openai_chat import (
     ChatRequest,
     CompletionRequest,
@@ -295,7 +293,7 @@ class SglangFrontend(CachingFrontend):
 
     async def load(self, request: Request) -> Response:
         if request.url.path == "/v1/loads" and version_tuple(self.version) >= (0, 5, 20):
-            return JSONResponse(self._loads())
+            return JSONResponse(sglang_metrics.loads(self.engine, self.args, self.version))
         load = {
             "dp_rank": 0,
             "num_reqs": len(self.engine.running),
@@ -303,31 +301,6 @@ class SglangFrontend(CachingFrontend):
             "num_tokens": 0,
         }
         return JSONResponse([load])
-
-    def _loads(self) -> dict[str, Any]:
-        engine = self.engine
-        used = sum(w.prompt_tokens + w.completion_tokens for w in engine.running.values())
-        load = {
-            "dp_rank": 0,
-            "num_running_reqs": len(engine.running),
-            "num_waiting_reqs": len(engine.waiting),
-            "num_waiting_uncached_tokens": 0,
-            "num_used_tokens": used,
-            "num_total_tokens": used,
-            "max_total_num_tokens": 0,
-            "max_running_requests": self.args.max_running_requests,
-            "token_usage": 0.0,
-            "gen_throughput": 0.0,
-            "cache_hit_rate": 0.0,
-            "utilization": 0.0,
-        }
-        return {
-            "timestamp": datetime.now(UTC).isoformat(),
-            "version": self.version,
-            "accelerator": None,
-            "num_accelerators": 1,
-            "loads": [load],
-        }
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
@@ -356,36 +329,8 @@ class SglangFrontend(CachingFrontend):
         }
 
     async def metrics(self, request: Request) -> Response:
-        labels = {"model_name": self.args.served_model_name}
-        engine, stats = self.engine, self.engine.stats
-        out = Exposition()
-        gauges = {
-            "num_running_reqs": len(engine.running),
-            "num_queue_reqs": len(engine.waiting),
-            "num_used_tokens": sum(
-                w.prompt_tokens + w.completion_tokens for w in engine.running.values()
-            ),
-            "token_usage": 0.0,
-            "gen_throughput": 0.0,
-            "cache_hit_rate": 0.0,
-        }
-        for name, value in gauges.items():
-            out.gauge(f"sglang:{name}", name.replace("_", " ") + ".", [(labels, value)])
-        counters = {
-            "prompt_tokens": stats.prompt_tokens,
-            "generation_tokens": stats.generation_tokens,
-            "num_requests": stats.requests,
-            "num_aborted_requests": self.aborts_counted,
-        }
-        for name, value in counters.items():
-            out.counter(f"sglang:{name}", name.replace("_", " ") + ".", [(labels, value)])
-        out.histogram(
-            "sglang:time_to_first_token_seconds", "Time to first token.", labels, stats.ttft
-        )
-        out.histogram(
-            "sglang:e2e_request_latency_seconds", "End-to-end latency.", labels, stats.e2e
-        )
-        return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
+        text = sglang_metrics.exposition(self.engine, self.args, self.aborts_counted)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # Control ----------------------------------------------------------------------------
 

@@ -33,13 +33,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from enginesim import decisions
+from enginesim import decisions, vllm_metrics
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour, version_tuple
 from enginesim.engine import Engine, Work
 from enginesim.kvconnector import CachingFrontend, KvConnector
 from enginesim.memory import Regions
-from enginesim.metrics import Exposition
 from enginesim.openai_chat import (
     ChatRequest,
     CompletionRequest,
@@ -307,82 +306,8 @@ class VllmFrontend(CachingFrontend):
         )
 
     async def metrics(self, request: Request) -> Response:
-        return PlainTextResponse(self.exposition(), media_type="text/plain; version=0.0.4")
-
-    def exposition(self) -> str:
-        labels = {"model_name": self.args.served_names[0], "engine": "0"}
-        engine, stats = self.engine, self.engine.stats
-        out = Exposition()
-        out.gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            [(labels, len(engine.running))],
-        )
-        out.gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            [(labels, len(engine.waiting))],
-        )
-        usage = min(1.0, len(engine.running) / max(1, self.args.max_num_seqs))
-        out.gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            [(labels, usage)],
-        )
-        if self.v < (0, 12):
-            out.gauge(
-                "vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated).", [(labels, usage)]
-            )
-        if self.v >= (0, 11, 1):
-            states = {
-                "awake": self.sleep_level is None,
-                "weights_offloaded": self.sleep_level == 1,
-                "discard_all": self.sleep_level == 2,
-            }
-            samples = [({**labels, "sleep_state": k}, float(v)) for k, v in states.items()]
-            out.gauge(
-                "vllm:engine_sleep_state", "Engine sleep state; 1 marks the current one.", samples
-            )
-        self._counters(out, labels)
-        out.histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time to first token in seconds.",
-            labels,
-            stats.ttft,
-        )
-        out.histogram(
-            "vllm:e2e_request_latency_seconds", "End to end request latency.", labels, stats.e2e
-        )
-        out.histogram(
-            "vllm:request_queue_time_seconds",
-            "Time spent in WAITING phase.",
-            labels,
-            stats.queue_time,
-        )
-        return out.text()
-
-    def _counters(self, out: Exposition, labels: dict[str, str]) -> None:
-        stats = self.engine.stats
-        out.counter(
-            "vllm:prompt_tokens",
-            "Number of prefill tokens processed.",
-            [(labels, stats.prompt_tokens)],
-        )
-        out.counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            [(labels, stats.generation_tokens)],
-        )
-        finished = {
-            "stop": stats.finished["stop"] + stats.finished["tool_calls"],
-            "length": stats.finished["length"],
-            "abort": stats.finished["abort"],
-            "error": stats.finished["error"],
-        }
-        samples = [({**labels, "finished_reason": k}, float(v)) for k, v in finished.items()]
-        out.counter("vllm:request_success", "Count of successfully processed requests.", samples)
-        for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
-            out.counter(f"vllm:{name}", name.replace("_", " ").capitalize() + ".", [(labels, 0)])
+        text = vllm_metrics.exposition(self.engine, self.args, self.v, self.sleep_level)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # Dev-mode routes (VLLM_SERVER_DEV_MODE=1) ---------------------------------------------
 
