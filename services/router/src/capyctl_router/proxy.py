@@ -96,10 +96,7 @@ class Undelivered(Exception):
     """The ingress never took the request: it may be admitted again."""
 
 
-class NoAnswerInTime(Exception):
-    """The engine gave no answer within the request's deadline, or its stream went idle past
-    the idle bound: the router cuts the request, `why` saying which."""
-
+class NoAnswerInTime(Exception):  # within the deadline, or the stream's idle bound (`why`)
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
