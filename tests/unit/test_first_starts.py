@@ -11,7 +11,13 @@ import pytest
 
 from capycommon.engines.families import Family
 from capycommon.state.instances import InstanceState
-from capyctl_scheduler.engineterms import CUDA_CONTEXT, EngineTerms, terms_of, told_fraction
+from capyctl_scheduler.engineterms import (
+    CUDA_CONTEXT,
+    EngineTerms,
+    terms_of,
+    told_fraction,
+    told_share,
+)
 from capyctl_scheduler.ledger import Footprint, derive_domains
 from capyctl_scheduler.policy import plan
 from capyctl_scheduler.sizing import engine_footprints
@@ -64,8 +70,10 @@ class Row:
 
 
 # The simulator's peaks follow its memory plans (`enginesim.vllm.plan_memory`,
-# `enginesim.sglang.plan_memory`, `enginesim.llamacpp`): vLLM and SGLang hold the share of
-# the card they are told (vLLM with --kv-cache-memory-bytes: weights and that KV cache);
+# `enginesim.sglang.plan_memory`, `enginesim.llamacpp`): vLLM holds the share of the card it
+# is told (with --kv-cache-memory-bytes: weights and that KV cache), SGLang the share of the
+# memory free as it starts (the whole card here) that it is told, of that card less its CUDA
+# context;
 # `peaky` holds 6 GiB more while it loads (`tests/cluster.py`); llama-server the GGUF, 128 KiB
 # of KV cache per token of context and 8 MiB of compute buffers. On the H200 the simulator
 # ran as vLLM with real CUDA memory, each model's weights and KV cache: the card never held
@@ -73,6 +81,8 @@ class Row:
 # 120.5 GiB = 50 GiB x 2.25 + 8 GiB, so 50 GiB of weights and 2 GiB of KV cache each.
 SIX = 6 * GiB
 SIX_TOLD = told(SIX * 11 // 10 + 4 * GiB, CARD) / GiB  # 45% of the card: 10.8 GiB
+# 46% of the 23.4 GiB free once its context exists, which the simulator takes of all 24 GiB
+SIX_TOLD_SGLANG = told_share(Family.SGLANG, SIX * 11 // 10 + 4 * GiB, CARD, CARD) * CARD / GiB
 SMALL = {"engine_config": {"memory": {"request": "4GiB"}}}
 SMALL_TOLD = told(4 * GiB, CARD) / GiB  # 17%
 BIG_REQUEST = {"engine_config": {"memory": {"request": "20GiB", "kv_cache": "2GiB"}}}
@@ -84,11 +94,11 @@ ROWS = [
     Row("sim vLLM, six, 2 GiB KV", Family.VLLM, SIX, CARD, kv("2GiB"), 12.74, 8.0, False),
     # vLLM refuses to start unless the share it is told is free, KV cache given or not.
     Row("sim vLLM, six, 2 GiB KV of 20", Family.VLLM, SIX, CARD, BIG_REQUEST, 21.9, 8.0, False),
-    Row("sim SGLang, six", Family.SGLANG, SIX, CARD, {}, 15.07, SIX_TOLD, False),
+    Row("sim SGLang, six", Family.SGLANG, SIX, CARD, {}, 15.11, SIX_TOLD_SGLANG, False),
     Row("sim llama.cpp, gguf", Family.LLAMACPP, GiB, CARD, {}, 6.35, GGUF, True),
     Row("H200 vLLM, 50 + 2 GiB KV", Family.VLLM, 50 * GiB, H200, kv("2GiB"), 65.74, 53.0, True),
     Row("H200 vLLM, 52", Family.VLLM, 52 * GiB, H200, {}, 62.52, None, True),
-    Row("H200 SGLang, 52", Family.SGLANG, 52 * GiB, H200, {}, 75.5, None, False),
+    Row("H200 SGLang, 52", Family.SGLANG, 52 * GiB, H200, {}, 76.33, None, False),
 ]
 
 

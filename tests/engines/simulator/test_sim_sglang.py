@@ -354,13 +354,29 @@ def test_refusals_at_start(
     ]
     bogus = launcher.run(argv, closed_env(None, tmp_path))
     assert (bogus.returncode, "unrecognized arguments: --bogus" in bogus.stderr) == (2, True)
-    gpu.occupy(20 * GIB)
+    # 0.88 of the 2 GiB left free is less than the 2 GiB of weights: no room for a KV cache.
+    gpu.occupy(22 * GIB)
     full = launcher.start(python_argv("sglang", venv, model_dir), env_for(venv, tmp_path, gpu))
     assert full.wait_exit() != 0
     assert (
         "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
         in full.output()
     )
+
+
+def test_its_static_memory_is_a_share_of_what_is_free_when_it_starts(
+    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+) -> None:
+    # As SGLang's profile_max_num_token: --mem-fraction-static of the memory free at its
+    # start (12 GiB of the 24 here), not of the card, holds its weights and KV cache.
+    venv = installs.python("sglang", VERSION)
+    write_behaviour(venv, FAST)
+    gpu.occupy(12 * GIB)
+    argv = python_argv("sglang", venv, model_dir, "--mem-fraction-static", "0.5")
+    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
+    engine.wait_status(200)
+    wait_claim(gpu, engine.proc.pid, (6 * GIB, 0))
+    assert engine.stop() == 0
 
 
 def test_v1_loads_takes_its_own_shape_from_0_5_20(engines: Engines, served: Engine) -> None:

@@ -2,10 +2,13 @@
 
 Start-up as SGLang does it: no socket while the weights load (clients are refused), then
 uvicorn listens while a warm-up runs (`/health` 503), then `The server is fired up and ready
-to roll!`. Memory: the budget is --mem-fraction-static x the device's total; the weights are
-the model folder's weight files; CUDA graphs take min(256 MiB, a quarter of the rest); the
-KV cache takes what remains. With --tokenizer-worker-num > 1 the process creates
-/dev/shm/multi_tokenizer_args_<pid>, unlinked on a clean exit and left behind on SIGKILL.
+to roll!`. Memory: the budget is --mem-fraction-static x the memory free on the device when
+it starts, as SGLang's `profile_max_num_token` sizes its static part (weights and KV cache)
+against `get_available_gpu_memory` read before the weights load; the weights are the model
+folder's weight files; CUDA graphs take min(256 MiB, a quarter of the rest); the KV cache
+takes what remains, and none left is SGLang's "Not enough memory". With
+--tokenizer-worker-num > 1 the process creates /dev/shm/multi_tokenizer_args_<pid>, unlinked
+on a clean exit and left behind on SIGKILL.
 
 With --enable-metrics the server makes Prometheus' multiprocess folder as SGLang does: a
 TemporaryDirectory inside the folder PROMETHEUS_MULTIPROC_DIR names (which its children keep
@@ -244,9 +247,9 @@ def plan_memory(
     weights = weight_bytes(Path(args.model_path))
     if device is None:
         return Regions.of(holder, {"weights": weights, "kv_cache": 0, "cuda_graph": 0}, behaviour)
-    budget = int(args.mem_fraction_static * device.total)
+    budget = int(args.mem_fraction_static * device.free_bytes(exclude={os.getpid()}))
     rest = budget - weights
-    if rest <= 0 or device.free_bytes(exclude={os.getpid()}) < budget:
+    if rest <= 0:
         process.die(
             "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
         )

@@ -58,6 +58,9 @@ class Action:
     cause: EvictionCause | None = None
     # wait: the victims a switch to this deployment releases now.
     victims: tuple[Victim, ...] = ()
+    # start: what the plan's ledger leaves free on the GPU's domain as the engine starts: its
+    # capacity less what the ledger charges every other owner there.
+    device_free: int | None = None
 
 
 def can_park(snapshot: Snapshot, instance: InstanceRecord) -> bool:

@@ -54,14 +54,17 @@ def wake(
 
 
 def start(snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledger]) -> list[Action]:
-    """Start the next generation where placement puts it, charged its startup peak."""
+    """Start the next generation where placement puts it, charged its startup peak; the start
+    carries what the ledger leaves free on that GPU as it starts (what SGLang is told its
+    share of)."""
     name = record.name
     placed = placement.best(snapshot, record, ledgers)
     if placed is None:
         return [placement.none_fits(snapshot, record)]
     host, gpu = placed
     view = snapshot.hosts[host]
-    starting = snapshot.starting.get((host, view.domain_of(gpu)))
+    domain = view.domain_of(gpu)
+    starting = snapshot.starting.get((host, domain))
     if starting:
         return [Action("wait", name, f"starts are one at a time on {gpu}: {starting} is starting")]
     charge = snapshot.bindings[name][host].footprints[gpu].charge("starting")
@@ -73,5 +76,11 @@ def start(snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledge
     except InsufficientResources:
         return switch(snapshot, record, view, gpu, charge, ledger, "start")
     # One start at a time per GPU holds within one plan too: a later deployment waits.
-    snapshot.starting[(host, view.domain_of(gpu))] = name
-    return [Action("start", name, "demanded", host=host, gpu=gpu, generation=record.generation + 1)]
+    snapshot.starting[(host, domain)] = name
+    free = ledger.domains[domain].capacity - ledger.total(domain, without=name)
+    generation = record.generation + 1
+    return [
+        Action(
+            "start", name, "demanded", host=host, gpu=gpu, generation=generation, device_free=free
+        )
+    ]

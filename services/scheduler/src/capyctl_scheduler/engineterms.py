@@ -2,14 +2,16 @@
 engines' own terms, for a first start whose peak nobody declared or measured yet.
 
 Each engine is told a budget B (`Footprint.engine_budget`: the declared request, or weights x
-1.10 + KV cache) as a share of its card: vLLM's --gpu-memory-utilization, SGLang's
---mem-fraction-static. What it holds beyond B is fixed by its own code, read there:
+1.10 + KV cache) as a share, rounded up to a hundredth (`told_share`): vLLM's
+--gpu-memory-utilization is a share of the whole card, SGLang's --mem-fraction-static a share
+of the memory free when it starts. What it holds beyond B is fixed by its own code, read there:
 
 vLLM (`vllm/v1/worker/gpu_worker.py`: `Worker.init_device`, `determine_available_memory`,
 `compile_or_warm_up_model`; `vllm/utils/mem_utils.py`: `memory_profiling`,
 `MemoryProfilingResult`; `vllm/config/vllm.py`: `_set_cudagraph_sizes`)
-- It refuses to start unless B is free, and snapshots the device only once its CUDA context
-  exists: the context sits outside B.
+- It asks for the told share of the card's total (`vllm/v1/worker/utils.py`: `request_memory`,
+  total_memory x gpu_memory_utilization) and refuses to start unless that much is free; it
+  snapshots the device only once its CUDA context exists: the context sits outside B.
 - Its profile run (one batch of max_num_batched_tokens) measures the weights, the activation
   peak and the memory outside torch; the KV cache is what remains of B. All of it is in B.
 - From 0.21 (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS on, its default) the CUDA graphs are
@@ -23,10 +25,15 @@ vLLM (`vllm/v1/worker/gpu_worker.py`: `Worker.init_device`, `determine_available
   the memory consumption" (`redundancy_buffer_memory`).
 
 SGLang (`python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py`:
-`profile_max_num_token`, `init_memory_pool`; `python/sglang/srt/server_args.py`:
-`ServerArgs._handle_gpu_memory_settings`)
-- Its static part, weights and KV cache, is the fraction of the memory free when it starts: at
-  most B. Activations and CUDA graphs run outside it.
+`profile_max_num_token`, `init_memory_pool`; `model_runner.py`: `init_torch_distributed`;
+`python/sglang/srt/server_args.py`: `ServerArgs._handle_gpu_memory_settings`)
+- Its static part, weights and KV cache, is the fraction of the memory free when it starts:
+  `init_torch_distributed` reads `get_available_gpu_memory` (torch's free memory) once its
+  CUDA context exists, before the weights load, and `profile_max_num_token` gives the KV cache
+  what is left of fraction x that free memory ("Not enough memory" when nothing is). So it is
+  told B as a share of what the ledger leaves free on its GPU as it starts, less its context:
+  it holds B, and at most a hundredth of that free memory (so of the card) more for the
+  rounding. Activations and CUDA graphs run outside it.
 - Where it picks the fraction itself it sizes what runs outside as 1.5 MiB per token of one
   chunked prefill (at least 2048 tokens), 2 MiB per sequence of its largest captured graph
   (cuda_graph_max_bs), 512 MiB of constant metadata and 1/8 GiB per GPU of the model; on a
@@ -94,13 +101,17 @@ class EngineTerms:
 
     def startup_peak(self, weights: int, kv_cache: int, budget: int, capacity: int) -> int:
         """The device bytes the engine reaches by the end of its start on a card of
-        `capacity`: the CUDA context, the budget it is told (its share of the card, rounded up
-        as `told_fraction` rounds it), or with a fixed KV cache weights + activations + that
-        KV cache when more, what it keeps beside the budget, and its margin. llama.cpp:
-        nothing beyond its ready charge."""
+        `capacity`: the CUDA context, the budget it is told (vLLM: its share of the card,
+        rounded up as `told_fraction` rounds it; SGLang: its share of the memory free at its
+        start, at most a hundredth of the card above the budget), or with a fixed KV cache
+        weights + activations + that KV cache when more, what it keeps beside the budget, and
+        its margin. llama.cpp: nothing beyond its ready charge."""
         if self.family == Family.LLAMACPP:
             return 0
-        static = int(told_fraction(budget, capacity) * capacity)
+        if self.family == Family.SGLANG:
+            static = budget + capacity // 100
+        else:
+            static = int(told_fraction(budget, capacity) * capacity)
         if self.kv_fixed:
             static = max(static, weights + kv_cache + self.activations)
         beside = 0 if self.activations_inside or self.kv_fixed else self.activations
@@ -117,10 +128,21 @@ class EngineTerms:
         return CUDA_CONTEXT + self.parked_keeps
 
 
-def told_fraction(budget: int, capacity: int) -> float:
-    """The share of the card a vLLM or SGLang engine is told it may take for `budget`:
-    rounded up to a hundredth, at most 0.95."""
-    return min(0.95, -(-budget * 100 // capacity) / 100)
+def told_fraction(budget: int, whole: int) -> float:
+    """The share of `whole` an engine is told it may take for `budget`: rounded up to a
+    hundredth, at most 0.95."""
+    return min(0.95, -(-budget * 100 // whole) / 100)
+
+
+def told_share(family: Family, budget: int, capacity: int, free: int) -> float:
+    """The fraction a launch tells its engine for `budget` on a card of `capacity` bytes, of
+    which `free` is expected free as it starts (the card less what the ledger charges the
+    others there, and its own LMCache server): vLLM's --gpu-memory-utilization is a share of
+    the whole card; SGLang's --mem-fraction-static a share of what is free once its CUDA
+    context exists."""
+    if family == Family.SGLANG:
+        return told_fraction(budget, max(free - CUDA_CONTEXT, budget, 1))
+    return told_fraction(budget, capacity)
 
 
 def terms_of(resolved: Resolved, capacity: int) -> EngineTerms:

@@ -1,6 +1,7 @@
 """The Launch command a start sends hostd: the engine profile and model the deployment resolved
 to on the host, the GPU placement chose, the engine's settings, and the share of memory the
-engine is told it may take for the budget the ledger charged it."""
+engine is told it may take for the budget the ledger charged it: of the whole card for vLLM,
+of what the ledger leaves free on the GPU as it starts for SGLang (`engineterms.told_share`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from capycommon.deployments import Resolved
 from capycommon.state import hostcommands as hc
 from capycommon.state.desired import DeploymentRecord
 from capyctl_scheduler.actions import Action
-from capyctl_scheduler.engineterms import told_fraction
+from capyctl_scheduler.engineterms import told_share
 from capyctl_scheduler.ledger import Footprint
 from capyctl_scheduler.snapshot import Snapshot
 
@@ -22,6 +23,9 @@ def launch_command(snapshot: Snapshot, record: DeploymentRecord, action: Action)
     assert resolved is not None
     config = record.document.engine_config
     total = view.domains[view.domain_of(action.gpu)].capacity
+    fraction = told_share(
+        resolved.profile.family, footprint.engine_budget, total, _free(action, footprint, total)
+    )
     return hc.Launch(
         deployment=record.name,
         generation=action.generation,
@@ -31,7 +35,7 @@ def launch_command(snapshot: Snapshot, record: DeploymentRecord, action: Action)
         served_name=record.document.routes[0],
         residency=resolved.residency.value,
         gpu_uuid=view.gpus[action.gpu],
-        memory_fraction=told_fraction(footprint.engine_budget, total),
+        memory_fraction=fraction,
         kv_cache_bytes=footprint.kv_cache if config.memory.kv_cache else None,
         context_length=config.context_length,
         max_concurrent_requests=config.max_concurrent_requests,
@@ -46,6 +50,16 @@ def launch_command(snapshot: Snapshot, record: DeploymentRecord, action: Action)
         cache=_cache_launch(resolved, footprint),
         api=record.document.api,
     )
+
+
+def _free(action: Action, footprint: Footprint, total: int) -> int:
+    """The device bytes expected free for the engine as it starts: what the plan's ledger left
+    free on its GPU (the whole card for a start planned without it), less the CUDA context of
+    its LMCache server, which starts first."""
+    free = total if action.device_free is None else action.device_free
+    if footprint.cache_bytes is not None:
+        free -= footprint.cache_bytes[1]
+    return free
 
 
 def _cache_launch(resolved: Resolved, footprint: Footprint) -> hc.CacheLaunch | None:
