@@ -302,7 +302,8 @@ def test_release_while_busy_kills_the_scheduler(engines: Engines) -> None:
 
 
 def test_hang_ups_abort_after_sglang_lag(engines: Engines) -> None:
-    lag = DisconnectLag(non_stream=0.6, stream=0.4)
+    # Lags long enough that the first reading lands within them on a loaded machine.
+    lag = DisconnectLag(non_stream=3.0, stream=3.0)
     lagging = SLOW.model_copy(update={"faults": Faults(disconnect_abort_lag=lag)})
     engine = start(engines, lagging, "--enable-metrics", "--skip-server-warmup")
     running = "sglang:num_running_reqs"
@@ -311,11 +312,12 @@ def test_hang_ups_abort_after_sglang_lag(engines: Engines) -> None:
         lines = streamed.iter_lines()
         next(line for line in lines if "content" in line)
     assert engine.metric(running) == 1  # still running: SGLang notices late
-    wait_for(lambda: engine.metric(running) == 0, 5, "the stream's late abort")
+    wait_for(lambda: engine.metric(running) == 0, 15, "the stream's late abort")
     sock = send_and_hang_up(engine.port, "/v1/chat/completions", {"messages": HELLO}, None)
-    wait_for(lambda: engine.metric(running) == 1, 5, "the request to run")
+    wait_for(lambda: engine.metric(running) == 1, 15, "the request to run")
     sock.close()
-    wait_for(lambda: engine.metric(running) == 0, 5, "the request's late abort")
+    assert engine.metric(running) == 1  # still running: SGLang notices late
+    wait_for(lambda: engine.metric(running) == 0, 15, "the request's late abort")
     assert engine.metric("sglang:num_aborted_requests_total") == 2
 
 
