@@ -20,7 +20,10 @@ from enginesim.install import install_python_engine
 from support import Role, capyctl, clean_env, short_dir, start_role, wait_for
 
 GiB = 1 << 30
-BUDGET = 6 * GiB  # 0.25 of 24 GiB
+# What each engine takes for a 6 GiB request on a 24 GiB card. vLLM is told 0.25 of the card;
+# SGLang 0.26 of what is free once its CUDA context exists (6 GiB of 23.4, rounded up to a
+# hundredth), and the simulator, which has no context, takes 0.26 of the 24 GiB free.
+BUDGETS = {"vllm": 6 * GiB, "sglang": int(0.26 * 24 * GiB)}
 
 
 def _state(client: redis.Redis, name: str, wanted: str) -> InstanceRecord | None:
@@ -37,12 +40,13 @@ def _used(client: redis.Redis, after: float) -> int | None:
     return reading.gpus[0].used_bytes
 
 
-def _cycle(role: Role, client: redis.Redis, name: str) -> None:
+def _cycle(role: Role, client: redis.Redis, family: str) -> None:
     """Start, park, wake and stop one deployment, watching memwatch's readings."""
+    name, budget = f"demo-{family}", BUDGETS[family]
     assert role.capyctl("start", "deployment", name, "--wait").returncode == 0
     ready = _state(client, name, "ready")
     assert ready is not None
-    wait_for(lambda: _used(client, time.time() - 0.5) == BUDGET, timeout=10, what="the budget")
+    wait_for(lambda: _used(client, time.time() - 0.5) == budget, timeout=10, what="the budget")
 
     parked_at = time.time()
     assert role.capyctl("park", "deployment", name, "--wait").returncode == 0
@@ -54,7 +58,7 @@ def _cycle(role: Role, client: redis.Redis, name: str) -> None:
 
     woke_at = time.time()
     assert role.capyctl("start", "deployment", name, "--wait").returncode == 0
-    wait_for(lambda: _used(client, woke_at) == BUDGET, timeout=10, what="memory back")
+    wait_for(lambda: _used(client, woke_at) == budget, timeout=10, what="memory back")
 
     stopped_at = time.time()
     assert role.capyctl("stop", "deployment", name, "--wait").returncode == 0
@@ -69,7 +73,7 @@ def _cycle(role: Role, client: redis.Redis, name: str) -> None:
     )
     assert peak.provenance == "measured"
     # Sampled every 500 ms while starting: at least the weights, at most the budget.
-    assert 2 * GiB <= peak.device_bytes <= BUDGET
+    assert 2 * GiB <= peak.device_bytes <= budget
     assert peak.samples >= 1
 
 
@@ -99,7 +103,7 @@ def test_park_and_wake_as_memwatch_sees_them(tmp_path: Path) -> None:
                 role.capyctl("deploy", "model", "--file", str(root / f"{family}.yaml")).returncode
                 == 0
             )
-            _cycle(role, client, f"demo-{family}")
+            _cycle(role, client, family)
     finally:
         client.close()
         role.stop()

@@ -234,7 +234,12 @@ def test_park_frees_the_device_and_wake_restores_it(
     write_behaviour(
         target.install, Behaviour(load_seconds=0.3, warmup_seconds=0.2, tokens_per_second=200)
     )
-    running = _start(target, tmp_path, residency=residency)
+    # A device of its own: the module's engine holds half of the shared one, and SGLang's
+    # budget is a fraction of the memory free when it starts.
+    folder = tmp_path / "simgpu"
+    make_devices(folder, "gpu0:24GiB")
+    alone = Target(target.name, target.family, target.install, target.model, folder)
+    running = _start(alone, tmp_path, residency=residency)
     try:
         budget = int(0.5 * 24 * GiB)
         wait_for(lambda: running.device_bytes()[0] == budget, timeout=5, what="the full budget")
