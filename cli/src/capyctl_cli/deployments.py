@@ -28,7 +28,7 @@ from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.units import format_duration, format_size
 from capyctl_cli import output
 from capyctl_cli.management import Management, wait_for
-from capyctl_cli.options import JsonOpt, StateDirOpt, command_group, expected_errors
+from capyctl_cli.options import HostArg, JsonOpt, StateDirOpt, command_group, expected_errors
 
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait until it is done.")]
 TimeoutOpt = Annotated[
@@ -404,7 +404,7 @@ def drain_standalone(state_dir: StateDirOpt = None, as_json: JsonOpt = False) ->
 @drain_app.command("host")
 @expected_errors
 def drain_host(
-    host: Annotated[str, typer.Argument(help="The host's name.", show_default=False)],
+    host: HostArg,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -415,7 +415,7 @@ def drain_host(
 @undrain_app.command("host")
 @expected_errors
 def undrain_host(
-    host: Annotated[str, typer.Argument(help="The host's name.", show_default=False)],
+    host: HostArg,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:

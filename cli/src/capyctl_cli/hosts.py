@@ -41,7 +41,7 @@ from capycommon.units import format_size
 from capycommon.version import __version__
 from capyctl_cli import output
 from capyctl_cli.management import Management
-from capyctl_cli.options import JsonOpt, StateDirOpt, command_group, expected_errors
+from capyctl_cli.options import HostArg, JsonOpt, StateDirOpt, command_group, expected_errors
 from capyctl_cli.rolelock import lock_is_held
 
 invite_app = command_group("Invite a host to join this server.")
@@ -50,8 +50,6 @@ revoke_app = command_group("Revoke a joined host.")
 status_app = typer.Typer()  # `capyctl status host`
 
 JOIN_TIMEOUT_S = 30.0
-
-HostArg = Annotated[str, typer.Argument(help="The host's name.", show_default=False)]
 
 
 def _paths(state_dir: str | None) -> StatePaths:

@@ -23,6 +23,7 @@ ConfigOpt = Annotated[
     str | None, typer.Option("--config", help="Role document (CAPYCTL_CONFIG).", show_default=False)
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+HostArg = Annotated[str, typer.Argument(help="The host's name.", show_default=False)]
 # One option of `capyctl` itself (capyctl --debug <command> ...), read by `expected_errors`.
 DebugOpt = Annotated[
     bool,
