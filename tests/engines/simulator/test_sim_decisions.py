@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,8 @@ from engines.simulator.helpers import (
     FAST,
     HELLO,
     Engine,
+    Engines,
     Installs,
-    Launcher,
-    SimGpu,
     closed_env,
     env_for,
     make_simgpu,
@@ -107,36 +107,18 @@ def llama_argv(executable: Path, model: Path, *extra: str) -> list[str]:
     return [str(executable), "-m", str(model), "--port", "{port}", *extra]
 
 
-def start_sglang(
-    installs: Installs,
-    launcher: Launcher,
-    gpu: SimGpu,
-    home: Path,
-    model: Path,
-    behaviour: Behaviour,
-    *extra: str,
-) -> Engine:
+def start_sglang(engines: Engines, model: Path, behaviour: Behaviour, *extra: str) -> Engine:
     """SGLang from `model` (it may still be loading)."""
-    venv = installs.python("sglang", SGLANG)
-    write_behaviour(venv, behaviour)
-    return launcher.start(sglang_argv(venv, model, *extra), env_for(venv, home, gpu))
+    with_model = replace(engines, model=model)
+    return with_model.start("sglang", SGLANG, behaviour, "--skip-server-warmup", *extra)
 
 
-def start_llama(
-    installs: Installs,
-    launcher: Launcher,
-    gpu: SimGpu,
-    home: Path,
-    model: Path,
-    behaviour: Behaviour,
-    *extra: str,
-) -> Engine:
+def start_llama(engines: Engines, model: Path, behaviour: Behaviour, *extra: str) -> Engine:
     """llama-server serving `model`."""
-    executable = installs.llama(LLAMA)
+    executable = engines.installs.llama(LLAMA)
     write_behaviour(executable, behaviour)
-    engine = launcher.start(
-        llama_argv(executable, model, *extra), closed_env(None, home, **gpu.env())
-    )
+    env = closed_env(None, engines.home, **engines.gpu.env())
+    engine = engines.launcher.start(llama_argv(executable, model, *extra), env)
     engine.wait_status(200)
     return engine
 
@@ -255,11 +237,9 @@ def test_sglang_bad_input_is_a_422_detail_list(
         assert detail[0]["loc"][: len(where)] == where
 
 
-def test_sglang_reads_labels_of_a_chat_model(
-    installs: Installs, launcher: Launcher, gpu: SimGpu, tmp_path: Path
-) -> None:
+def test_sglang_reads_labels_of_a_chat_model(engines: Engines, tmp_path: Path) -> None:
     model = decision_folder(tmp_path / "chat", head="none")
-    engine = start_sglang(installs, launcher, gpu, tmp_path, model, FAST)
+    engine = start_sglang(engines, model, FAST)
     engine.wait_status(200)
     answered = decide(engine, ask(str(model), **QUESTIONS))
     assert answered.status_code == 200, answered.text
@@ -269,11 +249,11 @@ def test_sglang_reads_labels_of_a_chat_model(
 
 
 def test_sglang_refuses_setups_a_checkpoint_cannot_answer_under(
-    installs: Installs, launcher: Launcher, gpu: SimGpu, tmp_path: Path
+    engines: Engines, tmp_path: Path
 ) -> None:
     model = decision_folder(tmp_path / "clef", head="joint_head")
     flags = ("--speculative-algorithm", "EAGLE", "--chat-template", "t.jinja")
-    engine = start_sglang(installs, launcher, gpu, tmp_path, model, FAST, *flags)
+    engine = start_sglang(engines, model, FAST, *flags)
     engine.wait_status(200)
     refused = decide(engine, ask(str(model), **QUESTIONS))
     assert refused.status_code == 400
@@ -283,25 +263,23 @@ def test_sglang_refuses_setups_a_checkpoint_cannot_answer_under(
 
 
 def test_sglang_decision_checkpoint_with_lmcache_and_no_radix_cache_fails_at_start(
-    installs: Installs, launcher: Launcher, gpu: SimGpu, tmp_path: Path
+    engines: Engines, tmp_path: Path
 ) -> None:
     model = decision_folder(tmp_path / "decider")
     flags = ("--enable-lmcache", "--disable-radix-cache")
-    engine = start_sglang(installs, launcher, gpu, tmp_path, model, FAST, *flags)
+    engine = start_sglang(engines, model, FAST, *flags)
     assert engine.wait_exit() == 1
     assert "--enable-lmcache cannot be used with --disable-radix-cache" in engine.output()
-    allowed = start_sglang(installs, launcher, gpu, tmp_path, model, FAST, "--disable-radix-cache")
+    allowed = start_sglang(engines, model, FAST, "--disable-radix-cache")
     allowed.wait_status(200)
 
 
 @pytest.fixture
-def slow_decider(
-    installs: Installs, launcher: Launcher, gpu: SimGpu, tmp_path: Path
-) -> tuple[Engine, str]:
+def slow_decider(engines: Engines, tmp_path: Path) -> tuple[Engine, str]:
     """SGLang whose decisions take 1.5 s each, with metrics and a memory saver."""
     model = decision_folder(tmp_path / "decider")
     extra = ("--enable-metrics", "--enable-memory-saver")
-    engine = start_sglang(installs, launcher, gpu, tmp_path, model, SLOW_DECISIONS, *extra)
+    engine = start_sglang(engines, model, SLOW_DECISIONS, *extra)
     engine.wait_status(200)
     return engine, str(model)
 
@@ -386,11 +364,9 @@ def test_llamacpp_lists_decisions_and_still_chats(judge: Engine) -> None:
     assert chat.json()["choices"][0]["message"]["content"] == FAST.answer
 
 
-def test_llamacpp_text_model_answers_501(
-    installs: Installs, launcher: Launcher, gpu: SimGpu, tmp_path: Path
-) -> None:
+def test_llamacpp_text_model_answers_501(engines: Engines, tmp_path: Path) -> None:
     model = decision_gguf(tmp_path / "chat.gguf", decision=None)
-    engine = start_llama(installs, launcher, gpu, tmp_path, model, FAST)
+    engine = start_llama(engines, model, FAST)
     refused = decide(engine, ask(str(model), **QUESTIONS))
     assert refused.status_code == 501
     assert refused.json()["error"]["message"] == "This model is not a decision model"
@@ -405,11 +381,11 @@ def test_a_file_that_is_not_gguf_declares_no_decision_type(tmp_path: Path) -> No
 
 
 @pytest.fixture
-def clef(installs: Installs, launcher: Launcher, gpu: SimGpu, tmp_path: Path) -> Engine:
+def clef(engines: Engines, tmp_path: Path) -> Engine:
     """llama-server serving a Clef GGUF with a 64-token physical batch (-b 48 is smaller)."""
     model = decision_gguf(tmp_path / "clef.gguf", "clef")
     extra = ("--metrics", "-np", "1", "-ub", "64", "-b", "48")
-    return start_llama(installs, launcher, gpu, tmp_path, model, SLOW_DECISIONS, *extra)
+    return start_llama(engines, model, SLOW_DECISIONS, *extra)
 
 
 def test_llamacpp_clef_serves_only_decisions_that_fit_one_batch(clef: Engine) -> None:
@@ -444,31 +420,15 @@ def test_llamacpp_drops_a_hung_up_decision_at_once(clef: Engine) -> None:
 # vLLM --------------------------------------------------------------------------------------
 
 
-def start_vllm(
-    installs: Installs,
-    launcher: Launcher,
-    gpu: SimGpu,
-    home: Path,
-    model: Path,
-    version: str,
-    *extra: str,
-) -> Engine:
-    venv = installs.python("vllm", version)
-    write_behaviour(venv, FAST)
-    argv = python_argv(
-        "vllm", venv, model, "--host", "127.0.0.1", "--gpu-memory-utilization", "0.3", *extra
-    )
-    engine = launcher.start(argv, env_for(venv, home, gpu))
+def start_vllm(engines: Engines, version: str, *extra: str) -> Engine:
+    flags = ("--host", "127.0.0.1", "--gpu-memory-utilization", "0.3")
+    engine = engines.start("vllm", version, FAST, *flags, *extra)
     engine.wait_status(200)
     return engine
 
 
-def test_vllm_reads_the_text_output_from_0_32_with_a_logprobs_mode(
-    installs: Installs, launcher: Launcher, gpu: SimGpu, tmp_path: Path, model_dir: Path
-) -> None:
-    served = start_vllm(
-        installs, launcher, gpu, tmp_path, model_dir, VLLM, "--served-model-name", "m"
-    )
+def test_vllm_reads_the_text_output_from_0_32_with_a_logprobs_mode(engines: Engines) -> None:
+    served = start_vllm(engines, VLLM, "--served-model-name", "m")
     answered = decide(served, ask("m", **QUESTIONS))
     assert answered.status_code == 200, answered.text
     body = answered.json()
@@ -478,11 +438,9 @@ def test_vllm_reads_the_text_output_from_0_32_with_a_logprobs_mode(
     assert set(body["diagnostics"]) == set(QUESTIONS)
     assert all(d["argmax_is_label"] is True for d in body["diagnostics"].values())
     assert decide(served, ask("other", **QUESTIONS)).status_code == 404
-    logits = start_vllm(
-        installs, launcher, gpu, tmp_path, model_dir, VLLM, "--logprobs-mode", "raw_logits"
-    )
-    refused = decide(logits, ask(str(model_dir), **QUESTIONS))
+    logits = start_vllm(engines, VLLM, "--logprobs-mode", "raw_logits")
+    refused = decide(logits, ask(str(engines.model), **QUESTIONS))
     assert refused.status_code == 501
     assert "--logprobs-mode" in refused.json()["error"]["message"]
-    older = start_vllm(installs, launcher, gpu, tmp_path, model_dir, "0.17.0")
-    assert decide(older, ask(str(model_dir), **QUESTIONS)).status_code == 404
+    older = start_vllm(engines, "0.17.0")
+    assert decide(older, ask(str(engines.model), **QUESTIONS)).status_code == 404
