@@ -346,13 +346,17 @@ async def _cut_short(book: PlaceBook, change: Coroutine[Any, Any, Any]) -> None:
     await holding
 
 
-@pytest.mark.anyio
-async def test_a_join_cut_short_is_written_over_at_once(
-    client: aioredis.Redis,
-) -> None:
-    book = PlaceBook(client, "router-0:1")
+def _unsure_heard(book: PlaceBook) -> list[bool]:
+    """What the book tells its owner when it is unsure of its counts: True, each time."""
     heard: list[bool] = []
     book.on_unsure = lambda: heard.append(True)
+    return heard
+
+
+@pytest.mark.anyio
+async def test_a_join_cut_short_is_written_over_at_once(client: aioredis.Redis) -> None:
+    book = PlaceBook(client, "router-0:1")
+    heard = _unsure_heard(book)
     assert await book.join(NAME, 10, 10)  # Redis has the scripts, the pipe is open
     await book.leave(NAME)
     await _cut_short(book, book.join(NAME, 10, 10))
@@ -366,12 +370,9 @@ async def test_a_join_cut_short_is_written_over_at_once(
 
 
 @pytest.mark.anyio
-async def test_a_take_cut_short_is_written_over_at_once(
-    client: aioredis.Redis,
-) -> None:
+async def test_a_take_cut_short_is_written_over_at_once(client: aioredis.Redis) -> None:
     book = PlaceBook(client, "router-0:1")
-    heard: list[bool] = []
-    book.on_unsure = lambda: heard.append(True)
+    heard = _unsure_heard(book)
     assert await book.take(HOST, NAME, 1) == 1  # Redis has the scripts, the pipe is open
     await book.give(NAME, 1)
     await _cut_short(book, book.take(HOST, NAME, 1))
