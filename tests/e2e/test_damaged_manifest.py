@@ -5,7 +5,6 @@ gone while its files are there is refused before Redis starts: Redis would start
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,9 @@ from damagedstate import (
     Damage,
     overwrite,
     refused_then_repaired,
-    saved_state,
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def saved() -> Iterator[Path]:
-    with saved_state() as state:
-        yield state
 
 
 def _append(path: Path, text: str) -> None:

@@ -6,7 +6,7 @@ test_damaged_manifest.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,19 +20,12 @@ from damagedstate import (
     copy_of,
     overwrite,
     refused_then_repaired,
-    saved_state,
     split,
     tear,
 )
 from support import start_role
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def saved() -> Iterator[Path]:
-    with saved_state() as state:
-        yield state
 
 
 DAMAGE = {
