@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from capycommon.engineclient import Engines
 from capycommon.errors import EngineError, EngineFailed
 from capyctl_router.errors import error_body
 from capyctl_router.relay import Events, JsonDict, engine_failure, event_failure, is_stale
-from capyctl_router.upstream import Engines
 from integration.router.fakeengine import engine_serving
 
 TOO_LONG = (

@@ -17,13 +17,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
+from capycommon.engineclient import Engines
 from capycommon.settings import ConnectionLimits
 from capycommon.state import places
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
 from integration.common.served import answer, closed_after, connected, request_head, served
 from integration.router.fakeengine import engine_serving
 from integration.router.ready import put_ready

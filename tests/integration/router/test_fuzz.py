@@ -24,12 +24,12 @@ from schemathesis import Case
 
 from capycommon import requestbody
 from capycommon.credentials import generate
+from capycommon.engineclient import Engines
 from capycommon.state import places
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
 from hostile import (
     BODIES,
     CHAT_FIELDS,

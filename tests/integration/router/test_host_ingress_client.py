@@ -31,6 +31,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from capycommon import ingress, pki
 from capycommon.authority import Authority
 from capycommon.credentials import generate
+from capycommon.engineclient import Engines
 from capycommon.paths import StatePaths, ensure_private_dir
 from capycommon.service import redis_client
 from capycommon.settings import ConnectionLimits
@@ -43,7 +44,6 @@ from capyctl_router.dispatch import Dispatcher, Limits
 from capyctl_router.metrics import Metrics
 from capyctl_router.remote import client_context
 from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
 from integration.common.served import served
 from integration.router.fakeengine import engine_serving
 from integration.router.ready import chunk, put_ready

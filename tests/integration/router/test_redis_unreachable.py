@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from capycommon.credentials import generate
+from capycommon.engineclient import Engines
 from capycommon.service import redis_client
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import REDIS_RETRY_S, Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
 from integration.router.ready import put_ready
 from support import short_dir
 

@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
+from capycommon.engineclient import Engines
 from capycommon.service import redis_client
 from capycommon.settings import ConnectionLimits
 from capycommon.state import keys, notify, places
@@ -29,7 +30,6 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
 from integration.common.served import connected, request_head, served
 from integration.router.fakeengine import engine_serving
 from integration.router.ready import put_ready

@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
+from capycommon.engineclient import Engines
 from capycommon.state import keys
 from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, DeploymentStore
 from capycommon.state.instances import InstanceRecord, InstanceState
@@ -29,7 +30,6 @@ from capyctl_router.dispatch import Dispatcher, Limits
 from capyctl_router.metrics import Metrics
 from capyctl_router.remote import Ingress
 from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
 from integration.router.ready import put_deployment, put_ready
 
 

@@ -14,7 +14,8 @@ the router's own. It goes to the engine on loopback as it came, with its Content
 X-Request-Id and the engine's own key instead of any Authorization it carried. The engine's
 status, Content-Type and body come back as the engine sends them, chunk by chunk. When the
 router hangs up, the engine's connection is closed at once, which is how the engine learns
-that its client left. Connections to engines are kept between requests (`upstream`).
+that its client left. Connections to engines are kept between requests
+(`capycommon.engineclient`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from capycommon import ingress, pki
 from capycommon.deployments.schema import NAME_PATTERN
+from capycommon.engineclient import EngineConnectionError, Engines
 from capycommon.errors import (
     CapyError,
     CertificateInvalid,
@@ -50,10 +52,11 @@ from capycommon.settings import ConnectionLimits
 from capycommon.tasks import beside
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.serving import Serving
-from capyctl_hostd.upstream import EngineConnectionError, Engines
 
 log = logging.getLogger(__name__)
 
+# Where the engines listen, from the ingress's side.
+ENGINE_ADDRESS = "127.0.0.1"
 # The router holds a connection per request in flight, all from the server's one address.
 LIMITS = ConnectionLimits(connections_per_client=4096)
 DEPLOYMENT_NAME = re.compile(NAME_PATTERN)
@@ -154,6 +157,16 @@ class HostIngress:
             app.close()
 
 
+@dataclass(frozen=True)
+class Forwarded:
+    """How an admitted request goes to its engine: its path, its Content-Type and the other
+    headers it carries there."""
+
+    path: str
+    content_type: str
+    headers: dict[str, str]
+
+
 class Ingress:
     """The ingress's ASGI app."""
 
@@ -169,16 +182,16 @@ class Ingress:
         if scope["type"] != "http":
             return
         try:
-            engine, headers = await self._admitted(scope)
+            engine, request = await self._admitted(scope)
         except CapyError as exc:
             await _refuse(send, exc)
             return
         body = await _body(receive)
         if body is not None:
-            await self._forward(engine, scope["path"], headers, body, receive, send)
+            await self._forward(engine, request, body, receive, send)
 
-    async def _admitted(self, scope: Scope) -> tuple[Engine, dict[str, str]]:
-        """The engine the request goes to and the headers it goes with; refused otherwise."""
+    async def _admitted(self, scope: Scope) -> tuple[Engine, Forwarded]:
+        """The engine the request goes to and how it goes; refused otherwise."""
         if scope["method"] != "POST" or scope["path"] not in ingress.PATHS:
             raise NotFound(
                 f"the ingress forwards only POST to {', '.join(sorted(ingress.PATHS))}, not "
@@ -199,13 +212,11 @@ class Ingress:
                 f"host {self.serving.host} holds no engine for instance {member}; send the "
                 "request where it runs now"
             )
-        headers = {
-            "content-type": found.get("content-type", "application/json"),
-            "authorization": f"Bearer {engine.spec.api_key}",
-        }
+        headers = {"authorization": f"Bearer {engine.spec.api_key}"}
         if "x-request-id" in found:
             headers["x-request-id"] = found["x-request-id"]
-        return engine, headers
+        content_type = found.get("content-type", "application/json")
+        return engine, Forwarded(scope["path"], content_type, headers)
 
     async def _serves(self, member: str, generation: int) -> bool:
         if self.serving.serves(member, generation):
@@ -219,23 +230,19 @@ class Ingress:
             ) from None
 
     async def _forward(
-        self,
-        engine: Engine,
-        path: str,
-        headers: dict[str, str],
-        body: bytes,
-        receive: Receive,
-        send: Send,
+        self, engine: Engine, request: Forwarded, body: bytes, receive: Receive, send: Send
     ) -> None:
         """Relay the engine's answer as it comes; a hang-up closes the engine's connection."""
         port = engine.spec.port
         watch = Watch(receive)
         answer = None
         try:
-            answer = await self.upstream.post(port, path, headers, body)
+            answer = await self.upstream.post(
+                ENGINE_ADDRESS, port, request.path, body, request.headers, request.content_type
+            )
             head = {"type": "http.response.start", "status": answer.status}
             await send({**head, "headers": _answer_head(answer.headers)})
-            async for chunk in answer.chunks():
+            while chunk := await answer.receive():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             watch.ending()
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from capycommon import httpauth, requestbody
 from capycommon.credentials import Credentials
+from capycommon.engineclient import Engines
 from capycommon.errorcodes import http_code_for
 from capycommon.errors import (
     CapyError,
@@ -53,7 +54,6 @@ from capyctl_router.errors import (
 from capyctl_router.proxy import Exchange
 from capyctl_router.relay import DECISION_KINDS, Call
 from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
 
 MAX_BODY = 4 << 20
 PREFIXES = {

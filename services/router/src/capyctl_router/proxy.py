@@ -39,6 +39,12 @@ from dataclasses import dataclass, field, replace
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from capycommon.engineclient import (
+    Answer,
+    EngineConnectionError,
+    Engines,
+    IngressUnreachable,
+)
 from capycommon.errors import (
     CacheSaltUnsupported,
     CapyError,
@@ -73,12 +79,6 @@ from capyctl_router.relay import (
     sse,
 )
 from capyctl_router.table import Target
-from capyctl_router.upstream import (
-    Answer,
-    EngineConnectionError,
-    Engines,
-    IngressUnreachable,
-)
 
 REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
 # Outcomes after which the engine is done with the request (or never got it): its place is

@@ -26,10 +26,10 @@ from typing import Any
 import orjson
 
 from capycommon import ingress
+from capycommon.engineclient import Answer
 from capycommon.errors import CacheSaltUnsupported, EngineError, EngineFailed, InvalidRequest
 from capyctl_router.decisions import DecisionsRequest, SystemOneRequest, over_limits
 from capyctl_router.table import Target
-from capyctl_router.upstream import Answer
 
 JsonDict = dict[str, Any]
 # The one SSE event the router accepts from an engine, and the whole answer it collects.

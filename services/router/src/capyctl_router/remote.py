@@ -49,6 +49,10 @@ class Ingress:
     def __str__(self) -> str:
         return f"the ingress of host {self.host} at {self.authority}"
 
+    def refusal(self, transport: asyncio.BaseTransport) -> str | None:
+        """What is wrong with the certificate presented on `transport` (`peer_problem`)."""
+        return peer_problem(transport, self)
+
 
 def ingress_of(host: str, info: HostInfo | None, identity: HostIdentity | None) -> Ingress | None:
     """The ingress of a joined host, None while it cannot be reached: its hostd has not said

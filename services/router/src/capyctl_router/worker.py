@@ -14,6 +14,7 @@ import uvloop
 from prometheus_client import values
 
 from capycommon import credentials
+from capycommon.engineclient import Engines
 from capycommon.httpserve import serve_http
 from capycommon.service import REDIS_ERRORS, ServiceContext, run
 from capycommon.settings import ServerSettings, StandaloneSettings
@@ -23,7 +24,6 @@ from capyctl_router.dispatch import Dispatcher, Limits
 from capyctl_router.metrics import Metrics
 from capyctl_router.remote import client_context
 from capyctl_router.table import Table
-from capyctl_router.upstream import Engines
 
 # Names the folder of Prometheus's multiprocess mode, for the workers' metrics.
 METRICS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"

@@ -1,11 +1,15 @@
-"""The router's client to its engines, against real HTTP/1.1 servers on loopback sockets: an
-answer arrives whole however long and however slowly it is read, a connection is reused only
-while the engine would keep it, an answer abandoned before its end closes its connection, and
-every failure of the engine's side is an EngineConnectionError that says what happened."""
+"""The client to engines (the router's, and a host's ingress's), against real HTTP/1.1
+servers on loopback sockets: a request goes out with its Host, Content-Type and length and
+the caller's headers, an answer arrives whole however long and however slowly it is read, a
+connection is reused only while the engine would keep it, an answer abandoned before its end
+closes its connection, and every failure of the engine's side is an EngineConnectionError
+that says what happened. Its TLS to a host's ingress is tested with the router in front of
+one (test_host_ingress_client.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -13,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from capyctl_router.upstream import HIGH_WATER, EngineConnectionError, Engines
+from capycommon.engineclient import HIGH_WATER, EngineConnectionError, Engines
 from integration.router.fakeengine import RawEngine, engine_serving
 
 
@@ -40,6 +44,34 @@ async def _until(check: Callable[[], bool]) -> None:
     while not check():
         assert time.monotonic() < deadline, "it did not happen within 5 s"
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_a_request_goes_out_with_its_head_and_the_callers_headers() -> None:
+    seen: list[httpx.Request] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"ok": True})
+
+    async with engine_serving(engine) as port:
+        engines = Engines()
+        headers = {"X-Request-Id": "r1"}
+        content_types: list[tuple[str, ...]] = [(), ("text/plain",)]  # the default, then one
+        for given in content_types:
+            answer = await engines.post("127.0.0.1", port, "/v1/x", b'{"a": 1}', headers, *given)
+            assert json.loads(await answer.read(1 << 10)) == {"ok": True}
+            answer.close()
+        engines.close()
+    assert [request.headers["content-type"] for request in seen] == [
+        "application/json",
+        "text/plain",
+    ]
+    for request in seen:
+        assert (request.method, request.url.path, request.content) == ("POST", "/v1/x", b'{"a": 1}')
+        assert request.headers["host"] == f"127.0.0.1:{port}"
+        assert request.headers["content-length"] == "8"
+        assert request.headers["x-request-id"] == "r1"
 
 
 @pytest.mark.anyio

@@ -1,12 +1,15 @@
-"""The router's client to its engines: HTTP/1.1 POSTs on kept-alive connections.
+"""The client to engines: HTTP/1.1 POSTs on kept-alive connections, for the router (to the
+engines on its own host, and to the ingresses of joined hosts) and for a host's ingress (to
+the engines behind it).
 
 A general HTTP client (httpx, with httpcore, anyio and h11 beneath it) cost more CPU per
-request than everything else the router does (bench/router.py). The router needs little of
-it: one kind of request, to addresses it knows, one request at a time on a connection. So
-this is an asyncio protocol with httptools' parser (llhttp, as uvicorn's faster path uses)
-and a pool of idle connections per address: plain TCP to the engines on the router's own
-host, TLS to the ingresses of joined hosts (`capyctl_router.remote`), each checked once,
-after its handshake, to be the host's it was meant for.
+request than everything else the router does (bench/router.py), and made a short request
+cost a host's ingress three to four times the CPU it costs with a client like this one, TLS
+included. Both need little of it: one kind of request, to addresses they know, one request
+at a time on a connection. So this is an asyncio protocol with httptools' parser (llhttp, as
+uvicorn's faster path uses) and a pool of idle connections per address: plain TCP to engines
+on loopback, TLS to the ingresses of joined hosts, each checked once, after its handshake,
+to be the host's it was meant for (`Ingress.refusal`).
 
 An answer is read as it arrives; closing one before its end closes its connection, which is
 how an engine learns at once that a client left. One read to its end gives the connection
@@ -20,17 +23,32 @@ import asyncio
 import ssl
 import time
 from collections.abc import Mapping
-from typing import cast
+from typing import Protocol, cast
 
 import httptools
 
-from capyctl_router.remote import Ingress, peer_problem
-
 # An answer's body is buffered up to this much before the engine's connection stops being
-# read, until the router takes it.
+# read, until its reader takes it.
 HIGH_WATER = 1 << 20
 # Idle connections kept to one engine; more are closed as their answers end.
 MAX_IDLE = 64
+
+
+class Ingress(Protocol):
+    """A joined host's ingress as the client dials it (the router's `remote.Ingress`, one
+    pool of connections per value): where it listens, its Host header, and what is wrong
+    with the certificate it presented on a connection, None when it is the host's own."""
+
+    @property
+    def address(self) -> str: ...  # an IP address or a DNS name
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def authority(self) -> str: ...
+
+    def refusal(self, transport: asyncio.BaseTransport) -> str | None: ...
 
 
 # An idle connection's pool: a loopback engine's (address, port), or a joined host's ingress.
@@ -169,14 +187,20 @@ class Connection(asyncio.Protocol):
         self._keep_alive = False
         self._paused = False
 
-    def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+    def post(
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        content_type: str = "application/json",
+    ) -> Answer:
         """Send the request, at once (before anything is waited for); its answer, whose
         status and headers `Answer.head` waits for."""
         assert self.transport is not None
         head = [
             f"POST {path} HTTP/1.1",
             f"Host: {self.authority}",
-            "Content-Type: application/json",
+            f"Content-Type: {content_type}",
             f"Content-Length: {len(body)}",
         ]
         head += [f"{name}: {value}" for name, value in headers.items()]
@@ -263,16 +287,24 @@ class Engines:
     ) -> None:
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
-        # The client context for the hosts' ingresses; None where the router reaches none
-        # (a standalone role's, whose engines are all on loopback).
+        # The client context for the hosts' ingresses: a server role's router's. None for
+        # the other clients (a standalone role's router, a host's ingress), whose engines
+        # are all on loopback.
         self.tls = tls
         self._idle: dict[Key, list[Connection]] = {}
 
     async def post(
-        self, host: str, port: int, path: str, body: bytes, headers: Mapping[str, str]
+        self,
+        host: str,
+        port: int,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        content_type: str = "application/json",
     ) -> Answer:
-        """Send the request; its answer once its status and headers arrived."""
-        answer = (await self.connect(host, port)).post(path, body, headers)
+        """Send the request to the engine at `host`:`port`; its answer once its status and
+        headers arrived. The caller closes it."""
+        answer = (await self.connect(host, port)).post(path, body, headers, content_type)
         await answer.head()
         return answer
 
@@ -328,7 +360,7 @@ class Engines:
             raise IngressUnreachable(
                 f"cannot connect to {ingress} ({exc or 'timed out'})"
             ) from None
-        problem = peer_problem(transport, ingress)
+        problem = ingress.refusal(transport)
         if problem is not None:
             connection.close()
             raise IngressUnreachable(f"refused {ingress}: {problem}")
