@@ -30,6 +30,40 @@ SYSTEM_ONE: dict[str, Any] = {
         },
     },
 }
+# The questions of a `/v1/decisions` request: every question type, each named.
+DECISIONS: list[Any] = [
+    {"type": "predicate", "name": "bug", "instructions": "Is it a bug report?"},
+    {
+        "type": "choice",
+        "name": "team",
+        "instructions": "Which team owns it?",
+        "choices": [{"value": "mobile", "description": "the apps"}, {"value": "web"}],
+    },
+    {
+        "type": "score",
+        "name": "urgency",
+        "instructions": "How urgent is it?",
+        "levels": [{"label": "low"}, {"label": "medium"}, {"label": "high"}],
+    },
+    {
+        "type": "choice",
+        "name": "reply",
+        "instructions": "Should we reply today?",
+        "choices": [{"value": True}, {"value": False}],
+    },
+]
+
+
+def unnamed(questions: list[Any], name: str) -> list[Any]:
+    """`questions` with question `name` left unnamed (its answer is then known by its place)."""
+    return [
+        {key: value for key, value in question.items() if key != "name"}
+        if question["name"] == name
+        else question
+        for question in questions
+    ]
+
+
 # (architecture, model_type) of each folder's config.json; Clef's backbone is Qwen3.5.
 ARCHITECTURES: dict[Head, tuple[str, str]] = {
     "decision_config": ("Qwen3ForCausalLM", "qwen3"),

@@ -22,33 +22,14 @@ import pytest
 import yaml
 
 from cluster import FOURTEEN, SMALL, Cluster
-from decisionmodels import SYSTEM_ONE, decision_folder, decision_gguf
+from decisionmodels import DECISIONS, SYSTEM_ONE, decision_folder, decision_gguf, unnamed
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_llama_server, install_python_engine
 from support import wait_for
 
 CONTEXT = {"context_length": 4096, **SMALL}
 STATE = "Ticket 4411: the app crashes on every start since the update."
-QUESTIONS: list[Any] = [
-    {"type": "predicate", "name": "bug", "instructions": "Is it a bug report?"},
-    {
-        "type": "choice",
-        "instructions": "Which team owns it?",
-        "choices": [{"value": "mobile", "description": "the apps"}, {"value": "web"}],
-    },
-    {
-        "type": "score",
-        "name": "urgency",
-        "instructions": "How urgent is it?",
-        "levels": [{"label": "low"}, {"label": "medium"}, {"label": "high"}],
-    },
-    {
-        "type": "choice",
-        "name": "reply",
-        "instructions": "Should we reply today?",
-        "choices": [{"value": True}, {"value": False}],
-    },
-]
+QUESTIONS = unnamed(DECISIONS, "team")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from cluster import SMALL, Cluster, running
-from decisionmodels import SYSTEM_ONE
+from decisionmodels import DECISIONS, SYSTEM_ONE, unnamed
 from engines.llamacpp.llama_server import write_wrapper
 from engines.llamacpp.test_real_llamacpp_decisions import TYPE_KEY, write_decision_model
 from engines.llamacpp.tinygguf import write_tiny_model
@@ -25,26 +25,7 @@ from support import processes_mentioning
 
 CONTEXT = 512
 STATE = "Ticket 4411: the capybara app crashes on every start since the update."
-QUESTIONS: list[Any] = [
-    {"type": "predicate", "name": "bug", "instructions": "Is it a bug report?"},
-    {
-        "type": "choice",
-        "name": "team",
-        "instructions": "Which team owns it?",
-        "choices": [{"value": "mobile", "description": "the apps"}, {"value": "web"}],
-    },
-    {
-        "type": "score",
-        "name": "urgency",
-        "instructions": "How urgent is it?",
-        "levels": [{"label": "low"}, {"label": "medium"}, {"label": "high"}],
-    },
-    {
-        "type": "choice",
-        "instructions": "Should we reply today?",
-        "choices": [{"value": True}, {"value": False}],
-    },
-]
+QUESTIONS = unnamed(DECISIONS, "reply")
 
 
 @pytest.fixture(scope="module")
