@@ -36,6 +36,8 @@ FAST = HubLimits(attempts=5, backoff_s=0.01, connect_timeout_s=2.0, read_timeout
 TINY = tiny_repo()
 MAIN, V1 = TINY.refs["main"], TINY.refs["v1"]
 WEIGHTS = "model.safetensors"
+# The tiny repo's weights alone, at its main commit.
+TINY_WEIGHTS = HubSource("acme/tiny", MAIN, (WEIGHTS,))
 MiB = 1 << 20
 
 
@@ -155,8 +157,7 @@ async def test_a_cut_body_is_resumed_with_a_range_and_hashes_the_same(
     hub: MockHub, models: Path
 ) -> None:
     hub.faults = Faults(cut_after=MiB, cut_times=1)
-    source = HubSource("acme/tiny", MAIN, (WEIGHTS,))
-    store = await pull(source, models, endpoint=hub.url, token=None, limits=FAST)
+    store = await pull(TINY_WEIGHTS, models, endpoint=hub.url, token=None, limits=FAST)
     assert_stored(store, MAIN, [WEIGHTS])
     ranges = [r.headers.get("range") for r in gets(hub, WEIGHTS)]
     assert ranges == [None, f"bytes={MiB}-"]
@@ -166,11 +167,10 @@ async def test_a_cut_body_is_resumed_with_a_range_and_hashes_the_same(
 async def test_a_new_pull_after_the_tries_ran_out_resumes_from_the_partial_file(
     hub: MockHub, models: Path
 ) -> None:
-    source = HubSource("acme/tiny", MAIN, (WEIGHTS,))
     hub.faults = Faults(cut_after=256 * 1024, cut_times=100)
     three = HubLimits(attempts=3, backoff_s=0.01)
     with pytest.raises(HfUnreachable, match="786432 of 3145728 bytes are kept"):
-        await pull(source, models, endpoint=hub.url, token=None, limits=three)
+        await pull(TINY_WEIGHTS, models, endpoint=hub.url, token=None, limits=three)
     kept = partial(models, MAIN, WEIGHTS)
     assert kept.stat().st_size == 3 * 256 * 1024
     assert stat.S_IMODE(kept.parent.stat().st_mode) == 0o700
@@ -178,7 +178,7 @@ async def test_a_new_pull_after_the_tries_ran_out_resumes_from_the_partial_file(
 
     hub.faults = Faults()
     hub.requests.clear()
-    store = await pull(source, models, endpoint=hub.url, token=None, limits=three)
+    store = await pull(TINY_WEIGHTS, models, endpoint=hub.url, token=None, limits=three)
     assert_stored(store, MAIN, [WEIGHTS])
     assert [r.headers.get("range") for r in gets(hub, WEIGHTS)] == [f"bytes={3 * 256 * 1024}-"]
     assert not kept.exists()
@@ -191,8 +191,7 @@ async def test_a_200_to_a_range_request_restarts_the_file_from_zero(
 ) -> None:
     # With two cuts, the restarted body is cut too: the next try resumes the restart.
     hub.faults = Faults(cut_after=MiB, cut_times=cuts, ignore_range=True)
-    source = HubSource("acme/tiny", MAIN, (WEIGHTS,))
-    store = await pull(source, models, endpoint=hub.url, token=None, limits=FAST)
+    store = await pull(TINY_WEIGHTS, models, endpoint=hub.url, token=None, limits=FAST)
     assert_stored(store, MAIN, [WEIGHTS])
     ranges = [r.headers.get("range") for r in gets(hub, WEIGHTS)]
     assert ranges == [None] + [f"bytes={MiB}-"] * cuts
@@ -225,7 +224,7 @@ async def test_a_wrong_last_byte_of_a_resumed_lfs_file_is_caught(
 ) -> None:
     hub.faults = Faults(cut_after=MiB, cut_times=1, wrong_bytes=True)
     with pytest.raises(HfIntegrity, match=r"model\.safetensors has sha256"):
-        await pull(HubSource("acme/tiny", MAIN, (WEIGHTS,)), models, endpoint=hub.url, token=None)
+        await pull(TINY_WEIGHTS, models, endpoint=hub.url, token=None)
     assert not partial(models, MAIN, WEIGHTS).exists()
 
 
@@ -297,7 +296,7 @@ async def test_a_download_that_does_not_fit_is_refused_before_any_byte(
     cramped = HubLimits(reserve_bytes=free)  # nothing fits with that much kept free
     with pytest.raises(DiskFull, match=r"needs 3\.0 MiB more .* has [\d.]+ [KMGT]iB free"):
         await pull(
-            HubSource("acme/tiny", MAIN, (WEIGHTS,)),
+            TINY_WEIGHTS,
             models,
             endpoint=hub.url,
             token=None,
@@ -340,16 +339,19 @@ async def test_a_pull_whose_downloader_is_cancelled_is_taken_over_and_resumes(
     hub: MockHub, models: Path
 ) -> None:
     hub.faults = Faults(cut_after=MiB, cut_times=1)
-    source = HubSource("acme/tiny", MAIN, (WEIGHTS,))
     slow = HubLimits(attempts=5, backoff_s=5.0)  # the first try's cut waits out its backoff
-    first = asyncio.create_task(pull(source, models, endpoint=hub.url, token=None, limits=slow))
+    first = asyncio.create_task(
+        pull(TINY_WEIGHTS, models, endpoint=hub.url, token=None, limits=slow)
+    )
 
     async def cut() -> bool:
         kept = partial(models, MAIN, WEIGHTS)
         return kept.exists() and kept.stat().st_size == MiB
 
     await wait_for_async(cut, 10, "the first download to be cut")
-    second = asyncio.create_task(pull(source, models, endpoint=hub.url, token=None, limits=FAST))
+    second = asyncio.create_task(
+        pull(TINY_WEIGHTS, models, endpoint=hub.url, token=None, limits=FAST)
+    )
     # One turn of the loop: a pinned commit reaches the running download with no request.
     await asyncio.sleep(0)
     first.cancel()
