@@ -16,7 +16,8 @@ from starlette.types import Message
 from capycommon import management as wire
 from capycommon import requestbody
 from capycommon.errors import BodyTooLarge, CapyError, InvalidRequest, RequestTimeout
-from capyctl_router.bodies import BODIES, ChatBody, CompletionBody, EmbeddingBody
+from capyctl_router.bodies import ChatBody, CompletionBody, EmbeddingBody
+from capyctl_router.endpoints import ENDPOINTS
 from hostile import KINDS
 
 
@@ -164,15 +165,16 @@ def test_a_body_over_the_limit_is_a_413(headers: dict[str, str], parts: list[byt
 
 def test_the_openapi_document_describes_the_bodies_and_the_token() -> None:
     app = FastAPI(title="t", version="1")
-    for kind, body in BODIES.items():
-        extra = requestbody.openapi_body(body)
-        app.add_api_route(f"/{kind}", _nothing, methods=["POST"], openapi_extra=extra)
-    document = requestbody.openapi_document(app, BODIES.values())
+    chat = [endpoint for endpoint in ENDPOINTS if endpoint.api == "chat"]
+    for endpoint in chat:
+        extra = requestbody.openapi_body(endpoint.body)
+        app.add_api_route(endpoint.path, _nothing, methods=["POST"], openapi_extra=extra)
+    document = requestbody.openapi_document(app, [endpoint.body for endpoint in chat])
     schemas = document["components"]["schemas"]
     assert {"ChatBody", "CompletionBody", "EmbeddingBody", "StreamOptions"} <= set(schemas)
     options = schemas["ChatBody"]["properties"]["stream_options"]["anyOf"][0]
     assert options == {"$ref": "#/components/schemas/StreamOptions"}
-    operation = document["paths"]["/chat.completions"]["post"]
+    operation = document["paths"]["/v1/chat/completions"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatBody"
     }

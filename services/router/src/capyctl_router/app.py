@@ -6,8 +6,9 @@ decision model's (`api: decisions`) are POST /v1/decisions, OpenAI's Decisions s
 the router translates to System One and back (`decisions`), and POST /v1/systemone, passed
 as sent; each api's routes refuse the other's models (`wrong_api`). Each body is read and
 checked whole (`capycommon.requestbody`, by its model in `bodies` or `decisions`) before the
-request takes a place; GET /openapi.json describes them. A streamed request may ask to see its
-model load (`CapyCTL-Progress: on`, see `proxy`).
+request takes a place; GET /openapi.json describes them. Each route is declared once, in
+`endpoints`. A streamed request may ask to see its model load (`CapyCTL-Progress: on`, see
+`proxy`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request, params
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -43,8 +43,9 @@ from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state.desired import DeploymentRecord
 from capycommon.version import __version__
 from capyctl_router import decisions
-from capyctl_router.bodies import BODIES
+from capyctl_router.bodies import InferenceBody
 from capyctl_router.dispatch import Dispatcher
+from capyctl_router.endpoints import ENDPOINTS, Endpoint, serving
 from capyctl_router.errors import (
     ERROR_RESPONSES,
     capy_error_handler,
@@ -52,26 +53,10 @@ from capyctl_router.errors import (
     envelope,
 )
 from capyctl_router.proxy import Exchange
-from capyctl_router.relay import DECISION_KINDS, Call
+from capyctl_router.relay import Call
 from capyctl_router.table import Table
 
 MAX_BODY = 4 << 20
-PREFIXES = {
-    "chat.completions": "chatcmpl",
-    "completions": "cmpl",
-    "embeddings": "embd",
-    "decisions": "decision",
-    "systemone": "decision",
-}
-DECISION_BODIES: dict[str, type[BaseModel]] = {
-    "decisions": decisions.DecisionsRequest,
-    "systemone": decisions.SystemOneRequest,
-}
-# What each api's routes are, as a refusal names them.
-API_ROUTES = {
-    "chat": "POST /v1/chat/completions, /v1/completions or /v1/embeddings",
-    "decisions": "POST /v1/decisions or /v1/systemone",
-}
 # The header by which a streamed request asks for comment lines while its model loads.
 PROGRESS_HEADER = "CapyCTL-Progress"
 # The bearer token, read by the routes themselves; the OpenAPI document names it once.
@@ -94,23 +79,23 @@ class RouterApp(FastAPI):
     """FastAPI, with the inference routes served before its routing: a POST to one of them
     is checked and forwarded at once, without the dependency solving, routing and middleware
     every other route goes through (they cost more than the forwarding itself). The routes
-    are also declared to FastAPI, for the OpenAPI document."""
+    are also declared to FastAPI, for the OpenAPI document: both from `endpoints`."""
 
-    # The inference routes' paths and kinds, the API key and what forwards them (set by
+    # The inference endpoints by path, the API key and what forwards them (set by
     # create_app; none without a Router).
-    proxied: dict[str, str]
+    proxied: dict[str, Endpoint]
     api_key: str
     inference: Router
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = self.proxied.get(scope["path"]) if scope["type"] == "http" else None
-        if kind is None or scope["method"] != "POST":
+        endpoint = self.proxied.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != endpoint.method:
             await super().__call__(scope, receive, send)
             return
         request = Request(scope, receive)
         try:
             httpauth.require(request.headers.get("authorization"), self.api_key, "API key")
-            response = await forward(self.inference, kind, request)
+            response = await forward(self.inference, endpoint, request)
         except CapyError as exc:
             response = capy_error_response(exc)
         await response(scope, receive, send)
@@ -144,7 +129,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
         return {"status": "ok"}
 
     # Open to all, as vLLM's is: it holds no secret.
-    requestbody.publish_openapi(app, "/openapi.json", [*BODIES.values(), *DECISION_BODIES.values()])
+    requestbody.publish_openapi(app, "/openapi.json", [endpoint.body for endpoint in ENDPOINTS])
 
     if router is None:
 
@@ -162,8 +147,9 @@ def _add_router_routes(
     app: RouterApp, router: Router, credentials: Credentials, api_key: params.Depends
 ) -> None:
     """The routes that need the router: the models listed, the metrics, and the inference
-    routes (declared to FastAPI for the OpenAPI document, and served by `RouterApp` before its
-    routing). `api_key` is the dependency that requires the API key."""
+    routes (each endpoint declared to FastAPI for the OpenAPI document, and to `RouterApp`,
+    which serves it before its routing). `api_key` is the dependency that requires the API
+    key."""
 
     @app.get("/v1/models", dependencies=[api_key])
     async def list_models() -> dict[str, Any]:
@@ -188,16 +174,17 @@ def _add_router_routes(
         body = await router.dispatcher.metrics.scrape(router.dispatcher.client)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    for kind, body in [*BODIES.items(), *DECISION_BODIES.items()]:
+    for endpoint in ENDPOINTS:
         app.add_api_route(
-            f"/v1/{kind.replace('.', '/')}",
-            _endpoint(router, kind),
-            methods=["POST"],
-            name=kind.replace(".", "_"),
+            endpoint.path,
+            _endpoint(router, endpoint),
+            methods=[endpoint.method],
+            name=endpoint.name,
+            summary=endpoint.summary,
             dependencies=[api_key],
-            openapi_extra=requestbody.openapi_body(body),
+            openapi_extra=requestbody.openapi_body(endpoint.body),
         )
-    app.proxied = {f"/v1/{kind.replace('.', '/')}": kind for kind in [*BODIES, *DECISION_BODIES]}
+        app.proxied[endpoint.path] = endpoint
     app.api_key = credentials.api_key
     app.inference = router
 
@@ -218,41 +205,45 @@ def _same(token: str, secret: str) -> bool:
     return hmac.compare_digest(token.encode(), secret.encode())
 
 
-def _endpoint(router: Router, kind: str) -> Callable[[Request], Awaitable[Response]]:
-    async def endpoint(request: Request) -> Response:
-        return await forward(router, kind, request)
+def _endpoint(router: Router, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    async def forwarded(request: Request) -> Response:
+        return await forward(router, endpoint, request)
 
-    return endpoint
+    return forwarded
 
 
-def _call(kind: str, body: dict[str, Any]) -> Call:
-    """The request as the router relays it: the body as the client sent it, once its model
-    (`capyctl_router.bodies`) found nothing wrong in it."""
-    if kind in DECISION_KINDS:
-        return _decision_call(kind, body)
-    found = requestbody.validated(BODIES[kind], body)
-    if found.n != 1:
-        raise UnsupportedParameter("n must be 1")
+def _call(endpoint: Endpoint, body: dict[str, Any]) -> Call:
+    """The request as the router relays it: the body as the client sent it, once the
+    endpoint's model (`bodies`, `decisions`) found nothing wrong in it; for OpenAI's
+    decisions, its System One translation (`decisions`)."""
+    found = requestbody.validated(endpoint.body, body)
+    request_id = f"{endpoint.id_prefix}-{secrets.token_hex(12)}"
+    if isinstance(found, InferenceBody):
+        if found.n != 1:
+            raise UnsupportedParameter("n must be 1")
+        return Call(
+            kind=endpoint.kind,
+            body=body,
+            route=found.model,
+            request_id=request_id,
+            client_streams=found.stream,
+            client_usage=found.client_usage,
+        )
+    if isinstance(found, decisions.DecisionsRequest):
+        return _decision_call(endpoint.kind, request_id, found)
     return Call(
-        kind=kind,
-        body=body,
-        route=found.model,
-        request_id=f"{PREFIXES[kind]}-{secrets.token_hex(12)}",
-        client_streams=found.stream,
-        client_usage=found.client_usage,
+        endpoint.kind,
+        body,
+        found.model,
+        request_id,
+        client_streams=False,
+        client_usage=True,
+        asked=found,
     )
 
 
-def _decision_call(kind: str, body: dict[str, Any]) -> Call:
-    """A decision request as the router relays it: System One as the client sent it, or
-    the System One translation of an OpenAI decisions request (`decisions`)."""
-    request_id = f"{PREFIXES[kind]}-{secrets.token_hex(12)}"
-    if kind == "systemone":
-        one = requestbody.validated(decisions.SystemOneRequest, body)
-        return Call(
-            kind, body, one.model, request_id, client_streams=False, client_usage=True, asked=one
-        )
-    asked = requestbody.validated(decisions.DecisionsRequest, body)
+def _decision_call(kind: str, request_id: str, asked: decisions.DecisionsRequest) -> Call:
+    """An OpenAI decisions request as the router relays it: its System One translation."""
     if asked.images:
         raise UnsupportedParameter(
             "input: input_image parts are not taken by decision models in this release; "
@@ -269,20 +260,19 @@ def _decision_call(kind: str, body: dict[str, Any]) -> Call:
     )
 
 
-def check_api(call: Call, record: DeploymentRecord) -> None:
-    """WrongApi for a request on a route of the other api than its deployment's."""
+def check_api(endpoint: Endpoint, model: str, record: DeploymentRecord) -> None:
+    """WrongApi for a request on an endpoint of the other api than its deployment's."""
     api = record.document.api
-    if call.decides == record.document.decides:
+    if endpoint.api == api:
         return
-    path = f"/v1/{call.kind.replace('.', '/')}"
     if api == "decisions":
         raise WrongApi(
-            f"model {call.route!r} is a decision model (api: decisions): send it "
-            f"{API_ROUTES[api]}, not {path}"
+            f"model {model!r} is a decision model (api: decisions): send it "
+            f"{serving(api)}, not {endpoint.path}"
         )
     raise WrongApi(
-        f"model {call.route!r} is a chat model (api: chat): send it {API_ROUTES[api]}, not "
-        f"{path}; a decision model is deployed with api: decisions"
+        f"model {model!r} is a chat model (api: chat): send it {serving(api)}, not "
+        f"{endpoint.path}; a decision model is deployed with api: decisions"
     )
 
 
@@ -337,20 +327,19 @@ def wants_progress(request: Request) -> bool:
     return said == "on"
 
 
-async def forward(router: Router, kind: str, request: Request) -> Response:
+async def forward(router: Router, endpoint: Endpoint, request: Request) -> Response:
     """The answer to an inference request: its body read and checked here, then (`Exchange`)
     a place on its deployment's engine and the engine's answer."""
     arrived = time.monotonic()
     progress = wants_progress(request)
     raw = await requestbody.read(request, MAX_BODY, router.body_timeout_s)
-    # System One's question ids are keys: one given twice would be lost, not refused.
-    call = _call(kind, requestbody.parse_object(raw, unique_keys=kind == "systemone"))
+    call = _call(endpoint, requestbody.parse_object(raw, unique_keys=endpoint.unique_keys))
     call.progress = progress and call.client_streams
     if not router.table.synced.is_set():
         await routes_read(router.table)
     record = router.table.deployment_of(call.route) or await _find(router.table, call, arrived)
     if record is None:
         raise UnknownModel(f"no model {call.route!r}; GET /v1/models lists them")
-    check_api(call, record)
+    check_api(endpoint, call.route, record)
     _check_size(router.table, call, record)
     return Exchange(router.dispatcher, router.engines, call, record, arrived)

@@ -91,10 +91,3 @@ class EmbeddingBody(InferenceBody):
         if stream:
             raise ValueError("embeddings are never streamed; send false or leave it out")
         return stream
-
-
-BODIES: dict[str, type[InferenceBody]] = {
-    "chat.completions": ChatBody,
-    "completions": CompletionBody,
-    "embeddings": EmbeddingBody,
-}
