@@ -8,6 +8,7 @@ claim, the EngineCore child, the /dev/shm segment. SIGKILL runs nothing, as for 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -15,7 +16,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from typing import Any, NoReturn, cast
 
 import uvicorn
@@ -161,3 +162,14 @@ def configure_logging(fmt: str, stream: Any, datefmt: str = "%m-%d %H:%M:%S") ->
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+
+
+def accept_flags(
+    parser: argparse.ArgumentParser, switches: Iterable[str], values: Iterable[str]
+) -> None:
+    """Add each switch (a flag without a value), then each flag that takes a value; "|" joins
+    a flag's aliases."""
+    for switch in switches:
+        parser.add_argument(*switch.split("|"), action="store_true")
+    for flag in values:
+        parser.add_argument(*flag.split("|"))

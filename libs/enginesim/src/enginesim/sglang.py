@@ -159,7 +159,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     add("--page-size", type=int, default=1)
     add("--chat-template")
     add("--speculative-algorithm")
-    for switch in (
+    switches = (
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
         "--enable-metrics",
@@ -170,10 +170,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--enable-hierarchical-cache",
         "--allow-auto-truncate",
         *IGNORED_SWITCHES,
-    ):
-        add(switch, action="store_true")
-    for flag in IGNORED_VALUES:
-        add(*flag.split("|"))
+    )
+    proc.accept_flags(parser, switches, IGNORED_VALUES)
     return parser
 
 

@@ -155,7 +155,7 @@ def build_parser(prog: str, positional_model: bool) -> argparse.ArgumentParser:
     add("--kv-transfer-config")
     add("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
-    for switch in (
+    switches = (
         "--enable-sleep-mode",
         "--enable-auto-tool-choice",
         "--enable-request-id-headers",
@@ -163,10 +163,8 @@ def build_parser(prog: str, positional_model: bool) -> argparse.ArgumentParser:
         "--enable-force-include-usage",
         "--enable-server-load-tracking",
         *IGNORED_SWITCHES,
-    ):
-        add(switch, action="store_true")
-    for flag in IGNORED_VALUES:
-        add(*flag.split("|"))
+    )
+    proc.accept_flags(parser, switches, IGNORED_VALUES)
     return parser
 
 
