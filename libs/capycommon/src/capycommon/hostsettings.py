@@ -31,6 +31,15 @@ def machine_host_name(hostname: str | None = None) -> str:
     return name or "local"
 
 
+def _short(flag: str, *, metavar: str = "", empty_refused: bool = True) -> Setting:
+    """The short names a host setting keeps beside its derived ones: the flag `--<flag>` and
+    the variable CAPYCTL_<FLAG>; an empty variable is refused unless told otherwise."""
+    variable = "CAPYCTL_" + flag.upper().replace("-", "_")
+    return Setting(
+        flags=(f"--{flag}",), variables=(variable,), metavar=metavar, empty_refused=empty_refused
+    )
+
+
 class HostSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)  # as `settings.Strict`
 
@@ -40,63 +49,37 @@ class HostSection(BaseModel):
         examples=["gpu-box"],
     )
     models_root: Annotated[
-        Path,
-        AfterValidator(lambda p: p.expanduser()),
-        Setting(flags=("--models-root",), variables=("CAPYCTL_MODELS_ROOT",)),
+        Path, AfterValidator(lambda p: p.expanduser()), _short("models-root", empty_refused=False)
     ] = Field(
         default_factory=lambda: Path.home() / "models",
         description="The folder that model names in deployments are relative to.",
         examples=["/srv/models"],
     )
-    engine_ports: Annotated[
-        PortRange,
-        Setting(
-            flags=("--engine-ports",),
-            variables=("CAPYCTL_ENGINE_PORTS",),
-            metavar="START-END",
-            empty_refused=True,
-        ),
-    ] = Field(
+    engine_ports: Annotated[PortRange, _short("engine-ports", metavar="START-END")] = Field(
         "8100-8199",
         description="The loopback ports engines listen on.",
         examples=["8200-8299"],
     )
-    deep_park: Annotated[
-        OnOff,
-        Setting(flags=("--deep-park",), variables=("CAPYCTL_DEEP_PARK",), empty_refused=True),
-    ] = Field(
+    deep_park: Annotated[OnOff, _short("deep-park")] = Field(
         "on",
         description="off: no engine here parks deep or runs with its development controls "
         "(vLLM's dev mode); models that would park deep stop instead.",
         examples=["off"],
     )
-    engine_telemetry: Annotated[
-        Literal["off", "allow"],
-        Setting(
-            flags=("--engine-telemetry",),
-            variables=("CAPYCTL_ENGINE_TELEMETRY",),
-            empty_refused=True,
-        ),
-    ] = Field(
+    engine_telemetry: Annotated[Literal["off", "allow"], _short("engine-telemetry")] = Field(
         "off",
         description="off: every engine here gets DO_NOT_TRACK=1 (vLLM also VLLM_DO_NOT_TRACK=1 "
         "and VLLM_NO_USAGE_STATS=1), so none reports usage off the host; allow: the engines' "
         "own defaults.",
         examples=["allow"],
     )
-    retention: Annotated[
-        Literal["default", "zero"],
-        Setting(flags=("--retention",), variables=("CAPYCTL_RETENTION",), empty_refused=True),
-    ] = Field(
+    retention: Annotated[Literal["default", "zero"], _short("retention")] = Field(
         "default",
         description="zero: engines here keep no log and write no core dump, unless a "
         "deployment says retention: default.",
         examples=["zero"],
     )
-    lmcache: Annotated[
-        Literal["auto", "off"],
-        Setting(flags=("--lmcache",), variables=("CAPYCTL_LMCACHE",), empty_refused=True),
-    ] = Field(
+    lmcache: Annotated[Literal["auto", "off"], _short("lmcache")] = Field(
         "auto",
         description="off: no model here runs with LMCache, whatever its deployment says (one "
         "that says lmcache: required fails here).",
@@ -155,12 +138,7 @@ class EmbeddedHostSection(HostSection):
     """A server's own host: with `embedded: on` the server also runs hostd and memwatch, and
     serves models on this machine's GPUs beside those of its joined hosts."""
 
-    embedded: Annotated[
-        OnOff,
-        Setting(
-            flags=("--embedded-host",), variables=("CAPYCTL_EMBEDDED_HOST",), empty_refused=True
-        ),
-    ] = Field(
+    embedded: Annotated[OnOff, _short("embedded-host")] = Field(
         "off",
         description="on: this server is also a host, as a standalone role is (its models run "
         "here too, beside those of joined hosts); the other host settings apply only then.",
