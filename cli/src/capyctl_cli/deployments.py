@@ -403,22 +403,14 @@ def drain_standalone(state_dir: StateDirOpt = None, as_json: JsonOpt = False) ->
 
 @drain_app.command("host")
 @expected_errors
-def drain_host(
-    host: HostArg,
-    state_dir: StateDirOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
+def drain_host(host: HostArg, state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
     """Stop every engine on one host; a joined host takes no new model until undrained."""
     _drain(state_dir, host, as_json)
 
 
 @undrain_app.command("host")
 @expected_errors
-def undrain_host(
-    host: HostArg,
-    state_dir: StateDirOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
+def undrain_host(host: HostArg, state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
     """Let a drained host take models again."""
     with _api(state_dir) as api:
         answer = api.undrain(host)
