@@ -24,10 +24,10 @@ import benchclient
 import benchrole
 import routerrole
 from benchrole import GiB
+from capycommon.domain.instances import InstanceRecord
 from capycommon.paths import StatePaths
 from capycommon.redistarget import CONTROL_USER
 from capycommon.state import keys
-from capycommon.state.instances import InstanceRecord
 
 DEPLOYMENT = "bench"
 JOINED = "gpu-a"  # the joined host's name

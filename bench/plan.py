@@ -19,11 +19,11 @@ from collections import Counter
 from collections.abc import Callable
 
 from capycommon.deployments import parse_deployment
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.memory import GpuReading, HostRam, MemoryReading
 from capycommon.engines.families import Family
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.load import EngineLoad
-from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.engineterms import EngineTerms
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains

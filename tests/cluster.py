@@ -23,12 +23,11 @@ import redis
 import redis.asyncio as aioredis
 import yaml
 
+from capycommon.domain.instances import Event, InstanceRecord
 from capycommon.engines import registry
 from capycommon.errors import CapyError, NotFound
 from capycommon.paths import StatePaths
 from capycommon.state import desired, keys, places
-from capycommon.state.instances import InstanceRecord
-from capycommon.state.store import Event
 from capyctl_cli.gpucheck.role import end_left_under
 from capyctl_cli.management import Management
 from capyctl_cli.management import wait_for as wait_until

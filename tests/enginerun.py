@@ -15,11 +15,12 @@ from typing import TypeVar
 import openai
 
 from capycommon import simgpu
+from capycommon.domain.engines import Residency
 from capycommon.engines import detect
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl
 from capycommon.engines.environment import engine_environment, install_runtime
-from capycommon.engines.launch import LaunchSpec, Residency
+from capycommon.engines.launch import LaunchSpec
 from support import free_port, group_members, wait_for
 
 T = TypeVar("T")

@@ -20,9 +20,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from capycommon.domain.hosts import Heartbeat
+from capycommon.domain.instances import InstanceRecord
 from capycommon.state import keys
-from capycommon.state.heartbeats import Heartbeat
-from capycommon.state.instances import InstanceRecord
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine

@@ -23,11 +23,11 @@ from typing import Any, TypeVar
 import redis
 import yaml
 
+from capycommon.domain.instances import CacheRecord, InstanceRecord, InstanceState, ProcessIdentity
 from capycommon.engines.families import Family
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths
-from capycommon.state.instances import CacheRecord, InstanceRecord, InstanceState, ProcessIdentity
 from capyctl_cli import status
 
 T = TypeVar("T")

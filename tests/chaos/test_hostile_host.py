@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import RedisError
 
+from capycommon.domain.instances import InstanceState
 from capycommon.state import keys
-from capycommon.state.instances import InstanceState
 from hostilehost import Hostile, forged_record, refused_by_metrics
 from serversetup import ask
 from support import wait_for

@@ -38,8 +38,8 @@ import httpx
 import openai
 import pytest
 
+from capycommon.domain.instances import LIVE_STATES, InstanceState
 from capycommon.state import desired, places
-from capycommon.state.instances import LIVE_STATES, InstanceState
 from cluster import Cluster
 from support import live_processes, pid_alive, processes_mentioning, wait_for
 

@@ -12,8 +12,8 @@ from typing import cast
 import openai
 import redis
 
+from capycommon.domain.instances import InstanceRecord
 from capycommon.state import keys
-from capycommon.state.instances import InstanceRecord
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine

@@ -22,8 +22,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from capycommon import ingress, pki
 from capycommon.authority import Authority
+from capycommon.domain.hosts import HostInfo
 from capycommon.state import keys
-from capycommon.state.hostinfo import HostInfo
 from support import Role, join_host, short_dir, start_host, start_role, wait_for
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from capycommon.state.store import Event
+from capycommon.domain.instances import Event
 from cluster import FOURTEEN, HOST, Cluster
 from support import wait_for
 

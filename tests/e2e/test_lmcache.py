@@ -13,7 +13,7 @@ import json
 import pytest
 import yaml
 
-from capycommon.state.instances import InstanceRecord
+from capycommon.domain.instances import InstanceRecord
 from cluster import SMALL, Cluster
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_lmcache, install_python_engine

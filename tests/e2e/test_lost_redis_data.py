@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 from capycommon import simgpu
-from capycommon.state.instances import InstanceRecord
+from capycommon.domain.instances import InstanceRecord
 from cluster import Cluster
 from support import group_members, live_processes, processes_mentioning, start_role, wait_for
 

@@ -22,9 +22,9 @@ from typing import cast
 import openai
 import pytest
 
+from capycommon.domain.hosts import HostInfo
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state import keys
-from capycommon.state.hostinfo import HostInfo
-from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from cluster import FOURTEEN, SMALL, GiB, running
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour

@@ -11,8 +11,8 @@ from typing import cast
 
 import redis
 
+from capycommon.domain.instances import InstanceRecord
 from capycommon.state import keys
-from capycommon.state.instances import InstanceRecord
 from capycommon.state.memory import read_reading, read_startup_peak
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour

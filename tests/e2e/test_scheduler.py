@@ -15,8 +15,8 @@ import openai
 import pytest
 import yaml
 
+from capycommon.domain.instances import LIVE_STATES
 from capycommon.state import desired, keys
-from capycommon.state.instances import LIVE_STATES
 from cluster import FOURTEEN, HOST, SMALL, Cluster, GiB
 from support import wait_for
 

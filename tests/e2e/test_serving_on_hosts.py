@@ -24,8 +24,8 @@ import httpx
 import openai
 import pytest
 
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord
 from capycommon.state import keys
-from capycommon.state.instances import LIVE_STATES, InstanceRecord
 from cluster import FOURTEEN, SMALL, GiB
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour

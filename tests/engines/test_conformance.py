@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from capycommon import simgpu
+from capycommon.domain.engines import Residency
 from capycommon.engines.control import Load
 from capycommon.engines.families import Family
-from capycommon.engines.launch import Residency
 from enginerun import RunningEngine, launch, make_devices, sparse_model
 from engines.llamacpp.llama_server import write_wrapper
 from engines.llamacpp.tinygguf import write_tiny_model

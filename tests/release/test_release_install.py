@@ -20,8 +20,8 @@ import openai
 import pytest
 import redis
 
+from capycommon.domain.instances import InstanceRecord
 from capycommon.state import keys
-from capycommon.state.instances import InstanceRecord
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from capycommon.deployments import HostFacts, Resolved, parse_deployment, resolve
+from capycommon.domain.models import HostModels, ModelFacts
 from capycommon.engines.families import Family
-from capycommon.state.hostfacts import HostModels, ModelFacts
 from capyctl_scheduler.engineterms import EngineTerms, terms_of
 from support import engine_profile
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from capycommon.domain.engines import Residency
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import ENGINE_FAMILIES, Family
-from capycommon.engines.launch import LaunchPlan, LaunchSpec, Residency
+from capycommon.engines.launch import LaunchPlan, LaunchSpec
 from capycommon.engines.registry import EngineProfile
 from capycommon.engines.runtime import capyctl_sglang_launch
 from capycommon.errors import InvalidConfig

@@ -10,12 +10,12 @@ import pytest
 from capycommon.deployments import HostFacts, Resolved, parse_deployment, resolve
 from capycommon.deployments.load import revision_digest
 from capycommon.deployments.resolve import hub_store
-from capycommon.deployments.schema import ModelSource
+from capycommon.domain.deployment import ModelSource
+from capycommon.domain.models import DecisionHead, HostModels, ModelFacts
 from capycommon.engines import decisions
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import Family
 from capycommon.errors import CapyError
-from capycommon.state.hostfacts import DecisionHead, HostModels, ModelFacts
 from support import engine_profile
 
 GiB = 1 << 30

@@ -21,12 +21,12 @@ from capycommon.deployments import (
     revision_digest,
 )
 from capycommon.deployments.resolve import hub_origin, hub_store
-from capycommon.deployments.schema import ModelSource
+from capycommon.domain.deployment import ModelSource
+from capycommon.domain.engines import Residency
+from capycommon.domain.models import HostModels, ModelFacts
 from capycommon.engines.families import ENGINE_FAMILIES, Family
-from capycommon.engines.launch import Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, InvalidConfig
-from capycommon.state.hostfacts import HostModels, ModelFacts
 from capycommon.units import format_duration, format_size_exact, parse_duration, parse_size
 from support import engine_profile
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from capycommon.domain.instances import InstanceState
 from capycommon.engines.families import Family
-from capycommon.state.instances import InstanceState
 from capyctl_scheduler.engineterms import (
     CUDA_CONTEXT,
     EngineTerms,

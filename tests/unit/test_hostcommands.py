@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from capycommon.state import hostcommands as hc
+from capycommon.domain import commands as hc
+from capycommon.state import hostcommands
 
 GiB = 1 << 30
 
@@ -31,15 +32,15 @@ def test_every_command_that_changes_state_carries_a_reason() -> None:
     ]
     assert [c.reason for c in commands] == ["demanded", "requested", "demanded", "idle"]
     for command in commands:
-        assert hc.parse(command.model_dump_json()) == command
+        assert hostcommands.parse(command.model_dump_json()) == command
 
 
 def test_a_park_names_its_release_bound_or_none() -> None:
     plain = hc.Park(deployment="chat", generation=2)
     assert (plain.release_bound_bytes, plain.verify_s) == (None, 15.0)
     checked = hc.Park(deployment="chat", generation=2, release_bound_bytes=GiB, verify_s=5)
-    assert hc.parse(checked.model_dump_json()) == checked
-    assert hc.parse('{"kind": "park", "deployment": "chat", "generation": 2}') == plain
+    assert hostcommands.parse(checked.model_dump_json()) == checked
+    assert hostcommands.parse('{"kind": "park", "deployment": "chat", "generation": 2}') == plain
 
 
 @pytest.mark.parametrize(
@@ -52,6 +53,6 @@ def test_a_park_refuses_impossible_or_unknown_fields(field: str, value: int) -> 
 
 def test_a_describe_names_model_paths_and_no_instance() -> None:
     describe = hc.Describe(paths=("/data/qwen", "~/m", "org/name"))
-    assert hc.parse(describe.model_dump_json()) == describe
+    assert hostcommands.parse(describe.model_dump_json()) == describe
     with pytest.raises(ValidationError, match="deployment"):
-        hc.parse('{"kind": "describe", "paths": [], "deployment": "chat"}')
+        hostcommands.parse('{"kind": "describe", "paths": [], "deployment": "chat"}')

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from capycommon.domain.desired import Inflight
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.engines.families import Family
 from capycommon.errors import NotFound
-from capycommon.state.desired import Inflight
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.charges import gpu_memory
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains
 from capyctl_scheduler.policy import HOST_CHECK_S, plan, quiet_until

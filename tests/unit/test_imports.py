@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from importgraph import cycles, part_imports
+
 ROOT = Path(__file__).resolve().parents[2]
 OURS = {
     "capycommon": ROOT / "libs" / "capycommon" / "src" / "capycommon",
@@ -82,3 +84,27 @@ def test_every_package_is_installable_on_its_own() -> None:
     for folder in OURS.values():
         pyproject = folder.parents[1] / "pyproject.toml"
         assert pyproject.is_file(), f"{pyproject} is missing"
+
+
+def test_no_two_parts_of_capycommon_import_each_other() -> None:
+    assert cycles(part_imports(OURS["capycommon"])) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_third_part(tmp_path: Path) -> None:
+    root = tmp_path / "capycommon"
+    for name, text in {
+        "state/records.py": "from capycommon.deployments import Deployment\n",
+        "deployments/__init__.py": "from capycommon.units import parse_size\n",
+        "units.py": "import capycommon.state.records\n",
+        "domain/models.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from capycommon.state import records\n",
+    }.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    graph = part_imports(root)
+    assert "domain" not in graph, "an import only a type checker reads is no edge"
+    assert cycles(graph) == [
+        ["deployments", "units", "state", "deployments"],
+        ["state", "deployments", "units", "state"],
+        ["units", "state", "deployments", "units"],
+    ]

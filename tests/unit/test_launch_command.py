@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from capycommon.domain.instances import InstanceState
 from capycommon.engines.families import Family
-from capycommon.state.instances import InstanceState
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.engineterms import CUDA_CONTEXT, told_fraction

@@ -13,11 +13,11 @@ import pytest
 
 from capycommon.deployments import HostFacts, Resolved, parse_deployment, resolve
 from capycommon.deployments.load import revision_digest
+from capycommon.domain.models import HostModels, ModelFacts
 from capycommon.engines import lmcache
 from capycommon.engines.families import Family, check_supported
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, EngineUnsupported
-from capycommon.state.hostfacts import HostModels, ModelFacts
 from support import engine_profile
 
 GiB = 1 << 30

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from capycommon.state.instances import InstanceRecord
+from capycommon.domain.instances import InstanceRecord
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB
 from capyctl_scheduler.policy import plan, quiet_until

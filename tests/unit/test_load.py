@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from capycommon.domain.hosts import EngineLoad
 from capycommon.engines.control import Load
-from capycommon.state.load import EngineLoad, decode
+from capycommon.state.load import decode
 from capyctl_hostd.loads import entry
 from support import instance_record
 

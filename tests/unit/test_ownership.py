@@ -10,8 +10,8 @@ import time
 import pytest
 
 from capycommon.deployments.load import parse_deployment
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.state.ownership import owners
 from capycommon.state.quarantine import REFUSALS
 from support import instance_record

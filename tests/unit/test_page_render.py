@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 
+from capycommon.domain.desired import Choice
+from capycommon.domain.instances import Event
 from capycommon.management import EngineRow
-from capycommon.state.desired import Choice
-from capycommon.state.store import Event
 from capyctl_scheduler.page import render
 from capyctl_scheduler.page.view import (
     ACTIONS,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 from capycommon.deployments import parse_deployment
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.memory import GpuReading, HostRam, MemoryReading
 from capycommon.engines.families import Family
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.load import EngineLoad
-from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged
 from capyctl_scheduler.ledger import GiB, derive_discrete, derive_domains

@@ -7,12 +7,12 @@ from dataclasses import replace
 from typing import Any
 
 from capycommon.deployments import parse_deployment
+from capycommon.domain.desired import Attempts, DeploymentRecord, Inflight
+from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.places import Places
 from capycommon.engines.families import Family
 from capycommon.errors import ProfileNotPublished
-from capycommon.state.desired import Attempts, DeploymentRecord, Inflight
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.load import EngineLoad
-from capycommon.state.places import Places
 from capyctl_scheduler import placement
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import charged

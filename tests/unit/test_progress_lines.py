@@ -3,8 +3,8 @@ instance's state, the last start's duration and a download make it."""
 
 from __future__ import annotations
 
-from capycommon.state.downloads import Download
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.domain.hosts import Download
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capyctl_router.progress import progress_line
 
 GiB = 1 << 30

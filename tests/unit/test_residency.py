@@ -9,11 +9,12 @@ import pytest
 
 from capycommon.deployments import HostFacts, Resolved, parse_deployment, resolve
 from capycommon.deployments.checkpoint import quantization
+from capycommon.domain.engines import PARKING, Residency
+from capycommon.domain.models import HostModels, ModelFacts, QuantizationConfig
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import ENGINE_FAMILIES, Family
-from capycommon.engines.launch import MODELOPT_FP4, PARKING, LaunchSpec, Residency, host_tiers
+from capycommon.engines.launch import MODELOPT_FP4, LaunchSpec, host_tiers
 from capycommon.errors import CapyError
-from capycommon.state.hostfacts import HostModels, ModelFacts, QuantizationConfig
 from support import engine_profile
 
 GiB = 1 << 30

@@ -10,9 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from capycommon.state.desired import DeploymentRecord, Inflight, Switch, Victim
-from capycommon.state.instances import InstanceRecord
-from capycommon.state.store import Event
+from capycommon.domain.desired import DeploymentRecord, Inflight, Switch, Victim
+from capycommon.domain.instances import Event, InstanceRecord
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.actuator import switch_engine_s
 from capyctl_scheduler.charges import charged, gpu_memory

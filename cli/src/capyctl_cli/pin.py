@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from capycommon.deployments import Deployment
-from capycommon.deployments.schema import ModelSource
+from capycommon.domain.deployment import ModelSource
 from capycommon.errors import CapyError, NotFound
 from capycommon.hub import HubSource, hub_access, resolve
 from capyctl_cli.management import Management

@@ -11,10 +11,11 @@ from typing import Literal
 import redis
 from pydantic import BaseModel, ValidationError
 
+from capycommon.domain.hosts import Heartbeat
+from capycommon.domain.memory import MemoryReading
 from capycommon.errors import RoleNotRunning
 from capycommon.paths import StatePaths
 from capycommon.state import heartbeats, memory, persistence
-from capycommon.state.memory import MemoryReading
 from capycommon.units import format_size
 from capyctl_cli import output, record, supervisor
 from capyctl_cli.record import RoleRecord
@@ -135,7 +136,7 @@ def collect(paths: StatePaths) -> StatusReport:
     )
 
 
-Beats = dict[str, heartbeats.Heartbeat]
+Beats = dict[str, Heartbeat]
 
 
 def _observe(
@@ -163,7 +164,7 @@ def _observe(
     return beats, workers, hosts, refusal
 
 
-def _worker(beat: heartbeats.Heartbeat) -> WorkerStatus:
+def _worker(beat: Heartbeat) -> WorkerStatus:
     return WorkerStatus(
         name=beat.service,
         state="RUNNING" if Path(f"/proc/{beat.pid}").exists() else "EXITED",

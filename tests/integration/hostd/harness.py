@@ -12,11 +12,12 @@ from typing import Any, cast
 import redis
 
 from capycommon import simgpu
+from capycommon.domain.commands import Abort, Launch, Park, Stop, Wake
+from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.instances import InstanceRecord
 from capycommon.engines import detect, registry
 from capycommon.state import keys, memory
-from capycommon.state.hostcommands import Abort, Launch, Park, Stop, Wake
-from capycommon.state.instances import InstanceRecord
-from capycommon.state.load import EngineLoad, read_loads
+from capycommon.state.load import read_loads
 from capyctl_hostd.ports import is_free
 from enginesim.behaviour import Behaviour
 from support import clean_env, group_members, service_command, wait_for

@@ -21,11 +21,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from capycommon import pki
 from capycommon.authority import Authority
+from capycommon.domain.hosts import HostIdentity
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import ServiceContext, redis_client
 from capycommon.settings import HostSettings
 from capycommon.state import identities
-from capycommon.state.identities import HostIdentity
 from capyctl_hostd import renewal
 
 HOST = "gpu-1"

@@ -9,8 +9,8 @@ import signal
 from pathlib import Path
 from typing import cast
 
+from capycommon.domain.hosts import HostInfo
 from capycommon.state import keys
-from capycommon.state.hostinfo import HostInfo
 from integration.hostd.harness import HOST, Hostd, environ, launch
 from support import group_members, short_dir, wait_for
 

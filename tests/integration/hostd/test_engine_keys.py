@@ -15,8 +15,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from capycommon.domain.instances import InstanceRecord
 from capycommon.engines import detect, registry
-from capycommon.state.instances import InstanceRecord
 from capycommon.state.store import InstanceStore
 from enginerun import sparse_model
 from enginesim import Faults, SchedulerDies, write_behaviour

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import openai
 
+from capycommon.domain.commands import Park, Stop, Wake
+from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.instances import InstanceRecord
+from capycommon.domain.notifications import Notification
 from capycommon.state import keys
-from capycommon.state.hostcommands import Park, Stop, Wake
-from capycommon.state.instances import InstanceRecord
-from capycommon.state.load import EngineLoad
-from capycommon.state.notify import Notification
 from enginesim.install import write_behaviour
 from integration.hostd.harness import FAST, HOST, Hostd, launch
 from support import wait_for

@@ -14,8 +14,8 @@ from typing import cast
 import openai
 import pytest
 
-from capycommon.state.hostcommands import Park, Stop, Wake
-from capycommon.state.instances import InstanceRecord, ProcessIdentity
+from capycommon.domain.commands import Park, Stop, Wake
+from capycommon.domain.instances import InstanceRecord, ProcessIdentity
 from enginesim.behaviour import CrashAtStart, Faults
 from enginesim.install import write_behaviour
 from integration.hostd.harness import (

@@ -33,12 +33,12 @@ import pytest
 
 from capycommon import ingress, pki
 from capycommon.authority import Authority
-from capycommon.engines.launch import Residency
+from capycommon.domain.engines import Residency
+from capycommon.domain.hosts import HostInfo
+from capycommon.domain.instances import InstanceState
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import redis_client
 from capycommon.state import keys
-from capycommon.state.hostinfo import HostInfo
-from capycommon.state.instances import InstanceState
 from capycommon.state.store import InstanceStore
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.ingress import HostIngress

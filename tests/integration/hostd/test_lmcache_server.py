@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from capycommon.domain.commands import CacheLaunch, Stop
+from capycommon.domain.instances import CacheRecord, InstanceRecord
 from capycommon.engines import detect, lmcache, registry
 from capycommon.engines.registry import EngineProfile
-from capycommon.state.hostcommands import CacheLaunch, Stop
-from capycommon.state.instances import CacheRecord, InstanceRecord
 from enginesim.behaviour import LMCacheBehaviour
 from enginesim.install import install_lmcache, install_python_engine, write_behaviour
 from integration.hostd.harness import FAST, GiB, Hostd, environ, launch

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from capycommon import simgpu
+from capycommon.domain.commands import Stop
+from capycommon.domain.instances import InstanceRecord
 from capycommon.paths import StatePaths
-from capycommon.state.hostcommands import Stop
-from capycommon.state.instances import InstanceRecord
 from integration.hostd.harness import GiB, Hostd, launch
 from support import group_members, wait_for
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from capycommon.deployments.checkpoint import quantization
+from capycommon.domain.commands import Describe
+from capycommon.domain.models import HostModels, ModelFacts, QuantizationConfig
 from capycommon.engines.launch import MODELOPT_FP4
 from capycommon.state import hostfacts, keys
-from capycommon.state.hostcommands import Describe
-from capycommon.state.hostfacts import HostModels, ModelFacts, QuantizationConfig
 from capyctl_hostd.modelfacts import MAX_CONFIG_BYTES, describe, locate, scan, survey
 from integration.hostd.harness import HOST, Hostd
 from support import short_dir, wait_for

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from capycommon.domain import commands as hc
 from capycommon.errors import InvalidConfig
 from capycommon.hub.store import remove_tree
 from capycommon.state import downloads
-from capycommon.state import hostcommands as hc
 from capycommon.state.store import InstanceStore, read_events
 from capyctl_hostd.downloads import ModelStore, store_folder
 from mockhub import Faults, MockHub, tiny_repo

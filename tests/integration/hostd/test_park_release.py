@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from capycommon.state.hostcommands import Park
+from capycommon.domain.commands import Park
 from capycommon.units import format_size
 from enginesim.behaviour import Faults
 from enginesim.install import write_behaviour

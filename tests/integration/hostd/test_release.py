@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from capycommon.state.memory import GpuReading, HostRam, MemoryReading
+from capycommon.domain.memory import GpuReading, HostRam, MemoryReading
 from capyctl_hostd.release import Seen, judge, observe
 
 GiB = 1 << 30

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from capycommon.domain.commands import Stop
+from capycommon.domain.hosts import LogTail
+from capycommon.domain.instances import InstanceRecord
 from capycommon.state import enginelogs, keys
-from capycommon.state.hostcommands import Stop
-from capycommon.state.instances import InstanceRecord
 from integration.hostd.harness import HOST, Hostd, launch
 from support import group_members
 
@@ -53,10 +54,10 @@ def test_a_zero_retention_engine_keeps_no_log_and_dumps_no_core(
     assert not harness.client.exists(keys.instance_log(HOST, "a", 0)), "no lines in Redis"
 
 
-def tail(harness: Hostd, deployment: str, lines: int = 100) -> enginelogs.LogTail:
+def tail(harness: Hostd, deployment: str, lines: int = 100) -> LogTail:
     """The tail of an engine's log, asked of hostd as the management API asks it."""
 
-    async def ask() -> enginelogs.LogTail:
+    async def ask() -> LogTail:
         client = aioredis.Redis(unix_socket_path=str(harness.redis_socket))
         try:
             found = await enginelogs.request(client, HOST, deployment, lines, 10.0)

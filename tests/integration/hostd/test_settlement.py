@@ -9,9 +9,10 @@ from typing import cast
 
 import httpx
 
+from capycommon.domain.commands import Abort
+from capycommon.domain.hosts import RequestEnd
 from capycommon.state import keys
-from capycommon.state.hostcommands import Abort
-from capycommon.state.settlement import FIELD, RequestEnd
+from capycommon.state.settlement import FIELD
 from enginesim.install import write_behaviour
 from integration.hostd.harness import FAST, HOST, Hostd, launch
 from support import wait_for

@@ -11,10 +11,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from capycommon.domain.commands import Park, Wake
+from capycommon.domain.instances import InstanceState
+from capycommon.domain.notifications import Notification
 from capycommon.state import notify
-from capycommon.state.hostcommands import Park, Wake
-from capycommon.state.instances import InstanceState
-from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
 from enginesim.install import write_behaviour
 from integration.hostd.harness import FAST, HOST, Hostd, launch

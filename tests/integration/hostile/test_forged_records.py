@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.state import keys, refusals
 from capycommon.state.desired import DeploymentStore
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.quarantine import MAX_VALUE_BYTES, REFUSALS
 from capycommon.state.store import InstanceStore
 from capyctl_router.metrics import Metrics

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from capycommon.state.instances import InstanceRecord, InstanceState, ProcessIdentity
+from capycommon.domain.instances import InstanceRecord, InstanceState, ProcessIdentity
 
 GIB = 1 << 30
 CLAIMER = Path(__file__).with_name("claimer.py")

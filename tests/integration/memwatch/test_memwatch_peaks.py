@@ -6,8 +6,8 @@ from collections.abc import Collection
 
 import pytest
 
-from capycommon.state.instances import InstanceState, ProcessIdentity
-from capycommon.state.memory import StartupPeak
+from capycommon.domain.instances import InstanceState, ProcessIdentity
+from capycommon.domain.memory import StartupPeak
 from capyctl_memwatch.peaks import GroupUse, PeakSampler
 from integration.memwatch.helpers import GIB, record
 

@@ -17,10 +17,10 @@ import pytest
 import redis
 
 from capycommon import simgpu
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.memory import STALE_AFTER_S, MemoryReading
+from capycommon.domain.notifications import Notification
 from capycommon.state import keys, memory
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.memory import MemoryReading
-from capycommon.state.notify import Notification
 from integration.memwatch.helpers import GIB, Claimer, record
 from support import clean_env, service_command, short_dir, wait_for
 
@@ -92,14 +92,14 @@ def test_devices_json_and_a_fresh_reading_every_two_seconds(memwatch: Memwatch) 
         taken.append(later.taken_at)
     gaps = [b - a for a, b in itertools.pairwise(taken)]
     # Two readings within a reading's freshness, so one late never leaves the host unobserved.
-    assert all(0 < gap < memory.STALE_AFTER_S / 2 for gap in gaps), gaps
+    assert all(0 < gap < STALE_AFTER_S / 2 for gap in gaps), gaps
     assert 1.6 < (taken[-1] - taken[0]) / len(gaps) < 2.4, gaps
     assert first.backend == "simulated"
     assert first.host == "local"
     assert [g.used_bytes for g in first.gpus] == [0, 0]
     assert (first.ram.total_bytes, first.ram.available_bytes) == (64 * GIB, 64 * GIB)
     assert first.ram.source == "simulated"
-    assert not first.is_fresh(first.taken_at + memory.STALE_AFTER_S + 0.1)
+    assert not first.is_fresh(first.taken_at + STALE_AFTER_S + 0.1)
 
 
 def used(memwatch: Memwatch) -> tuple[list[int], int] | None:

@@ -11,8 +11,8 @@ import redis
 import redis.asyncio as aioredis
 
 from capycommon import simgpu
+from capycommon.domain.memory import GpuReading, HostRam, MemoryReading, StartupPeak
 from capycommon.state import keys, memory
-from capycommon.state.memory import GpuReading, HostRam, MemoryReading
 from capyctl_cli.status import host_memory, render_memory
 from integration.memwatch.helpers import GIB, Claimer
 from support import Role, clean_env, role_running, wait_for
@@ -103,7 +103,7 @@ def test_readings_and_peaks_are_read_back_or_none(redis_socket: Path) -> None:
     client = redis.Redis(unix_socket_path=str(redis_socket))
     assert memory.read_reading(client, "local") is None
     assert memory.read_startup_peak(client, "local", "chat", 1, "fp") is None
-    peak = memory.StartupPeak(
+    peak = StartupPeak(
         deployment="chat",
         revision=1,
         host="local",
@@ -114,7 +114,7 @@ def test_readings_and_peaks_are_read_back_or_none(redis_socket: Path) -> None:
         samples=4,
     )
 
-    async def write_and_read() -> tuple[MemoryReading | None, memory.StartupPeak | None]:
+    async def write_and_read() -> tuple[MemoryReading | None, StartupPeak | None]:
         aclient = aioredis.Redis(unix_socket_path=str(redis_socket))
         try:
             await memory.write_reading(aclient, reading(NOW))

@@ -9,9 +9,10 @@ import time
 import redis.asyncio as aioredis
 
 from capycommon.deployments.load import parse_deployment
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.instances import CacheRecord, InstanceRecord, InstanceState
 from capycommon.state import keys
-from capycommon.state.desired import DeploymentRecord, DeploymentStore
-from capycommon.state.instances import CacheRecord, InstanceRecord, InstanceState
+from capycommon.state.desired import DeploymentStore
 
 
 async def put_deployment(

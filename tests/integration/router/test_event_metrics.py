@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from capycommon.state.store import Event, note
+from capycommon.domain.instances import Event
+from capycommon.state.store import note
 from capyctl_router.metrics import Metrics, start_cursors
 
 HOST = "gpu-m"

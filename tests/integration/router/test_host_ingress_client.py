@@ -31,13 +31,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from capycommon import ingress, pki
 from capycommon.authority import Authority
 from capycommon.credentials import generate
+from capycommon.domain.hosts import HostIdentity, HostInfo
 from capycommon.engineclient import Engines
 from capycommon.paths import StatePaths, ensure_private_dir
 from capycommon.service import redis_client
 from capycommon.settings import ConnectionLimits
 from capycommon.state import hostinfo, identities, places
-from capycommon.state.hostinfo import HostInfo
-from capycommon.state.identities import HostIdentity
 from capyctl_cli import serveridentity
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher, Limits

@@ -19,12 +19,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
+from capycommon.domain.instances import InstanceState
+from capycommon.domain.notifications import Notification
 from capycommon.engineclient import Engines
 from capycommon.service import redis_client
 from capycommon.settings import ConnectionLimits
 from capycommon.state import keys, notify, places
-from capycommon.state.instances import InstanceState
-from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher

@@ -20,10 +20,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
+from capycommon.domain.desired import Demand, DeploymentRecord
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.engineclient import Engines
 from capycommon.state import keys
-from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, DeploymentStore
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.state.desired import DEMAND_FIELD, DeploymentStore
 from capyctl_router import table as table_module
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher, Limits

@@ -12,11 +12,11 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from capycommon.deployments import parse_deployment, revision_digest
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.models import HostModels, ModelFacts
 from capycommon.engines.families import Family
+from capycommon.engines.registry import PublishedEngines
 from capycommon.state import hostfacts, keys
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.enginefacts import PublishedEngines
-from capycommon.state.hostfacts import HostModels, ModelFacts
 from support import engine_profile
 from unit.readings import GiB
 

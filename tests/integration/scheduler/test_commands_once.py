@@ -15,8 +15,10 @@ from typing import Any, cast
 import pytest
 import redis.asyncio as aioredis
 
+from capycommon.domain.commands import Launch, Stop
+from capycommon.domain.desired import DeploymentRecord
 from capycommon.state import hostcommands, keys
-from capycommon.state.desired import DeploymentRecord, DeploymentStore
+from capycommon.state.desired import DeploymentStore
 from capycommon.state.memory import write_reading
 from capycommon.state.store import InstanceStore
 from capyctl_scheduler.loop import Scheduler
@@ -59,11 +61,7 @@ async def sent(client: aioredis.Redis) -> list[tuple[str, str, int]]:
         list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.host_commands(HOST))
     )
     found = [hostcommands.parse(fields[b"command"]) for _, fields in entries]
-    return [
-        (c.kind, c.deployment, c.generation)
-        for c in found
-        if isinstance(c, hostcommands.Launch | hostcommands.Stop)
-    ]
+    return [(c.kind, c.deployment, c.generation) for c in found if isinstance(c, Launch | Stop)]
 
 
 @pytest.mark.anyio

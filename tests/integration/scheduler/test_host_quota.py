@@ -13,10 +13,10 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError
 
+from capycommon.domain.hosts import HostIdentity
 from capycommon.settings import ServerSettings
 from capycommon.state import acl, desired, hostinfo, identities, keys
 from capycommon.state.hostkeys import host_bytes
-from capycommon.state.identities import HostIdentity
 from capycommon.state.store import InstanceStore
 from capycommon.version import __version__
 from capyctl_scheduler.enroll import Enrollment

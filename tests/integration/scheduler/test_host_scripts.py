@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from redis.exceptions import NoPermissionError, ResponseError
 
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.service import REDIS_ERRORS
 from capycommon.state import acl, functions, keys
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.pipe import RedisBusy
 from capycommon.state.store import Conflict, InstanceStore
 from capyctl_scheduler.redisguard import GUARD_EVERY_S, RedisGuard

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from capycommon import management as wire
 from capycommon.credentials import generate
+from capycommon.domain.models import HostModels, ModelFacts
 from capycommon.engines.families import Family
 from capycommon.engines.registry import EngineProfile, EnginesDocument, Registry
 from capycommon.state import enginefacts, hostfacts
@@ -33,8 +34,8 @@ M = TypeVar("M", bound=BaseModel)
 async def api(redis_socket: Path, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """The management app of a scheduler whose one host has published a vLLM profile."""
     client = aioredis.Redis(unix_socket_path=str(redis_socket))
-    model = hostfacts.ModelFacts(path=f"{tmp_path}/models/m", kind="folder", weights_bytes=1 << 30)
-    models = hostfacts.HostModels(models_root=f"{tmp_path}/models", models={"m": model})
+    model = ModelFacts(path=f"{tmp_path}/models/m", kind="folder", weights_bytes=1 << 30)
+    models = HostModels(models_root=f"{tmp_path}/models", models={"m": model})
     await hostfacts.publish(client, HOST, models)
     profile = EngineProfile(
         name="vllm",

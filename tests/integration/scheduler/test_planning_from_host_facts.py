@@ -12,9 +12,11 @@ from typing import cast
 import pytest
 import redis.asyncio as aioredis
 
+from capycommon.domain.commands import Describe
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.models import ModelFacts
 from capycommon.state import hostcommands, hostfacts, keys
-from capycommon.state.desired import DeploymentRecord, DeploymentStore
-from capycommon.state.hostfacts import ModelFacts
+from capycommon.state.desired import DeploymentStore
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan
 from integration.scheduler.livehost import deployment_record, live_host
@@ -41,7 +43,7 @@ async def describes(client: aioredis.Redis) -> list[tuple[str, ...]]:
         list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.host_commands(HOST))
     )
     found = [hostcommands.parse(fields[b"command"]) for _, fields in entries]
-    return [c.paths for c in found if isinstance(c, hostcommands.Describe)]
+    return [c.paths for c in found if isinstance(c, Describe)]
 
 
 async def answer(client: aioredis.Redis, facts: dict[str, ModelFacts]) -> None:

@@ -13,8 +13,9 @@ from typing import cast
 import pytest
 import redis.asyncio as aioredis
 
+from capycommon.domain.desired import Victim
 from capycommon.state import keys
-from capycommon.state.desired import CHOICE_FIELD, DeploymentStore, Victim
+from capycommon.state.desired import CHOICE_FIELD, DeploymentStore
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.snapshot import Snapshot

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, Field
 
+from capycommon.domain.strict import Strict
 from capycommon.settingnames import Setting
 from capycommon.settingvalues import DialAddress, ListenAddress, Seconds
 from capycommon.units import parse_size
@@ -23,11 +24,9 @@ def _check_quota(value: str) -> str:
     return value
 
 
-class EnrollmentSection(BaseModel):
+class EnrollmentSection(Strict):
     """How hosts join this server (the bootstrap listener, server TLS) and then reach its
     Redis (its TLS port, mutual TLS with a certificate its authority signed)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)  # as `settings.Strict`
 
     control_bind: ListenAddress = Field(
         "0.0.0.0:7445",

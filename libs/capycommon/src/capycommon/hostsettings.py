@@ -9,8 +9,9 @@ import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, Field
 
+from capycommon.domain.strict import Strict
 from capycommon.settingnames import Setting
 from capycommon.settingvalues import (
     DialAddress,
@@ -40,9 +41,7 @@ def _short(flag: str, *, metavar: str = "", empty_refused: bool = True) -> Setti
     )
 
 
-class HostSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)  # as `settings.Strict`
-
+class HostSection(Strict):
     name: HostName = Field(
         default_factory=machine_host_name,
         description="This host's name; the state dir keeps the name of its first start.",
@@ -108,11 +107,9 @@ class HostSection(BaseModel):
     )
 
 
-class IngressSection(BaseModel):
+class IngressSection(Strict):
     """A joined host's ingress: where the server's router reaches this host's engines, over
     mutual TLS (`capycommon.ingress`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)  # as `settings.Strict`
 
     bind: ListenAddress = Field(
         "0.0.0.0:8444",

@@ -25,6 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capycommon import logs
+from capycommon.domain.hosts import Heartbeat
 from capycommon.enrollment import incompatibility
 from capycommon.errors import (
     CapyError,
@@ -40,7 +41,6 @@ from capycommon.settings import ROLES, AnySettings, Role, host_name
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.state import heartbeats, identities, pipe
 from capycommon.state.functions import FunctionsMissing
-from capycommon.state.heartbeats import Heartbeat
 from capycommon.state.pipe import ClosingPool, ReplyParser
 from capycommon.version import __version__
 

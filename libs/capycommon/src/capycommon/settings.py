@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from capycommon.domain.strict import Strict
 from capycommon.enrollsettings import EnrollmentSection
 from capycommon.hostsettings import EmbeddedHostSection, HostSection, JoinedHostSection
 from capycommon.settingnames import Setting, SettingSpec, specs_of
@@ -34,12 +35,6 @@ from capycommon.settingvalues import (
 
 Role = Literal["standalone", "server", "host"]
 ROLES: tuple[Role, ...] = ("standalone", "server", "host")
-
-
-class Strict(BaseModel):
-    """Internal models and documents forbid unknown fields: a typo fails, naming the key."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ConnectionLimits(Strict):

@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from capycommon.domain.hosts import HostInfo
 from capycommon.engines import registry
 from capycommon.enrollment import ingress_address
 from capycommon.errors import CapyError, InvalidConfig
@@ -15,7 +16,6 @@ from capycommon.service import REDIS_ERRORS, ServiceContext, joined_host, run, w
 from capycommon.settings import HostSettings, own_host
 from capycommon.settingvalues import parse_port_range
 from capycommon.state import enginefacts, hostinfo
-from capycommon.state.hostinfo import HostInfo
 from capycommon.state.store import InstanceStore
 from capyctl_hostd import adopt, consumer, loads, renewal
 from capyctl_hostd.hostpaths import HostPaths

@@ -13,11 +13,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from capycommon.domain.commands import Launch
+from capycommon.domain.engines import Residency
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.engines import registry
-from capycommon.engines.launch import LaunchSpec, Residency
+from capycommon.engines.launch import LaunchSpec
 from capycommon.service import REDIS_ERRORS, wait_any
 from capycommon.state import hostcommands
-from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import procs
 from capyctl_hostd.engines import Engine, last_lines
@@ -84,7 +86,7 @@ async def _unfinished_launches(runner: Runner) -> dict[str, int]:
         # TypeError: an entry trimmed from the stream (`hostcommands.KEEP`) has no fields.
         with contextlib.suppress(KeyError, TypeError, ValidationError):
             command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
-            if isinstance(command, hostcommands.Launch):
+            if isinstance(command, Launch):
                 member = f"{command.deployment}:{command.instance}"
                 found[member] = max(found.get(member, -1), command.generation)
     return found

@@ -27,6 +27,8 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from capycommon import procfs
+from capycommon.domain import commands as hc
+from capycommon.domain.instances import CacheRecord, InstanceRecord
 from capycommon.engines import lmcache
 from capycommon.engines.families import Family
 from capycommon.engines.launch import ENGINE_HOST
@@ -34,8 +36,6 @@ from capycommon.engines.lmcache import ServerPorts
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import LaunchFailed
 from capycommon.paths import write_atomic
-from capycommon.state import hostcommands as hc
-from capycommon.state.instances import CacheRecord, InstanceRecord
 from capycommon.state.memory import write_cache_server_rss
 from capyctl_hostd import engines, procs
 from capyctl_hostd.ports import PortLeaser

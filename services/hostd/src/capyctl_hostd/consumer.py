@@ -17,6 +17,7 @@ import logging
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
+from capycommon.domain.commands import Describe, Pull, Remove, TailLog
 from capycommon.service import REDIS_ERRORS, until_stop, wait_event
 from capycommon.state import hostcommands
 from capycommon.state.streams import Entry, Fields, Reader
@@ -93,15 +94,15 @@ async def _run(runner: Runner, shelf: Shelf, reader: Reader, entry_id: str, fiel
         log.error("dropping a malformed command %s: %s", entry_id, exc)
     else:
         try:
-            if isinstance(command, hostcommands.Describe):
+            if isinstance(command, Describe):
                 await shelf.describe(command)
-            elif isinstance(command, hostcommands.Pull):
+            elif isinstance(command, Pull):
                 await runner.models.pull(command)
                 await shelf.refresh()
-            elif isinstance(command, hostcommands.Remove):
+            elif isinstance(command, Remove):
                 await runner.models.remove(command)
                 await shelf.refresh()
-            elif isinstance(command, hostcommands.TailLog):
+            elif isinstance(command, TailLog):
                 await runner.tail_log(command)
             else:
                 await runner.handle(command)

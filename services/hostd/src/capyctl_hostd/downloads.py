@@ -33,15 +33,15 @@ from typing import Literal
 import redis.asyncio as aioredis
 
 from capycommon.deployments.resolve import HUB_STORE, hub_origin
+from capycommon.domain import commands as hc
+from capycommon.domain.hosts import Download, StoreOperation
+from capycommon.domain.instances import LIVE_STATES, Event
 from capycommon.errors import CapyError, InvalidConfig, ModelInUse, NotFound
 from capycommon.hub import HubSource, StorePaths, hub_access, is_commit, pull
 from capycommon.hub.store import remove_tree
 from capycommon.service import REDIS_ERRORS
 from capycommon.state import downloads
-from capycommon.state import hostcommands as hc
-from capycommon.state.downloads import Download, StoreOperation
-from capycommon.state.instances import LIVE_STATES
-from capycommon.state.store import Event, InstanceStore, note
+from capycommon.state.store import InstanceStore, note
 from capycommon.units import format_size
 
 log = logging.getLogger(__name__)

@@ -35,12 +35,12 @@ from typing import IO
 
 import httpx
 
+from capycommon.domain.instances import ProcessIdentity
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl, Timeouts
 from capycommon.engines.environment import PROMETHEUS_DIR
 from capycommon.engines.launch import LaunchPlan, LaunchSpec
 from capycommon.errors import LaunchFailed
-from capycommon.state.instances import ProcessIdentity
 from capyctl_hostd import procs
 
 LOG_TAIL_LINES = 20

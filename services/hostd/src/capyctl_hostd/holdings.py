@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from capycommon.domain import commands as hc
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.service import REDIS_ERRORS
-from capycommon.state import hostcommands as hc
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.state.store import InstanceStore
 from capyctl_hostd import engines, procs
 from capyctl_hostd.cacheserver import CacheServers

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from starlette.types import Message, Receive, Scope, Send
 
 from capycommon import ingress, pki
-from capycommon.deployments.schema import NAME_PATTERN
+from capycommon.domain.deployment import NAME_PATTERN
 from capycommon.engineclient import EngineConnectionError, Engines
 from capycommon.errors import (
     CapyError,

@@ -33,15 +33,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from capycommon.deployments.resolve import check_head
+from capycommon.domain import commands as hc
+from capycommon.domain.engines import Residency
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.engines import lmcache, registry
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.environment import engine_environment, install_runtime
-from capycommon.engines.launch import LaunchPlan, LaunchSpec, Residency, host_tiers
+from capycommon.engines.launch import LaunchPlan, LaunchSpec, host_tiers
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, LaunchFailed
 from capycommon.service import until_stop
-from capycommon.state import hostcommands as hc
-from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.state.store import Conflict
 from capyctl_hostd import cacheserver, engines, modelfacts, procs
 from capyctl_hostd.downloads import ModelStore

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from capycommon.domain import commands as hc
+from capycommon.domain.engines import Residency
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.engines.adapters import adapter_for
-from capycommon.engines.launch import Residency
 from capycommon.errors import CapyError
-from capycommon.state import hostcommands as hc
-from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capyctl_hostd import engines, release
 from capyctl_hostd.holdings import Holdings
 from capyctl_hostd.settle import Settler

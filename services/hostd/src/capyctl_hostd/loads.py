@@ -26,13 +26,13 @@ import time
 
 from pydantic import ValidationError
 
+from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.notifications import Notification
 from capycommon.engines.control import Load, Timeouts
 from capycommon.errors import CapyError
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import load, notify
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.load import EngineLoad
-from capycommon.state.notify import Notification
 from capycommon.tasks import beside
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.runner import Runner

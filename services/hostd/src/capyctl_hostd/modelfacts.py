@@ -2,7 +2,7 @@
 
 hostd publishes what the scheduler needs to resolve deployments here: every model under the
 models root (a folder holding `config.json` or weights, or a weights file, up to two levels
-down), and each path the scheduler asked it to describe (`hostcommands.Describe`: a folder
+down), and each path the scheduler asked it to describe (`commands.Describe`: a folder
 outside the root, or a name the root's listing did not show). It publishes when it starts,
 when it is asked, and when a look every few seconds finds something changed.
 
@@ -34,13 +34,8 @@ from pydantic import ValidationError
 
 from capycommon import gguf
 from capycommon.deployments.resolve import HUB_STORE
-from capycommon.engines.llamacpp import model_file
-from capycommon.errors import CapyError
-from capycommon.hub import MANIFEST, HubAccess, HubLimits, HubSource, hub_access, listed_weights
-from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import hostfacts
-from capycommon.state.hostcommands import Describe, HubPull
-from capycommon.state.hostfacts import (
+from capycommon.domain.commands import Describe, HubPull
+from capycommon.domain.models import (
     WEIGHT_SUFFIXES,
     DecisionHead,
     HostModels,
@@ -48,6 +43,11 @@ from capycommon.state.hostfacts import (
     QuantizationConfig,
     weights_of,
 )
+from capycommon.engines.llamacpp import model_file
+from capycommon.errors import CapyError
+from capycommon.hub import MANIFEST, HubAccess, HubLimits, HubSource, hub_access, listed_weights
+from capycommon.service import REDIS_ERRORS, wait_event
+from capycommon.state import hostfacts
 
 log = logging.getLogger(__name__)
 

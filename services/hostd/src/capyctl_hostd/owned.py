@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord, ProcessIdentity
 from capycommon.paths import write_atomic
-from capycommon.state.instances import LIVE_STATES, InstanceRecord, ProcessIdentity
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from capycommon import procfs
-from capycommon.state.instances import ProcessIdentity
+from capycommon.domain.instances import ProcessIdentity
 
 PROC = procfs.PROC
 SHM = Path("/dev/shm")  # noqa: S108 - the POSIX shared-memory folder, not a temp file

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
+from capycommon.domain.instances import InstanceRecord
+from capycommon.domain.memory import MemoryReading
 from capycommon.state import memory
-from capycommon.state.instances import InstanceRecord
-from capycommon.state.memory import MemoryReading
 from capycommon.units import format_duration, format_size
 from capyctl_hostd import procs
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from capycommon.domain import commands as hc
+from capycommon.domain.hosts import LogTail
+from capycommon.domain.instances import InstanceRecord
 from capycommon.state import enginelogs
-from capycommon.state import hostcommands as hc
-from capycommon.state.instances import InstanceRecord
 from capycommon.state.store import Conflict, InstanceStore
 from capyctl_hostd import engines
 from capyctl_hostd.cacheserver import CacheServers
@@ -132,24 +133,24 @@ class Runner:
         tail = await asyncio.to_thread(self._tail, record, command.lines)
         await enginelogs.publish(self.client, self.host, command.reply, tail)
 
-    def _tail(self, record: InstanceRecord | None, lines: int) -> enginelogs.LogTail:
+    def _tail(self, record: InstanceRecord | None, lines: int) -> LogTail:
         if record is None or record.launch_id is None:
-            return enginelogs.LogTail(kept="none", lines=[], note="no engine was launched")
+            return LogTail(kept="none", lines=[], note="no engine was launched")
         if record.log_path is not None:
             found = engines.tail(Path(record.log_path), lines)
-            return enginelogs.LogTail(kept="file", lines=found, launch_id=record.launch_id)
+            return LogTail(kept="file", lines=found, launch_id=record.launch_id)
         where = engines.memory_log(self.paths.runtime_dir / record.launch_id)
         try:
             held = _read_socket(where)
         except OSError:
-            return enginelogs.LogTail(
+            return LogTail(
                 kept="none",
                 lines=[],
                 launch_id=record.launch_id,
                 note="its log was kept in memory only (retention: zero), and went with its engine",
             )
         found = engines.memory_tail(held, lines)
-        return enginelogs.LogTail(kept="memory", lines=found, launch_id=record.launch_id)
+        return LogTail(kept="memory", lines=found, launch_id=record.launch_id)
 
 
 def _read_socket(path: Path) -> bytes:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
+from capycommon.domain.instances import InstanceState
+from capycommon.domain.notifications import Notification
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import notify
-from capycommon.state.instances import InstanceState
-from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
 
 log = logging.getLogger(__name__)

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from capycommon.domain.hosts import RequestEnd
+from capycommon.domain.instances import InstanceRecord
 from capycommon.engines.sglang import SglangControl
 from capycommon.errors import CapyError
 from capycommon.service import REDIS_ERRORS
 from capycommon.state import settlement
-from capycommon.state.instances import InstanceRecord
 from capyctl_hostd.engines import Engine
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Settler:
                     "%s: request %s still runs after %g s", record.member, request_id, FOLLOW_S
                 )
                 return
-            end = settlement.RequestEnd(
+            end = RequestEnd(
                 deployment=record.deployment,
                 instance=record.instance,
                 generation=record.generation,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from capycommon import simgpu
-from capycommon.state.memory import GpuReading, HostRam
+from capycommon.domain.memory import GpuReading, HostRam
 from capycommon.units import parse_size
 from capyctl_memwatch.hostram import HostRamReader
 

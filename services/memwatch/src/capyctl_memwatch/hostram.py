@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from capycommon.state.memory import HostRam
+from capycommon.domain.memory import HostRam
 
 PROC = Path("/proc")
 CGROUP = Path("/sys/fs/cgroup")

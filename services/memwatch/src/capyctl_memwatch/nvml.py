@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import pynvml  # type: ignore[import-untyped]
 
+from capycommon.domain.memory import GpuReading, HostRam
 from capycommon.errors import DeviceUnobserved
-from capycommon.state.memory import GpuReading, HostRam
 from capyctl_memwatch.backends import BackendName, Observation
 from capyctl_memwatch.hostram import HostRamReader
 

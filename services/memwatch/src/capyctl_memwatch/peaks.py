@@ -21,8 +21,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.memory import StartupPeak
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.memory import StartupPeak
 
 log = logging.getLogger(__name__)
 

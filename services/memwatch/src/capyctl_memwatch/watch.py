@@ -24,12 +24,12 @@ from contextlib import suppress
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.memory import MemoryReading, StartupPeak
+from capycommon.domain.notifications import Notification
 from capycommon.errors import DeviceUnobserved
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import memory, notify
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.memory import MemoryReading, StartupPeak
-from capycommon.state.notify import Notification
 from capycommon.state.store import InstanceStore
 from capycommon.tasks import beside
 from capyctl_memwatch import peaks

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from capycommon import httpauth, requestbody
 from capycommon.credentials import Credentials
+from capycommon.domain.desired import DeploymentRecord
 from capycommon.engineclient import Engines
 from capycommon.errorcodes import http_code_for
 from capycommon.errors import (
@@ -40,7 +41,6 @@ from capycommon.errors import (
     WrongApi,
 )
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state.desired import DeploymentRecord
 from capycommon.version import __version__
 from capyctl_router import decisions
 from capyctl_router.bodies import InferenceBody

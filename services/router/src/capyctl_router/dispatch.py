@@ -36,6 +36,9 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 
+from capycommon.domain.commands import Abort
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.places import owner_id
 from capycommon.errors import (
     ActivationFailed,
     CapyError,
@@ -55,7 +58,6 @@ from capycommon.state import (
     places,
     settlement,
 )
-from capycommon.state.desired import DeploymentRecord
 from capycommon.state.places import PlaceBook
 from capyctl_router.metrics import Metrics
 from capyctl_router.progress import Progress
@@ -118,7 +120,7 @@ class Dispatcher:
     # When each deployment's places were last read for cut requests holding them all.
     _all_cut_read: dict[str, float] = field(default_factory=dict)
     # Who holds this router's places (`capycommon.state.places`): one id per process.
-    owner: str = field(default_factory=lambda: places.owner_id("router", os.getpid()))
+    owner: str = field(default_factory=lambda: owner_id("router", os.getpid()))
     # When this router last wrote its count of places back, and whether Redis failed since.
     _kept: float = -KEEP_EVERY_S
     _redis_failed: bool = False
@@ -356,7 +358,7 @@ class Dispatcher:
         """Have hostd abort the request in its engine and report its end."""
         if target.host not in self._ends_after:  # before the abort: no end is missed
             self._ends_after[target.host] = await settlement.cursor(self.client, target.host)
-        abort = hostcommands.Abort(
+        abort = Abort(
             deployment=target.deployment, generation=target.generation, request_id=request_id
         )
         await hostcommands.send(self.client, target.host, abort)

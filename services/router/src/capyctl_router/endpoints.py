@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from capycommon.engines.launch import Api
+from capycommon.domain.engines import Api
 from capyctl_router.bodies import ChatBody, CompletionBody, EmbeddingBody, InferenceBody
 from capyctl_router.decisions import DecisionsRequest, SystemOneRequest
 

@@ -29,12 +29,14 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
+from capycommon.domain.desired import Choice
+from capycommon.domain.instances import Event
+from capycommon.domain.memory import ChargePhase, GpuMemory
 from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import gpumemory, refusals
-from capycommon.state.desired import Choice, read_choices
-from capycommon.state.gpumemory import ChargePhase, GpuMemory
-from capycommon.state.store import Event, read_host_events
+from capycommon.state.desired import read_choices
+from capycommon.state.store import read_host_events
 
 # In the workers' metrics folder: how far the hosts' events were read.
 CURSORS_FILE = "events-read.json"

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from capycommon.domain.hosts import Download
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.service import REDIS_ERRORS
 from capycommon.state import downloads, store
-from capycommon.state.downloads import Download
-from capycommon.state.instances import InstanceRecord, InstanceState
 from capycommon.units import format_size
 from capyctl_router.table import Table
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from capycommon.domain.desired import DeploymentRecord
 from capycommon.engineclient import (
     Answer,
     EngineConnectionError,
@@ -57,7 +58,6 @@ from capycommon.errors import (
 )
 from capycommon.hangup import Watch, uncancel
 from capycommon.service import wait_event
-from capycommon.state.desired import DeploymentRecord
 from capyctl_router.decisions import DecisionsRequest, MalformedAnswer, from_system_one
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.errors import envelope, error_body, retry_headers

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 from capycommon import pki
 from capycommon.authority import CERT_FILE
+from capycommon.domain.hosts import HostIdentity, HostInfo
 from capycommon.errors import CertificateInvalid, CredentialsUnusable
 from capycommon.paths import StatePaths, read_private
 from capycommon.settingvalues import split_dial_address
-from capycommon.state.hostinfo import HostInfo
-from capycommon.state.identities import HostIdentity
 
 RESTART = (
     "start the server role again (`capyctl start`): each start issues the router's certificate"

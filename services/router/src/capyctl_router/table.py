@@ -35,12 +35,13 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.asyncio.client import PubSub
 
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.notifications import Notification
 from capycommon.flight import Flight
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
 from capycommon.state import hostinfo, hostmarks, identities, notify, ownership, refusals
-from capycommon.state.desired import DeploymentRecord, DeploymentStore
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.notify import Notification
+from capycommon.state.desired import DeploymentStore
 from capycommon.state.store import InstanceStore
 from capycommon.tasks import beside
 from capyctl_router.remote import Ingress, ingress_of

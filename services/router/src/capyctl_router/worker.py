@@ -14,6 +14,7 @@ import uvloop
 from prometheus_client import values
 
 from capycommon import credentials
+from capycommon.domain.places import owner_id
 from capycommon.engineclient import Engines
 from capycommon.httpserve import serve_http
 from capycommon.service import REDIS_ERRORS, ServiceContext, run
@@ -66,7 +67,7 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
         workers=server.router.worker_count,
     )
     metrics = Metrics()
-    owner = places.owner_id(ctx.name, os.getpid())
+    owner = owner_id(ctx.name, os.getpid())
     dispatcher = Dispatcher(ctx.redis, table, metrics, limits, owner=owner)
     # An idle connection to an engine is dropped well before the engine closes it (uvicorn's
     # keep-alive, vLLM's and SGLang's, is 5 s), so a request is never sent on one being closed.

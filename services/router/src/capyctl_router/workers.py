@@ -37,6 +37,7 @@ from pathlib import Path
 from prometheus_client import multiprocess
 
 from capycommon import credentials
+from capycommon.domain.places import owner_id
 from capycommon.httpserve import bind
 from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, ServiceContext, until_stop, wait_event
@@ -218,7 +219,7 @@ async def _gone(ctx: ServiceContext, name: str, pid: int, folder: Path) -> None:
     """A worker exited: its places count no more, nor its gauges."""
     multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
     with contextlib.suppress(*REDIS_ERRORS):  # then its places expire with it
-        await places.drop_owner(ctx.redis, places.owner_id(name, pid))
+        await places.drop_owner(ctx.redis, owner_id(name, pid))
 
 
 def _exit_text(code: int) -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from capycommon.engines.launch import Residency
-from capycommon.state.desired import DeploymentRecord, EvictionCause, Victim
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.domain.desired import DeploymentRecord, EvictionCause, Victim
+from capycommon.domain.engines import Residency
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.charges import footprint_of
 from capyctl_scheduler.snapshot import Snapshot
 

@@ -16,22 +16,21 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from capycommon.errors import ActivationFailed
-from capycommon.state import hostcommands as hc
-from capycommon.state import hostmarks
-from capycommon.state.desired import (
-    RETRY_COOLDOWNS_S,
+from capycommon.domain import commands as hc
+from capycommon.domain.desired import (
     Attempts,
     Choice,
     DeploymentRecord,
-    DeploymentStore,
     Inflight,
     Operation,
     Refusal,
     Switch,
 )
-from capycommon.state.instances import InstanceState
-from capycommon.state.store import Conflict, Event, InstanceStore, read_host_events
+from capycommon.domain.instances import Event, InstanceState
+from capycommon.errors import ActivationFailed
+from capycommon.state import hostcommands, hostmarks
+from capycommon.state.desired import RETRY_COOLDOWNS_S, DeploymentStore
+from capycommon.state.store import Conflict, InstanceStore, read_host_events
 from capyctl_scheduler.actions import Action, Kind
 from capyctl_scheduler.launchcommand import launch_command
 from capyctl_scheduler.snapshot import Snapshot
@@ -154,7 +153,7 @@ class Actuator:
         command = hc.Stop(
             deployment=action.deployment, generation=action.generation, reason=action.reason
         )
-        await hc.send(self.client, action.host, command)
+        await hostcommands.send(self.client, action.host, command)
         await self._event(action)
 
     async def _drain(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:

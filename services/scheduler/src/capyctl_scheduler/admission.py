@@ -8,9 +8,9 @@ plan sees the memory taken; starts are one at a time per GPU, within one plan to
 
 from __future__ import annotations
 
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.instances import InstanceRecord
 from capycommon.errors import DeviceUnobserved, InsufficientResources
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import InstanceRecord
 from capyctl_scheduler import placement
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.charges import footprint_of

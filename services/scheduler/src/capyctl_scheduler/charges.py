@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from capycommon.state.gpumemory import ChargePhase, GpuCharges, GpuMemory
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.memory import ChargePhase, GpuCharges, GpuMemory
 from capyctl_scheduler.ledger import SYSTEM, Footprint, Ledger
 from capyctl_scheduler.snapshot import HostView, Snapshot
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from capycommon.state.desired import DeploymentRecord, EvictionCause
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.places import Places
+from capycommon.domain.desired import DeploymentRecord, EvictionCause
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.places import Places
 from capycommon.units import format_duration
 from capyctl_scheduler.actions import Action, can_park, park, parks_by_stopping, stop
 from capyctl_scheduler.snapshot import Snapshot

@@ -22,6 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capycommon import joinfile, pki, requestbody
 from capycommon import management as wire
 from capycommon.authority import Authority
+from capycommon.domain.hosts import HostIdentity, Invitation
+from capycommon.domain.notifications import Notification
 from capycommon.enrollment import (
     JOIN_PATH,
     JoinAnswer,
@@ -44,9 +46,7 @@ from capycommon.service import REDIS_ERRORS, until_stop, wait_event
 from capycommon.settings import ServerSettings, host_name
 from capycommon.state import acl, heartbeats, hostinfo, hostmarks, identities
 from capycommon.state.enginefacts import aread_published
-from capycommon.state.identities import HostIdentity, Invitation
 from capycommon.state.memory import aread_reading
-from capycommon.state.notify import Notification
 from capycommon.version import __version__
 from capyctl_scheduler.errorbody import error_response
 from capyctl_scheduler.status import gpus_of

@@ -30,10 +30,11 @@ import time
 
 import redis.asyncio as aioredis
 
+from capycommon.domain.desired import Choice
+from capycommon.domain.instances import LIVE_STATES
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import hostinfo, hostkeys, identities
-from capycommon.state.desired import Choice, DeploymentStore
-from capycommon.state.instances import LIVE_STATES
+from capycommon.state.desired import DeploymentStore
 from capycommon.state.store import InstanceStore
 from capycommon.units import format_size
 from capyctl_scheduler.enroll import Enrollment

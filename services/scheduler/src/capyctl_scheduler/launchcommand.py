@@ -6,8 +6,8 @@ of what the ledger leaves free on the GPU as it starts for SGLang (`engineterms.
 from __future__ import annotations
 
 from capycommon.deployments import Resolved
-from capycommon.state import hostcommands as hc
-from capycommon.state.desired import DeploymentRecord
+from capycommon.domain import commands as hc
+from capycommon.domain.desired import DeploymentRecord
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.engineterms import told_share
 from capyctl_scheduler.ledger import Footprint

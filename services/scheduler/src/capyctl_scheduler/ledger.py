@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from capycommon.domain.memory import MemoryReading
 from capycommon.errors import DeviceUnobserved, InsufficientResources
-from capycommon.state.memory import MemoryReading
 from capycommon.units import format_size, parse_size
 
 if TYPE_CHECKING:

@@ -21,9 +21,11 @@ from pydantic import ValidationError
 from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
 
+from capycommon.domain.desired import Demand, DeploymentRecord
+from capycommon.domain.memory import GpuMemory
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import gpumemory, notify
-from capycommon.state.desired import DEMAND_FIELD, Demand, DeploymentRecord, demand_group
+from capycommon.state.desired import DEMAND_FIELD, demand_group
 from capycommon.state.refusals import send as send_refusals
 from capycommon.state.store import read_host_events
 from capycommon.state.streams import Reader
@@ -177,7 +179,7 @@ class Scheduler:
     # When the last plan may next change by the clock alone; None while anything is under way.
     quiet_until: float | None = None
     # The summary of the GPUs' charges last written for the router's metrics.
-    gpu_memory: gpumemory.GpuMemory | None = None
+    gpu_memory: GpuMemory | None = None
     # The notifications heard, for the status page's live updates.
     changes: Changes = field(default_factory=Changes)
 

@@ -20,6 +20,11 @@ from capycommon.deployments import (
     revision_digest,
 )
 from capycommon.deployments.resolve import HUB_STORE, hub_origin, named_path
+from capycommon.domain import hosts as host_records
+from capycommon.domain.commands import HubPull, Pull, Remove
+from capycommon.domain.desired import Attempts, DeploymentRecord, Operation
+from capycommon.domain.instances import LIVE_STATES, InstanceState
+from capycommon.domain.models import HostModels
 from capycommon.errors import (
     AgentUnreachable,
     HostUnreachable,
@@ -58,9 +63,7 @@ from capycommon.state import (
     hostfacts,
     hostmarks,
 )
-from capycommon.state.desired import Attempts, DeploymentRecord, DeploymentStore, Operation
-from capycommon.state.hostfacts import HostModels
-from capycommon.state.instances import LIVE_STATES, InstanceState
+from capycommon.state.desired import DeploymentStore
 from capycommon.state.memory import aread_reading
 from capyctl_scheduler import status
 from capyctl_scheduler.loop import Scheduler
@@ -287,11 +290,9 @@ class Manager:
             name = f"{HUB_STORE}/{source.store_name(request.revision)}"
         except InvalidConfig as exc:
             raise InvalidRequest(exc.message) from None
-        wanted = hostcommands.HubPull(repo=source.repo, commit=source.revision, files=source.files)
+        wanted = HubPull(repo=source.repo, commit=source.revision, files=source.files)
         op = operation_id()
-        await hostcommands.send(
-            self.scheduler.client, host, hostcommands.Pull(operation=op, source=wanted)
-        )
+        await hostcommands.send(self.scheduler.client, host, Pull(operation=op, source=wanted))
         return StoreOperationAnswer(
             operation_id=op, host=host, kind="pull", state="sent", name=name
         )
@@ -313,7 +314,7 @@ class Manager:
             )
         op = operation_id()
         await hostcommands.send(
-            self.scheduler.client, host, hostcommands.Remove(operation=op, name=request.name)
+            self.scheduler.client, host, Remove(operation=op, name=request.name)
         )
         return StoreOperationAnswer(
             operation_id=op, host=host, kind="remove", state="sent", name=request.name
@@ -435,7 +436,7 @@ def _no_host(host: str) -> NotFound:
     return NotFound(f"no host named {host!r}; list them with capyctl list hosts")
 
 
-def _download(host: str, found: downloads.Download) -> Download:
+def _download(host: str, found: host_records.Download) -> Download:
     """A download's figures as the management API shows them."""
     return Download(host=host, **found.model_dump(include=_DOWNLOAD_FIELDS))
 

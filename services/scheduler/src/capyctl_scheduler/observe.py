@@ -2,7 +2,7 @@
 
 Each deployment is bound to each host against what that host's hostd published: its engines,
 its host info, and its models (`capycommon.state.hostfacts`). Nothing here reads a host's disk. A
-model path a host has not described yet is asked for (`hostcommands.Describe`, the whole list
+model path a host has not described yet is asked for (`commands.Describe`, the whole list
 the host's deployments name) and its binding waits, saying so, until the facts arrive.
 """
 
@@ -17,8 +17,15 @@ import redis.asyncio as aioredis
 
 from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
 from capycommon.deployments.resolve import named_path
+from capycommon.domain.commands import Describe, HubPull
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.hosts import EngineLoad, HostIdentity, HostInfo
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord
+from capycommon.domain.memory import MemoryReading
+from capycommon.domain.models import HostModels
+from capycommon.domain.places import Places
 from capycommon.engines import lmcache
-from capycommon.engines.registry import EngineProfile
+from capycommon.engines.registry import EngineProfile, PublishedEngines
 from capycommon.errors import CapyError, ProfileNotPublished
 from capycommon.state import (
     enginefacts,
@@ -32,20 +39,9 @@ from capycommon.state import (
     ownership,
     places,
 )
-from capycommon.state.desired import DeploymentRecord, DeploymentStore
-from capycommon.state.enginefacts import PublishedEngines
-from capycommon.state.hostfacts import HostModels
-from capycommon.state.hostinfo import HostInfo
+from capycommon.state.desired import DeploymentStore
 from capycommon.state.hostmarks import HostMarks
-from capycommon.state.identities import HostIdentity
-from capycommon.state.instances import LIVE_STATES, InstanceRecord
-from capycommon.state.memory import (
-    MemoryReading,
-    aread_cache_server_rss,
-    aread_reading,
-    aread_startup_peak,
-)
-from capycommon.state.places import Places
+from capycommon.state.memory import aread_cache_server_rss, aread_reading, aread_startup_peak
 from capycommon.state.store import InstanceStore
 from capyctl_scheduler.ledger import (
     SYSTEM,
@@ -67,7 +63,7 @@ class _HostRead:
     view: HostView
     records: list[InstanceRecord]
     # deployment -> its instance 0's engine load.
-    loads: dict[str, load.EngineLoad]
+    loads: dict[str, EngineLoad]
     engines: PublishedEngines | None
     models: HostModels | None
 
@@ -95,7 +91,7 @@ class Observer:
     # (host, model path) -> when declaring a deployment asked for it (monotonic).
     _asked: dict[tuple[str, str], float] = field(default_factory=dict)
     # host -> the last list of paths sent it to describe, and when (monotonic).
-    _sent: dict[str, tuple[hostcommands.Describe, float]] = field(default_factory=dict)
+    _sent: dict[str, tuple[Describe, float]] = field(default_factory=dict)
     # The hosts whose facts still lack a path they were asked to describe.
     _undescribed: set[str] = field(default_factory=set)
 
@@ -345,7 +341,7 @@ class Observer:
         self,
         host: str,
         models: HostModels | None,
-        declared: Mapping[str, hostcommands.HubPull | None],
+        declared: Mapping[str, HubPull | None],
     ) -> None:
         """Send the host the paths it must describe (those the root's listing lacks), with
         the Hub sources among them, when that differs from what it describes and was not
@@ -355,9 +351,9 @@ class Observer:
         named = {*declared, *(path for where, path in self._asked if where == host)}
         paths = tuple(sorted(p for p in named if models is None or not models.listed(p)))
         sources = {p: s for p in paths if (s := declared.get(p)) is not None}
-        wanted = hostcommands.Describe(paths=paths, sources=sources)
+        wanted = Describe(paths=paths, sources=sources)
         described = (
-            hostcommands.Describe(paths=tuple(sorted(models.described)), sources=models.sources)
+            Describe(paths=tuple(sorted(models.described)), sources=models.sources)
             if models is not None
             else None
         )
@@ -413,15 +409,15 @@ class Observer:
         return engine_footprints(resolved, view, startup, startup_host)
 
 
-def _paths(records: Iterable[DeploymentRecord]) -> dict[str, hostcommands.HubPull | None]:
+def _paths(records: Iterable[DeploymentRecord]) -> dict[str, HubPull | None]:
     """The model paths the deployments name (a folder, or a pinned Hugging Face source's
     store under the models root), each with its Hub source if it has one."""
-    named: dict[str, hostcommands.HubPull | None] = {}
+    named: dict[str, HubPull | None] = {}
     for record in records:
         model = record.document.model
         path = named_path(model)
         if path is not None:
-            named[path] = named.get(path) or hostcommands.HubPull.of(model)
+            named[path] = named.get(path) or HubPull.of(model)
     return named
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from functools import cache
 
+from capycommon.domain.desired import DeploymentRecord
 from capycommon.errors import HostDrained, HostUnreachable
-from capycommon.state.desired import DeploymentRecord
 from capycommon.units import format_duration
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.ledger import Ledger

@@ -19,8 +19,8 @@ import math
 from dataclasses import replace
 from typing import Literal
 
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import LIVE_STATES, InstanceRecord, InstanceState
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.units import format_duration
 from capyctl_scheduler import admission, effects, placement
 from capyctl_scheduler.actions import Action, drain, keeps_cache, release, stop

@@ -4,7 +4,7 @@ its memory settings, its engine's terms on that card, and the peaks declared or 
 from __future__ import annotations
 
 from capycommon.deployments import Resolved
-from capycommon.engines.launch import Residency
+from capycommon.domain.engines import Residency
 from capyctl_scheduler.engineterms import terms_of
 from capyctl_scheduler.ledger import (
     UNIFIED,

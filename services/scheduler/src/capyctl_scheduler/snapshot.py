@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from capycommon.deployments import Resolved
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.places import Places
 from capycommon.errors import CapyError
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.load import EngineLoad
-from capycommon.state.places import Places
 from capyctl_scheduler.ledger import Domain, Footprint
 
 

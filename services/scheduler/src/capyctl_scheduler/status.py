@@ -10,6 +10,8 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from capycommon.deployments import Resolved
+from capycommon.domain.instances import LIVE_STATES, InstanceState
+from capycommon.domain.memory import MemoryReading
 from capycommon.engines import lmcache
 from capycommon.management import (
     Attempts,
@@ -30,8 +32,6 @@ from capycommon.management import (
     Requests,
     Startup,
 )
-from capycommon.state.instances import LIVE_STATES, InstanceState
-from capycommon.state.memory import MemoryReading
 from capycommon.units import format_size
 from capyctl_scheduler.charges import PHASES, charges, footprint_of
 from capyctl_scheduler.ledger import Footprint

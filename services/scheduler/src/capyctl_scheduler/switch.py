@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from capycommon.domain.desired import DeploymentRecord, Victim
+from capycommon.domain.instances import InstanceState
 from capycommon.errors import InsufficientResources
-from capycommon.state.desired import DeploymentRecord, Victim
-from capycommon.state.instances import InstanceState
 from capycommon.units import format_size
 from capyctl_scheduler import actions as act
 from capyctl_scheduler.actions import Action, can_park, drain, keeps_cache, stop

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import InstanceRecord, InstanceState
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.instances import InstanceRecord, InstanceState
 from capyctl_scheduler.snapshot import Snapshot
 
 S = InstanceState

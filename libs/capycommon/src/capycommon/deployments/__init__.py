@@ -12,7 +12,7 @@ from capycommon.deployments.load import (
     revision_digest,
 )
 from capycommon.deployments.resolve import HostFacts, ModelNotDescribed, Resolved, resolve
-from capycommon.deployments.schema import (
+from capycommon.domain.deployment import (
     Deployment,
     Device,
     EngineConfig,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from capycommon.domain.models import ModelFacts
 from capycommon.engines.launch import MODELOPT_FP4
-from capycommon.state.hostfacts import ModelFacts
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from capycommon.deployments.schema import Deployment
+from capycommon.domain.deployment import Deployment
 from capycommon.errors import (
     EngineEnvReserved,
     InvalidConfig,

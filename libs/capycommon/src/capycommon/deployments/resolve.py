@@ -1,7 +1,7 @@
 """Binding a deployment to one host: its engine, its model folder and weights, its park tier.
 
 The host's facts come in as values: `HostFacts`, and the models its hostd described
-(`capycommon.state.hostfacts.HostModels`). Nothing here reads a disk. Each refusal names the field
+(`capycommon.domain.models.HostModels`). Nothing here reads a disk. Each refusal names the field
 to change.
 """
 
@@ -12,17 +12,13 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from capycommon.deployments.checkpoint import Quantization, quantization
-from capycommon.deployments.schema import Deployment, ModelSource
+from capycommon.domain.deployment import Deployment, ModelSource
+from capycommon.domain.engines import PARKING, Residency
+from capycommon.domain.models import HostModels, ModelFacts, under_root
 from capycommon.engines import decisions, lmcache
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import ENGINE_FAMILIES, Family
-from capycommon.engines.launch import (
-    PARKING,
-    Capabilities,
-    Residency,
-    check_extra_args,
-    host_tiers,
-)
+from capycommon.engines.launch import Capabilities, check_extra_args, host_tiers
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import (
     CapabilityMissing,
@@ -36,7 +32,6 @@ from capycommon.errors import (
     ProfileNotPublished,
 )
 from capycommon.hub.source import HubSource
-from capycommon.state.hostfacts import HostModels, ModelFacts, under_root
 from capycommon.units import format_size
 
 # Downloads from the Hub, under the models root (`capycommon.hub.StorePaths`).
@@ -49,7 +44,7 @@ ENGINE_HOST_OVERHEAD = 4 << 30
 
 class ModelNotDescribed(Exception):
     """The host has not described the deployment's model path yet: the binding waits for
-    its hostd (which describes what it is asked, `hostcommands.Describe`), refusing nothing."""
+    its hostd (which describes what it is asked, `commands.Describe`), refusing nothing."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
@@ -213,7 +208,7 @@ def _cache(
     return found, f"on: LMCache {found.version} ({found.name}), pool {pool}"
 
 
-# The decision heads each family reads (`capycommon.state.hostfacts.DecisionHead`).
+# The decision heads each family reads (`capycommon.domain.models.DecisionHead`).
 DECISION_HEADS = {
     Family.SGLANG: ("decision_config", "joint_head"),
     Family.LLAMACPP: ("gguf",),

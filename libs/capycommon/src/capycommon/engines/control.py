@@ -16,8 +16,9 @@ from typing import Any
 
 import httpx
 
+from capycommon.domain.engines import Residency
 from capycommon.engines import decisions
-from capycommon.engines.launch import Capabilities, LaunchSpec, Residency
+from capycommon.engines.launch import Capabilities, LaunchSpec
 from capycommon.errors import (
     CapabilityMissing,
     EngineError,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
+from capycommon.domain.engines import Api, Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import InvalidConfig
 
@@ -15,20 +15,6 @@ ENGINE_HOST = "127.0.0.1"
 # Where CapyCTL's helper modules (`engines/runtime/`) read the launch's key.
 KEY_VARIABLE = "CAPYCTL_ENGINE_API_KEY"
 
-
-class Residency(StrEnum):
-    """Where a parked model's weights wait (the park tier)."""
-
-    HOST_BACKED = "host_backed"  # weights in host RAM; KV cache dropped
-    DEEP = "deep"  # weights and KV cache dropped; reloaded from disk on wake
-    RESTART_ONLY = "restart_only"  # never parks: stopped, later cold-started
-
-
-PARKING = (Residency.HOST_BACKED, Residency.DEEP)
-
-# What a model serves: chat (and completions, embeddings), or decisions (a decision model,
-# `capycommon.engines.decisions`).
-Api = Literal["chat", "decisions"]
 
 # A checkpoint kind (`capycommon.deployments.checkpoint`): ModelOpt FP4 (NVFP4) weights.
 MODELOPT_FP4 = "modelopt_fp4"

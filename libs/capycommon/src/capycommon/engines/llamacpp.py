@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from capycommon.domain.engines import Residency
 from capycommon.engines import decisions
 from capycommon.engines.control import EngineControl
 from capycommon.engines.families import Family
@@ -12,7 +13,6 @@ from capycommon.engines.launch import (
     Capabilities,
     LaunchPlan,
     LaunchSpec,
-    Residency,
     check_extra_args,
 )
 from capycommon.errors import CapabilityMissing, EngineError, InvalidConfig

@@ -26,8 +26,9 @@ from typing import Literal
 
 from packaging.version import Version
 
+from capycommon.domain.engines import Residency
 from capycommon.engines.families import Family, parse_version
-from capycommon.engines.launch import ENGINE_HOST, Residency
+from capycommon.engines.launch import ENGINE_HOST
 from capycommon.engines.registry import EngineProfile
 
 GiB = 1 << 30

@@ -47,6 +47,16 @@ class EngineProfile(BaseModel):
     added_at: datetime
 
 
+class PublishedEngines(BaseModel):
+    """The registry as a host publishes it: its profiles at one revision of its file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    revision: int
+    source: str
+    profiles: list[EngineProfile]
+
+
 class EnginesDocument(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from packaging.version import Version
 
+from capycommon.domain.engines import PARKING, Residency
 from capycommon.engines import decisions
 from capycommon.engines.control import EngineControl, parse_metric
 from capycommon.engines.environment import PROMETHEUS_DIR, SGLANG_LAUNCHER
 from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
     MODELOPT_FP4,
-    PARKING,
     Capabilities,
     LaunchPlan,
     LaunchSpec,
-    Residency,
     check_extra_args,
     helper_env,
     options,

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from packaging.version import Version
 
+from capycommon.domain.engines import PARKING, Residency
 from capycommon.engines.control import EngineControl
 from capycommon.engines.environment import VLLM_GUARD
 from capycommon.engines.families import Family, parse_version
 from capycommon.engines.launch import (
-    PARKING,
     Capabilities,
     LaunchPlan,
     LaunchSpec,
-    Residency,
     check_extra_args,
     helper_env,
     options,

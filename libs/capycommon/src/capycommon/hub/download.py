@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from capycommon.domain.models import weights_of
 from capycommon.errors import CapyError, DiskFull, HfIntegrity, HfOfflineMissing, HfUnreachable
 from capycommon.hub.client import FileTarget, HubClient, HubLimits
 from capycommon.hub.integrity import Expected, StreamHash, content_range_start
@@ -34,7 +35,6 @@ from capycommon.hub.store import (
     partial_bytes,
     plan_from_tree,
 )
-from capycommon.state.hostfacts import weights_of
 
 Progress = Callable[[int, int], None]
 

@@ -4,36 +4,21 @@ them.
 hostd writes one `Download` record per deployment whose launch is downloading its model from
 the Hub, a few times a second while bytes arrive, and deletes it when the download ends (the
 store is complete, or the launch failed and says why). A pull or removal that an operator
-asked for (`hostcommands.Pull`, `Remove`) has a `StoreOperation` record instead, which
+asked for (`commands.Pull`, `Remove`) has a `StoreOperation` record instead, which
 outlives its end by `DONE_TTL_S`, so the CLI that asked reads how it ended.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
+from capycommon.domain.hosts import Download, StoreOperation
 from capycommon.state import keys, quarantine
 
 # A record hostd stopped refreshing (hostd gone mid-download) expires on its own.
 TTL_S = 60
 # How long the end of a store operation stays to be read.
 DONE_TTL_S = 3600
-
-
-class Download(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    repo: str
-    commit: str
-    done_bytes: int
-    total_bytes: int
-    # Bytes a second over the download so far.
-    rate: float
-    started_at: float
-    at: float
 
 
 async def write(client: aioredis.Redis, host: str, deployment: str, download: Download) -> None:
@@ -48,21 +33,6 @@ async def aread(client: aioredis.Redis, host: str, deployment: str) -> Download 
     key = keys.host_download(host, deployment)
     raw = await client.get(key)
     return None if raw is None else quarantine.parse(Download, raw, key)
-
-
-class StoreOperation(BaseModel):
-    """A pull or removal in a host's model store: under way, done, or failed with its code."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["pull", "remove"]
-    state: Literal["running", "done", "failed"]
-    # The store's path under the models root, as `capyctl list models` names it.
-    name: str
-    download: Download | None = None
-    code: str | None = None
-    message: str | None = None
-    at: float
 
 
 async def write_operation(

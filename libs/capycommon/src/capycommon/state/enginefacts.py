@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
-from capycommon.engines.registry import EngineProfile, Registry
+from capycommon.domain.notifications import Notification
+from capycommon.engines.registry import PublishedEngines, Registry
 from capycommon.state import keys, quarantine
-from capycommon.state.notify import Notification
-
-
-class PublishedEngines(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    revision: int
-    source: str
-    profiles: list[EngineProfile]
 
 
 def _payload(registry: Registry) -> tuple[str, str]:

@@ -1,5 +1,5 @@
 """An engine log's last lines, asked of the hostd that runs the engine and answered over
-pub/sub (`hostcommands.TailLog`): the management API's `engine-log` route.
+pub/sub (`commands.TailLog`): the management API's `engine-log` route.
 
 An engine keeps its log in a file, or, with retention: zero, in its log writer's memory only
 (`capyctl_hostd.logwriter --memory`); either way the lines travel on a channel, which Redis
@@ -10,26 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from typing import Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
+from capycommon.domain.commands import TailLog
+from capycommon.domain.hosts import LogTail
 from capycommon.state import hostcommands, keys
-
-
-class LogTail(BaseModel):
-    """What hostd answers: where the log is kept, and its last lines."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # file: under the state dir; memory: in its writer's memory only (retention: zero);
-    # none: nothing to read (no such instance, or its engine and memory log are gone).
-    kept: Literal["file", "memory", "none"]
-    lines: list[str]
-    launch_id: str | None = None
-    # Why there is nothing to read, when kept is none.
-    note: str | None = None
 
 
 async def publish(client: aioredis.Redis, host: str, reply: str, tail: LogTail) -> None:
@@ -44,7 +31,7 @@ async def request(
     reply = secrets.token_hex(8)
     async with client.pubsub() as pubsub:
         await pubsub.subscribe(keys.engine_log_reply(host, reply))
-        command = hostcommands.TailLog(deployment=deployment, reply=reply, lines=lines)
+        command = TailLog(deployment=deployment, reply=reply, lines=lines)
         await hostcommands.send(client, host, command)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):

@@ -6,8 +6,8 @@ import time
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
+from capycommon.domain.hosts import Heartbeat
 from capycommon.state import keys, quarantine
 
 # Three beats within the time to live, so a late one never makes a live service look gone;
@@ -15,16 +15,6 @@ from capycommon.state import keys, quarantine
 # quiet role's CPU counts each wake for it.
 INTERVAL_S = 3.0
 TTL_S = 10
-
-
-class Heartbeat(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    service: str
-    pid: int
-    version: str
-    started_at: float
-    last_seen: float
 
 
 async def beat(client: aioredis.Redis, host: str, heartbeat: Heartbeat) -> None:

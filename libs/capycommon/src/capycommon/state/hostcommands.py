@@ -10,182 +10,21 @@ host's history says why each happened.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from capycommon.domain.commands import COMMAND, HostCommand
 from capycommon.state import keys
 from capycommon.state.streams import Group
 
 if TYPE_CHECKING:  # the deployments' schema reads the host's facts, which name HubPull
-    from capycommon.deployments.schema import ModelSource
+    pass
 
 FIELD = "command"
 # The commands a host's stream keeps, the oldest trimmed first: hostd reads each within a
 # second, and the stream counts against the host's share of Redis (its quota).
 KEEP = 10_000
-
-
-class _Command(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    deployment: str
-    instance: int = 0
-    generation: int
-
-
-class HubPull(BaseModel):
-    """A pinned Hugging Face source hostd downloads into its model store before the engine
-    starts (nothing to do when the store has it)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    repo: str
-    commit: str
-    files: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, model: ModelSource) -> HubPull | None:
-        """What hostd downloads for a deployment's model: its pinned Hugging Face source, if
-        it has one."""
-        if model.hf_repo is None or model.hf_commit is None:
-            return None
-        return cls(repo=model.hf_repo, commit=model.hf_commit, files=model.files)
-
-
-class CacheLaunch(BaseModel):
-    """The LMCache server to run beside the engine, and what the scheduler charges for it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    profile: str
-    pool_bytes: int = Field(gt=0)
-    host_bytes: int = Field(ge=0)
-    device_bytes: int = Field(ge=0)
-
-
-class Launch(_Command):
-    kind: Literal["launch"] = "launch"
-    reason: str = "requested"
-    revision: int
-    profile: str
-    model_path: str
-    served_name: str
-    residency: Literal["host_backed", "deep", "restart_only"]
-    gpu_uuid: str
-    memory_fraction: float | None = None
-    kv_cache_bytes: int | None = None
-    context_length: int | None = None
-    max_concurrent_requests: int | None = None
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    extra_args: tuple[str, ...] = ()
-    env: dict[str, str] = Field(default_factory=dict)
-    start_deadline_s: float = 1800.0
-    # The source to download first, for a model from the Hub; the deadline starts after it.
-    hub: HubPull | None = None
-    # The deployment's `retention` (None: the host's).
-    retention: Literal["default", "zero"] | None = None
-    # Its LMCache server; None: the engine runs without one.
-    cache: CacheLaunch | None = None
-    # What the model serves: chat, or decisions (a decision model).
-    api: Literal["chat", "decisions"] = "chat"
-
-
-class Park(_Command):
-    """Park a serving engine.
-
-    With `release_bound_bytes` (the scheduler's parked charge: the most device bytes the
-    parked engine may still hold), the park counts only once memwatch shows the engine's
-    processes within it; if that is not seen within `verify_s`, hostd stops the instance, so
-    the charge never understates what the device holds.
-    """
-
-    kind: Literal["park"] = "park"
-    reason: str = "requested"
-    release_bound_bytes: int | None = Field(default=None, ge=0)
-    verify_s: float = Field(default=15.0, gt=0)
-
-
-class Wake(_Command):
-    kind: Literal["wake"] = "wake"
-    reason: str = "requested"
-    wake_deadline_s: float = 900.0
-
-
-class Stop(_Command):
-    """Stop the instance's engine. `keep_cache`: a restart_only park, which keeps its LMCache
-    server (and the pool's contents) for the next launch. A stop of an instance already
-    stopped whose server was kept stops that server."""
-
-    kind: Literal["stop"] = "stop"
-    reason: str = "requested"
-    keep_cache: bool = False
-
-
-class Abort(_Command):
-    kind: Literal["abort"] = "abort"
-    request_id: str
-
-
-class Describe(BaseModel):
-    """Describe these model paths (`capycommon.state.hostfacts`) besides the models root, each as
-    deployments write it (a name under the models root, `~/...`, or absolute): the whole
-    list the control plane needs, replacing the one before. hostd keeps describing them
-    (re-reading when they change) until a later list leaves them out."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["describe"] = "describe"
-    paths: tuple[str, ...]
-    # For a path that is a Hub source's store: the source, whose file listing gives the
-    # weights' size before the download.
-    sources: dict[str, HubPull] = Field(default_factory=dict)
-
-
-class Pull(BaseModel):
-    """Download a Hub source into the host's model store ahead of any deployment (`capyctl
-    model pull`). hostd reports under the operation's id (`capycommon.state.downloads`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["pull"] = "pull"
-    operation: str
-    source: HubPull
-
-
-class Remove(BaseModel):
-    """Remove a download from the host's model store (`capyctl model remove`): `name` is the
-    store's path under the models root. hostd refuses while an instance of the host runs
-    from it or it is being downloaded."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["remove"] = "remove"
-    operation: str
-    name: str
-
-
-class TailLog(BaseModel):
-    """Send the last `lines` lines of an instance's engine log on the reply channel
-    `keys.engine_log_reply(host, reply)` (`capycommon.state.enginelogs`): pub/sub, which Redis
-    never writes to disk, so the lines of an engine that keeps its log in memory only
-    (retention: zero) reach no disk on the way."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["tail_log"] = "tail_log"
-    deployment: str
-    instance: int = 0
-    reply: str
-    lines: int = Field(default=100, ge=1, le=10_000)
-
-
-InstanceCommand = Launch | Park | Wake | Stop | Abort
-StoreCommand = Pull | Remove
-HostCommand = InstanceCommand | Describe | StoreCommand | TailLog
-COMMAND: TypeAdapter[HostCommand] = TypeAdapter(Annotated[HostCommand, Field(discriminator="kind")])
 
 
 async def send(client: aioredis.Redis, host: str, command: HostCommand) -> str:

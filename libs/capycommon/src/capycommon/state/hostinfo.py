@@ -5,25 +5,10 @@ publishes its engines; the scheduler reads it with each snapshot."""
 from __future__ import annotations
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
+from capycommon.domain.hosts import HostInfo
+from capycommon.domain.notifications import Notification
 from capycommon.state import keys, quarantine
-from capycommon.state.notify import Notification
-
-
-class HostInfo(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    # False where host.deep_park is off: nothing parks deep there, and no engine runs with
-    # its development controls.
-    deep_park: bool = True
-    # False where host.lmcache is off; True where host.retention is zero (its deployments'
-    # default): LMCache never starts for them.
-    lmcache: bool = True
-    retention_zero: bool = False
-    # A joined host's ingress as the router dials it (host:port, `capycommon.ingress`);
-    # None on a standalone role's own host, whose engines the router reaches on loopback.
-    ingress: str | None = None
 
 
 async def publish(client: aioredis.Redis, host: str, info: HostInfo) -> None:

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from capycommon.domain.notifications import Notification
 from capycommon.state import keys, quarantine
-from capycommon.state.notify import Notification
 
 
 @dataclass(frozen=True)

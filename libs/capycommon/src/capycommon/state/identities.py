@@ -11,36 +11,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 from redis.asyncio.client import PubSub
 
+from capycommon.domain.hosts import HostIdentity, Invitation
+from capycommon.domain.notifications import Notification
 from capycommon.joinfile import invitation_id
 from capycommon.state import keys, quarantine
-from capycommon.state.notify import Notification
-
-
-class Invitation(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    host_name: str
-    expires_unix: int
-    # The host id a recovery invitation gives back; None for a new host.
-    recover_host_id: str | None = None
-
-
-class HostIdentity(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    host_id: str
-    # The serial (hex) and the end of the certificate in use; every earlier one is revoked
-    # or superseded.
-    serial: str
-    not_after: float
-    version: str
-    joined_at: float
-    renewed_at: float | None = None
-    revoked_at: float | None = None
 
 
 async def invite(client: aioredis.Redis, secret: str, invitation: Invitation, ttl: int) -> None:

@@ -39,24 +39,24 @@ def engines(host: str) -> str:
 
 
 def host_info(host: str) -> str:
-    """What a host says of itself (JSON of `hostinfo.HostInfo`), written by hostd."""
+    """What a host says of itself (JSON of `hosts.HostInfo`), written by hostd."""
     return f"{host_prefix(host)}:info"
 
 
 def host_models(host: str) -> str:
-    """The host's models (JSON of `capycommon.state.hostfacts.HostModels`), written by hostd."""
+    """The host's models (JSON of `capycommon.domain.models.HostModels`), written by hostd."""
     return f"{host_prefix(host)}:models"
 
 
 def host_store_operation(host: str, operation: str) -> str:
     """A pull or removal in a host's model store and how it ended (JSON of
-    `capycommon.state.downloads.StoreOperation`), written by hostd."""
+    `capycommon.domain.hosts.StoreOperation`), written by hostd."""
     return f"{host_prefix(host)}:store-operation:{operation}"
 
 
 def host_download(host: str, deployment: str) -> str:
     """A deployment's model download under way on a host (JSON of
-    `capycommon.state.downloads.Download`), written by hostd; gone once it ended."""
+    `capycommon.domain.hosts.Download`), written by hostd; gone once it ended."""
     return f"{host_prefix(host)}:download:{deployment}"
 
 
@@ -162,7 +162,7 @@ def notifications() -> str:
 
 def gpu_memory() -> str:
     """What the scheduler's ledger charges on each GPU, by phase, with the GPU's limits
-    (`capycommon.state.gpumemory.GpuMemory`), for the router's metrics."""
+    (`capycommon.domain.memory.GpuMemory`), for the router's metrics."""
     return f"{PREFIX}:gpu-memory"
 
 
@@ -214,7 +214,7 @@ def invitation(invitation_id: str) -> str:
 
 
 def host_identity(host: str) -> str:
-    """What the server knows of a joined host (`capycommon.state.identities.HostIdentity`)."""
+    """What the server knows of a joined host (`capycommon.domain.hosts.HostIdentity`)."""
     return f"{PREFIX}:host-identity:{host}"
 
 

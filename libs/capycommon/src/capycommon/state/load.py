@@ -14,27 +14,10 @@ from collections.abc import Iterable, Mapping
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
+from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.notifications import Notification
 from capycommon.state import keys, quarantine
-from capycommon.state.notify import Notification
-
-
-class EngineLoad(BaseModel):
-    """One engine's requests at `read_at`; `last_active_at` is when it last had any."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    generation: int
-    running: int
-    waiting: int
-    last_active_at: float
-    read_at: float
-
-    @property
-    def busy(self) -> bool:
-        """Whether any request ran or waited at `read_at`."""
-        return self.running + self.waiting > 0
 
 
 def decode(raw: Mapping[bytes | str, bytes | str], key: str) -> dict[str, EngineLoad]:

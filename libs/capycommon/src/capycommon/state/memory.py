@@ -13,66 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 from redis.asyncio.client import PubSub
 
+from capycommon.domain.instances import InstanceRecord
+from capycommon.domain.memory import MemoryReading, StartupPeak
+from capycommon.domain.notifications import Notification
 from capycommon.state import keys, notify, quarantine
-from capycommon.state.instances import InstanceRecord
-from capycommon.state.notify import Notification
-
-# A reading older than this is unobserved: it admits nothing.
-STALE_AFTER_S = 5.0
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class GpuReading(_Frozen):
-    index: int
-    uuid: str
-    name: str
-    total_bytes: int
-    used_bytes: int
-    free_bytes: int
-    unified: bool
-    # Per process: device bytes by PID.
-    processes: dict[int, int] = {}
-
-
-class HostRam(_Frozen):
-    total_bytes: int
-    available_bytes: int
-    source: Literal["meminfo", "cgroup", "simulated"]
-
-
-class MemoryReading(_Frozen):
-    host: str
-    taken_at: float
-    backend: Literal["nvml", "simulated", "none"]
-    gpus: list[GpuReading]
-    ram: HostRam
-
-    def is_fresh(self, now: float) -> bool:
-        return now - self.taken_at <= STALE_AFTER_S
-
-
-class StartupPeak(_Frozen):
-    """The most a launch took while starting, device and host apart."""
-
-    deployment: str
-    revision: int
-    host: str
-    fingerprint: str
-    device_bytes: int
-    host_bytes: int
-    provenance: Literal["measured"] = "measured"
-    measured_at: float
-    samples: int
 
 
 async def write_reading(client: aioredis.Redis, reading: MemoryReading) -> None:

@@ -6,20 +6,9 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 from redis.asyncio.client import PubSub
 
 from capycommon.state import keys
-
-
-class Notification(BaseModel):
-    """Tells subscribers to re-read `kind` `id`; `version` lets them skip what they have."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    kind: str
-    id: str
-    version: int
 
 
 def host_channel(host: str) -> str:

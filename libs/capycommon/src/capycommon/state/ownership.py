@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from capycommon.domain.desired import DeploymentRecord
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord
 from capycommon.state import keys, quarantine
-from capycommon.state.desired import DeploymentRecord
-from capycommon.state.instances import LIVE_STATES, InstanceRecord
 
 
 def refusal(record: InstanceRecord, deployment: DeploymentRecord) -> str | None:

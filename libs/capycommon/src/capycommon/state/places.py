@@ -48,10 +48,10 @@ from typing import cast
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
+from capycommon.domain.notifications import Notification
+from capycommon.domain.places import Places
 from capycommon.state import keys, placescripts
-from capycommon.state.notify import Notification
 from capycommon.state.pipe import Pipe
 
 LIMIT = 32
@@ -63,32 +63,6 @@ QUIET_S = 1.0
 FIELDS = {"": "run", "settle_when_idle": "idle", "settle_at_stop": "stop"}
 # How long a worker's spare place may stay unused before it is given back.
 SPARE_IDLE_S = 1.0
-
-
-class Places(BaseModel):
-    """The places of one deployment's current generation."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    generation: int = 0
-    running: int = 0
-    settle_when_idle: int = 0
-    settle_at_stop: int = 0
-    # Places router workers keep for their next requests: idle, or carrying a request let
-    # through since Redis last heard (a drain waits for them to be given back).
-    spare: int = 0
-
-    @property
-    def serving(self) -> int:
-        """Requests the engine is, or may be, working on, excluding those cut before any
-        answer (stopping and switching do not wait for those)."""
-        return self.running - self.settle_at_stop
-
-
-def owner_id(name: str, pid: int) -> str:
-    """A process's owner id: its name and pid, so a restarted worker never takes up the
-    places of the one before it."""
-    return f"{name}:{pid}"
 
 
 class PlaceBook:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import cast
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
+from capycommon.domain.hosts import RequestEnd
 from capycommon.state import keys, quarantine
 
 FIELD = "end"
@@ -23,20 +23,6 @@ FIELD = "end"
 KEEP = 10_000
 
 Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
-
-
-class RequestEnd(BaseModel):
-    """The engine of `deployment`'s instance at `generation` no longer holds `request_id`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    deployment: str
-    instance: int = 0
-    generation: int
-    request_id: str
-    # The engine held the request when hostd aborted it (so it had reached the engine).
-    held: bool
-    at: float
 
 
 async def publish(client: aioredis.Redis, host: str, end: RequestEnd) -> None:

@@ -9,42 +9,13 @@ from collections.abc import Iterable, Mapping
 from typing import Literal, cast
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
+from capycommon.domain.instances import Event, InstanceRecord, InstanceState
+from capycommon.domain.notifications import Notification
 from capycommon.state import functions, keys, quarantine
-from capycommon.state.instances import InstanceRecord, InstanceState
-from capycommon.state.notify import Notification
 
 ABSENT = "absent"
 _Read = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
-
-
-class Event(BaseModel):
-    """One thing that happened to an instance, with why and how long it took."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # transition: a record changed state; refused: a command hostd would not carry out;
-    # uncounted: an engine no record counted (Redis lost it) was stopped; download: a model
-    # download from the Hub ended (for a launch of `deployment`, or for a pull when that is
-    # empty).
-    kind: Literal["transition", "refused", "uncounted", "download"]
-    host: str
-    deployment: str
-    instance: int
-    generation: int
-    from_state: str | None = None
-    to_state: str | None = None
-    reason: str
-    duration_s: float | None = None
-    # The engine's own part of duration_s: its load (a start, from its spawn to its health),
-    # its wake calls (a wake), its sleep call (a park); the rest is CapyCTL's.
-    engine_s: float | None = None
-    at: float
-    # A download's repository, the bytes it received, and how it ended.
-    repo: str | None = None
-    received_bytes: int | None = None
-    outcome: Literal["done", "failed"] | None = None
 
 
 class Conflict(Exception):

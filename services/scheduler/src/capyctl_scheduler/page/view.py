@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from capycommon.domain.desired import Choice
+from capycommon.domain.instances import LIVE_STATES, Event, InstanceState
+from capycommon.domain.memory import MemoryReading
 from capycommon.management import Charge, DeploymentStatus, EngineRow, HostRow
 from capycommon.state import desired, places
-from capycommon.state.desired import Choice
-from capycommon.state.instances import LIVE_STATES, InstanceState
-from capycommon.state.memory import MemoryReading, aread_reading
-from capycommon.state.store import Event, recent_events
+from capycommon.state.memory import aread_reading
+from capycommon.state.store import recent_events
 from capyctl_scheduler import status
 from capyctl_scheduler.manage import Manager
 from capyctl_scheduler.snapshot import Snapshot

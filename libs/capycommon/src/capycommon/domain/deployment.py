@@ -23,8 +23,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from capycommon.engines.launch import Api, Residency
-from capycommon.settings import Strict
+from capycommon.domain.engines import Api, Residency
+from capycommon.domain.strict import Strict
 from capycommon.units import format_duration, format_size_exact, parse_duration, parse_size
 
 NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"

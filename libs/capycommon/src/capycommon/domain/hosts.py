@@ -1,0 +1,131 @@
+"""Hosts: what each host publishes about itself (its address, its heartbeat, its engines'
+load, its downloads and model-store operations, the engine logs it was asked for), the
+identities the server keeps for joined hosts, and the ends of requests the router settles."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class HostInfo(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # False where host.deep_park is off: nothing parks deep there, and no engine runs with
+    # its development controls.
+    deep_park: bool = True
+    # False where host.lmcache is off; True where host.retention is zero (its deployments'
+    # default): LMCache never starts for them.
+    lmcache: bool = True
+    retention_zero: bool = False
+    # A joined host's ingress as the router dials it (host:port, `capycommon.ingress`);
+    # None on a standalone role's own host, whose engines the router reaches on loopback.
+    ingress: str | None = None
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    service: str
+    pid: int
+    version: str
+    started_at: float
+    last_seen: float
+
+
+class EngineLoad(BaseModel):
+    """One engine's requests at `read_at`; `last_active_at` is when it last had any."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    generation: int
+    running: int
+    waiting: int
+    last_active_at: float
+    read_at: float
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request ran or waited at `read_at`."""
+        return self.running + self.waiting > 0
+
+
+class Download(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    repo: str
+    commit: str
+    done_bytes: int
+    total_bytes: int
+    # Bytes a second over the download so far.
+    rate: float
+    started_at: float
+    at: float
+
+
+class StoreOperation(BaseModel):
+    """A pull or removal in a host's model store: under way, done, or failed with its code."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["pull", "remove"]
+    state: Literal["running", "done", "failed"]
+    # The store's path under the models root, as `capyctl list models` names it.
+    name: str
+    download: Download | None = None
+    code: str | None = None
+    message: str | None = None
+    at: float
+
+
+class Invitation(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host_name: str
+    expires_unix: int
+    # The host id a recovery invitation gives back; None for a new host.
+    recover_host_id: str | None = None
+
+
+class HostIdentity(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    host_id: str
+    # The serial (hex) and the end of the certificate in use; every earlier one is revoked
+    # or superseded.
+    serial: str
+    not_after: float
+    version: str
+    joined_at: float
+    renewed_at: float | None = None
+    revoked_at: float | None = None
+
+
+class RequestEnd(BaseModel):
+    """The engine of `deployment`'s instance at `generation` no longer holds `request_id`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: str
+    instance: int = 0
+    generation: int
+    request_id: str
+    # The engine held the request when hostd aborted it (so it had reached the engine).
+    held: bool
+    at: float
+
+
+class LogTail(BaseModel):
+    """What hostd answers: where the log is kept, and its last lines."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # file: under the state dir; memory: in its writer's memory only (retention: zero);
+    # none: nothing to read (no such instance, or its engine and memory log are gone).
+    kept: Literal["file", "memory", "none"]
+    lines: list[str]
+    launch_id: str | None = None
+    # Why there is nothing to read, when kept is none.
+    note: str | None = None

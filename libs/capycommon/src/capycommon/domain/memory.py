@@ -1,0 +1,86 @@
+"""Memory: memwatch's readings of each host's devices and RAM, the startup peaks it
+measured, and the scheduler's summary of what its ledger charges on each GPU."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+# A reading older than this is unobserved: it admits nothing.
+STALE_AFTER_S = 5.0
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuReading(_Frozen):
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    unified: bool
+    # Per process: device bytes by PID.
+    processes: dict[int, int] = {}
+
+
+class HostRam(_Frozen):
+    total_bytes: int
+    available_bytes: int
+    source: Literal["meminfo", "cgroup", "simulated"]
+
+
+class MemoryReading(_Frozen):
+    host: str
+    taken_at: float
+    backend: Literal["nvml", "simulated", "none"]
+    gpus: list[GpuReading]
+    ram: HostRam
+
+    def is_fresh(self, now: float) -> bool:
+        return now - self.taken_at <= STALE_AFTER_S
+
+
+class StartupPeak(_Frozen):
+    """The most a launch took while starting, device and host apart."""
+
+    deployment: str
+    revision: int
+    host: str
+    fingerprint: str
+    device_bytes: int
+    host_bytes: int
+    provenance: Literal["measured"] = "measured"
+    measured_at: float
+    samples: int
+
+
+# What an instance is charged as: the ledger's phases, an LMCache server kept for a stopped
+# instance (`cache`), and an engine no deployment owns (`orphan`, its whole GPU).
+ChargePhase = Literal["starting", "ready", "parked", "waking", "cache", "orphan", "unknown"]
+
+
+class GpuCharges(BaseModel):
+    """One GPU of one host (a unified host's one pool is its GPU `unified`), in bytes."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    host: str
+    gpu: str
+    capacity: int
+    managed_limit: int
+    reserve: int
+    parked_limit: int
+    # What admission may still take: the lower of the managed limit and the capacity less
+    # the reserve, less every charge (none below zero).
+    free: int
+    charged: dict[ChargePhase, int]
+
+
+class GpuMemory(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    gpus: tuple[GpuCharges, ...] = ()
