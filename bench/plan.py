@@ -6,6 +6,7 @@ bound on every host: per host, six ready (two of them busy, one idle past its ti
 parked, one cold and one stopped instance, and two demands, one of which needs a switch.
 It prints the p50 and the max of many plans, beside the same figures for one deployment on
 one host (the baseline, measured in the same run), against the target of 10 ms.
+tests/unit/test_plan_at_scale.py checks that the plan of this same snapshot is sane.
 
     .venv/bin/python bench/plan.py [--repeat 300]
 """
@@ -60,6 +61,9 @@ LAYOUT: tuple[tuple[S | None, int, bool], ...] = (
     (None, 0, False),  # cold, demanded: fits where a GPU has room
     (S.STOPPED, 0, False),  # demanded with a peak that needs a switch
 )
+# The indices of LAYOUT's idle instance, of its cold one that fits and of the one whose start
+# needs a switch.
+IDLE, FITS, SWITCH = 4, 8, 9
 
 
 def _view(host: str) -> HostView:
@@ -84,6 +88,11 @@ def _view(host: str) -> HostView:
     domains = {domain.name: domain for domain in derive_domains(reading)}
     gpus = {f"gpu{i}": f"{host}-GPU-{i}" for i in range(GPUS)}
     return HostView(host, domains, gpus, unified=False)
+
+
+def deployment_name(host: int, index: int) -> str:
+    """The name of the deployment at `index` of LAYOUT on host number `host`."""
+    return f"d{host:02d}{index}"
 
 
 def _record(name: str, generation: int) -> DeploymentRecord:
@@ -125,17 +134,17 @@ def snapshot(hosts: int, per_host: int = PER_HOST) -> Snapshot:
     demands: dict[str, float] = {}
     for h, (host, view) in enumerate(views.items()):
         for i, (state, gpu, busy) in enumerate(LAYOUT[:per_host]):
-            name = f"d{h:02d}{i}"
-            deployments[name] = _record(name, generation=1)
+            deployment = deployment_name(h, i)
+            deployments[deployment] = _record(deployment, generation=1)
             request = (20 + 2 * i) * GiB
-            startup = 70 * GiB if i == 9 else request + 2 * GiB
-            bindings[name] = {
+            startup = 70 * GiB if i == SWITCH else request + 2 * GiB
+            bindings[deployment] = {
                 other: _binding(other_view, request, startup) for other, other_view in views.items()
             }
             if state is not None:
-                since = NOW - 400 if i == 4 else NOW - 60
-                instances[name] = InstanceRecord(
-                    deployment=name,
+                since = NOW - 400 if i == IDLE else NOW - 60
+                instances[deployment] = InstanceRecord(
+                    deployment=deployment,
                     instance=0,
                     revision=1,
                     generation=1,
@@ -145,15 +154,15 @@ def snapshot(hosts: int, per_host: int = PER_HOST) -> Snapshot:
                     gpu_uuid=view.gpus[f"gpu{gpu}"],
                     residency="host_backed",
                 )
-                loads[name] = EngineLoad(
+                loads[deployment] = EngineLoad(
                     generation=1,
                     running=1 if busy else 0,
                     waiting=0,
-                    last_active_at=NOW - (400 if i == 4 else 30),
+                    last_active_at=NOW - (400 if i == IDLE else 30),
                     read_at=NOW - 0.5,
                 )
-            if i in (8, 9) or per_host == 1:
-                demands[name] = NOW - 1 - i
+            if i in (FITS, SWITCH) or per_host == 1:
+                demands[deployment] = NOW - 1 - i
     return Snapshot(
         now=NOW,
         deployments=deployments,
