@@ -46,7 +46,10 @@ def _gpu_used(harness: Hostd, gpu: str) -> int:
     return 0 if usage is None else usage.used_bytes
 
 
-def _ready(harness: Hostd, gpu: str, model: Path, groups: list[int]) -> InstanceRecord:
+@pytest.fixture
+def ready(hostd: tuple[Hostd, str], model: Path, groups: list[int]) -> InstanceRecord:
+    """Engine `a` launched and ready, its record on disk as hostd keeps it."""
+    harness, gpu = hostd
     harness.send(launch("a", 1, gpu, model))
     ready = harness.wait_state("a", "ready")
     assert ready.process is not None
@@ -84,10 +87,9 @@ def _assert_stopped_as_uncounted(
 
 
 def test_an_engine_whose_record_was_lost_while_hostd_was_down_is_stopped_at_start(
-    hostd: tuple[Hostd, str], model: Path, groups: list[int]
+    hostd: tuple[Hostd, str], ready: InstanceRecord
 ) -> None:
     harness, gpu = hostd
-    ready = _ready(harness, gpu, model, groups)
     assert ready.process is not None
     harness.stop()  # SIGTERM: the engine keeps running
     assert group_members(ready.process.pgid), "the engine outlived hostd"
@@ -97,19 +99,17 @@ def test_an_engine_whose_record_was_lost_while_hostd_was_down_is_stopped_at_star
 
 
 def test_an_engine_whose_record_is_lost_under_a_running_hostd_is_stopped(
-    hostd: tuple[Hostd, str], model: Path, groups: list[int]
+    hostd: tuple[Hostd, str], ready: InstanceRecord
 ) -> None:
     harness, gpu = hostd
-    ready = _ready(harness, gpu, model, groups)
     harness.client.flushall()
     _assert_stopped_as_uncounted(harness, gpu, ready, timeout=10)
 
 
 def test_a_restart_with_redis_intact_keeps_the_record_of_engines(
-    hostd: tuple[Hostd, str], model: Path, groups: list[int]
+    hostd: tuple[Hostd, str], ready: InstanceRecord
 ) -> None:
-    harness, gpu = hostd
-    ready = _ready(harness, gpu, model, groups)
+    harness, _ = hostd
     assert ready.process is not None
     before = _owned(harness)
     harness.stop()
@@ -132,10 +132,9 @@ def test_a_restart_with_redis_intact_keeps_the_record_of_engines(
 
 @pytest.mark.parametrize("flush", [False, True], ids=["redis-intact", "redis-lost"])
 def test_an_engine_that_died_while_hostd_was_down_leaves_no_entry(
-    hostd: tuple[Hostd, str], model: Path, groups: list[int], flush: bool
+    hostd: tuple[Hostd, str], ready: InstanceRecord, flush: bool
 ) -> None:
-    harness, gpu = hostd
-    ready = _ready(harness, gpu, model, groups)
+    harness, _ = hostd
     assert ready.process is not None
     pgid = ready.process.pgid
     harness.stop()
