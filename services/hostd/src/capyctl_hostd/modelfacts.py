@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -262,26 +262,20 @@ def _architectures(value: object) -> tuple[str, ...]:
 def _quantization(
     config: dict[str, Any], exported: dict[str, Any] | None
 ) -> tuple[QuantizationConfig, ...]:
-    stated = []
-    declared = config.get("quantization_config")
-    if isinstance(declared, dict):
-        stated.append(
-            QuantizationConfig(
-                file="config.json",
-                quant_method=_text(declared.get("quant_method")),
-                quant_algo=_text(declared.get("quant_algo")),
-            )
-        )
     section = exported.get("quantization", exported) if exported else None
-    if isinstance(section, dict):
-        stated.append(
-            QuantizationConfig(
-                file="hf_quant_config.json",
-                quant_method=_text(section.get("quant_method")),
-                quant_algo=_text(section.get("quant_algo")),
-            )
+    files: tuple[tuple[Literal["config.json", "hf_quant_config.json"], object], ...] = (
+        ("config.json", config.get("quantization_config")),
+        ("hf_quant_config.json", section),
+    )
+    return tuple(
+        QuantizationConfig(
+            file=file,
+            quant_method=_text(stated.get("quant_method")),
+            quant_algo=_text(stated.get("quant_algo")),
         )
-    return tuple(stated)
+        for file, stated in files
+        if isinstance(stated, dict)
+    )
 
 
 @dataclass
