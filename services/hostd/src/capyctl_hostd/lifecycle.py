@@ -22,6 +22,7 @@ from capycommon.domain import commands as hc
 from capycommon.domain.engines import Residency
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.engines.adapters import adapter_for
+from capycommon.engines.control import EngineControl
 from capycommon.errors import CapyError
 from capyctl_hostd import engines, release
 from capyctl_hostd.holdings import Holdings
@@ -49,12 +50,9 @@ class Lifecycle:
         if engine is None:
             await self.holdings.refuse_record(record, "park", "hostd does not hold this engine")
             return
-        record = await self.holdings.move(
-            record, S.PARKING, f"park: {command.reason}", keep_log=False
+        record, residency, control = await self._begin(
+            record, engine, S.PARKING, "park", command.reason, steps
         )
-        residency = Residency(record.residency or Residency.RESTART_ONLY)
-        control = engine.control()
-        steps.mark("park call")
         try:
             await control.park(residency)
         except CapyError as exc:
@@ -101,12 +99,9 @@ class Lifecycle:
         if record.state != S.PARKED or engine is None:
             await self.holdings.refuse_record(record, "wake", f"the instance is {record.state}")
             return
-        record = await self.holdings.move(
-            record, S.WAKING, f"wake: {command.reason}", keep_log=False
+        record, residency, control = await self._begin(
+            record, engine, S.WAKING, "wake", command.reason, steps
         )
-        residency = Residency(record.residency or Residency.RESTART_ONLY)
-        control = engine.control()
-        steps.mark("wake call")
         try:
             async with asyncio.timeout(command.wake_deadline_s):
                 await control.wake(residency)
@@ -134,6 +129,23 @@ class Lifecycle:
             engine_s=steps.between("wake call", "woke"),
         )
         log.info("woke", extra={"member": record.member, "steps": steps.marks})
+
+    async def _begin(
+        self,
+        record: InstanceRecord,
+        engine: engines.Engine,
+        state: InstanceState,
+        verb: str,
+        reason: str,
+        steps: Steps,
+    ) -> tuple[InstanceRecord, Residency, EngineControl]:
+        """A park or wake begun (`verb`): the record moved to `state`, its residency and the
+        engine's control client, with the step's first mark ("park call", "wake call")."""
+        record = await self.holdings.move(record, state, f"{verb}: {reason}", keep_log=False)
+        residency = Residency(record.residency or Residency.RESTART_ONLY)
+        control = engine.control()
+        steps.mark(f"{verb} call")
+        return record, residency, control
 
     async def stop(self, record: InstanceRecord, reason: str, keep_cache: bool = False) -> None:
         if record.state not in LIVE_STATES and record.cache is not None and not keep_cache:
