@@ -344,7 +344,7 @@ def start_role(
     try:
         wait_for(
             lambda: handle.healthy() or (proc.poll() is not None and _failed(handle)),
-            timeout=30,
+            timeout=90,  # a deadline, not a wait: a loaded machine starts a role slowly
             what=f"the {role} role to be healthy",
         )
     except BaseException:

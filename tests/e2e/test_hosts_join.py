@@ -27,7 +27,7 @@ from support import (
 
 # Short enough for a renewal within the test (hosts renew after two thirds of it, counted
 # from a minute before issue), long enough for a loaded machine to start a host with it.
-LIFETIME_S = 30
+LIFETIME_S = 45
 
 
 @pytest.fixture(scope="module")

@@ -155,7 +155,8 @@ def test_listens_at_once_loads_then_serves_and_stops_cleanly(
     installs: Installs, gguf: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
 ) -> None:
     executable = installs.llama(BUILD)
-    write_behaviour(executable, FAST.model_copy(update={"load_seconds": 1.5}))
+    # A load long enough that a loaded machine still asks both questions while it runs.
+    write_behaviour(executable, FAST.model_copy(update={"load_seconds": 6}))
     engine = launcher.start(llama(executable, gguf, "--no-slots"), env_for(tmp_path, gpu))
     engine.wait_status(503)
     loading = httpx.get(f"{engine.base}/health")

@@ -173,7 +173,10 @@ def test_flat_errors_and_json_only(served: Engine) -> None:
 
 
 def test_abort_by_rid_flush_when_busy_and_metrics(served: Engine) -> None:
-    body = {"messages": HELLO, "stream": True, "rid": "abort-me"}
+    # The answer goes on (ignore_eos) until the abort: on a loaded machine a short one could
+    # end before the flush is tried.
+    body = {"messages": HELLO, "stream": True, "rid": "abort-me", "ignore_eos": True}
+    body["max_tokens"] = 100_000
     with streaming(served, body) as events:
         assert served.metric("sglang:num_running_reqs") == 1
         assert served.post("/flush_cache").status_code == 400

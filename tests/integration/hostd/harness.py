@@ -75,7 +75,7 @@ class Hostd:
         )
         self.proc = self._spawn("hostd", env, self.log)
         wait_for(
-            lambda: self.client.exists(keys.heartbeat("hostd", HOST)), timeout=15, what="hostd"
+            lambda: self.client.exists(keys.heartbeat("hostd", HOST)), timeout=60, what="hostd"
         )
 
     def start_memwatch(self) -> None:
