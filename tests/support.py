@@ -63,6 +63,16 @@ def wait_for(
         time.sleep(interval)
 
 
+def holds_for(condition: Callable[[], object], seconds: float, what: str) -> None:
+    """Check `condition` again and again for `seconds`; fail naming `what` the first time it
+    does not hold (a watch over a span, where `wait_for` waits for a moment)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not condition():
+            raise AssertionError(f"{what} stopped holding within {seconds} s")
+        time.sleep(0.1)
+
+
 async def wait_for_async(
     condition: Callable[[], Awaitable[T | None]],
     timeout: float,

@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 
 from capycommon.errors import CapyError
 from cluster import Cluster, start_cluster
-from support import processes_mentioning, short_dir, wait_for
+from support import holds_for, processes_mentioning, short_dir, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -85,8 +84,8 @@ def _ride_out(cluster: Cluster, root: Path, state: Path) -> None:
     assert "redis_unreachable" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    time.sleep(5)  # long enough for a crash, a restart or a heartbeat to lapse
-    assert _pids(cluster) == before, "no process restarted"
+    # Long enough for a crash, a restart or a heartbeat to lapse.
+    holds_for(lambda: _pids(cluster) == before, 5, "no process restarted")
     said = [line for line in cluster.role.output().splitlines() if '"service": "capyctl"' in line]
     assert sum("Redis refuses writes" in line for line in said) == 1, "the launcher said it once"
 

@@ -18,7 +18,7 @@ import yaml
 from capycommon.domain.instances import LIVE_STATES
 from capycommon.state import desired, keys
 from cluster import FOURTEEN, HOST, SMALL, Cluster, GiB
-from support import wait_for
+from support import holds_for, wait_for
 
 
 def test_three_14gib_models_take_turns_on_one_24gib_gpu(cluster: Cluster) -> None:
@@ -81,10 +81,7 @@ def test_a_request_after_an_operator_park_wakes_it_for_good(cluster: Cluster) ->
     assert answer.choices[0].finish_reason
     # The scheduler parked it again within a second of the demand's end before; it now
     # stays ready like any demanded model (its idle timeout is the role's 5 minutes).
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        assert cluster.state("p") == "ready", cluster.transitions("p")
-        time.sleep(0.1)
+    holds_for(lambda: cluster.state("p") == "ready", 3, "p ready")
     woke = [to for _, to, _ in cluster.transitions("p")]
     assert woke[-2:] == ["waking", "ready"]
     assert desired.read_all(cluster.client)["p"].park_requested is None, "the park was done"
