@@ -36,12 +36,14 @@ async def test_an_answer_before_the_body_ended_closes_the_connection() -> None:
         sending = asyncio.create_task(_trickle(writer))
         try:
             async with asyncio.timeout(30):
-                status, _ = await answer(reader)
+                head = await reader.readuntil(b"\r\n\r\n")
                 closed = await closed_after(reader)
         finally:
             sending.cancel()
             await asyncio.gather(sending, return_exceptions=True)
-    assert status == 405
+    assert head.split(b" ", 2)[1] == b"405"
+    # Said in the answer, so a client never sends its next request on it.
+    assert b"\r\nconnection: close\r\n" in head.lower()
     assert closed < CLOSED_WITHIN_S, closed
 
 
@@ -50,6 +52,10 @@ async def test_an_answer_after_the_whole_body_keeps_the_connection() -> None:
     limits = ConnectionLimits(keep_alive_timeout=30)
     async with served(APP, limits) as port, connected(port) as (reader, writer):
         writer.write(request_head("PUT", "/health", Content_Length="4") + b"body")
-        assert (await answer(reader))[0] == 405
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.split(b" ", 2)[1] == b"405"
+        assert b"connection: close" not in head.lower()
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
         writer.write(request_head("GET", "/health"))
         assert (await answer(reader))[0] == 200, "the same connection serves the next request"

@@ -114,6 +114,7 @@ class GuardedProtocol(HttpToolsProtocol):
     _head_timer: asyncio.TimerHandle | None = None
     _counted: str | None = None
     _refused = False
+    _keep_alive_once_read = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream's, over TLS or not (uvloop's are not asyncio.Transport subclasses).
@@ -143,6 +144,25 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_done()
         super().on_headers_complete()
+        # Until the body has all come, an answer says the connection closes (uvicorn writes
+        # `Connection: close` for a cycle not kept alive): a connection answered before its
+        # body ended is closed (`on_response_complete`), and a client told so never sends
+        # its next request on it.
+        cycle = self.cycle
+        if cycle is not None and cycle.keep_alive and not cycle.response_complete:
+            cycle.keep_alive = False
+            self._keep_alive_once_read = True
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        cycle = self.cycle
+        if self._keep_alive_once_read and cycle is not None and not cycle.response_started:
+            cycle.keep_alive = True
+        self._keep_alive_once_read = False
+
+    def shutdown(self) -> None:
+        self._keep_alive_once_read = False  # a stopping server keeps no connection
+        super().shutdown()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
