@@ -17,17 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import redis
+import redis.asyncio as aioredis
 import yaml
 
 import benchclient
 import benchrole
 import routerrole
 from benchrole import GiB
-from capycommon.domain.instances import InstanceRecord
 from capycommon.paths import StatePaths
 from capycommon.redistarget import CONTROL_USER
-from capycommon.state import keys
+from capycommon.state.stores import Blocking
 
 DEPLOYMENT = "bench"
 JOINED = "gpu-a"  # the joined host's name
@@ -89,19 +88,19 @@ class Role:
         password = None
         if paths.redis_password.exists():
             password = paths.redis_password.read_text().strip()
-        with redis.Redis(
+        client = aioredis.Redis(
             unix_socket_path=str(paths.redis_socket),
             username=CONTROL_USER if password else None,
             password=password,
-        ) as client:
-            raw: bytes | None = client.get(keys.instance(host, DEPLOYMENT, 0))
-            secret: bytes | None = client.get(keys.instance_secret(host, DEPLOYMENT, 0))
-        record = None if raw is None else InstanceRecord.model_validate_json(raw)
+        )
+        with Blocking(client) as blocking:
+            record = blocking(lambda s: s.instances(host).get(DEPLOYMENT, 0))
+            secret = blocking(lambda s: s.instances(host).secret(DEPLOYMENT, 0))
         if record is None or record.port is None or record.process is None or not secret:
             raise SystemExit(f"the {self.name} role's {DEPLOYMENT} has no engine on {host}")
         model = record.served_name or DEPLOYMENT
         process = record.process
-        return benchclient.Engine(record.port, secret.decode(), model, process.pid, process.pgid)
+        return benchclient.Engine(record.port, secret, model, process.pid, process.pgid)
 
     def deploy(self, folder: Path) -> None:
         """Deploy `bench` and start it, waiting until it serves."""

@@ -4,7 +4,6 @@ its engines on ports of its own."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -22,7 +21,7 @@ import yaml
 import benchrole
 from benchclient import Engine, children
 from benchrole import GiB
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import Blocking
 from enginesim.behaviour import Behaviour
 
 ANSWER = " ".join(["tok"] * 2000)
@@ -98,19 +97,15 @@ class Stand:
         return benchrole.cli(self.state, self.env, *args, check=check, capyctl=self.capyctl)
 
     def engine(self, deployment: str) -> Engine:
-        async def read() -> Engine:
-            path = str(self.state / "redis" / "redis.sock")
-            async with aioredis.Redis(unix_socket_path=path) as client:
-                store = InstanceStore(client, "local")
-                record = await store.get(deployment, 0)
-                secret = await store.secret(deployment, 0)
-            if record is None or record.port is None or record.process is None or not secret:
-                raise SystemExit(f"the deployment {deployment} has no serving engine")
-            model = record.served_name or deployment
-            process = record.process
-            return Engine(record.port, secret, model, process.pid, process.pgid)
-
-        return asyncio.run(read())
+        path = str(self.state / "redis" / "redis.sock")
+        with Blocking(aioredis.Redis(unix_socket_path=path)) as blocking:
+            record = blocking(lambda s: s.instances("local").get(deployment, 0))
+            secret = blocking(lambda s: s.instances("local").secret(deployment, 0))
+        if record is None or record.port is None or record.process is None or not secret:
+            raise SystemExit(f"the deployment {deployment} has no serving engine")
+        model = record.served_name or deployment
+        process = record.process
+        return Engine(record.port, secret, model, process.pid, process.pgid)
 
     def router_pids(self) -> list[int]:
         """The router's parent and its workers, as `capyctl status --json` names them, and any

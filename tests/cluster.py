@@ -3,7 +3,6 @@ the CLI, Redis and engine views the end-to-end tests use."""
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import functools
 import json
@@ -23,11 +22,14 @@ import redis
 import redis.asyncio as aioredis
 import yaml
 
+from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.instances import Event, InstanceRecord
+from capycommon.domain.places import Places
 from capycommon.engines import registry
 from capycommon.errors import CapyError, NotFound
 from capycommon.paths import StatePaths
-from capycommon.state import desired, keys, places
+from capycommon.state import keys
+from capycommon.state.stores import Blocking
 from capyctl_cli.gpucheck.role import end_left_under
 from capyctl_cli.management import Management
 from capyctl_cli.management import wait_for as wait_until
@@ -65,6 +67,16 @@ class Cluster:
     role: Role
     root: Path
     clients: list[openai.OpenAI] = field(default_factory=list)  # closed by `clean`
+    # The role's state, through the state layer's stores; closed by `close`.
+    stores: Blocking = field(init=False)
+
+    def __post_init__(self) -> None:
+        socket = self.role.state_dir / "redis" / "redis.sock"
+        self.stores = Blocking(aioredis.Redis(unix_socket_path=str(socket)))
+
+    def close(self) -> None:
+        """Close the cluster's own client of the role's Redis (the role runs on)."""
+        self.stores.close()
 
     def openai(self, timeout: float = 120) -> openai.OpenAI:
         """An openai SDK client of the role's endpoint, closed when the cluster is."""
@@ -150,17 +162,17 @@ class Cluster:
             if e.kind == "transition"
         ]
 
+    def declared(self) -> dict[str, DeploymentRecord]:
+        """The declared deployments, by name."""
+        return self.stores(lambda s: s.deployments.all())
+
+    def places(self, name: str) -> Places:
+        """The deployment's places, over every router worker."""
+        return self.stores(lambda s: s.places.get(name))
+
     def demand(self, name: str) -> None:
         """A demand as a router sends it."""
-
-        async def send() -> None:
-            client = aioredis.Redis(unix_socket_path=str(self.role.state_dir / "redis/redis.sock"))
-            try:
-                await desired.demand(client, name, "test")
-            finally:
-                await client.aclose()
-
-        asyncio.run(send())
+        self.stores(lambda s: s.demands.ask(name, "test"))
 
     def engine(self, name: str) -> tuple[str, str]:
         """The engine's base URL and per-launch key (to compare with, or watch, the engine)."""
@@ -214,7 +226,7 @@ class Cluster:
         until each is gone (its engine stopped), as `delete deployment --wait` does."""
         for client in self.clients:
             client.close()
-        names = desired.read_all(self.client)
+        names = self.declared()
         if not names:
             return
         with self.api() as api:
@@ -243,7 +255,7 @@ class Cluster:
             name = status.name
             instance = self.instance(name)
             state = None if instance is None else (instance.state, instance.generation)
-            held = places.read(self.client, name)
+            held = self.places(name)
             choices = [d.get("reason") for d in self.choices(name)[-4:]]
             found.append(f"{name}: instance {state}, {held!r}, choices {choices}")
         logs = self.role.state_dir / "logs"
@@ -384,6 +396,7 @@ def running(prefix: str, gpus: str = "gpu0:24GiB", **settings: Any) -> Iterator[
         try:
             cluster.clean()
         finally:  # a role is never left behind, even when its engines could not be deleted
+            cluster.close()
             cluster.role.stop()
             end_left_under(root)  # engines or LMCache servers a failed delete left
             shutil.rmtree(root, ignore_errors=True)

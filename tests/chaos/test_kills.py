@@ -39,7 +39,6 @@ import openai
 import pytest
 
 from capycommon.domain.instances import LIVE_STATES, InstanceState
-from capycommon.state import desired, places
 from cluster import Cluster
 from support import live_processes, pid_alive, processes_mentioning, wait_for
 
@@ -174,7 +173,7 @@ def chaos(
     cluster: Cluster, kill: Callable[[], Killed], may_fail: MayFail, bound: float = RECOVERY_S
 ) -> None:
     """Kill under load, wait for service to come back, stop the load, and check the role."""
-    declared = set(desired.read_all(cluster.client))
+    declared = set(cluster.declared())
     wait_for(
         lambda: cluster.role.healthy() and not engine_problems(cluster, declared),
         timeout=60,
@@ -242,7 +241,7 @@ def failures(outcomes: Iterable[Outcome]) -> list[str]:
 
 def check_after(cluster: Cluster, declared: set[str]) -> None:
     """The deployments, engines and places once the load has stopped."""
-    assert set(desired.read_all(cluster.client)) == declared, "a declared deployment was lost"
+    assert set(cluster.declared()) == declared, "a declared deployment was lost"
     listed = json.loads(cluster.ok("list", "deployments", "--json"))
     assert {row["name"] for row in listed} == declared, listed
     problems = settled(lambda: engine_problems(cluster, declared))
@@ -302,7 +301,7 @@ def places_held(cluster: Cluster, declared: Iterable[str]) -> list[str]:
     held = [
         f"{name}: {found.running} in Redis"
         for name in declared
-        if (found := places.read(cluster.client, name)).running
+        if (found := cluster.places(name)).running
     ]
     metrics = httpx.get(
         f"http://{cluster.role.inference}/metrics",
@@ -432,7 +431,7 @@ def engine_leader(cluster: Cluster, name: str) -> int:
 
 def engine_leaders(cluster: Cluster) -> dict[str, int]:
     """Each deployment's engine leader, as its instance record names it."""
-    return {name: engine_leader(cluster, name) for name in desired.read_all(cluster.client)}
+    return {name: engine_leader(cluster, name) for name in cluster.declared()}
 
 
 def parent(pid: int) -> int:

@@ -48,6 +48,7 @@ def _role(prefix: str, gpus: str, *extra: str) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.clean()
+        cluster.close()
         cluster.role.stop()
         shutil.rmtree(root, ignore_errors=True)
 

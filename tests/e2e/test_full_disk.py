@@ -122,6 +122,7 @@ def test_a_full_disk_is_reported_and_ridden_out() -> None:
             if cluster is not None:
                 with contextlib.suppress(AssertionError, CapyError):
                     cluster.clean()
+                cluster.close()
                 cluster.role.stop()
         finally:
             for pid in processes_mentioning(str(root)):  # engines a failed clean left running

@@ -17,7 +17,8 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from capycommon.state import keys, places
+from capycommon.state import keys
+from capycommon.state.stores import State
 from cluster import SMALL, Cluster
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
@@ -246,6 +247,6 @@ async def waiting(cluster: Cluster) -> int:
     """The requests waiting for `gone`, over every router worker."""
     client = aioredis.Redis(unix_socket_path=str(cluster.role.state_dir / "redis/redis.sock"))
     try:
-        return (await places.awaiting(client)).get("gone", 0)
+        return (await State(client).places.waiting()).get("gone", 0)
     finally:
         await client.aclose()

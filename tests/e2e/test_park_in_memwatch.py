@@ -7,13 +7,11 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import cast
 
-import redis
+import redis.asyncio as aioredis
 
 from capycommon.domain.instances import InstanceRecord
-from capycommon.state import keys
-from capycommon.state.memory import read_reading, read_startup_peak
+from capycommon.state.stores import Blocking
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
@@ -26,48 +24,47 @@ GiB = 1 << 30
 BUDGETS = {"vllm": 6 * GiB, "sglang": int(0.26 * 24 * GiB)}
 
 
-def _state(client: redis.Redis, name: str, wanted: str) -> InstanceRecord | None:
-    raw = cast(bytes | None, client.get(keys.instance("local", name, 0)))
-    record = None if raw is None else InstanceRecord.model_validate_json(raw)
+def _state(state: Blocking, name: str, wanted: str) -> InstanceRecord | None:
+    record = state(lambda s: s.instances("local").get(name, 0))
     return record if record is not None and record.state == wanted else None
 
 
-def _used(client: redis.Redis, after: float) -> int | None:
+def _used(state: Blocking, after: float) -> int | None:
     """gpu0's used bytes in a memwatch reading taken after `after`."""
-    reading = read_reading(client, "local")
+    reading = state(lambda s: s.memory.reading("local"))
     if reading is None or reading.taken_at <= after:
         return None
     return reading.gpus[0].used_bytes
 
 
-def _cycle(role: Role, client: redis.Redis, family: str) -> None:
+def _cycle(role: Role, state: Blocking, family: str) -> None:
     """Start, park, wake and stop one deployment, watching memwatch's readings."""
     name, budget = f"demo-{family}", BUDGETS[family]
     assert role.capyctl("start", "deployment", name, "--wait").returncode == 0
-    ready = _state(client, name, "ready")
+    ready = _state(state, name, "ready")
     assert ready is not None
-    wait_for(lambda: _used(client, time.time() - 0.5) == budget, timeout=10, what="the budget")
+    wait_for(lambda: _used(state, time.time() - 0.5) == budget, timeout=10, what="the budget")
 
     parked_at = time.time()
     assert role.capyctl("park", "deployment", name, "--wait").returncode == 0
     wait_for(
-        lambda: (u := _used(client, parked_at)) is not None and u < GiB,
+        lambda: (u := _used(state, parked_at)) is not None and u < GiB,
         timeout=10,
         what="memwatch to see the device memory released",
     )
 
     woke_at = time.time()
     assert role.capyctl("start", "deployment", name, "--wait").returncode == 0
-    wait_for(lambda: _used(client, woke_at) == budget, timeout=10, what="memory back")
+    wait_for(lambda: _used(state, woke_at) == budget, timeout=10, what="memory back")
 
     stopped_at = time.time()
     assert role.capyctl("stop", "deployment", name, "--wait").returncode == 0
-    wait_for(lambda: _used(client, stopped_at) == 0, timeout=10, what="the device empty")
+    wait_for(lambda: _used(state, stopped_at) == 0, timeout=10, what="the device empty")
 
     fingerprint = ready.fingerprint
     assert fingerprint is not None
     peak = wait_for(
-        lambda: read_startup_peak(client, "local", name, 1, fingerprint),
+        lambda: state(lambda s: s.memory.startup_peak("local", name, 1, fingerprint)),
         timeout=10,
         what="memwatch to store the launch's startup peak",
     )
@@ -96,15 +93,15 @@ def test_park_and_wake_as_memwatch_sees_them(tmp_path: Path) -> None:
         )
     sparse_model(root / "models" / "demo", 2 * GiB)
     role = start_role("standalone", state_dir=state, env=env)
-    client = redis.Redis(unix_socket_path=str(state / "redis" / "redis.sock"))
+    stores = Blocking(aioredis.Redis(unix_socket_path=str(state / "redis" / "redis.sock")))
     try:
         for family in ("vllm", "sglang"):
             assert (
                 role.capyctl("deploy", "model", "--file", str(root / f"{family}.yaml")).returncode
                 == 0
             )
-            _cycle(role, client, family)
+            _cycle(role, stores, family)
     finally:
-        client.close()
+        stores.close()
         role.stop()
         shutil.rmtree(root, ignore_errors=True)

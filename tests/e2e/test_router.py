@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from capycommon.state import keys, places
+from capycommon.state import keys
 from cluster import FOURTEEN, HOST, SMALL, Cluster, running
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
@@ -149,7 +149,7 @@ def test_a_run_of_requests_asks_redis_for_a_place_once_per_worker(cluster: Clust
         takes = [c for c in commands if c.upper().startswith("EVALSHA") and taking in c]
         assert 1 <= len(takes) <= 2, f"{len(takes)} admissions through Redis for 20 requests"
         cluster.ok("park", "deployment", "steady", "--wait")
-        found = places.read(redis, "steady")
+        found = cluster.places("steady")
         assert (found.running, found.spare) == (0, 0)
     finally:
         redis.close()
@@ -376,7 +376,7 @@ def _raised_then_back(cluster: Cluster) -> tuple[str, float]:
     raised: list[str] = []
 
     def settled() -> tuple[str, float] | None:
-        found = places.read(cluster.client, "sg22")
+        found = cluster.places("sg22")
         if not raised and found.settle_when_idle + found.settle_at_stop == 1:
             raised.append("settle_when_idle" if found.settle_when_idle else "settle_at_stop")
         if raised and (found.running, found.settle_when_idle, found.settle_at_stop) == (1, 0, 0):
@@ -386,7 +386,7 @@ def _raised_then_back(cluster: Cluster) -> tuple[str, float]:
     try:
         return wait_for(settled, timeout=10, what="the cut request to settle", interval=0.005)
     except AssertionError:
-        left = places.read(cluster.client, "sg22")
+        left = cluster.places("sg22")
         raise AssertionError(f"the cut request did not settle: {left}") from None
 
 

@@ -22,7 +22,6 @@ from typing import Any
 import openai
 import pytest
 
-from capycommon.state import places
 from cluster import FOURTEEN, SMALL, Cluster, running
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
@@ -119,7 +118,7 @@ def _ask(client: openai.OpenAI, model: str, stream: bool) -> tuple[str, str | No
 
 
 def _running_places(cluster: Cluster, model: str) -> int:
-    return places.read(cluster.client, model).running
+    return cluster.places(model).running
 
 
 def _router_warnings(cluster: Cluster, offset: int) -> dict[str, list[str]]:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from capycommon.domain.instances import LIVE_STATES
-from capycommon.state import desired, keys
+from capycommon.state import keys
 from cluster import FOURTEEN, HOST, SMALL, Cluster, GiB
 from support import holds_for, wait_for
 
@@ -84,7 +84,7 @@ def test_a_request_after_an_operator_park_wakes_it_for_good(cluster: Cluster) ->
     holds_for(lambda: cluster.state("p") == "ready", 3, "p ready")
     woke = [to for _, to, _ in cluster.transitions("p")]
     assert woke[-2:] == ["waking", "ready"]
-    assert desired.read_all(cluster.client)["p"].park_requested is None, "the park was done"
+    assert cluster.declared()["p"].park_requested is None, "the park was done"
 
 
 def test_idle_models_park_then_stop(cluster: Cluster) -> None:
@@ -327,8 +327,8 @@ def test_refusals_name_the_problem(cluster: Cluster) -> None:
         path.write_text(yaml.safe_dump(document))
         result = cluster.cli("deploy", "model", "--file", str(path))
         assert (result.returncode, f"error [{name}]") == (code, result.stderr.split("]")[0] + "]")
-        assert "u" not in desired.read_all(cluster.client), "nothing declared"
-    assert list(desired.read_all(cluster.client)) == ["taken"], "what was declared stays"
+        assert "u" not in cluster.declared(), "nothing declared"
+    assert list(cluster.declared()) == ["taken"], "what was declared stays"
 
 
 def test_the_management_api_acts_once_per_idempotency_key(cluster: Cluster) -> None:

@@ -88,7 +88,7 @@ Path("/m").exists()
 open("/m/config.json")
 folder.stat().st_size
 root.glob("*.safetensors")
-await self.client.exists(key)
+await self.state.client.exists(key)
 PurePosixPath("/m").name
 """
     assert disk_uses(source) == [

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from capycommon.credentials import generate
 from capycommon.engineclient import Engines
+from capycommon.state.stores import State
 from capyctl_router.app import Router, RouterApp, create_app
 from capyctl_router.bodies import CompletionBody
 from capyctl_router.dispatch import Dispatcher
@@ -32,7 +33,7 @@ Proxied = dict[str, Endpoint]
 
 def _app() -> RouterApp:
     """The router's app over a Redis client that never connects (building it reads nothing)."""
-    idle = aioredis.Redis()
+    idle = State(aioredis.Redis())
     router = Router(Dispatcher(idle, Table(idle, set()), Metrics()), Engines())
     app = create_app(CREDENTIALS, router)
     assert isinstance(app, RouterApp)

@@ -15,7 +15,6 @@ from capycommon.engines.registry import Registry
 from capycommon.errors import EngineNotFound, EngineUnsupported
 from capycommon.paths import StatePaths, resolve_state_dir
 from capycommon.settingsources import locate_document
-from capycommon.state import enginefacts
 from capyctl_cli import output, record
 from capyctl_cli.options import (
     ConfigOpt,
@@ -70,9 +69,10 @@ def publish_if_running(paths: StatePaths, engines: Registry) -> str:
     if running is None or running.host is None:
         role = getattr(record.read(paths), "role", "running")
         return f"not published: the {role} role has no host"
+    host = running.host
     try:
-        with record.redis_of(running) as client:
-            enginefacts.publish_sync(client, running.host, engines)
+        with record.state_of(running) as state:
+            state(lambda s: s.engines.publish(host, engines))
     except (redis.RedisError, OSError) as exc:
         return f"not published ({exc}); it will be when capyctl starts"
     return f"published to the running {running.role} role (revision {engines.revision})"
@@ -83,9 +83,10 @@ def published_revision(paths: StatePaths) -> int | None:
     running = _running_host(paths)
     if running is None or running.host is None:
         return None
+    host = running.host
     try:
-        with record.redis_of(running) as client:
-            found = enginefacts.read_published(client, running.host)
+        with record.state_of(running) as state:
+            found = state(lambda s: s.engines.get(host))
     except (redis.RedisError, OSError):
         return None
     return None if found is None else found.revision

@@ -31,7 +31,6 @@ from capycommon.paths import StatePaths, write_atomic
 from capycommon.redistarget import RedisTarget, control_target, target_for
 from capycommon.service import HOST_FINAL_EXITS
 from capycommon.settings import HostSettings, Role, ServerSettings, host_name, setting_specs
-from capycommon.state import persistence
 from capycommon.units import format_size
 from capycommon.version import __version__
 from capyctl_cli import aofrepair, record, redisconf, stateversion, supervisor
@@ -261,13 +260,11 @@ class RedisWatch:
         self._refusal: str | None = None
         self._pidfd: int | None = None
         target = control_target(paths) if server else RedisTarget(paths.redis_url)
-        self._client = redis.Redis.from_url(
-            target.url, socket_timeout=2, socket_connect_timeout=2, **target.client_options()
-        )
+        self._state = record.blocking_to(target, timeout=2.0)
 
     def close(self) -> None:
         self._unfollow()
-        self._client.close()
+        self._state.close()
 
     def fds(self) -> list[int]:
         """What to wait on: the running redis-server's pidfd, readable once it exits."""
@@ -285,7 +282,7 @@ class RedisWatch:
             return
         self._next_refusal = now + REFUSAL_EVERY_S
         try:
-            refusal = persistence.save_failure(self._client)
+            refusal = self._state(lambda s: s.persistence.save_failure())
         except (redis.RedisError, OSError):
             return  # not up yet, or restarting: failure() tells
         if refusal is not None:

@@ -13,7 +13,7 @@ from capycommon.paths import StatePaths, write_atomic
 from capycommon.redistarget import RedisTarget, control_target, joined_target
 
 if TYPE_CHECKING:
-    import redis
+    from capycommon.state.stores import Blocking
 
 
 class RoleRecord(BaseModel):
@@ -45,21 +45,27 @@ def read(paths: StatePaths) -> RoleRecord | None:
 
 
 @contextmanager
-def redis_of(record: RoleRecord, timeout: float = 5.0) -> Iterator[redis.Redis]:
-    """A client of the role's Redis, closed on exit."""
-    import redis  # noqa: PLC0415 - only the commands that read Redis pay for its client
+def state_of(record: RoleRecord, timeout: float = 5.0) -> Iterator[Blocking]:
+    """The state in the role's Redis, its client closed on exit."""
+    with blocking_to(target_of(record), timeout) as state:
+        yield state
 
-    target = target_of(record)
-    client = redis.Redis.from_url(
+
+def blocking_to(target: RedisTarget, timeout: float) -> Blocking:
+    """The state in the Redis `target` names, over a client of its own whose every connect
+    and reply waits at most `timeout` seconds. Close it when done."""
+    # Only the commands that read Redis pay for its client.
+    import redis.asyncio as aioredis  # noqa: PLC0415
+
+    from capycommon.state.stores import Blocking  # noqa: PLC0415
+
+    client = aioredis.Redis.from_url(
         target.url,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         **target.client_options(),
     )
-    try:
-        yield client
-    finally:
-        client.close()
+    return Blocking(client)
 
 
 def target_of(record: RoleRecord) -> RedisTarget:

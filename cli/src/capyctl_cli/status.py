@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import redis
 from pydantic import BaseModel, ValidationError
@@ -15,11 +15,16 @@ from capycommon.domain.hosts import Heartbeat
 from capycommon.domain.memory import MemoryReading
 from capycommon.errors import RoleNotRunning
 from capycommon.paths import StatePaths
-from capycommon.state import heartbeats, memory, persistence
+from capycommon.state import heartbeats
 from capycommon.units import format_size
 from capyctl_cli import output, record, supervisor
 from capyctl_cli.record import RoleRecord
 from capyctl_cli.rolelock import lock_is_held
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from capycommon.state.stores import State
 
 # The processes that run workers, each with its own heartbeat (`capyctl_router.workers`).
 WORKERS_OF = frozenset({"router"})
@@ -150,18 +155,23 @@ def _observe(
     workers: dict[str, Beats] = {}
     refusal: str | None = None
     try:
-        with record.redis_of(running, timeout=2) as client:
+        with record.state_of(running, timeout=2) as state:
             if running.role != "host":  # a host's own Redis user may not ask (INFO)
-                refusal = persistence.save_failure(client)
-            beats = heartbeats.read_all(client, host, running.processes)
-            for name in WORKERS_OF.intersection(running.processes):
-                workers[name] = heartbeats.read_workers(client, name)
-            readings = {name: memory.read_reading(client, name) for name in readings}
+                refusal = state(lambda s: s.persistence.save_failure())
+            beats = state(lambda s: s.heartbeats.of_services(host, running.processes))
+            workers = state(lambda s: _workers(s, WORKERS_OF.intersection(running.processes)))
+            if host:
+                readings[host] = state(lambda s: s.memory.reading(host))
     except (redis.RedisError, OSError, ValidationError):
         pass  # what could not be read shows as missing or unobserved
     now = time.time()
     hosts = [host_memory(name, found, now) for name, found in readings.items()]
     return beats, workers, hosts, refusal
+
+
+async def _workers(state: State, services: Iterable[str]) -> dict[str, Beats]:
+    """The live heartbeats of each of `services`' workers, by service."""
+    return {name: await state.heartbeats.workers(name) for name in services}
 
 
 def _worker(beat: Heartbeat) -> WorkerStatus:

@@ -5,24 +5,27 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis
+import redis.asyncio as aioredis
 
 from capycommon import simgpu
 from capycommon.domain.commands import Abort, Launch, Park, Stop, Wake
 from capycommon.domain.hosts import EngineLoad
 from capycommon.domain.instances import InstanceRecord
 from capycommon.engines import detect, registry
-from capycommon.state import keys, memory
-from capycommon.state.load import read_loads
+from capycommon.state import keys
+from capycommon.state.stores import Blocking, State
 from capyctl_hostd.ports import is_free
 from enginesim.behaviour import Behaviour
 from support import clean_env, group_members, service_command, wait_for
 from support import engine_ports as port_range
 
+T = TypeVar("T")
 HOST = "local"
 GiB = 1 << 30
 FAST = Behaviour(load_seconds=0.3, warmup_seconds=0.2, tokens_per_second=200)
@@ -44,6 +47,11 @@ class Hostd:
     @property
     def client(self) -> redis.Redis:
         return redis.Redis(unix_socket_path=str(self.redis_socket))
+
+    def read(self, call: Callable[[State], Coroutine[Any, Any, T]]) -> T:
+        """One call of the state layer, over a client of its own."""
+        with Blocking(aioredis.Redis(unix_socket_path=str(self.redis_socket))) as stores:
+            return stores(call)
 
     @property
     def simgpu_dir(self) -> Path:
@@ -88,7 +96,9 @@ class Hostd:
         )
         self.memwatch = self._spawn("memwatch", env, self.state / "memwatch.out")
         wait_for(
-            lambda: memory.read_reading(self.client, HOST), timeout=15, what="memwatch's reading"
+            lambda: self.read(lambda s: s.memory.reading(HOST)),
+            timeout=15,
+            what="memwatch's reading",
         )
 
     def _spawn(self, service: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -138,7 +148,7 @@ class Hostd:
         return cast(bytes | None, self.client.get(keys.instance_secret(HOST, deployment, 0)))
 
     def loads(self) -> dict[str, EngineLoad]:
-        return read_loads(self.client, HOST)
+        return self.read(lambda s: s.loads.get(HOST))
 
     def events(self) -> list[dict[str, Any]]:
         entries = cast(

@@ -25,7 +25,6 @@ from capycommon.domain.hosts import HostIdentity
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import ServiceContext, redis_client
 from capycommon.settings import HostSettings
-from capycommon.state import identities
 from capyctl_hostd import renewal
 
 HOST = "gpu-1"
@@ -82,7 +81,7 @@ def test_a_server_of_an_earlier_release_is_asked_once(
         deadline = time.monotonic() + 4
         try:
             while time.monotonic() < deadline:
-                request = await identities.certificate_request(client, HOST)
+                request = await ctx.state.identities.certificate_request(HOST)
                 if request is not None:
                     requests += 1
                     csr = x509.load_pem_x509_csr(request)
@@ -96,7 +95,7 @@ def test_a_server_of_an_earlier_release_is_asked_once(
                         version="0.1.0",
                         joined_at=time.time(),
                     )
-                    await identities.issue_certificate(client, identity, signed)
+                    await ctx.state.identities.issue_certificate(identity, signed)
                 await asyncio.sleep(0.05)
         finally:
             stop.set()

@@ -14,6 +14,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from capycommon.state import hostcommands, keys
+from capycommon.state.stores import State
 from capyctl_hostd.consumer import consume
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.runner import Runner
@@ -26,7 +27,7 @@ async def test_the_group_is_made_once_redis_comes() -> None:
     # No retries of its own: each failed try reaches the consumer.
     where = str(folder / "redis.sock")
     client = aioredis.Redis(unix_socket_path=where, socket_timeout=2, retry=Retry(NoBackoff(), 0))
-    runner = cast(Runner, SimpleNamespace(client=client, host="local"))
+    runner = cast(Runner, SimpleNamespace(state=State(client), host="local"))
     # First a socket that closes every connection it takes, as a Redis going away does.
     tries = 0
 

@@ -5,7 +5,6 @@ engine still refuses a call without the key and answers one with it."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
@@ -13,11 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
 from capycommon.domain.instances import InstanceRecord
 from capycommon.engines import detect, registry
-from capycommon.state.store import InstanceStore
 from enginerun import sparse_model
 from enginesim import Faults, SchedulerDies, write_behaviour
 from enginesim.install import install_llama_server
@@ -58,14 +55,7 @@ def engines(
 def secret(harness: Hostd, deployment: str) -> str:
     """The engine's key, read from Redis as the router reads it."""
 
-    async def read() -> str | None:
-        client = aioredis.Redis(unix_socket_path=str(harness.redis_socket))
-        try:
-            return await InstanceStore(client, HOST).secret(deployment, 0)
-        finally:
-            await client.aclose()
-
-    key = asyncio.run(read())
+    key = harness.read(lambda s: s.instances(HOST).secret(deployment, 0))
     assert key, f"no key kept for {deployment}"
     return key
 

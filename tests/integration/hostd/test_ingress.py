@@ -39,7 +39,7 @@ from capycommon.domain.instances import InstanceState
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import redis_client
 from capycommon.state import keys
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.ingress import HostIngress
 from capyctl_hostd.serving import Serving
@@ -143,7 +143,8 @@ class Served:
     async def _run(self) -> None:
         client = redis_client(self.redis_url)
         try:
-            serving = Serving(InstanceStore(client, HOST), client, HOST)
+            state = State(client)
+            serving = Serving(state.instances(HOST), state, HOST)
             await self.door.serve(self.engines, serving, self.stop)
         finally:
             await client.aclose()
@@ -161,7 +162,7 @@ def record(redis_socket: Path, state: InstanceState, generation: int = GENERATIO
     async def write() -> None:
         client = redis_client(f"unix://{redis_socket}")
         try:
-            store = InstanceStore(client, HOST)
+            store = State(client).instances(HOST)
             current = await store.get(DEPLOYMENT, 0)
             new = instance_record(DEPLOYMENT, HOST, generation=generation, state=state)
             await store.transition(

@@ -16,7 +16,7 @@ from capycommon.deployments.checkpoint import quantization
 from capycommon.domain.commands import Describe
 from capycommon.domain.models import HostModels, ModelFacts, QuantizationConfig
 from capycommon.engines.launch import MODELOPT_FP4
-from capycommon.state import hostfacts, keys
+from capycommon.state import keys
 from capyctl_hostd.modelfacts import MAX_CONFIG_BYTES, describe, locate, scan, survey
 from integration.hostd.harness import HOST, Hostd
 from support import short_dir, wait_for
@@ -248,7 +248,7 @@ def published(harness: Hostd) -> HostModels:
     """hostd's models as it published them; it publishes them once it starts, which may come
     after its first heartbeat (what the harness waits for)."""
     return wait_for(
-        lambda: hostfacts.read(harness.client, HOST),
+        lambda: harness.read(lambda s: s.host_models.get(HOST)),
         timeout=15,
         what="hostd to publish its models, as it does when it starts",
     )

@@ -14,8 +14,7 @@ import redis.asyncio as aioredis
 from capycommon.domain import commands as hc
 from capycommon.errors import InvalidConfig
 from capycommon.hub.store import remove_tree
-from capycommon.state import downloads
-from capycommon.state.store import InstanceStore, read_events
+from capycommon.state.stores import State
 from capyctl_hostd.downloads import ModelStore, store_folder
 from mockhub import Faults, MockHub, tiny_repo
 from support import instance_record
@@ -45,7 +44,8 @@ async def store(
     client = aioredis.Redis(unix_socket_path=str(redis_socket))
     root = tmp_path / "models"
     try:
-        yield ModelStore(HOST, client, InstanceStore(client, HOST), root, tmp_path / "state")
+        state = State(client)
+        yield ModelStore(HOST, state, state.instances(HOST), root, tmp_path / "state")
     finally:
         await client.aclose()
         remove_tree(root)
@@ -65,7 +65,7 @@ async def test_a_pull_and_a_launch_share_one_download_and_its_figures(
 
     launched = asyncio.create_task(launch())
     while not launched.done():
-        figures = await downloads.aread(store.client, HOST, "tiny")
+        figures = await store.state.downloads.get(HOST, "tiny")
         if figures is not None:
             seen.append(figures.done_bytes)
         await asyncio.sleep(0.1)
@@ -78,11 +78,11 @@ async def test_a_pull_and_a_launch_share_one_download_and_its_figures(
     ] * 2, "one HEAD and one GET: the launch waited for the pull's download"
     assert seen, "the launch's record showed the bytes of the pull's download"
     assert seen == sorted(seen)
-    assert await downloads.aread(store.client, HOST, "tiny") is None, "cleared at the end"
-    done = await downloads.aread_operation(store.client, HOST, "op-1")
+    assert await store.state.downloads.get(HOST, "tiny") is None, "cleared at the end"
+    done = await store.state.downloads.operation(HOST, "op-1")
     assert done is not None
     assert (done.kind, done.state, done.name, done.code) == ("pull", "done", STORE, None)
-    events = [e for e in await read_events(store.client, HOST) if e.kind == "download"]
+    events = [e for e in await store.state.events.read(HOST) if e.kind == "download"]
     assert len(events) == 1, "one download, one event"
     assert (events[0].repo, events[0].outcome) == ("acme/tiny", "done")
     assert events[0].received_bytes == sum(f.size for f in REPO.commits[V1])
@@ -95,12 +95,12 @@ async def test_a_pull_that_fails_says_so_with_its_code_and_one_event(
 ) -> None:
     hub.faults = Faults(wrong_bytes=True)
     await store.pull(hc.Pull(operation="op-2", source=WHOLE))
-    failed = await downloads.aread_operation(store.client, HOST, "op-2")
+    failed = await store.state.downloads.operation(HOST, "op-2")
     assert failed is not None
     assert (failed.state, failed.code) == ("failed", "hf_integrity")
     assert failed.message is not None
     assert "acme/tiny" in failed.message
-    events = [e for e in await read_events(store.client, HOST) if e.kind == "download"]
+    events = [e for e in await store.state.events.read(HOST) if e.kind == "download"]
     assert [e.outcome for e in events] == ["failed"]
     assert not (store.models_root / STORE).exists()
 
@@ -113,14 +113,14 @@ async def test_a_removal_waits_for_no_user_of_the_store(store: ModelStore) -> No
 
     async with store.using(WHOLE):
         await store.remove(hc.Remove(operation="op-4", name=STORE))
-    refused = await downloads.aread_operation(store.client, HOST, "op-4")
+    refused = await store.state.downloads.operation(HOST, "op-4")
     assert refused is not None
     assert (refused.state, refused.code) == ("failed", "model_in_use")
 
     running = instance_record("tiny", HOST, model_path=str(folder))
     await store.instances.transition(running, allowed=["absent"], generation=None, reason="test")
     await store.remove(hc.Remove(operation="op-5", name=STORE))
-    refused = await downloads.aread_operation(store.client, HOST, "op-5")
+    refused = await store.state.downloads.operation(HOST, "op-5")
     assert refused is not None
     assert refused.code == "model_in_use"
     assert refused.message is not None
@@ -129,12 +129,12 @@ async def test_a_removal_waits_for_no_user_of_the_store(store: ModelStore) -> No
 
     await store.instances.forget("tiny", 0)
     await store.remove(hc.Remove(operation="op-6", name=STORE))
-    removed = await downloads.aread_operation(store.client, HOST, "op-6")
+    removed = await store.state.downloads.operation(HOST, "op-6")
     assert removed is not None
     assert removed.state == "done"
     assert not folder.exists()
     await store.remove(hc.Remove(operation="op-7", name=STORE))
-    gone = await downloads.aread_operation(store.client, HOST, "op-7")
+    gone = await store.state.downloads.operation(HOST, "op-7")
     assert gone is not None
     assert gone.code == "not_found"
 

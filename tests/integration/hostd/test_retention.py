@@ -4,16 +4,14 @@ no core dump, its processes and their children alike (read from /proc); the host
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
 from capycommon.domain.commands import Stop
 from capycommon.domain.hosts import LogTail
 from capycommon.domain.instances import InstanceRecord
-from capycommon.state import enginelogs, keys
+from capycommon.state import keys
 from integration.hostd.harness import HOST, Hostd, launch
 from support import group_members
 
@@ -57,16 +55,9 @@ def test_a_zero_retention_engine_keeps_no_log_and_dumps_no_core(
 def tail(harness: Hostd, deployment: str, lines: int = 100) -> LogTail:
     """The tail of an engine's log, asked of hostd as the management API asks it."""
 
-    async def ask() -> LogTail:
-        client = aioredis.Redis(unix_socket_path=str(harness.redis_socket))
-        try:
-            found = await enginelogs.request(client, HOST, deployment, lines, 10.0)
-        finally:
-            await client.aclose()
-        assert found is not None, "hostd answered"
-        return found
-
-    return asyncio.run(ask())
+    found = harness.read(lambda s: s.engine_logs.request(HOST, deployment, lines, 10.0))
+    assert found is not None, "hostd answered"
+    return found
 
 
 def test_a_zero_retention_engines_recent_lines_are_kept_in_memory_only(

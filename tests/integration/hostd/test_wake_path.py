@@ -15,7 +15,7 @@ from capycommon.domain.commands import Park, Wake
 from capycommon.domain.instances import InstanceState
 from capycommon.domain.notifications import Notification
 from capycommon.state import notify
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from enginesim.install import write_behaviour
 from integration.hostd.harness import FAST, HOST, Hostd, launch
 from support import wait_for
@@ -94,7 +94,7 @@ async def _drain_and_listen(harness: Hostd) -> Notification:
     try:
         channels = [name for name, host in notify.channels([HOST]).items() if host]
         async with notify.subscribed(client, channels) as pubsub:
-            store = InstanceStore(client, HOST)
+            store = State(client).instances(HOST)
             ready = await store.get("a", 0)
             assert ready is not None
             await store.transition(

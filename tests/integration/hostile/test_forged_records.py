@@ -14,10 +14,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.domain.instances import InstanceRecord, InstanceState
-from capycommon.state import keys, refusals
-from capycommon.state.desired import DeploymentStore
+from capycommon.state import keys
 from capycommon.state.quarantine import MAX_VALUE_BYTES, REFUSALS
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
 from capyctl_scheduler.observe import Observer
@@ -32,14 +31,18 @@ async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
         yield found
 
 
-async def placed_on_hb(client: aioredis.Redis) -> None:
+@pytest.fixture
+def state(client: aioredis.Redis) -> State:
+    return State(client)
+
+
+async def placed_on_hb(state: State) -> None:
     """Deployment s1, generation 1 placed on host hb, ready there; ha and hb joined."""
-    await client.sadd(keys.hosts(), "ha", "hb")
-    await put_ready(client, "s1", host="hb")
-    store = DeploymentStore(client)
-    record = await store.get("s1")
+    await state.client.sadd(keys.hosts(), "ha", "hb")
+    await put_ready(state.client, "s1", host="hb")
+    record = await state.deployments.get("s1")
     assert record is not None
-    await store.put(record.model_copy(update={"host": "hb"}))
+    await state.deployments.put(record.model_copy(update={"host": "hb"}))
 
 
 async def forge(client: aioredis.Redis, member: str, value: bytes | str) -> None:
@@ -63,9 +66,11 @@ def hijack(generation: int) -> str:
     ).model_dump_json()
 
 
-async def test_the_store_refuses_what_cannot_be_believed(client: aioredis.Redis) -> None:
-    await placed_on_hb(client)
-    real = await InstanceStore(client, "hb").get("s1", 0)
+async def test_the_store_refuses_what_cannot_be_believed(
+    client: aioredis.Redis, state: State
+) -> None:
+    await placed_on_hb(state)
+    real = await state.instances("hb").get("s1", 0)
     assert real is not None
     await forge(client, "bogus:0", "{not json")
     await forge(client, "named:0", real.model_dump_json())  # hb's record, of s1, under ha
@@ -76,35 +81,38 @@ async def test_the_store_refuses_what_cannot_be_believed(client: aioredis.Redis)
         "good:0",
         real.model_copy(update={"deployment": "good", "host": "ha"}).model_dump_json(),
     )
-    found = await InstanceStore(client, "ha").all()
+    store = state.instances("ha")
+    found = await store.all()
     assert [r.member for r in found] == ["good:0"]
-    assert await InstanceStore(client, "ha").get("bogus", 0) is None
+    assert await store.get("bogus", 0) is None
 
 
-async def test_a_forged_higher_generation_moves_nothing(client: aioredis.Redis) -> None:
-    await placed_on_hb(client)
+async def test_a_forged_higher_generation_moves_nothing(
+    client: aioredis.Redis, state: State
+) -> None:
+    await placed_on_hb(state)
     await forge(client, "s1:0", hijack(50))
-    table = Table(client, set())
+    table = Table(state, set())
     await table.sync()
     await table._instance("ha", "s1:0")  # as ha's notification would make it read
     assert table.instances["s1"].host == "hb"
-    snapshot = await Observer(client, []).snapshot()
+    snapshot = await Observer(state, []).snapshot()
     assert snapshot.instances["s1"].host == "hb"
     assert [(o.host, o.generation) for o in snapshot.orphans] == [("ha", 50)]
 
 
 async def test_the_same_generation_on_a_host_it_was_not_placed_on_moves_nothing(
-    client: aioredis.Redis,
+    client: aioredis.Redis, state: State
 ) -> None:
-    await placed_on_hb(client)
+    await placed_on_hb(state)
     await forge(client, "s1:0", hijack(1))
     await client.delete(keys.instance("hb", "s1", 0))  # even with hb's own record gone
-    table = Table(client, set())
+    table = Table(state, set())
     await table.sync()
     assert "s1" not in table.instances
     await table._instance("ha", "s1:0")
     assert "s1" not in table.instances
-    assert "s1" not in (await Observer(client, []).snapshot()).instances
+    assert "s1" not in (await Observer(state, []).snapshot()).instances
 
 
 @pytest.mark.parametrize(
@@ -112,9 +120,9 @@ async def test_the_same_generation_on_a_host_it_was_not_placed_on_moves_nothing(
     ["memory", "info", "engines", "models", "engine-load", "heartbeat:hostd", "instance"],
 )
 async def test_a_malformed_value_of_each_kind_costs_its_key_alone(
-    client: aioredis.Redis, kind: str
+    client: aioredis.Redis, state: State, kind: str
 ) -> None:
-    await placed_on_hb(client)
+    await placed_on_hb(state)
     bad = "{not json"
     if kind == "engine-load":
         await client.hset(keys.engine_load("ha"), "s1:0", bad)
@@ -122,25 +130,25 @@ async def test_a_malformed_value_of_each_kind_costs_its_key_alone(
         await forge(client, "bogus:0", bad)
     else:
         await client.set(f"{keys.host_prefix('ha')}:{kind}", bad)
-    snapshot = await Observer(client, []).snapshot()
+    snapshot = await Observer(state, []).snapshot()
     assert snapshot.instances["s1"].host == "hb"
     assert set(snapshot.hosts) == {"ha", "hb"}
-    table = Table(client, set())
+    table = Table(state, set())
     await table.sync()
     assert table.instances["s1"].host == "hb"
 
 
 async def test_refusals_are_counted_once_and_shown_by_host_and_kind(
-    client: aioredis.Redis,
+    client: aioredis.Redis, state: State
 ) -> None:
     REFUSALS.drain()  # what earlier tests of this process refused is theirs
-    await placed_on_hb(client)
+    await placed_on_hb(state)
     await forge(client, "s1:0", hijack(7))
     await forge(client, "other:0", "[]")
     for _ in range(3):  # read again and again, as the services do
-        await Observer(client, []).snapshot()
-        await refusals.send(client)
-    counts = await refusals.aread(client)
+        await Observer(state, []).snapshot()
+        await state.refusals.send()
+    counts = await state.refusals.counts()
     assert counts[("ha", "instance")] == 2
-    text = (await Metrics().scrape(client)).decode()
+    text = (await Metrics().scrape(state)).decode()
     assert 'capyctl_host_records_refused_total{host="ha",kind="instance"} 2.0' in text

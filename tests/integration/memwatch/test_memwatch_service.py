@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from capycommon import simgpu
 from capycommon.domain.instances import InstanceRecord, InstanceState
-from capycommon.domain.memory import STALE_AFTER_S, MemoryReading
+from capycommon.domain.memory import STALE_AFTER_S, MemoryReading, StartupPeak
 from capycommon.domain.notifications import Notification
-from capycommon.state import keys, memory
+from capycommon.state import keys
+from capycommon.state.stores import Blocking
 from integration.memwatch.helpers import GIB, Claimer, record
 from support import clean_env, service_command, short_dir, wait_for
 
@@ -34,13 +36,15 @@ class Memwatch:
     state: Path
     log: Path
     client: redis.Redis
+    # The records memwatch writes, read as the services read them.
+    stores: Blocking
 
     @property
     def simgpu(self) -> Path:
         return self.state / "simgpu"
 
     def reading(self) -> MemoryReading | None:
-        return memory.read_reading(self.client, "local")
+        return self.stores(lambda s: s.memory.reading("local"))
 
     def newer_reading(self, than: float) -> MemoryReading | None:
         found = self.reading()
@@ -65,14 +69,16 @@ def memwatch(redis_socket: Path) -> Iterator[Memwatch]:
     with log.open("wb") as out:
         proc = subprocess.Popen(service_command("memwatch", state), env=env, stderr=out)
     client = redis.Redis(unix_socket_path=str(redis_socket))
+    stores = Blocking(aioredis.Redis(unix_socket_path=str(redis_socket)))
     try:
-        yield Memwatch(proc, state, log, client)
+        yield Memwatch(proc, state, log, client, stores)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0, log.read_text()
     finally:
         proc.kill()
         proc.wait()
         client.close()
+        stores.close()
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -131,6 +137,11 @@ def test_a_reading_sums_the_claims_of_live_processes_only(memwatch: Memwatch) ->
         wait_for(lambda: used(memwatch) == expected, 10, "the dead process's claims to drop")
 
 
+def peak_of(memwatch: Memwatch) -> StartupPeak | None:
+    """The startup peak stored for revision 3 of chat, built fp-1."""
+    return memwatch.stores(lambda s: s.memory.startup_peak("local", "chat", 3, "fp-1"))
+
+
 def put(client: redis.Redis, found: InstanceRecord) -> None:
     """Write an instance record and announce it, as hostd's every transition does."""
     client.set(keys.instance("local", found.deployment, found.instance), found.model_dump_json())
@@ -163,12 +174,12 @@ def test_a_startup_peak_is_measured_while_starting(memwatch: Memwatch, quiet_s: 
         wait_for(lambda: rose_to(7 * GIB, 4 * GIB), 10, "a sample of the 7 GiB peak")
         engine.claim(GPU0, 3 * GIB, 2 * GIB)
         wait_for(lambda: used(memwatch) == ([3 * GIB, GIB], 62 * GIB), 10, "the drop after it")
-        assert memory.read_startup_peak(client, "local", "chat", 3, "fp-1") is None
+        assert peak_of(memwatch) is None
 
         ready = starting.model_copy(update={"state": InstanceState.READY, "since": time.time()})
         put(client, ready)
         peak = wait_for(
-            lambda: memory.read_startup_peak(client, "local", "chat", 3, "fp-1"),
+            lambda: peak_of(memwatch),
             10,
             "the startup peak to be stored",
         )

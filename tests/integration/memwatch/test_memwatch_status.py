@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 
 from capycommon import simgpu
 from capycommon.domain.memory import GpuReading, HostRam, MemoryReading, StartupPeak
-from capycommon.state import keys, memory
+from capycommon.state import keys
+from capycommon.state.stores import Blocking, State
 from capyctl_cli.status import host_memory, render_memory
 from integration.memwatch.helpers import GIB, Claimer
 from support import Role, clean_env, role_running, wait_for
@@ -101,8 +102,9 @@ def test_a_stale_or_missing_reading_is_unobserved(
 
 def test_readings_and_peaks_are_read_back_or_none(redis_socket: Path) -> None:
     client = redis.Redis(unix_socket_path=str(redis_socket))
-    assert memory.read_reading(client, "local") is None
-    assert memory.read_startup_peak(client, "local", "chat", 1, "fp") is None
+    stores = Blocking(aioredis.Redis(unix_socket_path=str(redis_socket)))
+    assert stores(lambda s: s.memory.reading("local")) is None
+    assert stores(lambda s: s.memory.startup_peak("local", "chat", 1, "fp")) is None
     peak = StartupPeak(
         deployment="chat",
         revision=1,
@@ -115,22 +117,23 @@ def test_readings_and_peaks_are_read_back_or_none(redis_socket: Path) -> None:
     )
 
     async def write_and_read() -> tuple[MemoryReading | None, StartupPeak | None]:
-        aclient = aioredis.Redis(unix_socket_path=str(redis_socket))
+        state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
         try:
-            await memory.write_reading(aclient, reading(NOW))
-            await memory.write_startup_peak(aclient, peak)
+            await state.memory.write_reading(reading(NOW))
+            await state.memory.write_startup_peak(peak)
             return (
-                await memory.aread_reading(aclient, "local"),
-                await memory.aread_startup_peak(aclient, "local", "chat", 1, "fp"),
+                await state.memory.reading("local"),
+                await state.memory.startup_peak("local", "chat", 1, "fp"),
             )
         finally:
-            await aclient.aclose()
+            await state.client.aclose()
 
     assert asyncio.run(write_and_read()) == (reading(NOW), peak)
-    assert memory.read_reading(client, "local") == reading(NOW)
-    assert memory.read_startup_peak(client, "local", "chat", 1, "fp") == peak
+    assert stores(lambda s: s.memory.reading("local")) == reading(NOW)
+    assert stores(lambda s: s.memory.startup_peak("local", "chat", 1, "fp")) == peak
     assert client.exists(keys.memory("local"), keys.startup_peak("local", "chat", 1, "fp")) == 2
     client.close()
+    stores.close()
 
 
 @pytest.fixture

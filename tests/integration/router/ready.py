@@ -12,7 +12,7 @@ from capycommon.deployments.load import parse_deployment
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.instances import CacheRecord, InstanceRecord, InstanceState
 from capycommon.state import keys
-from capycommon.state.desired import DeploymentStore
+from capycommon.state.stores import State
 
 
 async def put_deployment(
@@ -31,7 +31,7 @@ async def put_deployment(
         updated_at=now,
         generation=1,
     )
-    await DeploymentStore(client).put(record)
+    await State(client).deployments.put(record)
     return record
 
 

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from capycommon.credentials import generate
 from capycommon.engineclient import Engines
 from capycommon.settings import ConnectionLimits
-from capycommon.state import places
+from capycommon.state.stores import State
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
@@ -40,7 +40,7 @@ CHAT = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}
 
 @dataclass
 class Stand:
-    client: aioredis.Redis
+    state: State
     port: int
     sent: list[bytes] = field(default_factory=list)
 
@@ -53,20 +53,20 @@ class Stand:
 async def stand(redis_socket: Path) -> AsyncIterator[Stand]:
     """The router with the listener's body bound at BOUND_S, as its worker builds it, in
     front of one ready deployment."""
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
-    stand = Stand(client, 0)
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
+    stand = Stand(state, 0)
     limits = ConnectionLimits(body_timeout=BOUND_S)
     engines = Engines()
     async with engine_serving(stand.engine) as engine_port:
-        await put_ready(client, NAME, host=HOST, port=engine_port)
-        table = Table(client, {HOST})
+        await put_ready(state.client, NAME, host=HOST, port=engine_port)
+        table = Table(state, {HOST})
         await table.sync()
-        router = Router(Dispatcher(client, table, Metrics()), engines, limits.body_timeout)
+        router = Router(Dispatcher(state, table, Metrics()), engines, limits.body_timeout)
         async with served(create_app(CREDENTIALS, router), limits) as port:
             stand.port = port
             yield stand
     engines.close()
-    await client.aclose()
+    await state.client.aclose()
 
 
 async def _trickle(writer: asyncio.StreamWriter, body: bytes) -> None:
@@ -110,7 +110,7 @@ async def test_a_trickled_body_is_a_408_and_its_connection_closes(stand: Stand) 
     assert BOUND_S <= took < 10 * BOUND_S, took
     assert closed < 5, "the connection is closed with the answer, whatever the client sends"
     assert stand.sent == [], "nothing reached the engine"
-    assert (await places.aread(stand.client, NAME)).running == 0
+    assert (await stand.state.places.get(NAME)).running == 0
 
 
 @pytest.mark.anyio

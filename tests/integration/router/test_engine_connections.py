@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from capycommon.credentials import generate
 from capycommon.engineclient import Engines
 from capycommon.settings import ConnectionLimits
-from capycommon.state import places
+from capycommon.state.stores import State
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
@@ -54,12 +54,12 @@ def _engine() -> RawEngine:
     )
 
 
-async def _app(client: aioredis.Redis, port: int, engines: Engines) -> FastAPI:
+async def _app(state: State, port: int, engines: Engines) -> FastAPI:
     """The router's app in front of the engine on `port`, serving deployment `m`."""
-    await put_ready(client, "m", port=port)
-    table = Table(client, {"local"})
+    await put_ready(state.client, "m", port=port)
+    table = Table(state, {"local"})
     await table.sync()
-    return create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+    return create_app(CREDENTIALS, Router(Dispatcher(state, table, Metrics()), engines))
 
 
 @pytest.fixture
@@ -67,20 +67,20 @@ async def routed(redis_socket: Path) -> AsyncIterator[tuple[RawEngine, openai.As
     engine = _engine()
     server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
     engines = Engines()
-    app = await _app(client, port, engines)
+    app = await _app(state, port, engines)
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
     sdk = openai.AsyncOpenAI(
         base_url="http://router/v1", api_key=CREDENTIALS.api_key, http_client=http, max_retries=0
     )
     try:
         yield engine, sdk
-        assert (await places.aread(client, "m")).running == 0
+        assert (await state.places.get("m")).running == 0
     finally:
         await sdk.close()
         engines.close()
-        await client.aclose()
+        await state.client.aclose()
         server.close()
         await server.wait_closed()
 
@@ -113,12 +113,12 @@ async def test_each_event_reaches_the_client_before_the_engine_sends_the_next(
         yield chunk("two", "stop").encode() + b"data: [DONE]\n\n"
 
     headers = {"content-type": "text/event-stream"}
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
     engines = Engines()
     async with engine_serving(
         lambda _: httpx.Response(200, content=paced(), headers=headers)
     ) as port:
-        app = await _app(client, port, engines)
+        app = await _app(state, port, engines)
         async with served(app, ConnectionLimits()) as router_port:
             http = httpx2.AsyncClient(timeout=10)
             sdk = openai.AsyncOpenAI(
@@ -136,7 +136,7 @@ async def test_each_event_reaches_the_client_before_the_engine_sends_the_next(
                     seen.set()
             await sdk.close()
     engines.close()
-    await client.aclose()
+    await state.client.aclose()
     assert words == ["one", "two"]
 
 
@@ -157,9 +157,9 @@ async def test_a_request_cut_before_it_was_sent_gives_its_place_back_at_once(
         filler.setblocking(False)
         filler.connect_ex(("127.0.0.1", port))
         fillers.append(filler)
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
     engines = Engines()
-    app = await _app(client, port, engines)
+    app = await _app(state, port, engines)
     body = json.dumps({"model": "m", "messages": HI}).encode()
     head = request_head(
         "POST",
@@ -174,24 +174,22 @@ async def test_a_request_cut_before_it_was_sent_gives_its_place_back_at_once(
                 writer.write(head + body)
                 await writer.drain()
                 await wait_for_async(
-                    lambda: _running(client), timeout=10, what="the request to take its place"
+                    lambda: _running(state), timeout=10, what="the request to take its place"
                 )
                 await asyncio.sleep(0.3)  # the router connects to the engine meanwhile
-            await wait_for_async(
-                lambda: _given_back(client), timeout=5, what="the place given back"
-            )
+            await wait_for_async(lambda: _given_back(state), timeout=5, what="the place given back")
     finally:
         engines.close()
-        await client.aclose()
+        await state.client.aclose()
         for filler in fillers:
             filler.close()
         engine.close()
 
 
-async def _running(client: aioredis.Redis) -> bool:
-    return (await places.aread(client, "m")).running == 1
+async def _running(state: State) -> bool:
+    return (await state.places.get("m")).running == 1
 
 
-async def _given_back(client: aioredis.Redis) -> bool:
-    found = await places.aread(client, "m")
+async def _given_back(state: State) -> bool:
+    found = await state.places.get("m")
     return (found.running, found.settle_at_stop) == (0, 0)

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from capycommon.domain.instances import Event
-from capycommon.state.store import note
+from capycommon.state.stores import State
 from capyctl_router.metrics import Metrics, start_cursors
 
 HOST = "gpu-m"
@@ -40,11 +40,9 @@ def received(metrics: Metrics) -> float | None:
     )
 
 
-async def follow_until(
-    metrics: Metrics, client: aioredis.Redis, folder: Path, bytes_: float
-) -> None:
+async def follow_until(metrics: Metrics, state: State, folder: Path, bytes_: float) -> None:
     stop = asyncio.Event()
-    task = asyncio.create_task(metrics.follow_events(client, lambda: {HOST}, stop, folder))
+    task = asyncio.create_task(metrics.follow_events(state, lambda: {HOST}, stop, folder))
     deadline = time.monotonic() + 10
     while received(metrics) != bytes_ and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -56,20 +54,20 @@ async def follow_until(
 async def test_events_are_counted_once_from_the_routers_start(
     redis_socket: Path, tmp_path: Path
 ) -> None:
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
     try:
-        await note(client, download(100))  # before the router started: not its to count
+        await state.events.note(download(100))  # before the router started: not its to count
         await asyncio.sleep(0.01)
         start_cursors(tmp_path)
         await asyncio.sleep(0.01)
-        await note(client, download(1000))  # before its first worker follows the events
+        await state.events.note(download(1000))  # before its first worker follows the events
         first = Metrics()
-        await follow_until(first, client, tmp_path, 1000)
+        await follow_until(first, state, tmp_path, 1000)
         assert received(first) == 1000
 
-        await note(client, download(7))  # while no worker follows them
+        await state.events.note(download(7))  # while no worker follows them
         again = Metrics()
-        await follow_until(again, client, tmp_path, 7)
+        await follow_until(again, state, tmp_path, 7)
         assert received(again) == 7, "the restarted worker went on from where the first stopped"
         assert (
             again.registry.get_sample_value(
@@ -79,4 +77,4 @@ async def test_events_are_counted_once_from_the_routers_start(
             == 1
         )
     finally:
-        await client.aclose()
+        await state.client.aclose()

@@ -25,7 +25,7 @@ from schemathesis import Case
 from capycommon import requestbody
 from capycommon.credentials import generate
 from capycommon.engineclient import Engines
-from capycommon.state import places
+from capycommon.state.stores import State
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
@@ -61,7 +61,7 @@ class Served:
     """The router in front of a fake engine that checks what it gets is JSON anyone reads."""
 
     http: httpx.AsyncClient
-    client: aioredis.Redis
+    state: State
     metrics: Metrics
     sent: list[bytes] = field(default_factory=list)
     embeddings: bytes = EMBEDDINGS
@@ -81,8 +81,8 @@ class Served:
         return await self.http.post(path, content=body, headers=headers)
 
     async def assert_no_place_kept(self) -> None:
-        assert (await places.aread(self.client, MODEL)).running == 0
-        assert (await places.aread(self.client, JUDGE)).running == 0
+        assert (await self.state.places.get(MODEL)).running == 0
+        assert (await self.state.places.get(JUDGE)).running == 0
         running = self.metrics.registry.get_sample_value(
             "capyctl_requests_running", {"deployment": MODEL}
         )
@@ -91,16 +91,16 @@ class Served:
 
 @pytest.fixture
 async def served(redis_socket: Path, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Served]:
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
     metrics = Metrics()
-    served = Served(httpx.AsyncClient(), client, metrics)
+    served = Served(httpx.AsyncClient(), state, metrics)
     engines = Engines()
     async with engine_serving(served.engine) as port:
-        await put_ready(client, MODEL, host=HOST, port=port)
-        await put_ready(client, JUDGE, "sglang", host=HOST, port=port, api="decisions")
-        table = Table(client, {HOST})
+        await put_ready(state.client, MODEL, host=HOST, port=port)
+        await put_ready(state.client, JUDGE, "sglang", host=HOST, port=port, api="decisions")
+        table = Table(state, {HOST})
         await table.sync()
-        app = create_app(CREDENTIALS, Router(Dispatcher(client, table, metrics), engines))
+        app = create_app(CREDENTIALS, Router(Dispatcher(state, table, metrics), engines))
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         caplog.set_level(logging.INFO)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
@@ -108,7 +108,7 @@ async def served(redis_socket: Path, caplog: pytest.LogCaptureFixture) -> AsyncI
             yield served
         await served.assert_no_place_kept()
     engines.close()
-    await client.aclose()
+    await state.client.aclose()
     tracebacks = [
         r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR
     ]
@@ -323,7 +323,7 @@ async def test_the_openapi_document_is_open_and_describes_the_bodies(served: Ser
 def _openapi_cases() -> st.SearchStrategy[Case[Any]]:
     """Requests drawn from the API's own OpenAPI document (it reads no state, so an app over
     a Redis client that never connects serves it)."""
-    idle = aioredis.Redis()
+    idle = State(aioredis.Redis())
     router = Router(Dispatcher(idle, Table(idle, set()), Metrics()), Engines())
     with TestClient(create_app(CREDENTIALS, router)) as http:
         return openapi_cases(http.get("/openapi.json").json())

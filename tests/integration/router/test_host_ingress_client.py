@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis.asyncio as aioredis
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -36,7 +35,7 @@ from capycommon.engineclient import Engines
 from capycommon.paths import StatePaths, ensure_private_dir
 from capycommon.service import redis_client
 from capycommon.settings import ConnectionLimits
-from capycommon.state import hostinfo, identities, places
+from capycommon.state.stores import State
 from capyctl_cli import serveridentity
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher, Limits
@@ -126,7 +125,7 @@ class Server:
 
     paths: StatePaths
     authority: Authority
-    client: aioredis.Redis
+    state: State
     host_id: str = field(default_factory=pki.new_identity)
 
     @property
@@ -144,17 +143,17 @@ class Server:
             version="test",
             joined_at=now,
         )
-        await identities.write(self.client, record)
-        await hostinfo.join(self.client, HOST)
+        await self.state.identities.put(record)
+        await self.state.host_info.join(HOST)
         if ingress_port is not None:
             await self.publish(ingress_port)
 
     async def publish(self, ingress_port: int) -> None:
         info = HostInfo(ingress=f"127.0.0.1:{ingress_port}")
-        await hostinfo.publish(self.client, HOST, info)
+        await self.state.host_info.publish(HOST, info)
 
     async def running(self) -> int:
-        return (await places.aread(self.client, NAME)).running
+        return (await self.state.places.get(NAME)).running
 
 
 @pytest.fixture
@@ -164,12 +163,12 @@ async def server(redis_socket: Path) -> AsyncIterator[Server]:
     ensure_private_dir(paths.identity_dir)
     authority = Authority.ensure(paths.authority_dir, "capyctl test authority")
     serveridentity.issue_router_certificate(paths, authority)
-    client = redis_client(f"unix://{redis_socket}")
-    await put_ready(client, NAME, host=HOST, secret=ENGINE_KEY)
+    state = State(redis_client(f"unix://{redis_socket}"))
+    await put_ready(state.client, NAME, host=HOST, secret=ENGINE_KEY)
     try:
-        yield Server(paths, authority, client)
+        yield Server(paths, authority, state)
     finally:
-        await client.aclose()
+        await state.client.aclose()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -183,10 +182,10 @@ async def router(server: Server, deadline_s: float = 30.0) -> AsyncIterator[tupl
     """The router as a server role runs it (no host of its own; the router's certificate
     for the ingresses), following Redis, served on a loopback port; requests wait at most
     `deadline_s`."""
-    table = Table(server.client, set())
+    table = Table(server.state, set())
     engines = Engines(tls=client_context(server.paths))
     limits = Limits(request_deadline_s=deadline_s)
-    dispatcher = Dispatcher(server.client, table, Metrics(), limits)
+    dispatcher = Dispatcher(server.state, table, Metrics(), limits)
     app = create_app(CREDENTIALS, Router(dispatcher, engines))
     stop = asyncio.Event()
     following = asyncio.create_task(table.run(stop))
@@ -324,7 +323,7 @@ async def test_tokens_pass_one_by_one_and_a_hang_up_closes_the_ingress_connectio
 
 async def _settled(server: Server) -> bool:
     """The cut request holds its place until the engine reads idle, as on loopback."""
-    found = await places.aread(server.client, NAME)
+    found = await server.state.places.get(NAME)
     return (found.running, found.settle_when_idle) == (1, 1)
 
 

@@ -13,6 +13,7 @@ import pytest
 from capycommon.credentials import generate
 from capycommon.engineclient import Engines
 from capycommon.service import redis_client
+from capycommon.state.stores import State
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import REDIS_RETRY_S, Dispatcher
 from capyctl_router.metrics import Metrics
@@ -27,10 +28,10 @@ NAME = "m"
 
 @pytest.mark.anyio
 async def test_a_request_gets_a_503_to_retry_within_2_s(redis_socket: Path) -> None:
-    live = redis_client(f"unix://{redis_socket}")
+    live = State(redis_client(f"unix://{redis_socket}"))
     nowhere = short_dir("gone")
-    gone = redis_client(f"unix://{nowhere / 'redis.sock'}")
-    await put_ready(live, NAME, host=HOST)
+    gone = State(redis_client(f"unix://{nowhere / 'redis.sock'}"))
+    await put_ready(live.client, NAME, host=HOST)
     table = Table(live, {HOST})
     await table.sync()  # the table was read before Redis went away
     app = create_app(CREDENTIALS, Router(Dispatcher(gone, table, Metrics()), Engines()))
@@ -43,8 +44,8 @@ async def test_a_request_gets_a_503_to_retry_within_2_s(redis_socket: Path) -> N
             answer = await http.post("/v1/chat/completions", json=body, headers=headers)
             took = time.monotonic() - started
     finally:
-        await live.aclose()
-        await gone.aclose()
+        await live.client.aclose()
+        await gone.client.aclose()
         shutil.rmtree(nowhere)
     assert answer.status_code == 503
     assert answer.headers["Retry-After"] == "1"

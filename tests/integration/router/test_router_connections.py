@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
 from capycommon.domain.instances import InstanceState
@@ -25,7 +24,7 @@ from capycommon.engineclient import Engines
 from capycommon.service import redis_client
 from capycommon.settings import ConnectionLimits
 from capycommon.state import keys, notify, places
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
@@ -73,7 +72,7 @@ class Engine:
 
 @dataclass
 class Stand:
-    client: aioredis.Redis
+    state: State
     dispatcher: Dispatcher
     port: int
     engine: Engine
@@ -82,20 +81,20 @@ class Stand:
         return self.dispatcher.metrics.registry.get_sample_value(name, {"deployment": NAME})
 
     async def running(self) -> int:
-        return (await places.aread(self.client, NAME)).running
+        return (await self.state.places.get(NAME)).running
 
 
 @pytest.fixture
 async def stand(redis_socket: Path) -> AsyncIterator[Stand]:
     """The router as its service runs it (the routing table followed, cut requests settled),
     on a Redis pool of POOL connections, in front of one `Engine`."""
-    client = redis_client(f"unix://{redis_socket}", connections=POOL)
+    state = State(redis_client(f"unix://{redis_socket}", connections=POOL))
     engine = Engine()
     async with engine_serving(engine.answer) as engine_port:
-        await put_ready(client, NAME, host=HOST, port=engine_port)
-        table = Table(client, {HOST})
+        await put_ready(state.client, NAME, host=HOST, port=engine_port)
+        table = Table(state, {HOST})
         await table.sync()
-        dispatcher = Dispatcher(client, table, Metrics())
+        dispatcher = Dispatcher(state, table, Metrics())
         engines = Engines()
         app = create_app(CREDENTIALS, Router(dispatcher, engines))
         stop = asyncio.Event()
@@ -105,12 +104,12 @@ async def stand(redis_socket: Path) -> AsyncIterator[Stand]:
         ]
         try:
             async with served(app, ConnectionLimits(connections_per_client=1000)) as port:
-                yield Stand(client, dispatcher, port, engine)
+                yield Stand(state, dispatcher, port, engine)
         finally:
             stop.set()
             await asyncio.gather(*background)
             engines.close()
-            await client.aclose()
+            await state.client.aclose()
 
 
 @pytest.mark.anyio
@@ -147,13 +146,13 @@ async def test_a_spare_place_goes_back_the_moment_its_instance_drains(
         for _ in range(3):
             answer = await http.post("/v1/chat/completions", json=CHAT, headers=AUTH)
             assert answer.status_code == 200
-    found = await places.aread(stand.client, NAME)
+    found = await stand.state.places.get(NAME)
     assert (found.running, found.spare) == (0, 1), "its place kept for the next request"
-    store = InstanceStore(stand.client, HOST)
+    store = stand.state.instances(HOST)
     ready = await store.get(NAME, 0)
     assert ready is not None
     draining = ready.model_copy(update={"state": InstanceState.DRAINING, "since": time.time()})
-    async with notify.subscribed(stand.client, [keys.notifications()]) as pubsub:
+    async with notify.subscribed(stand.state.client, [keys.notifications()]) as pubsub:
         await store.transition(draining, allowed=[InstanceState.READY], generation=1, reason="t")
         await wait_for_async(lambda: _no_spare(stand), timeout=5, what="the spare given back")
         assert stand.dispatcher.book.held == {}
@@ -168,7 +167,7 @@ async def test_a_spare_place_goes_back_the_moment_its_instance_drains(
 
 
 async def _no_spare(stand: Stand) -> bool:
-    return (await places.aread(stand.client, NAME)).spare == 0
+    return (await stand.state.places.get(NAME)).spare == 0
 
 
 def _chat_head(length: int) -> bytes:

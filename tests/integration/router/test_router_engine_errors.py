@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from capycommon.credentials import generate
 from capycommon.engineclient import Engines
-from capycommon.state import places
+from capycommon.state.stores import State
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
@@ -77,34 +77,34 @@ def _engine_error(message: str) -> dict[str, Any]:
 class Cluster:
     """One ready deployment per family, all served by `engine` (a fake engine's answer)."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
+    def __init__(self, state: State) -> None:
+        self.state = state
         self.engine: Engine = lambda _: _sse(chunk("hello", "stop"), "data: [DONE]\n\n")
         self.seen: list[dict[str, Any]] = []
 
     async def ready(self, family: str, port: int) -> None:
-        await put_ready(self.client, family, family=family, host=HOST, port=port)
+        await put_ready(self.state.client, family, family=family, host=HOST, port=port)
 
     def answer(self, request: httpx.Request) -> httpx.Response:
         self.seen.append(json.loads(request.content))
         return self.engine(request)
 
     async def running(self, name: str) -> int:
-        return (await places.aread(self.client, name)).running
+        return (await self.state.places.get(name)).running
 
 
 @pytest.fixture
 async def cluster(redis_socket: Path) -> AsyncIterator[tuple[Cluster, openai.AsyncOpenAI]]:
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
-    cluster = Cluster(client)
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
+    cluster = Cluster(state)
     engines = Engines()
     async with engine_serving(cluster.answer) as port:
         for family in REFUSALS:
             await cluster.ready(family, port)
-        await put_ready(client, "sglang-lmcache", "sglang", HOST, port, cache=LMCACHE)
-        table = Table(client, {HOST})
+        await put_ready(state.client, "sglang-lmcache", "sglang", HOST, port, cache=LMCACHE)
+        table = Table(state, {HOST})
         await table.sync()
-        app = create_app(CREDENTIALS, Router(Dispatcher(client, table, Metrics()), engines))
+        app = create_app(CREDENTIALS, Router(Dispatcher(state, table, Metrics()), engines))
         # The openai SDK's own HTTP client package (a fork of httpx), with the app as transport.
         http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
         sdk = openai.AsyncOpenAI(
@@ -118,7 +118,7 @@ async def cluster(redis_socket: Path) -> AsyncIterator[tuple[Cluster, openai.Asy
         finally:
             await sdk.close()
             engines.close()
-            await client.aclose()
+            await state.client.aclose()
 
 
 @pytest.mark.anyio

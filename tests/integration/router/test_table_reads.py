@@ -25,7 +25,7 @@ from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.engineclient import Engines
 from capycommon.state import keys
 from capycommon.state.desired import DEMAND_FIELD, DeploymentStore
-from capyctl_router import table as table_module
+from capycommon.state.stores import State
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher, Limits
 from capyctl_router.metrics import Metrics
@@ -38,8 +38,8 @@ class HeldRead(Table):
     """A table whose full read stops where it asks for a joined host's ingress (after it
     read the deployments and instances) until the test lets it go on."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
-        super().__init__(client, {"local"})
+    def __init__(self, state: State) -> None:
+        super().__init__(state, {"local"})
         self.reached = asyncio.Event()
         self.go_on = asyncio.Event()
 
@@ -49,11 +49,11 @@ class HeldRead(Table):
         return await super()._read_ingress(host)
 
 
-async def _held(client: aioredis.Redis) -> tuple[HeldRead, asyncio.Task[None]]:
+async def _held(state: State) -> tuple[HeldRead, asyncio.Task[None]]:
     """A table (a joined host `gpu-b` makes its full read ask for an ingress), its first full
     read done, and a second one held part way."""
-    await client.sadd(keys.hosts(), "gpu-b")
-    table = HeldRead(client)
+    await state.client.sadd(keys.hosts(), "gpu-b")
+    table = HeldRead(state)
     table.go_on.set()
     await table.sync()
     table.go_on.clear()
@@ -66,7 +66,8 @@ async def _held(client: aioredis.Redis) -> tuple[HeldRead, asyncio.Task[None]]:
 @pytest.mark.anyio
 async def test_a_deployment_created_during_a_full_read_is_kept(redis_socket: Path) -> None:
     async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
-        table, read = await _held(client)
+        state = State(client)
+        table, read = await _held(state)
         await put_ready(client, "new")
         await table._deployment("new")
         await table._instance("local", "new:0")
@@ -82,9 +83,10 @@ async def test_a_deployment_created_during_a_full_read_is_kept(redis_socket: Pat
 @pytest.mark.anyio
 async def test_a_deployment_removed_during_a_full_read_stays_removed(redis_socket: Path) -> None:
     async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
+        state = State(client)
         await put_ready(client, "old")
-        table, read = await _held(client)
-        await DeploymentStore(client).forget("old")
+        table, read = await _held(state)
+        await state.deployments.forget("old")
         await table._deployment("old")
         table.go_on.set()
         await read
@@ -97,8 +99,9 @@ async def test_an_instance_that_changed_during_a_full_read_keeps_its_newer_state
     redis_socket: Path,
 ) -> None:
     async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
+        state = State(client)
         await put_ready(client, "m")
-        table, read = await _held(client)
+        table, read = await _held(state)
         raw = await client.get(keys.instance("local", "m", 0))
         assert raw is not None
         parked = InstanceRecord.model_validate_json(raw).model_copy(
@@ -118,8 +121,9 @@ async def test_a_notification_read_before_the_full_read_began_does_not_outrank_i
 ) -> None:
     """Only notifications whose reads began after the full read did are kept over it."""
     async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
+        state = State(client)
         await put_ready(client, "m")
-        table, read = await _held(client)
+        table, read = await _held(state)
         table.records.pop("m")  # as a stale notification would have left it
         table.go_on.set()
         await read
@@ -129,7 +133,8 @@ async def test_a_notification_read_before_the_full_read_began_does_not_outrank_i
 @pytest.mark.anyio
 async def test_a_route_declared_before_its_notification_is_found(redis_socket: Path) -> None:
     async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
-        table = Table(client, {"local"})
+        state = State(client)
+        table = Table(state, {"local"})
         await table.sync()
         await put_deployment(client, "late")  # its notification not applied yet
         assert table.deployment_of("late") is None
@@ -140,39 +145,37 @@ async def test_a_route_declared_before_its_notification_is_found(redis_socket: P
         assert await table.find("never", time.monotonic()) is None
 
 
-class HeldStore(DeploymentStore):
-    """A deployment store whose reads, once done, wait for `go_on` before they answer."""
+class HeldReads:
+    """The full reads of a deployment store, each held, once done, until `go_on` is set."""
 
-    read = asyncio.Event()
-    go_on = asyncio.Event()
+    def __init__(self, store: DeploymentStore) -> None:
+        self.read = asyncio.Event()
+        self.go_on = asyncio.Event()
+        self._all = store.all
 
     async def all(self) -> dict[str, DeploymentRecord]:
-        found = await super().all()
-        HeldStore.read.set()
-        await HeldStore.go_on.wait()
+        found = await self._all()
+        self.read.set()
+        await self.go_on.wait()
         return found
-
-
-@pytest.fixture
-def held_store(monkeypatch: pytest.MonkeyPatch) -> type[HeldStore]:
-    HeldStore.read, HeldStore.go_on = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(table_module, "DeploymentStore", HeldStore)
-    return HeldStore
 
 
 @pytest.mark.anyio
 async def test_a_miss_is_answered_by_a_read_begun_after_it(
-    redis_socket: Path, held_store: type[HeldStore]
+    redis_socket: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request that missed while a read begun before it was under way waits for the next
     read: the earlier one may predate the deployment it asks for."""
     async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
-        table = Table(client, {"local"})
+        state = State(client)
+        held = HeldReads(state.deployments)
+        monkeypatch.setattr(state.deployments, "all", held.all)
+        table = Table(state, {"local"})
         first = asyncio.create_task(table.find("late", time.monotonic()))
-        await asyncio.wait_for(held_store.read.wait(), 5)  # it has read: `late` is not there
+        await asyncio.wait_for(held.read.wait(), 5)  # it has read: `late` is not there
         await put_deployment(client, "late")
         second = asyncio.create_task(table.find("late", time.monotonic()))
-        held_store.go_on.set()
+        held.go_on.set()
         assert await first is None, "its read began before `late` was declared"
         found = await second
         assert found is not None, "a read begun after the request found it"
@@ -184,10 +187,11 @@ async def test_a_request_for_a_deployment_not_yet_notified_is_not_refused(
 ) -> None:
     """Through the router: the model is demanded (it has no instance yet), not a 404."""
     async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
-        table = Table(client, {"local"})
+        state = State(client)
+        table = Table(state, {"local"})
         await table.sync()
         await put_deployment(client, "late")
-        dispatcher = Dispatcher(client, table, Metrics(), Limits(request_deadline_s=0.5))
+        dispatcher = Dispatcher(state, table, Metrics(), Limits(request_deadline_s=0.5))
         credentials = generate()
         app = create_app(credentials, Router(dispatcher, Engines()))
         body = {"model": "late", "messages": [{"role": "user", "content": "hi"}]}

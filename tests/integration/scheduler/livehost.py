@@ -16,7 +16,8 @@ from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.models import HostModels, ModelFacts
 from capycommon.engines.families import Family
 from capycommon.engines.registry import PublishedEngines
-from capycommon.state import hostfacts, keys
+from capycommon.state import keys
+from capycommon.state.stores import State
 from support import engine_profile
 from unit.readings import GiB
 
@@ -24,26 +25,27 @@ ROOT = "/srv/models"
 SMALL = ModelFacts(path=f"{ROOT}/small", kind="folder", weights_bytes=2 * GiB)
 
 
-async def publish_live_host(client: aioredis.Redis, host: str) -> None:
+async def publish_live_host(state: State, host: str) -> None:
     """`host` alive, as hostd publishes it: one engine (vLLM) and the model `small` under
     ROOT."""
     engines = PublishedEngines(
         revision=1, source="engines.yaml", profiles=[engine_profile(Family.VLLM)]
     )
-    await client.set(keys.engines(host), engines.model_dump_json())
-    await client.set(keys.heartbeat("hostd", host), "{}")
-    await hostfacts.publish(client, host, HostModels(models_root=ROOT, models={"small": SMALL}))
+    await state.client.set(keys.engines(host), engines.model_dump_json())
+    await state.client.set(keys.heartbeat("hostd", host), "{}")
+    await state.host_models.publish(host, HostModels(models_root=ROOT, models={"small": SMALL}))
 
 
 @asynccontextmanager
-async def live_host(redis_socket: Path, host: str) -> AsyncIterator[aioredis.Redis]:
-    """A client of the redis-server at `redis_socket`, once `host` is published alive."""
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+async def live_host(redis_socket: Path, host: str) -> AsyncIterator[State]:
+    """The state over a client of the redis-server at `redis_socket`, once `host` is
+    published alive."""
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
     try:
-        await publish_live_host(client, host)
-        yield client
+        await publish_live_host(state, host)
+        yield state
     finally:
-        await client.aclose()
+        await state.client.aclose()
 
 
 def deployment_record(written: dict[str, Any], **record: Any) -> DeploymentRecord:

@@ -13,14 +13,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-import redis.asyncio as aioredis
 
 from capycommon.domain.commands import Launch, Stop
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.state import hostcommands, keys
-from capycommon.state.desired import DeploymentStore
-from capycommon.state.memory import write_reading
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.observe import Observer
 from integration.scheduler.livehost import deployment_record, live_host
@@ -31,16 +28,16 @@ HOST = "local"
 
 
 @pytest.fixture
-async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
+async def state(redis_socket: Path) -> AsyncIterator[State]:
     """Redis as a live host left it: one engine, the model `small`, one idle 24 GiB GPU."""
     async with live_host(redis_socket, HOST) as found:
         yield found
 
 
-async def tick(client: aioredis.Redis, scheduler: Scheduler) -> None:
+async def tick(state: State, scheduler: Scheduler) -> None:
     """One turn of the loop, on a fresh reading of the GPU (as memwatch writes each second)."""
     reading = idle_reading((24 * GiB, False)).model_copy(update={"taken_at": time.time()})
-    await write_reading(client, reading)
+    await state.memory.write_reading(reading)
     await scheduler.tick()
 
 
@@ -55,10 +52,10 @@ def declared(name: str, **record: Any) -> DeploymentRecord:
     return deployment_record(written, **record)
 
 
-async def sent(client: aioredis.Redis) -> list[tuple[str, str, int]]:
+async def sent(state: State) -> list[tuple[str, str, int]]:
     """The commands on the host's stream: (kind, deployment, generation), oldest first."""
     entries = cast(
-        list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.host_commands(HOST))
+        list[tuple[bytes, dict[bytes, bytes]]], await state.client.xrange(keys.host_commands(HOST))
     )
     found = [hostcommands.parse(fields[b"command"]) for _, fields in entries]
     return [(c.kind, c.deployment, c.generation) for c in found if isinstance(c, Launch | Stop)]
@@ -66,40 +63,40 @@ async def sent(client: aioredis.Redis) -> list[tuple[str, str, int]]:
 
 @pytest.mark.anyio
 async def test_a_refusal_of_an_earlier_deployment_of_the_name_refuses_no_launch(
-    client: aioredis.Redis,
+    state: State,
 ) -> None:
-    store = InstanceStore(client, HOST)
+    store = state.instances(HOST)
     # What hostd said of the deployment `a` deleted a moment ago: its second stop came late.
     await store.refused("a", 0, 1, "stop refused: no such instance on this host")
-    scheduler = Scheduler(client, Observer(client, [HOST]))
-    await DeploymentStore(client).put(declared("a", wanted="ready"))
-    await tick(client, scheduler)
-    assert await sent(client) == [("launch", "a", 1)]
+    scheduler = Scheduler(state, Observer(state, [HOST]))
+    await state.deployments.put(declared("a", wanted="ready"))
+    await tick(state, scheduler)
+    assert await sent(state) == [("launch", "a", 1)]
     for _ in range(3):  # hostd has not read its stream yet
-        await tick(client, scheduler)
-    assert await sent(client) == [("launch", "a", 1)], "one launch, and no generation 2"
-    record = await DeploymentStore(client).get("a")
+        await tick(state, scheduler)
+    assert await sent(state) == [("launch", "a", 1)], "one launch, and no generation 2"
+    record = await state.deployments.get("a")
     assert record is not None
     assert record.generation == 1
     assert record.inflight is not None
     assert (record.inflight.kind, record.inflight.generation) == ("launch", 1)
     # A refusal of this launch, once hostd reads it, ends it.
     await store.refused("a", 0, 1, "launch refused: the instance is starting; stop it first")
-    await tick(client, scheduler)
-    record = await DeploymentStore(client).get("a")
+    await tick(state, scheduler)
+    record = await state.deployments.get("a")
     assert record is not None
     assert record.inflight is None or record.inflight.generation == 2
 
 
 @pytest.mark.anyio
-async def test_a_deleted_deployment_is_stopped_once(client: aioredis.Redis) -> None:
-    store = InstanceStore(client, HOST)
+async def test_a_deleted_deployment_is_stopped_once(state: State) -> None:
+    store = state.instances(HOST)
     ready = instance_record("b", HOST, gpu_uuid="GPU-0", residency="host_backed")
     await store.transition(ready, allowed=["absent"], generation=None, reason="launch: test")
-    await DeploymentStore(client).put(declared("b", generation=1, host=HOST, deleting=True))
-    scheduler = Scheduler(client, Observer(client, [HOST]))
-    await tick(client, scheduler)
-    assert await sent(client) == [("stop", "b", 1)]
+    await state.deployments.put(declared("b", generation=1, host=HOST, deleting=True))
+    scheduler = Scheduler(state, Observer(state, [HOST]))
+    await tick(state, scheduler)
+    assert await sent(state) == [("stop", "b", 1)]
     for _ in range(3):  # hostd has not read its stream yet
-        await tick(client, scheduler)
-    assert await sent(client) == [("stop", "b", 1)], "stopped once"
+        await tick(state, scheduler)
+    assert await sent(state) == [("stop", "b", 1)], "stopped once"

@@ -15,9 +15,8 @@ from redis.exceptions import AuthenticationError
 
 from capycommon.domain.hosts import HostIdentity
 from capycommon.settings import ServerSettings
-from capycommon.state import acl, desired, hostinfo, identities, keys
-from capycommon.state.hostkeys import host_bytes
-from capycommon.state.store import InstanceStore
+from capycommon.state import keys
+from capycommon.state.stores import State
 from capycommon.version import __version__
 from capyctl_scheduler.enroll import Enrollment
 from capyctl_scheduler.hostquota import CUT_OFF, HostQuota
@@ -36,7 +35,7 @@ def server() -> Iterator[ServerRedis]:
 
 async def join(server: ServerRedis, host: str) -> None:
     """Host `host` joined, as enrollment leaves it: its record, its name, its user."""
-    client = server.acontrol()
+    state = State(server.acontrol())
     try:
         now = time.time()
         identity = HostIdentity(
@@ -47,11 +46,11 @@ async def join(server: ServerRedis, host: str) -> None:
             version=__version__,
             joined_at=now,
         )
-        await identities.write(client, identity)
-        await hostinfo.join(client, host)
-        await acl.set_host_user(client, host, server.password(host))
+        await state.identities.put(identity)
+        await state.host_info.join(host)
+        await state.host_users.set(host, server.password(host))
     finally:
-        await client.aclose()
+        await state.client.aclose()
 
 
 def test_a_value_over_the_bound_is_refused(server: ServerRedis) -> None:
@@ -78,11 +77,11 @@ async def test_a_host_over_its_quota_is_cut_off_and_redis_serves_on(
     greedy.set(keys.instance("a", "m", 0), live.model_dump_json())
     greedy.sadd(keys.instances("a"), "m:0")
     assert greedy.ping() is True  # a connection open before the cut
-    client = server.acontrol()
+    state = State(server.acontrol())
     caplog.set_level(logging.INFO, "capyctl_scheduler.hostquota")
     try:
-        assert await host_bytes(client, "a") > QUOTA
-        quota = HostQuota(client, Enrollment(client, server.paths, ServerSettings()), QUOTA)
+        assert await state.host_keys.size("a") > QUOTA
+        quota = HostQuota(state, Enrollment(state, server.paths, ServerSettings()), QUOTA)
         assert await quota.sweep() == ["a"]
 
         # Cut off: its open connection closed, its user gone, its keys dropped but for the
@@ -96,16 +95,16 @@ async def test_a_host_over_its_quota_is_cut_off_and_redis_serves_on(
             keys.instance("a", "m", 0).encode(),
             keys.instances("a").encode(),
         ]
-        assert await InstanceStore(client, "a").all() == [live]
-        revoked = await identities.read(client, "a")
+        assert await state.instances("a").all() == [live]
+        revoked = await state.identities.get("a")
         assert revoked is not None
         assert revoked.revoked_at is not None
         # Host b, under its quota, and Redis for the control plane: as they were.
         assert modest.get("capyctl:host:b:heartbeat:hostd") == b"{}"
-        assert (await identities.read(client, "b")) is not None
-        assert await client.ping() is True
+        assert (await state.identities.get("b")) is not None
+        assert await state.client.ping() is True
 
-        choices = await desired.recent_choices(client, 5)
+        choices = await state.choices.recent(5)
         assert [(d.kind, d.host) for d in choices] == [(CUT_OFF, "a")]
         assert "over its quota of 16.0 MiB" in choices[0].reason
 
@@ -114,7 +113,7 @@ async def test_a_host_over_its_quota_is_cut_off_and_redis_serves_on(
         cuts = [r for r in caplog.records if r.message.startswith("cut off host a")]
         assert len(cuts) == 1
     finally:
-        await client.aclose()
+        await state.client.aclose()
     assert control.exists(keys.host_identity("a")) == 1  # the server's record of it stays
 
 
@@ -135,11 +134,11 @@ async def test_measuring_a_host_costs_redis_little_whatever_its_keys(server: Ser
         cast(int, control.memory_usage(k, samples=0)) for k in control.keys("capyctl:host:a:*")
     )
     send(control, "CONFIG", "RESETSTAT")
-    client = server.acontrol()
+    state = State(server.acontrol())
     try:
-        measured = await host_bytes(client, "a")
+        measured = await state.host_keys.size("a")
     finally:
-        await client.aclose()
+        await state.client.aclose()
     assert abs(measured - exact) < exact * 0.1, (measured, exact)
     spent = control.info("commandstats")["cmdstat_memory|usage"]["usec"]
     assert spent < 20_000, f"MEMORY USAGE held Redis {spent} µs"

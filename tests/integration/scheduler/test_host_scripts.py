@@ -19,7 +19,8 @@ from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.service import REDIS_ERRORS
 from capycommon.state import acl, functions, keys
 from capycommon.state.pipe import RedisBusy
-from capycommon.state.store import Conflict, InstanceStore
+from capycommon.state.store import Conflict
+from capycommon.state.stores import State
 from capyctl_scheduler.redisguard import GUARD_EVERY_S, RedisGuard
 from integration.scheduler.serverredis import PASSWORD, ServerRedis, send, server_redis
 from support import instance_record, wait_for_async
@@ -77,9 +78,9 @@ def test_a_hosts_user_runs_no_script_of_its_own(server: ServerRedis) -> None:
 async def test_a_host_writes_its_own_instances_through_the_function_and_no_others(
     server: ServerRedis,
 ) -> None:
-    client = server.ahost("a")
+    state = State(server.ahost("a"))
     try:
-        store = InstanceStore(client, "a")
+        store = state.instances("a")
         written = record("a")
         await store.transition(written, allowed=["absent"], generation=None, reason="test")
         assert await store.get("m", 0) == written
@@ -87,11 +88,11 @@ async def test_a_host_writes_its_own_instances_through_the_function_and_no_other
             await store.transition(written, allowed=["absent"], generation=None, reason="again")
         assert lost.value.current == written
         # Host b's instance, written by host a through the same function: refused by the ACL.
-        others = InstanceStore(client, "b")
+        others = state.instances("b")
         with pytest.raises(NoPermissionError, match="no permissions to access one of the keys"):
             await others.transition(record("b"), allowed=["absent"], generation=None, reason="x")
     finally:
-        await client.aclose()
+        await state.client.aclose()
     control = server.control()
     assert control.exists(keys.instance("b", "m", 0), keys.host_events("b")) == 0
     assert control.xlen(keys.host_events("a")) == 1
@@ -102,9 +103,9 @@ async def test_a_host_waits_for_functions_not_loaded_yet(
     server: ServerRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
     server.control().function_flush()
-    client, control = server.ahost("a"), server.acontrol()
+    state, control = State(server.ahost("a")), State(server.acontrol())
     try:
-        store = InstanceStore(client, "a")
+        store = state.instances("a")
         writing = asyncio.ensure_future(
             store.transition(record("a"), allowed=["absent"], generation=None, reason="test")
         )
@@ -119,8 +120,8 @@ async def test_a_host_waits_for_functions_not_loaded_yet(
             await writing
         assert await store.get("m", 0) is not None
     finally:
-        await client.aclose()
-        await control.aclose()
+        await state.client.aclose()
+        await control.client.aclose()
 
 
 def _run_away(server: ServerRedis, words: tuple[str, ...]) -> Any:
@@ -161,8 +162,8 @@ async def test_a_runaway_script_is_stopped_and_redis_serves_again(
         words = ("EVAL", BUSY_LOOP, "0")
     caplog.set_level(logging.INFO, "capyctl_scheduler.redisguard")
     stop = asyncio.Event()
-    client = server.acontrol()
-    guard = asyncio.ensure_future(RedisGuard(client).run(stop))
+    state = State(server.acontrol())
+    guard = asyncio.ensure_future(RedisGuard(state).run(stop))
     try:
         started = time.monotonic()
         runaway = asyncio.ensure_future(asyncio.to_thread(_run_away, server, words))
@@ -173,7 +174,7 @@ async def test_a_runaway_script_is_stopped_and_redis_serves_again(
                 await runaway
         # Stopped once past the threshold (1 s), by the guard's next probe.
         assert time.monotonic() - started < 1.0 + GUARD_EVERY_S + 2.0
-        assert await client.get("capyctl:deployments") is None
+        assert await state.client.get("capyctl:deployments") is None
 
         async def serving_again() -> bool:
             return any("serves again" in r.message for r in caplog.records)
@@ -185,7 +186,7 @@ async def test_a_runaway_script_is_stopped_and_redis_serves_again(
     finally:
         stop.set()
         await guard
-        await client.aclose()
+        await state.client.aclose()
 
 
 def test_a_host_that_joined_under_an_older_release_loses_scripting_at_the_next_start(

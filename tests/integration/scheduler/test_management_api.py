@@ -18,7 +18,7 @@ from capycommon.credentials import generate
 from capycommon.domain.models import HostModels, ModelFacts
 from capycommon.engines.families import Family
 from capycommon.engines.registry import EngineProfile, EnginesDocument, Registry
-from capycommon.state import enginefacts, hostfacts
+from capycommon.state.stores import State
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.manage import Manager
@@ -33,10 +33,10 @@ M = TypeVar("M", bound=BaseModel)
 @pytest.fixture
 async def api(redis_socket: Path, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """The management app of a scheduler whose one host has published a vLLM profile."""
-    client = aioredis.Redis(unix_socket_path=str(redis_socket))
+    state = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
     model = ModelFacts(path=f"{tmp_path}/models/m", kind="folder", weights_bytes=1 << 30)
     models = HostModels(models_root=f"{tmp_path}/models", models={"m": model})
-    await hostfacts.publish(client, HOST, models)
+    await state.host_models.publish(HOST, models)
     profile = EngineProfile(
         name="vllm",
         family=Family.VLLM,
@@ -52,8 +52,8 @@ async def api(redis_socket: Path, tmp_path: Path) -> AsyncIterator[httpx.AsyncCl
         revision=1,
         document=EnginesDocument(profiles={"vllm": profile}),
     )
-    await enginefacts.publish(client, HOST, registry)
-    manager = Manager(Scheduler(client, Observer(client, [HOST])))
+    await state.engines.publish(HOST, registry)
+    manager = Manager(Scheduler(state, Observer(state, [HOST])))
     app = create_app(CREDENTIALS, manager)
     headers = {"Authorization": f"Bearer {CREDENTIALS.admin_token}"}
     transport = httpx.ASGITransport(app=app)
@@ -61,7 +61,7 @@ async def api(redis_socket: Path, tmp_path: Path) -> AsyncIterator[httpx.AsyncCl
         transport=transport, base_url=f"http://test{wire.PREFIX}", headers=headers
     ) as http:
         yield http
-    await client.aclose()
+    await state.client.aclose()
 
 
 def read(response: httpx.Response, model: type[M]) -> M:

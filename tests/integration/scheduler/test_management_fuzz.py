@@ -21,6 +21,7 @@ from schemathesis import Case
 
 from capycommon import management as wire
 from capycommon.credentials import generate
+from capycommon.state.stores import State
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.manage import Manager
@@ -35,7 +36,8 @@ FUZZ = fuzzing(100)
 
 
 def _manager(client: aioredis.Redis) -> Manager:
-    return Manager(Scheduler(client, Observer(client, [HOST])))
+    state = State(client)
+    return Manager(Scheduler(state, Observer(state, [HOST])))
 
 
 @pytest.fixture

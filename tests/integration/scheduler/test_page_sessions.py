@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from starlette.types import Message
 
 from capycommon.credentials import generate
-from capycommon.state.pagesessions import PageSessions
+from capycommon.state.stores import State
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.manage import Manager
@@ -30,15 +30,15 @@ BASE = "http://scheduler"
 
 
 @pytest.fixture
-async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
-    found = aioredis.Redis(unix_socket_path=str(redis_socket))
+async def state(redis_socket: Path) -> AsyncIterator[State]:
+    found = State(aioredis.Redis(unix_socket_path=str(redis_socket)))
     yield found
-    await found.aclose()
+    await found.client.aclose()
 
 
 @pytest.fixture
-def app(client: aioredis.Redis) -> FastAPI:
-    return create_app(CREDENTIALS, Manager(Scheduler(client, Observer(client, [HOST]))))
+def app(state: State) -> FastAPI:
+    return create_app(CREDENTIALS, Manager(Scheduler(state, Observer(state, [HOST]))))
 
 
 @contextlib.asynccontextmanager
@@ -77,14 +77,14 @@ async def refused(app: FastAPI, cookie: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_logout_ends_its_session_and_no_other(app: FastAPI, client: aioredis.Redis) -> None:
+async def test_a_logout_ends_its_session_and_no_other(app: FastAPI, state: State) -> None:
     async with browser(app) as one, browser(app) as two:
         first, second = await logged_in(one), await logged_in(two)
         assert first != second
-        stored = [key.decode() async for key in client.scan_iter("capyctl:page-session:*")]
+        stored = [key.decode() async for key in state.client.scan_iter("capyctl:page-session:*")]
         assert len(stored) == 2
         assert not any(first in key or second in key for key in stored), "ids stay in cookies"
-        ttl = await client.ttl(stored[0])
+        ttl = await state.client.ttl(stored[0])
         assert session.LIFETIME_S - 60 < ttl <= session.LIFETIME_S
         assert (await one.post("/logout")).status_code == 303
         assert session.COOKIE not in one.cookies
@@ -93,7 +93,7 @@ async def test_a_logout_ends_its_session_and_no_other(app: FastAPI, client: aior
         assert (await two.get("/")).status_code == 200
         async with browser(app, second) as copy:
             assert (await copy.get("/")).status_code == 200
-    sessions = PageSessions(client)
+    sessions = state.page_sessions
     mark = session.mark(CREDENTIALS.admin_token)
     assert not await sessions.is_open(first, mark)
     assert await sessions.is_open(second, mark)

@@ -10,13 +10,12 @@ from pathlib import Path, PurePosixPath
 from typing import cast
 
 import pytest
-import redis.asyncio as aioredis
 
 from capycommon.domain.commands import Describe
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.models import ModelFacts
-from capycommon.state import hostcommands, hostfacts, keys
-from capycommon.state.desired import DeploymentStore
+from capycommon.state import hostcommands, keys
+from capycommon.state.stores import State
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan
 from integration.scheduler.livehost import deployment_record, live_host
@@ -27,7 +26,7 @@ HOST = "h1"
 
 
 @pytest.fixture
-async def client(redis_socket: Path) -> AsyncIterator[aioredis.Redis]:
+async def state(redis_socket: Path) -> AsyncIterator[State]:
     """Redis as hostd left it: a live host with one engine and the model `small`."""
     async with live_host(redis_socket, HOST) as found:
         yield found
@@ -37,35 +36,35 @@ def record(name: str, model: str) -> DeploymentRecord:
     return deployment_record({"name": name, "engine": "vllm", "model": model})
 
 
-async def describes(client: aioredis.Redis) -> list[tuple[str, ...]]:
+async def describes(state: State) -> list[tuple[str, ...]]:
     """The Describe commands on the host's stream, oldest first."""
     entries = cast(
-        list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(keys.host_commands(HOST))
+        list[tuple[bytes, dict[bytes, bytes]]], await state.client.xrange(keys.host_commands(HOST))
     )
     found = [hostcommands.parse(fields[b"command"]) for _, fields in entries]
     return [c.paths for c in found if isinstance(c, Describe)]
 
 
-async def answer(client: aioredis.Redis, facts: dict[str, ModelFacts]) -> None:
+async def answer(state: State, facts: dict[str, ModelFacts]) -> None:
     """What hostd does with a Describe: publish the facts of the paths asked for."""
-    models = await hostfacts.aread(client, HOST)
+    models = await state.host_models.get(HOST)
     assert models is not None
-    await hostfacts.publish(client, HOST, models.model_copy(update={"described": facts}))
+    await state.host_models.publish(HOST, models.model_copy(update={"described": facts}))
 
 
 @pytest.mark.anyio
 async def test_a_path_the_host_has_not_described_waits_and_is_asked_for(
-    client: aioredis.Redis,
+    state: State,
 ) -> None:
-    await DeploymentStore(client).put(record("listed", "small"))
-    await DeploymentStore(client).put(record("big", "/data/big"))
-    observer = Observer(client, [HOST])
+    await state.deployments.put(record("listed", "small"))
+    await state.deployments.put(record("big", "/data/big"))
+    observer = Observer(state, [HOST])
     snapshot = await observer.snapshot(demands={"big": 0.0})
     assert snapshot.bindings["listed"][HOST].resolved is not None, "the root's listing serves"
     waiting = snapshot.bindings["big"][HOST]
     assert (waiting.resolved, waiting.error) == (None, None)
     assert waiting.waiting == f"host {HOST} has not described model /data/big yet"
-    assert await describes(client) == [("/data/big",)]
+    assert await describes(state) == [("/data/big",)]
     (action,) = [a for a in plan(snapshot) if a.deployment == "big"]
     assert (action.kind, action.reason) == (
         "wait",
@@ -73,31 +72,31 @@ async def test_a_path_the_host_has_not_described_waits_and_is_asked_for(
     )
 
     await observer.snapshot()
-    assert await describes(client) == [("/data/big",)], "asked once, not on every plan"
+    assert await describes(state) == [("/data/big",)], "asked once, not on every plan"
 
     big = ModelFacts(path="/data/big", kind="folder", weights_bytes=30 * GiB)
-    await answer(client, {"/data/big": big})
+    await answer(state, {"/data/big": big})
     resolved = (await observer.snapshot()).bindings["big"][HOST].resolved
     assert resolved is not None
     assert (resolved.model_path, resolved.weights_bytes) == (PurePosixPath("/data/big"), 30 * GiB)
 
-    await DeploymentStore(client).forget("big")
+    await state.deployments.forget("big")
     await observer.snapshot()
-    assert (await describes(client))[-1] == (), "a path no deployment names is let go"
+    assert (await describes(state))[-1] == (), "a path no deployment names is let go"
 
 
 @pytest.mark.anyio
 async def test_declaring_waits_for_a_live_host_to_describe_the_model(
-    client: aioredis.Redis,
+    state: State,
 ) -> None:
     async def hostd() -> None:
         await wait_for_async(
-            lambda: describes(client), timeout=10, what="the scheduler's Describe", interval=0.02
+            lambda: describes(state), timeout=10, what="the scheduler's Describe", interval=0.02
         )
         gone = ModelFacts(path="/data/gone", kind="missing")
-        await answer(client, {"/data/gone": gone})
+        await answer(state, {"/data/gone": gone})
 
-    observer = Observer(client, [HOST])
+    observer = Observer(state, [HOST])
     helper = asyncio.create_task(hostd())
     bindings = await observer.bindings_of(record("gone", "/data/gone"))
     await helper
@@ -110,9 +109,9 @@ async def test_declaring_waits_for_a_live_host_to_describe_the_model(
 
 
 @pytest.mark.anyio
-async def test_a_host_whose_hostd_is_gone_is_not_waited_for(client: aioredis.Redis) -> None:
-    await client.delete(keys.heartbeat("hostd", HOST))
-    observer = Observer(client, [HOST])
+async def test_a_host_whose_hostd_is_gone_is_not_waited_for(state: State) -> None:
+    await state.client.delete(keys.heartbeat("hostd", HOST))
+    observer = Observer(state, [HOST])
     started = asyncio.get_running_loop().time()
     bindings = await observer.bindings_of(record("later", "/data/later"))
     assert asyncio.get_running_loop().time() - started < 1

@@ -23,7 +23,6 @@ from capycommon import credentials
 from capycommon import management as wire
 from capycommon.engines import detect, registry
 from capycommon.errors import CapyError
-from capycommon.state import memory
 from capycommon.units import format_size_exact
 from capyctl_cli import record
 from capyctl_cli.gpucheck.devicewatch import DeviceWatch, Gpu, Reading
@@ -164,8 +163,8 @@ class Bench:
         assert running is not None
 
         def measured() -> int | None:
-            with record.redis_of(running, timeout=5) as client:
-                peak = memory.read_instance_peak(client, HOST, name, 0)
+            with record.state_of(running, timeout=5) as state:
+                peak = state(lambda s: s.memory.instance_peak(HOST, name, 0))
             return None if peak is None else peak.device_bytes
 
         return until(measured, 15, f"memwatch's measured startup peak of {name}", 0.25)

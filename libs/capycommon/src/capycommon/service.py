@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,10 @@ from capycommon.paths import StatePaths, resolve_state_dir, write_atomic
 from capycommon.redistarget import RedisTarget, target_for
 from capycommon.settings import ROLES, AnySettings, Role, host_name
 from capycommon.settingsources import load_settings, locate_document
-from capycommon.state import heartbeats, identities, pipe
+from capycommon.state import heartbeats, pipe
 from capycommon.state.functions import FunctionsMissing
 from capycommon.state.pipe import ClosingPool, ReplyParser
+from capycommon.state.stores import State
 from capycommon.version import __version__
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,11 @@ class ServiceContext:
     redis: aioredis.Redis
     stop: asyncio.Event
 
+    @cached_property
+    def state(self) -> State:
+        """The service's stores over `redis`, built once."""
+        return State(self.redis)
+
 
 Body = Callable[[ServiceContext], Coroutine[Any, Any, None]]
 
@@ -199,10 +206,10 @@ async def _serve(
         await _reach_redis(client, target, settings.redis.unreachable_after, stop)
         if stop.is_set():
             return 0
-        if joined_host(role, settings):
-            await _check_server_version(client)
         host = host_name(settings)
         ctx = ServiceContext(name, role, settings, paths, document, host, client, stop)
+        if joined_host(role, settings):
+            await _check_server_version(ctx.state)
         extra = {"pid": os.getpid(), "version": __version__, "redis": target.described}
         log.info("started", extra=extra)
         return await _supervise(ctx, body)
@@ -256,9 +263,9 @@ async def _reach_redis(
             return
 
 
-async def _check_server_version(client: aioredis.Redis) -> None:
+async def _check_server_version(state: State) -> None:
     """A joined host refuses to run beside a server of a release line it cannot talk to."""
-    server = await identities.server_version(client)
+    server = await state.identities.server_version()
     reason = None if server is None else incompatibility(server, __version__)
     if reason is not None:
         raise HostVersionIncompatible(reason)
@@ -363,7 +370,7 @@ async def _supervise(ctx: ServiceContext, body: Body | None) -> int:
             except TimeoutError:
                 log.warning("task %s did not stop within 10 s", task.get_name())
     with suppress(*REDIS_ERRORS):
-        await heartbeats.clear(ctx.redis, ctx.host or "", ctx.name, os.getpid())
+        await ctx.state.heartbeats.clear(ctx.host or "", ctx.name, os.getpid())
     if failure is not None:
         raise failure
     log.info("stopped")
@@ -383,7 +390,7 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
             last_seen=time.time(),
         )
         try:
-            await heartbeats.beat(ctx.redis, ctx.host or "", beat)
+            await ctx.state.heartbeats.beat(ctx.host or "", beat)
             REDIS_OUTAGE.wrote()
             lost_since = None
         except AuthenticationError as exc:

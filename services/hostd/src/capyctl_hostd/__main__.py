@@ -15,8 +15,6 @@ from capycommon.paths import ensure_private_dir
 from capycommon.service import REDIS_ERRORS, ServiceContext, joined_host, run, wait_event
 from capycommon.settings import HostSettings, own_host
 from capycommon.settingvalues import parse_port_range
-from capycommon.state import enginefacts, hostinfo
-from capycommon.state.store import InstanceStore
 from capyctl_hostd import adopt, consumer, loads, renewal
 from capyctl_hostd.hostpaths import HostPaths
 from capyctl_hostd.ingress import HostIngress
@@ -53,7 +51,7 @@ async def publish_engines(ctx: ServiceContext, paths: HostPaths) -> None:
     except CapyError as exc:
         log.error("no engines published: error [%s]: %s", exc.code, exc.message)
         return
-    await enginefacts.publish(ctx.redis, ctx.host, engines)
+    await ctx.state.engines.publish(ctx.host, engines)
     log.info(
         "published engines",
         extra={
@@ -80,12 +78,12 @@ async def serve(ctx: ServiceContext) -> None:
     paths = host_paths(ctx)
     ensure_private_dir(paths.engines_record.parent)
     deep_park = host.deep_park == "on"
-    shelf = Shelf(ctx.redis, ctx.host, host.models_root, state_dir=paths.state_dir)
+    shelf = Shelf(ctx.state, ctx.host, host.models_root, state_dir=paths.state_dir)
     ports = PortLeaser(*parse_port_range(host.engine_ports))
     runner = Runner(
         ctx.host,
-        ctx.redis,
-        InstanceStore(ctx.redis, ctx.host),
+        ctx.state,
+        ctx.state.instances(ctx.host),
         ports,
         paths,
         deep_park=deep_park,
@@ -110,7 +108,7 @@ async def serve(ctx: ServiceContext) -> None:
     ]
     if door is not None:
         work.append(renewal.keep_certificate(ctx, renewed=door.reload))
-        serving = Serving(runner.store, runner.client, runner.host)
+        serving = Serving(runner.store, runner.state, runner.host)
         work.append(door.serve(runner.holdings.engines, serving, ctx.stop))
     try:
         await asyncio.gather(*work)
@@ -127,7 +125,7 @@ async def start(ctx: ServiceContext, info: HostInfo, shelf: Shelf, runner: Runne
     assert ctx.host is not None
     while True:
         try:
-            await hostinfo.publish(ctx.redis, ctx.host, info)
+            await ctx.state.host_info.publish(ctx.host, info)
             await shelf.start()
             await publish_engines(ctx, runner.paths)
             await adopt.adopt_all(runner)

@@ -79,7 +79,7 @@ async def adopt_caches(holdings: Holdings, records: dict[str, InstanceRecord]) -
 async def _unfinished_launches(runner: Runner) -> dict[str, int]:
     """member -> generation of each launch command the previous hostd took and never
     finished (acknowledged)."""
-    group = hostcommands.group(runner.client, runner.host)
+    group = runner.state.commands.group(runner.host)
     await group.ensure()
     found: dict[str, int] = {}
     for _entry_id, fields in await group.read("0", count=PENDING_READ):

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from capycommon import procfs
@@ -36,7 +35,7 @@ from capycommon.engines.lmcache import ServerPorts
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import LaunchFailed
 from capycommon.paths import write_atomic
-from capycommon.state.memory import write_cache_server_rss
+from capycommon.state.stores import State
 from capyctl_hostd import engines, procs
 from capyctl_hostd.ports import PortLeaser
 
@@ -287,14 +286,14 @@ class CacheServers:
         self,
         kept: Path,
         ports: PortLeaser,
-        client: aioredis.Redis,
+        state: State,
         host: str,
         runtime_dir: Path,
     ) -> None:
         self.servers: dict[str, CacheServer] = {}
         self.kept = Kept(kept)
         self.ports = ports
-        self.client = client
+        self.state = state
         self.host = host
         self.runtime_dir = runtime_dir
 
@@ -335,7 +334,7 @@ class CacheServers:
         await wait_healthy(server)
         rss = resident_bytes(server)
         if rss is not None:
-            await write_cache_server_rss(self.client, self.host, install.fingerprint, rss)
+            await self.state.memory.write_cache_server_rss(self.host, install.fingerprint, rss)
         return server, writer
 
     def _start(

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
-    reader = Reader(hostcommands.group(runner.client, runner.host))
+    reader = Reader(runner.state.commands.group(runner.host))
     tasks: set[asyncio.Task[None]] = set()
     grouped = False
     try:

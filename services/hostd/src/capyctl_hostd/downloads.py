@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-import redis.asyncio as aioredis
-
 from capycommon.deployments.resolve import HUB_STORE, hub_origin
 from capycommon.domain import commands as hc
 from capycommon.domain.hosts import Download, StoreOperation
@@ -40,8 +38,8 @@ from capycommon.errors import CapyError, InvalidConfig, ModelInUse, NotFound
 from capycommon.hub import HubSource, StorePaths, hub_access, is_commit, pull
 from capycommon.hub.store import remove_tree
 from capycommon.service import REDIS_ERRORS
-from capycommon.state import downloads
-from capycommon.state.store import InstanceStore, note
+from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from capycommon.units import format_size
 
 log = logging.getLogger(__name__)
@@ -90,7 +88,7 @@ class _Figures:
 @dataclass
 class ModelStore:
     host: str
-    client: aioredis.Redis
+    state: State
     instances: InstanceStore
     models_root: Path
     state_dir: Path
@@ -128,13 +126,13 @@ class ModelStore:
         key = (self.host, deployment)
 
         async def publish(figures: Download) -> None:
-            await downloads.write(self.client, *key, figures)
+            await self.state.downloads.write(*key, figures)
 
         try:
             return await self._download(wanted, deployment, publish)
         finally:
             with contextlib.suppress(*REDIS_ERRORS):
-                await downloads.clear(self.client, *key)
+                await self.state.downloads.clear(*key)
 
     async def pull(self, command: hc.Pull) -> None:
         """Carry out `capyctl model pull`: the store downloaded, its record saying how it
@@ -186,7 +184,7 @@ class ModelStore:
             at=time.time(),
         )
         with contextlib.suppress(*REDIS_ERRORS):
-            await downloads.write_operation(self.client, self.host, command.operation, record)
+            await self.state.downloads.write_operation(self.host, command.operation, record)
 
     async def _download(
         self,
@@ -251,7 +249,7 @@ class ModelStore:
             outcome="failed" if failure else "done",
         )
         with contextlib.suppress(*REDIS_ERRORS):
-            await note(self.client, event)
+            await self.state.events.note(event)
 
     async def _remove(self, name: str) -> None:
         folder = store_folder(name)

@@ -16,14 +16,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from capycommon.domain import commands as hc
 from capycommon.domain.engines import Residency
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl
 from capycommon.errors import CapyError
+from capycommon.state.stores import State
 from capyctl_hostd import engines, release
 from capyctl_hostd.holdings import Holdings
 from capyctl_hostd.settle import Settler
@@ -36,7 +35,7 @@ S = InstanceState
 @dataclass
 class Lifecycle:
     holdings: Holdings
-    client: aioredis.Redis  # for memwatch's readings while a park settles
+    state: State  # for memwatch's readings while a park settles
     settler: Settler
 
     async def park(self, record: InstanceRecord, command: hc.Park) -> None:
@@ -79,7 +78,7 @@ class Lifecycle:
     ) -> bool:
         """Parked once memwatch shows the memory released (True); else stopped, so the
         scheduler's parked charge never stands for memory the engine still holds."""
-        seen = await release.watch(self.client, record, pgid, bound, verify_s, since=time.time())
+        seen = await release.watch(self.state, record, pgid, bound, verify_s, since=time.time())
         released, reason = release.judge(seen, bound, verify_s, residency)
         if released:
             steps.mark("released")

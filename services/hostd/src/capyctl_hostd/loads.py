@@ -32,7 +32,7 @@ from capycommon.domain.notifications import Notification
 from capycommon.engines.control import Load, Timeouts
 from capycommon.errors import CapyError
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
-from capycommon.state import load, notify
+from capycommon.state import notify
 from capycommon.tasks import beside
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.runner import Runner
@@ -73,7 +73,7 @@ async def follow_changes(runner: Runner, changed: asyncio.Event, stop: asyncio.E
     channels = [name for name, host in notify.channels([runner.host]).items() if host]
     while not stop.is_set():
         try:
-            async with notify.subscribed(runner.client, channels) as pubsub:
+            async with notify.subscribed(runner.state.client, channels) as pubsub:
                 changed.set()  # (re)subscribed: something may have changed meanwhile
                 async for message in pubsub.listen():
                     if _an_instance(message.get("data")):
@@ -121,7 +121,7 @@ async def tick(runner: Runner) -> tuple[bool, bool]:
         for member, found in entries.items()
     )
     told = bool(draining & set(entries)) or settled
-    await load.publish_loads(runner.client, runner.host, entries, gone, notify=told)
+    await runner.state.loads.publish(runner.host, entries, gone, notify=told)
     return bool(serving), soon
 
 
@@ -154,9 +154,7 @@ async def _read(
 ) -> tuple[list[InstanceRecord], dict[str, EngineLoad]]:
     """The records of these members, and the load hash as published (read together: a
     switch waits on the reading of its draining engine)."""
-    return await asyncio.gather(
-        runner.store.get_many(members), load.aread_loads(runner.client, runner.host)
-    )
+    return await asyncio.gather(runner.store.get_many(members), runner.state.loads.get(runner.host))
 
 
 async def _load(engine: Engine) -> tuple[Load | None, float]:

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon import gguf
@@ -47,7 +46,7 @@ from capycommon.engines.llamacpp import model_file
 from capycommon.errors import CapyError
 from capycommon.hub import MANIFEST, HubAccess, HubLimits, HubSource, hub_access, listed_weights
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import hostfacts
+from capycommon.state.stores import State
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +281,7 @@ def _quantization(
 class Shelf:
     """The host's models record: what hostd was asked to describe, and the last published."""
 
-    client: aioredis.Redis
+    state: State
     host: str
     root: Path
     paths: tuple[str, ...] = ()
@@ -299,7 +298,7 @@ class Shelf:
     async def start(self) -> None:
         """Publish at start, still describing what the previous hostd was asked to."""
         try:
-            previous = await hostfacts.aread(self.client, self.host)
+            previous = await self.state.host_models.get(self.host)
         except ValidationError:
             previous = None  # written by another release: the scheduler asks again
         if previous is not None:
@@ -318,7 +317,7 @@ class Shelf:
             found = self._with_listings(await asyncio.to_thread(survey, self.root, self.paths))
             value = found.model_dump_json()
             if value != self._published:
-                await hostfacts.publish(self.client, self.host, found)
+                await self.state.host_models.publish(self.host, found)
                 self._published = value
 
     def _with_listings(self, found: HostModels) -> HostModels:

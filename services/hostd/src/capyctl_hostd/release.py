@@ -13,12 +13,12 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
 from capycommon.domain.instances import InstanceRecord
 from capycommon.domain.memory import MemoryReading
 from capycommon.state import memory
+from capycommon.state.stores import State
 from capycommon.units import format_duration, format_size
 from capyctl_hostd import procs
 
@@ -57,7 +57,7 @@ def observe(
 
 
 async def watch(
-    client: aioredis.Redis,
+    state: State,
     record: InstanceRecord,
     pgid: int,
     bound: int,
@@ -72,10 +72,10 @@ async def watch(
     gpu_uuid = record.gpu_uuid or ""
     seen = Seen(gpu_uuid or "the instance's GPU", None)
     # Subscribed before asking, so no reading taken after the ask goes unheard.
-    async with memory.announced(client, record.host) as pubsub:
-        await memory.ask_readings(client, record.host, record.member)
+    async with state.memory.announced(record.host) as pubsub:
+        await state.memory.ask_readings(record.host, record.member)
         while True:
-            reading = await memory.aread_reading(client, record.host)
+            reading = await state.memory.reading(record.host)
             # Only the processes the reading names on the GPU can hold its bytes: those of
             # the group are found from their own /proc entries, not a walk of /proc per
             # reading (one every few milliseconds while the park is verified).

@@ -27,7 +27,6 @@ from capycommon import pki
 from capycommon.errors import CapyError
 from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, ServiceContext, wait_event
-from capycommon.state import identities
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ async def renew(ctx: ServiceContext, host: str) -> pki.CertificateFacts | None:
     """Ask the server for a new certificate, check it and put it in place; its facts, or None
     when stopped before the server answered."""
     key = pki.new_private_key()
-    await identities.request_certificate(ctx.redis, host, pki.certificate_request(key, host))
+    await ctx.state.identities.request_certificate(host, pki.certificate_request(key, host))
     deadline = time.monotonic() + ANSWER_WITHIN_S
     certificate = None
     while certificate is None:
@@ -86,7 +85,7 @@ async def renew(ctx: ServiceContext, host: str) -> pki.CertificateFacts | None:
             raise TimeoutError(f"the server did not sign the renewal in {ANSWER_WITHIN_S:g} s")
         if await wait_event(ctx.stop, POLL_S):
             return None
-        certificate = await identities.take_certificate(ctx.redis, host)
+        certificate = await ctx.state.identities.take_certificate(host)
     authority = ctx.paths.joined_authority.read_bytes()
     facts = pki.verify_issued(certificate, authority, datetime.now(UTC))
     if facts.common_name != host or not pki.key_matches(certificate, key):

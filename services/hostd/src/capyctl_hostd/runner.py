@@ -18,13 +18,11 @@ import socket
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 from capycommon.domain import commands as hc
 from capycommon.domain.hosts import LogTail
 from capycommon.domain.instances import InstanceRecord
-from capycommon.state import enginelogs
 from capycommon.state.store import Conflict, InstanceStore
+from capycommon.state.stores import State
 from capyctl_hostd import engines
 from capyctl_hostd.cacheserver import CacheServers
 from capyctl_hostd.downloads import ModelStore
@@ -40,7 +38,7 @@ from capyctl_hostd.settle import Settler
 @dataclass
 class Runner:
     host: str
-    client: aioredis.Redis
+    state: State
     store: InstanceStore
     ports: PortLeaser
     paths: HostPaths
@@ -60,7 +58,7 @@ class Runner:
         caches = CacheServers(
             record.with_name("lmcache-servers.json"),
             self.ports,
-            self.client,
+            self.state,
             self.host,
             self.paths.runtime_dir,
         )
@@ -68,7 +66,7 @@ class Runner:
             self.store, self.ports, OwnedEngines(record), caches, self.paths.runtime_dir
         )
         self.models = ModelStore(
-            self.host, self.client, self.store, self.paths.models_root, self.paths.state_dir
+            self.host, self.state, self.store, self.paths.models_root, self.paths.state_dir
         )
         self.launcher = Launcher(
             self.host,
@@ -79,7 +77,7 @@ class Runner:
             telemetry=telemetry,
             retention_zero=retention_zero,
         )
-        self.lifecycle = Lifecycle(self.holdings, self.client, Settler(self.client, self.host))
+        self.lifecycle = Lifecycle(self.holdings, self.state, Settler(self.state, self.host))
 
     def lock_for(self, member: str) -> asyncio.Lock:
         return self._member_locks.setdefault(member, asyncio.Lock())
@@ -131,7 +129,7 @@ class Runner:
         from its writer's memory (retention: zero), on the request's reply channel."""
         record = await self.store.get(command.deployment, command.instance)
         tail = await asyncio.to_thread(self._tail, record, command.lines)
-        await enginelogs.publish(self.client, self.host, command.reply, tail)
+        await self.state.engine_logs.publish(self.host, command.reply, tail)
 
     def _tail(self, record: InstanceRecord | None, lines: int) -> LogTail:
         if record is None or record.launch_id is None:

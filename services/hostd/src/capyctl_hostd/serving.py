@@ -20,7 +20,6 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon.domain.instances import InstanceState
@@ -28,6 +27,7 @@ from capycommon.domain.notifications import Notification
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import notify
 from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 
 log = logging.getLogger(__name__)
 S = InstanceState
@@ -39,7 +39,7 @@ RETRY_S = 1.0
 @dataclass
 class Serving:
     store: InstanceStore
-    client: aioredis.Redis
+    state: State
     host: str
     # Each instance's generation and state, as last read.
     _seen: dict[str, tuple[int, InstanceState]] = field(default_factory=dict)
@@ -58,7 +58,7 @@ class Serving:
         channel = notify.host_channel(self.host)
         while not stop.is_set():
             try:
-                async with notify.subscribed(self.client, [channel]) as pubsub:
+                async with notify.subscribed(self.state.client, [channel]) as pubsub:
                     await self._read_all()
                     async for message in pubsub.listen():
                         member = _instance(message.get("data"))

@@ -21,14 +21,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
 from capycommon.domain.hosts import RequestEnd
 from capycommon.domain.instances import InstanceRecord
 from capycommon.engines.sglang import SglangControl
 from capycommon.errors import CapyError
 from capycommon.service import REDIS_ERRORS
-from capycommon.state import settlement
+from capycommon.state.stores import State
 from capyctl_hostd.engines import Engine
 
 log = logging.getLogger(__name__)
@@ -42,7 +40,7 @@ FOLLOW_S = 60.0
 class Settler:
     """Follows aborted requests to their end; one reader of each engine's count at a time."""
 
-    client: aioredis.Redis
+    state: State
     host: str
     _locks: dict[int, asyncio.Lock] = field(default_factory=dict)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -74,7 +72,7 @@ class Settler:
                 held=held,
                 at=time.time(),
             )
-            await settlement.publish(self.client, self.host, end)
+            await self.state.settlement.publish(self.host, end)
         except CapyError as exc:  # the engine stopped or failed: its stop settles the request
             log.info("%s: request %s not followed: %s", record.member, request_id, exc.message)
         except REDIS_ERRORS as exc:

@@ -27,7 +27,7 @@ async def serve(ctx: ServiceContext) -> None:
     assert ctx.host is not None
     backend = await asyncio.to_thread(open_backend, section, ctx.paths.root, HostRamReader())
     try:
-        await watch(ctx.redis, ctx.host, backend, ctx.stop)
+        await watch(ctx.state, ctx.host, backend, ctx.stop)
     finally:
         backend.close()
 

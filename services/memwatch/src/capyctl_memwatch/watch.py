@@ -21,7 +21,6 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from capycommon.domain.instances import InstanceRecord, InstanceState
@@ -30,7 +29,7 @@ from capycommon.domain.notifications import Notification
 from capycommon.errors import DeviceUnobserved
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import memory, notify
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from capycommon.tasks import beside
 from capyctl_memwatch import peaks
 from capyctl_memwatch.backends import Backend
@@ -77,11 +76,11 @@ async def every(
 
 
 class Readings:
-    """Takes one reading of the host and writes it to Redis (`memory.write_reading`), and
+    """Takes one reading of the host and writes it to Redis (`MemoryStore.write_reading`), and
     follows hostd's asks for readings while it verifies a park."""
 
-    def __init__(self, client: aioredis.Redis, host: str, backend: Backend) -> None:
-        self.client = client
+    def __init__(self, state: State, host: str, backend: Backend) -> None:
+        self.state = state
         self.host = host
         self.backend = backend
         self.failing: str | None = None
@@ -102,7 +101,7 @@ class Readings:
         """Follow the host's memory channel: each ask hurries a reading."""
         while not stop.is_set():
             try:
-                async with memory.announced(self.client, self.host) as pubsub:
+                async with self.state.memory.announced(self.host) as pubsub:
                     async for message in pubsub.listen():
                         if memory.kind_of(message) == "verify":
                             self.asked_at = time.monotonic()
@@ -131,7 +130,7 @@ class Readings:
         )
         # A lost Redis is the heartbeat task's to report (and to give up on, in time).
         with suppress(*REDIS_ERRORS):
-            await memory.write_reading(self.client, reading)
+            await self.state.memory.write_reading(reading)
 
 
 class Peaks:
@@ -139,8 +138,8 @@ class Peaks:
     each time hostd announces that an instance changed, and every 500 ms while a launch is
     starting."""
 
-    def __init__(self, client: aioredis.Redis, host: str, sampler: PeakSampler) -> None:
-        self.client = client
+    def __init__(self, state: State, host: str, sampler: PeakSampler) -> None:
+        self.state = state
         self.host = host
         self.sampler = sampler
         self.pending: list[StartupPeak] = []
@@ -174,7 +173,7 @@ class Peaks:
         channels = [name for name, host in notify.channels([self.host]).items() if host]
         while not stop.is_set():
             try:
-                async with notify.subscribed(self.client, channels) as pubsub:
+                async with notify.subscribed(self.state.client, channels) as pubsub:
                     async for message in pubsub.listen():
                         if message.get("type") == "subscribe":
                             self._subscriptions += 1
@@ -209,7 +208,7 @@ class Peaks:
         while self.pending:
             peak = self.pending[0]
             try:
-                await memory.write_startup_peak(self.client, peak)
+                await self.state.memory.write_startup_peak(peak)
             except REDIS_ERRORS:
                 return  # kept for the next step
             self.pending.pop(0)
@@ -218,7 +217,7 @@ class Peaks:
     async def load(self) -> list[InstanceRecord]:
         """The host's instance records (hostd writes them; a malformed one is refused by the
         store, and skipped)."""
-        return await InstanceStore(self.client, self.host).all()
+        return await self.state.instances(self.host).all()
 
 
 def _a_load(data: object) -> bool:
@@ -232,11 +231,11 @@ def _a_load(data: object) -> bool:
         return False
 
 
-async def watch(client: aioredis.Redis, host: str, backend: Backend, stop: asyncio.Event) -> None:
+async def watch(state: State, host: str, backend: Backend, stop: asyncio.Event) -> None:
     """Run both loops until `stop` is set."""
-    readings = Readings(client, host, backend)
+    readings = Readings(state, host, backend)
     sampler = PeakSampler(host, GroupMeter(backend.read))
-    startup = Peaks(client, host, sampler)
+    startup = Peaks(state, host, sampler)
     startup.on_parked = readings.parked
     async with beside(readings.listen(stop), "memwatch's requests for readings"):
         await asyncio.gather(

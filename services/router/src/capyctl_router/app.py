@@ -171,7 +171,7 @@ def _add_router_routes(
             _same(token, secret) for secret in (credentials.api_key, credentials.admin_token)
         ):
             raise Unauthenticated("send Authorization: Bearer <API key or admin token>")
-        body = await router.dispatcher.metrics.scrape(router.dispatcher.client)
+        body = await router.dispatcher.metrics.scrape(router.dispatcher.state)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     for endpoint in ENDPOINTS:

@@ -34,8 +34,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-import redis.asyncio as aioredis
-
 from capycommon.domain.commands import Abort
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.places import owner_id
@@ -50,15 +48,9 @@ from capycommon.errors import (
     UnknownModel,
 )
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_any, wait_event
-from capycommon.state import (
-    desired,
-    heartbeats,
-    hostcommands,
-    load,
-    places,
-    settlement,
-)
+from capycommon.state import heartbeats, places
 from capycommon.state.places import PlaceBook
+from capycommon.state.stores import State
 from capyctl_router.metrics import Metrics
 from capyctl_router.progress import Progress
 from capyctl_router.table import Table, Target
@@ -106,7 +98,7 @@ class Limits:
 
 @dataclass
 class Dispatcher:
-    client: aioredis.Redis
+    state: State
     table: Table
     metrics: Metrics
     limits: Limits = field(default_factory=Limits)
@@ -126,7 +118,7 @@ class Dispatcher:
     _redis_failed: bool = False
 
     def __post_init__(self) -> None:
-        self.book = PlaceBook(self.client, self.owner, self.limits.workers)
+        self.book = PlaceBook(self.state.client, self.owner, self.limits.workers)
         # Set when the settle loop has something new to look at: a cut, or a first spare.
         self._sooner = asyncio.Event()
         # Spares given back when their instance is no longer ready (`_changed`), until done.
@@ -187,7 +179,7 @@ class Dispatcher:
                     )
                 wait = 1.0
                 if cold and progress is not None:
-                    await progress.tell(name, self.table, self.client, self._failed)
+                    await progress.tell(name, self.table, self.state, self._failed)
                     wait = max(0.0, progress.due_in())
                 changed = self.table.changed(name)
                 await wait_event(changed, min(remaining, wait))
@@ -276,7 +268,7 @@ class Dispatcher:
             return
         self._demanded[name] = now
         self._demanded_at[name] = time.time()
-        await desired.demand(self.client, name, "router", restart=restart)
+        await self.state.demands.ask(name, "router", restart=restart)
 
     async def _all_places_cut(self, name: str, target: Target) -> None:
         """Every place held by requests cut before any answer: restart the instance."""
@@ -284,7 +276,7 @@ class Dispatcher:
         if now - self._all_cut_read.get(name, -ALL_CUT_EVERY_S) < ALL_CUT_EVERY_S:
             return
         self._all_cut_read[name] = now
-        found = await places.aread(self.client, name)
+        found = await self.state.places.get(name)
         if found.generation == target.generation and found.settle_at_stop >= self.limits.running:
             log.warning(
                 "%s: cancelled requests hold all %d places; asking for a restart",
@@ -357,11 +349,11 @@ class Dispatcher:
     async def _abort(self, target: Target, request_id: str) -> None:
         """Have hostd abort the request in its engine and report its end."""
         if target.host not in self._ends_after:  # before the abort: no end is missed
-            self._ends_after[target.host] = await settlement.cursor(self.client, target.host)
+            self._ends_after[target.host] = await self.state.settlement.cursor(target.host)
         abort = Abort(
             deployment=target.deployment, generation=target.generation, request_id=request_id
         )
-        await hostcommands.send(self.client, target.host, abort)
+        await self.state.commands.send(target.host, abort)
 
     async def settle(self, stop: asyncio.Event) -> None:
         """Keep this router's places true: give back those of cut requests as they settle
@@ -417,8 +409,8 @@ class Dispatcher:
         settles only if the engine held it, else it may still arrive and waits for a stop."""
         for host in {cut.host for cut in self._cuts.values() if cut.reported}:
             if host not in self._ends_after:  # the cut's own read of the cursor failed
-                self._ends_after[host] = await settlement.cursor(self.client, host)
-            after, ends = await settlement.read_after(self.client, host, self._ends_after[host])
+                self._ends_after[host] = await self.state.settlement.cursor(host)
+            after, ends = await self.state.settlement.read_after(host, self._ends_after[host])
             for end in ends:
                 cut = self._cuts.get(end.request_id)
                 if cut is None or (cut.deployment, cut.generation) != (
@@ -444,7 +436,7 @@ class Dispatcher:
             if cut.settles == "settle_when_idle":
                 waiting[(cut.deployment, cut.generation, cut.host)].append((request_id, cut))
         for (name, generation, host), cuts in waiting.items():
-            found = (await load.aread_loads(self.client, host)).get(f"{name}:0")
+            found = (await self.state.loads.get(host)).get(f"{name}:0")
             if found is None or found.generation != generation:
                 continue
             if not found.busy:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -34,9 +33,7 @@ from capycommon.domain.instances import Event
 from capycommon.domain.memory import ChargePhase, GpuMemory
 from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import gpumemory, refusals
-from capycommon.state.desired import read_choices
-from capycommon.state.store import read_host_events
+from capycommon.state.stores import State
 
 # In the workers' metrics folder: how far the hosts' events were read.
 CURSORS_FILE = "events-read.json"
@@ -237,18 +234,18 @@ class Metrics:
         ledger.register(RefusedCollector(refused or {}))
         return text + generate_latest(ledger)
 
-    async def scrape(self, client: aioredis.Redis) -> bytes:
+    async def scrape(self, state: State) -> bytes:
         """`render` with the scheduler's summary of the GPUs' memory, read now (one GET);
         without it when Redis does not answer."""
         try:
-            gpus, refused = await asyncio.gather(gpumemory.aread(client), refusals.aread(client))
+            gpus, refused = await asyncio.gather(state.gpu_memory.get(), state.refusals.counts())
         except (*REDIS_ERRORS, ValidationError):
             gpus, refused = None, None
         return self.render(gpus, refused)
 
     async def follow_events(
         self,
-        client: aioredis.Redis,
+        state: State,
         hosts: Callable[[], set[str]],
         stop: asyncio.Event,
         folder: Path | None = None,
@@ -263,13 +260,13 @@ class Metrics:
         from now on."""
         cursors = Cursors.read(folder)
         await asyncio.gather(
-            self._follow_hosts(client, hosts, stop, cursors),
-            self._follow_choices(client, stop, cursors),
+            self._follow_hosts(state, hosts, stop, cursors),
+            self._follow_choices(state, stop, cursors),
         )
 
     async def _follow_hosts(
         self,
-        client: aioredis.Redis,
+        state: State,
         hosts: Callable[[], set[str]],
         stop: asyncio.Event,
         cursors: Cursors,
@@ -281,7 +278,7 @@ class Metrics:
                 await wait_event(stop, 1.0)
                 continue
             try:
-                found = await read_host_events(client, cursors.hosts, count=100, block_ms=1000)
+                found = await state.events.after(cursors.hosts, count=100, block_ms=1000)
             except REDIS_ERRORS:
                 await wait_event(stop, 1.0)
                 continue
@@ -292,13 +289,11 @@ class Metrics:
             if found:
                 cursors.keep()
 
-    async def _follow_choices(
-        self, client: aioredis.Redis, stop: asyncio.Event, cursors: Cursors
-    ) -> None:
+    async def _follow_choices(self, state: State, stop: asyncio.Event, cursors: Cursors) -> None:
         while not stop.is_set():
             cursor = cursors.choices or cursors.start
             try:
-                found = await read_choices(client, cursor, count=100, block_ms=1000)
+                found = await state.choices.after(cursor, count=100, block_ms=1000)
             except REDIS_ERRORS:
                 await wait_event(stop, 1.0)
                 continue

@@ -11,12 +11,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
 from capycommon.domain.hosts import Download
 from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.service import REDIS_ERRORS
-from capycommon.state import downloads, store
+from capycommon.state.stores import State
 from capycommon.units import format_size
 from capyctl_router.table import Table
 
@@ -44,16 +42,16 @@ class Progress:
         """Seconds until the next line is due, changed or not."""
         return self.said_at + PROGRESS_EVERY_S - time.monotonic()
 
-    async def tell(self, name: str, table: Table, client: aioredis.Redis, failed: Failed) -> None:
+    async def tell(self, name: str, table: Table, state: State, failed: Failed) -> None:
         """Tell the client how its wait for deployment `name` goes, if that changed or a
         line is due; a Redis failure (`failed` hears of it) leaves the figures out."""
         instance = table.instances.get(name)
         expected: float | None = None
         download: Download | None = None
         if instance is not None and instance.state == InstanceState.STARTING:
-            download = await self._download(table, client, failed, instance)
+            download = await self._download(table, state, failed, instance)
         if instance is not None and instance.state in LOADING and download is None:
-            expected = await self._expected(client, failed, instance)
+            expected = await self._expected(state, failed, instance)
         ready = table.target(name) is not None
         line = progress_line(self.model, instance, ready, expected, download, time.time())
         if line != self.said or self.due_in() <= 0.01:
@@ -61,7 +59,7 @@ class Progress:
             await self.say(line)
 
     async def _expected(
-        self, client: aioredis.Redis, failed: Failed, instance: InstanceRecord
+        self, state: State, failed: Failed, instance: InstanceRecord
     ) -> float | None:
         """How long the deployment's last start (or wake) took on the instance's host, read
         once a request (a failed read is tried again at the next line)."""
@@ -69,8 +67,8 @@ class Progress:
         if key not in self.expected:
             try:
                 async with asyncio.timeout(PROGRESS_EVERY_S):
-                    found = await store.last_duration(
-                        client, instance.host, instance.deployment, instance.state
+                    found = await state.events.last_duration(
+                        instance.host, instance.deployment, instance.state
                     )
             except (*REDIS_ERRORS, TimeoutError) as exc:
                 failed(exc)
@@ -80,7 +78,7 @@ class Progress:
 
     @staticmethod
     async def _download(
-        table: Table, client: aioredis.Redis, failed: Failed, instance: InstanceRecord
+        table: Table, state: State, failed: Failed, instance: InstanceRecord
     ) -> Download | None:
         """The download of the model for the instance's launch, while one runs (models from
         the Hub only)."""
@@ -89,7 +87,7 @@ class Progress:
             return None
         try:
             async with asyncio.timeout(PROGRESS_EVERY_S):
-                return await downloads.aread(client, instance.host, instance.deployment)
+                return await state.downloads.get(instance.host, instance.deployment)
         except (*REDIS_ERRORS, TimeoutError) as exc:
             failed(exc)
             return None

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.asyncio.client import PubSub
 
@@ -40,9 +39,8 @@ from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.domain.notifications import Notification
 from capycommon.flight import Flight
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
-from capycommon.state import hostinfo, hostmarks, identities, notify, ownership, refusals
-from capycommon.state.desired import DeploymentStore
-from capycommon.state.store import InstanceStore
+from capycommon.state import notify, ownership
+from capycommon.state.stores import State
 from capycommon.tasks import beside
 from capyctl_router.remote import Ingress, ingress_of
 
@@ -73,7 +71,7 @@ class Target:
 
 @dataclass
 class Table:
-    client: aioredis.Redis
+    state: State
     # Hosts whose instances are read; the control plane's `hosts` set adds to them. Those
     # given here are the router's own (`own`), whose engines it reaches on loopback.
     hosts: set[str]
@@ -179,19 +177,19 @@ class Table:
             self._reads.remove(fresh)
 
     async def _sync(self, fresh: _Fresh) -> None:
-        hosts = self.hosts | await hostinfo.hosts(self.client)
-        records = await DeploymentStore(self.client).all()
+        hosts = self.hosts | await self.state.host_info.hosts()
+        records = await self.state.deployments.all()
         read: list[InstanceRecord] = []
         for host in sorted(hosts):
-            read += await InstanceStore(self.client, host).all()
+            read += await self.state.instances(host).all()
         instances, _ = ownership.owners(read, records)
         secrets = {}
         for name, instance in instances.items():
             if instance.state == InstanceState.READY and instance.host in self.own:
-                secret = await InstanceStore(self.client, instance.host).secret(name, 0)
+                secret = await self.state.instances(instance.host).secret(name, 0)
                 if secret is not None:
                     secrets[(name, instance.generation)] = secret
-        marks = await hostmarks.aread(self.client)
+        marks = await self.state.host_marks.get()
         ingresses = {}
         for host in sorted(hosts - self.own):
             found = await self._read_ingress(host)
@@ -224,7 +222,7 @@ class Table:
         fresh = _Fresh()
         self._reads.append(fresh)
         try:
-            found = await DeploymentStore(self.client).all()
+            found = await self.state.deployments.all()
         finally:
             self._reads.remove(fresh)
         new = [name for name in found if name not in self.records and name not in fresh.records]
@@ -237,7 +235,7 @@ class Table:
 
     async def _read_ingress(self, host: str) -> Ingress | None:
         info, identity = await asyncio.gather(
-            hostinfo.aread(self.client, host), identities.read(self.client, host)
+            self.state.host_info.get(host), self.state.identities.get(host)
         )
         return ingress_of(host, info, identity)
 
@@ -247,7 +245,7 @@ class Table:
         if host in self.own:
             return
         reads = list(self._reads)
-        found, marks = await asyncio.gather(self._read_ingress(host), hostmarks.aread(self.client))
+        found, marks = await asyncio.gather(self._read_ingress(host), self.state.host_marks.get())
         for fresh in reads:
             fresh.hosts.add(host)
         cut = host in marks.unreachable
@@ -266,7 +264,7 @@ class Table:
         deployment, _, index = member.rpartition(":")
         if index != "0":
             return
-        store = InstanceStore(self.client, host)
+        store = self.state.instances(host)
         reads = list(self._reads)
         # Read together: a request waiting for a wake goes on once both are known. A joined
         # host's engine key stays with its ingress.
@@ -295,7 +293,7 @@ class Table:
         choice before hostd can act on it, but its notification may still be on its way."""
         deployment = self.records.get(record.deployment)
         if deployment is not None and record.generation > deployment.generation:
-            deployment = await DeploymentStore(self.client).get(record.deployment)
+            deployment = await self.state.deployments.get(record.deployment)
         if deployment is None:
             return False
         why = ownership.refusal(record, deployment)
@@ -305,7 +303,7 @@ class Table:
 
     async def _deployment(self, name: str) -> None:
         reads = list(self._reads)
-        record = await DeploymentStore(self.client).get(name)
+        record = await self.state.deployments.get(name)
         for fresh in reads:
             fresh.records.add(name)
             if record is None:
@@ -335,7 +333,7 @@ class Table:
         """Subscribe, read everything, then follow the notifications until the stop, or until
         a host joined (the caller subscribes again, with its channel)."""
         channels = notify.channels(self.hosts)
-        async with notify.subscribed(self.client, channels) as pubsub:
+        async with notify.subscribed(self.state.client, channels) as pubsub:
             self._joined.clear()
             await self.sync()
             REDIS_OUTAGE.ok()
@@ -373,7 +371,7 @@ class Table:
         while not await wait_event(stop, RESYNC_S):
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.sync()
-                await refusals.send(self.client)
+                await self.state.refusals.send()
 
 
 @dataclass

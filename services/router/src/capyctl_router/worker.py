@@ -19,7 +19,6 @@ from capycommon.engineclient import Engines
 from capycommon.httpserve import serve_http
 from capycommon.service import REDIS_ERRORS, ServiceContext, run
 from capycommon.settings import ServerSettings, StandaloneSettings
-from capycommon.state import places
 from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher, Limits
 from capyctl_router.metrics import Metrics
@@ -58,7 +57,7 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
     server = ctx.settings.server
     # Its own host's engines (a standalone's, or a server's embedded host's) on loopback.
     hosts = set() if ctx.host is None else {ctx.host}
-    table = Table(ctx.redis, hosts)
+    table = Table(ctx.state, hosts)
     limits = Limits(
         waiting_per_deployment=server.routing.max_pending_per_deployment,
         waiting_total=server.routing.max_pending_total,
@@ -68,7 +67,7 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
     )
     metrics = Metrics()
     owner = owner_id(ctx.name, os.getpid())
-    dispatcher = Dispatcher(ctx.redis, table, metrics, limits, owner=owner)
+    dispatcher = Dispatcher(ctx.state, table, metrics, limits, owner=owner)
     # An idle connection to an engine is dropped well before the engine closes it (uvicorn's
     # keep-alive, vLLM's and SGLang's, is 5 s), so a request is never sent on one being closed.
     # A server's router reaches every engine through its host's ingress, over TLS.
@@ -87,10 +86,10 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
     if events:
         folder = os.environ.get(METRICS_VARIABLE)
         where = Path(folder) if folder else None
-        work.append(metrics.follow_events(ctx.redis, lambda: table.hosts, ctx.stop, where))
+        work.append(metrics.follow_events(ctx.state, lambda: table.hosts, ctx.stop, where))
     try:
         await asyncio.gather(*work)
     finally:
         engines.close()
         with contextlib.suppress(*REDIS_ERRORS):  # else they expire with this worker
-            await places.drop_owner(ctx.redis, owner)
+            await ctx.state.places.drop_owner(owner)

@@ -42,7 +42,6 @@ from capycommon.httpserve import bind
 from capycommon.paths import write_atomic
 from capycommon.service import REDIS_ERRORS, ServiceContext, until_stop, wait_event
 from capycommon.settings import ServerSettings, StandaloneSettings
-from capycommon.state import places
 from capyctl_router import worker
 from capyctl_router.metrics import start_cursors
 from capyctl_router.remote import client_context
@@ -219,7 +218,7 @@ async def _gone(ctx: ServiceContext, name: str, pid: int, folder: Path) -> None:
     """A worker exited: its places count no more, nor its gauges."""
     multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
     with contextlib.suppress(*REDIS_ERRORS):  # then its places expire with it
-        await places.drop_owner(ctx.redis, owner_id(name, pid))
+        await ctx.state.places.drop_owner(owner_id(name, pid))
 
 
 def _exit_text(code: int) -> str:

@@ -10,7 +10,6 @@ from capycommon.httpserve import serve_http
 from capycommon.service import ServiceContext, run
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.settingvalues import idle_seconds
-from capycommon.state import hostinfo, identities
 from capycommon.version import __version__
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.enroll import Enrollment, bootstrap_app
@@ -29,7 +28,7 @@ def scheduler_for(ctx: ServiceContext) -> Scheduler:
     hosts = [] if ctx.host is None else [ctx.host]  # its own host: a standalone's, or embedded
     memory = scheduling.memory
     observer = Observer(
-        ctx.redis,
+        ctx.state,
         hosts,
         Tunables(
             drain_timeout_s=scheduling.drain_timeout,
@@ -43,22 +42,22 @@ def scheduler_for(ctx: ServiceContext) -> Scheduler:
         system_limits=Limits(**memory.system.model_dump()),
         gpu_limits=Limits(**memory.gpu.model_dump()),
     )
-    return Scheduler(ctx.redis, observer)
+    return Scheduler(ctx.state, observer)
 
 
 async def serve(ctx: ServiceContext) -> None:
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     scheduler = scheduler_for(ctx)
     for host in scheduler.observer.hosts:
-        await hostinfo.join(ctx.redis, host)
+        await ctx.state.host_info.join(host)
     enrollment = None
     # The guard loads CapyCTL's Redis functions first thing, and stops runaway scripts.
-    work = [RedisGuard(ctx.redis).run(ctx.stop), scheduler.run(ctx.stop)]
+    work = [RedisGuard(ctx.state).run(ctx.stop), scheduler.run(ctx.stop)]
     if isinstance(ctx.settings, ServerSettings):
-        enrollment = Enrollment(ctx.redis, ctx.paths, ctx.settings)
+        enrollment = Enrollment(ctx.state, ctx.paths, ctx.settings)
         quota = ctx.settings.enrollment.host_quota_bytes
-        work.append(HostQuota(ctx.redis, enrollment, quota).watch(ctx.stop))
-        await identities.set_server_version(ctx.redis, __version__)
+        work.append(HostQuota(ctx.state, enrollment, quota).watch(ctx.stop))
+        await ctx.state.identities.set_server_version(__version__)
         tls = (ctx.paths.server_certificate, ctx.paths.server_key)
         bootstrap = ctx.settings.enrollment.bootstrap_bind
         work.append(serve_http(bootstrap_app(enrollment), bootstrap, ctx.stop, tls=tls))

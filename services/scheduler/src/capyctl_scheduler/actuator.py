@@ -14,8 +14,6 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from capycommon.domain import commands as hc
 from capycommon.domain.desired import (
     Attempts,
@@ -28,9 +26,9 @@ from capycommon.domain.desired import (
 )
 from capycommon.domain.instances import Event, InstanceState
 from capycommon.errors import ActivationFailed
-from capycommon.state import hostcommands, hostmarks
-from capycommon.state.desired import RETRY_COOLDOWNS_S, DeploymentStore
-from capycommon.state.store import Conflict, InstanceStore, read_host_events
+from capycommon.state.desired import RETRY_COOLDOWNS_S
+from capycommon.state.store import Conflict
+from capycommon.state.stores import State
 from capyctl_scheduler.actions import Action, Kind
 from capyctl_scheduler.launchcommand import launch_command
 from capyctl_scheduler.snapshot import Snapshot
@@ -47,7 +45,7 @@ AckDemands = Callable[[str], Coroutine[Any, Any, None]]
 
 @dataclass
 class Actuator:
-    client: aioredis.Redis
+    state: State
     ack_demands: AckDemands
     # Orphan stops already sent: member@host -> when (a stop is not repeated every tick).
     _orphan_stops: dict[str, float] = field(default_factory=dict)
@@ -62,15 +60,14 @@ class Actuator:
 
     async def _apply(self, snapshot: Snapshot, action: Action) -> None:
         if action.kind == "mark_unreachable":
-            await hostmarks.mark_unreachable(self.client, action.host, snapshot.now)
+            await self.state.host_marks.mark_unreachable(action.host, snapshot.now)
             await self._event(action)
             return
         if action.kind == "mark_reachable":
-            await hostmarks.mark_reachable(self.client, action.host)
+            await self.state.host_marks.mark_reachable(action.host)
             await self._event(action)
             return
-        store = DeploymentStore(self.client)
-        record = await store.get(action.deployment)
+        record = await self.state.deployments.get(action.deployment)
         if action.kind == "stop" and (record is None or record.generation != action.generation):
             await self._stop_orphan(snapshot, action)
             return
@@ -153,7 +150,7 @@ class Actuator:
         command = hc.Stop(
             deployment=action.deployment, generation=action.generation, reason=action.reason
         )
-        await hostcommands.send(self.client, action.host, command)
+        await self.state.commands.send(action.host, command)
         await self._event(action)
 
     async def _drain(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
@@ -163,7 +160,7 @@ class Actuator:
         )
         await self._write(record, action, inflight=effect)
         try:
-            await InstanceStore(self.client, action.host).transition(
+            await self.state.instances(action.host).transition(
                 instance.model_copy(update={"state": S.DRAINING, "since": time.time()}),
                 allowed=[S.READY],
                 generation=instance.generation,
@@ -176,7 +173,7 @@ class Actuator:
 
     async def _undrain(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         instance = snapshot.instances[record.name]
-        await InstanceStore(self.client, action.host).transition(
+        await self.state.instances(action.host).transition(
             instance.model_copy(update={"state": S.READY, "since": time.time()}),
             allowed=[S.DRAINING],
             generation=instance.generation,
@@ -270,7 +267,7 @@ class Actuator:
             return
         settled = record.model_copy(update={"inflight": None})
         if action.cause is None:
-            await DeploymentStore(self.client).put(settled)
+            await self.state.deployments.put(settled)
             return
         effect = record.inflight
         evicted = Choice(
@@ -282,7 +279,7 @@ class Actuator:
             at=time.time(),
             cause=action.cause,
         )
-        await DeploymentStore(self.client).put(settled, evicted.model_dump_json(exclude_none=True))
+        await self.state.deployments.put(settled, evicted.model_dump_json(exclude_none=True))
 
     async def _switched(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         """A switch ended with its deployment ready: its duration, from the choice to
@@ -306,7 +303,7 @@ class Actuator:
             engine_s=round(engine, 3),
         )
         cleared = record.model_copy(update={"switch": None})
-        await DeploymentStore(self.client).put(cleared, ended.model_dump_json(exclude_none=True))
+        await self.state.deployments.put(cleared, ended.model_dump_json(exclude_none=True))
 
     async def _drop_switch(
         self, snapshot: Snapshot, record: DeploymentRecord, action: Action
@@ -318,7 +315,7 @@ class Actuator:
         """A host's events from `since` (Unix seconds) on."""
         cursor, found = f"{int(since * 1000)}-0", []
         while True:
-            read = await read_host_events(self.client, {host: cursor}, count=1000)
+            read = await self.state.events.after({host: cursor}, count=1000)
             found += [event for _, _, event in read if event is not None]
             if len(read) < 1000:
                 return found
@@ -326,9 +323,9 @@ class Actuator:
 
     async def _forget(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         await self._event(action)
-        await DeploymentStore(self.client).forget(record.name)
+        await self.state.deployments.forget(record.name)
         for host in snapshot.hosts:
-            await InstanceStore(self.client, host).forget(record.name, 0)
+            await self.state.instances(host).forget(record.name, 0)
         await self.ack_demands(record.name)
 
     # Writing --------------------------------------------------------------------------------
@@ -357,17 +354,17 @@ class Actuator:
     ) -> None:
         """The record with its effect in flight and the command, in one transaction."""
         sending = _with_operation(record, action).model_copy(update={"inflight": inflight})
-        await DeploymentStore(self.client).send(sending, _choice_json(action), action.host, command)
+        await self.state.deployments.send(sending, _choice_json(action), action.host, command)
         log.info("%s %s on %s: %s", action.kind, record.name, action.host, action.reason)
 
     async def _write(
         self, record: DeploymentRecord, action: Action, **changes: object
     ) -> DeploymentRecord:
         changed = _with_operation(record, action).model_copy(update=changes)
-        return await DeploymentStore(self.client).put(changed, _choice_json(action))
+        return await self.state.deployments.put(changed, _choice_json(action))
 
     async def _event(self, action: Action) -> None:
-        await DeploymentStore(self.client).chose(_choice_json(action))
+        await self.state.deployments.chose(_choice_json(action))
 
 
 Handler = Callable[[Actuator, Snapshot, DeploymentRecord, Action], Coroutine[Any, Any, None]]

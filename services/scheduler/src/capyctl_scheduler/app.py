@@ -71,7 +71,7 @@ def create_app(
         return wire.Health(status="ok", version=__version__)
 
     if manager is not None:
-        idempotency = Idempotency(manager.scheduler.client)
+        idempotency = Idempotency(manager.scheduler.state)
         api.include_router(deployments.routes(manager, idempotency))
         api.include_router(hosts.routes(manager, idempotency, enrollment))
         api.include_router(models.routes(manager, idempotency))

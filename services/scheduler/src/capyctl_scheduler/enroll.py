@@ -14,7 +14,6 @@ import secrets
 import time
 from datetime import timedelta
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,9 +43,8 @@ from capycommon.errors import (
 from capycommon.paths import StatePaths
 from capycommon.service import REDIS_ERRORS, until_stop, wait_event
 from capycommon.settings import ServerSettings, host_name
-from capycommon.state import acl, heartbeats, hostinfo, hostmarks, identities
-from capycommon.state.enginefacts import aread_published
-from capycommon.state.memory import aread_reading
+from capycommon.state import acl, identities
+from capycommon.state.stores import State
 from capycommon.version import __version__
 from capyctl_scheduler.errorbody import error_response
 from capyctl_scheduler.status import gpus_of
@@ -60,8 +58,8 @@ RENEWAL_SWEEP_S = 60.0
 
 
 class Enrollment:
-    def __init__(self, client: aioredis.Redis, paths: StatePaths, settings: ServerSettings):
-        self.client = client
+    def __init__(self, state: State, paths: StatePaths, settings: ServerSettings):
+        self.state = state
         self.paths = paths
         self.settings = settings
         self.lifetime = timedelta(seconds=settings.enrollment.certificate_lifetime)
@@ -82,7 +80,7 @@ class Enrollment:
                 "host needs a name of its own"
             )
         bootstrap, control = dial_addresses(self.settings)
-        existing = await identities.read(self.client, name)
+        existing = await self.state.identities.get(name)
         if request.recover:
             if existing is None:
                 raise NotFound(f"no host named {name!r} has joined; invite it without --recover")
@@ -101,7 +99,7 @@ class Enrollment:
         expires = int(time.time()) + ttl
         recover_id = existing.host_id if request.recover and existing is not None else None
         invitation = Invitation(host_name=name, expires_unix=expires, recover_host_id=recover_id)
-        await identities.invite(self.client, secret, invitation, ttl)
+        await self.state.identities.invite(secret, invitation, ttl)
         join = joinfile.JoinFile(
             version=__version__,
             server_address=f"https://{bootstrap}",
@@ -133,7 +131,7 @@ class Enrollment:
         )
         # Taken only now, so a refused request leaves the invitation to a corrected one; and
         # taken atomically, so two joins racing with one invitation cannot both pass.
-        if await identities.take_invitation(self.client, request.invitation_secret) is None:
+        if await self.state.identities.take_invitation(request.invitation_secret) is None:
             raise InvitationRefused("the invitation was used a moment ago; ask for a new one")
         password = secrets.token_urlsafe(32)
         user = acl.host_user(name)
@@ -149,14 +147,14 @@ class Enrollment:
             renewed_at=now if existing is not None else None,
         )
         try:
-            await acl.set_host_user(self.client, name, password)
-            await identities.write(self.client, identity)
-            await hostinfo.join(self.client, name)
+            await self.state.host_users.set(name, password)
+            await self.state.identities.put(identity)
+            await self.state.host_info.join(name)
         except BaseException:
             # The host got nothing: its invitation stands for another try.
             left = int(invitation.expires_unix - time.time())
             if left > 0:
-                await identities.invite(self.client, request.invitation_secret, invitation, left)
+                await self.state.identities.invite(request.invitation_secret, invitation, left)
             raise
         log.info("a host joined", extra={"host": name, "host_id": host_id, "recover": recovery})
         _, control = dial_addresses(self.settings)
@@ -173,7 +171,7 @@ class Enrollment:
     async def _admitted(self, request: JoinRequest) -> tuple[Invitation, HostIdentity | None]:
         """The invitation `request` holds, and the host's identity if it has one, once every
         check passed; nothing is changed here."""
-        invitation = await identities.peek_invitation(self.client, request.invitation_secret)
+        invitation = await self.state.identities.peek_invitation(request.invitation_secret)
         if invitation is None:
             raise InvitationRefused(
                 "the invitation is unknown, already used or expired; ask the server's operator "
@@ -201,7 +199,7 @@ class Enrollment:
         reason = incompatibility(__version__, request.version)
         if reason is not None:
             raise HostVersionIncompatible(reason)
-        existing = await identities.read(self.client, name)
+        existing = await self.state.identities.get(name)
         if not recovery and existing is not None:
             raise IdentityConflict(f"host {name!r} already joined (id {existing.host_id})")
         return invitation, existing
@@ -210,17 +208,17 @@ class Enrollment:
         """Cut a host off for good: its certificate's serial revoked (never renewed, and refused
         wherever the server checks certificates), its Redis user gone and
         its connections closed. Every key it wrote stays as it was. Safe to repeat."""
-        existing = await identities.read(self.client, name)
+        existing = await self.state.identities.get(name)
         if existing is None:
             raise NotFound(f"no host named {name!r} has joined; list them with capyctl list hosts")
         newly = existing.revoked_at is None
-        await identities.revoke_serial(self.client, existing.serial)
+        await self.state.identities.revoke_serial(existing.serial)
         if newly:
             revoked = existing.model_copy(update={"revoked_at": time.time()})
-            await identities.write(self.client, revoked)
-        await acl.remove_host_user(self.client, name)
+            await self.state.identities.put(revoked)
+        await self.state.host_users.remove(name)
         # Routers send it nothing from now on (the plan would mark it within a tick).
-        await hostmarks.mark_unreachable(self.client, name, time.time())
+        await self.state.host_marks.mark_unreachable(name, time.time())
         if newly:
             log.warning("revoked a host", extra={"host": name, "host_id": existing.host_id})
         return wire.RevokeAnswer(
@@ -229,12 +227,12 @@ class Enrollment:
 
     async def renew(self, name: str) -> bool:
         """Sign the renewal a joined host asked for, if any; True when one was issued."""
-        request = await identities.certificate_request(self.client, name)
+        request = await self.state.identities.certificate_request(name)
         if request is None:
             return False
-        existing = await identities.read(self.client, name)
+        existing = await self.state.identities.get(name)
         if existing is None or existing.revoked_at is not None:
-            await identities.drop_certificate_request(self.client, name)
+            await self.state.identities.drop_certificate_request(name)
             log.warning("refused a renewal: the host is not joined", extra={"host": name})
             return False
         try:
@@ -242,7 +240,7 @@ class Enrollment:
                 request, kind="host", name=name, identity=existing.host_id, lifetime=self.lifetime
             )
         except CertificateRequestRefused as exc:
-            await identities.drop_certificate_request(self.client, name)
+            await self.state.identities.drop_certificate_request(name)
             log.warning("refused a renewal: %s", exc.message, extra={"host": name})
             return False
         facts = pki.read_certificate(certificate)
@@ -253,7 +251,7 @@ class Enrollment:
                 "renewed_at": time.time(),
             }
         )
-        await identities.issue_certificate(self.client, renewed, certificate)
+        await self.state.identities.issue_certificate(renewed, certificate)
         log.info("renewed a host's certificate", extra={"host": name, "serial": facts.serial})
         return True
 
@@ -261,7 +259,7 @@ class Enrollment:
         """Sign renewals as hosts announce them, and sweep for any announcement missed."""
         while not stop.is_set():
             try:
-                async with identities.hosts_announcing(self.client) as pubsub:
+                async with self.state.identities.hosts_announcing() as pubsub:
                     await self._sweep()
                     due = time.monotonic() + RENEWAL_SWEEP_S
                     while not stop.is_set():
@@ -284,21 +282,21 @@ class Enrollment:
                 await wait_event(stop, 1.0)
 
     async def _sweep(self) -> None:
-        for name in sorted(await hostinfo.hosts(self.client)):
+        for name in sorted(await self.state.host_info.hosts()):
             await self.renew(name)
 
     async def rows(self, planned: list[wire.HostRow]) -> list[wire.HostRow]:
         """The planner's rows, each joined host's told what the server knows of it (its id,
         version, heartbeat, engines, certificate)."""
         rows = {row.name: row for row in planned}
-        for name in sorted(await hostinfo.hosts(self.client)):
-            identity = await identities.read(self.client, name)
+        for name in sorted(await self.state.host_info.hosts()):
+            identity = await self.state.identities.get(name)
             if identity is None:
                 continue
             beat, reading, engines = await asyncio.gather(
-                heartbeats.aread(self.client, "hostd", name),
-                aread_reading(self.client, name),
-                aread_published(self.client, name),
+                self.state.heartbeats.get("hostd", name),
+                self.state.memory.reading(name),
+                self.state.engines.get(name),
             )
             revoked = identity.revoked_at is not None
             connected = beat is not None and not revoked

@@ -28,14 +28,10 @@ import asyncio
 import logging
 import time
 
-import redis.asyncio as aioredis
-
 from capycommon.domain.desired import Choice
 from capycommon.domain.instances import LIVE_STATES
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.state import hostinfo, hostkeys, identities
-from capycommon.state.desired import DeploymentStore
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from capycommon.units import format_size
 from capyctl_scheduler.enroll import Enrollment
 
@@ -46,8 +42,8 @@ CUT_OFF = "host_over_quota"
 
 
 class HostQuota:
-    def __init__(self, client: aioredis.Redis, enrollment: Enrollment, quota: int) -> None:
-        self.client = client
+    def __init__(self, state: State, enrollment: Enrollment, quota: int) -> None:
+        self.state = state
         self.enrollment = enrollment
         self.quota = quota
 
@@ -63,11 +59,11 @@ class HostQuota:
         """Measure every joined host that is not revoked; cut off those over the quota.
         Returns the names of those cut off."""
         cut = []
-        for name in sorted(await hostinfo.hosts(self.client)):
-            identity = await identities.read(self.client, name)
+        for name in sorted(await self.state.host_info.hosts()):
+            identity = await self.state.identities.get(name)
             if identity is None or identity.revoked_at is not None:
                 continue  # not a joined host (a server's own), or cut off already
-            used = await hostkeys.host_bytes(self.client, name, over=self.quota)
+            used = await self.state.host_keys.size(name, over=self.quota)
             if used > self.quota:
                 await self.cut_off(name, used)
                 cut.append(name)
@@ -77,9 +73,9 @@ class HostQuota:
         await self.enrollment.revoke(host)
         # Its engines run on, as a revoked host's do: the records of the live ones are kept
         # (the few KiB each that the store believes), so their memory stays charged.
-        store = InstanceStore(self.client, host)
+        store = self.state.instances(host)
         kept = [r for r in await store.all() if r.state in LIVE_STATES or r.cache is not None]
-        await hostkeys.drop(self.client, host)
+        await self.state.host_keys.drop(host)
         for record in kept:
             await store.keep(record)
         reason = (
@@ -87,7 +83,7 @@ class HostQuota:
             f"of {format_size(self.quota)} (enrollment.host_quota): revoked, its keys dropped"
         )
         choice = Choice(kind=CUT_OFF, deployment="", host=host, reason=reason, at=time.time())
-        await DeploymentStore(self.client).chose(choice.model_dump_json())
+        await self.state.deployments.chose(choice.model_dump_json())
         log.error(
             "cut off host %s: %s", host, reason, extra={"used_bytes": used, "quota": self.quota}
         )

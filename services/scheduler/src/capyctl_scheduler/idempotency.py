@@ -7,13 +7,12 @@ import hashlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import redis.asyncio as aioredis
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
 from capycommon import management as wire
 from capycommon.errors import IdempotencyConflict, InvalidRequest
-from capycommon.state.idempotency import Answers
+from capycommon.state.stores import State
 
 Answer = TypeVar("Answer", bound=wire.Versioned)
 
@@ -30,8 +29,8 @@ class Kept(BaseModel):
 class Idempotency:
     """Replays the recorded answer of a mutation retried with the same key."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.answers = Answers(client)
+    def __init__(self, state: State) -> None:
+        self.answers = state.answers
 
     async def begin(
         self, key: str | None, request: Request, body: bytes, answer: type[Answer]

@@ -16,7 +16,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
@@ -24,10 +23,9 @@ from redis.exceptions import ResponseError
 from capycommon.domain.desired import Demand, DeploymentRecord
 from capycommon.domain.memory import GpuMemory
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
-from capycommon.state import gpumemory, notify
-from capycommon.state.desired import DEMAND_FIELD, demand_group
-from capycommon.state.refusals import send as send_refusals
-from capycommon.state.store import read_host_events
+from capycommon.state import notify
+from capycommon.state.desired import DEMAND_FIELD
+from capycommon.state.stores import State
 from capycommon.state.streams import Reader
 from capycommon.tasks import beside
 from capyctl_scheduler.actuator import Actuator
@@ -52,7 +50,7 @@ class Demands:
     deployment is ready, stopped, failed or gone, or its deadline passed; a restarted
     scheduler reads the unacknowledged ones again."""
 
-    client: aioredis.Redis
+    state: State
     open: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     # deployment -> the generation a router asked to restart (its places all held by cuts).
     restarts: dict[str, int] = field(default_factory=dict)
@@ -61,7 +59,7 @@ class Demands:
     _reader: Reader = field(init=False)
 
     def __post_init__(self) -> None:
-        self._reader = Reader(demand_group(self.client))
+        self._reader = Reader(self.state.demands.group())
 
     async def read(self) -> None:
         group = self._reader.group
@@ -132,7 +130,7 @@ class Refusals:
     """Commands hostd refused, from the hosts' event streams: (deployment, generation) -> when
     Redis took the refusal, in ms (its stream entry's time, on the scheduler's own machine)."""
 
-    client: aioredis.Redis
+    state: State
     hosts: list[str]
     seen: dict[tuple[str, int], int] = field(default_factory=dict)
     _cursors: dict[str, str] = field(default_factory=dict)
@@ -142,7 +140,7 @@ class Refusals:
             return
         start = f"{int((time.time() - REFUSAL_MEMORY_S) * 1000)}-0"
         cursors = {host: self._cursors.get(host, start) for host in self.hosts}
-        for host, entry_id, event in await read_host_events(self.client, cursors, count=1000):
+        for host, entry_id, event in await self.state.events.after(cursors, count=1000):
             self._cursors[host] = entry_id
             if event is not None and event.kind == "refused":
                 self.seen[(event.deployment, event.generation)] = _entry_ms(entry_id)
@@ -172,7 +170,7 @@ def _entry_ms(entry_id: str) -> int:
 
 @dataclass
 class Scheduler:
-    client: aioredis.Redis
+    state: State
     observer: Observer
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last: Snapshot | None = None
@@ -184,9 +182,9 @@ class Scheduler:
     changes: Changes = field(default_factory=Changes)
 
     def __post_init__(self) -> None:
-        self.demands = Demands(self.client)
-        self.refusals = Refusals(self.client, sorted(self.observer.hosts))
-        self.actuator = Actuator(self.client, self.demands.ack)
+        self.demands = Demands(self.state)
+        self.refusals = Refusals(self.state, sorted(self.observer.hosts))
+        self.actuator = Actuator(self.state, self.demands.ack)
         self._hosts_changed = asyncio.Event()
 
     async def tick(self) -> Snapshot:
@@ -208,9 +206,9 @@ class Scheduler:
         self.last = snapshot
         summary = gpu_memory(snapshot)
         if summary != self.gpu_memory:  # written when it changed, and once at start
-            await gpumemory.publish(self.client, summary)
+            await self.state.gpu_memory.publish(summary)
             self.gpu_memory = summary
-        await send_refusals(self.client)  # the values this tick's reads refused, counted
+        await self.state.refusals.send()  # the values this tick's reads refused, counted
         if self.demands.open or self.observer.describing:
             self.quiet_until = None  # a malformed demand to drop, a host to ask again
         else:
@@ -250,7 +248,7 @@ class Scheduler:
             self._hosts_changed.clear()
             channels = notify.channels(self.refusals.hosts)
             try:
-                async with notify.subscribed(self.client, channels) as pubsub:
+                async with notify.subscribed(self.state.client, channels) as pubsub:
                     self.wake.set()  # re-sync on (re)connect: messages may have been lost
                     self.changes.note()
                     reading = asyncio.ensure_future(self._read(pubsub))

@@ -55,16 +55,8 @@ from capycommon.management import (
     StoreOperationAnswer,
     UndrainAnswer,
 )
-from capycommon.state import (
-    desired,
-    downloads,
-    enginelogs,
-    hostcommands,
-    hostfacts,
-    hostmarks,
-)
 from capycommon.state.desired import DeploymentStore
-from capycommon.state.memory import aread_reading
+from capycommon.state.stores import State
 from capyctl_scheduler import status
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.snapshot import Snapshot
@@ -86,8 +78,12 @@ class Manager:
     scheduler: Scheduler
 
     @property
+    def state(self) -> State:
+        return self.scheduler.state
+
+    @property
     def store(self) -> DeploymentStore:
-        return DeploymentStore(self.scheduler.client)
+        return self.state.deployments
 
     async def snapshot(self) -> Snapshot:
         return await self.scheduler.observer.snapshot(self.scheduler.demands.oldest())
@@ -155,7 +151,7 @@ class Manager:
             if record.activation == "explicit":
                 update["wanted"] = "ready"
             else:
-                await desired.demand(self.scheduler.client, name, "operator")
+                await self.state.demands.ask(name, "operator")
         elif verb == "park":
             # A restart_only model parks by stopping (a "restart_only park"): the deployment
             # reads parked and the next request cold-starts it.
@@ -191,7 +187,7 @@ class Manager:
             raise _no_host(host)
         drained = snap.hosts[host].joined or len(snap.hosts) > 1
         if drained:
-            await hostmarks.set_drained(self.scheduler.client, host, True)
+            await self.state.host_marks.set_drained(host, True)
         stopping = []
         for name, instance in snap.instances.items():
             if instance.host != host or instance.state not in LIVE_STATES:
@@ -219,7 +215,7 @@ class Manager:
         snap = await self.snapshot()
         if host not in snap.hosts:
             raise _no_host(host)
-        changed = await hostmarks.set_drained(self.scheduler.client, host, False)
+        changed = await self.state.host_marks.set_drained(host, False)
         self.scheduler.wake.set()
         return UndrainAnswer(operation_id=operation_id(), host=host, changed=changed)
 
@@ -232,7 +228,7 @@ class Manager:
         instance = snap.instances.get(name)
         if instance is None or instance.state != S.STARTING:
             return detail
-        found = await downloads.aread(self.scheduler.client, instance.host, name)
+        found = await self.state.downloads.get(instance.host, name)
         if found is None:
             return detail
         download = _download(instance.host, found)
@@ -244,8 +240,7 @@ class Manager:
 
     async def hosts(self) -> list[HostRow]:
         snap = await self.snapshot()
-        client = self.scheduler.client
-        readings = {host: await aread_reading(client, host) for host in snap.hosts}
+        readings = {host: await self.state.memory.reading(host) for host in snap.hosts}
         return status.host_rows(snap, readings)
 
     async def engines(self) -> list[EngineRow]:
@@ -275,7 +270,7 @@ class Manager:
         for name in sorted(self.scheduler.observer.hosts):
             if host is not None and name != host:
                 continue
-            found = await hostfacts.aread(self.scheduler.client, name)
+            found = await self.state.host_models.get(name)
             if found is not None:
                 rows += _model_rows(name, found, deployments.values())
         if host is not None and not rows and host not in self.scheduler.observer.hosts:
@@ -292,7 +287,7 @@ class Manager:
             raise InvalidRequest(exc.message) from None
         wanted = HubPull(repo=source.repo, commit=source.revision, files=source.files)
         op = operation_id()
-        await hostcommands.send(self.scheduler.client, host, Pull(operation=op, source=wanted))
+        await self.state.commands.send(host, Pull(operation=op, source=wanted))
         return StoreOperationAnswer(
             operation_id=op, host=host, kind="pull", state="sent", name=name
         )
@@ -313,9 +308,7 @@ class Manager:
                 f"(capyctl delete deployment {users[0]})"
             )
         op = operation_id()
-        await hostcommands.send(
-            self.scheduler.client, host, Remove(operation=op, name=request.name)
-        )
+        await self.state.commands.send(host, Remove(operation=op, name=request.name))
         return StoreOperationAnswer(
             operation_id=op, host=host, kind="remove", state="sent", name=request.name
         )
@@ -336,9 +329,7 @@ class Manager:
                 f"host {instance.host}, where {name!r} runs, cannot be reached; ask again once "
                 "it is back"
             )
-        tail = await enginelogs.request(
-            self.scheduler.client, instance.host, name, lines, ENGINE_LOG_WAIT_S
-        )
+        tail = await self.state.engine_logs.request(instance.host, name, lines, ENGINE_LOG_WAIT_S)
         if tail is None:
             raise AgentUnreachable(
                 f"hostd on host {instance.host} did not answer within {ENGINE_LOG_WAIT_S:g} s; "
@@ -350,7 +341,7 @@ class Manager:
         """How a pull or removal goes; `sent` until hostd begins it."""
         if host not in self.scheduler.observer.hosts:
             raise _no_host(host)
-        found = await downloads.aread_operation(self.scheduler.client, host, op)
+        found = await self.state.downloads.operation(host, op)
         if found is None:
             return StoreOperationAnswer(operation_id=op, host=host, kind="", state="sent", name="")
         download = None if found.download is None else _download(host, found.download)

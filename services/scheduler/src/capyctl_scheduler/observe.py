@@ -13,8 +13,6 @@ import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-import redis.asyncio as aioredis
-
 from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
 from capycommon.deployments.resolve import named_path
 from capycommon.domain.commands import Describe, HubPull
@@ -27,22 +25,9 @@ from capycommon.domain.places import Places
 from capycommon.engines import lmcache
 from capycommon.engines.registry import EngineProfile, PublishedEngines
 from capycommon.errors import CapyError, ProfileNotPublished
-from capycommon.state import (
-    enginefacts,
-    heartbeats,
-    hostcommands,
-    hostfacts,
-    hostinfo,
-    hostmarks,
-    identities,
-    load,
-    ownership,
-    places,
-)
-from capycommon.state.desired import DeploymentStore
+from capycommon.state import ownership
 from capycommon.state.hostmarks import HostMarks
-from capycommon.state.memory import aread_cache_server_rss, aread_reading, aread_startup_peak
-from capycommon.state.store import InstanceStore
+from capycommon.state.stores import State
 from capyctl_scheduler.ledger import (
     SYSTEM,
     Domain,
@@ -80,7 +65,7 @@ ASKED_KEEP_S = 60.0
 
 @dataclass
 class Observer:
-    client: aioredis.Redis
+    state: State
     # The hosts it plans for: those it starts with (a standalone role's own host), and every
     # host in the control plane's set of hosts (those that joined a server), read anew with
     # each snapshot.
@@ -100,7 +85,7 @@ class Observer:
 
     async def known_hosts(self) -> list[str]:
         """The hosts it plans for now (kept in `hosts`)."""
-        self.hosts = sorted(self._own | await hostinfo.hosts(self.client))
+        self.hosts = sorted(self._own | await self.state.host_info.hosts())
         return list(self.hosts)
 
     @property
@@ -148,11 +133,11 @@ class Observer:
         """The deployments and what is read of each host it plans for, by host name."""
         # The reads are independent: sent together, they wait on Redis once, not in turn. The
         # hosts read are those of the last snapshot; a host that joined since is read after.
-        marks = asyncio.ensure_future(hostmarks.aread(self.client))
+        marks = asyncio.ensure_future(self.state.host_marks.get())
         previous = list(self.hosts)
         known, deployments, reads = await asyncio.gather(
             self.known_hosts(),
-            DeploymentStore(self.client).all(),
+            self.state.deployments.all(),
             asyncio.gather(*(self._host_reads(host, now, marks) for host in previous)),
         )
         joined = [host for host in known if host not in previous]
@@ -171,7 +156,7 @@ class Observer:
         names = list(instances)
         pairs = [(name, read) for name in deployments for read in reads]
         found_places, found_bindings = await asyncio.gather(
-            asyncio.gather(*(places.aread(self.client, name) for name in names)),
+            asyncio.gather(*(self.state.places.get(name) for name in names)),
             asyncio.gather(
                 *(
                     self._binding(
@@ -190,15 +175,15 @@ class Observer:
         """What a snapshot reads of one host, read together."""
         (reading, records, loads, engines, models), (alive, info, identity) = await asyncio.gather(
             asyncio.gather(
-                aread_reading(self.client, host),
-                InstanceStore(self.client, host).all(),
-                load.aread_loads(self.client, host),
+                self.state.memory.reading(host),
+                self.state.instances(host).all(),
+                self.state.loads.get(host),
                 self.engines(host),
-                hostfacts.aread(self.client, host),
+                self.state.host_models.get(host),
             ),
             asyncio.gather(
-                heartbeats.alive(self.client, "hostd", host),
-                hostinfo.aread(self.client, host),
+                self.state.heartbeats.alive("hostd", host),
+                self.state.host_info.get(host),
                 self._identity(host),
             ),
         )
@@ -209,7 +194,7 @@ class Observer:
 
     async def _identity(self, host: str) -> HostIdentity | None:
         """A joined host's identity; None for the role's own host."""
-        return None if host in self._own else await identities.read(self.client, host)
+        return None if host in self._own else await self.state.identities.get(host)
 
     async def bindings_of(self, record: DeploymentRecord) -> dict[str, Binding]:
         """How a deployment would run on each host, resolved now. A live host that has not
@@ -225,10 +210,10 @@ class Observer:
             ]
             if not waiting:
                 break
-            declared = _paths((await DeploymentStore(self.client).all()).values())
+            declared = _paths((await self.state.deployments.all()).values())
             for host in waiting:
                 self._asked[(host, path)] = time.monotonic()
-                await self._ask(host, await hostfacts.aread(self.client, host), declared)
+                await self._ask(host, await self.state.host_models.get(host), declared)
             await asyncio.sleep(DESCRIBE_POLL_S)
             found = await self._bindings_now(record)
         return {host: binding for host, (_, binding) in found.items()}
@@ -236,10 +221,10 @@ class Observer:
     async def _bindings_now(self, record: DeploymentRecord) -> dict[str, tuple[HostView, Binding]]:
         now = time.time()
         found = {}
-        marks = await hostmarks.aread(self.client)
+        marks = await self.state.host_marks.get()
         for host in await self.known_hosts():
-            view = await self._host(host, await aread_reading(self.client, host), now, marks)
-            models = await hostfacts.aread(self.client, host)
+            view = await self._host(host, await self.state.memory.reading(host), now, marks)
+            models = await self.state.host_models.get(host)
             found[host] = (
                 view,
                 self._resolve(record, host, view, await self.engines(host), models),
@@ -247,14 +232,14 @@ class Observer:
         return found
 
     async def engines(self, host: str) -> PublishedEngines | None:
-        return await enginefacts.aread_published(self.client, host)
+        return await self.state.engines.get(host)
 
     async def _host(
         self, host: str, reading: MemoryReading | None, now: float, marks: HostMarks
     ) -> HostView:
         alive, info, identity = await asyncio.gather(
-            heartbeats.alive(self.client, "hostd", host),
-            hostinfo.aread(self.client, host),
+            self.state.heartbeats.alive("hostd", host),
+            self.state.host_info.get(host),
             self._identity(host),
         )
         return self._view(host, reading, alive, info, now, identity, marks)
@@ -365,7 +350,7 @@ class Observer:
         self._undescribed.add(host)
         if just_sent:
             return
-        await hostcommands.send(self.client, host, wanted)
+        await self.state.commands.send(host, wanted)
         self._sent[host] = (wanted, now)
 
     async def _footprints(
@@ -376,7 +361,7 @@ class Observer:
         assert resolved is not None
         if resolved.cache is None:
             return found
-        rss = await aread_cache_server_rss(self.client, host, resolved.cache.fingerprint)
+        rss = await self.state.memory.cache_server_rss(host, resolved.cache.fingerprint)
         server: int = lmcache.SERVER_HOST_ESTIMATE
         provenance: Provenance = "derived"
         if rss is not None:
@@ -395,8 +380,8 @@ class Observer:
         resolved = binding.resolved
         assert resolved is not None
         memory = record.document.engine_config.memory
-        peak = await aread_startup_peak(
-            self.client, host, record.name, record.revision, resolved.profile.fingerprint
+        peak = await self.state.memory.startup_peak(
+            host, record.name, record.revision, resolved.profile.fingerprint
         )
         startup: tuple[int, Provenance] | None = None
         startup_host: tuple[int, Provenance] | None = None

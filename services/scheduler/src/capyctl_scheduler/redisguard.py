@@ -19,12 +19,12 @@ import asyncio
 import logging
 from contextlib import suppress
 
-import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import functions
 from capycommon.state.pipe import RedisBusy
+from capycommon.state.stores import State
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ GUARD_EVERY_S = 0.5
 
 
 class RedisGuard:
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
+    def __init__(self, state: State) -> None:
+        self.state = state
         self.stuck = False  # Redis answered BUSY, and no probe has passed since
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -47,7 +47,7 @@ class RedisGuard:
     async def check(self) -> None:
         """Probe once: kill a runaway script, load a missing library."""
         try:
-            version = await functions.loaded_version(self.client)
+            version = await functions.loaded_version(self.state.client)
         except RedisBusy as exc:
             await self.kill(str(exc))
             return
@@ -55,7 +55,7 @@ class RedisGuard:
             self.stuck = False
             log.info("Redis serves again after a script was stopped")
         if version != functions.VERSION:
-            await functions.load(self.client)
+            await functions.load(self.state.client)
             log.info(
                 "loaded CapyCTL's Redis functions",
                 extra={"version": functions.VERSION, "found": version},
@@ -67,7 +67,7 @@ class RedisGuard:
         answers = []
         for words in (("SCRIPT", "KILL"), ("FUNCTION", "KILL")):
             try:
-                await functions.command(self.client)(*words)
+                await functions.command(self.state.client)(*words)
                 answers.append(f"{' '.join(words)}: OK")
             except ResponseError as exc:
                 answers.append(f"{' '.join(words)}: {exc}")

@@ -140,19 +140,25 @@ def current_commands(line: str) -> str:
     return " ".join([*kept, "-@all", *(f"+{command}" for command in HOST_COMMANDS)])
 
 
-async def set_host_user(client: aioredis.Redis, host: str, password: str) -> None:
-    """Make (or remake) a host's user, and save the ACL file so a restart keeps it."""
-    await _command(client, "ACL", "SETUSER", host_user(host), *host_rules(host, password))
-    await _command(client, "ACL", "SAVE")
+class HostUserStore:
+    """The hosts' Redis users, kept in the ACL file."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def remove_host_user(client: aioredis.Redis, host: str) -> None:
-    """Close a host user's connections and delete it; nothing happens for one that is gone."""
-    user = host_user(host)
-    with suppress(ResponseError):  # no such user
-        await _command(client, "CLIENT", "KILL", "USER", user)
-    await _command(client, "ACL", "DELUSER", user)
-    await _command(client, "ACL", "SAVE")
+    async def set(self, host: str, password: str) -> None:
+        """Make (or remake) a host's user, and save the ACL file so a restart keeps it."""
+        await _command(self.client, "ACL", "SETUSER", host_user(host), *host_rules(host, password))
+        await _command(self.client, "ACL", "SAVE")
+
+    async def remove(self, host: str) -> None:
+        """Close a host user's connections and delete it; nothing happens for one that is
+        gone."""
+        user = host_user(host)
+        with suppress(ResponseError):  # no such user
+            await _command(self.client, "CLIENT", "KILL", "USER", user)
+        await _command(self.client, "ACL", "DELUSER", user)
+        await _command(self.client, "ACL", "SAVE")
 
 
 async def _command(client: aioredis.Redis, *args: str) -> Any:

@@ -11,7 +11,6 @@ import time
 from collections.abc import Sequence
 from typing import cast
 
-import redis
 import redis.asyncio as aioredis
 
 from capycommon.domain.commands import HostCommand
@@ -100,15 +99,6 @@ class DeploymentStore:
             await pipe.execute()
 
 
-def read_all(client: redis.Redis) -> dict[str, DeploymentRecord]:
-    """Every deployment record (for readers outside the scheduler)."""
-    names = sorted(_text(n) for n in cast(set[bytes], client.smembers(keys.deployments())))
-    if not names:
-        return {}
-    raws = cast(list[bytes | None], client.mget([keys.deployment(name) for name in names]))
-    return _records(names, raws)
-
-
 def _records(names: list[str], raws: Sequence[bytes | str | None]) -> dict[str, DeploymentRecord]:
     """The deployment records read for `names`, by name; one that is absent, malformed or
     stored under another name is left out (refused)."""
@@ -124,44 +114,55 @@ def _records(names: list[str], raws: Sequence[bytes | str | None]) -> dict[str, 
     return records
 
 
-async def read_choices(
-    client: aioredis.Redis, cursor: str, count: int, block_ms: int | None = None
-) -> list[tuple[str, Choice | None]]:
-    """The choices after `cursor` (a stream id), as (entry id, choice); the choice is
-    None where the entry is malformed."""
-    streams = {keys.events(): cursor}
-    read = cast(_Read, await client.xread(streams, count=count, block=block_ms))  # type: ignore[arg-type]
-    found: list[tuple[str, Choice | None]] = []
-    for _, entries in read or []:
-        for entry_id, fields in entries:
-            choice = quarantine.parse_entry(Choice, fields, CHOICE_FIELD, keys.events())
-            found.append((_text(entry_id), choice))
-    return found
+class ChoiceStore:
+    """The scheduler's choices, as the choice stream keeps them."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+
+    async def after(
+        self, cursor: str, count: int, block_ms: int | None = None
+    ) -> list[tuple[str, Choice | None]]:
+        """The choices after `cursor` (a stream id), as (entry id, choice); the choice is
+        None where the entry is malformed."""
+        streams = {keys.events(): cursor}
+        read = cast(_Read, await self.client.xread(streams, count=count, block=block_ms))  # type: ignore[arg-type]
+        found: list[tuple[str, Choice | None]] = []
+        for _, entries in read or []:
+            for entry_id, fields in entries:
+                choice = quarantine.parse_entry(Choice, fields, CHOICE_FIELD, keys.events())
+                found.append((_text(entry_id), choice))
+        return found
+
+    async def recent(self, count: int) -> list[Choice]:
+        """The scheduler's last `count` choices, newest first (malformed entries left out)."""
+        entries = cast(
+            list[tuple[bytes, dict[bytes, bytes]]],
+            await self.client.xrevrange(keys.events(), count=count),
+        )
+        key = keys.events()
+        found = (quarantine.parse_entry(Choice, f, CHOICE_FIELD, key) for _, f in entries)
+        return [choice for choice in found if choice is not None]
 
 
-async def recent_choices(client: aioredis.Redis, count: int) -> list[Choice]:
-    """The scheduler's last `count` choices, newest first (malformed entries left out)."""
-    entries = cast(
-        list[tuple[bytes, dict[bytes, bytes]]],
-        await client.xrevrange(keys.events(), count=count),
-    )
-    found = (quarantine.parse_entry(Choice, f, CHOICE_FIELD, keys.events()) for _, f in entries)
-    return [choice for choice in found if choice is not None]
+class DemandStore:
+    """The routers' demands for deployments, which the scheduler reads as a group."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def demand(
-    client: aioredis.Redis, deployment: str, source: str, restart: int | None = None
-) -> None:
-    """Ask the scheduler to make `deployment` ready (one entry per wave of requests)."""
-    entry = Demand(deployment=deployment, source=source, at=time.time(), restart=restart)
-    await client.xadd(keys.demands(), {DEMAND_FIELD: entry.model_dump_json()}, maxlen=100_000)
-    note = Notification(kind="demand", id=deployment, version=int(entry.at * 1000))
-    await client.publish(keys.notifications(), note.model_dump_json())
+    async def ask(self, deployment: str, source: str, restart: int | None = None) -> None:
+        """Ask the scheduler to make `deployment` ready (one entry per wave of requests)."""
+        entry = Demand(deployment=deployment, source=source, at=time.time(), restart=restart)
+        await self.client.xadd(
+            keys.demands(), {DEMAND_FIELD: entry.model_dump_json()}, maxlen=100_000
+        )
+        note = Notification(kind="demand", id=deployment, version=int(entry.at * 1000))
+        await self.client.publish(keys.notifications(), note.model_dump_json())
 
-
-def demand_group(client: aioredis.Redis) -> Group:
-    """The scheduler's reading of the demand stream."""
-    return Group(client, keys.demands(), name="scheduler", consumer="scheduler")
+    def group(self) -> Group:
+        """The scheduler's reading of the demand stream."""
+        return Group(self.client, keys.demands(), name="scheduler", consumer="scheduler")
 
 
 def _text(value: bytes | str) -> str:

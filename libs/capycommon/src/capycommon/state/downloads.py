@@ -21,30 +21,30 @@ TTL_S = 60
 DONE_TTL_S = 3600
 
 
-async def write(client: aioredis.Redis, host: str, deployment: str, download: Download) -> None:
-    await client.set(keys.host_download(host, deployment), download.model_dump_json(), ex=TTL_S)
+class DownloadStore:
+    """Each host's download records and store operations."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def clear(client: aioredis.Redis, host: str, deployment: str) -> None:
-    await client.delete(keys.host_download(host, deployment))
+    async def write(self, host: str, deployment: str, download: Download) -> None:
+        key = keys.host_download(host, deployment)
+        await self.client.set(key, download.model_dump_json(), ex=TTL_S)
 
+    async def clear(self, host: str, deployment: str) -> None:
+        await self.client.delete(keys.host_download(host, deployment))
 
-async def aread(client: aioredis.Redis, host: str, deployment: str) -> Download | None:
-    key = keys.host_download(host, deployment)
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(Download, raw, key)
+    async def get(self, host: str, deployment: str) -> Download | None:
+        key = keys.host_download(host, deployment)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(Download, raw, key)
 
+    async def write_operation(self, host: str, operation: str, record: StoreOperation) -> None:
+        ttl = TTL_S if record.state == "running" else DONE_TTL_S
+        key = keys.host_store_operation(host, operation)
+        await self.client.set(key, record.model_dump_json(), ex=ttl)
 
-async def write_operation(
-    client: aioredis.Redis, host: str, operation: str, record: StoreOperation
-) -> None:
-    ttl = TTL_S if record.state == "running" else DONE_TTL_S
-    await client.set(keys.host_store_operation(host, operation), record.model_dump_json(), ex=ttl)
-
-
-async def aread_operation(
-    client: aioredis.Redis, host: str, operation: str
-) -> StoreOperation | None:
-    key = keys.host_store_operation(host, operation)
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(StoreOperation, raw, key)
+    async def operation(self, host: str, operation: str) -> StoreOperation | None:
+        key = keys.host_store_operation(host, operation)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(StoreOperation, raw, key)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import redis
 import redis.asyncio as aioredis
 
 from capycommon.domain.notifications import Notification
@@ -20,26 +19,19 @@ def _payload(registry: Registry) -> tuple[str, str]:
     return published.model_dump_json(), note.model_dump_json()
 
 
-async def publish(client: aioredis.Redis, host: str, registry: Registry) -> None:
-    value, note = _payload(registry)
-    await client.set(keys.engines(host), value)
-    await client.publish(keys.host_notifications(host), note)
+class EngineFactsStore:
+    """Each host's published engine registry."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-def publish_sync(client: redis.Redis, host: str, registry: Registry) -> None:
-    value, note = _payload(registry)
-    client.set(keys.engines(host), value)
-    client.publish(keys.host_notifications(host), note)
+    async def publish(self, host: str, registry: Registry) -> None:
+        value, note = _payload(registry)
+        await self.client.set(keys.engines(host), value)
+        await self.client.publish(keys.host_notifications(host), note)
 
-
-def read_published(client: redis.Redis, host: str) -> PublishedEngines | None:
-    key = keys.engines(host)
-    raw = client.get(key)
-    return None if raw is None else quarantine.parse(PublishedEngines, raw, key)
-
-
-async def aread_published(client: aioredis.Redis, host: str) -> PublishedEngines | None:
-    """The host's published engines; None before its hostd first published them."""
-    key = keys.engines(host)
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(PublishedEngines, raw, key)
+    async def get(self, host: str) -> PublishedEngines | None:
+        """The host's published engines; None before its hostd first published them."""
+        key = keys.engines(host)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(PublishedEngines, raw, key)

@@ -16,28 +16,34 @@ from pydantic import ValidationError
 
 from capycommon.domain.commands import TailLog
 from capycommon.domain.hosts import LogTail
-from capycommon.state import hostcommands, keys
+from capycommon.state import keys
+from capycommon.state.hostcommands import HostCommandStore
 
 
-async def publish(client: aioredis.Redis, host: str, reply: str, tail: LogTail) -> None:
-    await client.publish(keys.engine_log_reply(host, reply), tail.model_dump_json())
+class EngineLogStore:
+    """Engine log tails, asked of a host and answered on a channel of their own."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def request(
-    client: aioredis.Redis, host: str, deployment: str, lines: int, timeout_s: float
-) -> LogTail | None:
-    """Ask the host for the tail of a deployment's engine log; None when no answer came in
-    time (its hostd is not running)."""
-    reply = secrets.token_hex(8)
-    async with client.pubsub() as pubsub:
-        await pubsub.subscribe(keys.engine_log_reply(host, reply))
-        command = TailLog(deployment=deployment, reply=reply, lines=lines)
-        await hostcommands.send(client, host, command)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                async for message in pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    with contextlib.suppress(ValidationError):
-                        return LogTail.model_validate_json(message["data"])
-    return None
+    async def publish(self, host: str, reply: str, tail: LogTail) -> None:
+        await self.client.publish(keys.engine_log_reply(host, reply), tail.model_dump_json())
+
+    async def request(
+        self, host: str, deployment: str, lines: int, timeout_s: float
+    ) -> LogTail | None:
+        """Ask the host for the tail of a deployment's engine log; None when no answer came
+        in time (its hostd is not running)."""
+        reply = secrets.token_hex(8)
+        async with self.client.pubsub() as pubsub:
+            await pubsub.subscribe(keys.engine_log_reply(host, reply))
+            command = TailLog(deployment=deployment, reply=reply, lines=lines)
+            await HostCommandStore(self.client).send(host, command)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    async for message in pubsub.listen():
+                        if message.get("type") != "message":
+                            continue
+                        with contextlib.suppress(ValidationError):
+                            return LogTail.model_validate_json(message["data"])
+        return None

@@ -10,12 +10,17 @@ from capycommon.domain.memory import GpuMemory
 from capycommon.state import keys, quarantine
 
 
-async def publish(client: aioredis.Redis, summary: GpuMemory) -> None:
-    await client.set(keys.gpu_memory(), summary.model_dump_json())
+class GpuMemoryStore:
+    """The scheduler's summary of each GPU's charges."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def aread(client: aioredis.Redis) -> GpuMemory | None:
-    """The last summary; None before the scheduler wrote one."""
-    key = keys.gpu_memory()
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(GpuMemory, raw, key)
+    async def publish(self, summary: GpuMemory) -> None:
+        await self.client.set(keys.gpu_memory(), summary.model_dump_json())
+
+    async def get(self) -> GpuMemory | None:
+        """The last summary; None before the scheduler wrote one."""
+        key = keys.gpu_memory()
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(GpuMemory, raw, key)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import redis
 import redis.asyncio as aioredis
 
 from capycommon.domain.hosts import Heartbeat
@@ -17,56 +16,55 @@ INTERVAL_S = 3.0
 TTL_S = 10
 
 
-async def beat(client: aioredis.Redis, host: str, heartbeat: Heartbeat) -> None:
-    await client.set(keys.heartbeat(heartbeat.service, host), heartbeat.model_dump_json(), ex=TTL_S)
+class HeartbeatStore:
+    """Each service's (and each router worker's) heartbeat, under its host."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def clear(client: aioredis.Redis, host: str, service: str, pid: int) -> None:
-    """Remove a service's heartbeat, unless a newer process already wrote its own."""
-    key = keys.heartbeat(service, host)
-    raw = await client.get(key)
-    beat = None if raw is None else quarantine.parse(Heartbeat, raw, key)
-    if beat is not None and beat.pid == pid:
-        await client.delete(key)
+    async def beat(self, host: str, heartbeat: Heartbeat) -> None:
+        key = keys.heartbeat(heartbeat.service, host)
+        await self.client.set(key, heartbeat.model_dump_json(), ex=TTL_S)
 
+    async def clear(self, host: str, service: str, pid: int) -> None:
+        """Remove a service's heartbeat, unless a newer process already wrote its own."""
+        beat = await self.get(service, host)
+        if beat is not None and beat.pid == pid:
+            await self.client.delete(keys.heartbeat(service, host))
 
-async def alive(client: aioredis.Redis, service: str, host: str) -> bool:
-    """Whether `service` on `host` beat within the heartbeat's time to live."""
-    return bool(await client.exists(keys.heartbeat(service, host)))
+    async def alive(self, service: str, host: str) -> bool:
+        """Whether `service` on `host` beat within the heartbeat's time to live."""
+        return bool(await self.client.exists(keys.heartbeat(service, host)))
 
+    async def get(self, service: str, host: str) -> Heartbeat | None:
+        """The live heartbeat of `service` on `host`, or None."""
+        key = keys.heartbeat(service, host)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(Heartbeat, raw, key)
 
-async def aread(client: aioredis.Redis, service: str, host: str) -> Heartbeat | None:
-    """The live heartbeat of `service` on `host`, or None."""
-    key = keys.heartbeat(service, host)
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(Heartbeat, raw, key)
+    async def of_services(self, host: str | None, services: list[str]) -> dict[str, Heartbeat]:
+        """The live heartbeats of `services` (host services need `host`)."""
+        found: dict[str, Heartbeat] = {}
+        for service in services:
+            if service not in keys.CONTROL_SERVICES | keys.HOST_SERVICES:
+                continue
+            if service in keys.HOST_SERVICES and host is None:
+                continue
+            beat = await self.get(service, host or "")
+            if beat is not None:
+                found[service] = beat
+        return found
 
-
-def read_all(client: redis.Redis, host: str | None, services: list[str]) -> dict[str, Heartbeat]:
-    """The live heartbeats of `services` (host services need `host`)."""
-    found: dict[str, Heartbeat] = {}
-    for service in services:
-        if service not in keys.CONTROL_SERVICES | keys.HOST_SERVICES:
-            continue
-        if service in keys.HOST_SERVICES and host is None:
-            continue
-        key = keys.heartbeat(service, host or "")
-        raw = client.get(key)
-        beat = None if raw is None else quarantine.parse(Heartbeat, raw, key)
-        if beat is not None:
-            found[service] = beat
-    return found
-
-
-def read_workers(client: redis.Redis, service: str) -> dict[str, Heartbeat]:
-    """The live heartbeats of a control service's workers, by worker name."""
-    found: dict[str, Heartbeat] = {}
-    for key in client.scan_iter(match=keys.worker_heartbeats(service)):
-        raw = client.get(key)
-        beat = None if raw is None else quarantine.parse(Heartbeat, raw, _text(key))
-        if beat is not None:
-            found[beat.service] = beat
-    return found
+    async def workers(self, service: str) -> dict[str, Heartbeat]:
+        """The live heartbeats of a control service's workers, by worker name."""
+        found: dict[str, Heartbeat] = {}
+        async for key in self.client.scan_iter(match=keys.worker_heartbeats(service)):
+            name = _text(key)
+            raw = await self.client.get(name)
+            beat = None if raw is None else quarantine.parse(Heartbeat, raw, name)
+            if beat is not None:
+                found[beat.service] = beat
+        return found
 
 
 def age(heartbeat: Heartbeat, now: float | None = None) -> float:

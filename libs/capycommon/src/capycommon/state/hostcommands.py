@@ -10,16 +10,11 @@ host's history says why each happened.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import redis.asyncio as aioredis
 
 from capycommon.domain.commands import COMMAND, HostCommand
 from capycommon.state import keys
 from capycommon.state.streams import Group
-
-if TYPE_CHECKING:  # the deployments' schema reads the host's facts, which name HubPull
-    pass
 
 FIELD = "command"
 # The commands a host's stream keeps, the oldest trimmed first: hostd reads each within a
@@ -27,20 +22,25 @@ FIELD = "command"
 KEEP = 10_000
 
 
-async def send(client: aioredis.Redis, host: str, command: HostCommand) -> str:
-    """Append a command to the host's stream; returns its stream id."""
-    entry = await client.xadd(
-        keys.host_commands(host),
-        {FIELD: command.model_dump_json()},
-        maxlen=KEEP,
-        approximate=True,
-    )
-    return entry.decode() if isinstance(entry, bytes) else str(entry)
+class HostCommandStore:
+    """Each host's command stream."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-def group(client: aioredis.Redis, host: str) -> Group:
-    """hostd's reading of its host's command stream."""
-    return Group(client, keys.host_commands(host), name="hostd", consumer="hostd")
+    async def send(self, host: str, command: HostCommand) -> str:
+        """Append a command to the host's stream; returns its stream id."""
+        entry = await self.client.xadd(
+            keys.host_commands(host),
+            {FIELD: command.model_dump_json()},
+            maxlen=KEEP,
+            approximate=True,
+        )
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    def group(self, host: str) -> Group:
+        """hostd's reading of its host's command stream."""
+        return Group(self.client, keys.host_commands(host), name="hostd", consumer="hostd")
 
 
 def parse(raw: bytes | str) -> HostCommand:

@@ -9,7 +9,6 @@ folder outside the root that a deployment names. The scheduler reads it with eac
 
 from __future__ import annotations
 
-import redis
 import redis.asyncio as aioredis
 
 from capycommon.domain.models import HostModels
@@ -22,20 +21,19 @@ def _payload(host: str, models: HostModels) -> tuple[str, str]:
     return models.model_dump_json(), note.model_dump_json()
 
 
-async def publish(client: aioredis.Redis, host: str, models: HostModels) -> None:
-    value, note = _payload(host, models)
-    await client.set(keys.host_models(host), value)
-    await client.publish(keys.host_notifications(host), note)
+class HostModelsStore:
+    """Each host's models, as its hostd read them."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def aread(client: aioredis.Redis, host: str) -> HostModels | None:
-    """The host's models; None before its hostd first published them."""
-    key = keys.host_models(host)
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(HostModels, raw, key)
+    async def publish(self, host: str, models: HostModels) -> None:
+        value, note = _payload(host, models)
+        await self.client.set(keys.host_models(host), value)
+        await self.client.publish(keys.host_notifications(host), note)
 
-
-def read(client: redis.Redis, host: str) -> HostModels | None:
-    key = keys.host_models(host)
-    raw = client.get(key)
-    return None if raw is None else quarantine.parse(HostModels, raw, key)
+    async def get(self, host: str) -> HostModels | None:
+        """The host's models; None before its hostd first published them."""
+        key = keys.host_models(host)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(HostModels, raw, key)

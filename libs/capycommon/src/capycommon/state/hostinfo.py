@@ -11,27 +11,30 @@ from capycommon.domain.notifications import Notification
 from capycommon.state import keys, quarantine
 
 
-async def publish(client: aioredis.Redis, host: str, info: HostInfo) -> None:
-    await client.set(keys.host_info(host), info.model_dump_json())
-    note = Notification(kind="host", id=host, version=0)
-    await client.publish(keys.host_notifications(host), note.model_dump_json())
+class HostInfoStore:
+    """What each host says of itself, and which hosts joined."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def aread(client: aioredis.Redis, host: str) -> HostInfo | None:
-    """The host's info; None before its hostd first started."""
-    key = keys.host_info(host)
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(HostInfo, raw, key)
+    async def publish(self, host: str, info: HostInfo) -> None:
+        await self.client.set(keys.host_info(host), info.model_dump_json())
+        note = Notification(kind="host", id=host, version=0)
+        await self.client.publish(keys.host_notifications(host), note.model_dump_json())
 
+    async def get(self, host: str) -> HostInfo | None:
+        """The host's info; None before its hostd first started."""
+        key = keys.host_info(host)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(HostInfo, raw, key)
 
-async def join(client: aioredis.Redis, host: str) -> None:
-    """Count `host` among the hosts the control plane plans for and routes to."""
-    await client.sadd(keys.hosts(), host)
+    async def join(self, host: str) -> None:
+        """Count `host` among the hosts the control plane plans for and routes to."""
+        await self.client.sadd(keys.hosts(), host)
 
-
-async def hosts(client: aioredis.Redis) -> set[str]:
-    """The hosts that joined."""
-    return {_text(host) for host in await client.smembers(keys.hosts())}
+    async def hosts(self) -> set[str]:
+        """The hosts that joined."""
+        return {_text(host) for host in await self.client.smembers(keys.hosts())}
 
 
 def _text(value: bytes | str) -> str:

@@ -21,16 +21,46 @@ class HostMarks:
     drained: frozenset[str] = frozenset()
 
 
-async def aread(client: aioredis.Redis) -> HostMarks:
-    async with client.pipeline(transaction=False) as pipe:
-        pipe.hgetall(keys.unreachable_hosts())
-        pipe.smembers(keys.drained_hosts())
-        unreachable, drained = await pipe.execute()
-    marked = {_text(host): _since(since) for host, since in unreachable.items()}
-    return HostMarks(
-        unreachable={host: since for host, since in marked.items() if since is not None},
-        drained=frozenset(_text(host) for host in drained),
-    )
+class HostMarkStore:
+    """The control plane's marks on its hosts: unreachable since when, and drained."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+
+    async def get(self) -> HostMarks:
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.unreachable_hosts())
+            pipe.smembers(keys.drained_hosts())
+            unreachable, drained = await pipe.execute()
+        marked = {_text(host): _since(since) for host, since in unreachable.items()}
+        return HostMarks(
+            unreachable={host: since for host, since in marked.items() if since is not None},
+            drained=frozenset(_text(host) for host in drained),
+        )
+
+    async def mark_unreachable(self, host: str, since: float) -> None:
+        """Mark `host` unreachable since `since`, unless it already is (the first time
+        stands)."""
+        if await self.client.hsetnx(keys.unreachable_hosts(), host, repr(since)):
+            await self._announce(host)
+
+    async def mark_reachable(self, host: str) -> None:
+        if await self.client.hdel(keys.unreachable_hosts(), host):
+            await self._announce(host)
+
+    async def set_drained(self, host: str, drained: bool) -> bool:
+        """Drain or undrain `host`; whether that changed anything."""
+        if drained:
+            changed = bool(await self.client.sadd(keys.drained_hosts(), host))
+        else:
+            changed = bool(await self.client.srem(keys.drained_hosts(), host))
+        if changed:
+            await self._announce(host)
+        return changed
+
+    async def _announce(self, host: str) -> None:
+        note = Notification(kind="host", id=host, version=0)
+        await self.client.publish(keys.notifications(), note.model_dump_json())
 
 
 def _since(raw: bytes | str) -> float | None:
@@ -43,33 +73,6 @@ def _since(raw: bytes | str) -> float | None:
         quarantine.REFUSALS.refuse(keys.unreachable_hosts(), raw, "a mark that is not a time")
         return None
     return since
-
-
-async def mark_unreachable(client: aioredis.Redis, host: str, since: float) -> None:
-    """Mark `host` unreachable since `since`, unless it already is (the first time stands)."""
-    if await client.hsetnx(keys.unreachable_hosts(), host, repr(since)):
-        await _announce(client, host)
-
-
-async def mark_reachable(client: aioredis.Redis, host: str) -> None:
-    if await client.hdel(keys.unreachable_hosts(), host):
-        await _announce(client, host)
-
-
-async def set_drained(client: aioredis.Redis, host: str, drained: bool) -> bool:
-    """Drain or undrain `host`; whether that changed anything."""
-    if drained:
-        changed = bool(await client.sadd(keys.drained_hosts(), host))
-    else:
-        changed = bool(await client.srem(keys.drained_hosts(), host))
-    if changed:
-        await _announce(client, host)
-    return changed
-
-
-async def _announce(client: aioredis.Redis, host: str) -> None:
-    note = Notification(kind="host", id=host, version=0)
-    await client.publish(keys.notifications(), note.model_dump_json())
 
 
 def _text(value: bytes | str) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-import redis
 import redis.asyncio as aioredis
 
 from capycommon.domain.hosts import EngineLoad
@@ -33,37 +32,36 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def read_loads(client: redis.Redis, host: str) -> dict[str, EngineLoad]:
-    """The published load of each serving engine on the host, by member."""
-    key = keys.engine_load(host)
-    return decode(client.hgetall(key), key)
+class LoadStore:
+    """Each host's published engine loads."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def aread_loads(client: aioredis.Redis, host: str) -> dict[str, EngineLoad]:
-    """The published load of each serving engine on the host, by member."""
-    key = keys.engine_load(host)
-    return decode(await client.hgetall(key), key)
+    async def get(self, host: str) -> dict[str, EngineLoad]:
+        """The published load of each serving engine on the host, by member."""
+        key = keys.engine_load(host)
+        return decode(await self.client.hgetall(key), key)
 
-
-async def publish_loads(
-    client: aioredis.Redis,
-    host: str,
-    entries: Mapping[str, EngineLoad],
-    gone: Iterable[str],
-    *,
-    notify: bool = False,
-) -> None:
-    """Write these members' entries and remove those of engines no longer serving; with
-    `notify`, say so on the host's channel (`{kind: load}`): the scheduler waits on a draining
-    engine's reading to park or stop it, and re-plans the moment it comes."""
-    key = keys.engine_load(host)
-    gone = list(gone)
-    async with client.pipeline(transaction=True) as pipe:
-        if entries:
-            pipe.hset(key, mapping={m: e.model_dump_json() for m, e in entries.items()})
-        if gone:
-            pipe.hdel(key, *gone)
-        if notify:
-            note = Notification(kind="load", id=host, version=int(time.time() * 1000))
-            pipe.publish(keys.host_notifications(host), note.model_dump_json())
-        await pipe.execute()
+    async def publish(
+        self,
+        host: str,
+        entries: Mapping[str, EngineLoad],
+        gone: Iterable[str],
+        *,
+        notify: bool = False,
+    ) -> None:
+        """Write these members' entries and remove those of engines no longer serving; with
+        `notify`, say so on the host's channel (`{kind: load}`): the scheduler waits on a
+        draining engine's reading to park or stop it, and re-plans the moment it comes."""
+        key = keys.engine_load(host)
+        gone = list(gone)
+        async with self.client.pipeline(transaction=True) as pipe:
+            if entries:
+                pipe.hset(key, mapping={m: e.model_dump_json() for m, e in entries.items()})
+            if gone:
+                pipe.hdel(key, *gone)
+            if notify:
+                note = Notification(kind="load", id=host, version=int(time.time() * 1000))
+                pipe.publish(keys.host_notifications(host), note.model_dump_json())
+            await pipe.execute()

@@ -14,7 +14,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import redis
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.asyncio.client import PubSub
@@ -25,27 +24,73 @@ from capycommon.domain.notifications import Notification
 from capycommon.state import keys, notify, quarantine
 
 
-async def write_reading(client: aioredis.Redis, reading: MemoryReading) -> None:
-    """Write the host's reading and announce it, in one round trip."""
-    note = Notification(kind="reading", id=reading.host, version=int(reading.taken_at * 1000))
-    async with client.pipeline(transaction=False) as pipe:
-        pipe.set(keys.memory(reading.host), reading.model_dump_json())
-        pipe.publish(keys.memory_notifications(reading.host), note.model_dump_json())
-        await pipe.execute()
+class MemoryStore:
+    """Each host's memory readings, measured startup peaks and LMCache servers' sizes."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def ask_readings(client: aioredis.Redis, host: str, member: str) -> None:
-    """Ask the host's memwatch for a reading now, and often until no instance parks: an
-    engine's park call returned and hostd waits to see the memory released."""
-    note = Notification(kind="verify", id=member, version=int(time.time() * 1000))
-    await client.publish(keys.memory_notifications(host), note.model_dump_json())
+    async def write_reading(self, reading: MemoryReading) -> None:
+        """Write the host's reading and announce it, in one round trip."""
+        note = Notification(kind="reading", id=reading.host, version=int(reading.taken_at * 1000))
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(keys.memory(reading.host), reading.model_dump_json())
+            pipe.publish(keys.memory_notifications(reading.host), note.model_dump_json())
+            await pipe.execute()
 
+    async def ask_readings(self, host: str, member: str) -> None:
+        """Ask the host's memwatch for a reading now, and often until no instance parks: an
+        engine's park call returned and hostd waits to see the memory released."""
+        note = Notification(kind="verify", id=member, version=int(time.time() * 1000))
+        await self.client.publish(keys.memory_notifications(host), note.model_dump_json())
 
-@asynccontextmanager
-async def announced(client: aioredis.Redis, host: str) -> AsyncIterator[PubSub]:
-    """A subscription to the host's memory channel, closed on leaving (see `kind_of`)."""
-    async with notify.subscribed(client, [keys.memory_notifications(host)]) as pubsub:
-        yield pubsub
+    @asynccontextmanager
+    async def announced(self, host: str) -> AsyncIterator[PubSub]:
+        """A subscription to the host's memory channel, closed on leaving (see `kind_of`)."""
+        async with notify.subscribed(self.client, [keys.memory_notifications(host)]) as pubsub:
+            yield pubsub
+
+    async def reading(self, host: str) -> MemoryReading | None:
+        """The host's latest reading, or None when memwatch never wrote one."""
+        key = keys.memory(host)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(MemoryReading, raw, key)
+
+    async def write_startup_peak(self, peak: StartupPeak) -> None:
+        key = keys.startup_peak(peak.host, peak.deployment, peak.revision, peak.fingerprint)
+        await self.client.set(key, peak.model_dump_json())
+
+    async def startup_peak(
+        self, host: str, deployment: str, revision: int, fingerprint: str
+    ) -> StartupPeak | None:
+        key = keys.startup_peak(host, deployment, revision, fingerprint)
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(StartupPeak, raw, key)
+
+    async def instance_peak(self, host: str, deployment: str, index: int) -> StartupPeak | None:
+        """The startup peak measured for the launch an instance record names (its revision
+        and engine build), or None while the record or the peak is missing (or refused)."""
+        key = keys.instance(host, deployment, index)
+        raw = await self.client.get(key)
+        found = None if raw is None else quarantine.parse(InstanceRecord, raw, key)
+        if found is None or found.fingerprint is None:
+            return None
+        return await self.startup_peak(host, deployment, found.revision, found.fingerprint)
+
+    async def write_cache_server_rss(self, host: str, fingerprint: str, size: int) -> None:
+        """The resident memory an LMCache server of this build was measured at (its pool
+        aside)."""
+        await self.client.set(keys.cache_server_rss(host, fingerprint), str(size))
+
+    async def cache_server_rss(self, host: str, fingerprint: str) -> int | None:
+        key = keys.cache_server_rss(host, fingerprint)
+        raw = await self.client.get(key)
+        if raw is None:
+            return None
+        if not raw.isdigit() or len(raw) > 20:
+            quarantine.REFUSALS.refuse(key, raw, "not a size in bytes")
+            return None
+        return int(raw)
 
 
 def kind_of(message: dict[str, object] | None) -> str | None:
@@ -59,72 +104,3 @@ def kind_of(message: dict[str, object] | None) -> str | None:
         return Notification.model_validate_json(data).kind
     except ValidationError:
         return None
-
-
-def read_reading(client: redis.Redis, host: str) -> MemoryReading | None:
-    """The host's latest reading, or None when memwatch never wrote one."""
-    key = keys.memory(host)
-    raw = client.get(key)
-    return None if raw is None else quarantine.parse(MemoryReading, raw, key)
-
-
-async def aread_reading(client: aioredis.Redis, host: str) -> MemoryReading | None:
-    """The host's latest reading, or None when memwatch never wrote one."""
-    key = keys.memory(host)
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(MemoryReading, raw, key)
-
-
-def _peak_key(peak: StartupPeak) -> str:
-    return keys.startup_peak(peak.host, peak.deployment, peak.revision, peak.fingerprint)
-
-
-async def write_startup_peak(client: aioredis.Redis, peak: StartupPeak) -> None:
-    await client.set(_peak_key(peak), peak.model_dump_json())
-
-
-def read_startup_peak(
-    client: redis.Redis, host: str, deployment: str, revision: int, fingerprint: str
-) -> StartupPeak | None:
-    key = keys.startup_peak(host, deployment, revision, fingerprint)
-    raw = client.get(key)
-    return None if raw is None else quarantine.parse(StartupPeak, raw, key)
-
-
-def read_instance_peak(
-    client: redis.Redis, host: str, deployment: str, index: int
-) -> StartupPeak | None:
-    """The startup peak measured for the launch an instance record names (its revision and
-    engine build), or None while the record or the peak is missing (or refused)."""
-    key = keys.instance(host, deployment, index)
-    raw = client.get(key)
-    found = None if raw is None else quarantine.parse(InstanceRecord, raw, key)
-    if found is None or found.fingerprint is None:
-        return None
-    return read_startup_peak(client, host, deployment, found.revision, found.fingerprint)
-
-
-async def aread_startup_peak(
-    client: aioredis.Redis, host: str, deployment: str, revision: int, fingerprint: str
-) -> StartupPeak | None:
-    key = keys.startup_peak(host, deployment, revision, fingerprint)
-    raw = await client.get(key)
-    return None if raw is None else quarantine.parse(StartupPeak, raw, key)
-
-
-async def write_cache_server_rss(
-    client: aioredis.Redis, host: str, fingerprint: str, size: int
-) -> None:
-    """The resident memory an LMCache server of this build was measured at (its pool aside)."""
-    await client.set(keys.cache_server_rss(host, fingerprint), str(size))
-
-
-async def aread_cache_server_rss(client: aioredis.Redis, host: str, fingerprint: str) -> int | None:
-    key = keys.cache_server_rss(host, fingerprint)
-    raw = await client.get(key)
-    if raw is None:
-        return None
-    if not raw.isdigit() or len(raw) > 20:
-        quarantine.REFUSALS.refuse(key, raw, "not a size in bytes")
-        return None
-    return int(raw)

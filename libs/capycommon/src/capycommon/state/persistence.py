@@ -3,12 +3,18 @@ refuses every write with MISCONF, and it takes writes again on its own once a sa
 
 from __future__ import annotations
 
-import redis
+import redis.asyncio as aioredis
 
 
-def save_failure(client: redis.Redis) -> str | None:
-    """Why Redis refuses writes now, or None while it saves."""
-    info = client.info("persistence")
-    if info.get("aof_enabled") and info.get("aof_last_write_status") == "err":
-        return "its last write to its append-only file failed"
-    return None
+class Persistence:
+    """Redis's own saving, as INFO tells it."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+
+    async def save_failure(self) -> str | None:
+        """Why Redis refuses writes now, or None while it saves."""
+        info = await self.client.info("persistence")
+        if info.get("aof_enabled") and info.get("aof_last_write_status") == "err":
+            return "its last write to its append-only file failed"
+        return None

@@ -46,7 +46,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import cast
 
-import redis
 import redis.asyncio as aioredis
 
 from capycommon.domain.notifications import Notification
@@ -326,10 +325,30 @@ class PlaceBook:
         return newest
 
 
-async def drop_owner(client: aioredis.Redis, owner: str) -> None:
-    """Remove `owner`, which has exited or is stopping, from the live owners: its places (but
-    those cut before any answer) and its waiting requests count no more."""
-    await client.zrem(keys.place_owners(), owner)
+class PlaceStore:
+    """The places of every deployment, over every live router worker, as one reads them."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+
+    async def get(self, deployment: str) -> Places:
+        keys_ = (keys.places(deployment), keys.place_owners())
+        found = await self.client.eval(placescripts.READ, 2, *keys_)
+        return _places(cast(list[int], found))
+
+    async def waiting(self) -> dict[str, int]:
+        """Each deployment's requests waiting for a place, over every live router worker."""
+        found = cast(
+            list[bytes | int],
+            await self.client.eval(placescripts.WAITING, 2, keys.waiting(), keys.place_owners()),
+        )
+        names = [n.decode() if isinstance(n, bytes) else str(n) for n in found[::2]]
+        return {name: int(n) for name, n in zip(names, found[1::2], strict=True) if int(n) > 0}
+
+    async def drop_owner(self, owner: str) -> None:
+        """Remove `owner`, which has exited or is stopping, from the live owners: its places
+        (but those cut before any answer) and its waiting requests count no more."""
+        await self.client.zrem(keys.place_owners(), owner)
 
 
 def _places(found: list[int]) -> Places:
@@ -341,23 +360,3 @@ def _places(found: list[int]) -> Places:
         settle_at_stop=stop,
         spare=spare,
     )
-
-
-def read(client: redis.Redis, deployment: str) -> Places:
-    found = client.eval(placescripts.READ, 2, keys.places(deployment), keys.place_owners())
-    return _places(cast(list[int], found))
-
-
-async def aread(client: aioredis.Redis, deployment: str) -> Places:
-    found = await client.eval(placescripts.READ, 2, keys.places(deployment), keys.place_owners())
-    return _places(cast(list[int], found))
-
-
-async def awaiting(client: aioredis.Redis) -> dict[str, int]:
-    """Each deployment's requests waiting for a place, over every live router worker."""
-    found = cast(
-        list[bytes | int],
-        await client.eval(placescripts.WAITING, 2, keys.waiting(), keys.place_owners()),
-    )
-    names = [n.decode() if isinstance(n, bytes) else str(n) for n in found[::2]]
-    return {name: int(n) for name, n in zip(names, found[1::2], strict=True) if int(n) > 0}

@@ -17,28 +17,34 @@ from capycommon.state.quarantine import REFUSALS, Refusals
 MAX_PAIRS = 10_000
 
 
-async def send(client: aioredis.Redis, refusals: Refusals = REFUSALS) -> None:
-    """Add this process's refusals since its last send to the control plane's counts. On a
-    Redis failure they are kept for the next send, and the failure raised."""
-    unsent = refusals.drain()
-    if not unsent:
-        return
-    try:
-        async with client.pipeline(transaction=False) as pipe:
-            for (host, kind), count in unsent.items():
-                pipe.hincrby(keys.refusals(), f"{host}:{kind}", count)
-            await pipe.execute()
-    except BaseException:
-        refusals.keep(unsent)
-        raise
+class RefusalStore:
+    """The control plane's counts of refused values."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def aread(client: aioredis.Redis) -> Counter[tuple[str, str]]:
-    """The control plane's counts by (host, kind); a field that is no count is passed over."""
-    raw = cast(dict[bytes, bytes], await client.hgetall(keys.refusals()))
-    counts: Counter[tuple[str, str]] = Counter()
-    for field, value in list(raw.items())[:MAX_PAIRS]:
-        host, _, kind = field.decode(errors="replace").rpartition(":")
-        if value.isdigit() and len(value) < 20:
-            counts[(host, kind)] = int(value)
-    return counts
+    async def send(self, refusals: Refusals = REFUSALS) -> None:
+        """Add this process's refusals since its last send to the control plane's counts. On
+        a Redis failure they are kept for the next send, and the failure raised."""
+        unsent = refusals.drain()
+        if not unsent:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for (host, kind), count in unsent.items():
+                    pipe.hincrby(keys.refusals(), f"{host}:{kind}", count)
+                await pipe.execute()
+        except BaseException:
+            refusals.keep(unsent)
+            raise
+
+    async def counts(self) -> Counter[tuple[str, str]]:
+        """The control plane's counts by (host, kind); a field that is no count is passed
+        over."""
+        raw = cast(dict[bytes, bytes], await self.client.hgetall(keys.refusals()))
+        counts: Counter[tuple[str, str]] = Counter()
+        for field, value in list(raw.items())[:MAX_PAIRS]:
+            host, _, kind = field.decode(errors="replace").rpartition(":")
+            if value.isdigit() and len(value) < 20:
+                counts[(host, kind)] = int(value)
+        return counts

@@ -25,28 +25,33 @@ KEEP = 10_000
 Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
-async def publish(client: aioredis.Redis, host: str, end: RequestEnd) -> None:
-    await client.xadd(
-        keys.request_ends(host), {FIELD: end.model_dump_json()}, maxlen=KEEP, approximate=True
-    )
+class SettlementStore:
+    """Each host's stream of proven request ends."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def cursor(client: aioredis.Redis, host: str) -> str:
-    """The id of the host's latest end (ends after it are new), or "0-0"."""
-    latest = cast(
-        list[tuple[bytes, object]], await client.xrevrange(keys.request_ends(host), count=1)
-    )
-    return latest[0][0].decode() if latest else "0-0"
+    async def publish(self, host: str, end: RequestEnd) -> None:
+        await self.client.xadd(
+            keys.request_ends(host), {FIELD: end.model_dump_json()}, maxlen=KEEP, approximate=True
+        )
 
+    async def cursor(self, host: str) -> str:
+        """The id of the host's latest end (ends after it are new), or "0-0"."""
+        latest = cast(
+            list[tuple[bytes, object]],
+            await self.client.xrevrange(keys.request_ends(host), count=1),
+        )
+        return latest[0][0].decode() if latest else "0-0"
 
-async def read_after(
-    client: aioredis.Redis, host: str, after: str, count: int = 500
-) -> tuple[str, list[RequestEnd]]:
-    """The host's ends after the cursor `after`, and the cursor past them."""
-    read = cast(Entries, await client.xread({keys.request_ends(host): after}, count=count))
-    if not read:
-        return after, []
-    entries = read[0][1]
-    key = keys.request_ends(host)
-    found = (quarantine.parse_entry(RequestEnd, fields, FIELD, key) for _, fields in entries)
-    return entries[-1][0].decode(), [end for end in found if end is not None]
+    async def read_after(
+        self, host: str, after: str, count: int = 500
+    ) -> tuple[str, list[RequestEnd]]:
+        """The host's ends after the cursor `after`, and the cursor past them."""
+        key = keys.request_ends(host)
+        read = cast(Entries, await self.client.xread({key: after}, count=count))
+        if not read:
+            return after, []
+        entries = read[0][1]
+        found = (quarantine.parse_entry(RequestEnd, fields, FIELD, key) for _, fields in entries)
+        return entries[-1][0].decode(), [end for end in found if end is not None]

@@ -202,14 +202,7 @@ class InstanceStore:
             reason=reason,
             at=time.time(),
         )
-        await note(self.client, event)
-
-
-async def note(client: aioredis.Redis, event: Event) -> None:
-    """Append `event` to its host's events."""
-    await client.xadd(
-        keys.host_events(event.host), {"event": event.model_dump_json()}, maxlen=10000
-    )
+        await EventStore(self.client).note(event)
 
 
 def _split(member: str) -> tuple[str, int] | None:
@@ -222,59 +215,66 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-async def read_events(client: aioredis.Redis, host: str, count: int = 1000) -> list[Event]:
-    entries = cast(
-        list[tuple[bytes, dict[bytes, bytes]]],
-        await client.xrange(keys.host_events(host), count=count),
-    )
-    key = keys.host_events(host)
-    found = (quarantine.parse_entry(Event, fields, "event", key) for _, fields in entries)
-    return [event for event in found if event is not None]
+class EventStore:
+    """Each host's event stream: what its instances went through, and why."""
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
 
-async def recent_events(client: aioredis.Redis, host: str, count: int) -> list[Event]:
-    """The host's last `count` events, newest first (malformed entries left out)."""
-    entries = cast(
-        list[tuple[bytes, dict[bytes, bytes]]],
-        await client.xrevrange(keys.host_events(host), count=count),
-    )
-    key = keys.host_events(host)
-    return [event for _, fields in entries if (event := _event(fields, key)) is not None]
+    async def note(self, event: Event) -> None:
+        """Append `event` to its host's events."""
+        await self.client.xadd(
+            keys.host_events(event.host), {"event": event.model_dump_json()}, maxlen=10000
+        )
 
+    async def read(self, host: str, count: int = 1000) -> list[Event]:
+        """The host's first `count` events, oldest first (malformed entries left out)."""
+        key = keys.host_events(host)
+        entries = cast(
+            list[tuple[bytes, dict[bytes, bytes]]], await self.client.xrange(key, count=count)
+        )
+        return [event for _, fields in entries if (event := _event(fields, key)) is not None]
 
-async def read_host_events(
-    client: aioredis.Redis, cursors: Mapping[str, str], count: int, block_ms: int | None = None
-) -> list[tuple[str, str, Event | None]]:
-    """The events after each host's cursor (a stream id), as (host, entry id, event); the
-    event is None where the entry is malformed."""
-    streams = {keys.host_events(host): cursor for host, cursor in cursors.items()}
-    hosts = {stream: host for host, stream in zip(cursors, streams, strict=True)}
-    read = cast(_Read, await client.xread(streams, count=count, block=block_ms))  # type: ignore[arg-type]
-    found: list[tuple[str, str, Event | None]] = []
-    for stream, entries in read or []:
-        for entry_id, fields in entries:
-            key = stream.decode()
-            found.append((hosts[key], entry_id.decode(), _event(fields, key)))
-    return found
+    async def recent(self, host: str, count: int) -> list[Event]:
+        """The host's last `count` events, newest first (malformed entries left out)."""
+        key = keys.host_events(host)
+        entries = cast(
+            list[tuple[bytes, dict[bytes, bytes]]], await self.client.xrevrange(key, count=count)
+        )
+        return [event for _, fields in entries if (event := _event(fields, key)) is not None]
+
+    async def after(
+        self, cursors: Mapping[str, str], count: int, block_ms: int | None = None
+    ) -> list[tuple[str, str, Event | None]]:
+        """The events after each host's cursor (a stream id), as (host, entry id, event); the
+        event is None where the entry is malformed."""
+        streams = {keys.host_events(host): cursor for host, cursor in cursors.items()}
+        hosts = {stream: host for host, stream in zip(cursors, streams, strict=True)}
+        read = cast(_Read, await self.client.xread(streams, count=count, block=block_ms))  # type: ignore[arg-type]
+        found: list[tuple[str, str, Event | None]] = []
+        for stream, entries in read or []:
+            for entry_id, fields in entries:
+                key = stream.decode()
+                found.append((hosts[key], entry_id.decode(), _event(fields, key)))
+        return found
+
+    async def last_duration(
+        self, host: str, deployment: str, from_state: str, count: int = 256
+    ) -> float | None:
+        """How long the deployment's last `from_state` -> ready took on the host (a start or
+        a wake, `Event.duration_s`), from the newest `count` of the host's events; None when
+        none of them is one."""
+        for event in await self.recent(host, count):
+            if (
+                event.kind == "transition"
+                and event.deployment == deployment
+                and event.from_state == from_state
+                and event.to_state == InstanceState.READY
+                and event.duration_s is not None
+            ):
+                return event.duration_s
+        return None
 
 
 def _event(fields: dict[bytes, bytes], key: str) -> Event | None:
     return quarantine.parse_entry(Event, fields, "event", key)
-
-
-async def last_duration(
-    client: aioredis.Redis, host: str, deployment: str, from_state: str, count: int = 256
-) -> float | None:
-    """How long the deployment's last `from_state` -> ready took on the host (a start or a
-    wake, `Event.duration_s`), from the newest `count` of the host's events; None when none
-    of them is one."""
-    for event in await recent_events(client, host, count):
-        if (
-            event.kind == "transition"
-            and event.deployment == deployment
-            and event.from_state == from_state
-            and event.to_state == InstanceState.READY
-            and event.duration_s is not None
-        ):
-            return event.duration_s
-    return None

@@ -98,7 +98,7 @@ def html(body: str, status: int = 200) -> HTMLResponse:
 def install(
     app: FastAPI, credentials: Credentials, manager: Manager, idempotency: Idempotency
 ) -> None:
-    gate = Gate(credentials, PageSessions(manager.scheduler.client))
+    gate = Gate(credentials, manager.state.page_sessions)
 
     @app.get("/", include_in_schema=False)
     async def page(request: Request, done: str = "", name: str = "") -> Response:

@@ -17,9 +17,6 @@ from capycommon.domain.desired import Choice
 from capycommon.domain.instances import LIVE_STATES, Event, InstanceState
 from capycommon.domain.memory import MemoryReading
 from capycommon.management import Charge, DeploymentStatus, EngineRow, HostRow
-from capycommon.state import desired, places
-from capycommon.state.memory import aread_reading
-from capycommon.state.store import recent_events
 from capyctl_scheduler import status
 from capyctl_scheduler.manage import Manager
 from capyctl_scheduler.snapshot import Snapshot
@@ -137,13 +134,13 @@ class PageView:
 async def gather(manager: Manager) -> PageView:
     """Everything the page shows, read now."""
     snap = await manager.snapshot()
-    client = manager.scheduler.client
+    state = manager.state
     hosts = sorted(snap.hosts)
     readings, events, choices, waiting, engines = await asyncio.gather(
-        asyncio.gather(*(aread_reading(client, h) for h in hosts)),
-        asyncio.gather(*(recent_events(client, h, TIMELINE * 4) for h in hosts)),
-        desired.recent_choices(client, TIMELINE * 4),
-        places.awaiting(client),
+        asyncio.gather(*(state.memory.reading(h) for h in hosts)),
+        asyncio.gather(*(state.events.recent(h, TIMELINE * 4) for h in hosts)),
+        state.choices.recent(TIMELINE * 4),
+        state.places.waiting(),
         manager.engines(),
     )
     details = {name: status.detail(snap, name) for name in sorted(snap.deployments)}
