@@ -4,6 +4,7 @@ services), and the engine profile that tests of several folders register."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -99,17 +100,37 @@ def free_port() -> int:
         return port
 
 
+# The ports `reserved_port` hands out: a thousand of each parallel worker's own, below the
+# kernel's ephemeral ports (32768 and up) and apart from the engine ranges (20100 and up).
+RESERVED_BASE = 10_000
+_reserved = itertools.count()
+
+
 def reserved_port(host: str = "127.0.0.1") -> socket.socket:
-    """A port the system chose, held for a process the test starts: a socket bound to it and
-    never listening, so no other process is given it (by a bind to port 0, or as an outgoing
-    connection's source port) while the process, which binds it with SO_REUSEADDR or
-    SO_REUSEPORT as engines, the simulator, uvicorn and ZMQ do, still can. Its port is
-    `getsockname()[1]`; close it once the process is gone."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, 0))
-    return sock
+    """A port held for a process the test starts: a socket bound to it and never listening,
+    which the process, binding it with SO_REUSEADDR or SO_REUSEPORT as engines, the
+    simulator, uvicorn and ZMQ do, still can. Its port is `getsockname()[1]`; close it once
+    the process is gone.
+
+    The port is one of this worker's own range, below the ephemeral ports: a holder that
+    allows reuse would let any other process's bind to port 0 with SO_REUSEADDR (asyncio's
+    and uvicorn's servers set it) be given the same port and listen on it first. Each port is
+    taken only after an exclusive bind shows nothing holds it, lingering connections of an
+    earlier test included."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    for _ in range(1000):
+        port = RESERVED_BASE + 1000 * worker + next(_reserved) % 1000
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((host, port))
+        except OSError:
+            continue
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        return sock
+    raise AssertionError(f"no free port in {RESERVED_BASE + 1000 * worker} and the 999 after")
 
 
 def engine_ports(base: int = 24000) -> str:
