@@ -68,15 +68,15 @@ class Cluster:
     root: Path
     clients: list[openai.OpenAI] = field(default_factory=list)  # closed by `clean`
     # The role's state, through the state layer's stores; closed by `close`.
-    stores: Blocking = field(init=False)
+    blocking: Blocking = field(init=False)
 
     def __post_init__(self) -> None:
         socket = self.role.state_dir / "redis" / "redis.sock"
-        self.stores = Blocking(aioredis.Redis(unix_socket_path=str(socket)))
+        self.blocking = Blocking(aioredis.Redis(unix_socket_path=str(socket)))
 
     def close(self) -> None:
         """Close the cluster's own client of the role's Redis (the role runs on)."""
-        self.stores.close()
+        self.blocking.close()
 
     def openai(self, timeout: float = 120) -> openai.OpenAI:
         """An openai SDK client of the role's endpoint, closed when the cluster is."""
@@ -164,15 +164,15 @@ class Cluster:
 
     def declared(self) -> dict[str, DeploymentRecord]:
         """The declared deployments, by name."""
-        return self.stores(lambda s: s.deployments.all())
+        return self.blocking(lambda s: s.deployments.all())
 
     def places(self, name: str) -> Places:
         """The deployment's places, over every router worker."""
-        return self.stores(lambda s: s.places.get(name))
+        return self.blocking(lambda s: s.places.get(name))
 
     def demand(self, name: str) -> None:
         """A demand as a router sends it."""
-        self.stores(lambda s: s.demands.ask(name, "test"))
+        self.blocking(lambda s: s.demands.ask(name, "test"))
 
     def engine(self, name: str) -> tuple[str, str]:
         """The engine's base URL and per-launch key (to compare with, or watch, the engine)."""

@@ -93,15 +93,15 @@ def test_park_and_wake_as_memwatch_sees_them(tmp_path: Path) -> None:
         )
     sparse_model(root / "models" / "demo", 2 * GiB)
     role = start_role("standalone", state_dir=state, env=env)
-    stores = Blocking(aioredis.Redis(unix_socket_path=str(state / "redis" / "redis.sock")))
+    blocking = Blocking(aioredis.Redis(unix_socket_path=str(state / "redis" / "redis.sock")))
     try:
         for family in ("vllm", "sglang"):
             assert (
                 role.capyctl("deploy", "model", "--file", str(root / f"{family}.yaml")).returncode
                 == 0
             )
-            _cycle(role, stores, family)
+            _cycle(role, blocking, family)
     finally:
-        stores.close()
+        blocking.close()
         role.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -50,8 +50,8 @@ class Hostd:
 
     def read(self, call: Callable[[State], Coroutine[Any, Any, T]]) -> T:
         """One call of the state layer, over a client of its own."""
-        with Blocking(aioredis.Redis(unix_socket_path=str(self.redis_socket))) as stores:
-            return stores(call)
+        with Blocking(aioredis.Redis(unix_socket_path=str(self.redis_socket))) as blocking:
+            return blocking(call)
 
     @property
     def simgpu_dir(self) -> Path:

@@ -37,14 +37,14 @@ class Memwatch:
     log: Path
     client: redis.Redis
     # The records memwatch writes, read as the services read them.
-    stores: Blocking
+    blocking: Blocking
 
     @property
     def simgpu(self) -> Path:
         return self.state / "simgpu"
 
     def reading(self) -> MemoryReading | None:
-        return self.stores(lambda s: s.memory.reading("local"))
+        return self.blocking(lambda s: s.memory.reading("local"))
 
     def newer_reading(self, than: float) -> MemoryReading | None:
         found = self.reading()
@@ -69,16 +69,16 @@ def memwatch(redis_socket: Path) -> Iterator[Memwatch]:
     with log.open("wb") as out:
         proc = subprocess.Popen(service_command("memwatch", state), env=env, stderr=out)
     client = redis.Redis(unix_socket_path=str(redis_socket))
-    stores = Blocking(aioredis.Redis(unix_socket_path=str(redis_socket)))
+    blocking = Blocking(aioredis.Redis(unix_socket_path=str(redis_socket)))
     try:
-        yield Memwatch(proc, state, log, client, stores)
+        yield Memwatch(proc, state, log, client, blocking)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0, log.read_text()
     finally:
         proc.kill()
         proc.wait()
         client.close()
-        stores.close()
+        blocking.close()
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -139,7 +139,7 @@ def test_a_reading_sums_the_claims_of_live_processes_only(memwatch: Memwatch) ->
 
 def peak_of(memwatch: Memwatch) -> StartupPeak | None:
     """The startup peak stored for revision 3 of chat, built fp-1."""
-    return memwatch.stores(lambda s: s.memory.startup_peak("local", "chat", 3, "fp-1"))
+    return memwatch.blocking(lambda s: s.memory.startup_peak("local", "chat", 3, "fp-1"))
 
 
 def put(client: redis.Redis, found: InstanceRecord) -> None:

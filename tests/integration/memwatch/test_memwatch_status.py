@@ -102,9 +102,9 @@ def test_a_stale_or_missing_reading_is_unobserved(
 
 def test_readings_and_peaks_are_read_back_or_none(redis_socket: Path) -> None:
     client = redis.Redis(unix_socket_path=str(redis_socket))
-    stores = Blocking(aioredis.Redis(unix_socket_path=str(redis_socket)))
-    assert stores(lambda s: s.memory.reading("local")) is None
-    assert stores(lambda s: s.memory.startup_peak("local", "chat", 1, "fp")) is None
+    blocking = Blocking(aioredis.Redis(unix_socket_path=str(redis_socket)))
+    assert blocking(lambda s: s.memory.reading("local")) is None
+    assert blocking(lambda s: s.memory.startup_peak("local", "chat", 1, "fp")) is None
     peak = StartupPeak(
         deployment="chat",
         revision=1,
@@ -129,11 +129,11 @@ def test_readings_and_peaks_are_read_back_or_none(redis_socket: Path) -> None:
             await state.client.aclose()
 
     assert asyncio.run(write_and_read()) == (reading(NOW), peak)
-    assert stores(lambda s: s.memory.reading("local")) == reading(NOW)
-    assert stores(lambda s: s.memory.startup_peak("local", "chat", 1, "fp")) == peak
+    assert blocking(lambda s: s.memory.reading("local")) == reading(NOW)
+    assert blocking(lambda s: s.memory.startup_peak("local", "chat", 1, "fp")) == peak
     assert client.exists(keys.memory("local"), keys.startup_peak("local", "chat", 1, "fp")) == 2
     client.close()
-    stores.close()
+    blocking.close()
 
 
 @pytest.fixture
