@@ -123,6 +123,8 @@ def refused_then_repaired(saved: Path, damage: Damage) -> None:
     with copy_of(saved) as state:
         aof = state / "redis" / "appendonly"
         damage.do(aof)
+        redis_log = state / "logs" / "redis.log"
+        before = redis_log.read_bytes()
         began = time.monotonic()
         found = _start(state)
         took = time.monotonic() - began
@@ -131,6 +133,9 @@ def refused_then_repaired(saved: Path, damage: Damage) -> None:
         assert damage.said.format(aof=aof) in said
         assert "Traceback" not in said
         assert took < 60, f"the role took {took:.0f} s to give up"
+        # Two failed starts tell; a third may begin while the launcher stops the role.
+        starts = redis_log.read_bytes()[len(before) :].count(b"Redis is starting")
+        assert starts <= 3, f"Redis started {starts} times before the role gave up"
         assert processes_mentioning(str(state)) == []
 
         (told,) = [line for line in _messages(said) if line.startswith("error [state_corrupt]")]

@@ -198,9 +198,47 @@ def _write(aof: Path, parts: list[Part]) -> str:
     return f"`printf '{lines}' > {shlex.quote(str(aof / MANIFEST))}`"
 
 
+# What Redis writes at each start, and once it has loaded its data and serves.
+STARTING = "Redis is starting"
+READY = "Ready to accept connections"
+
+
+class StartLog:
+    """Redis's starts since this launch, from its log: a start that ends with no READY line
+    failed. Counted here, not from supervisord's retries, which a start that fails at once
+    can reset: supervisord, busy with the services starting beside it, can call such a start
+    RUNNING (up for `startsecs`) before it notices the exit, and begins counting again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._offset = path.stat().st_size
+        except OSError:
+            self._offset = 0
+        self._text = ""
+
+    def failed_in_a_row(self) -> int:
+        """How many starts since the last that loaded have begun, each without loading; the
+        newest may still be loading: ask whether it runs."""
+        try:
+            with self.path.open("rb") as file:
+                if file.seek(0, os.SEEK_END) < self._offset:
+                    self._offset = 0  # rotated: what it held is in the backup
+                file.seek(self._offset)
+                new = file.read()
+        except OSError:
+            return 0
+        self._offset += len(new)
+        self._text += new.decode("utf-8", "replace")
+        _, ready, after = self._text.rpartition(READY)
+        if ready:
+            self._text = after  # only what followed the last start that loaded counts
+        return self._text.count(STARTING)
+
+
 def _warnings(lines: list[str]) -> list[str]:
     """The warning lines (`#`) of Redis's last start in `lines`."""
-    start = max((i for i, line in enumerate(lines) if "Redis is starting" in line), default=0)
+    start = max((i for i, line in enumerate(lines) if STARTING in line), default=0)
     return [line for line in lines[start:] if " # " in line]
 
 

@@ -41,8 +41,13 @@ from capyctl_cli.wakeups import Wake, drain, inotify
 log = logging.getLogger("capyctl.launcher")
 
 STOP_DEADLINE_S = 30.0
-# Redis that exits at once this many times in a row cannot start (its data, most often).
+# Redis that exits at once this many times in a row cannot start (its data, most often):
+# supervisord's count, a backstop to the launcher's own (REDIS_FAILED_STARTS).
 REDIS_START_RETRIES = 3
+# Redis whose starts fail this many times in a row, none loading its data, cannot start. One
+# failure is not enough: a record cut short at the end of an earlier incremental file makes
+# Redis cut it and exit, and its next start loads.
+REDIS_FAILED_STARTS = 2
 # How often the launcher asks Redis whether it can save (more often once it cannot, to say
 # soon when it saves again).
 REFUSAL_EVERY_S = 5.0
@@ -125,6 +130,11 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.set())
+    watch: RedisWatch | HostStopWatch | None = None
+    if "redis" in prepared.processes:
+        watch = RedisWatch(paths, role == "server")  # before Redis's first start: it reads on
+    elif role == "host":
+        watch = HostStopWatch(paths)
     proc = subprocess.Popen(
         [sys.executable, "-m", "supervisor.supervisord", "-c", str(paths.supervisord_conf)],
         env=child_environment(prepared, env),
@@ -143,11 +153,6 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
     log.info(
         "%s role running", role, extra={"state_dir": str(paths.root), "supervisord_pid": proc.pid}
     )
-    watch: RedisWatch | HostStopWatch | None = None
-    if "redis" in prepared.processes:
-        watch = RedisWatch(paths, role == "server")
-    elif role == "host":
-        watch = HostStopWatch(paths)
     wake = Wake()
     signal.set_wakeup_fd(wake.writer, warn_on_full_buffer=False)  # a signal wakes the wait
     waiter = threading.Thread(target=_wake_on_exit, args=(proc, wake), daemon=True)
@@ -246,9 +251,10 @@ class HostStopWatch:
 
 
 class RedisWatch:
-    """Notices the role's redis-server giving up (it exited at once REDIS_START_RETRIES times
-    in a row) and says why from its log, with the fix when its data is damaged; and says when
-    it refuses writes because it cannot save them, and when it saves again.
+    """Notices the role's redis-server giving up (its last REDIS_FAILED_STARTS starts failed,
+    as its log tells, or supervisord gave up on it) and says why from its log, with the fix
+    when its data is damaged; and says when it refuses writes because it cannot save them,
+    and when it saves again.
 
     While a redis-server runs, a pidfd on it tells the moment it exits; supervisord is asked
     about Redis only until one runs and after it exited (every REDIS_CHECK_S)."""
@@ -259,6 +265,7 @@ class RedisWatch:
         self._next_refusal = 0.0
         self._refusal: str | None = None
         self._pidfd: int | None = None
+        self._starts = aofrepair.StartLog(supervisor.log_file(paths, "redis"))
         target = control_target(paths) if server else RedisTarget(paths.redis_url)
         self._state = record.blocking_to(target, timeout=2.0)
 
@@ -317,10 +324,14 @@ class RedisWatch:
         except OSError:
             return None  # supervisord is not listening yet
         redis_info = next((p for p in found if p.name == "redis"), None)
-        if redis_info is not None and redis_info.state == "FATAL":
-            return aofrepair.redis_failure(self.paths)
-        if redis_info is not None and redis_info.state == "RUNNING" and redis_info.pid:
+        if redis_info is None:
+            return None
+        if redis_info.state == "RUNNING" and redis_info.pid:
             self._follow(redis_info.pid)
+        gave_up = redis_info.state == "FATAL"
+        exited = redis_info.state in ("BACKOFF", "EXITED")  # its last start, too, is over
+        if gave_up or (exited and self._starts.failed_in_a_row() >= REDIS_FAILED_STARTS):
+            return aofrepair.redis_failure(self.paths)
         return None
 
     def _follow(self, pid: int) -> None:
