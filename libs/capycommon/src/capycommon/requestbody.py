@@ -29,6 +29,7 @@ from pydantic.json_schema import models_json_schema
 from pydantic_core import ErrorDetails
 
 from capycommon.errors import BodyTooLarge, InvalidRequest, RequestTimeout
+from capycommon.version import __version__
 
 # No request of ours nests deeper; a tool's JSON schema rarely passes 10 levels.
 MAX_DEPTH = 64
@@ -43,6 +44,7 @@ READ_TOTAL_S = 60.0
 # One lone UTF-16 surrogate: JSON lets `\ud800` be written, UTF-8 cannot carry it.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 M = TypeVar("M", bound=BaseModel)
+App = TypeVar("App", bound=FastAPI)
 
 
 async def read(request: Request, limit: int, total_s: float = READ_TOTAL_S) -> bytes:
@@ -325,6 +327,21 @@ def openapi_body(model: type[BaseModel], required: bool = True) -> dict[str, Any
     schema = {"$ref": f"{_SCHEMAS}{model.__name__}"}
     content = {"application/json": {"schema": schema}}
     return {"requestBody": {"required": required, "content": content}}
+
+
+def new_app(kind: type[App], title: str, **options: Any) -> App:
+    """An app of `kind` (FastAPI or a subclass) at CapyCTL's version, without FastAPI's own
+    documentation routes (/docs, /redoc, /openapi.json), which would be open to all: an app
+    publishes its document itself (`publish_openapi`), behind the dependencies it chooses,
+    or not at all."""
+    return kind(
+        title=title,
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        **options,
+    )
 
 
 def publish_openapi(

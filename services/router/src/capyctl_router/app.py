@@ -41,7 +41,6 @@ from capycommon.errors import (
     WrongApi,
 )
 from capycommon.service import REDIS_ERRORS, wait_event
-from capycommon.version import __version__
 from capyctl_router import decisions
 from capyctl_router.bodies import InferenceBody
 from capyctl_router.dispatch import Dispatcher
@@ -108,14 +107,7 @@ def create_app(credentials: Credentials, router: Router | None = None) -> FastAP
     async def require_api_key(authorization: Authorization = None) -> None:
         httpauth.require(authorization, credentials.api_key, "API key")
 
-    app = RouterApp(
-        title="CapyCTL",
-        version=__version__,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        responses=ERROR_RESPONSES,
-    )
+    app = requestbody.new_app(RouterApp, "CapyCTL", responses=ERROR_RESPONSES)
     app.proxied = {}
     app.add_exception_handler(CapyError, capy_error_handler)
 

@@ -53,13 +53,8 @@ def create_app(
     ) -> None:
         httpauth.require(authorization, credentials.admin_token, "admin token")
 
-    app = FastAPI(
-        title="CapyCTL management",
-        version=__version__,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        responses={"4XX": _FAILED, "5XX": _FAILED},
+    app = requestbody.new_app(
+        FastAPI, "CapyCTL management", responses={"4XX": _FAILED, "5XX": _FAILED}
     )
     admin = [Depends(require_admin)]
     api = APIRouter(dependencies=admin)

@@ -339,13 +339,7 @@ def bootstrap_app(enrollment: Enrollment) -> FastAPI:
     """The bootstrap listener's one route: a host joins with its invitation. It is served
     over TLS with the server's certificate, which the host checks against the authority in
     its join file; the invitation secret is the host's credential."""
-    app = FastAPI(
-        title="CapyCTL bootstrap",
-        version=__version__,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-    )
+    app = requestbody.new_app(FastAPI, "CapyCTL bootstrap")
 
     @app.exception_handler(CapyError)
     async def capy_error(_: Request, exc: CapyError) -> JSONResponse:
