@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -227,14 +228,24 @@ def listening(port: int) -> bool:
 
 
 def start_side(
-    argv: list[str], log: Path, port: int, what: str, seconds: float, **env: str
+    argv: list[str],
+    log: Path,
+    port: int,
+    what: str,
+    seconds: float,
+    *,
+    key: str = "",
+    model: str = "",
+    env: Mapping[str, str] | None = None,
 ) -> Side | str:
+    """Start `argv` (its output to `log`, `env` added to ours) and wait up to `seconds` for
+    it to listen on `port`: the side, serving `model` behind `key`, or why it did not start."""
     with log.open("wb") as out:
         process = subprocess.Popen(
             argv,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
+            env={**os.environ, **(env or {})},
             start_new_session=True,
         )
     deadline = time.monotonic() + seconds
@@ -245,7 +256,7 @@ def start_side(
             lines = log.read_text(errors="replace").strip().splitlines()[-3:]
             return f"{what} did not start: {' / '.join(lines) or 'no output'}"
         time.sleep(0.2)
-    return Side(Target(what, port, "", ""), process)
+    return Side(Target(what, port, key, model), process)
 
 
 async def series(target: Target, body: dict[str, Any], n: int, warm: int = 20) -> list[Reply]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 import benchrole
-from benchclient import Engine, Side, Target, start_side
+from benchclient import Engine, Side, start_side
 
 BENCH = Path(__file__).resolve().parent
 LITELLM_VENV = BENCH / ".venv-litellm"
@@ -110,12 +110,10 @@ def start_nginx(folder: Path, engine: Engine) -> Side | str:
     conf.write_text(
         NGINX_CONF.format(workers=os.cpu_count() or 1, folder=folder, engine=engine.port, port=port)
     )
-    started = start_side(
-        [binary, "-c", str(conf), "-p", str(folder)], folder / "nginx.log", port, "nginx", 20
+    argv = [binary, "-c", str(conf), "-p", str(folder)]
+    return start_side(
+        argv, folder / "nginx.log", port, "nginx", 20, key=engine.key, model=engine.model
     )
-    if isinstance(started, Side):
-        started.target = Target("nginx", port, engine.key, engine.model)
-    return started
 
 
 def start_litellm(folder: Path, engine: Engine) -> Side | str:
@@ -144,15 +142,13 @@ def start_litellm(folder: Path, engine: Engine) -> Side | str:
     )
     argv = [binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--num_workers", str(os.cpu_count() or 1)]
-    started = start_side(
+    return start_side(
         argv,
         folder / "litellm.log",
         port,
         "LiteLLM",
         180,
-        LITELLM_LOCAL_MODEL_COST_MAP="True",
-        LITELLM_LOG="ERROR",
+        key=LITELLM_KEY,
+        model="bench",
+        env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"},
     )
-    if isinstance(started, Side):
-        started.target = Target("LiteLLM", port, LITELLM_KEY, "bench")
-    return started
