@@ -13,27 +13,15 @@ import redis.asyncio as aioredis
 
 from capycommon.domain.models import HostModels
 from capycommon.domain.notifications import Notification
-from capycommon.state import keys, quarantine
+from capycommon.state import keys
+from capycommon.state.hostrecord import HostRecordStore
 
 
-def _payload(host: str, models: HostModels) -> tuple[str, str]:
-    note = Notification(kind="models", id=host, version=0)
-    return models.model_dump_json(), note.model_dump_json()
-
-
-class HostModelsStore:
+class HostModelsStore(HostRecordStore[HostModels]):
     """Each host's models, as its hostd read them."""
 
     def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
+        super().__init__(client, keys.host_models, HostModels)
 
     async def publish(self, host: str, models: HostModels) -> None:
-        value, note = _payload(host, models)
-        await self.client.set(keys.host_models(host), value)
-        await self.client.publish(keys.host_notifications(host), note)
-
-    async def get(self, host: str) -> HostModels | None:
-        """The host's models; None before its hostd first published them."""
-        key = keys.host_models(host)
-        raw = await self.client.get(key)
-        return None if raw is None else quarantine.parse(HostModels, raw, key)
+        await self._put(host, models, Notification(kind="models", id=host, version=0))
