@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from capycommon import procfs
 from capycommon.domain import commands as hc
@@ -34,10 +34,10 @@ from capycommon.engines.launch import ENGINE_HOST
 from capycommon.engines.lmcache import ServerPorts
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import LaunchFailed
-from capycommon.paths import write_atomic
 from capycommon.state.stores import State
 from capyctl_hostd import engines, procs
 from capyctl_hostd.ports import PortLeaser
+from capyctl_hostd.recordfile import RecordFile
 
 log = logging.getLogger(__name__)
 
@@ -248,34 +248,14 @@ class KeptServer(BaseModel):
 _KEPT = TypeAdapter(list[KeptServer])
 
 
-class Kept:
+class Kept(RecordFile[KeptServer]):
     """The servers hostd started and has not seen gone, in its state dir (owner-only)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.entries: dict[str, KeptServer] = {}
-        try:
-            found = _KEPT.validate_json(path.read_bytes())
-        except FileNotFoundError:
-            found = []
-        except (OSError, ValidationError) as exc:
-            log.error("ignoring an unreadable record of LMCache servers %s: %s", path, exc)
-            found = []
-        self.entries = {entry.member: entry for entry in found}
+        super().__init__(path, _KEPT, "LMCache servers")
 
-    def keep(self, server: CacheServer) -> None:
-        entry = KeptServer(member=server.member, record=server.record)
-        if self.entries.get(server.member) != entry:
-            self.entries[server.member] = entry
-            self._write()
-
-    def drop(self, member: str) -> None:
-        if self.entries.pop(member, None) is not None:
-            self._write()
-
-    def _write(self) -> None:
-        data = _KEPT.dump_json(list(self.entries.values()), indent=2).decode()
-        write_atomic(self.path, data)
+    def keep_server(self, server: CacheServer) -> None:
+        self.keep(KeptServer(member=server.member, record=server.record))
 
 
 class CacheServers:
@@ -370,7 +350,7 @@ class CacheServers:
                 writer.stdin.close()
             raise
         self.servers[record.member] = server
-        self.kept.keep(server)
+        self.kept.keep_server(server)
         return server
 
     async def stop_member(self, member: str, why: str) -> CacheServer | None:
@@ -390,7 +370,7 @@ class CacheServers:
         and which still runs, with its ports."""
         server = CacheServer(member, record)
         self.servers[member] = server
-        self.kept.keep(server)
+        self.kept.keep_server(server)
         for port in (record.zmq_port, record.http_port, record.metrics_port):
             self.ports.hold(port)
         log.info("LMCache server re-adopted", extra={"member": member, "pid": record.process.pid})
@@ -407,4 +387,4 @@ class CacheServers:
                 await procs.stop_group(entry.record.process.pgid)
             self.kept.drop(member)
             if held is not None:
-                self.kept.keep(held)
+                self.kept.keep_server(held)

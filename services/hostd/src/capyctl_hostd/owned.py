@@ -10,15 +10,12 @@ key was lost cannot be called again anyway.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord, ProcessIdentity
-from capycommon.paths import write_atomic
-
-log = logging.getLogger(__name__)
+from capyctl_hostd.recordfile import RecordFile
 
 
 class OwnedEngine(BaseModel):
@@ -76,32 +73,8 @@ class OwnedEngine(BaseModel):
 _ENTRIES = TypeAdapter(list[OwnedEngine])
 
 
-class OwnedEngines:
-    """The record file: every entry, rewritten whole (atomically, owner-only) on a change."""
+class OwnedEngines(RecordFile[OwnedEngine]):
+    """The record file of hostd's engines."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.entries = {entry.member: entry for entry in self._read()}
-
-    def keep(self, entry: OwnedEngine) -> None:
-        if self.entries.get(entry.member) != entry:
-            self.entries[entry.member] = entry
-            self._write()
-
-    def drop(self, member: str) -> None:
-        if self.entries.pop(member, None) is not None:
-            self._write()
-
-    def _read(self) -> list[OwnedEngine]:
-        try:
-            return _ENTRIES.validate_json(self.path.read_bytes())
-        except FileNotFoundError:
-            return []
-        except (OSError, ValidationError) as exc:
-            # Redis's records still lead re-adoption; this record starts again from them.
-            log.error("ignoring an unreadable record of engines %s: %s", self.path, exc)
-            return []
-
-    def _write(self) -> None:
-        data = _ENTRIES.dump_json(list(self.entries.values()), indent=2).decode()
-        write_atomic(self.path, data)
+        super().__init__(path, _ENTRIES, "engines")
