@@ -18,7 +18,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
@@ -339,6 +339,22 @@ async def until_stop(work: asyncio.Future[Any], stop: asyncio.Event) -> None:
     finally:
         stopped.cancel()
         await asyncio.gather(stopped, return_exceptions=True)
+
+
+T = TypeVar("T")
+
+
+async def unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+    """What `work` returns (or raises), or None once `stop` is set before it is done (it is
+    cancelled then)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await until_stop(task, stop)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 async def wait_any(*events: asyncio.Event, timeout: float) -> None:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
 from capycommon.domain.commands import Describe, Pull, Remove, TailLog
-from capycommon.service import REDIS_ERRORS, until_stop, wait_event
+from capycommon.service import REDIS_ERRORS, unless_stopped, wait_event
 from capycommon.state import hostcommands
 from capycommon.state.streams import Entry, Fields, Reader
 from capyctl_hostd.modelfacts import Shelf
@@ -55,17 +55,8 @@ BLOCK_MS = 2000
 async def _read(reader: Reader, stop: asyncio.Event) -> list[Entry]:
     """The next commands, or none once `stop` is set (the blocked read is cancelled then).
     Only new entries are blocked for: Redis answers a read of the history at once."""
-    read = asyncio.ensure_future(reader.read(count=16, block_ms=BLOCK_MS))
     try:
-        await until_stop(read, stop)
-    finally:
-        if not read.done():
-            read.cancel()
-        await asyncio.gather(read, return_exceptions=True)
-    if read.cancelled():
-        return []
-    try:
-        return read.result()
+        return await unless_stopped(reader.read(count=16, block_ms=BLOCK_MS), stop) or []
     except REDIS_ERRORS:
         await wait_event(stop, 0.5)  # the heartbeat decides when Redis was gone too long
     except ResponseError as exc:

@@ -27,10 +27,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
 from capycommon.deployments.resolve import check_head
 from capycommon.domain import commands as hc
@@ -42,7 +40,7 @@ from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchPlan, LaunchSpec, host_tiers
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError, LaunchFailed
-from capycommon.service import until_stop
+from capycommon.service import unless_stopped
 from capycommon.state.store import Conflict
 from capyctl_hostd import cacheserver, engines, modelfacts, procs
 from capyctl_hostd.downloads import ModelStore
@@ -53,7 +51,6 @@ from capyctl_hostd.steps import Steps
 
 log = logging.getLogger(__name__)
 S = InstanceState
-T = TypeVar("T")
 
 # What a launch command says that the instance record keeps, and what it says of the engine's
 # tuning, passed to the adapter as it came.
@@ -145,14 +142,14 @@ class Launcher:
             async with self.models.using(command.hub):
                 if command.hub is not None:
                     # Before the GPU is taken: a download holds up no other start there.
-                    store = await _unless_stopped(self._download(command, command.hub), stopped)
+                    store = await unless_stopped(self._download(command, command.hub), stopped)
                     if store is None:
                         log.info("%s: stopped while it downloaded", record.member)
                         return
                     steps.mark("downloaded")
                 async with gpu or contextlib.nullcontext():
                     engine, record = await self._spawn(command, record, steps)
-                    answer = await _unless_stopped(
+                    answer = await unless_stopped(
                         self._ready(engine, command.start_deadline_s, steps, record.member),
                         stopped,
                     )
@@ -335,19 +332,6 @@ class Launcher:
         answer = await engines.first_canary(engine, control)
         steps.mark("canary")
         return answer
-
-
-async def _unless_stopped(work: Coroutine[Any, Any, T], stopped: asyncio.Event) -> T | None:
-    """What `work` returns, or None once `stopped` is set before it is done (it is cancelled
-    then)."""
-    task = asyncio.ensure_future(work)
-    try:
-        await until_stop(task, stopped)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return None if task.cancelled() else task.result()
 
 
 def _message(exc: BaseException) -> str:
