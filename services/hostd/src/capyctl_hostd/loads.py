@@ -24,11 +24,9 @@ import contextlib
 import logging
 import time
 
-from pydantic import ValidationError
-
 from capycommon.domain.hosts import EngineLoad
 from capycommon.domain.instances import InstanceRecord, InstanceState
-from capycommon.domain.notifications import Notification
+from capycommon.domain.notifications import announces
 from capycommon.engines.control import Load, Timeouts
 from capycommon.errors import CapyError
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
@@ -76,20 +74,10 @@ async def follow_changes(runner: Runner, changed: asyncio.Event, stop: asyncio.E
             async with notify.subscribed(runner.state.client, channels) as pubsub:
                 changed.set()  # (re)subscribed: something may have changed meanwhile
                 async for message in pubsub.listen():
-                    if _an_instance(message.get("data")):
+                    if announces(message.get("data"), "instance"):  # not an engine load
                         changed.set()
         except REDIS_ERRORS:
             await wait_event(stop, 1.0)
-
-
-def _an_instance(data: object) -> bool:
-    """Whether a message of the host's channel announces an instance (not an engine load)."""
-    if not isinstance(data, bytes | str):
-        return False
-    try:
-        return Notification.model_validate_json(data).kind == "instance"
-    except ValidationError:
-        return False
 
 
 async def tick(runner: Runner) -> tuple[bool, bool]:

@@ -21,11 +21,9 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
-from pydantic import ValidationError
-
 from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.domain.memory import MemoryReading, StartupPeak
-from capycommon.domain.notifications import Notification
+from capycommon.domain.notifications import announces
 from capycommon.errors import DeviceUnobserved
 from capycommon.service import REDIS_ERRORS, wait_any, wait_event
 from capycommon.state import memory, notify
@@ -178,7 +176,7 @@ class Peaks:
                         if message.get("type") == "subscribe":
                             self._subscriptions += 1
                             self.subscription = self._subscriptions
-                        elif _a_load(message.get("data")):
+                        elif announces(message.get("data"), "load"):  # no instance changed
                             continue
                         self.changed.set()  # re-read: something may have changed unheard
             except REDIS_ERRORS:
@@ -218,17 +216,6 @@ class Peaks:
         """The host's instance records (hostd writes them; a malformed one is refused by the
         store, and skipped)."""
         return await self.state.instances(self.host).all()
-
-
-def _a_load(data: object) -> bool:
-    """Whether a message of the host's channel announces an engine's load (no instance
-    changed)."""
-    if not isinstance(data, bytes | str):
-        return False
-    try:
-        return Notification.model_validate_json(data).kind == "load"
-    except ValidationError:
-        return False
 
 
 async def watch(state: State, host: str, backend: Backend, stop: asyncio.Event) -> None:

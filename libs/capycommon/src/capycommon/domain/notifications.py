@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class Notification(BaseModel):
@@ -13,3 +13,14 @@ class Notification(BaseModel):
     kind: str
     id: str
     version: int
+
+
+def announces(data: object, kind: str) -> bool:
+    """Whether a pub/sub message's `data` is a notification of `kind` (not, say, a subscribe
+    confirmation's count, or another kind's notification)."""
+    if not isinstance(data, bytes | str):
+        return False
+    try:
+        return Notification.model_validate_json(data).kind == kind
+    except ValidationError:
+        return False
