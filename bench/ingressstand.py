@@ -27,6 +27,7 @@ from benchrole import GiB
 from capycommon.paths import StatePaths
 from capycommon.redistarget import CONTROL_USER
 from capycommon.state.stores import Blocking
+from capyctl_cli.gpucheck.role import end_left_under, stop_group
 
 DEPLOYMENT = "bench"
 JOINED = "gpu-a"  # the joined host's name
@@ -111,14 +112,7 @@ class Role:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL to its process group after STOP_S."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=STOP_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_group(self.process, STOP_S)
         self.log.close()
 
 
@@ -273,7 +267,7 @@ class Stand:
         for name in ("host", "server", "local"):
             if name in self.roles:
                 self.roles[name].stop()
-        left = _kill_mentioning(self.root)
+        left = end_left_under(self.root)
         if left:
             print(f"killed {len(left)} processes still running from {self.root}: {left}")
 
@@ -292,21 +286,3 @@ def _host_ready(server: Role) -> bool:
     rows = {row["name"]: row for row in json.loads(found.stdout)}
     row = rows.get(JOINED)
     return bool(row and row["state"] == "ready" and "vllm" in row["engines"])
-
-
-def _kill_mentioning(root: Path) -> list[int]:
-    """SIGKILL every process whose command line names `root`: an engine whose record the
-    bench never read (it was stopped while the engine started), or a role's child left."""
-    mark, killed = str(root).encode(), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            named = mark in (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if named:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-    return killed
