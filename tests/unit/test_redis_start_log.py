@@ -14,16 +14,19 @@ FAILED = "1:M 05 Dec 2026 04:09:42.211 # Bad file format reading the append only
 READY = "1:M 05 Dec 2026 04:09:42.300 * Ready to accept connections\n"
 
 
+def append(log: Path, text: str) -> None:
+    with log.open("a") as file:
+        file.write(text)
+
+
 def test_only_the_starts_since_the_launch_count(tmp_path: Path) -> None:
     log = tmp_path / "redis.log"
     log.write_text(STARTING + FAILED + STARTING + FAILED)  # an earlier launch's
     starts = StartLog(log)
     assert starts.failed_in_a_row() == 0
-    with log.open("a") as file:
-        file.write(STARTING + LOADING + FAILED)
+    append(log, STARTING + LOADING + FAILED)
     assert starts.failed_in_a_row() == 1
-    with log.open("a") as file:
-        file.write(STARTING + LOADING)
+    append(log, STARTING + LOADING)
     assert starts.failed_in_a_row() == 2
 
 
@@ -33,14 +36,11 @@ def test_a_start_that_loads_clears_the_count(tmp_path: Path) -> None:
     assert starts.failed_in_a_row() == 0
     log.write_text(STARTING + FAILED + STARTING)
     assert starts.failed_in_a_row() == 2
-    with log.open("a") as file:
-        file.write("1:M 05 Dec 2026 04:09:42.300 * Ready to accept ")  # a line cut in two
+    append(log, "1:M 05 Dec 2026 04:09:42.300 * Ready to accept ")  # a line cut in two
     assert starts.failed_in_a_row() == 2
-    with log.open("a") as file:
-        file.write("connections\n")
+    append(log, "connections\n")
     assert starts.failed_in_a_row() == 0
-    with log.open("a") as file:
-        file.write(STARTING + FAILED)
+    append(log, STARTING + FAILED)
     assert starts.failed_in_a_row() == 1
 
 

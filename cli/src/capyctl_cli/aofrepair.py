@@ -215,7 +215,8 @@ class StartLog:
             self._offset = path.stat().st_size
         except OSError:
             self._offset = 0
-        self._text = ""
+        self._failed = 0
+        self._partial = b""  # a line Redis has not finished writing
 
     def failed_in_a_row(self) -> int:
         """How many starts since the last that loaded have begun, each without loading; the
@@ -223,17 +224,19 @@ class StartLog:
         try:
             with self.path.open("rb") as file:
                 if file.seek(0, os.SEEK_END) < self._offset:
-                    self._offset = 0  # rotated: what it held is in the backup
+                    self._offset, self._partial = 0, b""  # rotated: the rest is in the backup
                 file.seek(self._offset)
                 new = file.read()
         except OSError:
-            return 0
+            return self._failed
         self._offset += len(new)
-        self._text += new.decode("utf-8", "replace")
-        _, ready, after = self._text.rpartition(READY)
-        if ready:
-            self._text = after  # only what followed the last start that loaded counts
-        return self._text.count(STARTING)
+        *lines, self._partial = (self._partial + new).split(b"\n")
+        for line in lines:
+            if STARTING.encode() in line:
+                self._failed += 1
+            elif READY.encode() in line:
+                self._failed = 0
+        return self._failed
 
 
 def _warnings(lines: list[str]) -> list[str]:
