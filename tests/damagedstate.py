@@ -20,7 +20,8 @@ from pathlib import Path
 
 import redis
 
-from support import CAPYCTL, free_port, processes_mentioning, short_dir, start_role, wait_for
+from ports import free_port
+from support import CAPYCTL, processes_mentioning, short_dir, start_role, wait_for
 
 BEFORE = "test:before-rewrite"
 AFTER = "test:after-rewrite"

@@ -21,7 +21,8 @@ from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec
-from support import free_port, group_members, wait_for
+from ports import free_port
+from support import group_members, wait_for
 
 T = TypeVar("T")
 KEY = "conformance-key-0123456789abcdef0123456789"

@@ -26,17 +26,9 @@ from capycommon.state import keys
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
+from ports import free_port
 from serversetup import ServerSetup, ask
-from support import (
-    Role,
-    capyctl,
-    clean_env,
-    free_port,
-    join_host,
-    short_dir,
-    start_host,
-    start_role,
-)
+from support import Role, capyctl, clean_env, join_host, short_dir, start_host, start_role
 
 GiB = 1 << 30
 SMALL = {"memory": {"request": "4GiB"}}
@@ -150,7 +142,7 @@ def hostile_cluster() -> Iterator[Hostile]:
             sparse_model(home / "models" / "small", 2 * GiB)
             found.hosts[name] = start_host(
                 state,
-                ports_base=24300 if name == "ha" else 24400,
+                engine_range=3 if name == "ha" else 4,
                 env={"HOME": str(home), "CAPYCTL_HOST_INGRESS_BIND": f"{address}:{free_port()}"},
             )
         found.deploy("s1", model="small", engine_config=SMALL, placement={"hosts": ["hb"]})
@@ -165,6 +157,7 @@ def hostile_cluster() -> Iterator[Hostile]:
             role.stop()
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(server.state_dir.parent, ignore_errors=True)
 
 
 def forged_record(values: dict[str, Any]) -> bytes:

@@ -4,8 +4,6 @@ services), and the engine profile that tests of several folders register."""
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import os
 import shutil
 import signal
@@ -30,6 +28,7 @@ from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError
 from capycommon.paths import StatePaths
 from capyctl_cli import status
+from ports import engine_ports, free_port
 
 T = TypeVar("T")
 
@@ -50,28 +49,32 @@ def ctrl_c_heard() -> Iterator[None]:
         signal.signal(signal.SIGINT, before)
 
 
+def poll(condition: Callable[[], T | None], timeout: float, interval: float = 0.1) -> T | None:
+    """`condition`'s first truthy result, asked every `interval` s; None once `timeout` has
+    passed without one. The one polling loop of the tests: they wait on conditions."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval)
+    return result
+
+
 def wait_for(
     condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1
 ) -> T:
     """Poll `condition` until it returns something truthy; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+    result = poll(condition, timeout, interval)
+    if result is None:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return result
 
 
 def holds_for(condition: Callable[[], object], seconds: float, what: str) -> None:
     """Check `condition` again and again for `seconds`; fail naming `what` the first time it
     does not hold (a watch over a span, where `wait_for` waits for a moment)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not condition():
-            raise AssertionError(f"{what} stopped holding within {seconds} s")
-        time.sleep(0.1)
+    if poll(lambda: not condition(), seconds):
+        raise AssertionError(f"{what} stopped holding within {seconds} s")
 
 
 async def wait_for_async(
@@ -89,60 +92,6 @@ async def wait_for_async(
             return result
     except TimeoutError:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
-
-
-def free_port() -> int:
-    """A port nothing holds now, which another process may take before it is used: the port
-    of a process the test starts is held with `reserved_port` instead."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-# The ports `reserved_port` hands out: a thousand of each parallel worker's own, below the
-# kernel's ephemeral ports (32768 and up) and apart from the engine ranges (20100 and up).
-RESERVED_BASE = 10_000
-_reserved = itertools.count()
-
-
-def reserved_port(host: str = "127.0.0.1") -> socket.socket:
-    """A port held for a process the test starts: a socket bound to it and never listening,
-    which the process, binding it with SO_REUSEADDR or SO_REUSEPORT as engines, the
-    simulator, uvicorn and ZMQ do, still can. Its port is `getsockname()[1]`; close it once
-    the process is gone.
-
-    The port is one of this worker's own range, below the ephemeral ports: a holder that
-    allows reuse would let any other process's bind to port 0 with SO_REUSEADDR (asyncio's
-    and uvicorn's servers set it) be given the same port and listen on it first. Each port is
-    taken only after an exclusive bind shows nothing holds it, lingering connections of an
-    earlier test included."""
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    for _ in range(1000):
-        port = RESERVED_BASE + 1000 * worker + next(_reserved) % 1000
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                probe.bind((host, port))
-        except OSError:
-            continue
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        return sock
-    raise AssertionError(f"no free port in {RESERVED_BASE + 1000 * worker} and the 999 after")
-
-
-def engine_ports(base: int = 24000) -> str:
-    """An engine port range of this test process's own, below the kernel's ephemeral ports:
-    parallel workers (pytest-xdist) never lease the same port, which engines bind with
-    SO_REUSEPORT (the kernel would split one port's connections between two engines).
-
-    `base` is one of ten ranges a test may use at once, 24000, 24100 ... 24900 (or another
-    thousand of its own); each worker has its own thousand ports above it."""
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    start = base + 1000 * worker
-    return f"{start}-{start + 99}"
 
 
 def short_dir(prefix: str = "capy") -> Path:
@@ -266,9 +215,9 @@ class Role:
         return capyctl(*args, "--state-dir", str(self.state_dir), env=self.env)
 
     def status(self) -> dict[str, Any]:
-        result = self.capyctl("status", "--json")
-        assert result.returncode == 0, result.stderr
-        data: dict[str, Any] = json.loads(result.stdout)
+        """What `capyctl status --json` prints, read in this process (tests poll it, and the
+        command would keep a core busy importing itself); the command has tests of its own."""
+        data: dict[str, Any] = status.collect(StatePaths(self.state_dir)).model_dump(mode="json")
         return data
 
     def processes(self) -> dict[str, dict[str, Any]]:
@@ -296,17 +245,6 @@ class Role:
         """Every process of the role RUNNING and every service's heartbeat written by its
         current pid. Read here as `capyctl status` reads it: polling the command itself
         would keep a core busy importing it while the role starts."""
-        if self.role == "host":
-            # A host's status reads the server's Redis over TLS, whose client can leave a
-            # socket for the garbage collector when a handshake fails: asked in a process
-            # of its own, as before.
-            try:
-                procs = self.processes()
-            except AssertionError:
-                return False
-            return all(
-                p["state"] == "RUNNING" and p["heartbeat_pid"] == p["pid"] for p in procs.values()
-            ) and bool(procs)
         try:
             report = status.collect(StatePaths(self.state_dir))
         except (CapyError, OSError, redis.RedisError):
@@ -482,7 +420,7 @@ def join_with_engines(server: Role, name: str, home: Path, engines: dict[str, Pa
 def start_host(
     state: Path,
     gpus: str = "gpu0:24GiB",
-    ports_base: int = 24100,
+    engine_range: int = 1,
     wait: bool = True,
     env: dict[str, str] | None = None,
 ) -> Role:
@@ -493,7 +431,7 @@ def start_host(
     env = clean_env(
         CAPYCTL_SIMULATED_GPUS=gpus,
         CAPYCTL_SIMULATED_HOST_RAM="64GiB",
-        CAPYCTL_ENGINE_PORTS=engine_ports(ports_base),
+        CAPYCTL_ENGINE_PORTS=engine_ports(engine_range),
         CAPYCTL_MODELS_ROOT=str(state.parent / "models"),
         CAPYCTL_HOST_INGRESS_BIND=f"127.0.0.1:{free_port()}",
     ) | (env or {})

@@ -40,7 +40,7 @@ import pytest
 
 from capycommon.domain.instances import LIVE_STATES, InstanceState
 from cluster import Cluster
-from support import live_processes, pid_alive, processes_mentioning, wait_for
+from support import live_processes, pid_alive, poll, processes_mentioning, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -202,16 +202,17 @@ def recovery(
 ) -> tuple[float | None, float | None]:
     """Seconds from the process's end until every model answered a request sent after it,
     and until `capyctl status` was healthy (None: not within `bound`)."""
-    served = healthy = None
-    while served is None or healthy is None:
-        if time.monotonic() - killed.gone > bound:
-            break
-        if served is None and (at := load.served_again(killed.gone)) is not None:
-            served = at - killed.gone
-        if healthy is None and cluster.role.healthy():
-            healthy = time.monotonic() - killed.gone
-        time.sleep(0.1)
-    return served, healthy
+    found: dict[str, float] = {}
+
+    def both() -> bool:
+        if "served" not in found and (at := load.served_again(killed.gone)) is not None:
+            found["served"] = at - killed.gone
+        if "healthy" not in found and cluster.role.healthy():
+            found["healthy"] = time.monotonic() - killed.gone
+        return len(found) == 2
+
+    poll(both, timeout=bound - (time.monotonic() - killed.gone))
+    return found.get("served"), found.get("healthy")
 
 
 def report(what: str, outcomes: list[Outcome], served: float | None, healthy: float | None) -> None:
@@ -252,10 +253,9 @@ def check_after(cluster: Cluster, declared: set[str]) -> None:
 
 def settled(problems: Callable[[], list[str]]) -> list[str]:
     """The problems still found after SETTLE_S, or none as soon as there are none."""
-    deadline = time.monotonic() + SETTLE_S
-    while (found := problems()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return found
+    if poll(lambda: not problems(), SETTLE_S, interval=0.2):
+        return []
+    return problems()
 
 
 def engine_groups(cluster: Cluster) -> dict[int, list[int]]:

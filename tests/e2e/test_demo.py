@@ -15,12 +15,11 @@ from typing import IO
 
 import openai
 
+from ports import engine_ports, free_port
 from support import (
     CAPYCTL,
     clean_env,
     ctrl_c_heard,
-    engine_ports,
-    free_port,
     live_processes,
     processes_mentioning,
     short_dir,
@@ -44,7 +43,7 @@ def _start(root: Path, inference: int, out: int | IO[bytes], pty: bool = False) 
         "--management-listen",
         f"127.0.0.1:{free_port()}",
     ]
-    env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(24800))
+    env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(8))
     with ctrl_c_heard():  # the demo stops on its Ctrl-C
         if not pty:
             return Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import shutil
 
 from capycommon.hostsettings import machine_host_name
-from support import capyctl, clean_env, free_port, processes_mentioning, short_dir, start_role
+from ports import free_port
+from support import capyctl, clean_env, processes_mentioning, short_dir, start_role
 
 
 def test_a_start_under_another_name_is_refused() -> None:

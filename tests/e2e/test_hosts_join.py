@@ -14,16 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from support import (
-    Role,
-    capyctl,
-    free_port,
-    join_host,
-    short_dir,
-    start_host,
-    start_role,
-    wait_for,
-)
+from ports import free_port
+from support import Role, capyctl, join_host, short_dir, start_host, start_role, wait_for
 
 # Short enough for a renewal within the test (hosts renew after two thirds of it, counted
 # from a minute before issue), long enough for a loaded machine to start a host with it.
@@ -73,12 +65,12 @@ def test_two_hosts_join_and_report_to_the_server(server: Role) -> None:
     folder = short_dir()
     hosts: list[Role] = []
     try:
-        for name, gpus, base in (("gpu-a", "gpu0:24GiB", 24100), ("gpu-b", "gpu0:48GiB", 24150)):
+        for name, gpus, engines in (("gpu-a", "gpu0:24GiB", 1), ("gpu-b", "gpu0:48GiB", 2)):
             state = folder / name
             join_host(server, name, state)
             assert (state / "identity" / "host.pem").stat().st_mode & 0o777 == 0o600
             assert (state / "identity" / "joined.json").stat().st_mode & 0o777 == 0o600
-            hosts.append(start_host(state, gpus=gpus, ports_base=base))
+            hosts.append(start_host(state, gpus=gpus, engine_range=engines))
 
         def reported() -> dict[str, dict[str, Any]] | None:
             rows = _hosts(server)
@@ -134,7 +126,7 @@ def test_a_host_renews_its_certificate_without_a_restart(server: Role) -> None:
         join_host(server, "gpu-c", state)
         first = (state / "identity" / "host.pem").read_bytes()
         first_expiry = _hosts(server)["gpu-c"]["certificate_expires"]
-        host = start_host(state, ports_base=24100)
+        host = start_host(state, engine_range=1)
         hostd = host.processes()["hostd"]["pid"]
 
         def renewed() -> bool:

@@ -29,13 +29,12 @@ from cluster import FOURTEEN, SMALL, GiB, running
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
+from ports import engine_ports, free_port
 from serversetup import ServerSetup, ask
 from support import (
     Role,
     capyctl,
     clean_env,
-    engine_ports,
-    free_port,
     join_with_engines,
     processes_mentioning,
     short_dir,
@@ -93,7 +92,7 @@ def setup() -> Iterator[Setup]:
         CAPYCTL_SIMULATED_GPUS="gpu0:24GiB",
         CAPYCTL_SIMULATED_HOST_RAM="64GiB",
         CAPYCTL_MODELS_ROOT=str(main / "models"),
-        CAPYCTL_ENGINE_PORTS=engine_ports(24300),
+        CAPYCTL_ENGINE_PORTS=engine_ports(3),
     )
     main.mkdir(parents=True)
     _add_engine(engine, state, env, "--role", "server")
@@ -110,7 +109,7 @@ def setup() -> Iterator[Setup]:
             _models(home)
             found.hosts[name] = start_host(
                 host_state,
-                ports_base=24400 + 100 * index,
+                engine_range=4 + index,
                 env={"HOME": str(home), "CAPYCTL_HOST_INGRESS_BIND": f"{address}:{free_port()}"},
             )
         yield found

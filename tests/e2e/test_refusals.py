@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from support import capyctl, clean_env, free_port, processes_mentioning, short_dir
+from ports import free_port
+from support import capyctl, clean_env, processes_mentioning, short_dir
 
 GOOD_KEY = "k" * 43
 GOOD_TOKEN = "t" * 43

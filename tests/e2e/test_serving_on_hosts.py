@@ -30,11 +30,11 @@ from cluster import FOURTEEN, SMALL, GiB
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
+from ports import free_port
 from serversetup import ServerSetup, ask
 from support import (
     Role,
     clean_env,
-    free_port,
     join_with_engines,
     processes_mentioning,
     short_dir,
@@ -79,7 +79,7 @@ class Setup(ServerSetup):
         home = self.folder / name
         role = start_host(
             home / "state",
-            ports_base=24100 if name == "gpu-a" else 24200,
+            engine_range=1 if name == "gpu-a" else 2,
             env={"HOME": str(home), "CAPYCTL_HOST_INGRESS_BIND": self.ingress[name]},
         )
         self.hosts[name] = role

@@ -25,13 +25,12 @@ from capycommon.state import keys
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
+from ports import engine_ports, free_port
 from release.builds import ARCH, MAJOR, MINOR, NEW, OLD, Releases, build, install
 from support import (
     Role,
     clean_env,
     ctrl_c_heard,
-    engine_ports,
-    free_port,
     group_members,
     processes_mentioning,
     short_dir,
@@ -135,7 +134,7 @@ def test_install_runs_the_demo_and_is_harmless_twice(releases: Releases) -> None
         assert run(prefix, "--version") == f"capyctl {NEW}\n"
 
         log = root / "demo.out"
-        env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(24900))
+        env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(9))
         argv = [str(prefix / "bin" / "capyctl"), "demo", "--state-dir", str(state)]
         argv += ["--listen", f"127.0.0.1:{inference}"]
         argv += ["--management-listen", f"127.0.0.1:{free_port()}"]
@@ -357,7 +356,7 @@ def test_upgrade_and_rollback_keep_the_engine(releases: Releases) -> None:
         HOME=str(home),
         CAPYCTL_SIMULATED_GPUS="gpu0:24GiB",
         CAPYCTL_HOST_NAME="local",
-        CAPYCTL_ENGINE_PORTS=engine_ports(25100),
+        CAPYCTL_ENGINE_PORTS=engine_ports(11),
     )
     listeners = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
     pgid = 0

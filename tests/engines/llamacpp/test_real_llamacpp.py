@@ -20,7 +20,8 @@ import pytest
 
 from engines.llamacpp.llama_server import write_wrapper
 from engines.llamacpp.tinygguf import write_tiny_model
-from support import clean_env, free_port, wait_for
+from ports import free_port
+from support import clean_env, wait_for
 
 API_KEY = "test-key"
 ALIAS = "tiny-random"

@@ -39,7 +39,8 @@ from engines.llamacpp.test_real_llamacpp import (
     running,
 )
 from engines.llamacpp.tinygguf import write_tiny_model
-from support import clean_env, free_port, wait_for
+from ports import free_port
+from support import clean_env, wait_for
 
 TYPE_KEY = f"{tinygguf.ARCH}.decision.type"
 TEMPERATURE_KEY = f"{tinygguf.ARCH}.decision.temperature"

@@ -27,7 +27,8 @@ from enginesim import (
     write_behaviour,
 )
 from enginesim.install import PythonFamily
-from support import children_of, group_members, reserved_port, wait_for
+from ports import reserved_port
+from support import children_of, group_members, wait_for
 
 GIB = 1 << 30
 MIB = 1 << 20

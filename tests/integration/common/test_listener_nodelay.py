@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from capycommon.httpserve import bind
-from support import free_port
+from ports import free_port
 
 
 @pytest.mark.anyio

@@ -22,8 +22,8 @@ from capycommon.state import keys
 from capycommon.state.stores import Blocking, State
 from capyctl_hostd.ports import is_free
 from enginesim.behaviour import Behaviour
+from ports import engine_ports as port_range
 from support import clean_env, group_members, service_command, wait_for
-from support import engine_ports as port_range
 
 T = TypeVar("T")
 HOST = "local"
@@ -36,9 +36,9 @@ class Hostd:
     state: Path
     home: Path
     redis_socket: Path
-    # Apart from the default range, so a role running on the same machine takes no port
+    # A range apart from a role's (0), so a role the test runs beside it takes no port
     # between a lease and the engine's bind; below the kernel's ephemeral ports.
-    engine_ports: str = field(default_factory=lambda: port_range(20100))
+    engine_ports: str = field(default_factory=lambda: port_range(10))
     # More of hostd's settings, as variables.
     settings: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None

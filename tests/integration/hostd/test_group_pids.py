@@ -12,7 +12,7 @@ from capyctl_hostd import procs
 
 def test_in_group_keeps_the_live_members_of_the_group_among_the_pids() -> None:
     leader = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+        [sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True
     )
     ended = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     ended.wait()  # reaped: its PID names no process now

@@ -27,7 +27,8 @@ from integration.hostd.harness import (
     environ,
     launch,
 )
-from support import engine_ports, group_members, short_dir, wait_for
+from ports import engine_ports
+from support import group_members, short_dir, wait_for
 
 
 @pytest.mark.parametrize("family", ["vllm", "sglang"])
@@ -127,7 +128,7 @@ def test_a_foreign_process_on_a_port_is_skipped(
 ) -> None:
     # Two ports of this test process's own, below the kernel's ephemeral ones: the one after
     # an ephemeral port may be any process's.
-    taken = int(engine_ports(24600).split("-")[0])
+    taken = int(engine_ports(6).split("-")[0])
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", taken))
         squatter.listen()

@@ -47,7 +47,8 @@ from enginerun import KEY, RunningEngine, launch, make_devices
 from enginesim.install import install_python_engine
 from integration.hostd.harness import FAST, Hostd
 from integration.hostd.harness import HOST as HARNESS_HOST
-from support import free_port, instance_record, short_dir, wait_for
+from ports import free_port
+from support import instance_record, short_dir, wait_for
 
 HOST = "gpu-1"
 HOST_ID = "01J9ZQ4Y5W6X7A8B9C0D1E2F3G"

@@ -17,13 +17,13 @@ from capyctl_hostd import procs
 from support import wait_for
 
 LISTENER = """
-import socket, sys, time
+import signal, socket, sys
 sock = socket.socket()
 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
 sock.bind(("127.0.0.1", int(sys.argv[1])))
 sock.listen()
 print("listening", flush=True)
-time.sleep(60)
+signal.pause()  # until the test ends it
 """
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from capycommon.errors import PortsExhausted
 from capyctl_hostd.ports import PortLeaser, is_free
-from support import engine_ports
+from ports import engine_ports
 
 
 @contextmanager
@@ -31,7 +31,7 @@ def listening(port: int, reuse_address: bool, reuse_port: bool) -> Iterator[sock
 
 def leaser() -> PortLeaser:
     # Ports of this test process's own, below the kernel's ephemeral ones.
-    start, _, end = engine_ports(24700).partition("-")
+    start, _, end = engine_ports(7).partition("-")
     return PortLeaser(int(start), int(end))
 
 

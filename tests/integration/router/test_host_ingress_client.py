@@ -45,7 +45,8 @@ from capyctl_router.table import Table
 from integration.common.served import served
 from integration.router.fakeengine import engine_serving
 from integration.router.ready import chunk, put_ready
-from support import free_port, short_dir, wait_for_async
+from ports import free_port
+from support import short_dir, wait_for_async
 
 CREDENTIALS = generate()
 HOST = "gpu-a"
