@@ -8,7 +8,6 @@ The tests run in order on one server and its hosts: each leaves the next its set
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -17,7 +16,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -26,6 +24,7 @@ import pytest
 
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord
 from capycommon.state import keys
+from capyctl_cli.gpucheck.role import end_left_under
 from cluster import FOURTEEN, SMALL, GiB
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
@@ -36,7 +35,6 @@ from support import (
     Role,
     clean_env,
     join_with_engines,
-    processes_mentioning,
     short_dir,
     start_host,
     start_role,
@@ -120,16 +118,9 @@ def setup() -> Iterator[Setup]:
         for role in found.hosts.values():
             role.stop()
         found.server.stop()  # the one running now (a test restarts it)
-        _stop_engines(folder)
+        end_left_under(folder)  # engines outlive their roles by design: the test's own end here
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(server.state_dir.parent, ignore_errors=True)
-
-
-def _stop_engines(folder: Path) -> None:
-    """Engines outlive their roles by design: the test's own are killed with it."""
-    for pid in processes_mentioning(str(folder)):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_three_models_that_fit_only_across_both_hosts_are_served_in_turn(setup: Setup) -> None:
