@@ -85,7 +85,8 @@ async def test_a_long_answer_read_slowly_arrives_whole_on_a_paused_connection() 
     async with engine_serving(lambda _: httpx.Response(200, content=chunks())) as port:
         engines = Engines()
         answer = await engines.post("127.0.0.1", port, "/v1/x", b"{}", {})
-        await asyncio.sleep(0.2)  # the engine sends far more than the high-water mark
+        # The engine sends far more than the high-water mark: reading pauses.
+        await _until(lambda: answer._connection._paused)
         assert answer.status == 200
         assert answer.headers["transfer-encoding"] == "chunked"
         found = bytearray()
