@@ -33,6 +33,20 @@ def redis_socket() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# The folders whose files run longest, handed to the workers first: files go to the workers
+# in collection order, and a run whose last file to start is a release test (it builds and
+# installs releases, minutes of it) ends with one worker busy and the others idle.
+LONGEST_FIRST = ("tests/release/", "tests/chaos/", "tests/e2e/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        found = (i for i, folder in enumerate(LONGEST_FIRST) if item.nodeid.startswith(folder))
+        return next(found, len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the order within a folder stays
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     """Every async test runs on asyncio, the services' loop (trio, which selenium brings
