@@ -18,7 +18,7 @@ from capycommon.state import keys
 from cluster import FOURTEEN, HOST, SMALL, Cluster, running
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
-from support import wait_for
+from support import wait_for, wait_for_async
 
 TOOLS: list[Any] = [
     {
@@ -233,7 +233,7 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
                                 answered.append(line[:300])
                                 first.set()
                                 break
-                    await asyncio.sleep(60)
+                    await asyncio.Event().wait()  # held until the hang-up cancels it
 
             def engine_has_it() -> bool:
                 if answered and answered[0] != "200":
@@ -335,19 +335,21 @@ def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) 
                     async for line in response.aiter_lines():
                         if first_token is not None and '"content"' in line:
                             first_token.set()
-                    await asyncio.sleep(120)
+                    await asyncio.Event().wait()  # held until the hang-up cancels it
 
             async def engine_runs(count: int) -> None:
-                while await asyncio.to_thread(cluster.engine_running, "sg22") != count:
-                    await asyncio.sleep(0.1)
+                async def runs() -> bool:
+                    return await asyncio.to_thread(cluster.engine_running, "sg22") == count
+
+                await wait_for_async(runs, timeout=15, what=f"the engine to run {count}")
 
             busy = asyncio.create_task(send(400, None))
-            await asyncio.wait_for(engine_runs(1), 15)
+            await engine_runs(1)
             settled: list[tuple[str, float]] = []
             for answered in (True, False):
                 token = asyncio.Event() if answered else None
                 task = asyncio.create_task(send(200, token))
-                await asyncio.wait_for(engine_runs(2), 10)  # the engine holds it (prefill first)
+                await engine_runs(2)  # the engine holds it (prefill first)
                 if token is not None:
                     await asyncio.wait_for(token.wait(), 10)
                 task.cancel()

@@ -176,7 +176,9 @@ async def test_a_request_cut_before_it_was_sent_gives_its_place_back_at_once(
                 await wait_for_async(
                     lambda: _running(state), timeout=10, what="the request to take its place"
                 )
-                await asyncio.sleep(0.3)  # the router connects to the engine meanwhile
+                await wait_for_async(
+                    lambda: _connecting(port), timeout=10, what="the router to connect"
+                )
             await wait_for_async(lambda: _given_back(state), timeout=5, what="the place given back")
     finally:
         engines.close()
@@ -184,6 +186,12 @@ async def test_a_request_cut_before_it_was_sent_gives_its_place_back_at_once(
         for filler in fillers:
             filler.close()
         engine.close()
+
+
+async def _connecting(port: int) -> bool:
+    """Whether a connection to 127.0.0.1:`port` waits for the answer to its SYN."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return any(f"0100007F:{port:04X}" == row.split()[2] and row.split()[3] == "02" for row in rows)
 
 
 async def _running(state: State) -> bool:
