@@ -349,7 +349,7 @@ def _other_authority(server: Server, folder: Path) -> Path:
     ("presented", "said"),
     [
         (_wrong_identity, "not that of host gpu-a"),
-        (_serving_router_certificate, "of kind router"),
+        (_serving_router_certificate, "a router's) is not a host's"),
         (_routers_own, "unsuitable certificate purpose"),
         (_other_authority, "certificate verify failed"),
     ],

@@ -105,6 +105,19 @@ def peer_facts(transport: asyncio.BaseTransport) -> CertificateFacts:
     return read_certificate(ssl.DER_cert_to_PEM_cert(der).encode())
 
 
+def peer_of_kind(transport: asyncio.BaseTransport, kind: Kind) -> CertificateFacts:
+    """`peer_facts`, when the certificate is a `kind`'s; CertificateInvalid saying whose it
+    is otherwise. The ends of a connection between a host's ingress and the server's router
+    each check the other so."""
+    facts = peer_facts(transport)
+    if facts.kind != kind:
+        whose = "no CapyCTL identity" if facts.kind is None else f"a {facts.kind}'s"
+        raise CertificateInvalid(
+            f"its certificate ({facts.common_name!r}, {whose}) is not a {kind}'s"
+        )
+    return facts
+
+
 def verify_issued(cert_pem: bytes, ca_pem: bytes, now: datetime) -> CertificateFacts:
     """The facts of `cert_pem` once it checks as a host's or a router's certificate that the
     authority `ca_pem` issued and that is valid at `now` (an aware datetime); refused

@@ -95,15 +95,9 @@ def admit_router(transport: asyncio.Transport) -> str | None:
     """None for a connection of the server's router; else why it is refused. Its certificate
     was already checked against the server's authority: here, that it is a router's."""
     try:
-        facts = pki.peer_facts(transport)
+        pki.peer_of_kind(transport, "router")
     except CertificateInvalid as exc:
-        return exc.message
-    if facts.kind != "router":
-        kind = "no CapyCTL identity" if facts.kind is None else f"a {facts.kind}'s"
-        return (
-            f"its certificate ({facts.common_name!r}, {kind}) is not the server's router's; "
-            "only the router sends requests to an ingress"
-        )
+        return f"{exc.message}; only the server's router sends requests to an ingress"
     return None
 
 

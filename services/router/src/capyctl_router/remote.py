@@ -95,15 +95,9 @@ def peer_problem(transport: asyncio.BaseTransport, ingress: Ingress) -> str | No
     """What is wrong with the certificate the ingress presented on `transport` (already
     checked against the authority by the handshake), None when it is the host's own."""
     try:
-        facts = pki.peer_facts(transport)
+        facts = pki.peer_of_kind(transport, "host")
     except CertificateInvalid as exc:
-        return exc.message
-    if facts.kind != "host":
-        kind = "no CapyCTL identity" if facts.kind is None else f"kind {facts.kind}"
-        return (
-            f"it presented a certificate of {kind} ({facts.common_name!r}), not a host's; "
-            "the address belongs to something else than that host's ingress"
-        )
+        return f"{exc.message}; the address belongs to something else than that host's ingress"
     if facts.identity != ingress.identity:
         return (
             f"it presented the certificate of host id {facts.identity} "
