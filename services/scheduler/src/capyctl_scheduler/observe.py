@@ -157,14 +157,7 @@ class Observer:
         pairs = [(name, read) for name in deployments for read in reads]
         found_places, found_bindings = await asyncio.gather(
             asyncio.gather(*(self.state.places.get(name) for name in names)),
-            asyncio.gather(
-                *(
-                    self._binding(
-                        deployments[name], read.host, read.view, read.engines, read.models
-                    )
-                    for name, read in pairs
-                )
-            ),
+            asyncio.gather(*(self._binding(deployments[name], read) for name, read in pairs)),
         )
         bindings: dict[str, dict[str, Binding]] = {name: {} for name in deployments}
         for (name, read), binding in zip(pairs, found_bindings, strict=True):
@@ -279,15 +272,10 @@ class Observer:
             domains = {domain.name: domain for domain in found}
         return replace(empty, domains=domains, gpus=gpus, unified=unified)
 
-    async def _binding(
-        self,
-        record: DeploymentRecord,
-        host: str,
-        view: HostView,
-        engines: PublishedEngines | None,
-        models: HostModels | None,
-    ) -> Binding:
-        binding = self._resolve(record, host, view, engines, models)
+    async def _binding(self, record: DeploymentRecord, read: _HostRead) -> Binding:
+        """`record` bound to the host `read` is of, with its footprints there."""
+        host, view = read.host, read.view
+        binding = self._resolve(record, host, view, read.engines, read.models)
         if binding.resolved is None or not view.domains:
             return binding
         return Binding(host, binding.resolved, await self._footprints(record, host, view, binding))
