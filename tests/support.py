@@ -4,6 +4,7 @@ services), and the engine profile that tests of several folders register."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -13,7 +14,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,7 +37,7 @@ CAPYCTL = str(BIN / "capyctl")
 SERVICES = ("router", "scheduler", "hostd", "memwatch")
 
 
-@contextmanager
+@contextlib.contextmanager
 def ctrl_c_heard() -> Iterator[None]:
     """Children started within hear a Ctrl-C (SIGINT). A shell that runs the suite in the
     background leaves SIGINT ignored in it, and an ignored signal stays ignored in every
@@ -75,6 +75,13 @@ def holds_for(condition: Callable[[], object], seconds: float, what: str) -> Non
     does not hold (a watch over a span, where `wait_for` waits for a moment)."""
     if poll(lambda: not condition(), seconds):
         raise AssertionError(f"{what} stopped holding within {seconds} s")
+
+
+async def cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel `task` (a request hung up, say) and return once it has ended."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def wait_for_async(
@@ -332,7 +339,7 @@ def _accepts(address: str) -> bool:
     return True
 
 
-@contextmanager
+@contextlib.contextmanager
 def role_running(role: str = "standalone", env: dict[str, str] | None = None) -> Iterator[Role]:
     """A role of its own folder for the length of a `with`: stopped, and its folder removed,
     on leaving it."""

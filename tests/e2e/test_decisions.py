@@ -9,7 +9,6 @@ simulated GPU."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import re
@@ -25,7 +24,7 @@ from cluster import FOURTEEN, SMALL, Cluster
 from decisionmodels import DECISIONS, SYSTEM_ONE, decision_folder, decision_gguf, unnamed
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_llama_server, install_python_engine
-from support import wait_for
+from support import cancel, wait_for
 
 CONTEXT = {"context_length": 4096, **SMALL}
 STATE = "Ticket 4411: the app crashes on every start since the update."
@@ -200,9 +199,7 @@ def _hang_up(cluster: Cluster, model: str, engine_running: Callable[[], int]) ->
                 timeout=10,
                 what="the engine to get the request",
             )
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel(task)
 
     asyncio.run(cut())
 

@@ -4,7 +4,6 @@ as vLLM and SGLang (real processes), and the openai SDK as the client."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,7 @@ from capycommon.state import keys
 from cluster import FOURTEEN, HOST, SMALL, Cluster, running
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
-from support import wait_for, wait_for_async
+from support import cancel, wait_for, wait_for_async
 
 TOOLS: list[Any] = [
     {
@@ -261,9 +260,7 @@ def _hang_up(cluster: Cluster, name: str, stream: bool, after_first: bool) -> No
                     timeout=10,
                     what="the engine to make a token of the collected answer",
                 )
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel(task)
 
     asyncio.run(cut())
     wait_for(
@@ -352,9 +349,7 @@ def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) 
                 await engine_runs(2)  # the engine holds it (prefill first)
                 if token is not None:
                     await asyncio.wait_for(token.wait(), 10)
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel(task)
                 cut_at = time.monotonic()
                 field, back_at = await asyncio.to_thread(_raised_then_back, cluster)
                 settled.append((field, back_at - cut_at))
@@ -362,9 +357,7 @@ def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) 
                 assert _places(cluster) == (1, 0, 0), "capyctl status shows it settled"
                 assert await asyncio.to_thread(cluster.engine_running, "sg22") == 1
                 assert not busy.done(), "the long request still runs: the engine never read idle"
-            busy.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await busy
+            await cancel(busy)
             return settled
 
     for field, seconds in asyncio.run(scenario()):
