@@ -31,14 +31,16 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from capycommon.errors import Unavailable
-from capycommon.settings import ConnectionLimits
+
+if TYPE_CHECKING:  # the settings tree is heavy to import, and the simulated engines need none
+    from capycommon.settings import ConnectionLimits
 
 log = logging.getLogger(__name__)
 
