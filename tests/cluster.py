@@ -3,7 +3,6 @@ the CLI, Redis and engine views the end-to-end tests use."""
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import re
@@ -36,6 +35,7 @@ from capyctl_cli.management import wait_for as wait_until
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour, CrashAtStart, Faults, ToolCall
 from enginesim.install import install_llama_server, install_python_engine
+from runshared import shared_folder
 from support import (
     Role,
     capyctl,
@@ -277,13 +277,15 @@ def install_engines(root: Path) -> None:
 @functools.cache
 def _shared_engines() -> Path:
     """The simulated engines, installed and registered with `capyctl engine add` once per
-    test process (a pytest-xdist worker) and removed at its exit; the registry's path.
+    run, in a folder its test processes share; the registry's path.
 
-    Each cluster of the process registers these same installs: making a venv with pip and
-    adding it cost about 2.5 s of CPU per engine, for each of a dozen clusters, and none is
-    ever changed (a test that needs another behaviour installs an engine of its own)."""
-    root = short_dir("capy-engines")
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    Each cluster of the run registers these same installs: making a venv with pip and adding
+    it cost about 2.5 s of CPU per engine, for each of a dozen clusters, and none is ever
+    changed (a test that needs another behaviour installs an engine of its own)."""
+    return registry.locate(None, shared_folder("capy-engines", _install_engines))
+
+
+def _install_engines(root: Path) -> None:
     state, env = root / "state", clean_env(HOME=str(root))
     fast = Behaviour(load_seconds=0.5, tokens_per_second=200)
     installs = {
@@ -344,7 +346,6 @@ def _shared_engines() -> Path:
             "engine", "add", str(target), "--name", name, "--state-dir", str(state), env=env
         )
         assert result.returncode == 0, result.stderr
-    return registry.locate(None, root)
 
 
 def start_cluster(
