@@ -109,20 +109,8 @@ def build_parser(prog: str | None) -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str], prog: str | None = None) -> ServerArgs:
     ns = build_parser(prog).parse_args(argv)
-    return ServerArgs(
-        host=ns.host,
-        port=ns.port,
-        http_host=ns.http_host,
-        http_port=ns.http_port,
-        prometheus_port=None if ns.disable_metrics else ns.prometheus_port,
-        l1_size_gb=ns.l1_size_gb,
-        l1_use_lazy=ns.l1_use_lazy,
-        l1_init_size_gb=ns.l1_init_size_gb,
-        eviction_policy=ns.eviction_policy,
-        chunk_size=ns.chunk_size,
-        max_workers=ns.max_workers,
-        hash_algorithm=ns.hash_algorithm,
-    )
+    metrics = None if ns.disable_metrics else ns.prometheus_port
+    return proc.as_parsed(ServerArgs, ns, prometheus_port=metrics)
 
 
 class Chunks:

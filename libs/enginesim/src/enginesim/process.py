@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -25,6 +26,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from capycommon.httpguard import CorkedTransport
 
 log = logging.getLogger("enginesim")
+
+Args = TypeVar("Args")
 
 
 class Process:
@@ -173,3 +176,10 @@ def accept_flags(
         parser.add_argument(*switch.split("|"), action="store_true")
     for flag in values:
         parser.add_argument(*flag.split("|"))
+
+
+def as_parsed(args: type[Args], ns: argparse.Namespace, **derived: Any) -> Args:
+    """The dataclass `args` of a command line: each field the flag of the same name's value as
+    parsed, but those given in `derived`, which the family reads from more than one flag."""
+    names = [f.name for f in dataclasses.fields(cast(Any, args)) if f.name not in derived]
+    return args(**{name: getattr(ns, name) for name in names}, **derived)

@@ -177,33 +177,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str], prog: str) -> SglangArgs:
     ns = build_parser(prog).parse_args(argv)
-    return SglangArgs(
-        model_path=ns.model_path,
-        host=ns.host,
-        port=ns.port,
-        api_key=ns.api_key,
-        admin_api_key=ns.admin_api_key,
+    return proc.as_parsed(
+        SglangArgs,
+        ns,
         served_model_name=ns.served_model_name or ns.model_path,
         context_length=ns.context_length or 4096,
-        mem_fraction_static=ns.mem_fraction_static,
-        max_running_requests=ns.max_running_requests,
-        enable_memory_saver=ns.enable_memory_saver,
-        enable_weights_cpu_backup=ns.enable_weights_cpu_backup,
-        enable_metrics=ns.enable_metrics,
-        tool_call_parser=ns.tool_call_parser,
-        reasoning_parser=ns.reasoning_parser,
-        tokenizer_worker_num=ns.tokenizer_worker_num,
-        disable_radix_cache=ns.disable_radix_cache,
-        skip_server_warmup=ns.skip_server_warmup,
-        log_requests=ns.log_requests,
-        tp_size=ns.tp_size,
-        enable_lmcache=ns.enable_lmcache,
-        lmcache_config_file=ns.lmcache_config_file,
-        enable_hierarchical_cache=ns.enable_hierarchical_cache,
-        page_size=ns.page_size,
-        chat_template=ns.chat_template,
-        speculative_algorithm=ns.speculative_algorithm,
-        allow_auto_truncate=ns.allow_auto_truncate,
     )
 
 

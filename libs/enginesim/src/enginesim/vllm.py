@@ -179,28 +179,13 @@ def parse(argv: Sequence[str], prog: str, positional_model: bool) -> VllmArgs:
         except KvConfigError as exc:
             parser.error(f"argument --kv-transfer-config: {exc}")
     keys = ns.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
-    return VllmArgs(
+    return proc.as_parsed(
+        VllmArgs,
+        ns,
         model=model,
-        host=ns.host,
-        port=ns.port,
         served_names=ns.served_model_name or [model],
         api_keys=keys,
-        gpu_memory_utilization=ns.gpu_memory_utilization,
-        max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs,
-        enable_sleep_mode=ns.enable_sleep_mode,
-        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice,
-        tool_call_parser=ns.tool_call_parser,
-        reasoning_parser=ns.reasoning_parser,
-        enable_request_id_headers=ns.enable_request_id_headers,
-        disable_uvicorn_access_log=ns.disable_uvicorn_access_log,
-        middleware=ns.middleware,
-        shutdown_timeout=ns.shutdown_timeout,
-        enable_force_include_usage=ns.enable_force_include_usage,
-        enable_server_load_tracking=ns.enable_server_load_tracking,
         kv_transfer_config=kv,
-        logprobs_mode=ns.logprobs_mode,
     )
 
 
