@@ -12,7 +12,7 @@ import re
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from capycommon.domain import commands as hc
 from capycommon.domain.desired import (
@@ -105,10 +105,7 @@ class Actuator:
 
     async def _wake(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         command = hc.Wake(
-            deployment=record.name,
-            generation=action.generation,
-            reason=action.reason,
-            wake_deadline_s=snapshot.tunables.wake_deadline_s,
+            **_addressed(record, action), wake_deadline_s=snapshot.tunables.wake_deadline_s
         )
         # A wake ends an operator's park: that park was done (the model parked), and the
         # demand that wakes it overrides it, so the model stays ready like any demanded one.
@@ -116,25 +113,16 @@ class Actuator:
         await self._send(woken, action, command, self._effect("wake", action, S.PARKED))
 
     async def _park(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
-        instance = snapshot.instances[record.name]
         command = hc.Park(
-            deployment=record.name,
-            generation=action.generation,
-            reason=action.reason,
+            **_addressed(record, action),
             release_bound_bytes=action.release_bound,
             verify_s=snapshot.tunables.park_verify_s,
         )
-        await self._send(record, action, command, self._effect("park", action, instance.state))
+        await self._send_from_instance(snapshot, record, action, command)
 
     async def _stop(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
-        instance = snapshot.instances[record.name]
-        command = hc.Stop(
-            deployment=record.name,
-            generation=action.generation,
-            reason=action.reason,
-            keep_cache=action.keep_cache,
-        )
-        await self._send(record, action, command, self._effect("stop", action, instance.state))
+        command = hc.Stop(**_addressed(record, action), keep_cache=action.keep_cache)
+        await self._send_from_instance(snapshot, record, action, command)
 
     async def _release(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
         """Stop the LMCache server a restart_only park kept: no effect to follow (the
@@ -357,6 +345,18 @@ class Actuator:
         await self.state.deployments.send(sending, _choice_json(action), action.host, command)
         log.info("%s %s on %s: %s", action.kind, record.name, action.host, action.reason)
 
+    async def _send_from_instance(
+        self,
+        snapshot: Snapshot,
+        record: DeploymentRecord,
+        action: Action,
+        command: hc.Park | hc.Stop,
+    ) -> None:
+        """Send a command to the running instance, with its effect in flight from the state
+        the instance is in now."""
+        instance = snapshot.instances[record.name]
+        await self._send(record, action, command, self._effect(action.kind, action, instance.state))
+
     async def _write(
         self, record: DeploymentRecord, action: Action, **changes: object
     ) -> DeploymentRecord:
@@ -418,6 +418,19 @@ def _download_code(error: str | None) -> str | None:
     """The code of a failed model download (hostd writes `download failed [<code>]: ...`)."""
     found = _DOWNLOAD_FAILED.search(error or "")
     return found[1] if found else None
+
+
+class _Addressed(TypedDict):
+    """What each command to a deployment's engine names: the deployment, the generation the
+    action is for, and why."""
+
+    deployment: str
+    generation: int
+    reason: str
+
+
+def _addressed(record: DeploymentRecord, action: Action) -> _Addressed:
+    return {"deployment": record.name, "generation": action.generation, "reason": action.reason}
 
 
 def _with_operation(record: DeploymentRecord, action: Action) -> DeploymentRecord:
