@@ -36,6 +36,7 @@ TimeoutOpt = Annotated[
 ]
 NameArg = Annotated[str, typer.Argument(help="The deployment's name.", show_default=False)]
 Row = TypeVar("Row", bound=BaseModel)
+Answer = TypeVar("Answer", bound=output.Printable)
 
 deploy_app = command_group("Declare what to serve.")
 park_app = command_group("Park a deployment: its engine gives its GPU memory back.")
@@ -53,6 +54,19 @@ logs_app = command_group("Show an engine's recent log lines.")
 def _api(state_dir: str | None) -> Management:
     root, _ = resolve_state_dir(state_dir, dict(os.environ))
     return Management(StatePaths(root))
+
+
+def _show(
+    state_dir: str | None,
+    as_json: bool,
+    ask: Callable[[Management], Answer],
+    render: Callable[[Answer], str],
+) -> None:
+    """Ask the management API one question and show its answer, as `render` writes it or as
+    JSON."""
+    with _api(state_dir) as api:
+        answer = ask(api)
+    output.show(answer, lambda: render(answer), as_json=as_json)
 
 
 def _state_is(*states: str) -> Callable[[DeploymentStatus], bool]:
@@ -173,9 +187,7 @@ def status_deployment(
     as_json: JsonOpt = False,
 ) -> None:
     """Show a deployment: its state, instances, memory charges and last operation."""
-    with _api(state_dir) as api:
-        status = api.status(name)
-    output.show(status, lambda: render_status(status), as_json=as_json)
+    _show(state_dir, as_json, lambda api: api.status(name), render_status)
 
 
 @logs_app.command("deployment")
@@ -321,9 +333,7 @@ def list_command(
     @list_app.command(what, help=summary)
     @expected_errors
     def command(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
-        with _api(state_dir) as api:
-            rows = rows_of(api)
-        output.show(rows, lambda: render(rows), as_json=as_json)
+        _show(state_dir, as_json, rows_of, render)
 
 
 def render_deployments(rows: list[DeploymentSummary]) -> str:
@@ -428,9 +438,7 @@ def list_models(
     as_json: JsonOpt = False,
 ) -> None:
     """The folders under each host's models root and the downloads in its store."""
-    with _api(state_dir) as api:
-        rows = api.models(host)
-    output.show(rows, lambda: render_models(rows), as_json=as_json)
+    _show(state_dir, as_json, lambda api: api.models(host), render_models)
 
 
 def render_models(rows: list[ModelRow]) -> str:
