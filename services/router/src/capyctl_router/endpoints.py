@@ -45,46 +45,46 @@ class Endpoint:
         return self.kind.replace(".", "_")
 
 
+def _endpoint(
+    path: str,
+    body: type[Body],
+    api: Api,
+    id_prefix: str,
+    summary: str,
+    *,
+    unique_keys: bool = False,
+) -> Endpoint:
+    """A POST endpoint whose request kind is its path after /v1/, a dot for each further
+    slash ("/v1/chat/completions" is "chat.completions")."""
+    kind = path.removeprefix("/v1/").replace("/", ".")
+    return Endpoint(
+        path=path,
+        kind=kind,
+        body=body,
+        api=api,
+        id_prefix=id_prefix,
+        summary=summary,
+        unique_keys=unique_keys,
+    )
+
+
 ENDPOINTS = (
-    Endpoint(
-        path="/v1/chat/completions",
-        kind="chat.completions",
-        body=ChatBody,
-        api="chat",
-        id_prefix="chatcmpl",
-        summary="Chat completions",
+    _endpoint("/v1/chat/completions", ChatBody, "chat", "chatcmpl", "Chat completions"),
+    _endpoint("/v1/completions", CompletionBody, "chat", "cmpl", "Completions"),
+    _endpoint("/v1/embeddings", EmbeddingBody, "chat", "embd", "Embeddings"),
+    _endpoint(
+        "/v1/decisions",
+        DecisionsRequest,
+        "decisions",
+        "decision",
+        "Decisions, answered by a decision model through System One",
     ),
-    Endpoint(
-        path="/v1/completions",
-        kind="completions",
-        body=CompletionBody,
-        api="chat",
-        id_prefix="cmpl",
-        summary="Completions",
-    ),
-    Endpoint(
-        path="/v1/embeddings",
-        kind="embeddings",
-        body=EmbeddingBody,
-        api="chat",
-        id_prefix="embd",
-        summary="Embeddings",
-    ),
-    Endpoint(
-        path="/v1/decisions",
-        kind="decisions",
-        body=DecisionsRequest,
-        api="decisions",
-        id_prefix="decision",
-        summary="Decisions, answered by a decision model through System One",
-    ),
-    Endpoint(
-        path="/v1/systemone",
-        kind="systemone",
-        body=SystemOneRequest,
-        api="decisions",
-        id_prefix="decision",
-        summary="System One decisions, passed to the decision model as sent",
+    _endpoint(
+        "/v1/systemone",
+        SystemOneRequest,
+        "decisions",
+        "decision",
+        "System One decisions, passed to the decision model as sent",
         unique_keys=True,
     ),
 )
