@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator
 
 from capycommon.domain.strict import Strict
-from capycommon.settingnames import Setting
+from capycommon.settingnames import Setting, setting
 from capycommon.settingvalues import DialAddress, ListenAddress, Seconds
 from capycommon.units import parse_size
 
@@ -28,49 +28,55 @@ class EnrollmentSection(Strict):
     """How hosts join this server (the bootstrap listener, server TLS) and then reach its
     Redis (its TLS port, mutual TLS with a certificate its authority signed)."""
 
-    control_bind: ListenAddress = Field(
+    control_bind: ListenAddress = setting(
         "0.0.0.0:7445",
-        description="The server Redis's TLS port for joined hosts; only a client certificate "
-        "from this server's authority gets through.",
-        examples=["100.64.0.10:7445"],
+        (
+            "The server Redis's TLS port for joined hosts; only a client certificate "
+            "from this server's authority gets through."
+        ),
+        "100.64.0.10:7445",
     )
-    bootstrap_bind: ListenAddress = Field(
+    bootstrap_bind: ListenAddress = setting(
         "127.0.0.1:7444",
-        description="Where hosts join with an invitation (server TLS); set a LAN or tailnet "
-        "address for hosts on other machines.",
-        examples=["100.64.0.10:7444"],
+        (
+            "Where hosts join with an invitation (server TLS); set a LAN or tailnet "
+            "address for hosts on other machines."
+        ),
+        "100.64.0.10:7444",
     )
-    control_address: DialAddress = Field(
+    control_address: DialAddress = setting(
         None,
-        description="The HOST:PORT that hosts dial for the TLS port (none: control_bind; on "
-        "every interface, this machine's hostname).",
-        examples=["gpu-server.lan:7445"],
+        (
+            "The HOST:PORT that hosts dial for the TLS port (none: control_bind; on "
+            "every interface, this machine's hostname)."
+        ),
+        "gpu-server.lan:7445",
     )
-    bootstrap_address: DialAddress = Field(
+    bootstrap_address: DialAddress = setting(
         None,
-        description="The HOST:PORT that hosts join at (none: bootstrap_bind; on every "
-        "interface, this machine's hostname).",
-        examples=["gpu-server.lan:7444"],
+        (
+            "The HOST:PORT that hosts join at (none: bootstrap_bind; on every "
+            "interface, this machine's hostname)."
+        ),
+        "gpu-server.lan:7444",
     )
-    invitation_ttl: Seconds = Field(
-        default=900.0,
-        ge=1,
-        le=3600,
-        description="Seconds an invitation may wait for its host to join.",
-        examples=["300"],
+    invitation_ttl: Seconds = setting(
+        900.0, "Seconds an invitation may wait for its host to join.", "300", ge=1, le=3600
     )
-    certificate_lifetime: Seconds = Field(
-        default=30 * 86400.0,
+    certificate_lifetime: Seconds = setting(
+        30 * 86400.0,
+        "Seconds a host certificate is valid; hosts renew theirs after two thirds.",
+        "604800",
         ge=10,
         le=365 * 86400.0,
-        description="Seconds a host certificate is valid; hosts renew theirs after two thirds.",
-        examples=["604800"],
     )
-    host_quota: Annotated[str, AfterValidator(_check_quota), Setting(metavar="SIZE")] = Field(
+    host_quota: Annotated[str, AfterValidator(_check_quota), Setting(metavar="SIZE")] = setting(
         "64MiB",
-        description="The most memory a joined host's keys may take in the server's Redis "
-        "(measured every few seconds); a host past it is revoked and its keys dropped.",
-        examples=["256MiB"],
+        (
+            "The most memory a joined host's keys may take in the server's Redis "
+            "(measured every few seconds); a host past it is revoked and its keys dropped."
+        ),
+        "256MiB",
     )
 
     @property

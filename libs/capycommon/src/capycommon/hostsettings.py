@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 
 from capycommon.domain.strict import Strict
-from capycommon.settingnames import Setting
+from capycommon.settingnames import Setting, setting
 from capycommon.settingvalues import (
     DialAddress,
     HostName,
@@ -54,56 +54,58 @@ class HostSection(Strict):
         description="The folder that model names in deployments are relative to.",
         examples=["/srv/models"],
     )
-    engine_ports: Annotated[PortRange, _short("engine-ports", metavar="START-END")] = Field(
-        "8100-8199",
-        description="The loopback ports engines listen on.",
-        examples=["8200-8299"],
+    engine_ports: Annotated[PortRange, _short("engine-ports", metavar="START-END")] = setting(
+        "8100-8199", "The loopback ports engines listen on.", "8200-8299"
     )
-    deep_park: Annotated[OnOff, _short("deep-park")] = Field(
+    deep_park: Annotated[OnOff, _short("deep-park")] = setting(
         "on",
-        description="off: no engine here parks deep or runs with its development controls "
-        "(vLLM's dev mode); models that would park deep stop instead.",
-        examples=["off"],
-    )
-    engine_telemetry: Annotated[Literal["off", "allow"], _short("engine-telemetry")] = Field(
+        (
+            "off: no engine here parks deep or runs with its development controls "
+            "(vLLM's dev mode); models that would park deep stop instead."
+        ),
         "off",
-        description="off: every engine here gets DO_NOT_TRACK=1 (vLLM also VLLM_DO_NOT_TRACK=1 "
-        "and VLLM_NO_USAGE_STATS=1), so none reports usage off the host; allow: the engines' "
-        "own defaults.",
-        examples=["allow"],
     )
-    retention: Annotated[Literal["default", "zero"], _short("retention")] = Field(
+    engine_telemetry: Annotated[Literal["off", "allow"], _short("engine-telemetry")] = setting(
+        "off",
+        (
+            "off: every engine here gets DO_NOT_TRACK=1 (vLLM also VLLM_DO_NOT_TRACK=1 "
+            "and VLLM_NO_USAGE_STATS=1), so none reports usage off the host; allow: the engines' "
+            "own defaults."
+        ),
+        "allow",
+    )
+    retention: Annotated[Literal["default", "zero"], _short("retention")] = setting(
         "default",
-        description="zero: engines here keep no log and write no core dump, unless a "
-        "deployment says retention: default.",
-        examples=["zero"],
+        (
+            "zero: engines here keep no log and write no core dump, unless a "
+            "deployment says retention: default."
+        ),
+        "zero",
     )
-    lmcache: Annotated[Literal["auto", "off"], _short("lmcache")] = Field(
+    lmcache: Annotated[Literal["auto", "off"], _short("lmcache")] = setting(
         "auto",
-        description="off: no model here runs with LMCache, whatever its deployment says (one "
-        "that says lmcache: required fails here).",
-        examples=["off"],
+        (
+            "off: no model here runs with LMCache, whatever its deployment says (one "
+            "that says lmcache: required fails here)."
+        ),
+        "off",
     )
     simulated_gpus: Annotated[
         SimulatedGpus,
         Setting(variables=("CAPYCTL_SIMULATED_GPUS",), metavar="NAME:SIZE,..."),
-    ] = Field(
+    ] = setting(
         None,
-        description="Simulated GPUs instead of NVML: gpu0:24GiB,gpu1:24GiB or unified:128GiB.",
-        examples=["gpu0:24GiB"],
+        "Simulated GPUs instead of NVML: gpu0:24GiB,gpu1:24GiB or unified:128GiB.",
+        "gpu0:24GiB",
     )
     simulated_host_ram: Annotated[
         Size,
         Setting(variables=("CAPYCTL_SIMULATED_HOST_RAM",), metavar="SIZE"),
-    ] = Field(
+    ] = setting(None, "Simulated host RAM, e.g. 64GiB (with simulated GPUs only).", "64GiB")
+    simgpu_dir: Annotated[Path | None, Setting(variables=("CAPYCTL_SIMGPU_DIR",))] = setting(
         None,
-        description="Simulated host RAM, e.g. 64GiB (with simulated GPUs only).",
-        examples=["64GiB"],
-    )
-    simgpu_dir: Annotated[Path | None, Setting(variables=("CAPYCTL_SIMGPU_DIR",))] = Field(
-        None,
-        description="Where simulated GPUs keep devices.json and the claims; none: <state>/simgpu.",
-        examples=["/srv/capyctl/simgpu"],
+        "Where simulated GPUs keep devices.json and the claims; none: <state>/simgpu.",
+        "/srv/capyctl/simgpu",
     )
 
 
@@ -111,17 +113,21 @@ class IngressSection(Strict):
     """A joined host's ingress: where the server's router reaches this host's engines, over
     mutual TLS (`capycommon.ingress`)."""
 
-    bind: ListenAddress = Field(
+    bind: ListenAddress = setting(
         "0.0.0.0:8444",
-        description="Where this joined host's ingress listens for the server's router (mutual "
-        "TLS); only the server needs to reach it.",
-        examples=["100.64.0.21:8444"],
+        (
+            "Where this joined host's ingress listens for the server's router (mutual "
+            "TLS); only the server needs to reach it."
+        ),
+        "100.64.0.21:8444",
     )
-    address: DialAddress = Field(
+    address: DialAddress = setting(
         None,
-        description="The HOST:PORT the server's router dials for the ingress (none: bind; on "
-        "every interface, this machine's hostname).",
-        examples=["gpu-box.lan:8444"],
+        (
+            "The HOST:PORT the server's router dials for the ingress (none: bind; on "
+            "every interface, this machine's hostname)."
+        ),
+        "gpu-box.lan:8444",
     )
 
 
@@ -135,9 +141,11 @@ class EmbeddedHostSection(HostSection):
     """A server's own host: with `embedded: on` the server also runs hostd and memwatch, and
     serves models on this machine's GPUs beside those of its joined hosts."""
 
-    embedded: Annotated[OnOff, _short("embedded-host")] = Field(
+    embedded: Annotated[OnOff, _short("embedded-host")] = setting(
         "off",
-        description="on: this server is also a host, as a standalone role is (its models run "
-        "here too, beside those of joined hosts); the other host settings apply only then.",
-        examples=["on"],
+        (
+            "on: this server is also a host, as a standalone role is (its models run "
+            "here too, beside those of joined hosts); the other host settings apply only then."
+        ),
+        "on",
     )

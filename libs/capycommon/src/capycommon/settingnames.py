@@ -19,9 +19,9 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
 
@@ -38,6 +38,21 @@ class Setting:
     secret: bool = False
     # An empty variable is refused instead of counting as unset.
     empty_refused: bool = False
+
+
+def setting(
+    default: Any,
+    description: str,
+    example: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+) -> Any:
+    """The field of a setting: its default, the description and the one example that `--help`
+    and the reference show (the example a valid value other than the default), and the
+    bounds of a number, if any."""
+    return Field(default, gt=gt, ge=ge, le=le, description=description, examples=[example])
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from capycommon.domain.strict import Strict
 from capycommon.enrollsettings import EnrollmentSection
 from capycommon.hostsettings import EmbeddedHostSection, HostSection, JoinedHostSection
-from capycommon.settingnames import Setting, SettingSpec, specs_of
+from capycommon.settingnames import Setting, SettingSpec, setting, specs_of
 from capycommon.settingvalues import (
     IdleTimeout,
     Limit,
@@ -43,36 +43,42 @@ class ConnectionLimits(Strict):
     body too slowly, one left idle between requests, and one client's pile of connections are
     closed or refused, so they cannot hold the listener's file descriptors."""
 
-    header_timeout: Seconds = Field(
-        default=10.0,
+    header_timeout: Seconds = setting(
+        10.0,
+        (
+            "Seconds a client has to send a request's head, from connecting or from "
+            "the first byte of its next request; a slower connection is closed."
+        ),
+        "30",
         gt=0,
         le=300,
-        description="Seconds a client has to send a request's head, from connecting or from "
-        "the first byte of its next request; a slower connection is closed.",
-        examples=["30"],
     )
-    body_timeout: Seconds = Field(
-        default=60.0,
+    body_timeout: Seconds = setting(
+        60.0,
+        (
+            "Seconds a client has to send a request's whole body, from the end of its "
+            "head; a slower one is answered 408 request_timeout and its connection closed."
+        ),
+        "30",
         gt=0,
         le=3600,
-        description="Seconds a client has to send a request's whole body, from the end of its "
-        "head; a slower one is answered 408 request_timeout and its connection closed.",
-        examples=["30"],
     )
-    keep_alive_timeout: Annotated[int, Setting(metavar="SECONDS")] = Field(
-        default=5,
+    keep_alive_timeout: Annotated[int, Setting(metavar="SECONDS")] = setting(
+        5,
+        "Seconds a connection may stay idle between requests before it is closed.",
+        "75",
         ge=1,
         le=3600,
-        description="Seconds a connection may stay idle between requests before it is closed.",
-        examples=["75"],
     )
-    connections_per_client: int = Field(
-        default=256,
+    connections_per_client: int = setting(
+        256,
+        (
+            "Connections one client address may hold open; one more is answered "
+            "503 unavailable and closed."
+        ),
+        "64",
         ge=1,
         le=65536,
-        description="Connections one client address may hold open; one more is answered "
-        "503 unavailable and closed.",
-        examples=["64"],
     )
 
 
@@ -80,10 +86,8 @@ class InferenceListener(ConnectionLimits):
     bind: Annotated[
         ListenAddress,
         Setting(flags=("--listen",), variables=("CAPYCTL_INFERENCE_ADDR",), metavar="ADDR:PORT"),
-    ] = Field(
-        "0.0.0.0:8443",
-        description="The inference API's address (all interfaces by default).",
-        examples=["127.0.0.1:8444"],
+    ] = setting(
+        "0.0.0.0:8443", "The inference API's address (all interfaces by default).", "127.0.0.1:8444"
     )
 
 
@@ -95,10 +99,8 @@ class ManagementListener(Strict):
             variables=("CAPYCTL_MANAGEMENT_ADDR",),
             metavar="ADDR:PORT",
         ),
-    ] = Field(
-        "127.0.0.1:7443",
-        description="The management API's address, on loopback only.",
-        examples=["127.0.0.1:7444"],
+    ] = setting(
+        "127.0.0.1:7443", "The management API's address, on loopback only.", "127.0.0.1:7444"
     )
 
 
@@ -110,15 +112,9 @@ class Listeners(Strict):
 class DomainLimits(Strict):
     """Overrides of the standalone-derived limits of one kind of memory domain."""
 
-    managed_limit: Limit = Field(
-        None, description="The most CapyCTL charges on the domain.", examples=["40%"]
-    )
-    free_reserve: Limit = Field(
-        None, description="What stays free on the domain after any admission.", examples=["10%"]
-    )
-    parked_limit: Limit = Field(
-        None, description="The most parked models may hold on the domain.", examples=["16GiB"]
-    )
+    managed_limit: Limit = setting(None, "The most CapyCTL charges on the domain.", "40%")
+    free_reserve: Limit = setting(None, "What stays free on the domain after any admission.", "10%")
+    parked_limit: Limit = setting(None, "The most parked models may hold on the domain.", "16GiB")
 
 
 class MemoryPolicy(Strict):
@@ -130,82 +126,71 @@ class MemoryPolicy(Strict):
 
 class SchedulingSection(Strict):
     memory: MemoryPolicy = MemoryPolicy()
-    max_parked: int = Field(
-        default=8,
+    max_parked: int = setting(
+        8,
+        "The most models a host keeps parked; the least recently used beyond it stop.",
+        "3",
         ge=0,
         le=256,
-        description="The most models a host keeps parked; the least recently used beyond it stop.",
-        examples=["3"],
     )
-    drain_timeout: Seconds = Field(
-        default=30.0,
+    drain_timeout: Seconds = setting(
+        30.0,
+        "Seconds a model being switched out may finish its requests before it parks or stops.",
+        "10",
         ge=1,
         le=600,
-        description="Seconds a model being switched out may finish its requests before it "
-        "parks or stops.",
-        examples=["10"],
     )
-    park_verify_timeout: Seconds = Field(
-        default=15.0,
+    park_verify_timeout: Seconds = setting(
+        15.0,
+        "Seconds memwatch has to show a park's memory released; otherwise the engine stops.",
+        "5",
         ge=1,
         le=600,
-        description="Seconds memwatch has to show a park's memory released; otherwise the "
-        "engine stops.",
-        examples=["5"],
     )
-    host_lost_after: Seconds = Field(
-        default=30.0,
+    host_lost_after: Seconds = setting(
+        30.0,
+        (
+            "Seconds a joined host may stay unreachable (no heartbeat) before its "
+            "models that may run elsewhere start on another host."
+        ),
+        "60",
         ge=1,
         le=3600,
-        description="Seconds a joined host may stay unreachable (no heartbeat) before its "
-        "models that may run elsewhere start on another host.",
-        examples=["60"],
     )
-    request_deadline: Seconds = Field(
-        default=1800.0,
+    request_deadline: Seconds = setting(
+        1800.0,
+        "Seconds a request (and the start or wake it waits for) may wait for first output.",
+        "600",
         gt=0,
         le=3600,
-        description="Seconds a request (and the start or wake it waits for) may wait for first "
-        "output.",
-        examples=["600"],
     )
     # Idle models give their memory back: a ready model nobody asked for in this long parks
     # (or stops, if it cannot park), and a parked one stops after parked_idle_timeout. A
     # deployment's lifecycle overrides either; `never` turns the step off.
-    ready_idle_timeout: Annotated[IdleTimeout, Setting(metavar="DURATION|never")] = Field(
-        "5m",
-        description="A ready model nobody asked for in this long parks (or stops); never: off.",
-        examples=["10m"],
+    ready_idle_timeout: Annotated[IdleTimeout, Setting(metavar="DURATION|never")] = setting(
+        "5m", "A ready model nobody asked for in this long parks (or stops); never: off.", "10m"
     )
-    parked_idle_timeout: Annotated[IdleTimeout, Setting(metavar="DURATION|never")] = Field(
-        "30m",
-        description="A parked model nobody asked for in this long stops; never: off.",
-        examples=["2h"],
+    parked_idle_timeout: Annotated[IdleTimeout, Setting(metavar="DURATION|never")] = setting(
+        "30m", "A parked model nobody asked for in this long stops; never: off.", "2h"
     )
 
 
 class RoutingSection(Strict):
-    max_pending_per_deployment: int = Field(
-        default=64,
+    max_pending_per_deployment: int = setting(
+        64,
+        (
+            "Requests waiting for one deployment (0: none wait; they get queue_full "
+            "at once, and the start or wake is still asked for)."
+        ),
+        "16",
         ge=0,
         le=4096,
-        description="Requests waiting for one deployment (0: none wait; they get queue_full "
-        "at once, and the start or wake is still asked for).",
-        examples=["16"],
     )
-    max_pending_total: int = Field(
-        default=256,
-        ge=0,
-        le=65536,
-        description="Requests waiting for any deployment.",
-        examples=["128"],
+    max_pending_total: int = setting(
+        256, "Requests waiting for any deployment.", "128", ge=0, le=65536
     )
-    stream_idle_timeout: Seconds = Field(
-        default=120.0,
-        ge=1,
-        le=3600,
-        description="Seconds of silence a stream may have after its first output.",
-        examples=["60"],
+    stream_idle_timeout: Seconds = setting(
+        120.0, "Seconds of silence a stream may have after its first output.", "60", ge=1, le=3600
     )
 
 
@@ -225,11 +210,13 @@ def auto_workers(cpus: int | None = None) -> int:
 
 
 class RouterSection(Strict):
-    workers: Workers = Field(
-        default="auto",
-        description="Router worker processes sharing the inference listener; a killed one "
-        "loses only its own requests while the others serve. auto: one per 4 CPUs, 1 to 8.",
-        examples=["4"],
+    workers: Workers = setting(
+        "auto",
+        (
+            "Router worker processes sharing the inference listener; a killed one "
+            "loses only its own requests while the others serve. auto: one per 4 CPUs, 1 to 8."
+        ),
+        "4",
     )
 
     @property
@@ -245,29 +232,29 @@ class ServerSection(Strict):
 
 
 class LogSection(Strict):
-    level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="The least severe log line written.", examples=["debug"]
+    level: Literal["debug", "info", "warning", "error"] = setting(
+        "info", "The least severe log line written.", "debug"
     )
-    format: Literal["auto", "text", "json"] = Field(
-        "auto",
-        description="auto: text on a terminal, JSON lines otherwise.",
-        examples=["json"],
+    format: Literal["auto", "text", "json"] = setting(
+        "auto", "auto: text on a terminal, JSON lines otherwise.", "json"
     )
 
 
 class RedisSection(Strict):
-    url: Annotated[RedisUrl, Setting(metavar="URL", secret=True)] = Field(
+    url: Annotated[RedisUrl, Setting(metavar="URL", secret=True)] = setting(
         None,
-        description="The Redis to use (none: the role's own redis-server on a unix socket in "
-        "the state dir); it may carry a password, so it never comes from a flag.",
-        examples=["redis://127.0.0.1:6390/0"],
+        (
+            "The Redis to use (none: the role's own redis-server on a unix socket in "
+            "the state dir); it may carry a password, so it never comes from a flag."
+        ),
+        "redis://127.0.0.1:6390/0",
     )
-    unreachable_after: Seconds = Field(
-        default=10.0,
+    unreachable_after: Seconds = setting(
+        10.0,
+        "Seconds a service keeps trying to reach Redis before it exits non-zero.",
+        "30",
         gt=0,
         le=300,
-        description="Seconds a service keeps trying to reach Redis before it exits non-zero.",
-        examples=["30"],
     )
 
 
