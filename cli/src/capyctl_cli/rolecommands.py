@@ -77,6 +77,14 @@ start_host = start_command(
 RoleArg = Annotated[str, typer.Argument(help="standalone, server or host.")]
 
 
+def _prepare(role: Role, state_dir: str | None, config: str | None) -> roles.Prepared:
+    """The role made ready in the state dir the options name, as `start` makes it but with no
+    setting flags."""
+    env = dict(os.environ)
+    root_dir, _ = resolve_state_dir(state_dir, env)
+    return roles.prepare(role, root_dir, config, env, {})
+
+
 @demo_app.command("demo")
 @expected_errors
 def demo(
@@ -104,9 +112,7 @@ def init(
     as_json: JsonOpt = False,
 ) -> None:
     """Prepare a state dir for a role: folders, the role document and credentials."""
-    env = dict(os.environ)
-    root_dir, _ = resolve_state_dir(state_dir, env)
-    prepared = roles.prepare(role_of(role), root_dir, config, env, {})
+    prepared = _prepare(role_of(role), state_dir, config)
     result = {
         "role": role,
         "state_dir": str(prepared.paths.root),
@@ -127,10 +133,8 @@ def run_process(
     config: ConfigOpt = None,
 ) -> None:
     """Run one process of a role in the foreground (for systemd units and containers)."""
-    env = dict(os.environ)
-    root_dir, _ = resolve_state_dir(state_dir, env)
     chosen = role_of(role)
-    prepared = roles.prepare(chosen, root_dir, config, env, {})
+    prepared = _prepare(chosen, state_dir, config)
     if process not in prepared.processes:
         choices = ", ".join(prepared.processes)
         raise InvalidConfig(f"the {role} role has no process {process!r}; use one of {choices}")
