@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from types import TracebackType
 from typing import TypeVar
 from urllib.parse import quote
 
@@ -60,12 +59,7 @@ class Management:
     def __enter__(self) -> Management:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.http.close()
 
     def health(self) -> wire.Health:

@@ -3,8 +3,6 @@ downloads."""
 
 from __future__ import annotations
 
-from types import TracebackType
-
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -37,12 +35,7 @@ class DownloadBar:
     def __enter__(self) -> DownloadBar:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         if self._task is not None:
             self._progress.stop()
 
