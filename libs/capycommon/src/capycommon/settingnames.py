@@ -19,7 +19,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, TypedDict, Union, Unpack, get_args, get_origin
 
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
@@ -40,19 +40,19 @@ class Setting:
     empty_refused: bool = False
 
 
-def setting(
-    default: Any,
-    description: str,
-    example: str,
-    *,
-    gt: float | None = None,
-    ge: float | None = None,
-    le: float | None = None,
-) -> Any:
+class Bounds(TypedDict, total=False):
+    """The bounds a number setting may have (pydantic's)."""
+
+    gt: float
+    ge: float
+    le: float
+
+
+def setting(default: Any, description: str, example: str, **bounds: Unpack[Bounds]) -> Any:
     """The field of a setting: its default, the description and the one example that `--help`
     and the reference show (the example a valid value other than the default), and the
     bounds of a number, if any."""
-    return Field(default, gt=gt, ge=ge, le=le, description=description, examples=[example])
+    return Field(default, description=description, examples=[example], **bounds)
 
 
 @dataclass(frozen=True)
