@@ -19,7 +19,8 @@ from capyctl_scheduler.page.view import Bar, DeploymentLine, HostLine, Moment, P
 
 # The width of a memory bar in its SVG's units.
 BAR_UNITS = 1000
-SECTIONS: dict[str, Callable[[PageView], str]] = {}
+Render = Callable[[PageView], str]
+SECTIONS: dict[str, Render] = {}
 
 # What each button asks before it acts.
 QUESTIONS = {
@@ -31,10 +32,16 @@ QUESTIONS = {
 }
 
 
-def section(name: str) -> Callable[[Callable[[PageView], str]], Callable[[PageView], str]]:
-    def register(render: Callable[[PageView], str]) -> Callable[[PageView], str]:
+def section(name: str, title: str) -> Callable[[Render], Render]:
+    """Register a section's content under its element id, `name`: the page shows it inside
+    `<section id=name>` headed by `title`."""
+
+    def register(content: Render) -> Render:
+        def render(view: PageView) -> str:
+            return f'<section id="{name}"><h2>{title}</h2>{content(view)}</section>'
+
         SECTIONS[name] = render
-        return render
+        return content
 
     return register
 
@@ -114,10 +121,38 @@ def _header(signed_in: bool) -> str:
 # Sections ---------------------------------------------------------------------------------
 
 
-@section("hosts")
+@section("hosts", "Memory")
 def _hosts(view: PageView) -> str:
-    rows = "".join(_host(host) for host in view.hosts) or '<p class="quiet">No host yet.</p>'
-    return f'<section id="hosts"><h2>Memory</h2>{rows}</section>'
+    return "".join(_host(host) for host in view.hosts) or '<p class="quiet">No host yet.</p>'
+
+
+@section("deployments", "Deployments")
+def _deployments(view: PageView) -> str:
+    rows = "".join(_deployment(d) for d in view.deployments)
+    return rows or '<p class="quiet">No deployment yet: <code>capyctl deploy model</code>.</p>'
+
+
+@section("timeline", "Lifecycle")
+def _timeline(view: PageView) -> str:
+    rows = "".join(_moment(m) for m in view.timeline)
+    return f'<ol class="timeline">{rows}</ol>' if rows else '<p class="quiet">Nothing yet.</p>'
+
+
+@section("engines", "Engines")
+def _engines(view: PageView) -> str:
+    rows = "".join(
+        f"<tr><td>{escape(e.host)}</td><td>{escape(e.name)}</td><td>{escape(e.family)}</td>"
+        f"<td>{escape(e.version)}</td><td>{'yes' if e.verified else 'no'}</td></tr>"
+        for host in view.hosts
+        for e in host.engines
+    )
+    if not rows:
+        return '<p class="quiet">None registered: <code>capyctl engine add PATH</code>.</p>'
+    return (
+        '<div class="scroll"><table><thead><tr>'
+        "<th>Host</th><th>Name</th><th>Family</th><th>Version</th><th>Verified</th>"
+        f"</tr></thead><tbody>{rows}</tbody></table></div>"
+    )
 
 
 def _host(host: HostLine) -> str:
@@ -171,13 +206,6 @@ def _bar(bar: Bar) -> str:
     )
 
 
-@section("deployments")
-def _deployments(view: PageView) -> str:
-    rows = "".join(_deployment(d) for d in view.deployments)
-    rows = rows or '<p class="quiet">No deployment yet: <code>capyctl deploy model</code>.</p>'
-    return f'<section id="deployments"><h2>Deployments</h2>{rows}</section>'
-
-
 def _deployment(line: DeploymentLine) -> str:
     where = ", ".join(
         f"{p.host}/{p.gpu or '?'} {p.state} since {_time(p.since)}" for p in line.placements
@@ -206,13 +234,6 @@ def _deployment(line: DeploymentLine) -> str:
     )
 
 
-@section("timeline")
-def _timeline(view: PageView) -> str:
-    rows = "".join(_moment(m) for m in view.timeline)
-    body = f'<ol class="timeline">{rows}</ol>' if rows else '<p class="quiet">Nothing yet.</p>'
-    return f'<section id="timeline"><h2>Lifecycle</h2>{body}</section>'
-
-
 def _moment(moment: Moment) -> str:
     took = f" in {_took(moment.duration_s)}" if moment.duration_s else ""
     kind = "failed" if moment.failed else moment.what
@@ -223,26 +244,6 @@ def _moment(moment: Moment) -> str:
         f"{_time(moment.at)} <b>{escape(moment.deployment)}</b> "
         f'<span class="what">{escape(moment.what)}</span>{took} '
         f'<span class="quiet">{where}{escape(moment.reason)}</span></li>'
-    )
-
-
-@section("engines")
-def _engines(view: PageView) -> str:
-    rows = "".join(
-        f"<tr><td>{escape(e.host)}</td><td>{escape(e.name)}</td><td>{escape(e.family)}</td>"
-        f"<td>{escape(e.version)}</td><td>{'yes' if e.verified else 'no'}</td></tr>"
-        for host in view.hosts
-        for e in host.engines
-    )
-    if not rows:
-        return (
-            '<section id="engines"><h2>Engines</h2><p class="quiet">None registered: '
-            "<code>capyctl engine add PATH</code>.</p></section>"
-        )
-    return (
-        '<section id="engines"><h2>Engines</h2><div class="scroll"><table><thead><tr>'
-        "<th>Host</th><th>Name</th><th>Family</th><th>Version</th><th>Verified</th>"
-        f"</tr></thead><tbody>{rows}</tbody></table></div></section>"
     )
 
 
