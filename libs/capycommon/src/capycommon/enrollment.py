@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import socket
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from capycommon.domain.strict import Strict
 from capycommon.settings import HostSettings, ServerSettings
 from capycommon.settingvalues import split_address
 
@@ -20,9 +21,7 @@ JOIN_PATH = "/bootstrap/v1/join"
 WILDCARDS = frozenset({"0.0.0.0", "::"})
 
 
-class JoinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class JoinRequest(Strict):
     invitation_secret: str = Field(repr=False, min_length=64, max_length=64)
     host_name: str = Field(max_length=63)
     version: str = Field(max_length=64)
@@ -30,9 +29,7 @@ class JoinRequest(BaseModel):
     recover: bool = False
 
 
-class JoinAnswer(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class JoinAnswer(Strict):
     host_id: str
     host_name: str
     certificate: str

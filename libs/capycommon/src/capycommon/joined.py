@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from capycommon.domain.strict import Strict
 from capycommon.errors import CredentialsUnusable
 from capycommon.paths import StatePaths, ensure_private_dir, read_private, write_atomic
 
 
-class Joined(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Joined(Strict):
     host_name: str
     host_id: str
     server_version: str

@@ -11,25 +11,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
+
+from capycommon.domain.strict import Strict
 
 if TYPE_CHECKING:  # the deployments' schema reads the host's facts, which name HubPull
     from capycommon.domain.deployment import ModelSource
 
 
-class _Command(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Command(Strict):
     deployment: str
     instance: int = 0
     generation: int
 
 
-class HubPull(BaseModel):
+class HubPull(Strict):
     """A pinned Hugging Face source hostd downloads into its model store before the engine
     starts (nothing to do when the store has it)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     repo: str
     commit: str
@@ -44,10 +42,8 @@ class HubPull(BaseModel):
         return cls(repo=model.hf_repo, commit=model.hf_commit, files=model.files)
 
 
-class CacheLaunch(BaseModel):
+class CacheLaunch(Strict):
     """The LMCache server to run beside the engine, and what the scheduler charges for it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     profile: str
     pool_bytes: int = Field(gt=0)
@@ -119,13 +115,11 @@ class Abort(_Command):
     request_id: str
 
 
-class Describe(BaseModel):
+class Describe(Strict):
     """Describe these model paths (`capycommon.state.hostfacts`) besides the models root, each as
     deployments write it (a name under the models root, `~/...`, or absolute): the whole
     list the control plane needs, replacing the one before. hostd keeps describing them
     (re-reading when they change) until a later list leaves them out."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["describe"] = "describe"
     paths: tuple[str, ...]
@@ -134,36 +128,30 @@ class Describe(BaseModel):
     sources: dict[str, HubPull] = Field(default_factory=dict)
 
 
-class Pull(BaseModel):
+class Pull(Strict):
     """Download a Hub source into the host's model store ahead of any deployment (`capyctl
     model pull`). hostd reports under the operation's id (`capycommon.state.downloads`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["pull"] = "pull"
     operation: str
     source: HubPull
 
 
-class Remove(BaseModel):
+class Remove(Strict):
     """Remove a download from the host's model store (`capyctl model remove`): `name` is the
     store's path under the models root. hostd refuses while an instance of the host runs
     from it or it is being downloaded."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["remove"] = "remove"
     operation: str
     name: str
 
 
-class TailLog(BaseModel):
+class TailLog(Strict):
     """Send the last `lines` lines of an instance's engine log on the reply channel
     `keys.engine_log_reply(host, reply)` (`capycommon.state.enginelogs`): pub/sub, which Redis
     never writes to disk, so the lines of an engine that keeps its log in memory only
     (retention: zero) reach no disk on the way."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["tail_log"] = "tail_log"
     deployment: str

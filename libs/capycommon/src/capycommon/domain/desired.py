@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from capycommon.domain.deployment import Deployment
+from capycommon.domain.strict import Strict
 
 # Why the scheduler takes a serving or parked engine out (parks or stops it), one word each:
 # a switch made room for another model; an idle timeout; an operator's park, stop or delete;
@@ -20,11 +19,7 @@ from capycommon.domain.deployment import Deployment
 EvictionCause = Literal["switch", "idle", "operator", "drain", "revision", "restart", "max_parked"]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Inflight(_Frozen):
+class Inflight(Strict):
     """The one effect in flight for a deployment's instance, until hostd's record shows it.
 
     `from_state` and `from_generation` are the instance as it was when the effect began, so
@@ -45,7 +40,7 @@ class Inflight(_Frozen):
     cause: EvictionCause | None = None
 
 
-class Attempts(_Frozen):
+class Attempts(Strict):
     """Failed starts in a row; `failed` once the retries are spent (cleared by a start)."""
 
     count: int = 0
@@ -56,7 +51,7 @@ class Attempts(_Frozen):
     counted_generation: int = 0
 
 
-class Operation(_Frozen):
+class Operation(Strict):
     """The last thing done to a deployment, or why nothing could be."""
 
     kind: str
@@ -65,7 +60,7 @@ class Operation(_Frozen):
     operation_id: str | None = None
 
 
-class Refusal(_Frozen):
+class Refusal(Strict):
     """A demand that cannot be met at all, not merely not yet (the model does not fit even
     with every model that may be evicted stopped). Routers fail the requests that were
     waiting when it was written with its code; later requests ask again."""
@@ -75,14 +70,14 @@ class Refusal(_Frozen):
     at: float
 
 
-class Victim(_Frozen):
+class Victim(Strict):
     """An instance a switch released, by its deployment and generation."""
 
     deployment: str
     generation: int
 
 
-class Switch(_Frozen):
+class Switch(Strict):
     """A switch under way to this deployment: when the scheduler decided to release the first
     of its victims (to start or wake it on `gpu` of `host`), and every victim released for it
     since. It ends when the deployment is ready."""
@@ -93,7 +88,7 @@ class Switch(_Frozen):
     victims: tuple[Victim, ...] = ()
 
 
-class Choice(_Frozen):
+class Choice(Strict):
     """One choice of the scheduler, in the control plane's events stream.
 
     `evicted`: a park or stop that took a serving or parked engine out is done, with its
@@ -112,7 +107,7 @@ class Choice(_Frozen):
     engine_s: float | None = None
 
 
-class DeploymentRecord(_Frozen):
+class DeploymentRecord(Strict):
     """One declared deployment: its document and what the operator and the scheduler want."""
 
     name: str
@@ -151,7 +146,7 @@ class DeploymentRecord(_Frozen):
         return self.document.lifecycle.activation
 
 
-class Demand(_Frozen):
+class Demand(Strict):
     """A model is wanted: a request waits for it, or an operator started it. With `restart`,
     its instance of that generation must be stopped first: cut requests hold every place."""
 

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from capycommon.domain.strict import Strict
+
 
 class HostInfo(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -24,9 +26,7 @@ class HostInfo(BaseModel):
     ingress: str | None = None
 
 
-class Heartbeat(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Heartbeat(Strict):
     service: str
     pid: int
     version: str
@@ -34,10 +34,8 @@ class Heartbeat(BaseModel):
     last_seen: float
 
 
-class EngineLoad(BaseModel):
+class EngineLoad(Strict):
     """One engine's requests at `read_at`; `last_active_at` is when it last had any."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     generation: int
     running: int
@@ -51,9 +49,7 @@ class EngineLoad(BaseModel):
         return self.running + self.waiting > 0
 
 
-class Download(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Download(Strict):
     repo: str
     commit: str
     done_bytes: int
@@ -64,10 +60,8 @@ class Download(BaseModel):
     at: float
 
 
-class StoreOperation(BaseModel):
+class StoreOperation(Strict):
     """A pull or removal in a host's model store: under way, done, or failed with its code."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["pull", "remove"]
     state: Literal["running", "done", "failed"]
@@ -79,18 +73,14 @@ class StoreOperation(BaseModel):
     at: float
 
 
-class Invitation(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Invitation(Strict):
     host_name: str
     expires_unix: int
     # The host id a recovery invitation gives back; None for a new host.
     recover_host_id: str | None = None
 
 
-class HostIdentity(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class HostIdentity(Strict):
     name: str
     host_id: str
     # The serial (hex) and the end of the certificate in use; every earlier one is revoked
@@ -103,10 +93,8 @@ class HostIdentity(BaseModel):
     revoked_at: float | None = None
 
 
-class RequestEnd(BaseModel):
+class RequestEnd(Strict):
     """The engine of `deployment`'s instance at `generation` no longer holds `request_id`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     deployment: str
     instance: int = 0
@@ -117,10 +105,8 @@ class RequestEnd(BaseModel):
     at: float
 
 
-class LogTail(BaseModel):
+class LogTail(Strict):
     """What hostd answers: where the log is kept, and its last lines."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # file: under the state dir; memory: in its writer's memory only (retention: zero);
     # none: nothing to read (no such instance, or its engine and memory log are gone).

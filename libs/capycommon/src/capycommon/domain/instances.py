@@ -10,7 +10,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from capycommon.domain.strict import Strict
 
 
 class InstanceState(StrEnum):
@@ -57,22 +59,18 @@ LIVE_STATES = frozenset(
 )
 
 
-class ProcessIdentity(BaseModel):
+class ProcessIdentity(Strict):
     """An engine's process, recognised by PID and start time (so PID reuse is detected)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     pid: int
     pgid: int
     start_ticks: int  # /proc/<pid>/stat field 22: start time in clock ticks after boot
 
 
-class CacheRecord(BaseModel):
+class CacheRecord(Strict):
     """The private LMCache server beside an instance (`capycommon.engines.lmcache`). It may
     outlive the instance's engine: a restart_only park keeps it, and the next launch of the
     deployment's revision connects to it again."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     profile: str
     version: str
@@ -91,10 +89,8 @@ class CacheRecord(BaseModel):
     device_bytes: int
 
 
-class InstanceRecord(BaseModel):
+class InstanceRecord(Strict):
     """What hostd observed of one instance."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     deployment: str
     instance: int
@@ -128,10 +124,8 @@ class InstanceRecord(BaseModel):
         return f"{self.deployment}:{self.instance}"
 
 
-class Event(BaseModel):
+class Event(Strict):
     """One thing that happened to an instance, with why and how long it took."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # transition: a record changed state; refused: a command hostd would not carry out;
     # uncounted: an engine no record counted (Redis lost it) was stopped; download: a model

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from capycommon.domain.strict import Strict
 
 
-class Places(BaseModel):
+class Places(Strict):
     """The places of one deployment's current generation."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     generation: int = 0
     running: int = 0

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from capycommon.domain.strict import Strict
 from capycommon.engines.families import Family, check_supported, is_verified
 from capycommon.errors import InvalidConfig, ProfileExists, ProfileNotFound
 from capycommon.paths import write_atomic
@@ -28,10 +29,8 @@ REVISION_PREFIX = "# capyctl-document-revision: "
 ProfileName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
 
 
-class EngineProfile(BaseModel):
+class EngineProfile(Strict):
     """One registered engine installation."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: ProfileName
     family: Family
@@ -47,10 +46,8 @@ class EngineProfile(BaseModel):
     added_at: datetime
 
 
-class PublishedEngines(BaseModel):
+class PublishedEngines(Strict):
     """The registry as a host publishes it: its profiles at one revision of its file."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     revision: int
     source: str
