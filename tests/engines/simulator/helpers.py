@@ -10,7 +10,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +168,11 @@ def env_for(venv: Path, home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]
     return closed_env(venv / "bin", home, **gpu.env(), **extra)
 
 
+def llama_argv(executable: Path, model: Path, *extra: str) -> list[str]:
+    """`llama-server -m MODEL --port {port} EXTRA` from an install."""
+    return [str(executable), "-m", str(model), "--port", "{port}", *extra]
+
+
 @dataclass
 class Engine:
     proc: subprocess.Popen[bytes]
@@ -286,7 +291,7 @@ class Launcher:
 
 @dataclass(frozen=True)
 class Engines:
-    """Starts simulated vLLM or SGLang from the session's installs, on the test's GPU."""
+    """Starts simulated engines from the session's installs, on the test's GPU."""
 
     installs: Installs
     model: Path
@@ -310,6 +315,16 @@ class Engines:
         argv = python_argv(family, venv, self.model, *extra)
         return self.launcher.start(argv, env_for(venv, self.home, self.gpu, **env), key=key)
 
+    def start_llama(
+        self, build: int, behaviour: Behaviour, model: Path, *extra: str, **env: str
+    ) -> Engine:
+        """Launch llama-server of `build` with `behaviour`, serving `model` (extra arguments
+        and environment variables added); it may still be loading."""
+        executable = self.installs.llama(build)
+        write_behaviour(executable, behaviour)
+        argv = llama_argv(executable, model, *extra)
+        return self.launcher.start(argv, closed_env(None, self.home, **self.gpu.env(), **env))
+
 
 @contextmanager
 def serving(folder: Path, argv: list[str], env: dict[str, str], key: str) -> Iterator[Engine]:
@@ -321,6 +336,44 @@ def serving(folder: Path, argv: list[str], env: dict[str, str], key: str) -> Ite
         yield engine
     finally:
         launcher.cleanup()
+
+
+def serving_python(
+    installs: Installs,
+    family: PythonFamily,
+    version: str,
+    behaviour: Behaviour,
+    folder: Path,
+    model: Path,
+    key: str,
+    *extra: str,
+    **env: str,
+) -> AbstractContextManager[Engine]:
+    """`family` at `version` with `behaviour`, serving `model` behind `key` (`--api-key`) on
+    its own simulated GPU under `folder`, for a module's tests."""
+    venv = installs.python(family, version)
+    write_behaviour(venv, behaviour)
+    argv = python_argv(family, venv, model, "--api-key", key, *extra)
+    gpu = make_simgpu(folder / "simgpu")
+    return serving(folder, argv, env_for(venv, folder, gpu, **env), key)
+
+
+def serving_llama(
+    installs: Installs,
+    build: int,
+    behaviour: Behaviour,
+    folder: Path,
+    model: Path,
+    key: str,
+    *extra: str,
+) -> AbstractContextManager[Engine]:
+    """llama-server of `build` with `behaviour`, serving `model` behind `key`
+    (`LLAMA_API_KEY`) on its own simulated GPU under `folder`, for a module's tests."""
+    executable = installs.llama(build)
+    write_behaviour(executable, behaviour)
+    gpu = make_simgpu(folder / "simgpu")
+    env = closed_env(None, folder, **gpu.env(), LLAMA_API_KEY=key)
+    return serving(folder, llama_argv(executable, model, *extra), env, key)
 
 
 def engine_core(engine: Engine, timeout: float = 10) -> int:

@@ -15,11 +15,9 @@ import pytest
 from engines.simulator.helpers import (
     FAST,
     Engines,
-    Installs,
     Launcher,
     SimGpu,
     claim,
-    closed_env,
     engine_core,
     env_for,
     group_alive,
@@ -162,13 +160,11 @@ def test_the_holder_allocates_each_change_and_hands_releases_back_first() -> Non
 
 @pytest.mark.parametrize("family", ["vllm", "sglang", "llamacpp"])
 def test_each_family_refuses_to_start_without_torch(
-    family: str, engines: Engines, installs: Installs, gguf: Path, gpu: SimGpu, tmp_path: Path
+    family: str, engines: Engines, gguf: Path, gpu: SimGpu
 ) -> None:
     on = {"ENGINESIM_CUDA": "1"}
     if family == "llamacpp":
-        executable = installs.llama(LLAMA_BUILD)
-        argv = [str(executable), "-m", str(gguf), "--port", "{port}"]
-        engine = engines.launcher.start(argv, closed_env(None, tmp_path, **gpu.env(), **on))
+        engine = engines.start_llama(LLAMA_BUILD, FAST, gguf, **on)
     elif family == "vllm":
         engine = engines.start("vllm", VLLM, FAST, **on)
     else:

@@ -22,14 +22,11 @@ from engines.simulator.helpers import (
     Engine,
     Engines,
     Installs,
-    closed_env,
-    env_for,
-    make_simgpu,
-    python_argv,
     send_and_hang_up,
-    serving,
+    serving_llama,
+    serving_python,
 )
-from enginesim import Behaviour, DisconnectLag, Faults, write_behaviour
+from enginesim import Behaviour, DisconnectLag, Faults
 from enginesim.decisions import confidence, gguf_decision_type
 from enginesim.engine import Engine as SimEngine
 from enginesim.engine import Work
@@ -99,14 +96,6 @@ def decide(engine: Engine, body: dict[str, Any]) -> httpx.Response:
     return engine.post("/v1/systemone", json=body)
 
 
-def sglang_argv(venv: Path, model: Path, *extra: str) -> list[str]:
-    return python_argv("sglang", venv, model, "--skip-server-warmup", *extra)
-
-
-def llama_argv(executable: Path, model: Path, *extra: str) -> list[str]:
-    return [str(executable), "-m", str(model), "--port", "{port}", *extra]
-
-
 def start_sglang(engines: Engines, model: Path, behaviour: Behaviour, *extra: str) -> Engine:
     """SGLang from `model` (it may still be loading)."""
     with_model = replace(engines, model=model)
@@ -115,10 +104,7 @@ def start_sglang(engines: Engines, model: Path, behaviour: Behaviour, *extra: st
 
 def start_llama(engines: Engines, model: Path, behaviour: Behaviour, *extra: str) -> Engine:
     """llama-server serving `model`."""
-    executable = engines.installs.llama(LLAMA)
-    write_behaviour(executable, behaviour)
-    env = closed_env(None, engines.home, **engines.gpu.env())
-    engine = engines.launcher.start(llama_argv(executable, model, *extra), env)
+    engine = engines.start_llama(LLAMA, behaviour, model, *extra)
     engine.wait_status(200)
     return engine
 
@@ -128,12 +114,8 @@ def decider(installs: Installs, tmp_path_factory: pytest.TempPathFactory) -> Ite
     """SGLang serving a decision checkpoint (`decision_config.json`) as `decider`."""
     folder = tmp_path_factory.mktemp("sglang-decider")
     model = decision_folder(folder / "decider")
-    venv = installs.python("sglang", SGLANG)
-    write_behaviour(venv, FAST)
-    extra = ("--served-model-name", "decider", "--api-key", KEY, "--enable-metrics")
-    argv = sglang_argv(venv, model, *extra)
-    gpu = make_simgpu(folder / "simgpu")
-    with serving(folder, argv, env_for(venv, folder, gpu), KEY) as engine:
+    extra = ("--served-model-name", "decider", "--enable-metrics", "--skip-server-warmup")
+    with serving_python(installs, "sglang", SGLANG, FAST, folder, model, KEY, *extra) as engine:
         yield engine
 
 
@@ -142,11 +124,8 @@ def judge(installs: Installs, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """llama-server serving an OpenJev GGUF as `judge`."""
     folder = tmp_path_factory.mktemp("llama-judge")
     model = decision_gguf(folder / "openjev.gguf", "openjev")
-    executable = installs.llama(LLAMA)
-    write_behaviour(executable, FAST)
-    argv = llama_argv(executable, model, "--alias", "judge", "--metrics")
-    env = closed_env(None, folder, LLAMA_API_KEY=KEY, **make_simgpu(folder / "simgpu").env())
-    with serving(folder, argv, env, KEY) as engine:
+    extra = ("--alias", "judge", "--metrics")
+    with serving_llama(installs, LLAMA, FAST, folder, model, KEY, *extra) as engine:
         yield engine
 
 

@@ -14,16 +14,13 @@ from engines.simulator.helpers import (
     SLOW,
     Engine,
     Engines,
-    Installs,
-    Launcher,
     SimGpu,
-    closed_env,
     engine_core,
     group_alive,
     send_and_hang_up,
     sse_events,
 )
-from enginesim import Behaviour, CrashAtStart, Faults, SchedulerDies, write_behaviour
+from enginesim import Behaviour, CrashAtStart, Faults, SchedulerDies
 from enginesim.behaviour import GARBAGE_ANSWER
 from support import wait_for
 
@@ -138,20 +135,18 @@ def test_sglang_health_generates_and_marks_a_hung_engine_unhealthy(engines: Engi
     assert engine.status("/health_generate") == 503
 
 
-def test_llama_crash_at_start_and_a_leak_on_hang_up(
-    installs: Installs, gguf: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    executable = installs.llama(6500)
+def test_llama_crash_at_start_and_a_leak_on_hang_up(engines: Engines, gguf: Path) -> None:
+    flags = ("--metrics", "-np", "1")
     crash = CrashAtStart(exit_code=3, message="error: simulated crash")
-    write_behaviour(executable, with_faults(FAST, Faults(crash_at_start=crash)))
-    argv = [str(executable), "-m", str(gguf), "--port", "{port}", "--metrics", "-np", "1"]
-    crashed = launcher.start(argv, closed_env(None, tmp_path, **gpu.env()))
+    crashed = engines.start_llama(
+        6500, with_faults(FAST, Faults(crash_at_start=crash)), gguf, *flags
+    )
     assert crashed.wait_exit() == 3
     assert "error: simulated crash" in crashed.output()
     leak = Faults(keep_generating_on_disconnect=True)
     short = {"answer": "one two three four five six seven eight", "tokens_per_second": 10}
-    write_behaviour(executable, FAST.model_copy(update={"faults": leak, **short}))
-    engine = launcher.start([*argv, "--reasoning-format", "none"], closed_env(None, tmp_path))
+    leaky = FAST.model_copy(update={"faults": leak, **short})
+    engine = engines.start_llama(6500, leaky, gguf, *flags, "--reasoning-format", "none")
     engine.wait_status(200)
     sock = send_and_hang_up(engine.port, "/v1/chat/completions", {"messages": HELLO}, None)
     wait_for(lambda: engine.metric("llamacpp:requests_processing") == 1, 5, "the request")

@@ -20,15 +20,12 @@ from engines.simulator.helpers import (
     Engine,
     Engines,
     Installs,
-    closed_env,
-    env_for,
-    make_simgpu,
-    python_argv,
     send_and_hang_up,
-    serving,
+    serving_llama,
+    serving_python,
     sse_events,
 )
-from enginesim import Faults, write_behaviour
+from enginesim import Faults
 from support import wait_for
 
 KEY = "sim-key"
@@ -37,6 +34,7 @@ ANSWER = "Hello " + " ".join(f"w{i}" for i in range(WORDS - 1))
 # No reasoning: llama-server parses it by default, and the counts below are the answer's.
 INSTANT = FAST.model_copy(update={"instant": True, "answer": ANSWER, "reasoning": ""})
 CHAT = "/v1/chat/completions"
+TINY = ("--served-model-name", "tiny")
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang", "llama-server"])
@@ -50,22 +48,23 @@ def instant(
     """Each family's engine, instant, serving the name `tiny` behind the key `KEY`."""
     family: str = request.param
     folder = tmp_path_factory.mktemp(f"instant-{family}")
-    gpu = make_simgpu(folder / "simgpu")
     if family == "llama-server":
-        executable = installs.llama(6500)
-        write_behaviour(executable, INSTANT)
-        argv = [str(executable), "-m", str(gguf), "--port", "{port}", "--alias", "tiny"]
-        env = closed_env(None, folder, **gpu.env(), LLAMA_API_KEY=KEY)
+        server = serving_llama(installs, 6500, INSTANT, folder, gguf, KEY, "--alias", "tiny")
+    elif family == "vllm":
+        server = serving_python(installs, "vllm", "0.17.0", INSTANT, folder, model_dir, KEY, *TINY)
     else:
-        version = "0.17.0" if family == "vllm" else "0.5.10"
-        venv = installs.python("vllm" if family == "vllm" else "sglang", version)
-        write_behaviour(venv, INSTANT)
-        extra = ["--served-model-name", "tiny", "--api-key", KEY]
-        if family == "sglang":
-            extra.append("--skip-server-warmup")
-        argv = python_argv("vllm" if family == "vllm" else "sglang", venv, model_dir, *extra)
-        env = env_for(venv, folder, gpu)
-    with serving(folder, argv, env, KEY) as engine:
+        server = serving_python(
+            installs,
+            "sglang",
+            "0.5.10",
+            INSTANT,
+            folder,
+            model_dir,
+            KEY,
+            *TINY,
+            "--skip-server-warmup",
+        )
+    with server as engine:
         yield engine
 
 

@@ -20,16 +20,15 @@ from engines.simulator.helpers import (
     TALKATIVE,
     TOOLS,
     Engine,
+    Engines,
     Installs,
     Launcher,
     SimGpu,
     claim,
     closed_env,
-    make_simgpu,
-    serving,
+    serving_llama,
     sse_events,
 )
-from enginesim import write_behaviour
 from support import wait_for
 
 BUILD = 6500
@@ -39,24 +38,13 @@ RESIDUE = 512 * MIB
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
-def llama(executable: Path, gguf: Path, *extra: str) -> list[str]:
-    return [str(executable), "-m", str(gguf), "--port", "{port}", *extra]
-
-
-def env_for(home: Path, gpu: SimGpu, **extra: str) -> dict[str, str]:
-    return closed_env(None, home, **gpu.env(), **extra)
-
-
 @pytest.fixture(scope="module")
 def served(
     installs: Installs, gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     folder = tmp_path_factory.mktemp("llama-served")
-    executable = installs.llama(BUILD)
-    write_behaviour(executable, TALKATIVE)
-    gpu = make_simgpu(folder / "simgpu")
-    argv = llama(executable, gguf, "-np", "1", "-c", "4096", "--metrics", "--alias", "tiny")
-    with serving(folder, argv, env_for(folder, gpu, LLAMA_API_KEY=KEY), KEY) as engine:
+    extra = ("-np", "1", "-c", "4096", "--metrics", "--alias", "tiny")
+    with serving_llama(installs, BUILD, TALKATIVE, folder, gguf, KEY, *extra) as engine:
         yield engine
 
 
@@ -152,12 +140,11 @@ def _chat(engine: Engine, max_tokens: int) -> str:
 
 
 def test_listens_at_once_loads_then_serves_and_stops_cleanly(
-    installs: Installs, gguf: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, gguf: Path, gpu: SimGpu
 ) -> None:
-    executable = installs.llama(BUILD)
     # A load long enough that a loaded machine still asks both questions while it runs.
-    write_behaviour(executable, FAST.model_copy(update={"load_seconds": 6}))
-    engine = launcher.start(llama(executable, gguf, "--no-slots"), env_for(tmp_path, gpu))
+    slow_load = FAST.model_copy(update={"load_seconds": 6})
+    engine = engines.start_llama(BUILD, slow_load, gguf, "--no-slots")
     engine.wait_status(503)
     loading = httpx.get(f"{engine.base}/health")
     assert loading.json() == LOADING
@@ -176,12 +163,9 @@ def test_listens_at_once_loads_then_serves_and_stops_cleanly(
 
 
 def test_idle_sleep_frees_memory_and_the_next_request_reloads(
-    installs: Installs, gguf: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, gguf: Path, gpu: SimGpu
 ) -> None:
-    executable = installs.llama(BUILD)
-    write_behaviour(executable, FAST)
-    argv = llama(executable, gguf, "-np", "1", "--sleep-idle-seconds", "1")
-    engine = launcher.start(argv, env_for(tmp_path, gpu))
+    engine = engines.start_llama(BUILD, FAST, gguf, "-np", "1", "--sleep-idle-seconds", "1")
     engine.wait_status(200)
     pid = engine.proc.pid
     wait_for(lambda: claim(gpu, pid) == (GIB + KV, 0), 5, "the loaded model")
@@ -225,15 +209,13 @@ def test_default_port_by_build(
 
 
 def test_out_of_memory_and_missing_model_exit_1(
-    installs: Installs, gguf: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, gguf: Path, gpu: SimGpu, tmp_path: Path
 ) -> None:
-    executable = installs.llama(BUILD)
-    write_behaviour(executable, FAST)
     gpu.occupy(23 * GIB)
-    full = launcher.start(llama(executable, gguf), env_for(tmp_path, gpu))
+    full = engines.start_llama(BUILD, FAST, gguf)
     assert full.wait_exit() == 1
     assert "cudaMalloc failed: out of memory" in full.output()
     assert "main: exiting due to model loading error" in full.output()
-    missing = launcher.start(llama(executable, tmp_path / "none.gguf"), env_for(tmp_path, gpu))
+    missing = engines.start_llama(BUILD, FAST, tmp_path / "none.gguf")
     assert missing.wait_exit() == 1
     assert "exiting due to model loading error" in missing.output()

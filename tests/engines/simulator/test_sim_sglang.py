@@ -27,10 +27,9 @@ from engines.simulator.helpers import (
     claim,
     closed_env,
     env_for,
-    make_simgpu,
     python_argv,
     send_and_hang_up,
-    serving,
+    serving_python,
     streaming,
     wait_claim,
 )
@@ -65,25 +64,19 @@ def served(
     installs: Installs, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     folder = tmp_path_factory.mktemp("sglang-served")
-    venv = installs.python("sglang", VERSION)
-    write_behaviour(venv, TALKATIVE)
-    gpu = make_simgpu(folder / "simgpu")
-    argv = python_argv(
-        "sglang",
-        venv,
-        model_dir,
+    flags = [
         "--served-model-name",
         "tiny",
-        "--api-key",
-        KEY,
         "--enable-metrics",
         "--tool-call-parser",
         "qwen25",
         "--reasoning-parser",
         "qwen3",
         "--skip-server-warmup",
-    )
-    with serving(folder, argv, env_for(venv, folder, gpu), KEY) as engine:
+    ]
+    with serving_python(
+        installs, "sglang", VERSION, TALKATIVE, folder, model_dir, KEY, *flags
+    ) as engine:
         yield engine
 
 

@@ -32,10 +32,9 @@ from engines.simulator.helpers import (
     engine_core,
     env_for,
     group_alive,
-    make_simgpu,
     python_argv,
     send_and_hang_up,
-    serving,
+    serving_python,
     sse_events,
     streaming,
     wait_claim,
@@ -103,18 +102,11 @@ def served(
     """One vLLM 0.17 with keys, two names, parsers, id headers and two --middleware."""
     folder = tmp_path_factory.mktemp("vllm-served")
     (folder / "sim_middleware.py").write_text(MIDDLEWARE)
-    venv = installs.python("vllm", VERSION)
-    write_behaviour(venv, SERVED)
-    gpu = make_simgpu(folder / "simgpu")
-    env = env_for(venv, folder, gpu, VLLM_SERVER_DEV_MODE="1", PYTHONPATH=str(folder))
-    argv = api_server(
-        venv,
-        model_dir,
+    flags = [
+        *LOOPBACK,
         "--served-model-name",
         "tiny",
         "other",
-        "--api-key",
-        KEY,
         "--enable-sleep-mode",
         "--enable-auto-tool-choice",
         "--tool-call-parser",
@@ -128,8 +120,11 @@ def served(
         "sim_middleware.Tagger",
         "--middleware",
         "sim_middleware.stamp",
-    )
-    with serving(folder, argv, env, KEY) as engine:
+    ]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(folder)}
+    with serving_python(
+        installs, "vllm", VERSION, SERVED, folder, model_dir, KEY, *flags, **env
+    ) as engine:
         yield engine
 
 
