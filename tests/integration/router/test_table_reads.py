@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import cast
 
@@ -49,59 +51,57 @@ class HeldRead(Table):
         return await super()._read_ingress(host)
 
 
-async def _held(state: State) -> tuple[HeldRead, asyncio.Task[None]]:
-    """A table (a joined host `gpu-b` makes its full read ask for an ingress), its first full
-    read done, and a second one held part way."""
-    await state.client.sadd(keys.hosts(), "gpu-b")
-    table = HeldRead(state)
-    table.go_on.set()
-    await table.sync()
-    table.go_on.clear()
-    table.reached.clear()
-    read = asyncio.create_task(table.sync())
-    await asyncio.wait_for(table.reached.wait(), 5)
-    return table, read
+@asynccontextmanager
+async def _during_a_full_read(redis_socket: Path, *ready: str) -> AsyncIterator[HeldRead]:
+    """A table (a joined host `gpu-b` makes its full read ask for an ingress) whose first
+    full read is done and whose second is held part way while the block runs; the
+    deployments named in `ready` are ready before both. The second read is let go on and
+    awaited when the block ends."""
+    async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
+        state = State(client)
+        for name in ready:
+            await put_ready(client, name)
+        await client.sadd(keys.hosts(), "gpu-b")
+        table = HeldRead(state)
+        table.go_on.set()
+        await table.sync()
+        table.go_on.clear()
+        table.reached.clear()
+        read = asyncio.create_task(table.sync())
+        await asyncio.wait_for(table.reached.wait(), 5)
+        yield table
+        table.go_on.set()
+        await read
 
 
 @pytest.mark.anyio
 async def test_a_deployment_created_during_a_full_read_is_kept(redis_socket: Path) -> None:
-    async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
-        state = State(client)
-        table, read = await _held(state)
-        await put_ready(client, "new")
+    async with _during_a_full_read(redis_socket) as table:
+        await put_ready(table.state.client, "new")
         await table._deployment("new")
         await table._instance("local", "new:0")
         assert table.deployment_of("new") is not None
-        table.go_on.set()
-        await read
-        assert table.deployment_of("new") is not None, "the read's older snapshot dropped it"
-        target = table.target("new")
-        assert target is not None
-        assert target.secret == "engine-key"
+    assert table.deployment_of("new") is not None, "the read's older snapshot dropped it"
+    target = table.target("new")
+    assert target is not None
+    assert target.secret == "engine-key"
 
 
 @pytest.mark.anyio
 async def test_a_deployment_removed_during_a_full_read_stays_removed(redis_socket: Path) -> None:
-    async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
-        state = State(client)
-        await put_ready(client, "old")
-        table, read = await _held(state)
-        await state.deployments.forget("old")
+    async with _during_a_full_read(redis_socket, "old") as table:
+        await table.state.deployments.forget("old")
         await table._deployment("old")
-        table.go_on.set()
-        await read
-        assert table.deployment_of("old") is None
-        assert "old" not in table.instances
+    assert table.deployment_of("old") is None
+    assert "old" not in table.instances
 
 
 @pytest.mark.anyio
 async def test_an_instance_that_changed_during_a_full_read_keeps_its_newer_state(
     redis_socket: Path,
 ) -> None:
-    async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
-        state = State(client)
-        await put_ready(client, "m")
-        table, read = await _held(state)
+    async with _during_a_full_read(redis_socket, "m") as table:
+        client = table.state.client
         raw = await client.get(keys.instance("local", "m", 0))
         assert raw is not None
         parked = InstanceRecord.model_validate_json(raw).model_copy(
@@ -109,10 +109,8 @@ async def test_an_instance_that_changed_during_a_full_read_keeps_its_newer_state
         )
         await client.set(keys.instance("local", "m", 0), parked.model_dump_json())
         await table._instance("local", "m:0")
-        table.go_on.set()
-        await read
-        assert table.instances["m"].state == InstanceState.PARKED
-        assert table.target("m") is None
+    assert table.instances["m"].state == InstanceState.PARKED
+    assert table.target("m") is None
 
 
 @pytest.mark.anyio
@@ -120,14 +118,9 @@ async def test_a_notification_read_before_the_full_read_began_does_not_outrank_i
     redis_socket: Path,
 ) -> None:
     """Only notifications whose reads began after the full read did are kept over it."""
-    async with aioredis.Redis(unix_socket_path=str(redis_socket)) as client:
-        state = State(client)
-        await put_ready(client, "m")
-        table, read = await _held(state)
+    async with _during_a_full_read(redis_socket, "m") as table:
         table.records.pop("m")  # as a stale notification would have left it
-        table.go_on.set()
-        await read
-        assert table.deployment_of("m") is not None
+    assert table.deployment_of("m") is not None
 
 
 @pytest.mark.anyio
