@@ -107,6 +107,12 @@ def cache_of(record: InstanceRecord) -> CacheRecord:
     return record.cache
 
 
+@pytest.fixture
+def record(hostd: Setup) -> InstanceRecord:
+    """Instance `a`, generation 1, ready with its LMCache server."""
+    return ready(hostd)
+
+
 def status(cache: CacheRecord) -> dict[str, object]:
     answer = httpx.get(f"http://127.0.0.1:{cache.http_port}/status", timeout=5)
     answer.raise_for_status()
@@ -121,6 +127,25 @@ def cmdline(pid: int) -> list[str]:
 def log_lines(record: InstanceRecord) -> list[str]:
     assert record.log_path is not None
     return Path(record.log_path).read_text().splitlines()
+
+
+def first_line(lines: list[str], text: str) -> int:
+    """The index of the first of `lines` that holds `text`."""
+    return next(i for i, line in enumerate(lines) if text in line)
+
+
+def engine_group(record: InstanceRecord) -> list[int]:
+    """The live processes of the engine's process group."""
+    assert record.process is not None
+    return group_members(record.process.pgid)
+
+
+def stop(
+    harness: Hostd, reason: str, name: str = "a", generation: int = 1, keep_cache: bool = False
+) -> InstanceRecord:
+    """Stop instance `generation` of `name` and wait until hostd records it stopped."""
+    harness.send(Stop(deployment=name, generation=generation, reason=reason, keep_cache=keep_cache))
+    return harness.wait_state(name, "stopped")
 
 
 def ask(harness: Hostd, record: InstanceRecord, content: str) -> int:
@@ -141,11 +166,9 @@ def ask(harness: Hostd, record: InstanceRecord, content: str) -> int:
 
 
 def test_the_server_starts_healthy_before_the_engine_which_registers_before_ready(
-    hostd: Setup,
+    hostd: Setup, record: InstanceRecord
 ) -> None:
-    harness, gpu = hostd.harness, hostd.gpu
-    record = ready(hostd)
-    cache = cache_of(record)
+    harness, gpu, cache = hostd.harness, hostd.gpu, cache_of(record)
     assert record.process is not None
     assert cache.process.start_ticks <= record.process.start_ticks, "the server first"
     assert cache.pool_bytes == POOL
@@ -168,8 +191,8 @@ def test_the_server_starts_healthy_before_the_engine_which_registers_before_read
     assert wiring["kv_connector"] == "LMCacheMPConnector"
     assert wiring["kv_connector_extra_config"]["lmcache.mp.port"] == cache.zmq_port
     lines = log_lines(record)
-    running = next(i for i, line in enumerate(lines) if "cache server is running" in line)
-    registered = next(i for i, line in enumerate(lines) if "Registered a vllm worker" in line)
+    running = first_line(lines, "cache server is running")
+    registered = first_line(lines, "Registered a vllm worker")
     assert running < registered, "one log for both, the server's lines first"
 
 
@@ -179,20 +202,15 @@ def cache_profile(harness: Hostd) -> EngineProfile:
 
 
 def test_a_stop_stops_the_engine_then_the_server_and_gives_its_ports_back(
-    hostd: Setup,
+    hostd: Setup, record: InstanceRecord
 ) -> None:
-    harness = hostd.harness
-    record = ready(hostd)
-    cache = cache_of(record)
-    harness.send(Stop(deployment="a", generation=1, reason="test"))
-    stopped = harness.wait_state("a", "stopped")
-    assert stopped.cache is None
+    harness, cache = hostd.harness, cache_of(record)
+    assert stop(harness, "test").cache is None
     assert group_members(cache.process.pgid) == []
-    assert record.process is not None
-    assert group_members(record.process.pgid) == []
+    assert engine_group(record) == []
     lines = log_lines(record)
-    gone = next(i for i, line in enumerate(lines) if "Unregistered the vllm worker" in line)
-    ended = next(i for i, line in enumerate(lines) if "LMCache server stopped" in line)
+    gone = first_line(lines, "Unregistered the vllm worker")
+    ended = first_line(lines, "LMCache server stopped")
     assert gone < ended, "the engine's connection closed before the server stopped"
     again = ready(hostd, generation=2)
     assert {again.port} | set(ports_of(cache_of(again))) <= {record.port} | set(ports_of(cache))
@@ -203,25 +221,20 @@ def ports_of(cache: CacheRecord) -> tuple[int, int, int]:
 
 
 def test_a_restart_only_park_keeps_the_server_and_the_next_start_hits_its_cache(
-    hostd: Setup,
+    hostd: Setup, record: InstanceRecord
 ) -> None:
-    harness = hostd.harness
-    record = ready(hostd)
-    cache = cache_of(record)
+    harness, cache = hostd.harness, cache_of(record)
     assert ask(harness, record, LONG) == 0
     assert ask(harness, record, LONG) > 0, "the same prompt again comes from the cache"
-    harness.send(Stop(deployment="a", generation=1, reason="idle", keep_cache=True))
-    parked = harness.wait_state("a", "stopped")
+    parked = stop(harness, "idle", keep_cache=True)
     assert parked.cache == cache, "kept, and still charged"
     assert group_members(cache.process.pgid), "the server runs on"
-    assert record.process is not None
-    assert group_members(record.process.pgid) == []
+    assert engine_group(record) == []
     again = ready(hostd, generation=2)
     assert cache_of(again).process == cache.process, "the kept server, connected to again"
     assert status(cache)["registered_gpu_ids"]
     assert ask(harness, again, LONG) > 0, "answered from the cache across the park"
-    harness.send(Stop(deployment="a", generation=2, reason="operator stop"))
-    assert harness.wait_state("a", "stopped").cache is None
+    assert stop(harness, "operator stop", generation=2).cache is None
     assert group_members(cache.process.pgid) == []
 
 
@@ -230,8 +243,7 @@ def test_a_kept_server_is_stopped_by_a_stop_of_its_stopped_instance(
 ) -> None:
     harness = hostd.harness
     cache = cache_of(ready(hostd))
-    harness.send(Stop(deployment="a", generation=1, reason="idle", keep_cache=True))
-    harness.wait_state("a", "stopped")
+    stop(harness, "idle", keep_cache=True)
     harness.send(Stop(deployment="a", generation=1, reason="parked idle"))
     wait_for(
         lambda: (found := harness.record("a")) is not None and found.cache is None,
@@ -244,8 +256,7 @@ def test_a_kept_server_is_stopped_by_a_stop_of_its_stopped_instance(
 def test_a_kept_server_of_another_revision_is_replaced(hostd: Setup) -> None:
     harness = hostd.harness
     cache = cache_of(ready(hostd))
-    harness.send(Stop(deployment="a", generation=1, reason="idle", keep_cache=True))
-    harness.wait_state("a", "stopped")
+    stop(harness, "idle", keep_cache=True)
     again = ready(hostd, generation=2, revision=2)
     assert cache_of(again).process != cache.process
     assert group_members(cache.process.pgid) == []
@@ -253,11 +264,9 @@ def test_a_kept_server_of_another_revision_is_replaced(hostd: Setup) -> None:
 
 
 def test_an_engine_crash_stops_its_server_and_the_relaunch_starts_a_new_one(
-    hostd: Setup,
+    hostd: Setup, record: InstanceRecord
 ) -> None:
-    harness = hostd.harness
-    record = ready(hostd)
-    cache = cache_of(record)
+    harness, cache = hostd.harness, cache_of(record)
     assert record.process is not None
     os.killpg(record.process.pgid, signal.SIGKILL)
     failed = harness.wait_state("a", "failed")
@@ -267,14 +276,12 @@ def test_an_engine_crash_stops_its_server_and_the_relaunch_starts_a_new_one(
     assert cache_of(again).process != cache.process
 
 
-def test_a_server_that_dies_fails_its_instance(hostd: Setup) -> None:
+def test_a_server_that_dies_fails_its_instance(hostd: Setup, record: InstanceRecord) -> None:
     harness = hostd.harness
-    record = ready(hostd)
     os.killpg(cache_of(record).process.pgid, signal.SIGKILL)
     failed = harness.wait_state("a", "failed")
     assert "its LMCache server exited on its own" in (failed.error or "")
-    assert record.process is not None
-    assert group_members(record.process.pgid) == []
+    assert engine_group(record) == []
 
 
 def test_a_server_that_fails_at_start_fails_the_launch_before_any_engine(
@@ -307,8 +314,7 @@ def test_a_restart_of_hostd_finds_the_servers_again(hostd: Setup) -> None:
     harness = hostd.harness
     live = ready(hostd, "a")
     kept = cache_of(ready(hostd, "b"))
-    harness.send(Stop(deployment="b", generation=1, reason="idle", keep_cache=True))
-    harness.wait_state("b", "stopped")
+    stop(harness, "idle", "b", keep_cache=True)
     harness.kill9()
     harness.start()
     wait_for(
@@ -320,6 +326,5 @@ def test_a_restart_of_hostd_finds_the_servers_again(hostd: Setup) -> None:
     assert group_members(kept.process.pgid), "the kept server runs on"
     again = ready(hostd, "b", generation=2)
     assert cache_of(again).process == kept.process, "found again, and connected to"
-    harness.send(Stop(deployment="a", generation=1, reason="test"))
-    assert harness.wait_state("a", "stopped").cache is None
+    assert stop(harness, "test").cache is None
     assert group_members(cache_of(live).process.pgid) == []

@@ -36,11 +36,17 @@ def started(harness: Hostd, name: str, gpu: str, model: Path, **changes: object)
     return ready
 
 
-def test_a_zero_retention_engine_keeps_no_log_and_dumps_no_core(
-    hostd: tuple[Hostd, str], model: Path
-) -> None:
+@pytest.fixture
+def zero_retention(hostd: tuple[Hostd, str], model: Path) -> tuple[Hostd, InstanceRecord]:
+    """hostd and its engine `a`, launched with `retention: zero` and ready."""
     harness, gpu = hostd
-    ready = started(harness, "a", gpu, model, retention="zero")
+    return harness, started(harness, "a", gpu, model, retention="zero")
+
+
+def test_a_zero_retention_engine_keeps_no_log_and_dumps_no_core(
+    zero_retention: tuple[Hostd, InstanceRecord],
+) -> None:
+    harness, ready = zero_retention
     assert ready.process is not None
     assert ready.log_path is None
     assert logs_of(harness, "a") == [], "no log file, not even an empty one"
@@ -61,10 +67,9 @@ def tail(harness: Hostd, deployment: str, lines: int = 100) -> LogTail:
 
 
 def test_a_zero_retention_engines_recent_lines_are_kept_in_memory_only(
-    hostd: tuple[Hostd, str], model: Path
+    zero_retention: tuple[Hostd, InstanceRecord],
 ) -> None:
-    harness, gpu = hostd
-    ready = started(harness, "a", gpu, model, retention="zero")
+    harness, ready = zero_retention
     found = tail(harness, "a")
     assert found.kept == "memory"
     assert found.launch_id == ready.launch_id
