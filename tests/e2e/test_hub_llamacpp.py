@@ -35,9 +35,8 @@ def hub(gguf: bytes) -> Iterator[MockHub]:
         HubFile("config.json", CONFIG, lfs=False),
         HubFile("model.gguf", gguf, lfs=True),
     ]
-    served = MockHub.start([one_commit_repo(REPO, files)])
-    yield served
-    served.stop()
+    with MockHub.start([one_commit_repo(REPO, files)]) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

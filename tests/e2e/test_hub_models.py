@@ -57,9 +57,8 @@ ODD = {
 @pytest.fixture(scope="module")
 def hub() -> Iterator[MockHub]:
     odd = [one_commit_repo(repo, files) for repo, (_, files) in ODD.items()]
-    served = MockHub.start([tiny_repo(), gated_repo(TOKEN), PULLED, *odd])
-    yield served
-    served.stop()
+    with MockHub.start([tiny_repo(), gated_repo(TOKEN), PULLED, *odd]) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -44,9 +44,8 @@ def _repo(repo_id: str, size: int) -> HubRepo:
 
 @pytest.fixture(scope="module")
 def hub() -> Iterator[MockHub]:
-    served = MockHub.start([_repo(repo_id, 4 * MiB) for repo_id in REPOS.values()])
-    yield served
-    served.stop()
+    with MockHub.start([_repo(repo_id, 4 * MiB) for repo_id in REPOS.values()]) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

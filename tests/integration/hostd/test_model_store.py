@@ -28,11 +28,8 @@ STORE = f"sources/huggingface/acme--tiny@{V1}"
 
 @pytest.fixture
 def hub() -> Iterator[MockHub]:
-    served = MockHub.start([REPO])
-    try:
+    with MockHub.start([REPO]) as served:
         yield served
-    finally:
-        served.stop()
 
 
 @pytest.fixture

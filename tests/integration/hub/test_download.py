@@ -43,11 +43,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def hub() -> Iterator[MockHub]:
-    hub = MockHub.start([tiny_repo(), gated_repo("hf_good")])
-    try:
+    with MockHub.start([tiny_repo(), gated_repo("hf_good")]) as hub:
         yield hub
-    finally:
-        hub.stop()
 
 
 @pytest.fixture
