@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -101,22 +101,14 @@ def parse_options(
     if args.model is None:
         parser.error("a model is required: -m FILE")
     keys: tuple[str, ...] = args.api_key or _comma_list(env.get("LLAMA_API_KEY", ""))
-    return LaunchOptions(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        aliases=tuple(a for value in args.alias for a in _comma_list(value)),
-        ctx_size=args.ctx_size,
-        batch_size=args.batch_size,
-        ubatch_size=args.ubatch_size,
-        parallel=args.parallel,
-        metrics=args.metrics,
-        webui=args.webui,
-        gpu_layers=args.gpu_layers,
-        jinja=args.jinja,
-        reasoning_format=args.reasoning_format,
-        api_keys=keys,
-    )
+    aliases = tuple(a for value in args.alias for a in _comma_list(value))
+    # Every other option is the flag of its name, as parsed.
+    as_parsed = {
+        name: getattr(args, name)
+        for name in (f.name for f in fields(LaunchOptions))
+        if name not in ("aliases", "api_keys")
+    }
+    return LaunchOptions(**as_parsed, aliases=aliases, api_keys=keys)
 
 
 def build_params(options: LaunchOptions) -> Any:
