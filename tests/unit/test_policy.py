@@ -84,35 +84,36 @@ def binding(host: HostView, weights: int = 10 * GiB, request: int | None = REQUE
         vllm = terms(Family.VLLM, pool.capacity)
         footprint = derive_unified(weights=weights, domain=pool, terms=vllm, request=request)
         return Binding(HOST, footprints=dict.fromkeys(host.gpus, footprint))
-    return Binding(
-        HOST,
-        footprints={
-            gpu: derive_discrete(
-                gpu=gpu,
-                weights=weights,
-                device=host.domains[gpu],
-                host_backed=True,
-                terms=terms(Family.VLLM, host.domains[gpu].capacity),
-                request=request,
-                startup=((request or 0) + 5 * GiB // 4, "declared"),
-            )
-            for gpu in host.gpus
-        },
-    )
+    startup = (request or 0) + 5 * GiB // 4
+    return discrete(host, weights, request, host_backed=True, declared_startup=startup)
 
 
 def derived(host: HostView, weights: int, request: int | None = None, **document: Any) -> Binding:
     """A binding whose startup peak was never measured nor declared: a vLLM deployment's,
     or of the engine and settings `document` names (`family`, `engine_config`)."""
+    return discrete(host, weights, request, host_backed=False, **document)
+
+
+def discrete(
+    host: HostView,
+    weights: int,
+    request: int | None,
+    host_backed: bool,
+    declared_startup: int | None = None,
+    **document: Any,
+) -> Binding:
+    """A footprint derived on each of `host`'s discrete GPUs, for the engine and settings
+    `document` names (`family`, vLLM by default, and `engine_config`)."""
     family = document.pop("family", Family.VLLM)
     footprints = {
         gpu: derive_discrete(
             gpu=gpu,
             weights=weights,
             device=host.domains[gpu],
-            host_backed=False,
+            host_backed=host_backed,
             terms=terms(family, host.domains[gpu].capacity, **document),
             request=request,
+            startup=None if declared_startup is None else (declared_startup, "declared"),
         )
         for gpu in host.gpus
     }
