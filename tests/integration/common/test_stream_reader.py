@@ -87,15 +87,24 @@ async def test_a_lost_answer_loses_no_entry(
     assert _names(await reader.read(count=16, block_ms=100)) == ["stop a"]
 
 
+async def _one_done_one_in_hand(
+    client: aioredis.Redis, redis_socket: Path, opened: list[aioredis.Redis]
+) -> tuple[Reader, LosesAnswers, str]:
+    """A reader that has handed out `launch a` and `launch b` and acknowledged a (done; b
+    still runs), its client, and b's entry id."""
+    reader, lossy = await _reader(redis_socket, opened)
+    await reader.read(count=16)
+    done, running = await _add(client, "launch a", "launch b")
+    assert _names(await reader.read(count=16, block_ms=100)) == ["launch a", "launch b"]
+    await reader.ack(done)
+    return reader, lossy, running
+
+
 @pytest.mark.anyio
 async def test_an_entry_in_hand_is_not_handed_out_again(
     client: aioredis.Redis, redis_socket: Path, opened: list[aioredis.Redis]
 ) -> None:
-    reader, lossy = await _reader(redis_socket, opened)
-    await reader.read(count=16)
-    first = await _add(client, "launch a", "launch b")
-    assert _names(await reader.read(count=16, block_ms=100)) == ["launch a", "launch b"]
-    await reader.ack(first[0])  # a is done; b still runs
+    reader, lossy, running = await _one_done_one_in_hand(client, redis_socket, opened)
     (lost,) = await _add(client, "pull c")
     lossy.lose = 1
     with pytest.raises(RedisTimeoutError):
@@ -104,18 +113,14 @@ async def test_an_entry_in_hand_is_not_handed_out_again(
     assert _names(await reader.read(count=1)) == []  # b, skipped
     assert _names(await reader.read(count=1)) == ["pull c"]
     assert await reader.read(count=1) == []
-    assert reader.held == {first[1], lost}
+    assert reader.held == {running, lost}
 
 
 @pytest.mark.anyio
 async def test_a_new_reader_takes_what_its_predecessor_never_finished_first(
     client: aioredis.Redis, redis_socket: Path, opened: list[aioredis.Redis]
 ) -> None:
-    before, _ = await _reader(redis_socket, opened)
-    await before.read(count=16)
-    done, unfinished = await _add(client, "launch a", "launch b")
-    await before.read(count=16, block_ms=100)
-    await before.ack(done)
+    _, _, unfinished = await _one_done_one_in_hand(client, redis_socket, opened)
     await _add(client, "stop b")
 
     after, _ = await _reader(redis_socket, opened)
