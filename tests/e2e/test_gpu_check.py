@@ -11,46 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from faketorch import write_torch
 from gpucheckrun import NO_GPU, ROOT, STEPS, gpu_check, nvml_here, steps
 from support import processes_mentioning
-
-# torch as the check and the engine simulator's CUDA mode use it, with nothing behind it: on
-# simulated GPUs the claims are the memory.
-FAKE_TORCH = '''"""A stand-in for torch with a CUDA device and no memory of its own."""
-__version__ = "0.0+fake"
-uint8 = "uint8"
-
-
-class version:
-    cuda = "12.4"
-
-
-class Tensor:
-    def __init__(self, size):
-        self.size = size
-
-
-def empty(size, dtype=None, device=None):
-    return Tensor(size)
-
-
-class cuda:
-    @staticmethod
-    def is_available():
-        return True
-
-    @staticmethod
-    def init():
-        return None
-
-    @staticmethod
-    def empty_cache():
-        return None
-
-    @staticmethod
-    def synchronize():
-        return None
-'''
 
 
 @pytest.mark.skipif(nvml_here(), reason="an NVIDIA GPU is here: the check runs its steps")
@@ -82,9 +45,8 @@ def test_a_release_executable_that_is_not_there_is_refused() -> None:
 def test_rehearsed_on_a_simulated_gpu_every_step_that_can_run_here_passes(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
-    done = gpu_check("--simulated-gpus", "gpu0:24GiB", timeout=540, PYTHONPATH=str(tmp_path))
+    torch = str(write_torch(tmp_path))
+    done = gpu_check("--simulated-gpus", "gpu0:24GiB", timeout=540, PYTHONPATH=torch)
     assert done.returncode == 0, done.stdout + done.stderr
     found = steps(done.stdout)
     assert [found[n][0] for n in STEPS] == ["PASS", "SKIP", "PASS", "PASS", "PASS", "PASS"]

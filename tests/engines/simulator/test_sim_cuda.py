@@ -27,63 +27,13 @@ from engines.simulator.helpers import (
 from enginesim import cuda, install_python_engine
 from enginesim.gpu import NoHolder
 from enginesim.install import add_packages
+from faketorch import write_torch
 from support import wait_for
 
 VLLM = "0.17.0"
 SGLANG = "0.5.10"
 LLAMA_BUILD = 6500
 RESIDUE = FAST.residue_bytes
-
-# torch as the CUDA mode uses it: each byte tensor's size is written, per process, to
-# `<FAKE_TORCH_LEDGER>/<pid>.json` while it lives; FAKE_TORCH_DEVICES=0 sees no device.
-FAKE_TORCH = '''"""A stand-in for torch: byte tensors on a device that is a ledger file."""
-import json
-import os
-
-__version__ = "0.0+fake"
-uint8 = "uint8"
-_held = {}
-
-
-def _write():
-    folder = os.environ.get("FAKE_TORCH_LEDGER")
-    if folder:
-        path = os.path.join(folder, f"{os.getpid()}.json")
-        with open(path + ".tmp", "w") as out:
-            json.dump({"held": sum(_held.values()), "tensors": len(_held)}, out)
-        os.replace(path + ".tmp", path)
-
-
-class Tensor:
-    def __init__(self, size):
-        self.size = size
-        _held[id(self)] = size
-        _write()
-
-    def __del__(self):
-        _held.pop(id(self), None)
-        _write()
-
-
-def empty(size, dtype=None, device=None):
-    if device != "cuda" or dtype != uint8:
-        raise ValueError(f"only uint8 tensors on cuda, not {dtype} on {device}")
-    return Tensor(size)
-
-
-class cuda:
-    @staticmethod
-    def is_available():
-        return os.environ.get("FAKE_TORCH_DEVICES", "1") != "0"
-
-    @staticmethod
-    def empty_cache():
-        return None
-
-    @staticmethod
-    def synchronize():
-        return None
-'''
 
 
 class RecordingTorch:
@@ -183,10 +133,8 @@ def torch_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A simulated vLLM whose venv sees the stand-in torch, as scripts/gpu-check makes one
     see the machine's torch."""
     root = tmp_path_factory.mktemp("cuda")
-    (root / "packages" / "torch").mkdir(parents=True)
-    (root / "packages" / "torch" / "__init__.py").write_text(FAKE_TORCH)
     venv = install_python_engine(root / "vllm", "vllm", VLLM, FAST)
-    add_packages(venv, root / "packages")
+    add_packages(venv, write_torch(root / "packages"))
     return venv
 
 
