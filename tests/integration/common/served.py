@@ -62,6 +62,17 @@ def request_head(method: str, path: str, **headers: str) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
+def chat_head(api_key: str, length: int) -> bytes:
+    """The head of a chat completion whose JSON body is `length` bytes, sent with `api_key`."""
+    return request_head(
+        "POST",
+        "/v1/chat/completions",
+        Authorization=f"Bearer {api_key}",
+        Content_Type="application/json",
+        Content_Length=str(length),
+    )
+
+
 async def answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     """One response's status and body (sized by its Content-Length)."""
     head = await reader.readuntil(b"\r\n\r\n")

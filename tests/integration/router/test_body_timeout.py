@@ -24,7 +24,13 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from integration.common.served import answer, closed_after, connected, request_head, served
+from integration.common.served import (
+    answer,
+    chat_head,
+    closed_after,
+    connected,
+    served,
+)
 from integration.router.fakeengine import engine_serving
 from integration.router.ready import put_ready
 
@@ -82,13 +88,7 @@ async def _trickle(writer: asyncio.StreamWriter, body: bytes) -> None:
 async def test_a_trickled_body_is_a_408_and_its_connection_closes(stand: Stand) -> None:
     # A body that would take 100 s at this pace (1,000 bytes).
     body = CHAT + b" " * (1000 - len(CHAT))
-    head = request_head(
-        "POST",
-        "/v1/chat/completions",
-        Authorization=f"Bearer {CREDENTIALS.api_key}",
-        Content_Type="application/json",
-        Content_Length=str(len(body)),
-    )
+    head = chat_head(CREDENTIALS.api_key, len(body))
     loop = asyncio.get_running_loop()
     async with connected(stand.port) as (reader, writer):
         writer.write(head)

@@ -27,7 +27,7 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from integration.common.served import connected, request_head, served
+from integration.common.served import chat_head, connected, served
 from integration.router.fakeengine import RawEngine, engine_serving
 from integration.router.ready import chunk, put_ready
 from support import wait_for_async
@@ -161,13 +161,7 @@ async def test_a_request_cut_before_it_was_sent_gives_its_place_back_at_once(
     engines = Engines()
     app = await _app(state, port, engines)
     body = json.dumps({"model": "m", "messages": HI}).encode()
-    head = request_head(
-        "POST",
-        "/v1/chat/completions",
-        authorization=f"Bearer {CREDENTIALS.api_key}",
-        content_type="application/json",
-        content_length=str(len(body)),
-    )
+    head = chat_head(CREDENTIALS.api_key, len(body))
     try:
         async with served(app, ConnectionLimits()) as router_port:
             async with connected(router_port) as (_, writer):

@@ -29,7 +29,7 @@ from capyctl_router.app import Router, create_app
 from capyctl_router.dispatch import Dispatcher
 from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
-from integration.common.served import connected, request_head, served
+from integration.common.served import chat_head, connected, served
 from integration.router.fakeengine import engine_serving
 from integration.router.ready import put_ready
 from support import wait_for_async
@@ -170,16 +170,6 @@ async def _no_spare(stand: Stand) -> bool:
     return (await stand.state.places.get(NAME)).spare == 0
 
 
-def _chat_head(length: int) -> bytes:
-    return request_head(
-        "POST",
-        "/v1/chat/completions",
-        Authorization=AUTH["Authorization"],
-        Content_Type="application/json",
-        Content_Length=str(length),
-    )
-
-
 def _lines(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
     return [record for record in caplog.records if text in record.getMessage()]
 
@@ -195,7 +185,7 @@ async def test_a_client_that_leaves_mid_body_is_one_line(
 ) -> None:
     caplog.set_level(logging.INFO)
     async with connected(stand.port) as (_, writer):
-        writer.write(_chat_head(1000) + b'{"model": "m", ')
+        writer.write(chat_head(CREDENTIALS.api_key, 1000) + b'{"model": "m", ')
         await writer.drain()
 
     async def logged() -> bool:
@@ -214,7 +204,7 @@ async def test_a_client_that_leaves_mid_stream_is_one_line(
     caplog.set_level(logging.INFO)
     body = json.dumps(CHAT).encode()
     async with connected(stand.port) as (reader, writer):
-        writer.write(_chat_head(len(body)) + body)
+        writer.write(chat_head(CREDENTIALS.api_key, len(body)) + body)
         head = (await reader.readuntil(b"\r\n\r\n")).decode()
         assert head.startswith("HTTP/1.1 200")
         assert b"hello" in await reader.readuntil(b"\n\n"), "the first event, then silence"
