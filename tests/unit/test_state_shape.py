@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from unit.test_state_layer import OUTSIDE, STATE
+from unit.test_state_layer import STATE, outside_files
 
 # The layer's own infrastructure, which no record lives in: loading and calling the Lua
 # library, and subscribing to channels. Their functions take the client a store holds.
@@ -99,18 +99,9 @@ def test_state_builds_every_store() -> None:
     assert found - built(STATE / "stores.py") == set()
 
 
-def _outside() -> list[Path]:
-    return sorted(
-        path
-        for root in OUTSIDE.values()
-        for path in root.rglob("*.py")
-        if STATE not in path.parents
-    )
-
-
 def test_nothing_outside_the_layer_builds_a_store() -> None:
     names = _all_stores()
-    found = {str(path): constructions(path, names) for path in _outside()}
+    found = {str(path): constructions(path, names) for path in outside_files()}
     assert {path: lines for path, lines in found.items() if lines} == {}, "use State"
 
 
