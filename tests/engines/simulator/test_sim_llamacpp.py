@@ -22,7 +22,6 @@ from engines.simulator.helpers import (
     Engine,
     Engines,
     Installs,
-    Launcher,
     SimGpu,
     claim,
     closed_env,
@@ -182,27 +181,21 @@ def test_idle_sleep_frees_memory_and_the_next_request_reloads(
     wait_for(lambda: claim(gpu, pid) == (GIB + KV, 0), 5, "the model reloaded")
 
 
-def test_version_and_unknown_flags(installs: Installs, launcher: Launcher, tmp_path: Path) -> None:
-    executable = str(installs.llama(BUILD))
-    version = launcher.run([executable, "--version"], closed_env(None, tmp_path))
+def test_version_and_unknown_flags(engines: Engines) -> None:
+    executable, launcher = str(engines.installs.llama(BUILD)), engines.launcher
+    version = launcher.run([executable, "--version"], closed_env(None, engines.home))
     assert version.returncode == 0
     assert re.match(r"version: 6500 \([0-9a-f]{8}\)\nbuilt with .+ for x86_64", version.stderr)
-    bogus = launcher.run([executable, "--bogus"], closed_env(None, tmp_path))
+    bogus = launcher.run([executable, "--bogus"], closed_env(None, engines.home))
     assert (bogus.returncode, bogus.stderr) == (1, "error: invalid argument: --bogus\n")
 
 
 @pytest.mark.parametrize(("build", "port", "notice"), [(6850, 8080, True), (6900, 9931, False)])
 def test_default_port_by_build(
-    installs: Installs,
-    gguf: Path,
-    launcher: Launcher,
-    tmp_path: Path,
-    build: int,
-    port: int,
-    notice: bool,
+    engines: Engines, gguf: Path, build: int, port: int, notice: bool
 ) -> None:
-    executable = installs.llama(build)
-    engine = launcher.start([str(executable), "-m", str(gguf)], closed_env(None, tmp_path))
+    argv = [str(engines.installs.llama(build)), "-m", str(gguf)]
+    engine = engines.launcher.start(argv, closed_env(None, engines.home))
     said = re.compile(rf"(listening on http://127\.0\.0\.1:{port} |port: {port}$)", re.M)
     wait_for(lambda: said.search(engine.output()), 10, f"the server on port {port}")
     assert ("NOTICE: server default port will be changed to :9931" in engine.output()) is notice

@@ -22,7 +22,6 @@ from engines.simulator.helpers import (
     Engine,
     Engines,
     Installs,
-    Launcher,
     SimGpu,
     claim,
     closed_env,
@@ -218,20 +217,12 @@ def test_aborts_count_only_requests_the_engine_holds(served: Engine) -> None:
     wait_for(gone, 5, "a finished request to leave the engine's state")
 
 
-def test_phases_serve_form_and_metrics_off_by_default(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("sglang", VERSION)
+def test_phases_serve_form_and_metrics_off_by_default(engines: Engines, gpu: SimGpu) -> None:
+    venv = engines.installs.python("sglang", VERSION)
     write_behaviour(venv, FAST.model_copy(update={"load_seconds": 1.5, "warmup_seconds": 1.5}))
-    argv = [
-        str(venv / "bin" / "sglang"),
-        "serve",
-        "--model-path",
-        str(model_dir),
-        "--port",
-        "{port}",
-    ]
-    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
+    sglang = str(venv / "bin" / "sglang")
+    argv = [sglang, "serve", "--model-path", str(engines.model), "--port", "{port}"]
+    engine = engines.launcher.start(argv, env_for(venv, engines.home, gpu))
     wait_for(
         lambda: engine.status() is None and claim(gpu, engine.proc.pid) == (WEIGHTS, 0),
         10,
@@ -318,21 +309,15 @@ def test_hang_ups_abort_after_sglang_lag(engines: Engines) -> None:
 
 
 def test_sigterm_cleans_the_segment_and_memory_sigkill_leaves_the_segment(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, gpu: SimGpu
 ) -> None:
-    venv = installs.python("sglang", VERSION)
-    write_behaviour(venv, FAST)
-    argv = python_argv(
-        "sglang", venv, model_dir, "--tokenizer-worker-num", "2", "--skip-server-warmup"
-    )
-    first = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    first.wait_status(200)
+    workers = ("--tokenizer-worker-num", "2", "--skip-server-warmup")
+    first = start(engines, FAST, *workers)
     assert segment(first.proc.pid).exists()
     assert first.stop() == 0
     assert not segment(first.proc.pid).exists()
     assert sorted(p.name for p in gpu.folder.iterdir()) == ["devices.json"]
-    second = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    second.wait_status(200)
+    second = start(engines, FAST, *workers)
     second.proc.send_signal(signal.SIGKILL)
     second.wait_exit()
     try:
@@ -342,19 +327,17 @@ def test_sigterm_cleans_the_segment_and_memory_sigkill_leaves_the_segment(
         segment(second.proc.pid).unlink(missing_ok=True)
 
 
-def test_refusals_at_start(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
-) -> None:
-    venv = installs.python("sglang", VERSION)
+def test_refusals_at_start(engines: Engines, gpu: SimGpu) -> None:
+    venv = engines.installs.python("sglang", VERSION)
     write_behaviour(venv, FAST)
-    argv = [
-        arg.replace("{port}", "30000") for arg in python_argv("sglang", venv, model_dir, "--bogus")
-    ]
-    bogus = launcher.run(argv, closed_env(None, tmp_path))
+    argv = python_argv("sglang", venv, engines.model, "--bogus")
+    bogus = engines.launcher.run(
+        [a.replace("{port}", "30000") for a in argv], closed_env(None, engines.home)
+    )
     assert (bogus.returncode, "unrecognized arguments: --bogus" in bogus.stderr) == (2, True)
     # 0.88 of the 2 GiB left free is less than the 2 GiB of weights: no room for a KV cache.
     gpu.occupy(22 * GIB)
-    full = launcher.start(python_argv("sglang", venv, model_dir), env_for(venv, tmp_path, gpu))
+    full = engines.start("sglang", VERSION, FAST)
     assert full.wait_exit() != 0
     assert (
         "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
@@ -363,16 +346,12 @@ def test_refusals_at_start(
 
 
 def test_its_static_memory_is_a_share_of_what_is_free_when_it_starts(
-    installs: Installs, model_dir: Path, gpu: SimGpu, launcher: Launcher, tmp_path: Path
+    engines: Engines, gpu: SimGpu
 ) -> None:
     # As SGLang's profile_max_num_token: --mem-fraction-static of the memory free at its
     # start (12 GiB of the 24 here), not of the card, holds its weights and KV cache.
-    venv = installs.python("sglang", VERSION)
-    write_behaviour(venv, FAST)
     gpu.occupy(12 * GIB)
-    argv = python_argv("sglang", venv, model_dir, "--mem-fraction-static", "0.5")
-    engine = launcher.start(argv, env_for(venv, tmp_path, gpu))
-    engine.wait_status(200)
+    engine = start(engines, FAST, "--mem-fraction-static", "0.5")
     wait_claim(gpu, engine.proc.pid, (6 * GIB, 0))
     assert engine.stop() == 0
 
