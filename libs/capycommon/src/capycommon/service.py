@@ -44,6 +44,7 @@ from capycommon.state import heartbeats, pipe
 from capycommon.state.functions import FunctionsMissing
 from capycommon.state.pipe import ClosingPool, ReplyParser
 from capycommon.state.stores import State
+from capycommon.tasks import cancel_and_wait
 from capycommon.version import __version__
 
 log = logging.getLogger(__name__)
@@ -337,8 +338,7 @@ async def until_stop(work: asyncio.Future[Any], stop: asyncio.Event) -> None:
     try:
         await asyncio.wait([work, stopped], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        stopped.cancel()
-        await asyncio.gather(stopped, return_exceptions=True)
+        await cancel_and_wait(stopped)
 
 
 T = TypeVar("T")
@@ -351,9 +351,7 @@ async def unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T
     try:
         await until_stop(task, stop)
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
     return None if task.cancelled() else task.result()
 
 
@@ -363,9 +361,7 @@ async def wait_any(*events: asyncio.Event, timeout: float) -> None:
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for waiting in waits:
-            waiting.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
+        await cancel_and_wait(*waits)
 
 
 async def _supervise(ctx: ServiceContext, body: Body | None) -> int:

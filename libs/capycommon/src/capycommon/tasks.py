@@ -17,6 +17,27 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# How long a cancelled task may run on before it is cancelled again (`cancel_and_wait`).
+RECANCEL_S = 1.0
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel `tasks` and wait until each has ended, its outcome retrieved (read it from the
+    task). One still running RECANCEL_S after its cancel is cancelled again: on Python 3.11,
+    `asyncio.wait_for` drops a cancel that arrives as what it waits for completes (CPython
+    gh-86296, fixed in 3.12), and redis-py's asyncio client writes each command through it.
+    A loop that lost its cancel that way ran on, and whoever waited for it waited forever."""
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+        if pending:
+            log.debug("%d task(s) ran on after their cancel; cancelled again", len(pending))
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: never reported as an unretrieved failure
+
 
 class TaskFailed(RuntimeError):
     """Work run beside a block failed; the block was cancelled for it."""
@@ -47,8 +68,7 @@ async def beside(work: Coroutine[Any, Any, None], name: str) -> AsyncIterator[as
         owner.uncancel()
     finally:
         task.remove_done_callback(ended)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
     if not failures and not task.cancelled() and task.exception() is not None:
         ended(task)  # it failed as the block ended, before its callback ran
         owner.uncancel()

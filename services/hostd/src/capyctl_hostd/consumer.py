@@ -21,6 +21,7 @@ from capycommon.domain.commands import Describe, Pull, Remove, TailLog
 from capycommon.service import REDIS_ERRORS, unless_stopped, wait_event
 from capycommon.state import hostcommands
 from capycommon.state.streams import Entry, Fields, Reader
+from capycommon.tasks import cancel_and_wait
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.runner import Runner
 
@@ -41,9 +42,7 @@ async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)
 
 
 # How long one read of the stream blocks for new commands: a command wakes it at once, so

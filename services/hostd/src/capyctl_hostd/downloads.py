@@ -40,6 +40,7 @@ from capycommon.hub.store import remove_tree
 from capycommon.service import REDIS_ERRORS
 from capycommon.state.store import InstanceStore
 from capycommon.state.stores import State
+from capycommon.tasks import cancel_and_wait
 from capycommon.units import format_size
 
 log = logging.getLogger(__name__)
@@ -216,9 +217,7 @@ class ModelStore:
             ended, failure = True, exc
             raise
         finally:
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await writer
+            await cancel_and_wait(writer)
             figures.waiters -= 1
             if not figures.waiters:
                 del self._figures[paths.name]

@@ -41,7 +41,7 @@ from capycommon.flight import Flight
 from capycommon.service import REDIS_ERRORS, REDIS_OUTAGE, wait_event
 from capycommon.state import notify, ownership
 from capycommon.state.stores import State
-from capycommon.tasks import beside
+from capycommon.tasks import beside, cancel_and_wait
 from capyctl_router.remote import Ingress, ingress_of
 
 RESYNC_S = 5.0
@@ -343,9 +343,7 @@ class Table:
             try:
                 await asyncio.wait([reading, stopped, joined], return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for waiting in (reading, stopped, joined):
-                    waiting.cancel()
-                await asyncio.gather(reading, stopped, joined, return_exceptions=True)
+                await cancel_and_wait(reading, stopped, joined)
             if reading.done() and not reading.cancelled():
                 reading.result()  # raises what ended the read (Redis: the caller retries)
 

@@ -27,7 +27,7 @@ from capycommon.state import notify
 from capycommon.state.desired import DEMAND_FIELD
 from capycommon.state.stores import State
 from capycommon.state.streams import Reader
-from capycommon.tasks import beside
+from capycommon.tasks import beside, cancel_and_wait
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.changes import Changes
 from capyctl_scheduler.charges import gpu_memory
@@ -256,9 +256,7 @@ class Scheduler:
                     try:
                         await asyncio.wait([reading, changed], return_when=asyncio.FIRST_COMPLETED)
                     finally:
-                        for waiting in (reading, changed):
-                            waiting.cancel()
-                        await asyncio.gather(reading, changed, return_exceptions=True)
+                        await cancel_and_wait(reading, changed)
                     if reading.done() and not reading.cancelled():
                         reading.result()  # raises what ended the read (Redis: try again)
             except REDIS_ERRORS:
