@@ -369,18 +369,14 @@ async def _supervise(ctx: ServiceContext, body: Body | None) -> int:
     if body is not None:
         tasks.append(asyncio.create_task(body(ctx), name=ctx.name))
     stopper = asyncio.create_task(ctx.stop.wait(), name="stop")
-    done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
     ctx.stop.set()
-    failure: BaseException | None = None
-    for task in done:
-        if task is not stopper and task.exception() is not None:
-            failure = task.exception()
-    for task in tasks:
-        if not task.done():
-            try:
-                await asyncio.wait_for(task, 10)
-            except TimeoutError:
-                log.warning("task %s did not stop within 10 s", task.get_name())
+    _, running = await asyncio.wait(tasks, timeout=10)
+    for task in running:
+        log.warning("task %s did not stop within 10 s", task.get_name())
+    await cancel_and_wait(stopper, *running)
+    failures = [task.exception() for task in tasks if not task.cancelled()]
+    failure = next((found for found in failures if found is not None), None)
     with suppress(*REDIS_ERRORS):
         await ctx.state.heartbeats.clear(ctx.host or "", ctx.name, os.getpid())
     if failure is not None:
