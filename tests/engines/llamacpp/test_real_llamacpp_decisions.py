@@ -112,7 +112,7 @@ def write_decision_model(
 ) -> Path:
     """The tiny model with the marker tokens added to its vocabulary, `metadata`, and a
     `systemone` template unless `template` is None. Same arguments, same weights."""
-    shape, base = tinygguf.Shape(), tinygguf.build_vocab()
+    base = tinygguf.build_vocab()
     extra = (BOX_END, SEP, MASK)
     vocab = tinygguf.Vocab(
         [*base.tokens, *extra],
@@ -120,7 +120,7 @@ def write_decision_model(
         [*base.types, *(gguf.TokenType.CONTROL for _ in extra)],
     )
     writer = gguf.GGUFWriter(path, tinygguf.ARCH)
-    tinygguf._write_metadata(writer, shape, vocab)
+    tinygguf._write_metadata(writer, vocab)
     writer.add_sep_token_id(vocab.tokens.index(SEP))
     writer.add_mask_token_id(vocab.tokens.index(MASK))
     if template is not None:
@@ -132,7 +132,7 @@ def write_decision_model(
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, value)
-    tinygguf._write_tensors(writer, shape, len(vocab.tokens), seed=0)
+    tinygguf._write_tensors(writer, len(vocab.tokens), seed=0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -28,20 +28,10 @@ CHAT_TEMPLATE = (
 )
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The model's dimensions: small enough to decode hundreds of tokens a second on one core."""
-
-    n_embd: int = 64
-    n_layer: int = 2
-    n_head: int = 4
-    n_head_kv: int = 2
-    n_ff: int = 128
-    n_ctx_train: int = 4096
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+# The model's dimensions: small enough to decode hundreds of tokens a second on one core.
+N_EMBD, N_FF, N_CTX_TRAIN = 64, 128, 4096
+N_LAYER, N_HEAD, N_HEAD_KV = 2, 4, 2
+HEAD_DIM = N_EMBD // N_HEAD
 
 
 @dataclass(frozen=True)
@@ -79,17 +69,17 @@ def _weights(rng: np.random.Generator, *shape: int) -> NDArray[np.float32]:
     return rng.normal(0.0, 0.5 / np.sqrt(shape[-1]), size=shape).astype(np.float32)
 
 
-def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab: Vocab) -> None:
+def _write_metadata(writer: gguf.GGUFWriter, vocab: Vocab) -> None:
     writer.add_name("capyctl-tiny-random")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(len(vocab.tokens))
-    writer.add_context_length(shape.n_ctx_train)
-    writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
-    writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_context_length(N_CTX_TRAIN)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
@@ -105,12 +95,12 @@ def _write_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab: Vocab) -> None
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def _write_tensors(writer: gguf.GGUFWriter, shape: Shape, n_vocab: int, seed: int) -> None:
+def _write_tensors(writer: gguf.GGUFWriter, n_vocab: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    n_embd, n_kv = shape.n_embd, shape.n_head_kv * shape.head_dim
+    n_embd, n_kv = N_EMBD, N_HEAD_KV * HEAD_DIM
     ones = np.ones(n_embd, dtype=np.float32)
     writer.add_tensor("token_embd.weight", _weights(rng, n_vocab, n_embd))
-    for i in range(shape.n_layer):
+    for i in range(N_LAYER):
         blk = f"blk.{i}"
         writer.add_tensor(f"{blk}.attn_norm.weight", ones)
         writer.add_tensor(f"{blk}.attn_q.weight", _weights(rng, n_embd, n_embd))
@@ -118,19 +108,19 @@ def _write_tensors(writer: gguf.GGUFWriter, shape: Shape, n_vocab: int, seed: in
         writer.add_tensor(f"{blk}.attn_v.weight", _weights(rng, n_kv, n_embd))
         writer.add_tensor(f"{blk}.attn_output.weight", _weights(rng, n_embd, n_embd))
         writer.add_tensor(f"{blk}.ffn_norm.weight", ones)
-        writer.add_tensor(f"{blk}.ffn_gate.weight", _weights(rng, shape.n_ff, n_embd))
-        writer.add_tensor(f"{blk}.ffn_up.weight", _weights(rng, shape.n_ff, n_embd))
-        writer.add_tensor(f"{blk}.ffn_down.weight", _weights(rng, n_embd, shape.n_ff))
+        writer.add_tensor(f"{blk}.ffn_gate.weight", _weights(rng, N_FF, n_embd))
+        writer.add_tensor(f"{blk}.ffn_up.weight", _weights(rng, N_FF, n_embd))
+        writer.add_tensor(f"{blk}.ffn_down.weight", _weights(rng, n_embd, N_FF))
     writer.add_tensor("output_norm.weight", ones)
     writer.add_tensor("output.weight", _weights(rng, n_vocab, n_embd))
 
 
 def write_tiny_model(path: Path, *, seed: int = 0) -> Path:
     """Write the tiny model to `path` (same seed, same bytes) and return `path`."""
-    shape, vocab = Shape(), build_vocab()
+    vocab = build_vocab()
     writer = gguf.GGUFWriter(path, ARCH)
-    _write_metadata(writer, shape, vocab)
-    _write_tensors(writer, shape, len(vocab.tokens), seed)
+    _write_metadata(writer, vocab)
+    _write_tensors(writer, len(vocab.tokens), seed)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
