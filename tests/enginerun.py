@@ -15,6 +15,7 @@ from typing import TypeVar
 import openai
 
 from capycommon import simgpu
+from capycommon.domain.commands import EngineTuning
 from capycommon.domain.engines import Residency
 from capycommon.engines import detect
 from capycommon.engines.adapters import adapter_for
@@ -125,11 +126,13 @@ def launch(
         api_key=KEY,
         residency=residency,
         runtime_dir=runtime,
-        memory_fraction=memory_fraction,
-        context_length=context_length,
-        max_concurrent_requests=4,
-        tool_call_parser=tool_call_parser,
-        reasoning_parser=reasoning_parser,
+        tuning=EngineTuning(
+            memory_fraction=memory_fraction,
+            context_length=context_length,
+            max_concurrent_requests=4,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        ),
     )
     adapter = adapter_for(profile.family)
     plan = adapter.plan(spec)

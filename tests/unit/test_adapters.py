@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from capycommon.domain.commands import EngineTuning
 from capycommon.domain.engines import Residency
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import ENGINE_FAMILIES, Family
@@ -53,17 +53,11 @@ def profile(family: Family, version: str = "0.29.0") -> EngineProfile:
 
 
 def spec(family: Family, residency: Residency, models: Path, **changes: object) -> LaunchSpec:
+    """The golden launch of `family`, with `changes` to its fields or to its tuning's."""
     model = models / "qwen3-4b"
     model.mkdir(exist_ok=True)
     (model / "qwen3-4b-q4.gguf").touch()
-    values: dict[str, object] = {
-        "profile": profile(family),
-        "model_path": model,
-        "served_name": "qwen3-4b",
-        "port": 8123,
-        "api_key": KEY,
-        "residency": residency,
-        "runtime_dir": Path("/state/runtime"),
+    tuning: dict[str, object] = {
         "memory_fraction": 0.4512345,
         "context_length": 8192,
         "max_concurrent_requests": 16,
@@ -72,6 +66,17 @@ def spec(family: Family, residency: Residency, models: Path, **changes: object) 
         "extra_args": ("--enable-prefix-caching",)
         if family != Family.LLAMACPP
         else ("--temp", "0.7"),
+    }
+    tuning.update((key, changes.pop(key)) for key in tuning.keys() & changes.keys())
+    values: dict[str, object] = {
+        "profile": profile(family),
+        "model_path": model,
+        "served_name": "qwen3-4b",
+        "port": 8123,
+        "api_key": KEY,
+        "residency": residency,
+        "runtime_dir": Path("/state/runtime"),
+        "tuning": EngineTuning.model_validate(tuning),
     }
     values.update(changes)
     return LaunchSpec(**values)  # type: ignore[arg-type]
@@ -107,8 +112,10 @@ def test_a_decision_models_argv_matches_the_golden_file(
     auto-truncation is possible: the resolution refuses them); llama.cpp with its batch and
     micro-batch at a slot's share of the context (8192 / 16 slots), so a whole prompt is one
     micro-batch."""
-    decider = spec(family, residency, tmp_path, api="decisions", tool_call_parser=None)
-    plan = adapter_for(family).plan(replace(decider, reasoning_parser=None))
+    decider = spec(
+        family, residency, tmp_path, api="decisions", tool_call_parser=None, reasoning_parser=None
+    )
+    plan = adapter_for(family).plan(decider)
     assert_golden(plan, tmp_path, GOLDEN / f"{family}-decisions.json")
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from capycommon.deployments import HostFacts, Resolved, parse_deployment, resolve
 from capycommon.deployments.checkpoint import quantization
+from capycommon.domain.commands import EngineTuning
 from capycommon.domain.engines import PARKING, Residency
 from capycommon.domain.models import HostModels, ModelFacts, QuantizationConfig
 from capycommon.engines.adapters import adapter_for
@@ -68,7 +69,7 @@ def test_no_launch_on_such_a_host_has_development_controls(tmp_path: Path, famil
             api_key="k" * 64,
             residency=tier,
             runtime_dir=tmp_path / "runtime",
-            context_length=8192,
+            tuning=EngineTuning(context_length=8192),
         )
         plan = adapter_for(family).plan(spec)
         assert "VLLM_SERVER_DEV_MODE" not in plan.env

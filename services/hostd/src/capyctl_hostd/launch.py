@@ -52,15 +52,10 @@ from capyctl_hostd.steps import Steps
 log = logging.getLogger(__name__)
 S = InstanceState
 
-# What a launch command says that the instance record keeps, and what it says of the engine's
-# tuning, passed to the adapter as it came.
+# What a launch command says that the instance record keeps.
 RECORDED = {
     "deployment", "instance", "revision", "generation", "profile", "served_name", "model_path",
     "residency", "gpu_uuid", "api",
-}  # fmt: skip
-TUNING = {
-    "served_name", "memory_fraction", "kv_cache_bytes", "context_length",
-    "max_concurrent_requests", "tool_call_parser", "reasoning_parser", "extra_args", "api",
 }  # fmt: skip
 
 
@@ -266,7 +261,9 @@ class Launcher:
             api_key=secret,
             residency=Residency(command.residency),
             runtime_dir=runtime,
-            **command.model_dump(include=TUNING),
+            served_name=command.served_name,
+            tuning=command.tuning(),
+            api=command.api,
         )
         plan = adapter_for(profile.family).plan(spec)
         caches = self.holdings.caches

@@ -51,7 +51,23 @@ class CacheLaunch(Strict):
     device_bytes: int = Field(ge=0)
 
 
-class Launch(_Command):
+class EngineTuning(Strict):
+    """What a deployment sets of its engine's tuning: the scheduler sends it in a launch, and
+    hostd hands it to the engine's adapter as it came (`capycommon.engines.launch`)."""
+
+    # The share of the device's total memory the engine may take (vLLM, SGLang).
+    memory_fraction: float | None = None
+    kv_cache_bytes: int | None = None
+    context_length: int | None = None
+    max_concurrent_requests: int | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+class _LaunchHead(_Command):
+    """The fields of a launch that stand before its tuning in the command's JSON."""
+
     kind: Literal["launch"] = "launch"
     reason: str = "requested"
     revision: int
@@ -60,13 +76,12 @@ class Launch(_Command):
     served_name: str
     residency: Literal["host_backed", "deep", "restart_only"]
     gpu_uuid: str
-    memory_fraction: float | None = None
-    kv_cache_bytes: int | None = None
-    context_length: int | None = None
-    max_concurrent_requests: int | None = None
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    extra_args: tuple[str, ...] = ()
+
+
+class Launch(EngineTuning, _LaunchHead):
+    """Start an engine. Its fields lie flat in the JSON: the head's, the tuning's, then these
+    (pydantic orders inherited fields from the last base to the first)."""
+
     env: dict[str, str] = Field(default_factory=dict)
     start_deadline_s: float = 1800.0
     # The source to download first, for a model from the Hub; the deadline starts after it.
@@ -77,6 +92,10 @@ class Launch(_Command):
     cache: CacheLaunch | None = None
     # What the model serves: chat, or decisions (a decision model).
     api: Literal["chat", "decisions"] = "chat"
+
+    def tuning(self) -> EngineTuning:
+        """The engine's tuning alone, without the rest of the command, for its adapter."""
+        return EngineTuning.model_validate(self.model_dump(include=set(EngineTuning.model_fields)))
 
 
 class Park(_Command):

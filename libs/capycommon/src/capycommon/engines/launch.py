@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from capycommon.domain.commands import EngineTuning
 from capycommon.domain.engines import Api, Residency
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import InvalidConfig
@@ -33,14 +34,8 @@ class LaunchSpec:
     # Where CapyCTL's helper modules (the vLLM key guard, the SGLang launcher) are written for
     # this launch.
     runtime_dir: Path
-    # The share of the device's total memory the engine may take (vLLM, SGLang).
-    memory_fraction: float | None = None
-    kv_cache_bytes: int | None = None
-    context_length: int | None = None
-    max_concurrent_requests: int | None = None
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    extra_args: tuple[str, ...] = ()
+    # The deployment's tuning, as the launch command carried it.
+    tuning: EngineTuning = field(default_factory=EngineTuning)
     api: Api = "chat"
 
 

@@ -85,7 +85,8 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
             f"residency: llama.cpp cannot park {spec.residency}; use restart_only",
             capability="deep_park",
         )
-    if spec.context_length is None:
+    tuning = spec.tuning
+    if tuning.context_length is None:
         raise InvalidConfig(
             "engine_config.context_length is required for llama.cpp; set it, e.g. 8192"
         )
@@ -100,22 +101,22 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         "--alias",
         spec.served_name,
         "-c",
-        str(spec.context_length),
+        str(tuning.context_length),
         "-np",
-        str(spec.max_concurrent_requests or DEFAULT_SLOTS),
+        str(tuning.max_concurrent_requests or DEFAULT_SLOTS),
         "-ngl",
         "999",
         "--metrics",
         "--no-webui",
         "--jinja",
     ]
-    if spec.reasoning_parser:
+    if tuning.reasoning_parser:
         argv += ["--reasoning-format", "deepseek"]
     if spec.api == "decisions":
-        decisions.check_args(Family.LLAMACPP, spec.extra_args)
-        slots = spec.max_concurrent_requests or DEFAULT_SLOTS
-        argv += decisions.launch_args(Family.LLAMACPP, spec.context_length, slots)
-    argv += check_extra_args("llamacpp", spec.extra_args, RESERVED)
+        decisions.check_args(Family.LLAMACPP, tuning.extra_args)
+        slots = tuning.max_concurrent_requests or DEFAULT_SLOTS
+        argv += decisions.launch_args(Family.LLAMACPP, tuning.context_length, slots)
+    argv += check_extra_args("llamacpp", tuning.extra_args, RESERVED)
     # llama-server reads its key from LLAMA_API_KEY: it stays out of the process list.
     return LaunchPlan(argv, {"LLAMA_API_KEY": spec.api_key})
 

@@ -83,20 +83,21 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
     """SGLang reads its key from --api-key only. The launcher (`engines/runtime/`) takes it
     from the environment and adds it to the server's arguments inside the process, so the
     process's command line, open to every local user, never holds it."""
+    tuning = spec.tuning
     argv = [*python_server_argv(spec, SGLANG_LAUNCHER, "--model-path"), "--enable-metrics"]
     argv += options(
-        ("--mem-fraction-static", spec.memory_fraction),
-        ("--context-length", spec.context_length),
-        ("--max-running-requests", spec.max_concurrent_requests),
+        ("--mem-fraction-static", tuning.memory_fraction),
+        ("--context-length", tuning.context_length),
+        ("--max-running-requests", tuning.max_concurrent_requests),
         ("--enable-memory-saver", spec.residency in PARKING),
         ("--enable-weights-cpu-backup", spec.residency == Residency.HOST_BACKED),
-        ("--tool-call-parser", spec.tool_call_parser),
-        ("--reasoning-parser", spec.reasoning_parser),
+        ("--tool-call-parser", tuning.tool_call_parser),
+        ("--reasoning-parser", tuning.reasoning_parser),
     )
     if spec.api == "decisions":
-        decisions.check_args(Family.SGLANG, spec.extra_args)
-        argv += decisions.launch_args(Family.SGLANG, spec.context_length)
-    argv += check_extra_args("sglang", spec.extra_args, RESERVED)
+        decisions.check_args(Family.SGLANG, tuning.extra_args)
+        argv += decisions.launch_args(Family.SGLANG, tuning.context_length)
+    argv += check_extra_args("sglang", tuning.extra_args, RESERVED)
     # SGLang's HTTP server makes a TemporaryDirectory for Prometheus' multiprocess files and
     # points its children there, unless this variable names a folder; the server's exit then
     # removes that folder under children still writing to it, and each of their metric

@@ -91,6 +91,7 @@ def capabilities(version: str) -> Capabilities:
 
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
+    tuning = spec.tuning
     argv = [
         *python_server_argv(spec, "vllm.entrypoints.openai.api_server", "--model"),
         "--middleware",
@@ -98,16 +99,16 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         "--disable-uvicorn-access-log",
     ]
     argv += options(
-        ("--gpu-memory-utilization", spec.memory_fraction),
-        ("--max-model-len", spec.context_length),
-        ("--max-num-seqs", spec.max_concurrent_requests),
-        ("--kv-cache-memory-bytes", spec.kv_cache_bytes),
+        ("--gpu-memory-utilization", tuning.memory_fraction),
+        ("--max-model-len", tuning.context_length),
+        ("--max-num-seqs", tuning.max_concurrent_requests),
+        ("--kv-cache-memory-bytes", tuning.kv_cache_bytes),
         ("--enable-sleep-mode", spec.residency in PARKING),
-        ("--enable-auto-tool-choice", bool(spec.tool_call_parser)),
-        ("--tool-call-parser", spec.tool_call_parser),
-        ("--reasoning-parser", spec.reasoning_parser),
+        ("--enable-auto-tool-choice", bool(tuning.tool_call_parser)),
+        ("--tool-call-parser", tuning.tool_call_parser),
+        ("--reasoning-parser", tuning.reasoning_parser),
     )
-    argv += check_extra_args("vllm", spec.extra_args, RESERVED)
+    argv += check_extra_args("vllm", tuning.extra_args, RESERVED)
     # vLLM's own check on /v1, and the guard on every other path, dev controls included; both
     # read the key from the environment.
     env = {"VLLM_API_KEY": spec.api_key, **helper_env(spec)}
