@@ -21,6 +21,7 @@ STEPS = {
     5: "models-in-turn",
     6: "clean-drain",
 }
+WORKING = re.compile(r"^gpu-check: working in (/tmp/gpu-check-\S+)$", re.MULTILINE)
 LINE = re.compile(r"^(PASS|FAIL|SKIP) (\d) ([a-z-]+): (.*) \(\d+\.\d s\)$")
 NO_GPU = "no NVIDIA GPU to read: NVML does not start (NVML Shared Library Not Found)"
 
@@ -56,3 +57,10 @@ def steps(output: str) -> dict[int, tuple[str, str]]:
             found[int(number)] = (status, text)
     assert list(found) == list(STEPS), output
     return found
+
+
+def work_folder(output: str) -> str:
+    """The folder the check said it works in (its processes' sockets, logs and state)."""
+    found = WORKING.search(output)
+    assert found is not None, output
+    return found.group(1)

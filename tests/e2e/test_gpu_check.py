@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from faketorch import write_torch
-from gpucheckrun import NO_GPU, ROOT, STEPS, gpu_check, nvml_here, steps
+from gpucheckrun import NO_GPU, ROOT, STEPS, gpu_check, nvml_here, steps, work_folder
 from support import processes_mentioning
 
 
@@ -32,6 +32,7 @@ def test_without_a_gpu_each_gpu_step_says_skip_naming_nvml_and_it_exits_0() -> N
     assert head.endswith(f"from a clone at {ROOT}")
     assert "gpu-check: 0 PASS, 0 FAIL, 6 SKIP in " in done.stdout
     assert "logs are kept" not in done.stdout
+    assert not Path(work_folder(done.stdout)).exists()
 
 
 def test_a_release_executable_that_is_not_there_is_refused() -> None:
@@ -69,4 +70,7 @@ def test_rehearsed_on_a_simulated_gpu_every_step_that_can_run_here_passes(
     assert "drained in " in found[6][1]
     assert "then NVML credited 0 B to the check's processes" in found[6][1]
     assert "gpu-check: 5 PASS, 0 FAIL, 1 SKIP in " in done.stdout
-    assert processes_mentioning("/tmp/gpu-check-") == [], "nothing of the check left running"
+    # Its own folder: other tests run the check too, at the same time.
+    folder = work_folder(done.stdout)
+    assert processes_mentioning(folder) == [], "nothing of the check left running"
+    assert not Path(folder).exists(), "a check that passed keeps no logs"

@@ -144,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"gpu-check: capyctl {__version__}, Python {platform.python_version()} "
         f"({sys.executable}), from {source}"
     )
+    echo(f"gpu-check: working in {folder}")
     check = Check(folder, root, args.python, args.simulated_gpus)
     try:
         outcomes = run(check)
