@@ -294,7 +294,12 @@ def test_a_client_hang_up_stops_the_engines_work(cluster: Cluster) -> None:
     requests = cluster.status("hang")["requests"]
     assert requests["settle_at_stop"] == 2, "cut before any answer: counted until a stop"
     assert requests["running"] == 2
-    cluster.ok("stop", "deployment", "hang", "--wait")
+    shown = cluster.ok("status", "deployment", "hang").splitlines()
+    assert "requests.settle_at_stop    2" in shown, "the text status says how they settle"
+    assert "requests.settle_when_idle  0" in shown
+    stopped = cluster.ok("stop", "deployment", "hang", "--wait").splitlines()
+    assert stopped[0] == "Deployment hang is stopped."
+    assert "state       stopped" in stopped
     cluster.start("hang")
     assert cluster.status("hang")["requests"]["settle_at_stop"] == 0, "the stop settled them"
 

@@ -15,18 +15,15 @@ from pydantic import BaseModel
 from capycommon.errors import ActivationTimeout, CapyError, InvalidRequest, NotFound
 from capycommon.management import (
     Action,
-    Binding,
     DeploymentStatus,
     DeploymentSummary,
     EngineRow,
     HostRow,
-    Idle,
     ModelRow,
-    Startup,
 )
 from capycommon.paths import StatePaths, resolve_state_dir
-from capycommon.units import format_duration, format_size
 from capyctl_cli import output
+from capyctl_cli.deploymenttext import action_summary, render_status, size_text
 from capyctl_cli.management import Management, wait_for
 from capyctl_cli.options import HostArg, JsonOpt, StateDirOpt, command_group, expected_errors
 
@@ -152,13 +149,13 @@ def verb_command(
         with _api(state_dir) as api:
             since = time.time()
             answer = api.act(name, verb)
-            text = f"deployment {name}: {verb} accepted"
+            text = action_summary(answer)
             if wait and verb == "delete":
                 _wait_gone(api, name, timeout)
-                text = f"deployment {name}: deleted"
+                text = action_summary(answer, took_s=time.time() - since)
             elif wait:
                 status = wait_for(api, name, _state_is(*done), timeout, " or ".join(done), since)
-                text = f"deployment {name}: {status.state}"
+                text = action_summary(answer, state=status.state, took_s=time.time() - since)
             output.show(answer, text, as_json=as_json)
 
 
@@ -215,112 +212,6 @@ def logs_deployment(
     output.show(found, render, as_json=as_json)
 
 
-def render_status(status: DeploymentStatus) -> str:
-    last = status.last_operation
-    summary = [
-        ("deployment", status.name),
-        ("state", status.state),
-        ("revision", status.revision),
-        ("routes", ", ".join(status.routes)),
-        *_model(status),
-        ("api", status.document.get("api", "chat")),
-        ("activation", status.activation),
-        ("startup", _startup(status.startup)),
-        ("last operation", f"{last.kind}: {last.reason}" if last else "-: -"),
-        ("idle", _idle(status.idle)),
-        *_residencies(status.bindings),
-    ]
-    lines = [output.pairs(summary)]
-    if status.instances:
-        headers = ["INSTANCE", "HOST", "GPU", "STATE", "GENERATION", "ERROR"]
-        rows = [
-            [i.index, i.host, i.gpu, i.state, i.generation, i.last_error] for i in status.instances
-        ]
-        lines += ["", output.table(headers, rows)]
-    if status.charges:
-        rows = [[c.host, c.domain, c.phase, _size(c.bytes), c.provenance] for c in status.charges]
-        lines += ["", output.table(["HOST", "DOMAIN", "PHASE", "CHARGE", "FROM"], rows)]
-    for binding in status.bindings:
-        if binding.error is not None:
-            lines.append(f"\n{binding.host}: error [{binding.error.code}]: {binding.error.message}")
-    return "\n".join(lines)
-
-
-def _model(status: DeploymentStatus) -> list[tuple[str, str]]:
-    """Where the model comes from, as it was declared: a folder, or a Hub repository at its
-    pinned commit, with the download's progress while one is under way. The canonical
-    document names both fields, the one not given as null, so the source is the one set."""
-    model = status.document.get("model")
-    if not isinstance(model, dict):
-        return []
-    if not model.get("hf"):
-        return [("model", str(model.get("path")))]
-    repo, _, commit = str(model["hf"]).partition("@")
-    revision = f" ({model['revision']})" if model.get("revision") else ""
-    rows = [("model", f"hf {repo}"), ("commit", f"{commit or 'not pinned'}{revision}")]
-    download = status.download
-    if download is not None:
-        total = max(download.total_bytes, 1)
-        rows.append(
-            (
-                "download",
-                f"{_size(download.done_bytes)} of {_size(download.total_bytes)} "
-                f"({100 * download.done_bytes / total:.0f}%) at {_size(int(download.rate))}/s "
-                f"on {download.host}",
-            )
-        )
-    return rows
-
-
-def _startup(startup: Startup | None) -> str:
-    """The startup peak, device and host, with where each figure came from."""
-    if startup is None:
-        return "- device (-), - host (-)"
-    return (
-        f"{_size(startup.device_bytes)} device ({startup.device_provenance}), "
-        f"{_size(startup.host_bytes)} host ({startup.host_provenance})"
-    )
-
-
-def _residencies(bindings: list[Binding]) -> list[tuple[str, str]]:
-    """Each host's park tier and why, and whether deep parking is off there."""
-    rows = []
-    for binding in bindings:
-        if binding.residency is not None:
-            text = f"{binding.residency} on {binding.host} ({binding.residency_reason})"
-            rows.append(("residency", text))
-        if binding.lmcache is not None:
-            rows.append(("lmcache", f"{binding.lmcache} on {binding.host}"))
-        if binding.deep_park is False:
-            rows.append(("deep parking", f"off on host {binding.host} (host.deep_park: off)"))
-    return rows
-
-
-def _idle(idle: Idle) -> str:
-    """When the model next gives its memory back: `parks at 14:05:09 (in 4m 51s; idle 5m)`."""
-    if idle.protected:
-        return "never parks or stops when idle (warm or explicit)"
-    step = idle.next
-    timeouts = (
-        f"ready {_timeout(idle.ready_idle_timeout)}, parked {_timeout(idle.parked_idle_timeout)}"
-    )
-    if step is None:
-        return f"nothing due (idle timeouts: {timeouts})"
-    verbs = {"park": "parks", "stop": "stops", "release": "stops its kept LMCache server"}
-    verb = verbs[step.action]
-    at = time.strftime("%H:%M:%S", time.localtime(step.at))
-    left = max(0, round(step.at - time.time()))
-    return f"{verb} at {at} (in {left // 60}m {left % 60:02d}s if nobody asks; {timeouts})"
-
-
-def _timeout(seconds: float | None) -> str:
-    return "never" if seconds is None else format_duration(seconds)
-
-
-def _size(value: int | None) -> str:
-    return "-" if value is None else format_size(value)
-
-
 def list_command(
     what: str,
     summary: str,
@@ -359,7 +250,8 @@ def render_hosts(rows: list[HostRow]) -> str:
                 r.state,
                 "no (drained)" if r.drained else "yes",
                 r.version or "-",
-                ", ".join(f"{g.name} {_size(g.used)}/{_size(g.total)}" for g in r.gpus) or "-",
+                ", ".join(f"{g.name} {size_text(g.used)}/{size_text(g.total)}" for g in r.gpus)
+                or "-",
                 _memory(r),
                 ", ".join(r.engines) or "-",
             ]
@@ -370,7 +262,9 @@ def render_hosts(rows: list[HostRow]) -> str:
 
 def _memory(host: HostRow) -> str:
     """Each memory domain of a host: its name, what is charged on it, and its managed limit."""
-    domains = (f"{d.name} {_size(d.charged)} / {_size(d.managed_limit)}" for d in host.domains)
+    domains = (
+        f"{d.name} {size_text(d.charged)} / {size_text(d.managed_limit)}" for d in host.domains
+    )
     return ", ".join(domains) or "-"
 
 
@@ -449,7 +343,7 @@ def render_models(rows: list[ModelRow]) -> str:
                 r.host,
                 r.name,
                 f"hf {r.repo}@{r.commit}" if r.repo else "folder" if r.kind == "folder" else "file",
-                _size(r.weights_bytes),
+                size_text(r.weights_bytes),
                 ", ".join(r.used_by) or "-",
             ]
             for r in rows
