@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from capycommon.domain.hosts import STARTUP_HOST_BYTES, HostInfo
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord
 from capycommon.state import keys
 from capyctl_cli.gpucheck.role import end_left_under
@@ -29,6 +30,7 @@ from cluster import FOURTEEN, SMALL, GiB
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
+from hostilehost import redis_as_host
 from ports import free_port
 from serversetup import ServerSetup, ask
 from support import (
@@ -154,6 +156,36 @@ def test_a_model_a_host_lacks_is_not_placed_there_and_status_says_why(setup: Set
 def test_placement_hosts_pins_a_model(setup: Setup) -> None:
     setup.deploy("pinned", model="small", engine_config=SMALL, placement={"hosts": ["gpu-a"]})
     assert ask(setup.openai(), "pinned")
+    assert setup.where("pinned") == "gpu-a"
+
+
+def test_a_host_that_claims_an_earlier_release_is_not_given_a_model_measured_there(
+    setup: Setup,
+) -> None:
+    def measured() -> bool:
+        status = json.loads(setup.ok("status", "deployment", "pinned", "--json"))
+        return bool(status["startup"] and status["startup"]["host_provenance"] == "measured")
+
+    wait_for(measured, timeout=60, what="gpu-a's memwatch to measure the start of 'pinned'")
+    setup.ok("stop", "deployment", "pinned", "--wait")
+    key = keys.host_info("gpu-a")
+    with redis_as_host(setup.hosts["gpu-a"].state_dir) as host:
+        info = HostInfo.model_validate_json(cast(bytes, host.get(key)))
+        assert STARTUP_HOST_BYTES in info.capabilities
+        # What a host of 0.1.6 says of itself, written with the host's own credentials.
+        older = info.model_copy(update={"version": "0.1.6", "capabilities": ()})
+        host.set(key, older.model_dump_json())
+        try:
+            refused = setup.server.capyctl("start", "deployment", "pinned", "--wait")
+            rows = {row["name"]: row for row in json.loads(setup.ok("list", "hosts", "--json"))}
+        finally:
+            host.set(key, info.model_dump_json())
+    assert refused.returncode == 5, refused.stderr
+    assert "host_capability_missing:startup_host_bytes" in refused.stderr
+    assert "host gpu-a, which runs CapyCTL 0.1.6" in refused.stderr
+    assert rows["gpu-a"]["capabilities"] == []
+    assert rows["gpu-b"]["capabilities"] == [STARTUP_HOST_BYTES]
+    setup.ok("start", "deployment", "pinned", "--wait")  # its own word again: it starts there
     assert setup.where("pinned") == "gpu-a"
 
 

@@ -9,8 +9,9 @@ import signal
 from pathlib import Path
 from typing import cast
 
-from capycommon.domain.hosts import HostInfo
+from capycommon.domain.hosts import HOST_CAPABILITIES, HostInfo
 from capycommon.state import keys
+from capycommon.version import __version__
 from integration.hostd.harness import HOST, Hostd, environ, launch
 from support import group_members, short_dir, wait_for
 
@@ -30,7 +31,9 @@ def test_deep_parking_off(redis_socket: Path, installs: dict[str, Path], model: 
             timeout=15,
             what="hostd's host info",
         )
-        assert HostInfo.model_validate_json(raw) == HostInfo(deep_park=False)
+        assert HostInfo.model_validate_json(raw) == HostInfo(
+            version=__version__, capabilities=HOST_CAPABILITIES, deep_park=False
+        )
 
         harness.send(launch("a", 1, gpu, model, residency="host_backed"))
         failed = harness.wait_state("a", "failed")

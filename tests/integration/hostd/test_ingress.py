@@ -34,12 +34,13 @@ import pytest
 from capycommon import ingress, pki
 from capycommon.authority import Authority
 from capycommon.domain.engines import Residency
-from capycommon.domain.hosts import HostInfo
+from capycommon.domain.hosts import HOST_CAPABILITIES, HostInfo
 from capycommon.domain.instances import InstanceState
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
 from capycommon.service import redis_client
 from capycommon.state import keys
 from capycommon.state.stores import State
+from capycommon.version import __version__
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.ingress import HostIngress
 from capyctl_hostd.serving import Serving
@@ -476,7 +477,9 @@ def test_a_host_that_did_not_join_serves_no_ingress(hostd: tuple[Hostd, str]) ->
         lambda: harness.client.get(keys.host_info(HARNESS_HOST)), timeout=10, what="host info"
     )
     assert isinstance(raw, bytes)
-    assert HostInfo.model_validate_json(raw) == HostInfo(deep_park=True, ingress=None)
+    assert HostInfo.model_validate_json(raw) == HostInfo(
+        version=__version__, capabilities=HOST_CAPABILITIES, deep_park=True, ingress=None
+    )
 
 
 def connections_to(port: int) -> int:

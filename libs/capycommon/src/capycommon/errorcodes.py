@@ -43,6 +43,7 @@ CODES: dict[str, tuple[int, int]] = {
     "disk_full": (4, 507),
     # 5: a capability this host, engine or release does not have.
     "capability_missing": (5, 409),
+    "host_capability_missing": (5, 409),
     "lmcache_unavailable": (5, 409),
     "not_a_decision_model": (5, 409),
     "host_backed_unavailable": (5, 400),

@@ -173,6 +173,17 @@ class CapabilityMissing(InvalidConfig):
         self.capability = capability
 
 
+class HostCapabilityMissing(CapyError):
+    """`host_capability_missing:<name>`: the host's CapyCTL release cannot do what the
+    deployment needs there (`capability`, one of `capycommon.domain.hosts.HOST_CAPABILITIES`)."""
+
+    code = "host_capability_missing"
+
+    def __init__(self, message: str, *, capability: str) -> None:
+        super().__init__(message, code=f"{HostCapabilityMissing.code}:{capability}")
+        self.capability = capability
+
+
 class NotADecisionModel(InvalidConfig):
     """`api: decisions` on a model that is no decision model: no `decision_config.json`, no
     joint-head files, no GGUF decision metadata."""

@@ -388,6 +388,9 @@ class HostRow(Answer):
     # Drained by an operator: it takes no new model until undrained.
     drained: bool = False
     unreachable_since: float | None = None
+    # What its release can do (`capycommon.domain.hosts.HOST_CAPABILITIES`): the server
+    # gives it only the work whose capabilities it names.
+    capabilities: list[str] = []
 
 
 class InvitationAnswer(Versioned):

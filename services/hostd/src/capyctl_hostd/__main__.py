@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from capycommon.domain.hosts import HostInfo
+from capycommon.domain.hosts import HOST_CAPABILITIES, HostInfo
 from capycommon.engines import registry
 from capycommon.enrollment import ingress_address
 from capycommon.errors import CapyError, InvalidConfig
@@ -15,6 +15,7 @@ from capycommon.paths import ensure_private_dir
 from capycommon.service import REDIS_ERRORS, ServiceContext, joined_host, run, wait_event
 from capycommon.settings import HostSettings, own_host
 from capycommon.settingvalues import parse_port_range
+from capycommon.version import __version__
 from capyctl_hostd import adopt, consumer, loads, renewal
 from capyctl_hostd.hostpaths import HostPaths
 from capyctl_hostd.ingress import HostIngress
@@ -92,7 +93,11 @@ async def serve(ctx: ServiceContext) -> None:
     )
     door: HostIngress | None = None
     info = HostInfo(
-        deep_park=deep_park, lmcache=host.lmcache != "off", retention_zero=host.retention == "zero"
+        version=__version__,
+        capabilities=HOST_CAPABILITIES,
+        deep_park=deep_park,
+        lmcache=host.lmcache != "off",
+        retention_zero=host.retention == "zero",
     )
     if joined_host(ctx.role, ctx.settings):
         assert isinstance(ctx.settings, HostSettings)

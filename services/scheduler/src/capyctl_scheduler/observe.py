@@ -17,17 +17,18 @@ from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
 from capycommon.deployments.resolve import named_path
 from capycommon.domain.commands import Describe, HubPull
 from capycommon.domain.desired import DeploymentRecord
-from capycommon.domain.hosts import EngineLoad, HostIdentity, HostInfo
+from capycommon.domain.hosts import STARTUP_HOST_BYTES, EngineLoad, HostIdentity, HostInfo
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord
 from capycommon.domain.memory import MemoryReading
 from capycommon.domain.models import HostModels
 from capycommon.domain.places import Places
 from capycommon.engines import lmcache
 from capycommon.engines.registry import EngineProfile, PublishedEngines
-from capycommon.errors import CapyError, ProfileNotPublished
+from capycommon.errors import CapyError, HostCapabilityMissing, ProfileNotPublished
 from capycommon.state import ownership
 from capycommon.state.hostmarks import HostMarks
 from capycommon.state.stores import State
+from capycommon.version import __version__
 from capyctl_scheduler.ledger import (
     SYSTEM,
     Domain,
@@ -261,6 +262,8 @@ class Observer:
             unreachable_since=marks.unreachable.get(host) if identity is not None else None,
             revoked=identity is not None and identity.revoked_at is not None,
             drained=host in marks.drained,
+            version=info.version,
+            capabilities=frozenset(info.capabilities),
         )
         if reading is None:
             return empty
@@ -278,7 +281,11 @@ class Observer:
         binding = self._resolve(record, host, view, read.engines, read.models)
         if binding.resolved is None or not view.domains:
             return binding
-        return Binding(host, binding.resolved, await self._footprints(record, host, view, binding))
+        try:
+            footprints = await self._footprints(record, host, view, binding)
+        except HostCapabilityMissing as exc:
+            return Binding(host, error=exc)
+        return Binding(host, binding.resolved, footprints)
 
     def _resolve(
         self,
@@ -378,6 +385,7 @@ class Observer:
         elif peak is not None:
             startup = (peak.device_bytes, "measured")
         if peak is not None:
+            _measured_here(record, view)
             startup_host = (peak.host_bytes, "measured")
         return engine_footprints(resolved, view, startup, startup_host)
 
@@ -392,6 +400,20 @@ def _paths(records: Iterable[DeploymentRecord]) -> dict[str, HubPull | None]:
         if path is not None:
             named[path] = named.get(path) or HubPull.of(model)
     return named
+
+
+def _measured_here(record: DeploymentRecord, view: HostView) -> None:
+    """A startup peak measured on a host with a discrete GPU is charged there only if the
+    host's release measures a start's host RAM apart (`startup_host_bytes`)."""
+    if view.unified or STARTUP_HOST_BYTES in view.capabilities:
+        return
+    release = f"CapyCTL {view.version}" if view.version else "a CapyCTL release that names none"
+    raise HostCapabilityMissing(
+        f"{record.name!r} has a startup peak measured on host {view.name}, which runs {release} "
+        f"and cannot start it that way; upgrade CapyCTL on {view.name} to the server's release "
+        f"({__version__})",
+        capability=STARTUP_HOST_BYTES,
+    )
 
 
 def _unpublished(host: str) -> Binding:

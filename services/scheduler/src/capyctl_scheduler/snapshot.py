@@ -12,7 +12,7 @@ from functools import cached_property
 
 from capycommon.deployments import Resolved
 from capycommon.domain.desired import DeploymentRecord
-from capycommon.domain.hosts import EngineLoad
+from capycommon.domain.hosts import HOST_CAPABILITIES, EngineLoad
 from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.domain.places import Places
 from capycommon.errors import CapyError
@@ -67,6 +67,10 @@ class HostView:
     revoked: bool = False
     # Drained by an operator: nothing new is placed there.
     drained: bool = False
+    # Its hostd's release and what it can do (`HostInfo`); a host of an earlier release
+    # names fewer capabilities, or none.
+    version: str | None = None
+    capabilities: frozenset[str] = frozenset(HOST_CAPABILITIES)
 
     @property
     def reachable(self) -> bool:

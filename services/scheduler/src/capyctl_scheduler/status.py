@@ -285,6 +285,7 @@ def host_rows(snapshot: Snapshot, readings: dict[str, MemoryReading | None]) -> 
                 joined=view.joined,
                 drained=view.drained,
                 unreachable_since=view.unreachable_since,
+                capabilities=sorted(view.capabilities),
             )
         )
     return rows

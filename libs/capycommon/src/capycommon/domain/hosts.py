@@ -4,15 +4,28 @@ identities the server keeps for joined hosts, and the ends of requests the route
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from capycommon.domain.strict import Strict
+
+# What a host of this release can do, named in its HostInfo; the server gives a host only
+# the work whose capabilities it names, and a host of an earlier release names fewer.
+# startup_host_bytes: its memwatch measures a start's host RAM apart from the card's, from
+# the engine's own processes (a measured startup peak's host figure is its own).
+STARTUP_HOST_BYTES = "startup_host_bytes"
+HOST_CAPABILITIES: tuple[str, ...] = (STARTUP_HOST_BYTES,)
+Capability = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
 
 
 class HostInfo(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # The host's CapyCTL release and its capabilities; a host of a release before 0.1.7
+    # names neither, and so has none.
+    version: str | None = Field(default=None, max_length=64)
+    capabilities: tuple[Capability, ...] = Field(default=(), max_length=64)
 
     # False where host.deep_park is off: nothing parks deep there, and no engine runs with
     # its development controls.
