@@ -46,12 +46,15 @@ REDIS_UNIT = PROCESS_UNITS["redis"]
 # One host role per joined host on a machine, each instance with its own state dir.
 HOST_TEMPLATE = "capyctl-host@.service"
 INSTANCE = "gpu-a"
+# The release notes' spelling of the role units, the role its instance: capyctl@host.service.
+ROLE_TEMPLATE = "capyctl@.service"
 # The units whose hostd starts engines, which keep running when the unit stops.
 ENGINE_UNITS = {
     ROLE_UNITS["standalone"],
     ROLE_UNITS["server"],  # its embedded host's, when it has one
     ROLE_UNITS["host"],
     HOST_TEMPLATE,
+    ROLE_TEMPLATE,
     PROCESS_UNITS["hostd"],
 }
 
@@ -117,15 +120,21 @@ def role_of(unit_name: str) -> str:
 
 
 def state_name(unit_name: str) -> str:
-    """What names a unit's state dir and environment file: its role, or for the host
-    template `host-%i`, one per instance."""
+    """What names a unit's state dir and environment file: its role, for the host template
+    `host-%i`, one per instance, and for the role template its instance, the role."""
+    if unit_name == ROLE_TEMPLATE:
+        return "%i"
     return "host-%i" if unit_name == HOST_TEMPLATE else role_of(unit_name)
 
 
 def as_instances(units: list[Path]) -> list[Path]:
-    """The units to verify: a template as its instance INSTANCE, a path beside it."""
+    """The units to verify: a template as an instance (the role template as its host role,
+    any other as INSTANCE), a path beside it."""
+    instances = {ROLE_TEMPLATE: "host"}
     return [
-        unit.with_name(unit.name.replace("@.", f"@{INSTANCE}.")) if "@." in unit.name else unit
+        unit.with_name(unit.name.replace("@.", f"@{instances.get(unit.name, INSTANCE)}."))
+        if "@." in unit.name
+        else unit
         for unit in units
     ]
 
@@ -204,7 +213,13 @@ def test_verify_check_catches_a_warning(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_every_role_and_process_has_a_unit(folder: str) -> None:
-    expected = {*ROLE_UNITS.values(), *PROCESS_UNITS.values(), TARGET, HOST_TEMPLATE}
+    expected = {
+        *ROLE_UNITS.values(),
+        *PROCESS_UNITS.values(),
+        TARGET,
+        HOST_TEMPLATE,
+        ROLE_TEMPLATE,
+    }
     assert {p.name for p in unit_files(folder)} == expected
 
 
@@ -239,6 +254,24 @@ def test_host_template_runs_a_host_per_instance(folder: str) -> None:
     assert one(unit, "Service", "NoNewPrivileges") == "yes"
     # Each instance has its own state dir, so instances and role units run side by side.
     assert "Conflicts" not in unit.get("Unit", {})
+    wanted_by = "multi-user.target" if folder == "system" else "default.target"
+    assert words(unit, "Install", "WantedBy") == [wanted_by]
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_role_template_runs_the_role_its_instance_names(folder: str) -> None:
+    unit = parse_unit(SYSTEMD / folder / ROLE_TEMPLATE)
+    assert one(unit, "Service", "ExecStart") == f"{BINARIES[folder]} start %i"
+    assert one(unit, "Service", "Restart") == "on-failure"
+    assert set(words(unit, "Service", "RestartPreventExitStatus")) >= NO_RESTART | {"14"}
+    assert one(unit, "Service", "KillMode") == "process"
+    assert one(unit, "Service", "TimeoutStopSec") == "35"
+    # Never beside the project's own spelling of the same role, which has its state dir.
+    conflicts = set(words(unit, "Unit", "Conflicts"))
+    if folder == "system":
+        assert "capyctl-%i.service" in conflicts
+    else:
+        assert conflicts >= set(ROLE_UNITS.values())
     wanted_by = "multi-user.target" if folder == "system" else "default.target"
     assert words(unit, "Install", "WantedBy") == [wanted_by]
 

@@ -26,7 +26,7 @@ from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
 from ports import engine_ports, free_port
-from release.builds import ARCH, MAJOR, MINOR, NEW, OLD, Releases, build, install
+from release.builds import ARCH, MAJOR, MINOR, NEW, OLD, ROOT, Releases, build, install
 from support import (
     Role,
     clean_env,
@@ -132,6 +132,14 @@ def test_install_runs_the_demo_and_is_harmless_twice(releases: Releases) -> None
         latest = install(releases, "--releases", releases.url, prefix=prefix)
         assert latest.returncode == 0, latest.stderr
         assert run(prefix, "--version") == f"capyctl {NEW}\n"
+        # What the release carries to run it under systemd and to operate it, with no clone.
+        config = root / "config"
+        run(
+            prefix, "install", "units", "host", "--user", env=clean_env(XDG_CONFIG_HOME=str(config))
+        )
+        template = (config / "systemd" / "user" / "capyctl@.service").read_text()
+        assert f"ExecStart={prefix}/bin/capyctl start %i\n" in template, "the link, not its target"
+        assert run(prefix, "docs", "operations") == (ROOT / "docs" / "operations.md").read_text()
 
         log = root / "demo.out"
         env = clean_env(HOME=str(root), CAPYCTL_ENGINE_PORTS=engine_ports(9))

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -24,10 +23,11 @@ import yaml
 from capycommon import credentials
 from capycommon.deployments import load_deployment
 from capycommon.engines import detect, registry
-from capycommon.errors import ActivationTimeout, CapyError, Internal, NotFound
+from capycommon.errors import ActivationTimeout, CapyError, Internal
 from capycommon.paths import StatePaths
 from capycommon.yamldoc import load_yaml_document
 from capyctl_cli import output
+from capyctl_cli.bundled import bundled
 from capyctl_cli.management import Management
 from enginesim.behaviour import Behaviour
 from enginesim.install import PythonFamily, install_python_engine
@@ -55,17 +55,7 @@ def default_state_dir() -> Path:
 def examples_dir() -> Path:
     """The example deployments: the installed package's copy, else the repository's
     `examples/deployments`."""
-    here = Path(str(resources.files("capyctl_cli"))).resolve()
-    if (here / "examples" / "deployments").is_dir():
-        return here / "examples" / "deployments"
-    for parent in here.parents:
-        found = parent / "examples" / "deployments"
-        if found.is_dir():
-            return found
-    raise NotFound(
-        "the example deployments (examples/deployments) are not beside this "
-        "installation; run capyctl demo from a clone of the repository"
-    )
+    return bundled("examples/deployments")
 
 
 def has_gpu() -> bool:

@@ -62,6 +62,8 @@ app = typer.Typer(
             "invite": Lazy(f"{HOSTS}:invite_app"),
             "join": Lazy(f"{HOSTS}:join_app"),
             "revoke": Lazy(f"{HOSTS}:revoke_app"),
+            "install": Lazy("capyctl_cli.install:install_app"),
+            "docs": one("capyctl_cli.install:docs_app"),
         }
     ),
 )

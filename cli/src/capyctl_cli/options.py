@@ -73,6 +73,7 @@ def expected_errors(fn: F) -> F:
 
 
 RoleOpt = Annotated[str, typer.Option("--role", help="standalone, server or host.")]
+RoleArg = Annotated[str, typer.Argument(help="standalone, server or host.")]
 
 
 def role_of(value: str) -> Role:

@@ -20,6 +20,7 @@ from capyctl_cli import launcher, output, roles
 from capyctl_cli.options import (
     ConfigOpt,
     JsonOpt,
+    RoleArg,
     RoleOpt,
     StateDirOpt,
     command_group,
@@ -72,9 +73,6 @@ start_server = start_command("server", "Run the control plane: redis, router and
 start_host = start_command(
     "host", "Run a GPU host's agents: hostd and memwatch, joined to a server's Redis."
 )
-
-
-RoleArg = Annotated[str, typer.Argument(help="standalone, server or host.")]
 
 
 def _prepare(role: Role, state_dir: str | None, config: str | None) -> roles.Prepared:
