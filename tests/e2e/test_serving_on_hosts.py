@@ -8,8 +8,10 @@ The tests run in order on one server and its hosts: each leaves the next its set
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -24,28 +26,33 @@ import pytest
 
 from capycommon.domain.hosts import STARTUP_HOST_BYTES, HostInfo
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord
+from capycommon.paths import StatePaths
 from capycommon.state import keys
 from capyctl_cli.gpucheck.role import end_left_under
+from capyctl_cli.management import Management
 from cluster import FOURTEEN, SMALL, GiB
 from enginerun import sparse_model
-from enginesim.behaviour import Behaviour
+from enginesim.behaviour import Behaviour, DisconnectLag, Faults
 from enginesim.install import install_python_engine
 from hostilehost import redis_as_host
 from ports import free_port
 from serversetup import ServerSetup, ask
 from support import (
     Role,
+    cancel,
     clean_env,
     join_with_engines,
     short_dir,
     start_host,
     start_role,
     wait_for,
+    wait_for_async,
 )
 
 # A host unreachable this long is gone: its models start elsewhere.
 LOST_AFTER_S = 6
 HOSTS = {"gpu-a": "127.0.0.2", "gpu-b": "127.0.0.3"}
+HI: list[Any] = [{"role": "user", "content": "hi"}]
 
 
 @dataclass
@@ -101,9 +108,20 @@ def setup() -> Iterator[Setup]:
     found = Setup(folder, server, flags)
     fast = Behaviour(load_seconds=0.5, tokens_per_second=200)
     slow = Behaviour(load_seconds=0.5, tokens_per_second=8, answer=" ".join(["word"] * 200))
+    # SGLang 0.5.22 tells hostd when it ends a request (its place settles then); a prefill
+    # holds each request a moment before its first token. Its own abort of a hung-up request
+    # comes late here, so a request that ends at once was aborted by its id.
+    ends = Behaviour(
+        load_seconds=0.5,
+        tokens_per_second=8,
+        prefill_seconds=1.5,
+        answer=" ".join(["w"] * 400),
+        faults=Faults(disconnect_abort_lag=DisconnectLag(non_stream=60, stream=60)),
+    )
     installs = {
         "vllm": install_python_engine(folder / "e" / "vllm", "vllm", "0.29.0", fast),
         "slowsglang": install_python_engine(folder / "e" / "slow", "sglang", "0.5.16", slow),
+        "sg22": install_python_engine(folder / "e" / "sg22", "sglang", "0.5.22", ends),
     }
     try:
         for name, address in HOSTS.items():
@@ -215,6 +233,74 @@ def test_a_hang_up_through_the_ingress_stops_the_engines_work_within_a_second(
         hung_up = time.monotonic()
     wait_for(lambda: _running(url, secret) == 0, timeout=1.0, what="the engine to stop")
     assert time.monotonic() - hung_up < 1.5
+
+
+def test_on_a_joined_host_a_cut_request_is_aborted_by_its_id_and_settles_when_it_ends(
+    setup: Setup,
+) -> None:
+    """Through a host's ingress, SGLang 0.5.22: a request cut streamed after its first token,
+    or not streamed before any answer, is aborted by its id, and its place settles once the
+    host reports that the engine ended it, while another request keeps the engine busy (so
+    it never reads idle)."""
+    setup.deploy("sg22", engine="sg22", model="small", engine_config=SMALL)
+    # Started without a request: a request's place kept as a router's spare would carry the
+    # next one uncounted.
+    setup.ok("start", "deployment", "sg22", "--wait")
+    host = setup.where("sg22")
+    assert host is not None
+    url, secret = setup.engine("sg22", host)
+    key = setup.server.credentials()["api_key"]
+    base = f"http://{setup.server.inference}/v1"
+
+    def places() -> tuple[int, int, int]:
+        with Management(StatePaths(setup.server.state_dir)) as api:
+            found = api.status("sg22").requests
+        return found.running, found.settle_when_idle, found.settle_at_stop
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        ) as http:
+
+            async def send(stream: bool, max_tokens: int, first: asyncio.Event | None) -> None:
+                body = {"model": "sg22", "messages": HI, "stream": stream, "max_tokens": max_tokens}
+                async with http.stream("POST", "/chat/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if first is not None and '"content"' in line:
+                            first.set()
+                    await asyncio.Event().wait()  # held until the hang-up cancels it
+
+            async def engine_runs(count: int) -> None:
+                async def runs() -> bool:
+                    return await asyncio.to_thread(_running, url, secret) == count
+
+                await wait_for_async(runs, timeout=15, what=f"the engine to run {count}")
+
+            busy = asyncio.create_task(send(True, 400, None))
+            await engine_runs(1)
+            for stream in (True, False):
+                aborted = await asyncio.to_thread(_aborted, url, secret)
+                first = asyncio.Event() if stream else None
+                cut = asyncio.create_task(send(stream, 200, first))
+                await engine_runs(2)
+                if first is not None:
+                    await asyncio.wait_for(first.wait(), 10)
+                await cancel(cut)
+                await engine_runs(1)  # long before SGLang would abort it itself
+                # hostd aborts by id until an abort counts nothing: once, or more.
+                assert await asyncio.to_thread(_aborted, url, secret) > aborted, "by its id"
+
+                async def settled() -> bool:
+                    return await asyncio.to_thread(places) == (1, 0, 0)
+
+                try:
+                    await wait_for_async(settled, timeout=10, what="the cut request's place")
+                except AssertionError:
+                    raise AssertionError(f"stream={stream}: {places()}") from None
+                assert not busy.done(), "the engine never read idle: the host reported the end"
+            await cancel(busy)
+
+    asyncio.run(scenario())
 
 
 def test_killing_a_hosts_agents_loses_nothing_and_its_engines_are_re_adopted(
@@ -365,6 +451,13 @@ def _running(url: str, secret: str) -> int:
         if line.startswith("sglang:num_running_reqs"):
             return int(float(line.rsplit(" ", 1)[1]))
     raise AssertionError("the engine reports no running requests")
+
+
+def _aborted(url: str, secret: str) -> int:
+    """The requests SGLang aborted by their id, as its metrics count them."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {secret}"}).text
+    found = re.search(r"^sglang:num_aborted_requests(?:_total)?\{[^}]*\} (\S+)$", text, re.M)
+    return int(float(found[1])) if found else 0
 
 
 def _choices(setup: Setup) -> list[dict[str, Any]]:
