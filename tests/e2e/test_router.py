@@ -304,6 +304,60 @@ def test_a_client_hang_up_stops_the_engines_work(cluster: Cluster) -> None:
     assert cluster.status("hang")["requests"]["settle_at_stop"] == 0, "the stop settled them"
 
 
+def test_cut_requests_that_fill_every_place_restart_the_instance_never_queue_full(
+    cluster: Cluster,
+) -> None:
+    """Requests cut before any answer wait for the instance's next stop to settle (vLLM
+    says nothing of their end); when they hold all 32 of a model's places, the instance
+    restarts, which settles them, and the next request is served."""
+    crawl = Behaviour(load_seconds=0.5, tokens_per_second=4, answer=" ".join(["w"] * 400))
+    install = install_python_engine(cluster.root / "e" / "crawl", "vllm", "0.29.0", crawl)
+    cluster.ok("engine", "add", str(install), "--name", "crawl")
+    cluster.deploy("full", engine="crawl", model="small", engine_config=SMALL)
+    cluster.start("full")
+    instance = cluster.instance("full")
+    assert instance is not None
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    # Not streamed, 100 s of answer: nothing of it has come back when each is cut.
+    body = {"model": "full", "messages": HI, "max_tokens": 400, "ignore_eos": True}
+
+    async def cut_32() -> None:
+        limits = httpx.Limits(max_connections=40)
+        async with httpx.AsyncClient(
+            base_url=cluster.base_url, headers=headers, timeout=60, limits=limits
+        ) as http:
+            sent = [
+                asyncio.create_task(http.post("/chat/completions", json=body)) for _ in range(32)
+            ]
+
+            async def all_in() -> bool:
+                return (await asyncio.to_thread(cluster.places, "full")).running == 32
+
+            await wait_for_async(all_in, timeout=30, what="32 requests to hold every place")
+            for task in sent:
+                await cancel(task)
+
+    asyncio.run(cut_32())
+    wait_for(
+        lambda: _places_of(cluster, "full") == (32, 0, 32),
+        timeout=15,
+        what="the 32 cut requests to wait for the next stop",
+    )
+    answer = sdk(cluster).chat.completions.create(model="full", messages=HI, max_tokens=4)
+    assert answer.choices[0].message.content, "served, not queue_full"
+    restarted = cluster.instance("full")
+    assert restarted is not None
+    assert restarted.generation > instance.generation
+    reasons = [choice["reason"] for choice in cluster.choices("full")]
+    assert "cancelled requests hold every place: restarting it" in reasons, reasons
+    assert cluster.status("full")["requests"]["settle_at_stop"] == 0, "the restart settled them"
+
+
+def _places_of(cluster: Cluster, name: str) -> tuple[int, int, int]:
+    found = cluster.places(name)
+    return found.running, found.settle_when_idle, found.settle_at_stop
+
+
 def test_sglang_aborts_a_cut_request_by_its_id(cluster: Cluster) -> None:
     cluster.deploy("sg", engine="slowsglang", model="small", engine_config=SMALL)
     cluster.start("sg")

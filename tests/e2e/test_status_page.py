@@ -194,7 +194,11 @@ def test_the_page_follows_parks_and_wakes_live_in_a_browser(
     browser.get(page_url(cluster))
     browser.find_element(By.ID, "token").send_keys(cluster.api_key)
     browser.find_element(By.CSS_SELECTOR, "form[action='/login'] button").click()
-    assert "That is the API key" in browser.find_element(By.CSS_SELECTOR, ".refused").text
+    # The click submits the form; the answer's page comes when it comes (a loaded machine).
+    refused = wait_for(
+        lambda: browser.find_elements(By.CSS_SELECTOR, ".refused"), 15, what="the refusal"
+    )
+    assert "That is the API key" in refused[0].text
     browser.find_element(By.ID, "token").send_keys(admin_token(cluster))
     browser.find_element(By.CSS_SELECTOR, "form[action='/login'] button").click()
     wait_for(lambda: browser.find_elements(By.ID, "live"), 10, what="the page")
