@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import redis
 import yaml
 
@@ -82,6 +83,18 @@ async def cancel(task: asyncio.Task[Any]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def held_chat(
+    http: httpx.AsyncClient, body: dict[str, Any], first: asyncio.Event | None = None
+) -> None:
+    """Send a chat completion and hold its connection until cancelled, as a client that then
+    hangs up; `first` is set once the answer's first content came."""
+    async with http.stream("POST", "/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if first is not None and '"content"' in line:
+                first.set()
+        await asyncio.Event().wait()
 
 
 async def wait_for_async(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,7 +17,7 @@ from capycommon.state import keys
 from cluster import FOURTEEN, HOST, SMALL, Cluster, running
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
-from support import cancel, wait_for, wait_for_async
+from support import cancel, held_chat, wait_for, wait_for_async
 
 TOOLS: list[Any] = [
     {
@@ -385,13 +385,11 @@ def test_sglang_settles_a_cut_request_when_the_engine_ends_it(cluster: Cluster) 
             base_url=cluster.base_url, headers=headers, timeout=60
         ) as http:
 
-            async def send(max_tokens: int, first_token: asyncio.Event | None) -> None:
+            def send(
+                max_tokens: int, first_token: asyncio.Event | None
+            ) -> Coroutine[Any, Any, None]:
                 body = {"model": "sg22", "messages": HI, "stream": True, "max_tokens": max_tokens}
-                async with http.stream("POST", "/chat/completions", json=body) as response:
-                    async for line in response.aiter_lines():
-                        if first_token is not None and '"content"' in line:
-                            first_token.set()
-                    await asyncio.Event().wait()  # held until the hang-up cancels it
+                return held_chat(http, body, first_token)
 
             async def engine_runs(count: int) -> None:
                 async def runs() -> bool:

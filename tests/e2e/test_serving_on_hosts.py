@@ -16,7 +16,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -41,6 +41,7 @@ from support import (
     Role,
     cancel,
     clean_env,
+    held_chat,
     join_with_engines,
     short_dir,
     start_host,
@@ -262,13 +263,11 @@ def test_on_a_joined_host_a_cut_request_is_aborted_by_its_id_and_settles_when_it
             base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60
         ) as http:
 
-            async def send(stream: bool, max_tokens: int, first: asyncio.Event | None) -> None:
+            def send(
+                stream: bool, max_tokens: int, first: asyncio.Event | None = None
+            ) -> Coroutine[Any, Any, None]:
                 body = {"model": "sg22", "messages": HI, "stream": stream, "max_tokens": max_tokens}
-                async with http.stream("POST", "/chat/completions", json=body) as response:
-                    async for line in response.aiter_lines():
-                        if first is not None and '"content"' in line:
-                            first.set()
-                    await asyncio.Event().wait()  # held until the hang-up cancels it
+                return held_chat(http, body, first)
 
             async def engine_runs(count: int) -> None:
                 async def runs() -> bool:
@@ -276,7 +275,7 @@ def test_on_a_joined_host_a_cut_request_is_aborted_by_its_id_and_settles_when_it
 
                 await wait_for_async(runs, timeout=15, what=f"the engine to run {count}")
 
-            busy = asyncio.create_task(send(True, 400, None))
+            busy = asyncio.create_task(send(True, 400))
             await engine_runs(1)
             for stream in (True, False):
                 aborted = await asyncio.to_thread(_aborted, url, secret)
