@@ -79,9 +79,15 @@ def test_a_model_that_would_park_deep_stops_instead(no_deep_park: Cluster) -> No
         "this host (host.deep_park: off), so it stops instead of parking"
     )
     assert binding["deep_park"] is False
-    text = cluster.ok("status", "deployment", "dp")
-    assert "residency       restart_only on local (unified memory:" in text
-    assert "deep parking    off on host local (host.deep_park: off)" in text
+    # Each row of the text status: its key, the column's padding, its value.
+    rows = {
+        key: value
+        for key, _, value in (
+            line.partition("  ") for line in cluster.ok("status", "deployment", "dp").splitlines()
+        )
+    }
+    assert rows["residency"].lstrip().startswith("restart_only on local (unified memory:")
+    assert rows["deep parking"].lstrip() == "off on host local (host.deep_park: off)"
 
     cluster.start("dp")
     instance = cluster.instance("dp")
