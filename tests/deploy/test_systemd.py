@@ -223,57 +223,48 @@ def test_every_role_and_process_has_a_unit(folder: str) -> None:
     assert {p.name for p in unit_files(folder)} == expected
 
 
-@pytest.mark.parametrize("folder", FOLDERS)
-@pytest.mark.parametrize("role", ROLES)
-def test_role_unit(folder: str, role: str) -> None:
-    unit = parse_unit(SYSTEMD / folder / ROLE_UNITS[role])
+def runs_a_role(folder: str, name: str, role: str, *, revocable: bool) -> Unit:
+    """The unit `name` runs `capyctl start <role>`, restarts on failure but not on an error
+    a restart cannot fix (nor, `revocable`, after a revocation: 14), stops only capyctl (its
+    engines run on) and starts with the machine or the user; the unit, for more checks."""
+    unit = parse_unit(SYSTEMD / folder / name)
     assert one(unit, "Service", "ExecStart") == f"{BINARIES[folder]} start {role}"
     assert one(unit, "Service", "Restart") == "on-failure"
     prevented = set(words(unit, "Service", "RestartPreventExitStatus"))
-    assert prevented >= NO_RESTART
-    if role == "host":
-        assert "14" in prevented
+    assert prevented >= NO_RESTART | ({"14"} if revocable else set())
     assert one(unit, "Service", "KillMode") == "process"
     assert one(unit, "Service", "TimeoutStopSec") == "35"
     wanted_by = "multi-user.target" if folder == "system" else "default.target"
     assert words(unit, "Install", "WantedBy") == [wanted_by]
+    return unit
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+@pytest.mark.parametrize("role", ROLES)
+def test_role_unit(folder: str, role: str) -> None:
+    runs_a_role(folder, ROLE_UNITS[role], role, revocable=role == "host")
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_host_template_runs_a_host_per_instance(folder: str) -> None:
-    unit = parse_unit(SYSTEMD / folder / HOST_TEMPLATE)
-    assert one(unit, "Service", "ExecStart") == f"{BINARIES[folder]} start host"
+    # 14: a revoked host stays stopped until it joins again; its engines run on.
+    unit = runs_a_role(folder, HOST_TEMPLATE, "host", revocable=True)
     # The instance is the host's name; the environment file may still name another.
     assert environment(unit)["CAPYCTL_HOST_NAME"] == "%i"
-    assert one(unit, "Service", "Restart") == "on-failure"
-    # 14: a revoked host stays stopped until it joins again.
-    assert set(words(unit, "Service", "RestartPreventExitStatus")) >= NO_RESTART | {"14"}
-    # Engines keep running when the unit stops, and after a revocation.
-    assert one(unit, "Service", "KillMode") == "process"
-    assert one(unit, "Service", "TimeoutStopSec") == "35"
     assert one(unit, "Service", "NoNewPrivileges") == "yes"
     # Each instance has its own state dir, so instances and role units run side by side.
     assert "Conflicts" not in unit.get("Unit", {})
-    wanted_by = "multi-user.target" if folder == "system" else "default.target"
-    assert words(unit, "Install", "WantedBy") == [wanted_by]
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_role_template_runs_the_role_its_instance_names(folder: str) -> None:
-    unit = parse_unit(SYSTEMD / folder / ROLE_TEMPLATE)
-    assert one(unit, "Service", "ExecStart") == f"{BINARIES[folder]} start %i"
-    assert one(unit, "Service", "Restart") == "on-failure"
-    assert set(words(unit, "Service", "RestartPreventExitStatus")) >= NO_RESTART | {"14"}
-    assert one(unit, "Service", "KillMode") == "process"
-    assert one(unit, "Service", "TimeoutStopSec") == "35"
+    unit = runs_a_role(folder, ROLE_TEMPLATE, "%i", revocable=True)
     # Never beside the project's own spelling of the same role, which has its state dir.
     conflicts = set(words(unit, "Unit", "Conflicts"))
     if folder == "system":
         assert "capyctl-%i.service" in conflicts
     else:
         assert conflicts >= set(ROLE_UNITS.values())
-    wanted_by = "multi-user.target" if folder == "system" else "default.target"
-    assert words(unit, "Install", "WantedBy") == [wanted_by]
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
