@@ -3,24 +3,28 @@ with the client at the engine itself (the baseline), side by side in one run.
 
     .venv/bin/python bench/hangup.py [--rounds N]
 
-It starts a standalone role on a simulated 24 GiB GPU with the engine simulator as vLLM
-0.29.0, SGLang 0.5.16 and 0.5.22, and llama.cpp (llama-server build 6000), one deployment
-each, answering 20 tokens a second. Each round sends a request that would run for 20 s, waits
-until the engine counts it running (a stream: until its first token came), closes the
-connection, and times until the engine's own count of running requests drops (read from its
-metrics every 2 ms). The engines are the simulator's: each stops work on a hang-up as the real
-one does (SGLang notices a closed connection 2 s late for a stream, up to 4 s when not
-streamed; vLLM and llama.cpp at once), so what is measured is what CapyCTL adds or saves.
+It starts a standalone role on a simulated 24 GiB GPU with one deployment each of the engine
+simulator as vLLM 0.29.0, SGLang 0.5.16 and 0.5.22 and llama.cpp (llama-server build 6000),
+answering 20 tokens a second, and of real llama.cpp (its server through xllamacpp, the tests'
+launcher, on a tiny GGUF model that decodes a few hundred tokens a second on the CPU). Each
+round sends a request that would run for seconds, waits until the engine counts it running
+(a stream: until its first token came), closes the connection, and times until the engine's
+own count of running requests drops (read from its metrics every 2 ms). The simulator stops
+work on a hang-up as each real engine does (SGLang notices a closed connection 2 s late for a
+stream, up to 4 s when not streamed; vLLM and llama.cpp at once), so what is measured on it is
+what CapyCTL adds or saves.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import re
 import shutil
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -44,7 +48,12 @@ ENGINES = {
     "sglang16": ("SGLang 0.5.16", r"^sglang:num_running_reqs\{[^}]*\} (\S+)$"),
     "sglang22": ("SGLang 0.5.22", r"^sglang:num_running_reqs\{[^}]*\} (\S+)$"),
     "llamacpp": ("llama.cpp b6000", r"^llamacpp:requests_processing(?:\{[^}]*\})? (\S+)$"),
+    "llamareal": ("llama.cpp, real", r"^llamacpp:requests_processing(?:\{[^}]*\})? (\S+)$"),
 }
+# The tests' launcher of the real llama-server (xllamacpp) and its tiny model.
+LLAMA_TESTS = Path(__file__).resolve().parents[1] / "tests" / "engines" / "llamacpp"
+# The tiny model's answer is as long as its context allows: it runs a few seconds.
+REAL_TOKENS = 3500
 POLL_S = 0.002
 UNTIL_S = 15.0
 
@@ -61,10 +70,19 @@ def install(root: Path, name: str) -> Path:
     """The simulated engine of deployment `name`, as `capyctl engine add` takes it."""
     if name == "llamacpp":
         return install_llama_server(root / "e" / name, 6000, BEHAVIOUR)
+    if name == "llamareal":
+        return cast(Path, _llama_kit("llama_server").write_wrapper(root / "e" / name))
     if name == "vllm":
         return install_python_engine(root / "e" / name, "vllm", "0.29.0", BEHAVIOUR)
     version = {"sglang16": "0.5.16", "sglang22": "0.5.22"}[name]
     return install_python_engine(root / "e" / name, "sglang", version, BEHAVIOUR)
+
+
+def _llama_kit(module: str) -> Any:
+    """A module of the tests' real llama.cpp kit: its launcher, its tiny model."""
+    if str(LLAMA_TESTS) not in sys.path:
+        sys.path.insert(0, str(LLAMA_TESTS))
+    return importlib.import_module(module)
 
 
 class Stand:
@@ -79,6 +97,8 @@ class Stand:
         gguf.mkdir(parents=True)
         with (gguf / "model.gguf").open("wb") as weights:
             weights.truncate(2 * GiB)
+        (root / "models" / "tiny").mkdir()
+        _llama_kit("tinygguf").write_tiny_model(root / "models" / "tiny" / "tiny.gguf")
         self.inference = f"127.0.0.1:{benchrole.free_port()}"
         self.log = (root / "role.log").open("wb")
         self.role = benchrole.start_standalone(
@@ -88,10 +108,11 @@ class Stand:
         for name in ENGINES:
             self.cli("engine", "add", str(install(root, name)), "--name", name, check=True)
             path = root / f"{name}.yaml"
-            model = "g2" if name == "llamacpp" else "m2"
+            model = {"llamacpp": "g2", "llamareal": "tiny"}.get(name, "m2")
             config: dict[str, Any] = {"memory": {"request": "3GiB"}}
-            if name == "llamacpp":
-                config["context_length"] = 4096
+            if name.startswith("llama"):
+                # One slot: llama.cpp splits its context among its slots.
+                config |= {"context_length": 4096, "max_concurrent_requests": 1}
             path.write_text(
                 yaml.safe_dump(
                     {"name": name, "engine": name, "model": model, "engine_config": config}
@@ -140,8 +161,10 @@ async def one_hang_up(
     name: str, target: Target, engine: Target, pattern: str, stream: bool
 ) -> float:
     """Seconds from the hang-up to the engine's count of running requests dropping."""
-    body = {"model": name, "messages": [{"role": "user", "content": "go"}], "stream": stream}
-    body["max_tokens"] = 400
+    body: dict[str, Any] = {"model": name, "messages": [{"role": "user", "content": "go"}]}
+    body |= {"stream": stream, "max_tokens": 400}
+    if name == "llamareal":
+        body |= {"max_tokens": REAL_TOKENS, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=60) as watch, httpx.AsyncClient(timeout=60) as client:
         first = asyncio.Event()
 
@@ -187,11 +210,18 @@ def measure(stand: Stand, rounds: int) -> None:
             direct = statistics.median(sides["direct"]) * 1000
             router = statistics.median(sides["router"]) * 1000
             kind = "streamed" if stream else "not streamed"
+            if max(direct, router) == float("inf"):  # the median ran on past UNTIL_S
+                print(f"{label:16} {kind:14} {_shown(direct):>14} {_shown(router):>16}")
+                continue
             added = f"{router - direct:+.0f} ms"
             print(
                 f"{label:16} {kind:14} {direct:11.0f} ms {router:13.0f} ms {added:>9}  "
                 f"{router / direct:.3g}"
             )
+
+
+def _shown(ms: float) -> str:
+    return f"> {UNTIL_S:.0f} s" if ms == float("inf") else f"{ms:.0f} ms"
 
 
 def main() -> None:
