@@ -50,8 +50,13 @@ def running_capyctl() -> Path:
 
 
 def unit_text(source: Path, scope: str, executable: Path) -> str:
-    text = source.read_text(encoding="utf-8")
-    return text.replace(EXPECTED[scope], str(executable))
+    """The unit with `executable` in its Exec*= lines (its comments keep the path they
+    explain)."""
+    lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    return "".join(
+        line.replace(EXPECTED[scope], str(executable)) if line.startswith("Exec") else line
+        for line in lines
+    )
 
 
 def write_units(
