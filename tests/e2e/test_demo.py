@@ -66,9 +66,14 @@ def test_the_demo_serves_switches_and_cleans_up() -> None:
     with log.open("wb") as out:
         demo = _start(root, inference, out)
     try:
-        wait_for(
-            lambda: "Ctrl-C stops" in log.read_text(), timeout=120, what="the demo's instructions"
-        )
+        try:
+            wait_for(
+                lambda: "Ctrl-C stops" in log.read_text(),
+                timeout=120,
+                what="the demo's instructions",
+            )
+        except AssertionError as exc:  # what the demo said instead
+            raise AssertionError(f"{exc}; it printed:\n{log.read_text()[-6000:]}") from None
         usage = log.read_text()
         assert f"http://127.0.0.1:{inference}/v1" in usage
         assert "curl -s" in usage
