@@ -104,6 +104,16 @@ class Stand:
         self.role = benchrole.start_standalone(
             self.state, document, self.inference, self.log, self.env
         )
+        try:
+            self._deploy(root)
+        except BaseException:  # the role never outlives a stand that failed to set up
+            self.close()
+            raise
+        credentials = yaml.safe_load((self.state / "identity" / "credentials").read_text())
+        self.router = Target(f"http://{self.inference}", credentials["api_key"])
+
+    def _deploy(self, root: Path) -> None:
+        """Each engine registered and its deployment ready."""
         _until(lambda: self.cli("list", "deployments").returncode == 0, "the role")
         for name in ENGINES:
             self.cli("engine", "add", str(install(root, name)), "--name", name, check=True)
@@ -120,8 +130,6 @@ class Stand:
             )
             self.cli("deploy", "model", "--file", str(path), check=True)
             self.cli("start", "deployment", name, "--wait", check=True)
-        credentials = yaml.safe_load((self.state / "identity" / "credentials").read_text())
-        self.router = Target(f"http://{self.inference}", credentials["api_key"])
 
     def cli(self, *args: str, check: bool = False) -> Any:
         return benchrole.cli(self.state, self.env, *args, check=check)
