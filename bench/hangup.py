@@ -40,6 +40,7 @@ from benchrole import GiB
 from capycommon.state import keys
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_llama_server, install_python_engine
+from wakestand import until
 
 BEHAVIOUR = Behaviour(load_seconds=0.5, tokens_per_second=20, answer=" ".join(["word"] * 400))
 # deployment -> (what it runs, the metric that counts its running requests)
@@ -114,7 +115,7 @@ class Stand:
 
     def _deploy(self, root: Path) -> None:
         """Each engine registered and its deployment ready."""
-        _until(lambda: self.cli("list", "deployments").returncode == 0, "the role")
+        until(lambda: self.cli("list", "deployments").returncode == 0, "the role")
         for name in ENGINES:
             self.cli("engine", "add", str(install(root, name)), "--name", name, check=True)
             path = root / f"{name}.yaml"
@@ -147,14 +148,6 @@ class Stand:
         self.role.send_signal(signal.SIGTERM)
         self.role.wait(timeout=120)
         self.log.close()
-
-
-def _until(check: Any, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 async def running(http: httpx.AsyncClient, engine: Target, pattern: str) -> int:

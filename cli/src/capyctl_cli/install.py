@@ -70,11 +70,12 @@ def write_units(
         name: unit_text(bundled("systemd") / scope / name, scope, executable)
         for name in units_of(role)
     }
-    changed = [
-        folder / name
-        for name, text in wanted.items()
-        if (folder / name).exists() and (folder / name).read_text(encoding="utf-8") != text
-    ]
+    found = {
+        name: (folder / name).read_text(encoding="utf-8")
+        for name in wanted
+        if (folder / name).exists()
+    }
+    changed = [folder / name for name, text in found.items() if text != wanted[name]]
     if changed and not force:
         names = ", ".join(str(path) for path in changed)
         raise InvalidRequest(
@@ -85,10 +86,11 @@ def write_units(
     written = {}
     for name, text in wanted.items():
         path = folder / name
-        same = path.exists() and path.read_text(encoding="utf-8") == text
-        if not same:
-            write_atomic(path, text, mode=0o644)
-        written[str(path)] = "unchanged" if same else ("replaced" if path in changed else "written")
+        if found.get(name) == text:
+            written[str(path)] = "unchanged"
+            continue
+        write_atomic(path, text, mode=0o644)
+        written[str(path)] = "replaced" if name in found else "written"
     return written
 
 
