@@ -154,18 +154,31 @@ def service_command(service: str, state: Path) -> list[str]:
 
 def engine_profile(family: Family, name: str | None = None) -> EngineProfile:
     """A registered engine of `family` at a supported version, as found at /opt/<family>;
-    named after its family unless `name` says otherwise."""
-    versions = {Family.VLLM: "0.29.0", Family.SGLANG: "0.5.16", Family.LLAMACPP: "6500"}
-    version = {**versions, Family.LMCACHE: "0.5.6"}[family]
+    named after its family unless `name` says otherwise. A custom one is an OpenAI-compatible
+    server started from its command, with its key in CUSTOM_API_KEY."""
+    versions = {
+        Family.VLLM: "0.29.0",
+        Family.SGLANG: "0.5.16",
+        Family.LLAMACPP: "6500",
+        Family.TENSORFOLD: "0.6.6",
+        Family.CUSTOM: "2.4",
+        Family.LMCACHE: "0.5.6",
+    }
+    version = versions[family]
+    program = Path(f"/opt/{family}/bin/{'serve' if family == Family.CUSTOM else 'python'}")
+    custom = family == Family.CUSTOM
     return EngineProfile(
         name=name or family.value,
         family=family,
         version=version,
-        executable=Path(f"/opt/{family}/bin/python"),
+        executable=program,
         install_path=Path(f"/opt/{family}"),
         fingerprint=f"{version}+sha256:" + "0" * 64,
         verified=False,
         added_at=datetime(2026, 11, 30, tzinfo=UTC),
+        command=(str(program), "--port", "{port}", "--model", "{model}") if custom else (),
+        ready_path="/ready" if custom else None,
+        key_env="CUSTOM_API_KEY" if custom else None,
     )
 
 

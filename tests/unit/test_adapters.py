@@ -26,7 +26,23 @@ EXECUTABLES = {
     Family.VLLM: Path("/opt/engines/vllm/bin/python"),
     Family.SGLANG: Path("/opt/engines/sglang/bin/python"),
     Family.LLAMACPP: Path("/opt/llama.cpp/build/bin/llama-server"),
+    Family.TENSORFOLD: Path("/opt/tensorfold/bin/tensorfold"),
+    Family.CUSTOM: Path("/opt/tgi/bin/text-generation-launcher"),
 }
+# A custom engine: text-generation-inference as docs/engines.md registers it.
+TGI = (
+    "/opt/tgi/bin/text-generation-launcher",
+    "--model-id",
+    "{model}",
+    "--hostname",
+    "{host}",
+    "--port",
+    "{port}",
+    "--served-model-name",
+    "{served_name}",
+    "--max-concurrent-requests",
+    "16",
+)
 CASES = [
     (Family.VLLM, Residency.HOST_BACKED),
     (Family.VLLM, Residency.DEEP),
@@ -35,20 +51,34 @@ CASES = [
     (Family.SGLANG, Residency.DEEP),
     (Family.SGLANG, Residency.RESTART_ONLY),
     (Family.LLAMACPP, Residency.RESTART_ONLY),
+    (Family.TENSORFOLD, Residency.RESTART_ONLY),
+    (Family.CUSTOM, Residency.RESTART_ONLY),
 ]
+VERSIONS = {Family.LLAMACPP: "6500", Family.TENSORFOLD: "0.6.6", Family.CUSTOM: "3.3.4"}
+
+
+EXTRA_ARGS = {
+    Family.LLAMACPP: ("--temp", "0.7"),
+    Family.TENSORFOLD: ("--thinking", "off"),
+    Family.CUSTOM: ("--max-input-tokens", "4096"),
+}
 
 
 def profile(family: Family, version: str = "0.29.0") -> EngineProfile:
     executable = EXECUTABLES[family]
+    custom = family == Family.CUSTOM
     return EngineProfile(
         name=family.value,
         family=family,
-        version="6500" if family == Family.LLAMACPP else version,
+        version=VERSIONS.get(family, version),
         executable=executable,
         install_path=executable.parents[1],
         fingerprint="0.29.0+sha256:" + "0" * 64,
         verified=False,
         added_at=datetime(2026, 11, 30, tzinfo=UTC),
+        command=TGI if custom else (),
+        ready_path="/health" if custom else None,
+        key_env="CAPY_TGI_KEY" if custom else None,
     )
 
 
@@ -59,13 +89,12 @@ def spec(family: Family, residency: Residency, models: Path, **changes: object) 
     (model / "qwen3-4b-q4.gguf").touch()
     tuning: dict[str, object] = {
         "memory_fraction": 0.4512345,
+        "gpu_memory_bytes": 20 * (1 << 30) + 123_456_789,
         "context_length": 8192,
         "max_concurrent_requests": 16,
         "tool_call_parser": "hermes",
         "reasoning_parser": "qwen3",
-        "extra_args": ("--enable-prefix-caching",)
-        if family != Family.LLAMACPP
-        else ("--temp", "0.7"),
+        "extra_args": EXTRA_ARGS.get(family, ("--enable-prefix-caching",)),
     }
     tuning.update((key, changes.pop(key)) for key in tuning.keys() & changes.keys())
     values: dict[str, object] = {

@@ -69,7 +69,7 @@ def test_no_launch_on_such_a_host_has_development_controls(tmp_path: Path, famil
             api_key="k" * 64,
             residency=tier,
             runtime_dir=tmp_path / "runtime",
-            tuning=EngineTuning(context_length=8192),
+            tuning=EngineTuning(context_length=8192, gpu_memory_bytes=8 << 30),
         )
         plan = adapter_for(family).plan(spec)
         assert "VLLM_SERVER_DEV_MODE" not in plan.env

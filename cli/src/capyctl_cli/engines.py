@@ -1,8 +1,9 @@
-"""`capyctl engine detect|add|list|remove`: the engines installed on this machine."""
+"""`capyctl engine detect|add|add-custom|list|remove`: the engines installed on this machine."""
 
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -136,7 +137,9 @@ def engine_detect(
 @app.command("add")
 @expected_errors
 def engine_add(
-    path: Annotated[Path, typer.Argument(help="A vLLM or SGLang virtualenv, or a llama-server.")],
+    path: Annotated[
+        Path, typer.Argument(help="A vLLM or SGLang virtualenv, a llama-server, or a tensorfold.")
+    ],
     name: Annotated[
         str | None, typer.Option("--name", help="Profile name (default: the family).")
     ] = None,
@@ -150,7 +153,49 @@ def engine_add(
 ) -> None:
     """Register an engine: its family, version, executable and fingerprint."""
     found = choose(detect.probe(path), family, path)
-    profile = found.profile(name)
+    _register(found.profile(name), role, state_dir, config, as_json)
+
+
+@app.command("add-custom")
+@expected_errors
+def engine_add_custom(
+    name: Annotated[str, typer.Argument(help="The profile's name, which deployments name.")],
+    command: Annotated[
+        str,
+        typer.Option(
+            "--command",
+            help="The server's argv, split like a shell would but run without one: an absolute "
+            "program, then its arguments with {port} and {model} (and {served_name}, {host}).",
+        ),
+    ],
+    ready_path: Annotated[
+        str, typer.Option("--ready-path", help="The path that answers 200 once it serves.")
+    ] = "/health",
+    key_env: Annotated[
+        str | None,
+        typer.Option("--key-env", help="The variable it reads its API key from, if any."),
+    ] = None,
+    version: Annotated[
+        str, typer.Option("--version", help="A version to show for it (not checked).")
+    ] = "unversioned",
+    role: RoleOpt = "standalone",
+    state_dir: StateDirOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Register any OpenAI-compatible server as a custom engine (always restart_only; its
+    deployments state their resources)."""
+    profile = detect.custom_profile(name, command, ready_path, key_env, version)
+    _register(profile, role, state_dir, config, as_json)
+
+
+def _register(
+    profile: registry.EngineProfile,
+    role: str,
+    state_dir: str | None,
+    config: str | None,
+    as_json: bool,
+) -> None:
     file, paths = engines_file(role, state_dir, config)
     saved = registry.add(file, profile)
     published = publish_if_running(paths, saved)
@@ -162,6 +207,7 @@ def engine_add(
     }
     details = [
         ("executable", profile.executable),
+        *([("command", shlex.join(profile.command))] if profile.command else []),
         ("fingerprint", profile.fingerprint),
         ("verified", "yes" if profile.verified else "no (custom)"),
         ("file", f"{file} (revision {saved.revision})"),

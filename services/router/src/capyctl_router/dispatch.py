@@ -37,6 +37,7 @@ from typing import TypeVar
 from capycommon.domain.commands import Abort
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.places import owner_id
+from capycommon.engines.families import LOAD_UNREAD
 from capycommon.errors import (
     ActivationFailed,
     CapyError,
@@ -323,7 +324,8 @@ class Dispatcher:
         have hostd abort it by id (and report its end where the engine shows it). A decision
         request has no id SGLang knows: it runs to its end there, so it settles at the next
         stop; llama.cpp drops it with its connection, so it settles once the engine reads
-        idle."""
+        idle. On an engine whose load CapyCTL does not read (TensorFold, a custom engine),
+        every cut request settles at the next stop."""
         name = target.deployment
         self.metrics.cancelled(name)
         if decision:
@@ -331,7 +333,9 @@ class Dispatcher:
             settles = "settle_at_stop" if at_stop else "settle_when_idle"
             reported = False
         else:
-            settles = "settle_when_idle" if answered else "settle_at_stop"
+            # No idle reading ever comes from an engine whose load is not read: a stop settles.
+            idle_settles = answered and target.family not in LOAD_UNREAD
+            settles = "settle_when_idle" if idle_settles else "settle_at_stop"
             reported = target.family == "sglang"
         log.info("request %s on %s cut; it counts as %s", request_id, name, settles)
         if settles == "settle_when_idle" or reported:

@@ -33,6 +33,9 @@ from capyctl_router.table import Target
 
 JsonDict = dict[str, Any]
 # The one SSE event the router accepts from an engine, and the whole answer it collects.
+# The families whose engines keep cached prompts apart by the salt CapyCTL passes them.
+SALTED = frozenset({"vllm", "sglang"})
+SHOWN = {"llamacpp": "llama.cpp", "tensorfold": "TensorFold", "custom": "a custom engine"}
 MAX_EVENT = 1 << 20
 MAX_ANSWER = 16 << 20
 # What the router reads of an engine's error answer.
@@ -169,10 +172,12 @@ def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]
         body["rid"] = call.request_id
     salt = body.get("cache_salt")
     if isinstance(salt, str):
-        if target.family == "llamacpp":
+        if target.family not in SALTED:
+            shown = SHOWN.get(target.family, target.family)
             raise CacheSaltUnsupported(
-                f"deployment {target.deployment!r} runs on llama.cpp, which cannot keep cached "
-                "prompts apart by cache_salt; drop cache_salt, or serve the model on vLLM or SGLang"
+                f"deployment {target.deployment!r} runs on {shown}, which CapyCTL cannot make "
+                "keep cached prompts apart by cache_salt; drop cache_salt, or serve the model on "
+                "vLLM or SGLang"
             )
         if target.family == "sglang" and target.lmcache:
             raise CacheSaltUnsupported(

@@ -36,6 +36,7 @@ def launch_command(snapshot: Snapshot, record: DeploymentRecord, action: Action)
         residency=resolved.residency.value,
         gpu_uuid=view.gpus[action.gpu],
         memory_fraction=fraction,
+        gpu_memory_bytes=footprint.engine_budget if record.document.resources else None,
         kv_cache_bytes=footprint.kv_cache if config.memory.kv_cache else None,
         context_length=config.context_length,
         max_concurrent_requests=config.max_concurrent_requests,

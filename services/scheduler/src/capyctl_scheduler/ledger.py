@@ -226,6 +226,22 @@ def derive_unified(
     )
 
 
+def stated(*, gpu: str | None, gpu_bytes: int, ram_bytes: int) -> Footprint:
+    """A deployment whose `resources` state its memory (restart-only): those figures while it
+    starts, serves and stops, nothing while stopped or parked (it never parks). `gpu` None: on
+    unified memory, their sum on the one pool."""
+    charge = (
+        {UNIFIED: gpu_bytes + ram_bytes} if gpu is None else {gpu: gpu_bytes, SYSTEM: ram_bytes}
+    )
+    return Footprint(
+        phases={"cold": {}, "starting": charge, "ready": charge, "waking": charge, "parked": {}},
+        device_provenance="declared",
+        host_provenance="declared",
+        engine_budget=gpu_bytes,
+        kv_cache=0,
+    )
+
+
 @dataclass(frozen=True)
 class Refusal:
     domain: str

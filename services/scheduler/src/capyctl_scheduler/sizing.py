@@ -12,6 +12,7 @@ from capyctl_scheduler.ledger import (
     Provenance,
     derive_discrete,
     derive_unified,
+    stated,
 )
 from capyctl_scheduler.snapshot import HostView
 
@@ -27,6 +28,16 @@ def engine_footprints(
     device peak, `startup_host` the measured host one; without them a start is derived."""
     memory = resolved.deployment.engine_config.memory
     weights = resolved.weights_bytes or 0
+    resources = resolved.deployment.resources
+    if resources is not None:
+        if view.unified:
+            pooled = stated(gpu=None, gpu_bytes=resources.gpu, ram_bytes=resources.ram)
+            return dict.fromkeys(view.gpus, pooled)
+        return {
+            gpu: stated(gpu=gpu, gpu_bytes=resources.gpu, ram_bytes=resources.ram)
+            for gpu in view.gpus
+            if gpu in view.domains
+        }
     if view.unified:
         pool = view.domains[UNIFIED]
         footprint = derive_unified(

@@ -17,7 +17,7 @@ from capycommon.domain.engines import PARKING, Residency
 from capycommon.domain.models import HostModels, ModelFacts, under_root
 from capycommon.engines import decisions, lmcache
 from capycommon.engines.adapters import adapter_for
-from capycommon.engines.families import ENGINE_FAMILIES, Family
+from capycommon.engines.families import ENGINE_FAMILIES, EXPLICIT_RESOURCES, Family
 from capycommon.engines.launch import Capabilities, check_extra_args, host_tiers
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import (
@@ -124,11 +124,14 @@ def _resolve(
     profile = resolve_engine(deployment.engine, profiles)
     adapter = adapter_for(profile.family)
     config = deployment.engine_config
-    extra_args = check_extra_args(profile.family.value, config.extra_args, adapter.reserved)
-    if profile.family == Family.LLAMACPP and config.context_length is None:
+    reserved = adapter.reserved_for(profile)
+    extra_args = check_extra_args(profile.family.value, config.extra_args, reserved)
+    if profile.family in NEEDS_CONTEXT_LENGTH and config.context_length is None:
         raise InvalidConfig(
-            "engine_config.context_length is required for llama.cpp; set it, e.g. 8192"
+            f"engine_config.context_length is required for {NEEDS_CONTEXT_LENGTH[profile.family]};"
+            " set it, e.g. 8192"
         )
+    check_resources(deployment, profile)
     device = deployment.device
     if device is not None and device not in host.gpus:
         present = ", ".join(host.gpus) or "none"
@@ -161,6 +164,25 @@ def _resolve(
         cache=cache,
         cache_note=note,
     )
+
+
+# The families that size their KV cache by the context length they are given, by name.
+NEEDS_CONTEXT_LENGTH = {Family.LLAMACPP: "llama.cpp", Family.TENSORFOLD: "TensorFold"}
+
+
+def check_resources(deployment: Deployment, profile: EngineProfile) -> None:
+    """`resources` where CapyCTL cannot derive the engine's memory, and only there."""
+    explicit = profile.family in EXPLICIT_RESOURCES
+    if explicit and deployment.resources is None:
+        raise InvalidConfig(
+            f"resources is required for {profile.family} engines: CapyCTL cannot derive what "
+            "they take; state it, e.g. resources: {gpu: 20GiB, ram: 4GiB}"
+        )
+    if not explicit and deployment.resources is not None:
+        raise InvalidConfig(
+            f"resources is for tensorfold and custom engines; CapyCTL sizes {profile.family} "
+            "itself (engine_config.memory tunes it): drop resources"
+        )
 
 
 # What CapyCTL sets to connect an engine to its LMCache.
@@ -267,7 +289,8 @@ def resolve_engine(engine: str, profiles: Mapping[str, EngineProfile]) -> Engine
     if found is not None and found.family not in ENGINE_FAMILIES:
         raise InvalidConfig(
             f"engine: {engine} is {found.family} {found.version}, a KV cache, not an engine; "
-            "name a vLLM, SGLang or llama.cpp engine (LMCache runs beside it: lmcache: auto)"
+            "name a vLLM, SGLang, llama.cpp, TensorFold or custom engine (LMCache runs beside "
+            "it: lmcache: auto)"
         )
     if found is not None:
         return found
@@ -287,7 +310,8 @@ def resolve_engine(engine: str, profiles: Mapping[str, EngineProfile]) -> Engine
         )
     raise ProfileNotPublished(
         f"engine: {engine!r} is not a registered engine (registered: {registered}); name one "
-        "of them or a family (vllm, sglang, llamacpp), or register it with capyctl engine add"
+        "of them or a family (vllm, sglang, llamacpp, tensorfold, custom), or register it with "
+        "capyctl engine add"
     )
 
 

@@ -58,6 +58,9 @@ class EngineTuning(Strict):
     # The share of the device's total memory the engine may take (vLLM, SGLang).
     memory_fraction: float | None = None
     kv_cache_bytes: int | None = None
+    # The device bytes the engine may take, where the deployment states them (`resources`:
+    # TensorFold is told so).
+    gpu_memory_bytes: int | None = Field(default=None, ge=0)
     context_length: int | None = None
     max_concurrent_requests: int | None = None
     tool_call_parser: str | None = None

@@ -41,7 +41,8 @@ RESERVED_ENV_NAMES = frozenset(
         "TRANSFORMERS_OFFLINE", "VLLM_PLUGINS", "VLLM_SERVER_DEV_MODE", "VLLM_API_KEY",
         "TORCH_EXTENSIONS_DIR", "VLLM_PORT", "VLLM_ALLOW_INSECURE_SERIALIZATION",
         "LLAMA_API_KEY", "DO_NOT_TRACK", "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
-        "PROMETHEUS_MULTIPROC_DIR",
+        "PROMETHEUS_MULTIPROC_DIR", "TENSORFOLD_API_KEY", "TENSORFOLD_CUDA_MEMORY_LIMIT_GB",
+        "TENSORFOLD_NO_UPDATE_CHECK",
     }
 )  # fmt: skip
 FREE_ENV_NAMES = frozenset({"PYTHONUNBUFFERED"})
@@ -291,6 +292,15 @@ class Memory(Strict):
         return self
 
 
+class Resources(Strict):
+    """What the engine takes while it starts, serves and stops, stated: on its GPU, and in
+    host RAM (on unified memory, their sum on the one pool). Required where CapyCTL cannot
+    derive it (TensorFold, a custom engine); nothing is charged while it is stopped."""
+
+    gpu: Size
+    ram: Size
+
+
 class EngineConfig(Strict):
     context_length: Annotated[StrictInt, Field(ge=1, le=16_777_216)] | None = None
     max_concurrent_requests: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
@@ -326,6 +336,7 @@ class Deployment(Strict):
     devices: tuple[Device, ...] = ()
     placement: Placement = Placement()
     engine_config: EngineConfig = EngineConfig()
+    resources: Resources | None = None
     lifecycle: Lifecycle = Lifecycle()
     request_deadline: Annotated[Duration, AfterValidator(_request_deadline)] | None = None
     # zero: its engines keep no log and write no core dump (docs/retention.md); none: the

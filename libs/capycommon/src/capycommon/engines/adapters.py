@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from capycommon.engines import llamacpp, sglang, vllm
-from capycommon.engines.control import EngineControl, Timeouts
+from capycommon.engines import custom, llamacpp, sglang, tensorfold, vllm
+from capycommon.engines.control import EngineControl, Timeouts, UnmeteredControl
 from capycommon.engines.families import Family
 from capycommon.engines.launch import Capabilities, LaunchPlan, LaunchSpec
+from capycommon.engines.registry import EngineProfile
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,12 @@ class Adapter:
         caps = self.capabilities(spec.profile.version)
         return self.control_class(spec, caps, timeouts, transport)
 
+    def reserved_for(self, profile: EngineProfile) -> frozenset[str]:
+        """The options CapyCTL sets for `profile`: a custom engine's are its template's."""
+        if self.family == Family.CUSTOM:
+            return custom.reserved_flags(profile.command)
+        return self.reserved
+
 
 ADAPTERS: dict[Family, Adapter] = {
     Family.VLLM: Adapter(
@@ -44,6 +51,16 @@ ADAPTERS: dict[Family, Adapter] = {
         llamacpp.capabilities,
         llamacpp.plan,
         llamacpp.LlamacppControl,
+    ),
+    Family.TENSORFOLD: Adapter(
+        Family.TENSORFOLD,
+        tensorfold.RESERVED,
+        tensorfold.capabilities,
+        tensorfold.plan,
+        UnmeteredControl,
+    ),
+    Family.CUSTOM: Adapter(
+        Family.CUSTOM, custom.RESERVED, custom.capabilities, custom.plan, UnmeteredControl
     ),
 }
 

@@ -117,10 +117,13 @@ class EngineControl:
             )
         return response
 
+    # Where the engine says it is ready (200), as its family defines it.
+    ready_path = "/health"
+
     async def ready(self) -> bool:
         """Whether the engine reports itself ready (health as the engine defines it)."""
         try:
-            response = await self._client.get("/health", timeout=self.timeouts.health)
+            response = await self._client.get(self.ready_path, timeout=self.timeouts.health)
         except httpx.TransportError:
             return False
         return response.status_code == 200
@@ -183,3 +186,26 @@ class EngineControl:
                 f"{self.spec.profile.family} cannot park {residency}",
                 capability="deep_park",
             )
+
+
+class UnmeteredControl(EngineControl):
+    """An engine that can only start and stop, with no metrics CapyCTL knows (TensorFold, a
+    custom engine): ready at its registration's path; its load is not read (the routers'
+    places say when it is busy)."""
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        capabilities: Capabilities,
+        timeouts: Timeouts | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(spec, capabilities, timeouts, transport)
+        self.ready_path = spec.profile.ready_path or "/health"
+
+    async def load(self) -> Load:
+        raise CapabilityMissing(
+            f"{self.spec.profile.family} has no metrics CapyCTL reads; its load is the routers' "
+            "places",
+            capability="load_metrics",
+        )

@@ -1,8 +1,9 @@
 """Find engine installations by asking them, in a bounded subprocess, what they are.
 
 vLLM and SGLang: the target environment's own python reads the package metadata (never
-importing the engine). llama.cpp: `llama-server --version`. Nothing here imports an engine
-into CapyCTL's process.
+importing the engine). llama.cpp: `llama-server --version`; TensorFold: `tensorfold
+--version`. Nothing here imports an engine into CapyCTL's process. A custom engine is not
+found: its registration names it (`capyctl engine add-custom`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from capycommon.engines import tensorfold
 from capycommon.engines.families import PYTHON_FAMILIES, Family
 from capycommon.engines.registry import EngineProfile, profile_from
-from capycommon.errors import EngineNotFound, EngineVersionFailed
+from capycommon.errors import EngineNotFound, EngineVersionFailed, InvalidConfig
 
 PROBE_TIMEOUT_S = 60
 OUTPUT_LIMIT = 4096
@@ -140,6 +146,26 @@ def probe_llama_server(path: Path) -> Found:
     return Found(Family.LLAMACPP, match[1], path, path, _digest_files([path, *libraries]))
 
 
+def probe_tensorfold(path: Path) -> Found:
+    """A tensorfold executable: its version, and a digest of it."""
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise EngineNotFound(f"{path} is not an executable tensorfold")
+    output = _run([str(path), "--version"], f"{path} --version")
+    match = tensorfold.VERSION_LINE.search(output)
+    if match is None:
+        raise EngineNotFound(
+            f"{path} --version does not print a TensorFold version: {output.strip()[:200]!r}"
+        )
+    return Found(Family.TENSORFOLD, match[1], path, path, _digest_files([path]))
+
+
+def tensorfold_in(folder: Path) -> Path | None:
+    for candidate in (folder / tensorfold.EXECUTABLE, folder / "bin" / tensorfold.EXECUTABLE):
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
 def llama_server_in(folder: Path) -> Path | None:
     for candidate in (
         folder / "llama-server",
@@ -152,21 +178,30 @@ def llama_server_in(folder: Path) -> Path | None:
 
 
 def probe(path: Path) -> list[Found]:
-    """Whatever engine lives at `path`: a venv, a llama-server binary, or a llama.cpp folder."""
+    """Whatever engine lives at `path`: a venv, a llama-server binary or a llama.cpp folder, or
+    a tensorfold executable (or the folder, or venv, holding one)."""
     path = path.expanduser().absolute()
     if not path.exists():
         raise EngineNotFound(f"{path} does not exist")
-    if path.is_dir() and venv_python(path) is not None:
+    if path.is_file():
+        if path.name == tensorfold.EXECUTABLE:
+            return [probe_tensorfold(path)]
+        return [probe_llama_server(path)]
+    folded = tensorfold_in(path)
+    if venv_python(path) is not None:
         found = probe_venv(path)
+        if folded is not None:
+            found.append(probe_tensorfold(folded))
         if not found:
             raise EngineNotFound(f"{path} is a virtual environment without vllm, sglang or lmcache")
         return found
-    server = path if path.is_file() else llama_server_in(path)
-    if server is None:
+    server = llama_server_in(path)
+    if server is None and folded is None:
         raise EngineNotFound(
-            f"{path} is neither a virtual environment with vllm or sglang nor a llama-server"
+            f"{path} is neither a virtual environment with vllm or sglang, nor a llama-server, "
+            "nor a tensorfold"
         )
-    return [probe_llama_server(server)]
+    return [probe(found)[0] for found in (server, folded) if found is not None]
 
 
 def candidates(home: Path, extra: Iterable[Path], search_path: str) -> list[Path]:
@@ -190,10 +225,52 @@ def detect(places: Iterable[Path]) -> list[Found]:
     found: list[Found] = []
     for place in places:
         try:
-            if place.is_dir() and venv_python(place) is None and llama_server_in(place) is None:
+            if (
+                place.is_dir()
+                and venv_python(place) is None
+                and llama_server_in(place) is None
+                and tensorfold_in(place) is None
+            ):
                 continue
             found += probe(place)
         except (EngineNotFound, EngineVersionFailed):
             continue
     unique = {(f.family, f.executable): f for f in found}
     return list(unique.values())
+
+
+def custom_profile(
+    name: str, command: str, ready_path: str, key_env: str | None, version: str
+) -> EngineProfile:
+    """A custom engine's profile from its registration: `command` split as a shell would
+    (and never run by one); refused, naming what to change, where it cannot start safely."""
+    try:
+        words = tuple(shlex.split(command))
+    except ValueError as exc:
+        raise InvalidConfig(f"--command: {exc}; quote it as a shell would") from None
+    program = Path(words[0]) if words else Path()
+    if words and not (program.is_absolute() and program.is_file() and os.access(program, os.X_OK)):
+        raise EngineNotFound(f"--command: {words[0]} is not an executable file (absolute path)")
+    digest = hashlib.sha256(_digest_files([program]).encode() if words else b"")
+    digest.update("\0".join(words).encode())
+    try:
+        return EngineProfile(
+            name=name,
+            family=Family.CUSTOM,
+            version=version,
+            executable=program,
+            install_path=program,
+            fingerprint=f"{version}+sha256:{digest.hexdigest()}",
+            verified=False,
+            added_at=datetime.now(UTC),
+            command=words,
+            ready_path=ready_path,
+            key_env=key_env,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'command'}: "
+            + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
+        )
+        raise InvalidConfig(f"custom engine {name!r}: {problems}") from None

@@ -6,7 +6,7 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
-from capycommon.engines.families import PYTHON_FAMILIES
+from capycommon.engines.families import PYTHON_FAMILIES, Family
 from capycommon.engines.launch import LaunchPlan, LaunchSpec
 
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -39,6 +39,8 @@ def engine_environment(
     allows `telemetry`), the Hub offline, one GPU by UUID."""
     profile = spec.profile
     own_bin = profile.install_path / "bin" if profile.family in PYTHON_FAMILIES else None
+    if profile.family in (Family.TENSORFOLD, Family.CUSTOM):
+        own_bin = profile.executable.parent  # the programs it starts may stand beside it
     path = f"{own_bin}:{SYSTEM_PATH}" if own_bin else SYSTEM_PATH
     env = {
         "PATH": path,

@@ -13,13 +13,24 @@ class Family(StrEnum):
     VLLM = "vllm"
     SGLANG = "sglang"
     LLAMACPP = "llamacpp"
+    # TensorFold's CLI is not public: `engines.tensorfold` holds what CapyCTL assumes of it.
+    TENSORFOLD = "tensorfold"
+    # Any OpenAI-compatible server, started from the command its registration gives
+    # (`engines.custom`).
+    CUSTOM = "custom"
     # Not an engine: LMCache's KV cache server, registered like one (`engines.lmcache`).
     LMCACHE = "lmcache"
 
 
 PYTHON_FAMILIES = (Family.VLLM, Family.SGLANG, Family.LMCACHE)
 # The families a deployment may run on.
-ENGINE_FAMILIES = (Family.VLLM, Family.SGLANG, Family.LLAMACPP)
+ENGINE_FAMILIES = (Family.VLLM, Family.SGLANG, Family.LLAMACPP, Family.TENSORFOLD, Family.CUSTOM)
+# The families whose load CapyCTL cannot read from the engine (no metrics it knows): a request
+# cut short on them settles at the engine's next stop, and a router's places alone say they
+# are busy.
+LOAD_UNREAD = frozenset({Family.TENSORFOLD, Family.CUSTOM})
+# The families whose memory CapyCTL cannot derive: a deployment states it (`resources`).
+EXPLICIT_RESOURCES = LOAD_UNREAD
 
 # The oldest version of each family CapyCTL can drive, and why.
 MINIMUM: dict[Family, tuple[str, str]] = {
@@ -29,6 +40,8 @@ MINIMUM: dict[Family, tuple[str, str]] = {
     Family.SGLANG: ("0.5.0", "release and resume of memory with tags"),
     # b5000 (spring 2025): /health with the loading state and the OpenAI chat routes.
     Family.LLAMACPP: ("5000", "the loading state on /health"),
+    # 0.6: the `serve` command and the memory limit variable CapyCTL assumes.
+    Family.TENSORFOLD: ("0.6.0", "the serve command and TENSORFOLD_CUDA_MEMORY_LIMIT_GB"),
     # 0.5.6: the multi-process server this release qualifies.
     Family.LMCACHE: ("0.5.6", "the multi-process server CapyCTL runs per instance"),
 }
@@ -42,6 +55,8 @@ VERIFIED: dict[Family, frozenset[str]] = {
     Family.VLLM: frozenset({"0.28.0", "0.29.0", "0.32.0"}),
     Family.SGLANG: frozenset({"0.5.15", "0.5.16", "0.5.22"}),
     Family.LLAMACPP: frozenset(),  # builds change daily: always custom
+    Family.TENSORFOLD: frozenset(),  # never checked against the real engine
+    Family.CUSTOM: frozenset(),
     Family.LMCACHE: frozenset({"0.5.6", "0.5.7"}),
 }
 
@@ -56,7 +71,9 @@ def parse_version(family: Family, version: str) -> Version:
 
 
 def check_supported(family: Family, version: str) -> None:
-    """Refuse a version older than the family's minimum."""
+    """Refuse a version older than the family's minimum (a custom engine has none)."""
+    if family not in MINIMUM:
+        return
     minimum, why = MINIMUM[family]
     parsed = parse_version(family, version)
     if parsed < Version(minimum):

@@ -78,6 +78,22 @@ class Capabilities:
     decisions: bool = False
 
 
+def unmetered_capabilities(version: str = "") -> Capabilities:
+    """An engine CapyCTL can only start and stop, and whose load it cannot read (TensorFold,
+    a custom engine): always restart_only; a hang-up is the closed connection alone."""
+    return Capabilities(
+        residencies=(Residency.RESTART_ONLY,),
+        abort_by_id=False,
+        request_id="none",
+        reasoning_field="reasoning_content",
+        park_needs_idle=False,
+        requests_while_parked="not_applicable",
+        disconnect_abort_lag_s=0.0,
+        metrics_running="",
+        metrics_waiting="",
+    )
+
+
 def host_tiers(capabilities: Capabilities, deep_park: bool) -> tuple[Residency, ...]:
     """The tiers an engine may use on a host: with deep parking off (host.deep_park: off),
     neither `deep` nor a tier that needs the engine's development controls."""

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from capycommon.domain.strict import Strict
+from capycommon.engines import template
 from capycommon.engines.families import Family, check_supported, is_verified
 from capycommon.errors import InvalidConfig, ProfileExists, ProfileNotFound
 from capycommon.paths import write_atomic
@@ -27,6 +28,11 @@ FILE_NAME = "engines.yaml"
 REVISION_PREFIX = "# capyctl-document-revision: "
 
 ProfileName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
+# A custom engine's: the argv template (`engines.custom`), the path that answers 200 once it
+# is ready, and the variable it reads its API key from.
+CommandWord = Annotated[str, Field(min_length=1, max_length=4096)]
+ReadyPath = Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/%?=&-]{0,199}$")]
+KeyVariable = Annotated[str, Field(pattern=r"^[A-Z_][A-Z0-9_]{0,63}$")]
 
 
 class EngineProfile(Strict):
@@ -44,6 +50,25 @@ class EngineProfile(Strict):
     fingerprint: str
     verified: bool
     added_at: datetime
+    # A custom engine's start (family custom only; the others' adapters know theirs).
+    command: tuple[CommandWord, ...] = Field(default=(), max_length=256)
+    ready_path: ReadyPath | None = None
+    key_env: KeyVariable | None = None
+
+    @model_validator(mode="after")
+    def _custom_fields(self) -> EngineProfile:
+        if self.family != Family.CUSTOM:
+            if self.command or self.ready_path is not None or self.key_env is not None:
+                raise ValueError(
+                    "command, ready_path and key_env are for custom engines only; drop them"
+                )
+            return self
+        template.check(self.command, self.executable, self.key_env)
+        if self.ready_path is None:
+            raise ValueError(
+                "a custom engine needs ready_path, the path that answers 200 once ready"
+            )
+        return self
 
 
 class PublishedEngines(Strict):
