@@ -96,6 +96,15 @@ class Installs:
             self._made[name] = install_llama_server(self.folder / name, build, FAST)
         return self._made[name]
 
+    def tensorfold(self, version: str) -> Path:
+        """The executable `tensorfold` at `version` (CapyCTL's assumed TensorFold)."""
+        from enginesim import install_tensorfold
+
+        name = f"tensorfold-{version}"
+        if name not in self._made:
+            self._made[name] = install_tensorfold(self.folder / name, version, FAST)
+        return self._made[name]
+
 
 @dataclass(frozen=True)
 class SimGpu:

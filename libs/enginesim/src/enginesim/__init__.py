@@ -1,9 +1,10 @@
 """The engine simulator: a program that behaves like vLLM, SGLang or llama-server on the wire
 and as a process, so that everything above the engines is tested without a GPU.
 
-Make an install with `install_python_engine` or `install_llama_server`, choose its behaviour
-with a `Behaviour` (rewritten between launches by `write_behaviour`), and launch it as the
-real engine is launched. The behaviour to match is in the shared `reference/engines.md`.
+Make an install with `install_python_engine`, `install_llama_server` or `install_tensorfold`
+(CapyCTL's assumed TensorFold, not a verified engine), choose its behaviour with a
+`Behaviour` (rewritten between launches by `write_behaviour`), and launch it as the real
+engine is launched. The behaviour to match is in the shared `reference/engines.md`.
 `install_lmcache` adds a stand-in LMCache server (`LMCacheBehaviour`), in a venv of its own
 or an engine's, for engines launched with LMCache's connector. `ENGINESIM_CUDA=1` in an
 engine's environment makes its memory real CUDA memory through torch (`enginesim.cuda`), for
@@ -23,6 +24,7 @@ from enginesim.install import (
     install_llama_server,
     install_lmcache,
     install_python_engine,
+    install_tensorfold,
     write_behaviour,
 )
 
@@ -37,5 +39,6 @@ __all__ = [
     "install_llama_server",
     "install_lmcache",
     "install_python_engine",
+    "install_tensorfold",
     "write_behaviour",
 ]

@@ -4,8 +4,9 @@
 RECORD with hashes, console script) whose modules hand over to this simulator.
 `install_lmcache` does the same for `lmcache` (its server module and `lmcache server` hand
 over to `enginesim.lmcache`), in a venv of its own or into an engine's venv, as users often
-keep both in one. `install_llama_server` writes an executable `llama-server`. The behaviour
-document sits next to the code (`<package>/_capyctl_sim.json`, `llama-server.sim.json`); it
+keep both in one. `install_llama_server` writes an executable `llama-server`,
+`install_tensorfold` an executable `tensorfold`. The behaviour document sits next to the code
+(`<package>/_capyctl_sim.json`, `llama-server.sim.json`, `tensorfold.sim.json`); it
 is written after pip installs the wheel, so it is not in RECORD and rewriting it
 (`write_behaviour`) leaves the install's recorded files, and so CapyCTL's fingerprint of it,
 unchanged.
@@ -247,25 +248,44 @@ def install_lmcache(
     return venv
 
 
-def install_llama_server(folder: Path, build: int, behaviour: Behaviour | None = None) -> Path:
-    """Write an executable `folder/llama-server` of `build`; returns its path."""
+def _write_executable(folder: Path, name: str, form: str, version: str, title: str) -> Path:
+    """An executable `folder/name` that runs `form` at `version` with the behaviour beside it
+    (`<name>.sim.json`)."""
     folder.mkdir(parents=True, exist_ok=True)
-    executable = folder / "llama-server"
+    executable = folder / name
     executable.write_text(
         f"#!{sys.executable}\n"
-        f'"""Simulated llama-server build {build} (enginesim)."""\n'
+        f'"""Simulated {title} (enginesim)."""\n'
         "import sys\nfrom pathlib import Path\n\n"
         "from enginesim.launch import run\n\n"
-        f'BEHAVIOUR = Path(__file__).resolve().with_name("llama-server{LLAMA_BEHAVIOUR_SUFFIX}")\n'
-        f'raise SystemExit(run("llama-server", "{build}", sys.argv[1:], BEHAVIOUR))\n'
+        f'BEHAVIOUR = Path(__file__).resolve().with_name("{name}{LLAMA_BEHAVIOUR_SUFFIX}")\n'
+        f'raise SystemExit(run("{form}", "{version}", sys.argv[1:], BEHAVIOUR))\n'
     )
     executable.chmod(0o755)
+    return executable
+
+
+def install_llama_server(folder: Path, build: int, behaviour: Behaviour | None = None) -> Path:
+    """Write an executable `folder/llama-server` of `build`; returns its path."""
+    title = f"llama-server build {build}"
+    executable = _write_executable(folder, "llama-server", "llama-server", str(build), title)
+    write_behaviour(executable, behaviour or Behaviour())
+    return executable
+
+
+def install_tensorfold(folder: Path, version: str, behaviour: Behaviour | None = None) -> Path:
+    """Write an executable `folder/tensorfold` at `version` (CapyCTL's assumed TensorFold, see
+    `enginesim.tensorfold`), its behaviour in `tensorfold.sim.json` beside it; returns its
+    path."""
+    title = f"TensorFold {version}"
+    executable = _write_executable(folder, "tensorfold", "tensorfold", version, title)
     write_behaviour(executable, behaviour or Behaviour())
     return executable
 
 
 def behaviour_path(installed: Path) -> Path:
-    """Where the behaviour of an install (a venv, or a llama-server executable) lives."""
+    """Where the behaviour of an install (a venv, or a llama-server or tensorfold
+    executable: `<name>.sim.json` beside it) lives."""
     if installed.is_file():
         return installed.with_name(installed.name + LLAMA_BEHAVIOUR_SUFFIX)
     packages = _site_packages(installed)

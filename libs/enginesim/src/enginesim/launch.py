@@ -6,10 +6,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from enginesim import llamacpp, sglang, vllm
+from enginesim import llamacpp, sglang, tensorfold, vllm
 from enginesim.behaviour import Behaviour, load_behaviour
 
-Form = Literal["vllm-api-server", "vllm-cli", "sglang-launch-server", "sglang-cli", "llama-server"]
+Form = Literal[
+    "vllm-api-server",
+    "vllm-cli",
+    "sglang-launch-server",
+    "sglang-cli",
+    "llama-server",
+    "tensorfold",
+]
 
 _MAINS: dict[Form, Callable[[list[str], str, Behaviour], int]] = {
     "vllm-api-server": vllm.main,
@@ -17,6 +24,7 @@ _MAINS: dict[Form, Callable[[list[str], str, Behaviour], int]] = {
     "sglang-launch-server": sglang.main,
     "sglang-cli": sglang.cli_main,
     "llama-server": lambda argv, build, behaviour: llamacpp.main(argv, int(build), behaviour),
+    "tensorfold": tensorfold.main,
 }
 
 
