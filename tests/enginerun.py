@@ -22,6 +22,7 @@ from capycommon.engines.adapters import adapter_for
 from capycommon.engines.control import EngineControl
 from capycommon.engines.environment import engine_environment, install_runtime
 from capycommon.engines.launch import LaunchSpec
+from capycommon.engines.registry import EngineProfile
 from ports import free_port
 from support import group_members, wait_for
 
@@ -101,7 +102,7 @@ def sparse_model(folder: Path, size: int, gguf: bool = False) -> Path:
 
 
 def launch(
-    install: Path,
+    install: Path | EngineProfile,
     work: Path,
     model: Path,
     *,
@@ -109,13 +110,19 @@ def launch(
     simgpu_dir: Path | None = None,
     memory_fraction: float | None = 0.5,
     context_length: int = 4096,
+    gpu_memory_bytes: int = 12 << 30,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     wait_ready: bool = True,
 ) -> RunningEngine:
-    """Register-style detection of `install`, then the adapter's launch, then readiness."""
-    (found,) = detect.probe(install)
-    profile = found.profile()
+    """Register-style detection of `install` (or its profile, for a custom engine), then the
+    adapter's launch, then readiness. `gpu_memory_bytes` is what a deployment's `resources`
+    state (TensorFold is told it)."""
+    if isinstance(install, EngineProfile):
+        profile = install
+    else:
+        (found,) = detect.probe(install)
+        profile = found.profile()
     runtime = work / "runtime"
     install_runtime(runtime)
     spec = LaunchSpec(
@@ -128,6 +135,7 @@ def launch(
         runtime_dir=runtime,
         tuning=EngineTuning(
             memory_fraction=memory_fraction,
+            gpu_memory_bytes=gpu_memory_bytes,
             context_length=context_length,
             max_concurrent_requests=4,
             tool_call_parser=tool_call_parser,

@@ -1,7 +1,8 @@
-"""One conformance suite, run against each engine family: the simulator as vLLM, SGLang and
-llama-server, and real llama.cpp. Every engine is registered and launched exactly as CapyCTL
-does it (detection, the adapter's argv, the closed environment) and driven through the
-adapter's control client and the openai SDK."""
+"""One conformance suite, run against each engine family: the simulator as vLLM, SGLang,
+llama-server and TensorFold, real llama.cpp, and a custom engine (the simulated vLLM started
+from a registered command). Every engine is registered and launched exactly as CapyCTL does
+it (detection or registration, the adapter's argv, the closed environment) and driven through
+the adapter's control client and the openai SDK."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import pytest
 from capycommon import simgpu
 from capycommon.domain.engines import Residency
 from capycommon.engines.control import Load
-from capycommon.engines.families import Family
+from capycommon.engines.detect import custom_profile
+from capycommon.engines.families import LOAD_UNREAD, Family
+from capycommon.engines.registry import EngineProfile
+from capycommon.errors import CapabilityMissing
 from enginerun import RunningEngine, launch, make_devices, sparse_model
 from engines.llamacpp.llama_server import write_wrapper
 from engines.llamacpp.tinygguf import write_tiny_model
@@ -28,6 +32,7 @@ from enginesim.behaviour import Behaviour
 from enginesim.install import (
     install_llama_server,
     install_python_engine,
+    install_tensorfold,
     write_behaviour,
 )
 from support import short_dir, wait_for
@@ -42,6 +47,13 @@ TARGETS = (
     "sglang-0.5.22",
     "llamacpp",
     "llamacpp-real",
+    "tensorfold",
+    "custom",
+)
+# A custom engine: an OpenAI-compatible server CapyCTL knows only by the command registered.
+CUSTOM_COMMAND = (
+    "{python} -m vllm.entrypoints.openai.api_server --model {{model}} --host {{host}} "
+    "--port {{port}} --served-model-name {{served_name}} --gpu-memory-utilization 0.5"
 )
 
 
@@ -52,10 +64,16 @@ class Target:
     install: Path
     model: Path
     simgpu: Path | None
+    # A custom engine's registration (None: found by probing `install`).
+    profile: EngineProfile | None = None
 
     @property
     def simulated(self) -> bool:
         return self.simgpu is not None
+
+    @property
+    def load_read(self) -> bool:
+        return self.family not in LOAD_UNREAD
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +94,15 @@ def _target(name: str, root: Path) -> Target:
         install = install_python_engine(root / family, family, version, fast)
         model = sparse_model(root / "m-hf", 2 * GiB)
         return Target(name, Family(family), install, model, simgpu)
+    if name == "tensorfold":
+        install = install_tensorfold(root / "tensorfold", "0.6.6", fast)
+        return Target(name, Family.TENSORFOLD, install, sparse_model(root / "m-hf", GiB), simgpu)
+    if name == "custom":
+        install = install_python_engine(root / "served", "vllm", "0.29.0", fast)
+        command = CUSTOM_COMMAND.format(python=install / "bin" / "python")
+        profile = custom_profile("served", command, "/health", "VLLM_API_KEY", "0.29.0")
+        model = sparse_model(root / "m-hf", 2 * GiB)
+        return Target(name, Family.CUSTOM, install, model, simgpu, profile)
     if name == "llamacpp":
         install = install_llama_server(root / "llama-sim", 6500, fast)
         model = sparse_model(root / "m-gguf", 1 * GiB, gguf=True)
@@ -92,7 +119,8 @@ def target(request: pytest.FixtureRequest, workdir: Path) -> Target:
 
 
 def _start(target: Target, work: Path, **kwargs: object) -> RunningEngine:
-    return launch(target.install, work, target.model, simgpu_dir=target.simgpu, **kwargs)  # type: ignore[arg-type]
+    install = target.profile or target.install
+    return launch(install, work, target.model, simgpu_dir=target.simgpu, **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +184,11 @@ def test_the_per_launch_key_is_required(engine: RunningEngine) -> None:
     assert bare.status_code == 401
 
 
-def test_an_idle_engine_reports_no_load(engine: RunningEngine) -> None:
+def test_an_idle_engine_reports_no_load(engine: RunningEngine, target: Target) -> None:
+    if not target.load_read:
+        with pytest.raises(CapabilityMissing, match="its load is the routers' places"):
+            engine.control(lambda c: c.load())
+        return
     load = engine.control(lambda c: c.load())
     assert load == Load(running=0, waiting=0)
 
@@ -193,6 +225,8 @@ def slow(target: Target, tmp_path: Path) -> Iterator[RunningEngine]:
 
 
 def test_a_client_hang_up_stops_the_engines_work(slow: RunningEngine, target: Target) -> None:
+    if not target.load_read:
+        pytest.skip("CapyCTL reads no load to watch it by (the e2e test watches the places)")
     stop = threading.Event()
     client = threading.Thread(target=_stream_slowly, args=(slow, stop))
     client.start()
@@ -229,8 +263,8 @@ PARKING = [Residency.HOST_BACKED, Residency.DEEP]
 def test_park_frees_the_device_and_wake_restores_it(
     target: Target, tmp_path: Path, residency: Residency
 ) -> None:
-    if target.family == Family.LLAMACPP:
-        pytest.skip("llama.cpp cannot park: restart_only")
+    if target.family in (Family.LLAMACPP, *LOAD_UNREAD):
+        pytest.skip(f"{target.family} cannot park: restart_only")
     write_behaviour(
         target.install, Behaviour(load_seconds=0.3, warmup_seconds=0.2, tokens_per_second=200)
     )
@@ -286,5 +320,7 @@ def test_a_full_device_refuses_the_start_with_the_engines_own_error(
         Family.VLLM: "Free memory on device",
         Family.SGLANG: "Not enough memory",
         Family.LLAMACPP: "out of memory",
+        Family.TENSORFOLD: "CUDA out of memory",
+        Family.CUSTOM: "Free memory on device",
     }[target.family]
     assert expected in running.output()

@@ -203,7 +203,10 @@ def _charges(snapshot: Snapshot, name: str) -> list[Charge]:
             phase = "starting" if effect.kind == "launch" else "waking"
             gpu = effect.gpu
         footprint = footprint_of(snapshot, name, host, gpu) if gpu else None
-        declared = record.document.engine_config.memory.request is not None
+        document = record.document
+        declared = (
+            document.resources is not None or document.engine_config.memory.request is not None
+        )
         for domain, size in sorted(charged.items()):
             provenance = "unsized"  # an engine nobody can size holds its whole GPU
             if footprint is not None:
