@@ -1,5 +1,6 @@
-"""`capyctl engine detect|add|list|remove` against real installs: the engine simulator's
-venvs, llama.cpp's own server, and folders that are not engines."""
+"""`capyctl engine detect|add|add-custom|list|remove` against real installs: the engine
+simulator's venvs and TensorFold, llama.cpp's own server, a custom server's command, and
+folders that are not engines."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import redis
 import yaml
 
 from engines.llamacpp.llama_server import write_wrapper
-from enginesim.install import install_python_engine
+from enginesim.install import install_python_engine, install_tensorfold
 from support import capyctl, clean_env, short_dir, start_role, wait_for
 
 
@@ -33,6 +34,8 @@ def installs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "sglang": install_python_engine(root / "sglang-venv", "sglang", "0.5.16"),
         "old-vllm": install_python_engine(root / "old-vllm", "vllm", "0.8.5"),
         "llamacpp": write_wrapper(root / "llama.cpp"),
+        "tensorfold": install_tensorfold(root / "tensorfold", "0.6.6").parent,
+        "old-tensorfold": install_tensorfold(root / "old-tensorfold", "0.5.9"),
         "plain": plain,
         "folder": not_engine,
     }
@@ -50,7 +53,7 @@ def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_add_records_each_family(home: Path, installs: dict[str, Path]) -> None:
-    for family in ("vllm", "sglang", "llamacpp"):
+    for family in ("vllm", "sglang", "llamacpp", "tensorfold"):
         result = _cli(home, "engine", "add", str(installs[family]), "--json")
         assert result.returncode == 0, result.stderr
         added = json.loads(result.stdout)
@@ -58,8 +61,8 @@ def test_add_records_each_family(home: Path, installs: dict[str, Path]) -> None:
         assert added["profile"]["family"] == family
     listed = json.loads(_cli(home, "engine", "list", "--json").stdout)
     profiles = {p["name"]: p for p in listed["profiles"]}
-    assert set(profiles) == {"vllm", "sglang", "llamacpp"}
-    assert listed["revision"] == 3
+    assert set(profiles) == {"vllm", "sglang", "llamacpp", "tensorfold"}
+    assert listed["revision"] == 4
     vllm = profiles["vllm"]
     assert vllm["version"] == "0.29.0"
     assert vllm["verified"] is True
@@ -67,9 +70,12 @@ def test_add_records_each_family(home: Path, installs: dict[str, Path]) -> None:
     assert vllm["fingerprint"].startswith("0.29.0+sha256:")
     assert profiles["sglang"]["version"] == "0.5.16"
     assert profiles["llamacpp"]["verified"] is False, "llama.cpp builds are always custom"
+    tensorfold = profiles["tensorfold"]
+    assert (tensorfold["version"], tensorfold["verified"]) == ("0.6.6", False)
+    assert tensorfold["executable"] == str(installs["tensorfold"] / "tensorfold")
     file = home / ".config" / "capyctl" / "engines.yaml"
     assert Path(listed["file"]) == file
-    assert file.read_text().startswith("# capyctl-document-revision: 3\n")
+    assert file.read_text().startswith("# capyctl-document-revision: 4\n")
     assert yaml.safe_load(file.read_text())["kind"] == "engines"
 
 
@@ -99,6 +105,7 @@ def test_the_fingerprint_changes_with_the_installed_files(
         ),
         ("folder", "engine_not_found", 16, "is neither a virtual environment"),
         ("old-vllm", "engine_unsupported", 17, "vllm 0.8.5 is older than 0.11.0"),
+        ("old-tensorfold", "engine_unsupported", 17, "tensorfold 0.5.9 is older than 0.6.0"),
     ],
 )
 def test_what_is_not_a_supported_engine_is_refused(
@@ -122,6 +129,29 @@ def test_a_missing_path_and_a_taken_name(home: Path, installs: dict[str, Path]) 
     again = _cli(home, "engine", "add", str(installs["vllm"]))
     assert again.returncode == 19
     assert again.stderr.startswith("error [profile_exists]: an engine named 'vllm'")
+
+
+def test_a_custom_engine_is_registered_by_its_command(home: Path) -> None:
+    program = home / "bin" / "serve"
+    program.parent.mkdir(parents=True)
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    command = f"{program} --port {{port}} --model {{model}} --name '{{served_name}}'"
+    added = _cli(home, "engine", "add-custom", "srv", "--command", command, "--key-env", "K")
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.startswith("Registered custom unversioned as 'srv'.\n")
+    assert f"command      {program} --port '{{port}}'" in added.stdout
+    (profile,) = json.loads(_cli(home, "engine", "list", "--json").stdout)["profiles"]
+    assert profile["command"] == [str(program), "--port", "{port}", "--model", "{model}",
+                                  "--name", "{served_name}"]  # fmt: skip
+    assert (profile["ready_path"], profile["key_env"]) == ("/health", "K")
+    no_model = _cli(home, "engine", "add-custom", "two", "--command", f"{program} {{port}}")
+    assert no_model.returncode == 2
+    assert no_model.stderr.startswith("error [invalid_config]: custom engine 'two': command: ")
+    assert "never names {model}" in no_model.stderr
+    relative = _cli(home, "engine", "add-custom", "two", "--command", "serve {port} {model}")
+    assert relative.returncode == 16
+    assert "serve is not an executable file (absolute path)" in relative.stderr
 
 
 def test_remove(home: Path, installs: dict[str, Path]) -> None:
