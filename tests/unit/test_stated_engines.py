@@ -13,7 +13,9 @@ from pydantic import ValidationError
 from capycommon.deployments import HostFacts, Resolved, parse_deployment
 from capycommon.domain.engines import Residency
 from capycommon.engines import detect, tensorfold
+from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import Family
+from capycommon.engines.launch import LaunchSpec
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapyError
 from capyctl_scheduler.actions import Action
@@ -177,6 +179,7 @@ def test_a_custom_registration_keeps_its_command_word_for_word(program: Path) ->
         ("{program} {{port}} {{model}}", "/health", "PATH", "key_env PATH is a variable CapyCTL"),
         ("{program} {{port}} {{model}}", "/health", "CAPYCTL_X", "is a variable CapyCTL sets"),
         ("{program} '{{port}} {{model}}", "/health", None, "No closing quotation"),
+        ("{program} {{port}} {{model}}", "/v1/{port}", None, "may name {served_name} alone"),
     ],
 )
 def test_a_custom_registration_that_cannot_start_safely_is_refused(
@@ -186,6 +189,23 @@ def test_a_custom_registration_that_cannot_start_safely_is_refused(
         detect.custom_profile("tgi", command.format(program=program), ready, key, "1")
     assert says in caught.value.message
     assert caught.value.code in ("invalid_config", "engine_not_found")
+
+
+def test_a_readiness_path_may_wait_for_the_served_model(program: Path) -> None:
+    """Ollama answers /v1/models/<name> with 404 until that model exists."""
+    command = f"{program} {{port}} {{model}} {{served_name}}"
+    found = detect.custom_profile("ol", command, "/v1/models/{served_name}", None, "0.13")
+    spec = LaunchSpec(
+        profile=found,
+        model_path=program,
+        served_name="qwen3:4b",
+        port=9000,
+        api_key="k",
+        residency=Residency.RESTART_ONLY,
+        runtime_dir=program.parent,
+    )
+    control = adapter_for(Family.CUSTOM).control(spec)
+    assert control.ready_path == "/v1/models/qwen3%3A4b"
 
 
 def test_a_published_profile_with_a_command_it_should_not_carry_is_refused() -> None:

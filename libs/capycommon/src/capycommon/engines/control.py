@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from capycommon.domain.engines import Residency
-from capycommon.engines import decisions
+from capycommon.engines import decisions, template
 from capycommon.engines.launch import Capabilities, LaunchSpec
 from capycommon.errors import (
     CapabilityMissing,
@@ -201,7 +201,8 @@ class UnmeteredControl(EngineControl):
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__(spec, capabilities, timeouts, transport)
-        self.ready_path = spec.profile.ready_path or "/health"
+        given = spec.profile.ready_path or "/health"
+        self.ready_path = template.ready_path(given, spec.served_name)
 
     async def load(self) -> Load:
         raise CapabilityMissing(

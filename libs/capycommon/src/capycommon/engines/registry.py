@@ -31,7 +31,7 @@ ProfileName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
 # A custom engine's: the argv template (`engines.custom`), the path that answers 200 once it
 # is ready, and the variable it reads its API key from.
 CommandWord = Annotated[str, Field(min_length=1, max_length=4096)]
-ReadyPath = Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/%?=&-]{0,199}$")]
+ReadyPath = Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/%?=&{}-]{0,199}$")]
 KeyVariable = Annotated[str, Field(pattern=r"^[A-Z_][A-Z0-9_]{0,63}$")]
 
 

@@ -3,7 +3,8 @@ CapyCTL fills at each launch. No shell ever reads it: each word is one argument.
 
 Placeholders: `{port}` and `{model}` must appear; `{served_name}` (the name requests carry)
 and `{host}` (the loopback address) may. Braces meant literally are doubled, as in Python's
-`str.format`: `{{` and `}}`.
+`str.format`: `{{` and `}}`. The readiness path may name `{served_name}` (an engine that
+answers `/v1/models/<name>` only once that model is loaded).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import string
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 PLACEHOLDERS = ("port", "model", "served_name", "host")
 REQUIRED = ("port", "model")
@@ -55,6 +57,17 @@ def check(command: Sequence[str], executable: Path, key_env: str | None) -> None
         )
     if key_env is not None and (key_env in CLOSED or key_env.startswith(CLOSED_PREFIXES)):
         raise ValueError(f"key_env {key_env} is a variable CapyCTL sets itself; name another")
+
+
+def check_ready_path(path: str) -> None:
+    named = fields_of(path)
+    if any(name != "served_name" for name in named):
+        raise ValueError(f"ready_path {path!r} may name {{served_name}} alone")
+
+
+def ready_path(path: str, served_name: str) -> str:
+    """The readiness path of one launch."""
+    return path.format_map({"served_name": quote(served_name, safe="")})
 
 
 def render(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
