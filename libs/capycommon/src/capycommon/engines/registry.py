@@ -68,6 +68,7 @@ class EngineProfile(Strict):
             raise ValueError(
                 "a custom engine needs ready_path, the path that answers 200 once ready"
             )
+        template.check_ready_path(self.ready_path)
         return self
 
 
