@@ -12,6 +12,8 @@ from pydantic import ValidationError
 
 from capycommon.deployments import HostFacts, Resolved, parse_deployment
 from capycommon.domain.engines import Residency
+from capycommon.domain.instances import InstanceState as S
+from capycommon.domain.places import Places
 from capycommon.engines import detect, tensorfold
 from capycommon.engines.adapters import adapter_for
 from capycommon.engines.families import Family
@@ -22,13 +24,14 @@ from capyctl_scheduler.actions import Action
 from capyctl_scheduler.launchcommand import launch_command
 from capyctl_scheduler.ledger import derive_domains
 from capyctl_scheduler.policy import plan
+from capyctl_scheduler.routedload import RoutedLoads
 from capyctl_scheduler.sizing import engine_footprints
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
 from support import engine_profile
 from unit.launches import resolved
 from unit.readings import idle_reading
 from unit.test_first_starts import HOST, view
-from unit.test_policy import deployment
+from unit.test_policy import deployment, instance
 
 GiB = 1 << 30
 STATED: dict[str, Any] = {
@@ -218,3 +221,30 @@ def test_a_published_profile_with_a_command_it_should_not_carry_is_refused() -> 
     with pytest.raises(ValidationError, match="must be an absolute path, the profile's"):
         EngineProfile.model_validate({**custom, "command": ["/bin/sh", "{port}", "{model}"]})
     assert os.path.isabs(custom["executable"])
+
+
+def test_the_load_of_an_unmetered_engine_is_the_routers_places() -> None:
+    """No reading comes from TensorFold or a custom engine: its load is made from the places,
+    and its last request is the last snapshot that saw one (or a spare, kept a second after)."""
+    tf = resolved(Family.TENSORFOLD, 4 * GiB, name="tf", **STATED)
+    bindings = {
+        "tf": {HOST: Binding(HOST, tf)},
+        "v": {HOST: Binding(HOST, resolved(Family.VLLM, GiB, name="v"))},
+    }
+    ready = {
+        "tf": instance("tf", S.READY, generation=2, since=10.0),
+        "v": instance("v", S.READY, since=10.0),
+    }
+    routed = RoutedLoads()
+    busy = routed.loads(20.0, ready, {"tf": Places(generation=2, running=1)}, bindings)
+    assert list(busy) == ["tf"], "vLLM's load is read from its metrics"
+    assert (busy["tf"].running, busy["tf"].busy, busy["tf"].last_active_at) == (1, True, 20.0)
+    spare = routed.loads(25.0, ready, {"tf": Places(generation=2, spare=1)}, bindings)
+    assert (spare["tf"].busy, spare["tf"].last_active_at) == (False, 25.0)
+    idle = routed.loads(60.0, ready, {"tf": Places(generation=2)}, bindings)
+    assert (idle["tf"].busy, idle["tf"].last_active_at, idle["tf"].read_at) == (False, 25.0, 60.0)
+    stale = routed.loads(61.0, ready, {"tf": Places(generation=1, running=3)}, bindings)
+    assert stale["tf"].running == 0, "another generation's places are not this engine's"
+    restarted = {**ready, "tf": instance("tf", S.READY, generation=3, since=70.0)}
+    assert routed.loads(80.0, restarted, {}, bindings)["tf"].last_active_at == 70.0
+    assert routed.loads(81.0, {**ready, "tf": instance("tf", S.STOPPED)}, {}, bindings) == {}

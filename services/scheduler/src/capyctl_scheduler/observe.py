@@ -37,6 +37,7 @@ from capyctl_scheduler.ledger import (
     Provenance,
     derive_domains,
 )
+from capyctl_scheduler.routedload import RoutedLoads
 from capyctl_scheduler.sizing import engine_footprints
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
 
@@ -80,6 +81,8 @@ class Observer:
     _sent: dict[str, tuple[Describe, float]] = field(default_factory=dict)
     # The hosts whose facts still lack a path they were asked to describe.
     _undescribed: set[str] = field(default_factory=set)
+    # The loads of engines CapyCTL reads no metrics from, from the routers' places.
+    _routed: RoutedLoads = field(default_factory=RoutedLoads)
 
     def __post_init__(self) -> None:
         self._own = frozenset(self.hosts)
@@ -114,6 +117,7 @@ class Observer:
         instances, orphans = ownership.owners(records, deployments)
         loads = {name: found for read in reads for name, found in read.loads.items()}
         held, bindings = await self._places_and_bindings(deployments, instances, reads)
+        loads.update(self._routed.loads(now, instances, held, bindings))
         return Snapshot(
             now=now,
             deployments=deployments,
