@@ -61,7 +61,9 @@ def _argv(pid: int) -> list[str]:
 def _launched(cluster: Cluster, name: str) -> tuple[list[str], dict[str, str], str]:
     """The engine's argv and environment, and its log."""
     instance = cluster.instance(name)
-    assert instance is not None and instance.process is not None and instance.log_path
+    assert instance is not None
+    assert instance.process is not None
+    assert instance.log_path
     pid = instance.process.pid
     return _argv(pid), _environ(pid), Path(instance.log_path).read_text(errors="replace")
 
@@ -108,7 +110,8 @@ def test_a_custom_engine_runs_its_registered_command(cluster: Cluster) -> None:
     assert reply.choices[0].message.content
     argv, env, _ = _launched(cluster, "served-chat")
     instance = cluster.instance("served-chat")
-    assert instance is not None and instance.port is not None
+    assert instance is not None
+    assert instance.port is not None
     assert argv[2:] == [
         "vllm.entrypoints.openai.api_server",
         "--model",

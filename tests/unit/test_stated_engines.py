@@ -208,7 +208,7 @@ def test_a_readiness_path_may_wait_for_the_served_model(program: Path) -> None:
         runtime_dir=program.parent,
     )
     control = adapter_for(Family.CUSTOM).control(spec)
-    assert control.ready_path == "/v1/models/qwen3%3A4b"
+    assert control.ready_path() == "/v1/models/qwen3%3A4b"
 
 
 def test_a_published_profile_with_a_command_it_should_not_carry_is_refused() -> None:

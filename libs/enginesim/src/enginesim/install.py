@@ -15,6 +15,7 @@ unchanged.
 from __future__ import annotations
 
 import base64
+import configparser
 import hashlib
 import site
 import subprocess
@@ -200,9 +201,13 @@ def _make_venv(venv: Path) -> None:
 
 
 def _pip_install(venv: Path, build: Callable[[Path], Path]) -> None:
-    """Build a wheel in a scratch folder with `build`, and install it into `venv` by pip."""
+    """Build a wheel in a scratch folder with `build`, and install it into `venv` by pip (in
+    CapyCTL's self-contained executable, which holds no pip, by unpacking it as pip would)."""
     with tempfile.TemporaryDirectory(prefix="enginesim-wheel-") as folder:
         wheel = build(Path(folder))
+        if getattr(sys, "frozen", False):
+            _unpack(wheel, venv)
+            return
         subprocess.run(
             [
                 sys.executable,
@@ -219,6 +224,28 @@ def _pip_install(venv: Path, build: Callable[[Path], Path]) -> None:
             ],
             check=True,
         )
+
+
+def _unpack(wheel: Path, venv: Path) -> None:
+    """Install a pure-Python wheel into `venv` without pip: its files into site-packages, and
+    each console script into bin/, run by the venv's python."""
+    packages = _site_packages(venv)
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(packages)
+        names = archive.namelist()
+    for points in (packages / name for name in names if name.endswith("entry_points.txt")):
+        parser = configparser.ConfigParser()
+        parser.read(points)
+        for script, target in (
+            parser.items("console_scripts") if parser.has_section("console_scripts") else []
+        ):
+            module, _, function = target.partition(":")
+            path = venv / "bin" / script
+            path.write_text(
+                f"#!{venv / 'bin' / 'python'}\nimport sys\nfrom {module} import {function}\n"
+                f"sys.exit({function}())\n"
+            )
+            path.chmod(0o755)
 
 
 def install_python_engine(

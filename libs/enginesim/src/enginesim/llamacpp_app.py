@@ -108,12 +108,6 @@ class LlamaFrontend(Frontend):
             )
         return None
 
-    def request_ids(
-        self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
-    ) -> tuple[str, str]:
-        rid = f"{prefix}{random_id(32)}"
-        return rid, rid
-
     def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
         return body.model or self.args.alias or self.args.model
 

@@ -39,6 +39,7 @@ from enginesim.openai_chat import (
     JsonDict,
     count_prompt_tokens,
     plan,
+    random_id,
 )
 from enginesim.process import Process
 
@@ -114,8 +115,9 @@ class Frontend:
     def request_ids(
         self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
     ) -> tuple[str, str]:
-        """(the engine's request id, the response `id`)."""
-        raise NotImplementedError
+        """(the engine's request id, the response `id`): by default one random id for both."""
+        rid = f"{prefix}{random_id(32)}"
+        return rid, rid
 
     def response_headers(self, request: Request) -> dict[str, str]:
         return {}

@@ -83,12 +83,6 @@ class TensorFoldFrontend(Frontend):
             return self.error(503, "the model is loading", "unavailable_error")
         return None
 
-    def request_ids(
-        self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
-    ) -> tuple[str, str]:
-        rid = f"{prefix}{uuid.uuid4().hex}"
-        return rid, rid
-
     def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
         return self.args.served_model_name
 

@@ -117,13 +117,14 @@ class EngineControl:
             )
         return response
 
-    # Where the engine says it is ready (200), as its family defines it.
-    ready_path = "/health"
+    def ready_path(self) -> str:
+        """Where the engine says it is ready (200), as its family defines it."""
+        return "/health"
 
     async def ready(self) -> bool:
         """Whether the engine reports itself ready (health as the engine defines it)."""
         try:
-            response = await self._client.get(self.ready_path, timeout=self.timeouts.health)
+            response = await self._client.get(self.ready_path(), timeout=self.timeouts.health)
         except httpx.TransportError:
             return False
         return response.status_code == 200
@@ -193,16 +194,9 @@ class UnmeteredControl(EngineControl):
     custom engine): ready at its registration's path; its load is not read (the routers'
     places say when it is busy)."""
 
-    def __init__(
-        self,
-        spec: LaunchSpec,
-        capabilities: Capabilities,
-        timeouts: Timeouts | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        super().__init__(spec, capabilities, timeouts, transport)
-        given = spec.profile.ready_path or "/health"
-        self.ready_path = template.ready_path(given, spec.served_name)
+    def ready_path(self) -> str:
+        given = self.spec.profile.ready_path or "/health"
+        return template.ready_path(given, self.spec.served_name)
 
     async def load(self) -> Load:
         raise CapabilityMissing(

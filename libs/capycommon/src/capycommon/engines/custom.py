@@ -8,16 +8,15 @@ registration names the variable it reads (`key_env`); the command line never car
 
 from __future__ import annotations
 
-from capycommon.domain.engines import Residency
 from capycommon.engines import template
 from capycommon.engines.launch import (
     ENGINE_HOST,
     LaunchPlan,
     LaunchSpec,
     check_extra_args,
+    check_restart_only,
     unmetered_capabilities,
 )
-from capycommon.errors import CapabilityMissing
 
 capabilities = unmetered_capabilities
 RESERVED: frozenset[str] = frozenset()
@@ -30,11 +29,7 @@ def reserved_flags(command: tuple[str, ...]) -> frozenset[str]:
 
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
-    if spec.residency != Residency.RESTART_ONLY:
-        raise CapabilityMissing(
-            f"residency: a custom engine cannot park {spec.residency}; use restart_only",
-            capability="deep_park",
-        )
+    check_restart_only(spec, "a custom engine")
     profile = spec.profile
     values = {
         "port": str(spec.port),

@@ -10,7 +10,7 @@ from typing import Literal
 from capycommon.domain.commands import EngineTuning
 from capycommon.domain.engines import Api, Residency
 from capycommon.engines.registry import EngineProfile
-from capycommon.errors import InvalidConfig
+from capycommon.errors import CapabilityMissing, InvalidConfig
 
 ENGINE_HOST = "127.0.0.1"
 # Where CapyCTL's helper modules (`engines/runtime/`) read the launch's key.
@@ -78,9 +78,9 @@ class Capabilities:
     decisions: bool = False
 
 
-def unmetered_capabilities(version: str = "") -> Capabilities:
-    """An engine CapyCTL can only start and stop, and whose load it cannot read (TensorFold,
-    a custom engine): always restart_only; a hang-up is the closed connection alone."""
+def restart_only(metrics_running: str = "", metrics_waiting: str = "") -> Capabilities:
+    """An engine CapyCTL can only start and stop (llama.cpp, TensorFold, a custom engine): a
+    hang-up is the closed connection alone; without metric names its load is not read."""
     return Capabilities(
         residencies=(Residency.RESTART_ONLY,),
         abort_by_id=False,
@@ -89,9 +89,23 @@ def unmetered_capabilities(version: str = "") -> Capabilities:
         park_needs_idle=False,
         requests_while_parked="not_applicable",
         disconnect_abort_lag_s=0.0,
-        metrics_running="",
-        metrics_waiting="",
+        metrics_running=metrics_running,
+        metrics_waiting=metrics_waiting,
     )
+
+
+def unmetered_capabilities(version: str = "") -> Capabilities:
+    """TensorFold's and a custom engine's, at any version: no metrics CapyCTL reads."""
+    return restart_only()
+
+
+def check_restart_only(spec: LaunchSpec, engine: str) -> None:
+    """Refuse a launch that would park an engine that cannot."""
+    if spec.residency != Residency.RESTART_ONLY:
+        raise CapabilityMissing(
+            f"residency: {engine} cannot park {spec.residency}; use restart_only",
+            capability="deep_park",
+        )
 
 
 def host_tiers(capabilities: Capabilities, deep_park: bool) -> tuple[Residency, ...]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from capycommon.domain.engines import Residency
 from capycommon.engines import decisions
 from capycommon.engines.control import EngineControl
 from capycommon.engines.families import Family
@@ -14,8 +14,10 @@ from capycommon.engines.launch import (
     LaunchPlan,
     LaunchSpec,
     check_extra_args,
+    check_restart_only,
+    restart_only,
 )
-from capycommon.errors import CapabilityMissing, EngineError, InvalidConfig
+from capycommon.errors import EngineError, InvalidConfig
 
 DEFAULT_SLOTS = 4
 
@@ -53,18 +55,8 @@ RESERVED = frozenset(
 
 
 def capabilities(version: str) -> Capabilities:
-    return Capabilities(
-        residencies=(Residency.RESTART_ONLY,),
-        abort_by_id=False,
-        request_id="none",
-        reasoning_field="reasoning_content",
-        park_needs_idle=False,
-        requests_while_parked="not_applicable",
-        disconnect_abort_lag_s=0.0,
-        metrics_running="llamacpp:requests_processing",
-        metrics_waiting="llamacpp:requests_deferred",
-        decisions=True,  # a build without decision serving says so at readiness
-    )
+    found = restart_only("llamacpp:requests_processing", "llamacpp:requests_deferred")
+    return replace(found, decisions=True)  # a build without decision serving says so at readiness
 
 
 def model_file(path: Path) -> Path:
@@ -80,11 +72,7 @@ def model_file(path: Path) -> Path:
 
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
-    if spec.residency != Residency.RESTART_ONLY:
-        raise CapabilityMissing(
-            f"residency: llama.cpp cannot park {spec.residency}; use restart_only",
-            capability="deep_park",
-        )
+    check_restart_only(spec, "llama.cpp")
     tuning = spec.tuning
     if tuning.context_length is None:
         raise InvalidConfig(

@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import re
 
-from capycommon.domain.engines import Residency
 from capycommon.engines.launch import (
     ENGINE_HOST,
     LaunchPlan,
     LaunchSpec,
     check_extra_args,
+    check_restart_only,
     options,
     unmetered_capabilities,
 )
-from capycommon.errors import CapabilityMissing, InvalidConfig
+from capycommon.errors import InvalidConfig
 
 EXECUTABLE = "tensorfold"
 VERSION_LINE = re.compile(r"^tensorfold\s+(\d+\.\d+(?:\.\d+)?\S*)\s*$", re.MULTILINE)
@@ -60,11 +60,7 @@ def memory_limit(gpu_bytes: int) -> str:
 
 
 def plan(spec: LaunchSpec) -> LaunchPlan:
-    if spec.residency != Residency.RESTART_ONLY:
-        raise CapabilityMissing(
-            f"residency: TensorFold cannot park {spec.residency}; use restart_only",
-            capability="deep_park",
-        )
+    check_restart_only(spec, "TensorFold")
     tuning = spec.tuning
     if tuning.context_length is None:
         raise InvalidConfig(
