@@ -4,9 +4,11 @@
 # It downloads the release's SHA256SUMS and its signature SHA256SUMS.sig, and refuses a
 # release whose SHA256SUMS the CapyCTL release key, whose public half this script carries, did
 # not sign (ssh-keygen -Y verify, OpenSSH 8.1 or newer). It downloads the executable for this
-# machine (capyctl-<version>-linux-<arch>.pex), refuses any file whose SHA-256 differs from
-# the one SHA256SUMS lists, unpacks the executable into <prefix>/lib/capyctl/<version>/ (a
-# virtual environment on the system's Python 3.11+) and links <prefix>/bin/capyctl to it. The
+# machine, refuses any file whose SHA-256 differs from the one SHA256SUMS lists, puts it in
+# <prefix>/lib/capyctl/<version>/ and links <prefix>/bin/capyctl to it: the self-contained
+# executable (capyctl-<version>-linux-<arch>, its own Python inside) where the release has one
+# for this machine, else, or with --pex, the pex (capyctl-<version>-linux-<arch>.pex), unpacked
+# into a virtual environment on the system's Python 3.11+. The
 # prefix is /usr/local as root and ~/.local otherwise. Other versions stay installed beside
 # it, so `install.sh --version <previous>` rolls back; running it twice is harmless; it never
 # reads or writes a state dir. Debian's redis-server is installed where it is missing (as
@@ -18,6 +20,7 @@
 #                      (default $CAPYCTL_RELEASES, else the address this script came with)
 #   --from URL|DIR     one release's folder itself, such as scripts/release's dist/
 #   --prefix DIR       install under DIR instead (DIR/bin/capyctl, DIR/lib/capyctl/)
+#   --pex              install the pex on the system's Python, not the self-contained one
 set -eu
 # What it installs is read by other users (a system unit's `capyctl` user), whatever the
 # caller's umask.
@@ -39,13 +42,15 @@ releases=${CAPYCTL_RELEASES:-$RELEASES_URL}
 from=""
 version=""
 prefix=""
+kind=""
 while [ $# -gt 0 ]; do
     case $1 in
     --version) [ $# -ge 2 ] || fail "--version needs a value"; version=$2; shift 2 ;;
     --releases) [ $# -ge 2 ] || fail "--releases needs a value"; releases=$2; shift 2 ;;
     --from) [ $# -ge 2 ] || fail "--from needs a value"; from=$2; shift 2 ;;
     --prefix) [ $# -ge 2 ] || fail "--prefix needs a value"; prefix=$2; shift 2 ;;
-    -h | --help) sed -n '2,20p' "$0" 2>/dev/null || true; exit 0 ;;
+    --pex) kind=pex; shift ;;
+    -h | --help) sed -n '2,23p' "$0" 2>/dev/null || true; exit 0 ;;
     *) fail "unknown option $1 (see --help)" ;;
     esac
 done
@@ -80,9 +85,11 @@ Linux-aarch64 | Linux-arm64) arch=aarch64 ;;
 esac
 
 python=${PYTHON:-python3}
-if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    fail "CapyCTL needs Python 3.11 or newer as $python; on Debian: sudo apt-get install -y python3"
-fi
+check_python() {
+    "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null ||
+        fail "the pex needs Python 3.11 or newer as $python; on Debian: sudo apt-get install -y" \
+            "python3 (or install the self-contained executable: drop --pex)"
+}
 
 # Fetch one file of the release into a local path: a URL with curl (or wget), a folder by copy;
 # a failure says $3 when given.
@@ -147,11 +154,21 @@ trap 'rm -rf "$work"' EXIT INT TERM
 
 fetch SHA256SUMS "$work/SHA256SUMS"
 check_signature
-file=$(awk -v arch="$arch" '$2 ~ ("^[*]?capyctl-.*-linux-" arch "[.]pex$") { sub(/^[*]/, "", $2); print $2; exit }' \
-    "$work/SHA256SUMS")
+# The executable of this machine: the self-contained one unless --pex (or the release has none).
+named() {
+    awk -v pattern="^[*]?capyctl-.*-linux-$arch$1\$" '$2 ~ pattern { sub(/^[*]/, "", $2); print $2; exit }' \
+        "$work/SHA256SUMS"
+}
+file=""
+[ "$kind" = pex ] || { file=$(named ""); [ -z "$file" ] || kind=binary; }
+if [ -z "$file" ]; then
+    file=$(named "[.]pex")
+    kind=pex
+fi
 [ -n "$file" ] || fail "the release at $from has no executable for linux-$arch"
 found=${file#capyctl-}
-found=${found%-linux-"$arch".pex}
+found=${found%.pex}
+found=${found%-linux-"$arch"}
 valid_version "$found" ||
     fail "the release at $from names its executable $file, whose version is not X.Y.Z; refusing it"
 if [ -n "$version" ] && [ "$found" != "$version" ]; then
@@ -169,15 +186,22 @@ else
     rm -rf "$home"
     mkdir -p "$home"
     cp "$work/SHA256SUMS" "$work/$file" "$home/"
-    # The executable unpacked once into a virtual environment on the system's Python: the
-    # services start from it, and nothing is unpacked again at run time.
-    PEX_TOOLS=1 "$python" "$home/$file" venv --site-packages-copies --disable-cache --compile \
-        "$home/venv" >/dev/null || fail "cannot unpack $file with $python"
+    if [ "$kind" = pex ]; then
+        # Unpacked once into a virtual environment on the system's Python: the services
+        # start from it, and nothing is unpacked again at run time.
+        check_python
+        PEX_TOOLS=1 "$python" "$home/$file" venv --site-packages-copies --disable-cache \
+            --compile "$home/venv" >/dev/null || fail "cannot unpack $file with $python"
+        ln -sf venv/bin/capyctl "$home/capyctl"
+    else
+        chmod 0755 "$home/$file"
+        ln -sf "$file" "$home/capyctl"
+    fi
     : >"$home/installed"
 fi
 
 mkdir -p "$prefix/bin"
-ln -sf "$home/venv/bin/capyctl" "$prefix/bin/.capyctl.$$"
+ln -sf "$home/capyctl" "$prefix/bin/.capyctl.$$"
 mv -f "$prefix/bin/.capyctl.$$" "$prefix/bin/capyctl"
 "$prefix/bin/capyctl" --version >/dev/null || fail "$prefix/bin/capyctl does not run"
 say "$prefix/bin/capyctl is capyctl $version"

@@ -62,10 +62,12 @@ def public_half(key: Path) -> str:
 
 
 def release(
-    out: Path, key: Path | None, version: str = OLD, platforms: str = ARCH
+    out: Path, key: Path | None, version: str = OLD, platforms: str = ARCH, binary: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """scripts/release of the tree into `out`, signed with `key` (none: not given at all)."""
+    """scripts/release of the tree into `out`, signed with `key` (none: not given at all);
+    with the self-contained executable of this machine when `binary` (a minute more)."""
     env = {
+        "CAPYCTL_RELEASE_BINARY": "1" if binary else "0",
         **{k: v for k, v in os.environ.items() if k != "CAPYCTL_RELEASE_SIGNING_KEY"},
         "CAPYCTL_RELEASE_VERSION": version,
         "CAPYCTL_RELEASE_PLATFORMS": platforms,
@@ -82,8 +84,8 @@ def release(
     )
 
 
-def build(version: str, out: Path, key: Path, platforms: str = ARCH) -> None:
-    result = release(out, key, version, platforms)
+def build(version: str, out: Path, key: Path, platforms: str = ARCH, binary: bool = False) -> None:
+    result = release(out, key, version, platforms, binary)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

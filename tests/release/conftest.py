@@ -1,5 +1,7 @@
 """The release tests' releases: built once for the whole run (two builds take minutes), by
-whichever test process asks first; the others wait on the lock and serve the same files."""
+whichever test process asks first; the others wait on the lock and serve the same files. The
+older release has the self-contained executable of this machine, which the installer prefers;
+the newer has the pex alone, so upgrading and rolling back crosses the two."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _built(folder: Path) -> Path:
             shutil.rmtree(served, ignore_errors=True)
             shutil.rmtree(key.parent, ignore_errors=True)
             signing_key(key.parent, key.name)
-            build(OLD, served / f"v{OLD}", key)
+            build(OLD, served / f"v{OLD}", key, binary=True)
             build(NEW, served / f"v{NEW}", key)
             shutil.copytree(served / f"v{NEW}", served / "latest")
             (folder / "releases.done").touch()

@@ -28,7 +28,7 @@ from support import clean_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
-EXECUTABLE = f"capyctl-{OLD}-linux-{ARCH}.pex"
+EXECUTABLE = f"capyctl-{OLD}-linux-{ARCH}"  # the self-contained one, which install.sh prefers
 
 
 def test_the_published_installer_carries_the_key_that_signed_the_release(
@@ -63,6 +63,11 @@ def test_a_release_its_key_signed_installs(releases: Releases, tmp_path: Path) -
     installed = install(releases, "--from", str(releases.folder / f"v{OLD}"), prefix=tmp_path)
     assert installed.returncode == 0, installed.stdout + installed.stderr
     assert f"install: {tmp_path}/bin/capyctl is capyctl {OLD}" in installed.stdout
+    assert (tmp_path / "bin" / "capyctl").resolve().name == EXECUTABLE
+    pex = install(releases, "--from", str(releases.folder / f"v{OLD}"), "--pex", prefix=tmp_path)
+    assert pex.returncode == 0, pex.stdout + pex.stderr
+    assert (tmp_path / "bin" / "capyctl").resolve().parent.name == "bin", "the pex's venv"
+    assert "/venv/" in str((tmp_path / "bin" / "capyctl").resolve())
 
 
 def test_the_repository_installer_carries_no_key_and_installs_nothing(
@@ -110,7 +115,7 @@ def _escaping_version(folder: Path, key: Path) -> None:
     """A SHA256SUMS, signed by the release key, whose executable's version climbs out of
     <prefix>/lib/capyctl/ (and would be removed and written there)."""
     sums = folder / "SHA256SUMS"
-    sums.write_text(sums.read_text().replace(EXECUTABLE, f"capyctl-{OLD}/../../x-linux-{ARCH}.pex"))
+    sums.write_text(sums.read_text().replace(EXECUTABLE, f"capyctl-{OLD}/../../x-linux-{ARCH}"))
     _sign(folder, key)
 
 
@@ -124,7 +129,7 @@ REFUSED: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     ),
     "a version that is not X.Y.Z": (
         _escaping_version,
-        f"the release at {{folder}} names its executable capyctl-{OLD}/../../x-linux-{ARCH}.pex,"
+        f"the release at {{folder}} names its executable capyctl-{OLD}/../../x-linux-{ARCH},"
         " whose version is not X.Y.Z; refusing it",
     ),
 }
