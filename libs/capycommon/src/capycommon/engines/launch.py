@@ -99,6 +99,15 @@ def unmetered_capabilities(version: str = "") -> Capabilities:
     return restart_only()
 
 
+def required_context_length(spec: LaunchSpec, engine: str) -> int:
+    """The context length an engine that sizes its KV cache by it must be given."""
+    if spec.tuning.context_length is None:
+        raise InvalidConfig(
+            f"engine_config.context_length is required for {engine}; set it, e.g. 8192"
+        )
+    return spec.tuning.context_length
+
+
 def check_restart_only(spec: LaunchSpec, engine: str) -> None:
     """Refuse a launch that would park an engine that cannot."""
     if spec.residency != Residency.RESTART_ONLY:

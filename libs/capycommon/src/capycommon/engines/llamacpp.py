@@ -15,6 +15,7 @@ from capycommon.engines.launch import (
     LaunchSpec,
     check_extra_args,
     check_restart_only,
+    required_context_length,
     restart_only,
 )
 from capycommon.errors import EngineError, InvalidConfig
@@ -74,10 +75,7 @@ def model_file(path: Path) -> Path:
 def plan(spec: LaunchSpec) -> LaunchPlan:
     check_restart_only(spec, "llama.cpp")
     tuning = spec.tuning
-    if tuning.context_length is None:
-        raise InvalidConfig(
-            "engine_config.context_length is required for llama.cpp; set it, e.g. 8192"
-        )
+    context_length = required_context_length(spec, "llama.cpp")
     argv = [
         str(spec.profile.executable),
         "-m",
@@ -89,7 +87,7 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         "--alias",
         spec.served_name,
         "-c",
-        str(tuning.context_length),
+        str(context_length),
         "-np",
         str(tuning.max_concurrent_requests or DEFAULT_SLOTS),
         "-ngl",
@@ -103,7 +101,7 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
     if spec.api == "decisions":
         decisions.check_args(Family.LLAMACPP, tuning.extra_args)
         slots = tuning.max_concurrent_requests or DEFAULT_SLOTS
-        argv += decisions.launch_args(Family.LLAMACPP, tuning.context_length, slots)
+        argv += decisions.launch_args(Family.LLAMACPP, context_length, slots)
     argv += check_extra_args("llamacpp", tuning.extra_args, RESERVED)
     # llama-server reads its key from LLAMA_API_KEY: it stays out of the process list.
     return LaunchPlan(argv, {"LLAMA_API_KEY": spec.api_key})

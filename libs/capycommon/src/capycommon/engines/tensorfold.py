@@ -26,6 +26,7 @@ from capycommon.engines.launch import (
     check_extra_args,
     check_restart_only,
     options,
+    required_context_length,
     unmetered_capabilities,
 )
 from capycommon.errors import InvalidConfig
@@ -62,10 +63,7 @@ def memory_limit(gpu_bytes: int) -> str:
 def plan(spec: LaunchSpec) -> LaunchPlan:
     check_restart_only(spec, "TensorFold")
     tuning = spec.tuning
-    if tuning.context_length is None:
-        raise InvalidConfig(
-            "engine_config.context_length is required for TensorFold; set it, e.g. 8192"
-        )
+    context_length = required_context_length(spec, "TensorFold")
     if tuning.gpu_memory_bytes is None:
         raise InvalidConfig("resources.gpu is required for TensorFold; set resources")
     argv = [str(spec.profile.executable), "serve"]
@@ -74,7 +72,7 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         ("--host", ENGINE_HOST),
         ("--port", spec.port),
         ("--served-model-name", spec.served_name),
-        ("--context-length", tuning.context_length),
+        ("--context-length", context_length),
         ("--parallel", tuning.max_concurrent_requests or DEFAULT_PARALLEL),
     )
     argv += check_extra_args("tensorfold", tuning.extra_args, RESERVED)
