@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from capycommon.deployments import HostFacts, Resolved, parse_deployment
+from capycommon.deployments.load import revision_digest
 from capycommon.domain.engines import Residency
 from capycommon.domain.instances import InstanceState as S
 from capycommon.domain.places import Places
@@ -248,3 +249,15 @@ def test_the_load_of_an_unmetered_engine_is_the_routers_places() -> None:
     restarted = {**ready, "tf": instance("tf", S.READY, generation=3, since=70.0)}
     assert routed.loads(80.0, restarted, {}, bindings)["tf"].last_active_at == 70.0
     assert routed.loads(81.0, {**ready, "tf": instance("tf", S.STOPPED)}, {}, bindings) == {}
+
+
+def test_a_document_without_resources_keeps_the_digest_it_had() -> None:
+    """Declared deployments keep their revision across the upgrade that added `resources`:
+    this digest is what the release before it gave the same document."""
+    document = {"name": "qwen3-4b", "engine": "vllm", "model": "Qwen3-4B"}
+    plain = parse_deployment({**document, "engine_config": {"context_length": 8192}}, "t")
+    assert revision_digest(plain) == (
+        "sha256:b2afa7186d143da6cc9e64c9f1c418a9a114c6dfb149f53a5efc78ee355e21ab"
+    )
+    stated = parse_deployment({**document, "resources": STATED["resources"]}, "t")
+    assert revision_digest(stated) != revision_digest(parse_deployment(document, "t"))

@@ -117,6 +117,8 @@ def revision_digest(deployment: Deployment) -> str:
             del document[later]
     if document["api"] == "chat":  # the same, added in 0.1.7
         del document["api"]
+    if document["resources"] is None:  # the same, added with TensorFold and custom engines
+        del document["resources"]
     canonical = json.dumps(
         document,
         sort_keys=True,
