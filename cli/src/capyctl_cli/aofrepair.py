@@ -198,9 +198,11 @@ def _write(aof: Path, parts: list[Part]) -> str:
     return f"`printf '{lines}' > {shlex.quote(str(aof / MANIFEST))}`"
 
 
-# What Redis writes at each start, and once it has loaded its data and serves.
+# What Redis writes at each start, and once it has loaded its data and serves: from 7.2
+# "Ready to accept connections unix", before it (Debian 12's 7.0) "The server is now ready to
+# accept connections at <socket>"; READY is matched in the line's lower case.
 STARTING = "Redis is starting"
-READY = "Ready to accept connections"
+READY = "ready to accept connections"
 
 
 class StartLog:
@@ -234,7 +236,7 @@ class StartLog:
         for line in lines:
             if STARTING.encode() in line:
                 self._failed += 1
-            elif READY.encode() in line:
+            elif READY.encode() in line.lower():
                 self._failed = 0
         return self._failed
 
