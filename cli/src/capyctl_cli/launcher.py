@@ -285,7 +285,10 @@ class RedisWatch:
 
     def report_refusal(self) -> None:
         now = time.monotonic()
-        if now < self._next_refusal:
+        if now < self._next_refusal or self._pidfd is None:
+            # Only a redis-server that runs is asked: while one starts, fails or restarts, a
+            # connection may take its whole timeout, and the watch would miss the moments
+            # supervisord shows Redis exited, letting it start again and again.
             return
         self._next_refusal = now + REFUSAL_EVERY_S
         try:
