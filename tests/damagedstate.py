@@ -20,6 +20,7 @@ from pathlib import Path
 
 import redis
 
+from capyctl_cli.launcher import REDIS_START_RETRIES
 from ports import free_port
 from support import CAPYCTL, processes_mentioning, short_dir, start_role, wait_for
 
@@ -134,9 +135,11 @@ def refused_then_repaired(saved: Path, damage: Damage) -> None:
         assert damage.said.format(aof=aof) in said
         assert "Traceback" not in said
         assert took < 60, f"the role took {took:.0f} s to give up"
-        # Two failed starts tell; a third may begin while the launcher stops the role.
+        # Two failed starts tell the launcher, when it catches Redis between two starts; which
+        # start that is depends on timing, but supervisord's own retries bound them all.
         starts = redis_log.read_bytes()[len(before) :].count(b"Redis is starting")
-        assert starts <= 3, f"Redis started {starts} times before the role gave up"
+        most = REDIS_START_RETRIES + 1
+        assert starts <= most, f"Redis started {starts} times before the role gave up"
         assert processes_mentioning(str(state)) == []
 
         (told,) = [line for line in _messages(said) if line.startswith("error [state_corrupt]")]
