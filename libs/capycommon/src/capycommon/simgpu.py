@@ -1,10 +1,13 @@
 """Simulated GPUs: the one seam between simulation and the real NVML path.
 
 The contract (docs/architecture.md): `CAPYCTL_SIMULATED_GPUS` names the devices
-(`gpu0:24GiB,gpu1:24GiB`, or `unified:128GiB`); `<dir>/devices.json` lists them with stable
-UUIDs; a process claims memory by writing `<dir>/<pid>.json` as
-`{"uuid", "bytes", "host_bytes"}` (a temporary name, then a rename) and removes it on exit.
-A device's used memory is the sum over the files of live PIDs.
+(`gpu0:24GiB,gpu1:24GiB`, or `unified:128GiB`), and after a `;` how pairs of them connect
+(`gpu0-gpu1:nvlink,gpu2-gpu3:switch`; any pair not named is `system`, and with no `;` the
+topology is unknown); `<dir>/devices.json` lists them with stable UUIDs; a process claims
+memory by writing `<dir>/<pid>.json` as `{"uuid", "bytes", "host_bytes", "also"}` (a
+temporary name, then a rename) and removes it on exit. `also` holds the bytes the process
+holds on other devices, by UUID (llama.cpp splits a model's layers over every visible GPU
+in one process). A device's used memory is the sum over the files of live PIDs.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import cast, get_args
+
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
+from capycommon.domain.memory import Link
 from capycommon.errors import InvalidConfig
 from capycommon.units import parse_size
 
@@ -32,6 +38,8 @@ class Device(BaseModel):
     name: str
     total_bytes: int
     unified: bool
+    # How it connects to each other device, by UUID; empty: unknown.
+    links: dict[str, Link] = {}
 
 
 class Claim(BaseModel):
@@ -40,6 +48,8 @@ class Claim(BaseModel):
     uuid: str
     bytes: int
     host_bytes: int = 0
+    # Bytes the process holds on other devices, by UUID.
+    also: dict[str, int] = {}
 
 
 _DEVICES = TypeAdapter(list[Device])
@@ -51,7 +61,14 @@ def device_uuid(name: str) -> str:
 
 
 def parse_devices(spec: str) -> list[Device]:
-    """`gpu0:24GiB,gpu1:24GiB` or `unified:128GiB` -> devices."""
+    """`gpu0:24GiB,gpu1:24GiB` or `unified:128GiB` -> devices, with their links when a
+    `;gpu0-gpu1:nvlink,...` follows."""
+    listed, sep, topology = spec.partition(";")
+    devices = _devices(listed)
+    return _linked(devices, topology) if sep else devices
+
+
+def _devices(spec: str) -> list[Device]:
     devices = []
     for index, item in enumerate(part.strip() for part in spec.split(",") if part.strip()):
         name, sep, size = item.partition(":")
@@ -75,6 +92,39 @@ def parse_devices(spec: str) -> list[Device]:
     if any(d.unified for d in devices) and len(devices) > 1:
         raise InvalidConfig("CAPYCTL_SIMULATED_GPUS: a unified device must be the only one")
     return devices
+
+
+def _linked(devices: list[Device], spec: str) -> list[Device]:
+    """`devices` with each pair's link: as `spec` names it (`gpu0-gpu1:nvlink,...`), else
+    `system`."""
+    by_name = {device.name: device for device in devices}
+    named: dict[frozenset[str], Link] = {}
+    for item in (part.strip() for part in spec.split(",") if part.strip()):
+        pair, _, link = item.partition(":")
+        first, _, second = pair.partition("-")
+        if first not in by_name or second not in by_name or first == second:
+            raise InvalidConfig(
+                f"CAPYCTL_SIMULATED_GPUS: {item!r} does not name two of its devices "
+                f"({', '.join(by_name)}); write e.g. gpu0-gpu1:nvlink"
+            )
+        if link not in get_args(Link):
+            raise InvalidConfig(
+                f"CAPYCTL_SIMULATED_GPUS: {item!r}: the link is one of "
+                f"{', '.join(get_args(Link))}"
+            )
+        named[frozenset((by_name[first].uuid, by_name[second].uuid))] = cast(Link, link)
+    return [
+        device.model_copy(
+            update={
+                "links": {
+                    other.uuid: named.get(frozenset((device.uuid, other.uuid)), "system")
+                    for other in devices
+                    if other.uuid != device.uuid
+                }
+            }
+        )
+        for device in devices
+    ]
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -137,6 +187,9 @@ def usage(folder: Path) -> dict[str, Usage]:
         except (OSError, ValueError):
             continue  # removed or half-written while we looked
         claims.setdefault(claim.uuid, {})[pid] = claim
+        for other, held in claim.also.items():
+            if other != claim.uuid:
+                claims.setdefault(other, {})[pid] = Claim(uuid=other, bytes=held)
     return {
         device: Usage(
             used_bytes=sum(c.bytes for c in by_pid.values()),

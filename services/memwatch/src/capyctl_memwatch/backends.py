@@ -91,8 +91,11 @@ class SimulatedBackend:
         gpus = [_simulated_gpu(device, usage.get(device.uuid)) for device in self.devices]
         if self.host_ram_bytes is None:
             return Observation(gpus=gpus, ram=self.ram.read())
-        # One claim file per process, so each PID holds one claim.
-        by_pid = {pid: c.host_bytes for u in usage.values() for pid, c in u.by_pid.items()}
+        # One claim file per process: its host bytes stand on its first device's claim.
+        by_pid: dict[int, int] = {}
+        for found in usage.values():
+            for pid, claim in found.by_pid.items():
+                by_pid[pid] = max(by_pid.get(pid, 0), claim.host_bytes)
         ram = HostRam(
             total_bytes=self.host_ram_bytes,
             available_bytes=max(0, self.host_ram_bytes - sum(by_pid.values())),
@@ -116,4 +119,5 @@ def _simulated_gpu(device: simgpu.Device, usage: simgpu.Usage | None) -> GpuRead
         free_bytes=max(0, device.total_bytes - used),
         unified=device.unified,
         processes=processes,
+        links=device.links,
     )

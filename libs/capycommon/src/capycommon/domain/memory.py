@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict
 # A reading older than this is unobserved: it admits nothing.
 STALE_AFTER_S = 5.0
 
+# How two GPUs of a host are connected, tightest first: NVLink; one PCIe switch (NVML's
+# SINGLE or MULTIPLE); one PCIe host bridge; one NUMA node; across sockets (SYSTEM).
+Link = Literal["nvlink", "switch", "hostbridge", "node", "system"]
+LINK_ORDER: tuple[Link, ...] = ("nvlink", "switch", "hostbridge", "node", "system")
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -25,6 +30,9 @@ class GpuReading(_Frozen):
     unified: bool
     # Per process: device bytes by PID.
     processes: dict[int, int] = {}
+    # How it connects to each other GPU of the host, by that GPU's UUID; empty where the
+    # topology is unknown (no NVML topology, a single GPU).
+    links: dict[str, Link] = {}
 
 
 class HostRam(_Frozen):
