@@ -36,7 +36,14 @@ def test_three_14gib_models_take_turns_on_one_24gib_gpu(cluster: Cluster) -> Non
         assert "parked" in states
         assert "waking" in states
     listing = cluster.ok("list", "deployments")
-    assert listing.splitlines()[0].split() == ["NAME", "STATE", "READY", "REVISION", "HOSTS"]
+    assert listing.splitlines()[0].split() == [
+        "NAME",
+        "STATE",
+        "READY",
+        "REVISION",
+        "HOSTS",
+        "GPUS",
+    ]
     status = cluster.status("b")
     assert status["state"] == "ready"
     assert status["startup"]["device_provenance"] == "declared"

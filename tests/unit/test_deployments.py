@@ -88,7 +88,8 @@ def test_the_minimal_document_is_name_engine_and_model(tmp_path: Path) -> None:
     assert deployment.model.path == "Qwen3-4B"
     assert deployment.routes == ("qwen3-4b",)
     assert deployment.residency is None
-    assert deployment.device is None
+    assert deployment.pinned == ()
+    assert deployment.gpu_count == 1
     assert deployment.lifecycle.activation == "on_demand"
     assert deployment.lifecycle.warm is False
     assert deployment.engine_config.memory.request is None
@@ -109,7 +110,7 @@ def test_a_full_document_reads_sizes_as_bytes_and_durations_as_seconds(tmp_path:
     assert deployment.lifecycle.activation == "explicit"
     assert deployment.request_deadline == 900.0
     assert deployment.residency == Residency.DEEP
-    assert deployment.device == "gpu1"
+    assert deployment.pinned == ("gpu1",)
     assert deployment.routes == ("qwen3-8b", "Qwen/Qwen3-8B")
 
 
@@ -390,16 +391,15 @@ def test_ordinary_engine_variables_pass() -> None:
     assert not any(env_reserved(name) for name in env)
 
 
-def test_two_pinned_gpus_are_refused_as_multi_gpu() -> None:
-    error = refusal(devices=[{"id": "gpu0"}, {"id": "gpu1"}])
-    assert error.code == "multi_gpu_unsupported"
-    assert error.exit_code == 5
-    assert "devices: gpu0, gpu1: a model runs on one GPU" in error.message
+def test_a_gpu_pinned_twice_is_refused() -> None:
+    error = refusal(devices=[{"id": "gpu0"}, {"id": "gpu0"}])
+    assert error.code == "invalid_config"
+    assert "gpu0 listed twice; keep one" in error.message
 
 
 def test_the_first_problem_sets_the_code() -> None:
-    error = refusal(engine_config={"env": {"PATH": "/x"}}, devices=[{"id": "gpu0"}, {"id": "gpu1"}])
-    assert error.code == "multi_gpu_unsupported"  # devices comes before engine_config
+    error = refusal(engine_config={"env": {"PATH": "/x"}}, devices=[{"id": "gpu0"}, {"id": "gpu0"}])
+    assert error.code == "invalid_config"  # devices comes before engine_config
     assert "engine_config.env.PATH" in error.message
 
 
@@ -821,8 +821,8 @@ def test_llamacpp_needs_a_context_length() -> None:
 
 
 def test_a_pinned_gpu_the_host_has_is_used() -> None:
-    assert bind(devices=[{"id": "gpu1"}]).device == "gpu1"
-    assert bind().device is None
+    assert bind(devices=[{"id": "gpu1"}]).devices == ("gpu1",)
+    assert bind().devices == ()
 
 
 def test_a_pinned_gpu_the_host_lacks_is_refused_naming_the_field() -> None:

@@ -41,6 +41,7 @@ def test_an_answer_ignores_what_a_newer_scheduler_adds() -> None:
         "revision": 1,
         "hosts": [],
         "routes": ["a"],
+        "gpus": [],
     }
     hosts = HostList.model_validate_json('{"api_version": "1", "hosts": [], "zones": []}')
     assert hosts.hosts == []
@@ -74,5 +75,5 @@ def test_a_binding_shows_only_what_applies() -> None:
 
 def test_a_status_answer_starts_with_its_version_then_its_summary() -> None:
     fields = list(DeploymentStatus.model_fields)
-    assert fields[:7] == ["api_version", *DeploymentSummary.model_fields]
+    assert fields[:8] == ["api_version", *DeploymentSummary.model_fields]
     assert fields[-1] == "document"

@@ -235,14 +235,16 @@ def test_placement_across_two_gpus_takes_the_most_headroom() -> None:
 def test_placement_breaks_a_tie_by_the_lowest_gpu_and_keeps_to_a_pinned_one() -> None:
     host = view(24 * GiB, 24 * GiB)
     free = snapshot(1.0, [deployment("b")], host=host)
-    assert placement.best(free, free.deployments["b"], {HOST: charged(free, HOST)}) == (
-        HOST,
-        "gpu0",
-    ), "a tie goes to the lowest index"
+    placed = placement.best(free, free.deployments["b"], {HOST: charged(free, HOST)})
+    assert placed is not None
+    assert (placed.host, placed.gpu) == (HOST, "gpu0"), "a tie goes to the lowest index"
+    assert "not local gpu1: its start fits now" in placed.why
     records = [deployment("a"), deployment("b", devices=[{"id": "gpu0"}])]
     busy = snapshot(1.0, records, [instance("a", S.READY, gpu=0)], host=host)
     ledgers = {HOST: charged(busy, HOST)}
-    assert placement.best(busy, busy.deployments["b"], ledgers) == (HOST, "gpu0"), "pinned"
+    pinned = placement.best(busy, busy.deployments["b"], ledgers)
+    assert pinned is not None
+    assert pinned.gpu == "gpu0", "pinned, though gpu1 has more room"
     elsewhere = deployment("b", devices=[{"id": "gpu7"}])
     unseen = replace(busy, deployments={**busy.deployments, "b": elsewhere})
     assert placement.best(unseen, elsewhere, ledgers) is None, "a GPU with no reading"

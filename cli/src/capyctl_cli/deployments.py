@@ -229,9 +229,17 @@ def list_command(
 
 def render_deployments(rows: list[DeploymentSummary]) -> str:
     return output.table(
-        ["NAME", "STATE", "READY", "REVISION", "HOSTS"],
-        [[r.name, r.state, r.ready, r.revision, ",".join(r.hosts) or "-"] for r in rows],
+        ["NAME", "STATE", "READY", "REVISION", "HOSTS", "GPUS"],
+        [
+            [r.name, r.state, r.ready, r.revision, ",".join(r.hosts) or "-", _gpus(r.gpus)]
+            for r in rows
+        ],
     )
+
+
+def _gpus(gpus: list[str]) -> str:
+    """`gpu0`, or `gpu0+gpu1` for a model across two; `-` while none runs."""
+    return "+".join(gpus) or "-"
 
 
 def render_engines(rows: list[EngineRow]) -> str:
@@ -270,7 +278,7 @@ def _memory(host: HostRow) -> str:
 
 list_command(
     "deployments",
-    "NAME, STATE, READY, REVISION, HOSTS of every deployment.",
+    "NAME, STATE, READY, REVISION, HOSTS, GPUS of every deployment.",
     Management.deployments,
     render_deployments,
 )

@@ -60,6 +60,7 @@ def render_status(status: DeploymentStatus) -> str:
         ("api", status.document.get("api", "chat")),
         ("activation", status.activation),
         ("startup", _startup(status.startup)),
+        *([("placed", status.placed)] if status.placed else []),
         ("last operation", f"{last.kind}: {last.reason}" if last else "-: -"),
         ("idle", _idle(status.idle)),
         *_requests(status.requests),
@@ -67,7 +68,7 @@ def render_status(status: DeploymentStatus) -> str:
     ]
     lines = [output.pairs(summary)]
     if status.instances:
-        headers = ["INSTANCE", "HOST", "GPU", "STATE", "GENERATION", "ERROR"]
+        headers = ["INSTANCE", "HOST", "GPUS", "STATE", "GENERATION", "ERROR"]
         rows = [
             [i.index, i.host, i.gpu, i.state, i.generation, i.last_error] for i in status.instances
         ]

@@ -28,7 +28,7 @@ def _reading(taken_at: float, processes: dict[int, int], uuid: str = UUID) -> Me
 
 def test_only_the_groups_processes_on_the_instances_gpu_count() -> None:
     reading = _reading(PARKED_AT + 1, {10: 300 * MiB, 11: 200 * MiB, 99: 40 * GiB})
-    seen = observe(Seen(UUID, None), reading, UUID, [10, 11, 12], PARKED_AT, PARKED_AT + 1.5)
+    seen = observe(Seen(UUID, None), reading, (UUID,), [10, 11, 12], PARKED_AT, PARKED_AT + 1.5)
     assert seen == Seen("gpu1", 500 * MiB)
     assert seen.within(512 * MiB)
     assert not seen.within(499 * MiB)
@@ -37,18 +37,18 @@ def test_only_the_groups_processes_on_the_instances_gpu_count() -> None:
 def test_a_reading_before_the_park_or_stale_names_the_gpu_but_gives_no_figure() -> None:
     start = Seen(UUID, None)
     before = _reading(PARKED_AT - 0.1, {10: 0})
-    assert observe(start, before, UUID, [10], PARKED_AT, PARKED_AT + 1) == Seen("gpu1", None)
+    assert observe(start, before, (UUID,), [10], PARKED_AT, PARKED_AT + 1) == Seen("gpu1", None)
     stale = _reading(PARKED_AT + 1, {10: 0})
-    assert observe(start, stale, UUID, [10], PARKED_AT, PARKED_AT + 7) == Seen("gpu1", None)
+    assert observe(start, stale, (UUID,), [10], PARKED_AT, PARKED_AT + 7) == Seen("gpu1", None)
     held = Seen("gpu1", 6 * GiB)
-    assert observe(held, stale, UUID, [10], PARKED_AT, PARKED_AT + 7) == held, "the last figure"
+    assert observe(held, stale, (UUID,), [10], PARKED_AT, PARKED_AT + 7) == held, "the last figure"
 
 
 def test_no_reading_or_another_gpu_changes_nothing() -> None:
     start = Seen(UUID, None)
-    assert observe(start, None, UUID, [10], PARKED_AT, PARKED_AT + 1) == start
+    assert observe(start, None, (UUID,), [10], PARKED_AT, PARKED_AT + 1) == start
     other = _reading(PARKED_AT + 1, {10: 0}, uuid="GPU-2")
-    assert observe(start, other, UUID, [10], PARKED_AT, PARKED_AT + 1) == start
+    assert observe(start, other, (UUID,), [10], PARKED_AT, PARKED_AT + 1) == start
 
 
 def test_the_reasons_give_the_figures() -> None:

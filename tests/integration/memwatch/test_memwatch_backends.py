@@ -71,7 +71,9 @@ def test_used_memory_is_the_claims_of_live_processes(
     assert (seen.ram.total_bytes, seen.ram.available_bytes) == (64 * GIB, 62 * GIB)
     assert seen.ram.source == "simulated"
     assert seen.host_by_pid == {os.getpid(): GIB, waiting.pid: GIB}
-    assert seen.device_by_pid() == {os.getpid(): 3 * GIB, waiting.pid: 2 * GIB}
+    assert seen.held_by([os.getpid(), waiting.pid]) == {GPU0: 5 * GIB}
+    assert seen.held_by([waiting.pid]) == {GPU0: 2 * GIB}
+    assert seen.held_by([dead_pid()]) == {}
 
 
 def test_without_simulated_host_ram_the_real_host_ram_is_read(tmp_path: Path) -> None:
@@ -119,19 +121,63 @@ def test_group_members_from_a_fixture_tree(tmp_path: Path) -> None:
     assert rss_bytes(99, tmp_path) == 0
 
 
-def test_the_meter_sums_a_real_process_group(tmp_path: Path) -> None:
+def test_the_meter_measures_a_real_process_group_per_device(tmp_path: Path) -> None:
     backend = SimulatedBackend.start(tmp_path, "gpu0:24GiB,gpu1:24GiB", HostRamReader(), "64GiB")
     with Claimer(tmp_path) as engine:
+        # A worker process on each GPU: the group holds 4 GiB on one, 3 GiB on the other.
         engine.claim(GPU0, 4 * GIB, 2 * GIB)
         engine.child(GPU1, 3 * GIB, GIB)
         assert len(engine.pids()) == 2
         use = GroupMeter(backend.read).measure([engine.pid])[engine.pid]
-        assert (use.device_bytes, use.host_bytes, use.pids) == (7 * GIB, 3 * GIB, 2)
+        assert (use.device_bytes, use.devices) == (4 * GIB, 2), "the fuller GPU, not the sum"
+        assert (use.host_bytes, use.pids) == (3 * GIB, 2)
         # Without simulated host RAM, the group's host bytes are its resident memory.
         real = SimulatedBackend.start(tmp_path, "gpu0:24GiB,gpu1:24GiB", HostRamReader())
         use = GroupMeter(real.read).measure([engine.pid])[engine.pid]
-        assert use.device_bytes == 7 * GIB
+        assert use.device_bytes == 4 * GIB
         expected = sum(rss_bytes(pid) for pid in engine.pids())
         assert use.host_bytes > 0
         assert abs(use.host_bytes - expected) < 64 << 20
     assert GroupMeter(backend.read).measure([]) == {}
+
+
+def test_one_process_on_two_devices_counts_its_fuller_device(tmp_path: Path) -> None:
+    backend = SimulatedBackend.start(tmp_path, "gpu0:24GiB,gpu1:24GiB", HostRamReader(), "64GiB")
+    meter = GroupMeter(backend.read)
+    with Claimer(tmp_path) as engine:
+        # One process with a model's layers split over both GPUs, as llama.cpp does.
+        split = simgpu.Claim(uuid=GPU0, bytes=5 * GIB, host_bytes=GIB, also={GPU1: 7 * GIB})
+        simgpu.write_claim(tmp_path, engine.pid, split)
+        gpu0, gpu1 = backend.read().gpus
+        assert (gpu0.processes, gpu1.processes) == ({engine.pid: 5 * GIB}, {engine.pid: 7 * GIB})
+        use = meter.measure([engine.pid])[engine.pid]
+        assert (use.device_bytes, use.devices, use.host_bytes, use.pids) == (7 * GIB, 2, GIB, 1)
+        # On one GPU the figure is what the group holds there, as before.
+        simgpu.write_claim(tmp_path, engine.pid, simgpu.Claim(uuid=GPU1, bytes=2 * GIB))
+        engine.child(GPU1, 3 * GIB, 0)
+        use = meter.measure([engine.pid])[engine.pid]
+        assert (use.device_bytes, use.devices, use.pids) == (5 * GIB, 1, 2)
+
+
+def test_a_group_holding_no_device_memory_holds_zero_on_no_device(tmp_path: Path) -> None:
+    backend = SimulatedBackend.start(tmp_path, "gpu0:24GiB", HostRamReader(), "64GiB")
+    with Claimer(tmp_path) as engine:
+        use = GroupMeter(backend.read).measure([engine.pid])[engine.pid]
+        assert (use.device_bytes, use.devices, use.pids) == (0, 0, 1)
+
+
+def test_simulated_readings_carry_the_links_the_spec_names(tmp_path: Path) -> None:
+    spec = "gpu0:24GiB,gpu1:24GiB,gpu2:24GiB;gpu0-gpu1:nvlink,gpu1-gpu2:switch"
+    gpu2 = simgpu.device_uuid("gpu2")
+    seen = SimulatedBackend.start(tmp_path / "linked", spec, HostRamReader()).read()
+    assert [gpu.links for gpu in seen.gpus] == [
+        {GPU1: "nvlink", gpu2: "system"},
+        {GPU0: "nvlink", gpu2: "switch"},
+        {GPU0: "system", GPU1: "switch"},
+    ]
+    assert [d.links for d in simgpu.read_devices(tmp_path / "linked")] == [
+        gpu.links for gpu in seen.gpus
+    ], "devices.json says the same"
+    # Without a topology after `;`, the links are unknown: empty.
+    plain = SimulatedBackend.start(tmp_path / "plain", "gpu0:24GiB,gpu1:24GiB", HostRamReader())
+    assert [gpu.links for gpu in plain.read().gpus] == [{}, {}]

@@ -13,6 +13,7 @@ CODES: dict[str, tuple[int, int]] = {
     "credentials_unusable": (2, 500),
     "not_found": (2, 404),
     "engine_env_reserved": (2, 400),
+    "tensor_parallel_invalid": (2, 400),
     "route_conflict": (2, 409),
     "host_name_changed": (2, 409),
     "invalid_request": (2, 400),
@@ -48,6 +49,7 @@ CODES: dict[str, tuple[int, int]] = {
     "not_a_decision_model": (5, 409),
     "host_backed_unavailable": (5, 400),
     "multi_gpu_unsupported": (5, 400),
+    "not_enough_gpus": (5, 409),
     "host_version_incompatible": (5, 409),
     "state_dir_newer": (5, 409),
     # This release downloads no models: the document must name a local folder instead.

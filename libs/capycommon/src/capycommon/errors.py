@@ -109,7 +109,23 @@ class RouteConflict(CapyError):
 
 
 class MultiGpuUnsupported(CapyError):
+    """A deployment spans GPUs where it cannot: its engine runs on one GPU, or the host has one
+    unified pool."""
+
     code = "multi_gpu_unsupported"
+
+
+class TensorParallelInvalid(InvalidConfig):
+    """A tensor-parallel size the engine refuses for the model (its attention heads), or one
+    that disagrees with the devices named."""
+
+    code = "tensor_parallel_invalid"
+
+
+class NotEnoughGpus(CapyError):
+    """A deployment spans more GPUs than the host has."""
+
+    code = "not_enough_gpus"
 
 
 class HostBackedUnavailable(CapyError):

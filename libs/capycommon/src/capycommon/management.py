@@ -178,6 +178,8 @@ class DeploymentSummary(Answer):
     revision: int
     hosts: list[str]
     routes: list[str]
+    # The GPUs its instance runs on (gpu0, gpu1, ...); empty while none runs.
+    gpus: list[str] = []
 
 
 class DeploymentList(Versioned):
@@ -342,6 +344,8 @@ class DeploymentStatus(DeploymentSummary, Versioned):
     demanded_since: float | None
     # The model's download from the Hub while one is under way, on the host it runs on.
     download: Download | None = None
+    # Why its generation runs where it does: the GPU set chosen and what placement weighed.
+    placed: str | None = None
     # The deployment document in its canonical form.
     document: JsonObject
 

@@ -17,7 +17,6 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import cast, get_args
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter
@@ -109,8 +108,7 @@ def _linked(devices: list[Device], spec: str) -> list[Device]:
             )
         if link not in get_args(Link):
             raise InvalidConfig(
-                f"CAPYCTL_SIMULATED_GPUS: {item!r}: the link is one of "
-                f"{', '.join(get_args(Link))}"
+                f"CAPYCTL_SIMULATED_GPUS: {item!r}: the link is one of {', '.join(get_args(Link))}"
             )
         named[frozenset((by_name[first].uuid, by_name[second].uuid))] = cast(Link, link)
     return [

@@ -55,7 +55,7 @@ S = InstanceState
 # What a launch command says that the instance record keeps.
 RECORDED = {
     "deployment", "instance", "revision", "generation", "profile", "served_name", "model_path",
-    "residency", "gpu_uuid", "api",
+    "residency", "gpu_uuid", "gpu_uuids", "api",
 }  # fmt: skip
 
 
@@ -117,18 +117,23 @@ class Launcher:
             start[1].set()
 
     async def _launch_on_gpu(self, command: hc.Launch, current: InstanceRecord | None) -> None:
-        gpu = self._gpu_locks.setdefault(command.gpu_uuid, asyncio.Lock())
+        gpus = GpuLocks(
+            [
+                self._gpu_locks.setdefault(uuid, asyncio.Lock())
+                for uuid in sorted(command.gpu_uuids or (command.gpu_uuid,))
+            ]
+        )
         if command.hub is not None:
-            await self._launch(command, current, gpu)  # the GPU is taken once downloaded
+            await self._launch(command, current, gpus)  # the GPUs are taken once downloaded
             return
-        async with gpu:
+        async with gpus:
             await self._launch(command, current, None)
 
     async def _launch(
-        self, command: hc.Launch, current: InstanceRecord | None, gpu: asyncio.Lock | None
+        self, command: hc.Launch, current: InstanceRecord | None, gpu: GpuLocks | None
     ) -> None:
         """The instance starting: its model downloaded first when it comes from the Hub, then
-        the engine spawned and awaited, holding the GPU's lock (`gpu`, unless held already)."""
+        the engine spawned and awaited, holding its GPUs' locks (`gpu`, unless held already)."""
         steps = Steps()
         record = await self._record_starting(command, current)
         stopped = asyncio.Event()
@@ -277,7 +282,7 @@ class Launcher:
             **engine_environment(
                 spec,
                 plan,
-                gpu_uuid=command.gpu_uuid,
+                gpu_uuid=",".join(command.gpu_uuids or (command.gpu_uuid,)),
                 home=self.paths.home,
                 simgpu_dir=self.paths.simgpu_dir,
                 telemetry=self.telemetry,
@@ -333,3 +338,26 @@ class Launcher:
 
 def _message(exc: BaseException) -> str:
     return exc.message if isinstance(exc, CapyError) else str(exc)
+
+
+class GpuLocks:
+    """The start locks of every GPU of a launch's set, taken in UUID order (so two launches
+    whose sets overlap never each hold a lock the other waits for) and released together."""
+
+    def __init__(self, locks: list[asyncio.Lock]) -> None:
+        self.locks = locks
+
+    async def __aenter__(self) -> None:
+        taken = []
+        try:
+            for lock in self.locks:
+                await lock.acquire()
+                taken.append(lock)
+        except BaseException:
+            for lock in reversed(taken):
+                lock.release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        for lock in reversed(self.locks):
+            lock.release()

@@ -107,6 +107,8 @@ def describe(path: Path) -> ModelFacts:
         architectures=_architectures(config.get("architectures")),
         dtype=_text(config.get("dtype") or config.get("torch_dtype")) or None,
         quantization=_quantization(config, _small_json(path / "hf_quant_config.json")),
+        attention_heads=_heads(config, "num_attention_heads"),
+        kv_heads=_heads(config, "num_key_value_heads"),
         decision=_folder_head(path),
     )
 
@@ -250,6 +252,16 @@ def _regular(path: Path) -> bool:
 
 def _text(value: object) -> str:
     return "" if value is None else str(value)[:MAX_TEXT]
+
+
+def _heads(config: dict[str, Any], key: str) -> int | None:
+    """A head count from config.json, or from its `text_config` (a multimodal model's
+    language model); None where neither holds a positive integer."""
+    for section in (config, config.get("text_config")):
+        value = section.get(key) if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 20:
+            return value
+    return None
 
 
 def _architectures(value: object) -> tuple[str, ...]:

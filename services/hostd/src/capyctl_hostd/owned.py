@@ -30,6 +30,7 @@ class OwnedEngine(BaseModel):
     process: ProcessIdentity
     port: int
     gpu_uuid: str | None
+    gpu_uuids: tuple[str, ...] = ()
     profile: str | None
     model_path: str | None
     served_name: str | None

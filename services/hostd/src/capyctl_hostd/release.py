@@ -31,8 +31,11 @@ UNANNOUNCED_S = 0.5
 class Seen:
     """What memwatch showed of a parked engine's device bytes."""
 
-    gpu: str  # gpu<index> once any reading named the GPU, else its UUID
-    held_bytes: int | None  # from the latest fresh reading after the park; None: none came
+    # The GPU that holds the most of them: gpu<index> once any reading named it, else its UUID.
+    gpu: str
+    # The most it holds on any one GPU of its set, from the latest fresh reading after the
+    # park; None: none came.
+    held_bytes: int | None
 
     def within(self, bound: int) -> bool:
         return self.held_bytes is not None and self.held_bytes <= bound
@@ -41,19 +44,22 @@ class Seen:
 def observe(
     seen: Seen,
     reading: MemoryReading | None,
-    gpu_uuid: str,
+    gpu_uuids: Collection[str],
     pids: Collection[int],
     since: float,
     now: float,
 ) -> Seen:
-    """`seen` after one more reading: the GPU's name, and the bytes `pids` hold on it when the
+    """`seen` after one more reading: the bytes `pids` hold on the fullest GPU of
+    `gpu_uuids` (each rank of an engine across several GPUs keeps its own share), when the
     reading was taken after `since` and is still fresh at `now` (else the figure stays)."""
-    gpu = None if reading is None else next((g for g in reading.gpus if g.uuid == gpu_uuid), None)
-    if reading is None or gpu is None:
+    gpus = [] if reading is None else [g for g in reading.gpus if g.uuid in gpu_uuids]
+    if reading is None or not gpus or len(gpus) < len(gpu_uuids):
         return seen
-    fresh = reading.taken_at > since and reading.is_fresh(now)
-    held = sum(gpu.processes.get(pid, 0) for pid in pids) if fresh else seen.held_bytes
-    return Seen(f"gpu{gpu.index}", held)
+    if not (reading.taken_at > since and reading.is_fresh(now)):
+        named = seen.gpu if seen.held_bytes is not None else f"gpu{gpus[0].index}"
+        return Seen(named, seen.held_bytes)
+    held, fullest = max((sum(g.processes.get(pid, 0) for pid in pids), -g.index) for g in gpus)
+    return Seen(f"gpu{-fullest}", held)
 
 
 async def watch(
@@ -65,33 +71,33 @@ async def watch(
     since: float,
 ) -> Seen:
     """Ask memwatch for readings, and read each it announces, until one taken after `since`
-    shows the live members of process group `pgid` holding at most `bound` bytes on the
-    instance's GPU, or until `verify_s` passed; returns the last figures seen."""
+    shows the live members of process group `pgid` holding at most `bound` bytes on each GPU
+    of the instance, or until `verify_s` passed; returns the last figures seen."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + verify_s
-    gpu_uuid = record.gpu_uuid or ""
-    seen = Seen(gpu_uuid or "the instance's GPU", None)
+    gpu_uuids = record.devices
+    seen = Seen(",".join(gpu_uuids) or "the instance's GPU", None)
     # Subscribed before asking, so no reading taken after the ask goes unheard.
     async with state.memory.announced(record.host) as pubsub:
         await state.memory.ask_readings(record.host, record.member)
         while True:
             reading = await state.memory.reading(record.host)
-            # Only the processes the reading names on the GPU can hold its bytes: those of
+            # Only the processes the reading names on the GPUs can hold their bytes: those of
             # the group are found from their own /proc entries, not a walk of /proc per
             # reading (one every few milliseconds while the park is verified).
-            members = procs.in_group(_on_gpu(reading, gpu_uuid), pgid)
-            seen = observe(seen, reading, gpu_uuid, members, since, time.time())
+            members = procs.in_group(_on_gpus(reading, gpu_uuids), pgid)
+            seen = observe(seen, reading, gpu_uuids, members, since, time.time())
             if seen.within(bound) or loop.time() >= deadline:
                 return seen
             wait = min(UNANNOUNCED_S, deadline - loop.time())
             await _next_reading(pubsub, loop.time() + wait)
 
 
-def _on_gpu(reading: MemoryReading | None, gpu_uuid: str) -> list[int]:
-    """The processes the reading shows holding memory on the GPU."""
+def _on_gpus(reading: MemoryReading | None, gpu_uuids: Collection[str]) -> list[int]:
+    """The processes the reading shows holding memory on the GPUs."""
     if reading is None:
         return []
-    return [pid for gpu in reading.gpus if gpu.uuid == gpu_uuid for pid in gpu.processes]
+    return sorted({pid for gpu in reading.gpus if gpu.uuid in gpu_uuids for pid in gpu.processes})
 
 
 async def _next_reading(pubsub: PubSub, until: float) -> None:

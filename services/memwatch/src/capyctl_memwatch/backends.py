@@ -7,6 +7,7 @@ included) and host RAM. The simulated backend follows the contract in capycommon
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -28,12 +29,14 @@ class Observation:
     # Host bytes by PID when host RAM is simulated (the claims' host_bytes); None: use RSS.
     host_by_pid: dict[int, int] | None = None
 
-    def device_by_pid(self) -> dict[int, int]:
-        """Device bytes per PID, summed over the GPUs."""
-        found: dict[int, int] = {}
+    def held_by(self, pids: Collection[int]) -> dict[str, int]:
+        """What the processes hold together on each GPU, by UUID; a GPU they hold nothing on
+        is left out. Never summed over GPUs: each GPU's memory is its own."""
+        found: dict[str, int] = {}
         for gpu in self.gpus:
-            for pid, used in gpu.processes.items():
-                found[pid] = found.get(pid, 0) + used
+            held = sum(gpu.processes.get(pid, 0) for pid in pids)
+            if held > 0:
+                found[gpu.uuid] = held
         return found
 
 

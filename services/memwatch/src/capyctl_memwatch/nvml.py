@@ -5,6 +5,13 @@ driver's reserve, as nvidia-smi does), v1 where v2 is missing. A device whose me
 NotSupported (GB10, DGX Spark) shares host RAM: its figures are host RAM's. Per-process bytes
 come from the compute and graphics process lists; NVML's PIDs are host PIDs.
 
+How each pair of GPUs connects is read once, when the backend opens (the topology does not
+change while the machine runs): NVLink where an active NVLink of one leads to the other
+(its remote PCI bus ID is the other's), or where NVML says the pair can reach each other over
+NVLink (`nvmlDeviceGetP2PStatus`: GPUs joined through an NVSwitch, whose links end at the
+switch); otherwise the level of their closest common PCIe ancestor. A pair NVML cannot answer
+for is left out (unknown).
+
 The module is injected (`nvml`), so a fake with the same function names can stand in for it.
 """
 
@@ -14,11 +21,12 @@ import logging
 import re
 from contextlib import suppress
 from dataclasses import dataclass
+from itertools import combinations
 from typing import Any, Literal
 
 import pynvml  # type: ignore[import-untyped]
 
-from capycommon.domain.memory import GpuReading, HostRam
+from capycommon.domain.memory import LINK_ORDER, GpuReading, HostRam, Link
 from capycommon.errors import DeviceUnobserved
 from capyctl_memwatch.backends import BackendName, Observation
 from capyctl_memwatch.hostram import HostRamReader
@@ -89,10 +97,18 @@ def process_bytes(nvml: Any, handle: Any) -> dict[int, int]:
 
 
 class NvmlBackend:
-    def __init__(self, nvml: Any, devices: list[NvmlDevice], ram: HostRamReader) -> None:
+    def __init__(
+        self,
+        nvml: Any,
+        devices: list[NvmlDevice],
+        ram: HostRamReader,
+        links: dict[str, dict[str, Link]] | None = None,
+    ) -> None:
         self._nvml = nvml
         self.devices = devices
         self._ram = ram
+        # By UUID: how the GPU connects to each other GPU, by that GPU's UUID.
+        self.links = links or {}
 
     @property
     def name(self) -> BackendName:
@@ -119,7 +135,7 @@ class NvmlBackend:
             "NVML GPUs",
             extra={"devices": [f"{d.index}:{d.name}:{d.uuid}:{d.mode}" for d in devices]},
         )
-        return cls(nvml, devices, ram)
+        return cls(nvml, devices, ram, read_links(nvml, devices))
 
     def read(self) -> Observation:
         ram = self._ram.read()
@@ -150,6 +166,7 @@ class NvmlBackend:
             free_bytes=free,
             unified=device.mode == "unified",
             processes=process_bytes(self._nvml, device.handle),
+            links=self.links.get(device.uuid, {}),
         )
 
     def close(self) -> None:
@@ -166,3 +183,125 @@ def _probe(nvml: Any, index: int) -> NvmlDevice:
 def _shutdown(nvml: Any) -> None:
     with suppress(nvml.NVMLError):
         nvml.nvmlShutdown()
+
+
+# nvmlDeviceGetTopologyCommonAncestor's levels: on one board (INTERNAL) or behind one or
+# more PCIe switches (SINGLE, MULTIPLE), one host bridge, one NUMA node, or across sockets.
+_LEVELS: dict[int, Link] = {
+    0: "switch",
+    10: "switch",
+    20: "switch",
+    30: "hostbridge",
+    40: "node",
+    50: "system",
+}
+
+
+def level_link(level: int) -> Link | None:
+    """The link for an NVML topology level; None for a level this mapping does not know."""
+    return _LEVELS.get(level)
+
+
+def _bus_id(value: str | bytes) -> str:
+    """A PCI bus ID in one spelling (`00000000:07:00.0`): NVML writes the domain with 4 or 8
+    hex digits depending on the call."""
+    text = _text(value).strip().lower()
+    domain, sep, rest = text.partition(":")
+    try:
+        return f"{int(domain, 16):08x}:{rest}" if sep else text
+    except ValueError:
+        return text
+
+
+@dataclass(frozen=True)
+class _Ends:
+    """One GPU's PCI bus ID, and the bus IDs its active NVLinks lead to."""
+
+    bus_id: str
+    remotes: frozenset[str]
+
+
+def _ends(nvml: Any, handle: Any) -> _Ends:
+    """The GPU's bus ID and NVLink remotes; a link without NVLink (NotSupported, or past the
+    card's links: InvalidArgument) leads nowhere. Other NVML errors propagate."""
+    remotes: set[str] = set()
+    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if not nvml.nvmlDeviceGetNvLinkState(handle, link):
+                continue
+            remotes.add(_bus_id(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId))
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
+            continue
+    return _Ends(_bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId), frozenset(remotes))
+
+
+def _nvlink_reach(nvml: Any, first: Any, second: Any) -> bool:
+    """Whether NVML says the two can reach each other over NVLink (through an NVSwitch too)."""
+    try:
+        status = nvml.nvmlDeviceGetP2PStatus(first, second, nvml.NVML_P2P_CAPS_INDEX_NVLINK)
+    except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
+        return False
+    return bool(status == nvml.NVML_P2P_STATUS_OK)
+
+
+def _pair_link(
+    nvml: Any, first: NvmlDevice, second: NvmlDevice, ends: _Ends, other: _Ends
+) -> Link | None:
+    """How two GPUs connect; None when NVML gives a level this mapping does not know."""
+    if ends.bus_id in other.remotes or other.bus_id in ends.remotes:
+        return "nvlink"
+    if ends.remotes and other.remotes and _nvlink_reach(nvml, first.handle, second.handle):
+        return "nvlink"
+    return level_link(int(nvml.nvmlDeviceGetTopologyCommonAncestor(first.handle, second.handle)))
+
+
+def _facts(nvml: Any, devices: list[NvmlDevice]) -> dict[str, _Ends | Exception]:
+    """Each GPU's bus ID and NVLink remotes by UUID, or the NVML error that hid them."""
+    found: dict[str, _Ends | Exception] = {}
+    for device in devices:
+        try:
+            found[device.uuid] = _ends(nvml, device.handle)
+        except nvml.NVMLError as exc:
+            found[device.uuid] = exc
+    return found
+
+
+def _link_or_why(
+    nvml: Any, first: NvmlDevice, second: NvmlDevice, facts: dict[str, _Ends | Exception]
+) -> Link | str:
+    """How the two GPUs connect, or why NVML cannot say (a text)."""
+    one, two = facts[first.uuid], facts[second.uuid]
+    if isinstance(one, Exception):
+        return str(one)
+    if isinstance(two, Exception):
+        return str(two)
+    try:
+        link = _pair_link(nvml, first, second, one, two)
+    except nvml.NVMLError as exc:
+        return str(exc)
+    return "an unknown topology level" if link is None else link
+
+
+def read_links(nvml: Any, devices: list[NvmlDevice]) -> dict[str, dict[str, Link]]:
+    """By UUID: how each GPU connects to each other GPU, by that GPU's UUID. A pair NVML
+    cannot answer for is left out, and the pairs left out are logged once, counted; one GPU
+    has no links."""
+    links: dict[str, dict[str, Link]] = {device.uuid: {} for device in devices}
+    if len(devices) < 2:
+        return links
+    facts = _facts(nvml, devices)
+    named: list[str] = []
+    unknown: dict[str, str] = {}
+    for first, second in combinations(devices, 2):
+        pair = f"{first.index}-{second.index}"
+        found = _link_or_why(nvml, first, second, facts)
+        if found not in LINK_ORDER:
+            unknown[pair] = found
+            continue
+        links[first.uuid][second.uuid] = found
+        links[second.uuid][first.uuid] = found
+        named.append(f"{pair}:{found}")
+    log.info("GPU topology", extra={"links": named})
+    if unknown:
+        log.warning("GPU topology partly unknown", extra={"pairs": len(unknown), "why": unknown})
+    return links

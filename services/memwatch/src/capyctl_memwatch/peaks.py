@@ -3,7 +3,9 @@
 `PeakSampler.tick(records, now)` is one step (every 500 ms in the service while a launch is
 starting, and whenever hostd says an instance changed): it samples the process group of
 every instance in `starting`, device and host bytes apart, keeping each maximum, and returns
-a `StartupPeak` for each launch it saw become `ready`. The clock and the meter are injected,
+a `StartupPeak` for each launch it saw become `ready`. The device figure is per GPU: the most
+the group held on any one of its GPUs (an engine split over several GPUs is charged that on
+each), never the sum over them. The clock and the meter are injected,
 so the sampler is tested without processes or time passing.
 
 Only a launch watched whole gets a figure: one that appeared in `starting` after the
@@ -33,11 +35,14 @@ BLIND_AFTER_S = 2.0
 
 @dataclass(frozen=True)
 class GroupUse:
-    """What one process group holds at one moment."""
+    """What one process group holds at one moment: `device_bytes` is the most it holds on
+    any one GPU (an engine over several GPUs is charged that on each), `devices` how many
+    GPUs it holds memory on, `host_bytes` its host RAM, `pids` its live members."""
 
     device_bytes: int
     host_bytes: int
     pids: int = 1
+    devices: int = 1
 
 
 class Meter(Protocol):
@@ -48,15 +53,19 @@ class Meter(Protocol):
 class Launch:
     record: InstanceRecord
     whole: bool
+    # The most the group held on one GPU, and in host RAM, at any sample.
     device_bytes: int = 0
     host_bytes: int = 0
     samples: int = 0
+    # The most GPUs it held memory on at one sample.
+    devices: int = 0
 
     def add(self, use: GroupUse) -> bool:
         """Count one sample; True when either maximum rose."""
         rose = use.device_bytes > self.device_bytes or use.host_bytes > self.host_bytes
         self.device_bytes = max(self.device_bytes, use.device_bytes)
         self.host_bytes = max(self.host_bytes, use.host_bytes)
+        self.devices = max(self.devices, use.devices)
         self.samples += 1
         return rose
 
@@ -141,6 +150,7 @@ class PeakSampler:
                     extra={
                         "member": member,
                         "device_bytes": launch.device_bytes,
+                        "devices": launch.devices,
                         "host_bytes": launch.host_bytes,
                         "samples": launch.samples,
                     },

@@ -61,6 +61,8 @@ class Action:
     # start: what the plan's ledger leaves free on the GPU's domain as the engine starts: its
     # capacity less what the ledger charges every other owner there.
     device_free: int | None = None
+    # start: why placement chose its host and GPU set (`placement.Placed.why`).
+    placed: str = ""
 
 
 def can_park(snapshot: Snapshot, instance: InstanceRecord) -> bool:
@@ -76,7 +78,7 @@ def can_park(snapshot: Snapshot, instance: InstanceRecord) -> bool:
 
 def _parked_room(snapshot: Snapshot, instance: InstanceRecord) -> bool:
     view = snapshot.hosts[instance.host]
-    gpu = view.gpu_of(instance.gpu_uuid)
+    gpu = view.place_of(instance)
     footprint = footprint_of(snapshot, instance.deployment, instance.host, gpu) if gpu else None
     if footprint is None:
         return True
@@ -84,7 +86,7 @@ def _parked_room(snapshot: Snapshot, instance: InstanceRecord) -> bool:
     for name, other in snapshot.parked.get(instance.host, {}).items():
         if name == instance.deployment:
             continue
-        other_gpu = view.gpu_of(other.gpu_uuid)
+        other_gpu = view.place_of(other)
         found = footprint_of(snapshot, name, other.host, other_gpu) if other_gpu else None
         for domain, size in (found.charge("parked") if found else {}).items():
             parked[domain] = parked.get(domain, 0) + size
@@ -116,7 +118,7 @@ def drain(
         record.name,
         why,
         host=instance.host,
-        gpu=snapshot.hosts[instance.host].gpu_of(instance.gpu_uuid) or "",
+        gpu=snapshot.hosts[instance.host].place_of(instance) or "",
         generation=instance.generation,
         then=then,
         cause=cause,
@@ -127,9 +129,12 @@ def park(
     snapshot: Snapshot, instance: InstanceRecord, why: str, cause: EvictionCause | None = None
 ) -> Action:
     view = snapshot.hosts[instance.host]
-    gpu = view.gpu_of(instance.gpu_uuid) or ""
+    gpu = view.place_of(instance) or ""
     footprint = footprint_of(snapshot, instance.deployment, instance.host, gpu)
-    bound = footprint.charge("parked").get(view.domain_of(gpu)) if footprint else None
+    # Per GPU: a set's ranks each keep the same share (hostd checks every GPU of the set).
+    charged = footprint.charge("parked") if footprint else {}
+    bounds = [charged[d] for d in view.domains_of(gpu) if d in charged] if gpu else []
+    bound = max(bounds) if bounds else None
     return Action(
         "park",
         instance.deployment,

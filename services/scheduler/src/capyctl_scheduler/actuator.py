@@ -87,6 +87,7 @@ class Actuator:
                     "host": action.host,
                     "park_requested": None,
                     "refusal": None,
+                    "placed": action.placed or None,
                 }
             ),
             action,

@@ -27,7 +27,7 @@ def wake(
 ) -> list[Action]:
     """Wake a parked instance on the GPU it parked on, charged as it wakes."""
     view = snapshot.hosts.get(instance.host)
-    gpu = view.gpu_of(instance.gpu_uuid) if view else None
+    gpu = view.place_of(instance) if view else None
     footprint = footprint_of(snapshot, record.name, instance.host, gpu) if gpu else None
     if view is None or gpu is None or footprint is None:
         return [
@@ -61,12 +61,17 @@ def start(snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledge
     placed = placement.best(snapshot, record, ledgers)
     if placed is None:
         return [placement.none_fits(snapshot, record)]
-    host, gpu = placed
+    host, gpu = placed.host, placed.gpu
     view = snapshot.hosts[host]
-    domain = view.domain_of(gpu)
-    starting = snapshot.starting.get((host, domain))
-    if starting:
-        return [Action("wait", name, f"starts are one at a time on {gpu}: {starting} is starting")]
+    domains = view.domains_of(gpu)
+    for domain in domains:
+        starting = snapshot.starting.get((host, domain))
+        if starting:
+            return [
+                Action(
+                    "wait", name, f"starts are one at a time on {domain}: {starting} is starting"
+                )
+            ]
     charge = snapshot.bindings[name][host].footprints[gpu].charge("starting")
     ledger = ledgers[host]
     try:
@@ -76,11 +81,19 @@ def start(snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledge
     except InsufficientResources:
         return switch(snapshot, record, view, gpu, charge, ledger, "start")
     # One start at a time per GPU holds within one plan too: a later deployment waits.
-    snapshot.starting[(host, domain)] = name
-    free = ledger.domains[domain].capacity - ledger.total(domain, without=name)
-    generation = record.generation + 1
+    for domain in domains:
+        snapshot.starting[(host, domain)] = name
+    # What the fullest GPU of the set leaves the engine (each rank is told the same share).
+    free = min(ledger.domains[d].capacity - ledger.total(d, without=name) for d in domains)
     return [
         Action(
-            "start", name, "demanded", host=host, gpu=gpu, generation=generation, device_free=free
+            "start",
+            name,
+            "demanded",
+            host=host,
+            gpu=gpu,
+            generation=record.generation + 1,
+            device_free=free,
+            placed=placed.why,
         )
     ]

@@ -70,13 +70,13 @@ def phased(snapshot: Snapshot, host: str) -> dict[str, tuple[ChargePhase, Mappin
         if orphan.state not in PHASES and orphan.cache is not None:
             found[f"orphan:{orphan.member}"] = ("cache", cache_charge(view, orphan))
         else:
-            whole = _whole(view, view.gpu_of(orphan.gpu_uuid))
+            whole = _whole(view, view.place_of(orphan))
             found[f"orphan:{orphan.member}"] = ("orphan", whole)
     for lost in snapshot.stranded:
         # An engine of a host the server lost or revoked runs on as far as anyone knows: its
         # memory stays charged until the host is back and its records show it gone.
         if lost.host == host:
-            whole = _whole(view, view.gpu_of(lost.gpu_uuid))
+            whole = _whole(view, view.place_of(lost))
             found[f"unknown:{lost.member}"] = ("unknown", whole)
     return found
 
@@ -116,7 +116,7 @@ def cache_charge(view: HostView, instance: InstanceRecord) -> Mapping[str, int]:
     launch that started it was charged (its whole GPU's worth when the GPU is unknown)."""
     cache = instance.cache
     assert cache is not None
-    gpu = view.gpu_of(instance.gpu_uuid)
+    gpu = view.place_of(instance)
     home = "unified" if view.unified else "system"
     if gpu is None:
         return {home: cache.host_bytes}
@@ -133,15 +133,15 @@ def charged(snapshot: Snapshot, host: str) -> Ledger:
 def _charge(
     snapshot: Snapshot, view: HostView, name: str, instance: InstanceRecord, phase: Charged
 ) -> Mapping[str, int]:
-    gpu = view.gpu_of(instance.gpu_uuid)
+    gpu = view.place_of(instance)
     footprint = footprint_of(snapshot, name, view.name, gpu) if gpu else None
     return footprint.charge(phase) if footprint else _whole(view, gpu)
 
 
 def _whole(view: HostView, gpu: str | None) -> Mapping[str, int]:
-    """An engine that cannot be sized holds its whole GPU (or every GPU, if that is unknown)
-    until its processes are proven gone."""
-    names = [view.domain_of(gpu)] if gpu else list(view.domains)
+    """An engine that cannot be sized holds its whole GPUs (or every GPU, if they are
+    unknown) until its processes are proven gone."""
+    names = view.domains_of(gpu) if gpu else list(view.domains)
     return {name: view.domains[name].capacity for name in names if name in view.domains}
 
 
@@ -165,7 +165,7 @@ def after_releases(snapshot: Snapshot, view: HostView, ledger: Ledger) -> Ledger
         if stopping:
             landed = landed.release(name)
         elif parking:
-            gpu = view.gpu_of(instance.gpu_uuid)
+            gpu = view.place_of(instance)
             footprint = footprint_of(snapshot, name, view.name, gpu) if gpu else None
             if footprint is not None:
                 landed = Ledger(

@@ -22,7 +22,9 @@ def launch_command(snapshot: Snapshot, record: DeploymentRecord, action: Action)
     view = snapshot.hosts[action.host]
     assert resolved is not None
     config = record.document.engine_config
-    total = view.domains[view.domain_of(action.gpu)].capacity
+    # Each rank is told its share of its own card: of the smallest card of a set.
+    total = min(view.domains[domain].capacity for domain in view.domains_of(action.gpu))
+    uuids = view.uuids_of(action.gpu)
     fraction = told_share(
         resolved.profile.family, footprint.engine_budget, total, _free(action, footprint, total)
     )
@@ -34,7 +36,9 @@ def launch_command(snapshot: Snapshot, record: DeploymentRecord, action: Action)
         model_path=str(resolved.model_path),
         served_name=record.document.routes[0],
         residency=resolved.residency.value,
-        gpu_uuid=view.gpus[action.gpu],
+        gpu_uuid=uuids[0],
+        gpu_uuids=uuids if len(uuids) > 1 else (),
+        tensor_parallel=len(uuids) if len(uuids) > 1 else None,
         memory_fraction=fraction,
         gpu_memory_bytes=footprint.engine_budget if record.document.resources else None,
         kv_cache_bytes=footprint.kv_cache if config.memory.kv_cache else None,

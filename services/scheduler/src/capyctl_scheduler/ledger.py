@@ -162,24 +162,39 @@ def derive_discrete(
     host overhead (until measured); a host_backed copy is 1.5 x weights of host RAM for the
     engine's whole life. An unmeasured start is charged what its engine's own terms reach
     (`EngineTerms.startup_peak`), at least its ready charge; parked, what its park leaves
-    (`EngineTerms.parked_residue`), at most its ready charge."""
+    (`EngineTerms.parked_residue`), at most its ready charge.
+
+    `gpu` may name a set (`gpu0+gpu1`, `gpusets`): each of its N GPUs is then charged its
+    rank's share, worked out as above from weights / N (the request, KV cache and startup
+    figures are per GPU, as the engines read them); host RAM is charged once, with the
+    engine overhead once per rank and the host_backed copy once for the whole model.
+    `device` is the set's smallest GPU."""
+    gpus = gpu.split("+")
+    ranks = len(gpus)
+    share = weights // ranks
     kv = kv_cache if kv_cache is not None else min(4 * GiB, device.managed_limit // 4)
-    budget = request if request is not None else weights * 110 // 100 + kv
+    budget = request if request is not None else share * 110 // 100 + kv
     ready_device = budget + BESIDE_BUDGET
     copy = weights * 3 // 2 if host_backed else 0
-    host_start, host_provenance = startup_host or (ENGINE_HOST_OVERHEAD, "derived")
-    host = max(host_start, ENGINE_HOST_OVERHEAD) + copy
-    derived = max(ready_device, terms.startup_peak(weights, kv, budget, device.capacity))
+    overhead = ENGINE_HOST_OVERHEAD * ranks
+    host_start, host_provenance = startup_host or (overhead, "derived")
+    host = max(host_start, overhead) + copy
+    derived = max(ready_device, terms.startup_peak(share, kv, budget, device.capacity))
     ceiling = min(device.managed_limit, device.capacity - device.free_reserve)
     peak, provenance = _startup(derived, ceiling, startup)
-    ready = {gpu: ready_device, SYSTEM: host}
+    residue = min(terms.parked_residue(), ready_device)
+
+    def each(device_bytes: int) -> dict[str, int]:
+        return {**dict.fromkeys(gpus, device_bytes), SYSTEM: host}
+
+    ready = each(ready_device)
     return Footprint(
         phases={
             "cold": {},
-            "starting": {gpu: max(peak, ready_device), SYSTEM: host},
+            "starting": each(max(peak, ready_device)),
             "ready": ready,
             "waking": ready,
-            "parked": {gpu: min(terms.parked_residue(), ready_device), SYSTEM: host},
+            "parked": each(residue),
         },
         device_provenance=provenance,
         host_provenance=host_provenance,

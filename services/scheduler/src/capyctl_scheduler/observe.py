@@ -17,9 +17,15 @@ from capycommon.deployments import HostFacts, ModelNotDescribed, resolve
 from capycommon.deployments.resolve import named_path
 from capycommon.domain.commands import Describe, HubPull
 from capycommon.domain.desired import DeploymentRecord
-from capycommon.domain.hosts import STARTUP_HOST_BYTES, EngineLoad, HostIdentity, HostInfo
+from capycommon.domain.hosts import (
+    STARTUP_HOST_BYTES,
+    TENSOR_PARALLEL,
+    EngineLoad,
+    HostIdentity,
+    HostInfo,
+)
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord
-from capycommon.domain.memory import MemoryReading
+from capycommon.domain.memory import LINK_ORDER, Link, MemoryReading
 from capycommon.domain.models import HostModels
 from capycommon.domain.places import Places
 from capycommon.engines import lmcache
@@ -277,7 +283,8 @@ class Observer:
         if reading.is_fresh(now):
             found = derive_domains(reading, self.system_limits, self.gpu_limits)
             domains = {domain.name: domain for domain in found}
-        return replace(empty, domains=domains, gpus=gpus, unified=unified)
+        links = _links(reading)
+        return replace(empty, domains=domains, gpus=gpus, unified=unified, links=links)
 
     async def _binding(self, record: DeploymentRecord, read: _HostRead) -> Binding:
         """`record` bound to the host `read` is of, with its footprints there."""
@@ -286,6 +293,7 @@ class Observer:
         if binding.resolved is None or not view.domains:
             return binding
         try:
+            _spans_here(record, view)
             footprints = await self._footprints(record, host, view, binding)
         except HostCapabilityMissing as exc:
             return Binding(host, error=exc)
@@ -404,6 +412,36 @@ def _paths(records: Iterable[DeploymentRecord]) -> dict[str, HubPull | None]:
         if path is not None:
             named[path] = named.get(path) or HubPull.of(model)
     return named
+
+
+def _links(reading: MemoryReading) -> dict[frozenset[str], Link]:
+    """How pairs of the reading's GPUs connect, by GPU name; a link the two ends name
+    differently (a reading not to be trusted) counts as the looser."""
+    names = {gpu.uuid: f"gpu{gpu.index}" for gpu in reading.gpus}
+    found: dict[frozenset[str], Link] = {}
+    for gpu in reading.gpus:
+        for uuid, link in gpu.links.items():
+            other = names.get(uuid)
+            if other is None or other == names[gpu.uuid]:
+                continue
+            pair = frozenset((names[gpu.uuid], other))
+            known = found.get(pair)
+            if known is None or LINK_ORDER.index(link) > LINK_ORDER.index(known):
+                found[pair] = link
+    return found
+
+
+def _spans_here(record: DeploymentRecord, view: HostView) -> None:
+    """A deployment across several GPUs goes only to a host whose release launches one."""
+    if record.document.gpu_count == 1 or TENSOR_PARALLEL in view.capabilities:
+        return
+    release = f"CapyCTL {view.version}" if view.version else "a CapyCTL release that names none"
+    raise HostCapabilityMissing(
+        f"{record.name!r} spans {record.document.gpu_count} GPUs, and host {view.name} runs "
+        f"{release}, which launches an engine on one; upgrade CapyCTL on {view.name} to the "
+        f"server's release ({__version__})",
+        capability=TENSOR_PARALLEL,
+    )
 
 
 def _measured_here(record: DeploymentRecord, view: HostView) -> None:

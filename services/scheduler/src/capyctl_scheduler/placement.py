@@ -1,41 +1,116 @@
-"""Placement: one GPU per model. A start goes to the GPU with the most headroom in the ledger
-among the hosts the deployment may run on (`best`), a pinned one to the GPU it is pinned to;
-a parked instance wakes where it parked. When no host may take it now, `none_fits` says why:
-a refusal when only an operator (or a host coming back) changes that, else a wait.
+"""Placement: a start goes to a GPU set of one host (one GPU, or as many as the model spans):
+the one where it fits now, the tightest by topology, with the most headroom in the ledger,
+among the hosts the deployment may run on (`best`); a pinned one goes to the GPUs it is
+pinned to; a parked instance wakes where it parked. When no host may take it now,
+`none_fits` says why: a refusal when only an operator (or a host coming back) changes that,
+else a wait.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.errors import HostDrained, HostUnreachable
-from capycommon.units import format_duration
+from capycommon.units import format_duration, format_size
+from capyctl_scheduler import gpusets
 from capyctl_scheduler.actions import Action
 from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
 
+# How many losing sets `Placed.why` names.
+MAX_TOLD = 4
 
-def best(
-    snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledger]
-) -> tuple[str, str] | None:
-    """The host and GPU a start of `record` goes to: the most headroom; on a tie the first
-    host, then the lowest GPU index. None when no host may take it now."""
-    # (headroom, then the tie-breaks: the first host, the lowest GPU index; host, GPU)
-    choices: list[tuple[int, tuple[int, ...], int, str, str]] = []
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a start goes, and why: the host and GPU set chosen, and what placement weighed."""
+
+    host: str
+    gpu: str
+    why: str
+
+
+def best(snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledger]) -> Placed | None:
+    """The host and GPU set a start of `record` goes to. A set where its start fits now comes
+    first; then the tightest set (NVLink before a PCIe switch, a host bridge, a NUMA node, the
+    system: `gpusets.tightness`); then the most headroom (of the set's fullest GPU); on a tie
+    the first host, then the lowest GPU indices. None when no host may take it now."""
+    choices: list[_Choice] = []
     for host, binding in _allowed(snapshot, record):
         view = snapshot.hosts.get(host)
         if view is None or _unplaceable(snapshot, view, binding) is not None:
             continue
-        ledger, host_rank = ledgers[host], _neg(host)
-        for gpu, domain in _gpus(view, record):
-            if domain in view.domains and gpu in binding.footprints:
-                gpu_rank = -int(gpu.removeprefix("gpu"))
-                choices.append((ledger.headroom(domain), host_rank, gpu_rank, host, gpu))
+        for place in _places(view, record, binding):
+            choices.append(_choice(snapshot, view, ledgers[host], record.name, binding, place))
     if not choices:
         return None
-    *_, host, gpu = max(choices, key=lambda c: c[:3])
-    return host, gpu
+    chosen = max(choices, key=lambda c: c.rank)
+    return Placed(chosen.host, chosen.place, _why(chosen, choices, snapshot, record))
+
+
+@dataclass(frozen=True)
+class _Choice:
+    host: str
+    place: str
+    fits: bool
+    links: str
+    headroom: int
+    # (fits, tighter, headroom, the first host, the lowest indices): the greatest wins.
+    rank: tuple[bool, tuple[int, int], int, tuple[int, ...], tuple[int, ...]]
+
+
+def _choice(
+    snapshot: Snapshot, view: HostView, ledger: Ledger, name: str, binding: Binding, place: str
+) -> _Choice:
+    charge = binding.footprints[place].charge("starting")
+    fits = not ledger.refusals(name, charge)
+    headroom = min(ledger.headroom(domain) for domain in view.domains_of(place))
+    worst, total = gpusets.tightness(place, view.links)
+    indices = tuple(-gpusets.index(gpu) for gpu in gpusets.members(place))
+    rank = (fits, (-worst, -total), headroom, _neg(view.name), indices)
+    return _Choice(view.name, place, fits, gpusets.describe_link(place, view.links), headroom, rank)
+
+
+def _why(
+    chosen: _Choice, choices: list[_Choice], snapshot: Snapshot, record: DeploymentRecord
+) -> str:
+    """What placement weighed, for status: the set chosen and each other set's or host's
+    reason to lose (a few at most)."""
+
+    def told(choice: _Choice) -> str:
+        room = "its start fits now" if choice.fits else "needs a switch to fit"
+        links = "" if len(gpusets.members(choice.place)) < 2 else f", {choice.links}"
+        return f"{room}{links}, {format_size(choice.headroom)} headroom"
+
+    lines = [f"{chosen.host} {chosen.place}: {told(chosen)}"]
+    others = sorted((c for c in choices if c is not chosen), key=lambda c: c.rank, reverse=True)
+    lines += [f"not {c.host} {c.place}: {told(c)}" for c in others[:MAX_TOLD]]
+    if len(others) > MAX_TOLD:
+        lines.append(f"and {len(others) - MAX_TOLD} other sets")
+    for host, binding in _allowed(snapshot, record):
+        reason = _unplaceable(snapshot, snapshot.hosts.get(host), binding)
+        if reason is not None:
+            lines.append(f"not host {host}: {reason}")
+    return "; ".join(lines)
+
+
+def _places(view: HostView, record: DeploymentRecord, binding: Binding) -> list[str]:
+    """The GPU sets of `view` a start may take: those its binding has footprints for, within
+    the GPU it is pinned to (one GPU: a set of one; several: its binding has only that set)."""
+    if view.unified:
+        first = view.gpu_domains[:1]
+        return [
+            gpu for gpu, domain in first if domain in view.domains and gpu in binding.footprints
+        ]
+    pinned = record.document.pinned
+    return [
+        place
+        for place in binding.footprints
+        if len(pinned) != 1 or place == pinned[0]
+        if all(domain in view.domains for domain in view.domains_of(place))
+    ]
 
 
 def none_fits(snapshot: Snapshot, record: DeploymentRecord) -> Action:
@@ -114,14 +189,6 @@ def _could_run(snapshot: Snapshot, record: DeploymentRecord) -> list[HostView]:
 @cache
 def _neg(host: str) -> tuple[int, ...]:
     return tuple(-ord(c) for c in host)
-
-
-def _gpus(view: HostView, record: DeploymentRecord) -> list[tuple[str, str]]:
-    """The GPUs a deployment may start on, each with its ledger domain."""
-    pinned = record.document.device
-    if view.unified:
-        return view.gpu_domains[:1]
-    return [(pinned, view.domain_of(pinned))] if pinned is not None else view.gpu_domains
 
 
 def _blocked(snapshot: Snapshot, record: DeploymentRecord) -> Action | None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from capycommon.deployments import Resolved
 from capycommon.domain.engines import Residency
+from capyctl_scheduler import gpusets
 from capyctl_scheduler.engineterms import terms_of
 from capyctl_scheduler.ledger import (
     UNIFIED,
+    Domain,
     Footprint,
     Provenance,
     derive_discrete,
@@ -24,8 +26,10 @@ def engine_footprints(
     startup_host: tuple[int, Provenance] | None = None,
 ) -> dict[str, Footprint]:
     """Its footprint on each GPU of `view` whose domain is observed (on unified memory one
-    footprint on the pool, the same for every GPU). `startup` is the declared or measured
-    device peak, `startup_host` the measured host one; without them a start is derived."""
+    footprint on the pool, the same for every GPU); a deployment across N GPUs has one on
+    each set of N observed GPUs it may take (`gpusets.candidates`). `startup` is the declared
+    or measured device peak (per GPU), `startup_host` the measured host one; without them a
+    start is derived."""
     memory = resolved.deployment.engine_config.memory
     weights = resolved.weights_bytes or 0
     resources = resolved.deployment.resources
@@ -49,18 +53,24 @@ def engine_footprints(
             startup=startup,
         )
         return dict.fromkeys(view.gpus, footprint)
-    return {
-        gpu: derive_discrete(
-            gpu=gpu,
+    found = {}
+    observed = [gpu for gpu in view.gpus if gpu in view.domains]
+    count = resolved.deployment.gpu_count
+    for place in gpusets.candidates(observed, count, resolved.devices if count > 1 else ()):
+        device = min((view.domains[gpu] for gpu in gpusets.members(place)), key=_capacity)
+        found[place] = derive_discrete(
+            gpu=place,
             weights=weights,
-            device=view.domains[gpu],
+            device=device,
             host_backed=resolved.residency == Residency.HOST_BACKED,
-            terms=terms_of(resolved, view.domains[gpu].capacity),
+            terms=terms_of(resolved, device.capacity),
             request=memory.request,
             kv_cache=memory.kv_cache,
             startup=startup,
             startup_host=startup_host,
         )
-        for gpu in view.gpus
-        if gpu in view.domains
-    }
+    return found
+
+
+def _capacity(domain: Domain) -> int:
+    return domain.capacity

@@ -14,8 +14,10 @@ from capycommon.deployments import Resolved
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.hosts import HOST_CAPABILITIES, EngineLoad
 from capycommon.domain.instances import InstanceRecord, InstanceState
+from capycommon.domain.memory import Link
 from capycommon.domain.places import Places
 from capycommon.errors import CapyError
+from capyctl_scheduler import gpusets
 from capyctl_scheduler.ledger import Domain, Footprint
 
 
@@ -71,6 +73,8 @@ class HostView:
     # names fewer capabilities, or none.
     version: str | None = None
     capabilities: frozenset[str] = frozenset(HOST_CAPABILITIES)
+    # How pairs of its GPUs connect (by GPU name), from its reading; empty: unknown.
+    links: Mapping[frozenset[str], Link] = field(default_factory=dict)
 
     @property
     def reachable(self) -> bool:
@@ -94,10 +98,26 @@ class HostView:
     @cached_property
     def gpu_domains(self) -> list[tuple[str, str]]:
         """Each GPU's name, sorted (gpu0, gpu1, ...), with its ledger domain."""
-        return [(gpu, self.domain_of(gpu)) for gpu in sorted(self.gpus)]
+        return [(gpu, self.domain_of(gpu)) for gpu in sorted(self.gpus, key=gpusets.index)]
 
     def gpu_of(self, uuid: str | None) -> str | None:
         return self._gpu_names.get(uuid) if uuid is not None else None
+
+    def place_of(self, instance: InstanceRecord) -> str | None:
+        """The GPU set an instance runs on (`gpu1`, `gpu0+gpu1`); None while any of its GPUs
+        is unknown here (no reading names it)."""
+        names = [self.gpu_of(uuid) for uuid in instance.devices]
+        if not names or any(name is None for name in names):
+            return None
+        return gpusets.key(name for name in names if name is not None)
+
+    def domains_of(self, place: str) -> list[str]:
+        """The ledger domains that hold a GPU set's memory: each GPU's, or the unified pool."""
+        return list(dict.fromkeys(self.domain_of(gpu) for gpu in gpusets.members(place)))
+
+    def uuids_of(self, place: str) -> tuple[str, ...]:
+        """The UUIDs of a GPU set's GPUs, in rank order."""
+        return tuple(self.gpus[gpu] for gpu in gpusets.members(place))
 
     @cached_property
     def _gpu_names(self) -> Mapping[str, str]:
@@ -118,7 +138,8 @@ class Binding:
 
     host: str
     resolved: Resolved | None = None
-    # By GPU name (gpu0, ...): what the deployment is charged there, per phase.
+    # By GPU set (gpu0, or gpu0+gpu1 for a model across two; `gpusets`): what the deployment
+    # is charged there, per phase.
     footprints: Mapping[str, Footprint] = field(default_factory=dict)
     error: CapyError | None = None
     # Why it is not known yet (the host has not described the model): it waits, refusing
@@ -181,12 +202,13 @@ class Snapshot:
             view = self.hosts.get(instance.host)
             if view is None or instance.state != InstanceState.STARTING:
                 continue
-            gpu = view.gpu_of(instance.gpu_uuid)
-            if gpu is not None:
-                found.setdefault((instance.host, view.domain_of(gpu)), name)
+            place = view.place_of(instance)
+            for domain in view.domains_of(place) if place is not None else ():
+                found.setdefault((instance.host, domain), name)
         for name, record in self.deployments.items():
             effect = record.inflight
             if effect is None or effect.kind != "launch" or effect.host not in self.hosts:
                 continue
-            found.setdefault((effect.host, self.hosts[effect.host].domain_of(effect.gpu)), name)
+            for domain in self.hosts[effect.host].domains_of(effect.gpu):
+                found.setdefault((effect.host, domain), name)
         return found

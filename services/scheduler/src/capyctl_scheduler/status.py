@@ -10,7 +10,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from capycommon.deployments import Resolved
-from capycommon.domain.instances import LIVE_STATES, InstanceState
+from capycommon.domain.instances import LIVE_STATES, InstanceRecord, InstanceState
 from capycommon.domain.memory import MemoryReading
 from capycommon.engines import lmcache
 from capycommon.management import (
@@ -33,6 +33,7 @@ from capycommon.management import (
     Startup,
 )
 from capycommon.units import format_size
+from capyctl_scheduler import gpusets
 from capyctl_scheduler.charges import PHASES, charges, footprint_of
 from capyctl_scheduler.ledger import Footprint
 from capyctl_scheduler.snapshot import Snapshot
@@ -77,7 +78,15 @@ def summary(snapshot: Snapshot, name: str) -> DeploymentSummary:
         revision=record.revision,
         hosts=[instance.host] if live and instance else [],
         routes=list(record.document.routes),
+        gpus=_gpus(snapshot, instance) if live and instance else [],
     )
+
+
+def _gpus(snapshot: Snapshot, instance: InstanceRecord) -> list[str]:
+    """The GPUs an instance runs on, by name where its host's reading names them."""
+    view = snapshot.hosts.get(instance.host)
+    place = view.place_of(instance) if view else None
+    return list(gpusets.members(place)) if place else []
 
 
 def detail(snapshot: Snapshot, name: str) -> DeploymentStatus:
@@ -91,7 +100,7 @@ def detail(snapshot: Snapshot, name: str) -> DeploymentStatus:
             InstanceView(
                 index=instance.instance,
                 host=instance.host,
-                gpu=view.gpu_of(instance.gpu_uuid) if view else None,
+                gpu=view.place_of(instance) if view else None,
                 state=str(instance.state),
                 since=instance.since,
                 generation=instance.generation,
@@ -117,6 +126,7 @@ def detail(snapshot: Snapshot, name: str) -> DeploymentStatus:
         idle=_idle(snapshot, name),
         refusal=_wire(Refusal, record.refusal),
         demanded_since=snapshot.demands.get(name),
+        placed=record.placed,
         document=record.document.model_dump(mode="json"),
     )
 
@@ -198,7 +208,7 @@ def _charges(snapshot: Snapshot, name: str) -> list[Charge]:
         view = snapshot.hosts[host]
         phase = PHASES.get(instance.state) if instance and instance.host == host else None
         effect = record.inflight
-        gpu = view.gpu_of(instance.gpu_uuid) if instance and instance.host == host else None
+        gpu = view.place_of(instance) if instance and instance.host == host else None
         if phase is None and effect is not None:
             phase = "starting" if effect.kind == "launch" else "waking"
             gpu = effect.gpu
@@ -210,7 +220,7 @@ def _charges(snapshot: Snapshot, name: str) -> list[Charge]:
         for domain, size in sorted(charged.items()):
             provenance = "unsized"  # an engine nobody can size holds its whole GPU
             if footprint is not None:
-                if domain in ("system", "unified") and domain != view.domain_of(gpu or ""):
+                if domain in ("system", "unified") and domain not in view.domains_of(gpu or ""):
                     provenance = footprint.host_provenance
                 elif phase == "starting":
                     provenance = footprint.device_provenance
@@ -229,9 +239,10 @@ def _startup(snapshot: Snapshot, name: str) -> Startup | None:
     instance = snapshot.instances.get(name)
     for host in sorted(snapshot.hosts):
         view = snapshot.hosts[host]
-        gpus = sorted(view.gpus)
+        bound = snapshot.bindings.get(name, {}).get(host)
+        gpus = sorted(bound.footprints) if bound is not None else []
         if instance is not None and instance.host == host:
-            gpu = view.gpu_of(instance.gpu_uuid)
+            gpu = view.place_of(instance)
             gpus = [gpu] if gpu else gpus
         for gpu in gpus:
             footprint = footprint_of(snapshot, name, host, gpu)
@@ -241,7 +252,7 @@ def _startup(snapshot: Snapshot, name: str) -> Startup | None:
             return Startup(
                 host=host,
                 gpu=gpu,
-                device_bytes=starting.get(view.domain_of(gpu)),
+                device_bytes=starting.get(view.domains_of(gpu)[0]),
                 device_provenance=footprint.device_provenance,
                 host_bytes=starting.get("system", starting.get("unified")),
                 host_provenance=footprint.host_provenance,

@@ -158,7 +158,7 @@ def _candidates(
             continue
         if instance.state not in (S.READY, S.PARKED):
             continue
-        gpu = view.gpu_of(instance.gpu_uuid)
+        gpu = view.place_of(instance)
         footprint = footprint_of(snapshot, name, view.name, gpu) if gpu else None
         if footprint is None:
             continue

@@ -16,6 +16,7 @@ from capycommon.errors import (
     InvalidConfig,
     MultiGpuUnsupported,
     RouteConflict,
+    TensorParallelInvalid,
 )
 from capycommon.yamldoc import load_yaml_document
 
@@ -45,6 +46,7 @@ _NOT_YET = frozenset(
 _CLASSES: dict[str, type[InvalidConfig] | type[MultiGpuUnsupported]] = {
     "engine_env_reserved": EngineEnvReserved,
     "multi_gpu_unsupported": MultiGpuUnsupported,
+    "tensor_parallel_invalid": TensorParallelInvalid,
 }
 
 
@@ -119,6 +121,8 @@ def revision_digest(deployment: Deployment) -> str:
         del document["api"]
     if document["resources"] is None:  # the same, added with TensorFold and custom engines
         del document["resources"]
+    if document["engine_config"]["tensor_parallel"] is None:  # the same, added with multi-GPU
+        del document["engine_config"]["tensor_parallel"]
     canonical = json.dumps(
         document,
         sort_keys=True,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from capycommon.deployments.checkpoint import Quantization, quantization
+from capycommon.deployments.parallel import check_parallel
 from capycommon.domain.deployment import Deployment, ModelSource
 from capycommon.domain.engines import PARKING, Residency
 from capycommon.domain.models import HostModels, ModelFacts, under_root
@@ -83,8 +84,8 @@ class Resolved:
     residency: Residency
     # Why this tier: "declared", or the rule that chose it.
     residency_reason: str
-    # The pinned GPU; None lets placement pick the one with the most headroom.
-    device: str | None
+    # The pinned GPUs; empty lets placement pick.
+    devices: tuple[str, ...]
     extra_args: tuple[str, ...]
     # The LMCache installation it runs with, or None; and what status says of it ("on", or
     # "off: <why>").
@@ -132,14 +133,8 @@ def _resolve(
             " set it, e.g. 8192"
         )
     check_resources(deployment, profile)
-    device = deployment.device
-    if device is not None and device not in host.gpus:
-        present = ", ".join(host.gpus) or "none"
-        raise InvalidConfig(
-            f"devices[0].id: {device} is not on this host (GPUs: {present}); pin one of them, "
-            "or drop devices"
-        )
     model = model_facts(deployment.model, models)
+    check_parallel(deployment, profile, model, host)
     capabilities = adapter.capabilities(profile.version)
     if deployment.decides:
         check_decisions(profile, capabilities, model, extra_args)
@@ -159,7 +154,7 @@ def _resolve(
         weights_bytes=model.weights_bytes,
         residency=residency,
         residency_reason=reason,
-        device=device,
+        devices=deployment.pinned,
         extra_args=extra_args,
         cache=cache,
         cache_note=note,
@@ -203,6 +198,11 @@ def _cache(
     setting = deployment.lmcache or "auto"
     if setting == "off":
         return None, "off (lmcache: off)"
+    if deployment.gpu_count > 1:
+        why = "a model across several GPUs runs without LMCache in this release"
+        if setting == "required":
+            raise LMCacheUnavailable(f"lmcache: required, but {why}", gate="tensor_parallel")
+        return None, f"off: {why} [tensor_parallel]"
     retention = deployment.retention or ("zero" if host.retention_zero else "default")
     found = lmcache.gate(
         lmcache.GateFacts(

@@ -66,6 +66,8 @@ class EngineTuning(Strict):
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     extra_args: tuple[str, ...] = ()
+    # How many GPUs the engine spans (its tensor-parallel size); None: one.
+    tensor_parallel: int | None = Field(default=None, ge=2, le=64)
 
 
 class _LaunchHead(_Command):
@@ -79,6 +81,9 @@ class _LaunchHead(_Command):
     served_name: str
     residency: Literal["host_backed", "deep", "restart_only"]
     gpu_uuid: str
+    # Every GPU of the set in rank order, for an engine across several (gpu_uuid is the
+    # first); empty for one GPU.
+    gpu_uuids: tuple[str, ...] = ()
 
 
 class Launch(EngineTuning, _LaunchHead):

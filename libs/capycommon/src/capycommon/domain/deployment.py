@@ -309,6 +309,9 @@ class EngineConfig(Strict):
     reasoning_parser: ParserName | None = None
     extra_args: tuple[Text, ...] = ()
     env: Mapping[EnvName, Text] = Field(default_factory=dict)
+    # How many GPUs of one host the model spans (tensor parallelism); None: one, or as many as
+    # `devices` names.
+    tensor_parallel: Annotated[StrictInt, Field(ge=1, le=64)] | None = None
 
 
 class Lifecycle(Strict):
@@ -382,15 +385,24 @@ class Deployment(Strict):
 
     @field_validator("devices")
     @classmethod
-    def _one_device(cls, devices: tuple[Device, ...]) -> tuple[Device, ...]:
-        if len(devices) > 1:
-            ids = ", ".join(device.id for device in devices)
-            raise PydanticCustomError(
-                "multi_gpu_unsupported",
-                "{ids}: a model runs on one GPU; pin one of them, or drop devices",
-                {"ids": ids, "code": "multi_gpu_unsupported"},
-            )
+    def _unique_devices(cls, devices: tuple[Device, ...]) -> tuple[Device, ...]:
+        ids = [device.id for device in devices]
+        repeated = sorted({gpu for gpu in ids if ids.count(gpu) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed twice; keep one")
         return devices
+
+    @model_validator(mode="after")
+    def _devices_match(self) -> Deployment:
+        size = self.engine_config.tensor_parallel
+        if size is not None and self.devices and size != len(self.devices):
+            raise PydanticCustomError(
+                "tensor_parallel_invalid",
+                "engine_config.tensor_parallel is {size} but devices names {count} GPUs; name "
+                "{size} devices, or drop one of the two",
+                {"size": size, "count": len(self.devices), "code": "tensor_parallel_invalid"},
+            )
+        return self
 
     def allows(self, host: str) -> bool:
         """Whether it may run on `host` (placement.hosts, when it names any)."""
@@ -402,6 +414,11 @@ class Deployment(Strict):
         return self.api == "decisions"
 
     @property
-    def device(self) -> str | None:
-        """The pinned GPU, if any."""
-        return self.devices[0].id if self.devices else None
+    def pinned(self) -> tuple[str, ...]:
+        """The GPUs it is pinned to (gpu0, ...), in the order named; empty: placement picks."""
+        return tuple(device.id for device in self.devices)
+
+    @property
+    def gpu_count(self) -> int:
+        """How many GPUs of one host it spans: its tensor-parallel size."""
+        return self.engine_config.tensor_parallel or len(self.devices) or 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from capycommon.domain.deployment import Deployment
 from capycommon.domain.strict import Strict
 
@@ -133,6 +135,9 @@ class DeploymentRecord(Strict):
     # host's record of it is believed (`capycommon.state.ownership`). None for a record
     # written before placements were kept, until its next activation.
     host: str | None = None
+    # Why that generation went where it did: its GPUs and what placement weighed (`capyctl
+    # status deployment` shows it). None before its first start.
+    placed: str | None = Field(default=None, max_length=2000)
     inflight: Inflight | None = None
     attempts: Attempts = Attempts()
     last_operation: Operation | None = None

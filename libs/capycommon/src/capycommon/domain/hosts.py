@@ -14,8 +14,10 @@ from capycommon.domain.strict import Strict
 # the work whose capabilities it names, and a host of an earlier release names fewer.
 # startup_host_bytes: its memwatch measures a start's host RAM apart from the card's, from
 # the engine's own processes (a measured startup peak's host figure is its own).
+# tensor_parallel: its hostd launches an engine across several GPUs (`Launch.gpu_uuids`).
 STARTUP_HOST_BYTES = "startup_host_bytes"
-HOST_CAPABILITIES: tuple[str, ...] = (STARTUP_HOST_BYTES,)
+TENSOR_PARALLEL = "tensor_parallel"
+HOST_CAPABILITIES: tuple[str, ...] = (STARTUP_HOST_BYTES, TENSOR_PARALLEL)
 Capability = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
 
 

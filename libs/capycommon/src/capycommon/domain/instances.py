@@ -107,6 +107,9 @@ class InstanceRecord(Strict):
     model_path: str | None = None
     residency: str | None = None
     gpu_uuid: str | None = None
+    # Every GPU of its set in rank order, for an engine across several (gpu_uuid is the
+    # first); empty for one GPU.
+    gpu_uuids: tuple[str, ...] = ()
     port: int | None = None
     process: ProcessIdentity | None = None
     log_path: str | None = None
@@ -122,6 +125,13 @@ class InstanceRecord(Strict):
     @property
     def member(self) -> str:
         return f"{self.deployment}:{self.instance}"
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The UUIDs of every GPU it runs on, in rank order; empty while it has none."""
+        if self.gpu_uuids:
+            return self.gpu_uuids
+        return (self.gpu_uuid,) if self.gpu_uuid else ()
 
 
 class Event(Strict):

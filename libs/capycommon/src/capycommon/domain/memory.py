@@ -59,6 +59,8 @@ class StartupPeak(_Frozen):
     revision: int
     host: str
     fingerprint: str
+    # The most it held on any one of its GPUs (each GPU of a set is charged that share); its
+    # host RAM over all its processes.
     device_bytes: int
     host_bytes: int
     provenance: Literal["measured"] = "measured"

@@ -62,6 +62,10 @@ class ModelFacts(BaseModel):
     architectures: tuple[str, ...] = ()
     dtype: str | None = None
     quantization: tuple[QuantizationConfig, ...] = ()
+    # From config.json (or its `text_config`): the attention heads and key-value heads, which
+    # an engine's tensor-parallel size must divide; None where it does not say.
+    attention_heads: int | None = Field(default=None, ge=1)
+    kv_heads: int | None = Field(default=None, ge=1)
     # The decision head its files declare; None for any other model.
     decision: DecisionHead | None = None
 

@@ -36,7 +36,8 @@ def engine_environment(
     telemetry: bool = False,
 ) -> dict[str, str]:
     """The engine's environment: its own bin first, its usage reports off (unless the host
-    allows `telemetry`), the Hub offline, one GPU by UUID."""
+    allows `telemetry`), the Hub offline, its GPUs by UUID (`gpu_uuid`: one, or several
+    comma-separated in rank order, as CUDA_VISIBLE_DEVICES lists them)."""
     profile = spec.profile
     own_bin = profile.install_path / "bin" if profile.family in PYTHON_FAMILIES else None
     if profile.family in (Family.TENSORFOLD, Family.CUSTOM):

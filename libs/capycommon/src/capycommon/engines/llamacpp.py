@@ -51,6 +51,9 @@ RESERVED = frozenset(
         "--reasoning-format",
         "--hf-repo",
         "--model-url",
+        "--split-mode",
+        "--tensor-split",
+        "--main-gpu",
     }
 )
 
@@ -98,6 +101,9 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
     ]
     if tuning.reasoning_parser:
         argv += ["--reasoning-format", "deepseek"]
+    if tuning.tensor_parallel:
+        # The layers split evenly over every GPU of CUDA_VISIBLE_DEVICES, in one process.
+        argv += ["--split-mode", "layer", "--tensor-split", ",".join("1" * tuning.tensor_parallel)]
     if spec.api == "decisions":
         decisions.check_args(Family.LLAMACPP, tuning.extra_args)
         slots = tuning.max_concurrent_requests or DEFAULT_SLOTS

@@ -93,6 +93,8 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         ("--enable-weights-cpu-backup", spec.residency == Residency.HOST_BACKED),
         ("--tool-call-parser", tuning.tool_call_parser),
         ("--reasoning-parser", tuning.reasoning_parser),
+        # One scheduler per GPU of CUDA_VISIBLE_DEVICES; --mem-fraction-static applies to each.
+        ("--tp-size", tuning.tensor_parallel),
     )
     if spec.api == "decisions":
         decisions.check_args(Family.SGLANG, tuning.extra_args)

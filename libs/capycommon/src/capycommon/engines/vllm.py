@@ -107,6 +107,8 @@ def plan(spec: LaunchSpec) -> LaunchPlan:
         ("--enable-auto-tool-choice", bool(tuning.tool_call_parser)),
         ("--tool-call-parser", tuning.tool_call_parser),
         ("--reasoning-parser", tuning.reasoning_parser),
+        # One worker per GPU of CUDA_VISIBLE_DEVICES; memory figures apply to each.
+        ("--tensor-parallel-size", tuning.tensor_parallel),
     )
     argv += check_extra_args("vllm", tuning.extra_args, RESERVED)
     # vLLM's own check on /v1, and the guard on every other path, dev controls included; both

@@ -80,7 +80,7 @@ class DeploymentStore:
                 host, sent = command
                 pipe.xadd(
                     keys.host_commands(host),
-                    {hostcommands.FIELD: sent.model_dump_json()},
+                    {hostcommands.FIELD: hostcommands.encode(sent)},
                     maxlen=hostcommands.KEEP,
                     approximate=True,
                 )

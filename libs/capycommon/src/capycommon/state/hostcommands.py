@@ -32,7 +32,7 @@ class HostCommandStore:
         """Append a command to the host's stream; returns its stream id."""
         entry = await self.client.xadd(
             keys.host_commands(host),
-            {FIELD: command.model_dump_json()},
+            {FIELD: encode(command)},
             maxlen=KEEP,
             approximate=True,
         )
@@ -41,6 +41,22 @@ class HostCommandStore:
     def group(self, host: str) -> Group:
         """hostd's reading of its host's command stream."""
         return Group(self.client, keys.host_commands(host), name="hostd", consumer="hostd")
+
+
+# Fields a command gained after 0.1.7, left out while they hold their default: a host of an
+# earlier release refuses a field it does not know, and reads every command that needs none.
+LATER: dict[str, tuple[str, ...]] = {"launch": ("gpu_uuids", "tensor_parallel")}
+
+
+def encode(command: HostCommand) -> str:
+    """The command's JSON, without the later fields it leaves at their default."""
+    fields = type(command).model_fields
+    unset = {
+        name
+        for name in LATER.get(command.kind, ())
+        if getattr(command, name) == fields[name].get_default(call_default_factory=True)
+    }
+    return command.model_dump_json(exclude=unset)
 
 
 def parse(raw: bytes | str) -> HostCommand:
