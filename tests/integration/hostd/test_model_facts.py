@@ -88,6 +88,21 @@ def test_config_json_gives_the_architecture_dtype_and_quantization(tmp_path: Pat
     assert describe(folder).dtype == "float16", "the newer name first"
 
 
+def test_config_json_gives_the_head_counts_a_tensor_parallel_size_must_divide(
+    tmp_path: Path,
+) -> None:
+    folder = configs(tmp_path / "m", config={"num_attention_heads": 64, "num_key_value_heads": 8})
+    assert (describe(folder).attention_heads, describe(folder).kv_heads) == (64, 8)
+    # A multimodal model keeps its language model's counts in text_config.
+    configs(folder, config={"text_config": {"num_attention_heads": 40, "num_key_value_heads": 8}})
+    assert (describe(folder).attention_heads, describe(folder).kv_heads) == (40, 8)
+    # What is no positive count is not a count.
+    configs(folder, config={"num_attention_heads": "64", "num_key_value_heads": True})
+    assert (describe(folder).attention_heads, describe(folder).kv_heads) == (None, None)
+    configs(folder, config={"num_attention_heads": 0, "num_key_value_heads": -2})
+    assert (describe(folder).attention_heads, describe(folder).kv_heads) == (None, None)
+
+
 NVFP4_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "quantization_config": {

@@ -65,3 +65,26 @@ def test_the_reasons_give_the_figures() -> None:
         "park: memory release unobserved: no fresh memwatch reading of gpu0 within 500ms "
         "(parked charge 1.0 GiB)",
     )
+
+
+def test_an_engine_across_two_gpus_is_judged_by_its_fullest_gpu() -> None:
+    first = _reading(PARKED_AT + 1, {10: 300 * MiB})
+    second = GpuReading(
+        index=2,
+        uuid="GPU-2",
+        name="NVIDIA H200",
+        total_bytes=141 * GiB,
+        used_bytes=0,
+        free_bytes=0,
+        unified=False,
+        processes={11: 2 * GiB},
+    )
+    both = first.model_copy(update={"gpus": [*first.gpus, second]})
+    uuids = (UUID, "GPU-2")
+    seen = observe(Seen(UUID, None), both, uuids, [10, 11], PARKED_AT, PARKED_AT + 1.5)
+    assert seen == Seen("gpu2", 2 * GiB), "rank 1 still holds its weights"
+    assert not seen.within(GiB)
+    # A reading that lacks one of the GPUs judges nothing.
+    assert observe(Seen(UUID, None), first, uuids, [10], PARKED_AT, PARKED_AT + 1.5) == Seen(
+        UUID, None
+    )
