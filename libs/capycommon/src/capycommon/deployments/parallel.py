@@ -65,13 +65,13 @@ def check_parallel(
             "this host's GPU memory is one unified pool: a model spans no GPUs there; drop "
             "engine_config.tensor_parallel, or place it on a host with discrete GPUs"
         )
+    if profile.family in SPLITS_HEADS:
+        check_heads(size, model, profile.family)  # wrong on any host: said first
     if size > len(host.gpus):
         raise NotEnoughGpus(
             f"it spans {size} GPUs and this host has {len(host.gpus)} ({present}); lower "
             f"engine_config.tensor_parallel, or place it on a host with {size} GPUs"
         )
-    if profile.family in SPLITS_HEADS:
-        check_heads(size, model, profile.family)
 
 
 def check_heads(size: int, model: ModelFacts, family: Family) -> None:

@@ -17,7 +17,7 @@ from capycommon.domain.desired import Choice
 from capycommon.domain.instances import LIVE_STATES, Event, InstanceState
 from capycommon.domain.memory import MemoryReading
 from capycommon.management import Charge, DeploymentStatus, EngineRow, HostRow
-from capyctl_scheduler import status
+from capyctl_scheduler import gpusets, status
 from capyctl_scheduler.manage import Manager
 from capyctl_scheduler.snapshot import Snapshot
 from capyctl_scheduler.usage import last_used
@@ -171,7 +171,7 @@ def _host(
         held = [(n, c) for n, c in charges if c.host == host and c.domain == domain.name]
         held.sort(key=lambda found: (_order(found[1].phase), -found[1].bytes))
         segments = [
-            Segment(_kind(c.phase), c.bytes, f"{name} {c.phase or 'held'}", c.provenance)
+            Segment(_kind(c.phase), c.bytes, _label(snap, host, name, c), c.provenance)
             for name, c in held
         ]
         charged = sum(c.bytes for _, c in held)
@@ -199,6 +199,19 @@ def _host(
         engines=tuple(e for e in engines if e.host == host),
         reading_at=reading.taken_at if reading is not None else None,
     )
+
+
+def _label(snap: Snapshot, host: str, name: str, charge: Charge) -> str:
+    """`qwen ready`; for a model across several GPUs, which rank of its set this GPU holds
+    (`llama ready, 2 of gpu0+gpu1`), so each GPU's bar shows its part of the model."""
+    label = f"{name} {charge.phase or 'held'}"
+    instance = snap.instances.get(name)
+    view = snap.hosts.get(host)
+    place = view.place_of(instance) if view and instance and instance.host == host else None
+    members = gpusets.members(place) if place else ()
+    if len(members) > 1 and charge.domain in members:
+        label += f", {members.index(charge.domain) + 1} of {place}"
+    return label
 
 
 def _kind(phase: str | None) -> Kind:
