@@ -9,6 +9,9 @@ printed beside its baseline, measured on the same engine in the same run:
   /reset_prefix_cache, timed here directly) plus a one-token chat's first token;
 - switch: a request for the parked one of `a` and `b` while the other is ready, to its first
   token, against the engine's own park call (/sleep) plus its wake calls and first token;
+- span: the same switch between `big`, a model across two simulated GPUs (a rank on each,
+  both parked and woken by its one /sleep and /wake_up calls), and `a` on one of them, on a
+  stand of its own;
 - cold start: from the engine's own readiness (its /health first answering 200, polled here
   every few milliseconds) to hostd recording it ready, and to the request's first token.
 
@@ -16,7 +19,8 @@ Each round also shows where the time went, in milliseconds after the request was
 Redis (the demand, the scheduler's choices and commands, hostd's transitions) and hostd's
 log (when it took a command up, its engine calls and canary).
 
-    .venv/bin/python bench/wake.py [--rounds N] [--only wake switch cold] [--late-release-ms MS]
+    .venv/bin/python bench/wake.py [--rounds N] [--only wake switch cold span]
+        [--late-release-ms MS]
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ from typing import Any, cast
 import httpx
 
 from capycommon.state import keys
+from enginesim.behaviour import Behaviour
 from wakestand import (
     BEHAVIOUR,
     HEALTH_POLL_S,
     HOST,
     LATE_RELEASE_MS,
     ONE_TOKEN,
+    SPAN,
     Engine,
     Stand,
     engine_park_wake,
@@ -238,18 +244,15 @@ def steady(stand: Stand, name: str, rounds: int) -> None:
     )
 
 
-def switches(stand: Stand, rounds: int) -> Figures:
-    """A request for the parked one of `a` and `b` while the other is ready, against the ready
-    engine's own park plus wake and first token."""
-    figures = Figures(
-        "switch: park one, wake the other -> first token",
-        "engine park+wake+token",
-        target_ms=100,
-    )
-    stand.cli("start", "deployment", "a", "--wait", check=True)
-    through_router(stand, "b")  # b starts; a is parked for it
-    until(lambda: stand.state_of("a") == "parked", "a to park")
-    ready, parked = "b", "a"
+def switches(stand: Stand, rounds: int, title: str = "switch: park one, wake the other") -> Figures:
+    """A request for the parked one of the stand's two deployments while the other is ready,
+    against the ready engine's own park plus wake and first token."""
+    figures = Figures(f"{title} -> first token", "engine park+wake+token", target_ms=100)
+    first, second = stand.names
+    stand.cli("start", "deployment", first, "--wait", check=True)
+    through_router(stand, second)  # it starts; the first is parked for it
+    until(lambda: stand.state_of(first) == "parked", f"{first} to park")
+    ready, parked = second, first
     for i in range(rounds):
         time.sleep(0.3)
         own = engine_park_wake(stand, ready)
@@ -265,7 +268,7 @@ def switches(stand: Stand, rounds: int) -> Figures:
             f"its memory showed released {own.release_s * 1000:.0f} after its park call)"
         )
         until(partial(_is_parked, stand, ready), f"{ready} to park")
-        line = timeline(stand, sent, ("a", "b"))
+        line = timeline(stand, sent, stand.names)
         print("   ", line.show(ours))
         _switch_parts(figures, line, own, (ready, parked), (sent, sent + ours))
         ready, parked = parked, ready
@@ -407,13 +410,30 @@ def _ready_at(stand: Stand, since: float) -> float | None:
     return None
 
 
+def spans(behaviour: Behaviour, rounds: int) -> Figures:
+    """The switch between a model across two GPUs and a model on one of them, on a stand of
+    its own with two simulated GPUs, against the engines' own park and wake calls."""
+    root = Path(tempfile.mkdtemp(prefix="capy-span-"))
+    stand = Stand(root, behaviour, gpus="gpu0:24GiB,gpu1:24GiB", documents=SPAN)
+    try:
+        return switches(stand, rounds, "switch between a 2-GPU model and a 1-GPU model")
+    finally:
+        stand.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(rounds: int, phases: list[str], late_release_ms: float) -> None:
     root = Path(tempfile.mkdtemp(prefix="capy-wake-"))
     behaviour = BEHAVIOUR.model_copy(update={"memory_lag_seconds": late_release_ms / 1000})
-    stand = Stand(root, behaviour)
+    stand = Stand(root, behaviour) if set(phases) - {"span"} else None
     try:
         runs = {"wake": wakes, "switch": switches, "cold": cold_starts}
-        results = [runs[name](stand, rounds) for name in phases]
+        results = []
+        for name in phases:
+            if name == "span":
+                results.append(spans(behaviour, rounds))
+            elif stand is not None:
+                results.append(runs[name](stand, rounds))
         for figures in results:
             figures.print()
         print(
@@ -423,7 +443,8 @@ def main(rounds: int, phases: list[str], late_release_ms: float) -> None:
             "each request streamed, max_tokens 1"
         )
     finally:
-        stand.close()
+        if stand is not None:
+            stand.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -431,7 +452,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
-        "--only", nargs="+", choices=("wake", "switch", "cold"), default=["wake", "switch", "cold"]
+        "--only",
+        nargs="+",
+        choices=("wake", "switch", "cold", "span"),
+        default=["wake", "switch", "cold", "span"],
     )
     parser.add_argument(
         "--late-release-ms",

@@ -64,18 +64,40 @@ def until(check: Callable[[], Any], what: str, timeout: float = 120) -> Any:
     return found
 
 
-class Stand:
-    """A standalone role with the deployments `a` and `b` of the simulated vLLM."""
+# The deployments of a stand, by name: what each document adds to its engine and residency.
+PAIR: dict[str, dict[str, Any]] = {
+    name: {"model": "m10", "engine_config": {"memory": MEMORY}} for name in ("a", "b")
+}
+# A model across both GPUs of a two-GPU stand (each rank charged as `a` is), and `a` on gpu0.
+SPAN: dict[str, dict[str, Any]] = {
+    "big": {"model": "m20", "engine_config": {"tensor_parallel": 2, "memory": MEMORY}},
+    "a": {"model": "m10", "devices": [{"id": "gpu0"}], "engine_config": {"memory": MEMORY}},
+}
 
-    def __init__(self, root: Path, behaviour: Behaviour) -> None:
+
+class Stand:
+    """A standalone role with deployments of the simulated vLLM: `a` and `b` on one GPU, or
+    the `documents` given on the simulated `gpus`."""
+
+    def __init__(
+        self,
+        root: Path,
+        behaviour: Behaviour,
+        gpus: str = "gpu0:24GiB",
+        documents: dict[str, dict[str, Any]] = PAIR,
+    ) -> None:
         self.root = root
         self.state = root / "state"
+        self.names = tuple(documents)
         self.env = benchrole.role_env(root)
         ports = random.randrange(20_000, 30_000, 10)
         # Ports of its own: other roles on this machine use the default range.
-        document = benchrole.write_document(root, "256GiB", engine_ports=f"{ports}-{ports + 9}")
+        document = benchrole.write_document(
+            root, "256GiB", engine_ports=f"{ports}-{ports + 9}", simulated_gpus=gpus
+        )
         benchrole.install_vllm(root, document.parent, "vllm", behaviour)
         benchrole.sparse_model(root / "models" / "m10", 10 * GiB)
+        benchrole.sparse_model(root / "models" / "m20", 20 * GiB)
         self.inference = f"127.0.0.1:{benchrole.free_port()}"
         self.log = (root / "role.log").open("wb")
         self.role = benchrole.start_standalone(
@@ -83,17 +105,11 @@ class Stand:
         )
         self.redis = redis.Redis(unix_socket_path=str(self.state / "redis" / "redis.sock"))
         until(lambda: self.cli("list", "deployments").returncode == 0, "the role")
-        for name in ("a", "b"):
+        for name, fields in documents.items():
             path = root / f"{name}.yaml"
             path.write_text(
                 yaml.safe_dump(
-                    {
-                        "name": name,
-                        "engine": "vllm",
-                        "model": "m10",
-                        "residency": "host_backed",
-                        "engine_config": {"memory": MEMORY},
-                    }
+                    {"name": name, "engine": "vllm", "residency": "host_backed", **fields}
                 )
             )
             self.cli("deploy", "model", "--file", str(path), check=True)
@@ -133,7 +149,7 @@ class Stand:
         self.router.close()
         self.cli("drain", "standalone")
         until(
-            lambda: all(self.state_of(n) in (None, "stopped", "failed") for n in ("a", "b")),
+            lambda: all(self.state_of(n) in (None, "stopped", "failed") for n in self.names),
             "the engines to stop",
         )
         self.role.send_signal(signal.SIGTERM)
@@ -205,8 +221,9 @@ def engine_park_wake(stand: Stand, name: str) -> Engine:
 
 
 def _released_after(stand: Stand, name: str) -> float:
-    """Seconds until the engine's process group holds at most its parked charge on the
-    simulated GPU (its claim files, read every HEALTH_POLL_S)."""
+    """Seconds until the engine's process group holds at most its parked charge on each
+    simulated GPU (its claim files, read every HEALTH_POLL_S; a rank on each GPU of a model
+    across several)."""
     record = stand.record(name)
     assert record is not None
     assert record["process"] is not None
@@ -214,11 +231,12 @@ def _released_after(stand: Stand, name: str) -> float:
     start = time.perf_counter()
     while True:
         members = set(procfs.group_members([pgid])[pgid])
-        held = sum(
-            claim.bytes
-            for usage in simgpu.usage(stand.state / "simgpu").values()
-            for pid, claim in usage.by_pid.items()
-            if pid in members
+        held = max(
+            (
+                sum(claim.bytes for pid, claim in usage.by_pid.items() if pid in members)
+                for usage in simgpu.usage(stand.state / "simgpu").values()
+            ),
+            default=0,
         )
         if held <= PARKED_CHARGE:
             return time.perf_counter() - start
