@@ -8,7 +8,8 @@ engine is launched. The behaviour to match is in the shared `reference/engines.m
 `install_lmcache` adds a stand-in LMCache server (`LMCacheBehaviour`), in a venv of its own
 or an engine's, for engines launched with LMCache's connector. `ENGINESIM_CUDA=1` in an
 engine's environment makes its memory real CUDA memory through torch (`enginesim.cuda`), for
-runs on a real GPU.
+runs on a real GPU. A tensor-parallel launch runs a process per rank, each holding its share
+on its own device (`enginesim.ranks`); llama.cpp splits one process over its devices.
 """
 
 from enginesim.behaviour import (
@@ -17,6 +18,7 @@ from enginesim.behaviour import (
     DisconnectLag,
     Faults,
     LMCacheBehaviour,
+    RankDies,
     SchedulerDies,
     ToolCall,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "DisconnectLag",
     "Faults",
     "LMCacheBehaviour",
+    "RankDies",
     "SchedulerDies",
     "ToolCall",
     "install_llama_server",

@@ -45,6 +45,29 @@ class SchedulerDies(_Strict):
     message: str = "RuntimeError: simulated scheduler failure while loading the weights"
 
 
+class RankDies(_Strict):
+    """vLLM and SGLang: the process of tensor-parallel rank `rank` prints `message` on stderr,
+    releases its memory and exits with `exit_code`, `after_seconds` after the engine is ready
+    (serving). The engine then goes down as the real one does:
+
+    - vLLM: the rank is a `VLLM::Worker_TP<rank>` (with one rank, the `VLLM::EngineCore`
+      itself). The EngineCore's executor notices the dead worker (`Worker proc
+      VllmWorker-<rank> died unexpectedly, shutting down executor.`), stops the other workers
+      and exits; the API server then answers /health with 503 for a moment and exits non-zero.
+    - SGLang: the rank is a `sglang::scheduler_TP<rank>` (with one rank, the server process
+      itself). The server notices the child's death (`Received sigquit from a child
+      process.`), stops every other child and exits non-zero.
+
+    Either way no process of the engine stays and no claim is left to a live process. A rank
+    the engine does not run (`rank` >= its tensor-parallel size) never dies; llama.cpp, which
+    has no ranks, ignores the fault."""
+
+    rank: int = Field(default=0, ge=0)
+    after_seconds: float = Field(default=2.0, ge=0)
+    exit_code: int = 1
+    message: str = "RuntimeError: simulated death of a tensor-parallel rank"
+
+
 class DisconnectLag(_Strict):
     """SGLang notices a hang-up late: a non-streamed request every ~4 s, a stream ~2 s after."""
 
@@ -80,6 +103,9 @@ class Faults(_Strict):
     # SGLang: the scheduler child dies while loading (the /dev/shm segments it made stay, the
     # HTTP server lives on, Python 3.12's ResourceTracker noise follows its exit).
     scheduler_dies: SchedulerDies | None = None
+    # vLLM and SGLang: one tensor-parallel rank's process dies once the engine is ready, and
+    # the whole engine goes down with it (see `RankDies`).
+    rank_dies: RankDies | None = None
 
 
 class Behaviour(_Strict):

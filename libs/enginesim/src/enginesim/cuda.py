@@ -8,6 +8,12 @@ nvidia-smi and everything above them, then see the engine's memory as they see a
 engine's: credited to the engine's processes, with the real CUDA context on top and the real
 delay before a release shows. `scripts/gpu-check` runs the product on a real GPU this way.
 
+A tensor-parallel rank (vLLM's `VLLM::Worker_TP<i>`, SGLang's `sglang::scheduler_TP<i>`)
+allocates on torch device i of the visible ones, as the real rank does after
+`torch.cuda.set_device(i)`; llama.cpp splitting a model over several devices allocates each
+device's share on that device. A process that names no device allocates on torch's current
+one, as before.
+
 What a claim holds follows the launch as it does without a GPU: the weights (the model's
 weight files, sparse files standing in for big models) and the KV cache the launch names
 (vLLM's `--kv-cache-memory-bytes`, which a deployment's `memory.kv_cache` sets); with
@@ -25,12 +31,15 @@ message that names the fix.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from enginesim.parallel import split_bytes
 
 if TYPE_CHECKING:
     from enginesim.gpu import Holder
@@ -81,53 +90,110 @@ def load_torch() -> Any:
     return torch
 
 
-class CudaHolder:
-    """A holder whose device bytes are also real CUDA memory, allocated through `torch` in
-    this process, beside the `inner` holder's claims (a claim file, or nothing).
+class DeviceBytes:
+    """Real memory on one torch device (`index`; None: the current device), held as a list
+    of byte tensors. Growing adds a tensor of the difference; shrinking drops tensors from the
+    end, hands the freed blocks back to the driver (`empty_cache`, so NVML sees the release,
+    not torch's cache) and allocates what it dropped too much. Each change is complete, on
+    the device, when `resize` returns."""
 
-    The memory is held as a list of byte tensors. A claim that grows adds a tensor of the
-    difference; one that shrinks drops tensors from the end, hands the freed blocks back to
-    the driver (`empty_cache`, so NVML sees the release, not torch's cache) and allocates what
-    it dropped too much. Each change is complete, on the device, when `set` returns."""
-
-    def __init__(self, inner: Holder, torch: Any) -> None:
-        self._inner = inner
+    def __init__(self, torch: Any, index: int | None) -> None:
         self._torch = torch
+        self._index = index
+        self._device = "cuda" if index is None else f"cuda:{index}"
         self._chunks: list[tuple[Any, int]] = []
 
     @property
     def held(self) -> int:
-        """The device bytes this holder allocated."""
         return sum(size for _, size in self._chunks)
 
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
+        """This device as torch's current one, for `empty_cache` and `synchronize`."""
+        if self._index is None:
+            yield
+            return
+        with self._torch.cuda.device(self._index):
+            yield
+
+    def resize(self, target: int) -> None:
+        with self._current():
+            freed = False
+            while self._chunks and self.held > target:
+                self._chunks.pop()
+                freed = True
+            if freed:
+                # Before any new allocation: one could split a freed block that empty_cache
+                # then cannot hand back, and NVML would see more than the claim.
+                self._torch.cuda.empty_cache()
+            missing = target - self.held
+            if missing > 0:
+                chunk = self._torch.empty(missing, dtype=self._torch.uint8, device=self._device)
+                self._chunks.append((chunk, missing))
+            self._torch.cuda.synchronize()
+
+    def clear(self) -> None:
+        with self._current():
+            self._chunks.clear()
+            self._torch.cuda.empty_cache()
+
+
+class CudaHolder:
+    """A holder whose device bytes are also real CUDA memory, allocated through `torch` in
+    this process, beside the `inner` holder's claims (a claim file, or nothing): all on the
+    current device, or split over the torch devices `placed` names by index and proportion.
+    Each change is complete, on every device, when `set` returns."""
+
+    def __init__(
+        self, inner: Holder, torch: Any, placed: Sequence[tuple[int, float]] | None = None
+    ) -> None:
+        self._inner = inner
+        if placed is None:
+            self._places = [DeviceBytes(torch, None)]
+            self._proportions: list[float] = [1.0]
+        else:
+            self._places = [DeviceBytes(torch, index) for index, _ in placed]
+            self._proportions = [proportion for _, proportion in placed]
+
+    @property
+    def held(self) -> int:
+        """The device bytes this holder allocated, over all its devices."""
+        return sum(place.held for place in self._places)
+
     def set(self, gpu_bytes: int, host_bytes: int) -> None:
-        self._resize(max(0, gpu_bytes))
+        shares = split_bytes(max(0, gpu_bytes), self._proportions)
+        for place, share in zip(self._places, shares, strict=True):
+            place.resize(share)
         self._inner.set(gpu_bytes, host_bytes)
 
-    def _resize(self, target: int) -> None:
-        freed = False
-        while self._chunks and self.held > target:
-            self._chunks.pop()
-            freed = True
-        if freed:
-            # Before any new allocation: one could split a freed block that empty_cache then
-            # cannot hand back, and NVML would see more than the claim.
-            self._torch.cuda.empty_cache()
-        missing = target - self.held
-        if missing > 0:
-            chunk = self._torch.empty(missing, dtype=self._torch.uint8, device="cuda")
-            self._chunks.append((chunk, missing))
-        self._torch.cuda.synchronize()
-
     def close(self) -> None:
-        self._chunks.clear()
-        self._torch.cuda.empty_cache()
+        for place in self._places:
+            place.clear()
         self._inner.close()
 
 
-def wrap(holder: Holder, env: Mapping[str, str]) -> Holder:
-    """`holder` with real CUDA memory behind it when the environment asks for the CUDA mode;
-    CudaUnavailable when it asks and torch cannot serve it."""
+def _check_indexes(torch: Any, placed: Sequence[tuple[int, float]], env: Mapping[str, str]) -> None:
+    """CudaUnavailable when torch sees fewer devices than `placed` names."""
+    count = int(torch.cuda.device_count())
+    wanted = max(index for index, _ in placed)
+    if wanted >= count:
+        visible = env.get("CUDA_VISIBLE_DEVICES", "(unset)")
+        raise CudaUnavailable(
+            f"RuntimeError: {CUDA_ENV}=1 needs CUDA device {wanted}, and torch sees {count} "
+            f"(CUDA_VISIBLE_DEVICES={visible}): make one device visible per rank, or unset "
+            f"{CUDA_ENV}"
+        )
+
+
+def wrap(
+    holder: Holder, env: Mapping[str, str], placed: Sequence[tuple[int, float]] | None = None
+) -> Holder:
+    """`holder` with real CUDA memory behind it when the environment asks for the CUDA mode,
+    on the devices `placed` names (by default torch's current one); CudaUnavailable when it
+    asks and torch cannot serve it."""
     if not wanted(env):
         return holder
-    return CudaHolder(holder, load_torch())
+    torch = load_torch()
+    if placed:
+        _check_indexes(torch, placed, env)
+    return CudaHolder(holder, torch, placed or None)

@@ -1,29 +1,29 @@
 """Simulated GPU memory held by one engine, per the contract in ARCHITECTURE.md.
 
-When `CAPYCTL_SIMGPU_DIR` is set the engine reads `<dir>/devices.json`, takes the device that
-`CUDA_VISIBLE_DEVICES` names (a UUID, or an index), and claims memory by writing
-`<dir>/<pid>.json` (`capycommon.simgpu`). Each change lands `lag` seconds after it was asked
-for, as freed CUDA memory shows up late in NVML. Without the variable nothing is accounted.
-With `ENGINESIM_CUDA=1` each claim is also real device memory, allocated through torch by the
-holder (`enginesim.cuda`), with or without the variable.
+When `CAPYCTL_SIMGPU_DIR` is set the engine reads `<dir>/devices.json`, sees the devices that
+`CUDA_VISIBLE_DEVICES` names (UUIDs or indexes, in that order; the first is the one a
+single-GPU engine uses), and claims memory by writing `<dir>/<pid>.json`
+(`capycommon.simgpu`): one file per process, naming its first device, with the bytes it holds
+on others (llama.cpp splitting a model) in `also`. Each change lands `lag` seconds after it
+was asked for, as freed CUDA memory shows up late in NVML. Without the variable nothing is
+accounted. With `ENGINESIM_CUDA=1` each claim is also real device memory, allocated through
+torch by the holder (`enginesim.cuda`), with or without the variable.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from capycommon import simgpu
 from enginesim import cuda
+from enginesim.parallel import split_bytes
 
 if TYPE_CHECKING:
     from enginesim.process import Process
@@ -54,8 +54,10 @@ class SimDevice:
         return self.device.total_bytes - claimed
 
 
-def find_device(env: Mapping[str, str]) -> SimDevice | None:
-    """The simulated device this process sees; None when simulation is off."""
+def find_devices(env: Mapping[str, str]) -> list[SimDevice] | None:
+    """The simulated devices this process sees, in the order CUDA numbers them; None when
+    simulation is off. As CUDA reads `CUDA_VISIBLE_DEVICES`, the list ends before the first
+    entry that names no device, or one already named; unset, every device is seen."""
     folder = env.get(SIMGPU_DIR)
     if not folder:
         return None
@@ -67,24 +69,52 @@ def find_device(env: Mapping[str, str]) -> SimDevice | None:
     if visible is None:
         if not devices:
             raise NoDevice("devices.json lists no device")
-        return SimDevice(Path(folder), devices[0])
-    wanted = visible.split(",")[0].strip()
-    for device in devices:
-        if wanted in (device.uuid, str(device.index)):
-            return SimDevice(Path(folder), device)
-    raise NoDevice(f"CUDA_VISIBLE_DEVICES={visible!r} names no simulated device")
+        return [SimDevice(Path(folder), device) for device in devices]
+    seen: list[simgpu.Device] = []
+    for wanted in (part.strip() for part in visible.split(",")):
+        found = [device for device in devices if wanted in (device.uuid, str(device.index))]
+        if not found or found[0] in seen:
+            break
+        seen.append(found[0])
+    if not seen:
+        raise NoDevice(f"CUDA_VISIBLE_DEVICES={visible!r} names no simulated device")
+    return [SimDevice(Path(folder), device) for device in seen]
 
 
-def cuda_device(process: Process) -> SimDevice | None:
-    """The device as torch finds it in vLLM and SGLang: none visible is a crash at start, as
-    is the CUDA mode without torch (`enginesim.cuda`)."""
+def find_device(env: Mapping[str, str]) -> SimDevice | None:
+    """The first simulated device this process sees (a single-GPU engine's); None when
+    simulation is off."""
+    devices = find_devices(env)
+    return None if devices is None else devices[0]
+
+
+def visible_count(env: Mapping[str, str], devices: Sequence[SimDevice] | None) -> int | None:
+    """How many devices the engine sees: the simulated ones, else the entries of
+    `CUDA_VISIBLE_DEVICES`; None when neither says (nothing to check against)."""
+    if devices is not None:
+        return len(devices)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    return len([part for part in visible.split(",") if part.strip()])
+
+
+def cuda_devices(process: Process) -> list[SimDevice] | None:
+    """The devices as torch finds them in vLLM and SGLang: none visible is a crash at start,
+    as is the CUDA mode without torch (`enginesim.cuda`)."""
     refused = cuda.refusal(os.environ)
     if refused is not None:
         process.die(refused)
     try:
-        return find_device(os.environ)
+        return find_devices(os.environ)
     except NoDevice as exc:
         process.die(f"RuntimeError: No CUDA GPUs are available ({exc})")
+
+
+def cuda_device(process: Process) -> SimDevice | None:
+    """The first of `cuda_devices`: a single-GPU engine's device."""
+    devices = cuda_devices(process)
+    return None if devices is None else devices[0]
 
 
 def gib(size: int) -> str:
@@ -110,12 +140,36 @@ class NoHolder:
         return None
 
 
+@dataclass(frozen=True)
+class Spread:
+    """How one process's device bytes lie over several devices (llama.cpp splitting a
+    model's layers by `--tensor-split`): each device takes its proportion of them. The claim
+    names the first device and lists the others' shares in `also`."""
+
+    devices: tuple[SimDevice, ...]
+    proportions: tuple[float, ...]
+
+    @classmethod
+    def one(cls, device: SimDevice) -> Spread:
+        return cls((device,), (1.0,))
+
+    def claim(self, gpu_bytes: int, host_bytes: int) -> simgpu.Claim:
+        shares = split_bytes(gpu_bytes, self.proportions)
+        also = {d.device.uuid: share for d, share in zip(self.devices[1:], shares[1:], strict=True)}
+        first = self.devices[0].device.uuid
+        return simgpu.Claim(uuid=first, bytes=shares[0], host_bytes=host_bytes, also=also)
+
+
 class LocalHolder:
     """This process's claim file. An allocation is written before `set` returns; a release
-    is written by a thread once its lag passed, unless a later allocation overtook it."""
+    is written by a thread once its lag passed, unless a later allocation overtook it. With a
+    `spread` the bytes lie over its devices (`device` is then its first)."""
 
-    def __init__(self, device: SimDevice, lag: float, pid: int | None = None) -> None:
+    def __init__(
+        self, device: SimDevice, lag: float, pid: int | None = None, spread: Spread | None = None
+    ) -> None:
         self._device = device
+        self._spread = spread or Spread.one(device)
         self._pid = os.getpid() if pid is None else pid
         self._lag = lag
         self._requested = 0
@@ -151,7 +205,7 @@ class LocalHolder:
         if self._closed.is_set() or order < self._written:
             return
         self._written = order
-        claim = simgpu.Claim(uuid=self._device.device.uuid, bytes=gpu_bytes, host_bytes=host_bytes)
+        claim = self._spread.claim(gpu_bytes, host_bytes)
         simgpu.write_claim(self._device.folder, self._pid, claim)
 
     def close(self) -> None:
@@ -161,68 +215,14 @@ class LocalHolder:
         self._changes.put(None)
 
 
-class ChildHolder:
-    """vLLM's `EngineCore`: a child process that holds the memory, told what to hold on stdin;
-    it answers each line once its claim is made, so an allocation is there when `set` returns.
-
-    SIGTERM of the API server stops it (`close`). SIGKILL of the API server leaves it running
-    and holding, as vLLM's EngineCore is left (it shares the process group, so a group kill
-    ends it), unless `stay_when_orphaned` is False.
-    """
-
-    def __init__(self, device: SimDevice | None, lag: float, stay_when_orphaned: bool) -> None:
-        argv = ["VLLM::EngineCore", "-m", "enginesim.enginecore"]
-        argv += ["--lag", str(lag), "--orphan", "stay" if stay_when_orphaned else "exit"]
-        if device is not None:
-            argv += ["--dir", str(device.folder), "--uuid", device.device.uuid]
-        # argv[0] is the process title; PYTHONPATH lets that interpreter find our packages.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen(
-            argv,
-            executable=sys.executable,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def set(self, gpu_bytes: int, host_bytes: int) -> None:
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        try:
-            self.proc.stdin.write(f"{gpu_bytes} {host_bytes}\n".encode())
-            self.proc.stdin.flush()
-            self.proc.stdout.readline()  # empty when the child is gone
-        except (BrokenPipeError, ValueError):
-            pass  # the child is gone; the API server notices through `exited`
-
-    def exited(self) -> int | None:
-        return self.proc.poll()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
-                self.proc.stdin.close()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
-def with_cuda(process: Process, holder: Holder) -> Holder:
-    """`holder` with real device memory behind it in the CUDA mode (`enginesim.cuda`); a
+def with_cuda(
+    process: Process, holder: Holder, placed: Sequence[tuple[int, float]] | None = None
+) -> Holder:
+    """`holder` with real device memory behind it in the CUDA mode (`enginesim.cuda`), on the
+    torch devices `placed` names by index and proportion (by default torch's current one); a
     torch that cannot serve it is a crash at start, naming the fix."""
     try:
-        return cuda.wrap(holder, os.environ)
+        return cuda.wrap(holder, os.environ, placed)
     except cuda.CudaUnavailable as exc:
         holder.close()
         process.die(str(exc))

@@ -7,13 +7,19 @@ build number decides the default port: 8080 before build 6900, 9931 from it on; 
 
 Memory with a simulated GPU: the GGUF file's size plus a KV estimate of
 ctx_size x 128 KiB (f16 K and V for 32 layers x 8 KV heads x 128 dims) plus 8 MiB of compute
-buffers per slot; with -ngl 0 everything stays in host RAM.
+buffers per slot; with -ngl 0 everything stays in host RAM. The one process uses every visible
+device: with --split-mode layer (the default) or row it splits all of it over them by the
+--tensor-split proportions (`3,1` or `3/1`; missing ones are 0, and none given or all 0 split
+it equally), holding it in one claim whose `also` names the other devices; with --split-mode
+none only --main-gpu (default 0) holds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +51,9 @@ ENV_NAMES = {
     "sleep_idle_seconds": "LLAMA_ARG_SLEEP_IDLE_SECONDS",
     "batch_size": "LLAMA_ARG_BATCH",
     "ubatch_size": "LLAMA_ARG_UBATCH",
+    "split_mode": "LLAMA_ARG_SPLIT_MODE",
+    "tensor_split": "LLAMA_ARG_TENSOR_SPLIT",
+    "main_gpu": "LLAMA_ARG_MAIN_GPU",
 }
 BOOLEANS = frozenset({"slots", "metrics", "jinja", "no_webui"})
 # Accepted and ignored ("|" joins aliases).
@@ -107,6 +116,9 @@ class LlamaArgs:
     sleep_idle_seconds: int
     batch_size: int
     ubatch_size: int
+    split_mode: str
+    tensor_split: tuple[float, ...]
+    main_gpu: int
 
 
 def version_text(build: int) -> str:
@@ -120,6 +132,17 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"error: {message}\n")
         raise SystemExit(1)
+
+
+def proportions(text: str) -> tuple[float, ...]:
+    """llama.cpp's --tensor-split: non-negative proportions parted by `,` or `/`."""
+    try:
+        found = tuple(float(part) for part in re.split(r"[,/]+", text.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid proportions {text!r}") from None
+    if any(part < 0 or not math.isfinite(part) for part in found):
+        raise argparse.ArgumentTypeError(f"invalid proportions {text!r}")
+    return found
 
 
 def _truthy(value: str) -> bool:
@@ -149,6 +172,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--sleep-idle-seconds", type=int, default=-1)
     add("-b", "--batch-size", type=int, default=2048)
     add("-ub", "--ubatch-size", type=int, default=512)
+    add("-sm", "--split-mode", choices=("none", "layer", "row"), default="layer")
+    add("-ts", "--tensor-split", type=proportions, default=())
+    add("-mg", "--main-gpu", type=int, default=0)
     for flag in IGNORED_VALUES:
         add(*flag.split("|"))
     for switch in IGNORED_SWITCHES:
@@ -188,6 +214,9 @@ def parse(argv: Sequence[str], build: int, env: Mapping[str, str]) -> LlamaArgs:
         sleep_idle_seconds=int(ns.sleep_idle_seconds),
         batch_size=int(ns.batch_size),
         ubatch_size=int(ns.ubatch_size),
+        split_mode=ns.split_mode,
+        tensor_split=tuple(ns.tensor_split),
+        main_gpu=int(ns.main_gpu),
     )
 
 

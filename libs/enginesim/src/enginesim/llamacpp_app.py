@@ -31,7 +31,15 @@ from enginesim import decisions
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour
 from enginesim.engine import Engine, Work
-from enginesim.gpu import LocalHolder, NoDevice, NoHolder, find_device, with_cuda
+from enginesim.gpu import (
+    LocalHolder,
+    NoDevice,
+    NoHolder,
+    SimDevice,
+    Spread,
+    find_devices,
+    with_cuda,
+)
 from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.metrics import Exposition
 from enginesim.openai_chat import (
@@ -42,6 +50,7 @@ from enginesim.openai_chat import (
     JsonDict,
     random_id,
 )
+from enginesim.parallel import split_bytes
 from enginesim.process import Process
 from enginesim.serving import Frontend, HotPaths
 
@@ -192,7 +201,7 @@ class LlamaFrontend(Frontend):
 
     def _plan_memory(self) -> Regions:
         try:
-            device = find_device(os.environ)
+            devices = find_devices(os.environ)
         except NoDevice:
             self.process.die(
                 "ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device "
@@ -200,26 +209,57 @@ class LlamaFrontend(Frontend):
             )
         kv = self.args.ctx_size * KV_PER_TOKEN + self.args.parallel * COMPUTE_PER_SLOT
         sizes = {"weights": self.model_size, "kv_cache": kv}
-        if device is None:
+        if devices is None:
             unclaimed = with_cuda(self.process, NoHolder())
             self.process.at_exit(unclaimed.close)
             return Regions.of(unclaimed, sizes, self.behaviour)
-        holder = with_cuda(self.process, LocalHolder(device, self.behaviour.memory_lag_seconds))
+        placed = self._placement(devices)
+        spread = Spread(tuple(d for _, d, _ in placed), tuple(p for _, _, p in placed))
+        # Real memory on the devices the model lies on, by torch index; torch's current
+        # device when that is the first alone, as before any split.
+        indexes = [(index, part) for index, _, part in placed]
+        claims = LocalHolder(spread.devices[0], self.behaviour.memory_lag_seconds, spread=spread)
+        holder = with_cuda(self.process, claims, None if indexes == [(0, 1.0)] else indexes)
         self.process.at_exit(holder.close)
         if self.args.n_gpu_layers == "0":
             holder.set(0, self.model_size + kv)
             return Regions(NoHolder(), sizes, 0, self.behaviour.faults.sleep_keeps_memory)
-        need = self.model_size + kv
-        if device.free_bytes(exclude={os.getpid()}) < need:
-            mib = need / (1 << 20)
+        self._check_room(placed, self.model_size + kv)
+        return Regions.of(holder, sizes, self.behaviour)
+
+    def _placement(self, devices: list[SimDevice]) -> list[tuple[int, SimDevice, float]]:
+        """The devices the model lies on, each with its index and proportion: the main GPU
+        alone with --split-mode none, else every visible device with a proportion above 0."""
+        if self.args.split_mode == "none":
+            main = self.args.main_gpu
+            if not 0 <= main < len(devices):
+                self.process.die(
+                    f"llama_model_load_from_file_impl: invalid value for main_gpu: {main} "
+                    f"(available devices: {len(devices)})\n"
+                    f"srv    load_model: failed to load model, '{self.args.model}'\n"
+                    "main: exiting due to model loading error"
+                )
+            return [(main, devices[main], 1.0)]
+        given = [*self.args.tensor_split[: len(devices)]]
+        given += [0.0] * (len(devices) - len(given))
+        parts = given if any(given) else [1.0] * len(devices)
+        return [
+            (i, d, part) for i, (d, part) in enumerate(zip(devices, parts, strict=True)) if part > 0
+        ]
+
+    def _check_room(self, placed: list[tuple[int, SimDevice, float]], need: int) -> None:
+        """Each device's share must be free on it, or the load fails as llama.cpp's does."""
+        shares = split_bytes(need, [part for _, _, part in placed])
+        for (index, device, _), share in zip(placed, shares, strict=True):
+            if device.free_bytes(exclude={os.getpid()}) >= share:
+                continue
             self.process.die(
-                f"ggml_backend_cuda_buffer_type_alloc_buffer: allocating {mib:.2f} MiB on device "
-                "0: cudaMalloc failed: out of memory\n"
-                "llama_model_load: error loading model: unable to allocate CUDA0 buffer\n"
+                f"ggml_backend_cuda_buffer_type_alloc_buffer: allocating {share / (1 << 20):.2f} "
+                f"MiB on device {index}: cudaMalloc failed: out of memory\n"
+                f"llama_model_load: error loading model: unable to allocate CUDA{index} buffer\n"
                 f"srv    load_model: failed to load model, '{self.args.model}'\n"
                 "main: exiting due to model loading error"
             )
-        return Regions.of(holder, sizes, self.behaviour)
 
     def _arm_idle(self) -> None:
         if self.args.sleep_idle_seconds <= 0:

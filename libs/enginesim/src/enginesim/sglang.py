@@ -16,6 +16,14 @@ writing to), else one in /tmp that it exports to them; either is removed when it
 the `scheduler_dies` fault the scheduler and detokenizer run as children (`sglang_children`),
 the scheduler dies while loading, and the server waits on without listening until stopped.
 
+With --tp-size (--tp) N > 1 the server holds nothing itself: it starts N
+`sglang::scheduler_TP<i>` children, rank i on the i-th visible device, each holding the
+weights / N and its own KV cache and CUDA graphs, sized by the least memory free on any of the
+devices as SGLang's `profile_max_num_token` takes the minimum over its ranks (see
+`enginesim.ranks`). Release and resume move every rank's memory. A scheduler that dies makes
+the server stop every child and exit non-zero. Refused at start: a model whose
+`num_attention_heads` (config.json) N does not divide, and more ranks than visible devices.
+
 `--enable-lmcache` connects to the LMCache server that `--lmcache-config-file` (or
 LMCACHE_CONFIG_FILE) names with `mp_host` and `mp_port`, once the weights are loaded; its
 chunk size must be a multiple of `--page-size`. LMCache's cache is a radix cache: with
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import mmap
 import os
@@ -35,22 +44,26 @@ import secrets
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from enginesim import decisions, kvconnector
+from enginesim import decisions, kvconnector, ranks
 from enginesim import process as proc
 from enginesim.behaviour import Behaviour, SchedulerDies
-from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice, cuda_device, with_cuda
+from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice, cuda_devices, with_cuda
 from enginesim.kvconnector import KvConfigError, KvConnector
 from enginesim.memory import Regions, finish_loading, weight_bytes
+from enginesim.parallel import per_rank
 from enginesim.process import Process
+from enginesim.ranks import Ranks
 from enginesim.sglang_app import SglangFrontend, build_app
 
 log = logging.getLogger("sglang.srt.entrypoints.http_server")
 
 MIB = 1 << 20
+SCHEDULER_TITLE = "sglang::scheduler_TP"
+CHILD_FAILED = "Received sigquit from a child process. It usually means the child failed."
 SHM_DIR = Path("/dev/shm")  # noqa: S108 - SGLang names its segment there
 REASONING_PARSERS = (
     "deepseek-r1",
@@ -218,13 +231,15 @@ def plan_memory(
     args: SglangArgs,
     holder: Holder,
     behaviour: Behaviour,
-    device: SimDevice | None,
+    devices: list[SimDevice] | None,
 ) -> Regions:
-    weights = weight_bytes(Path(args.model_path))
-    if device is None:
+    """What each rank holds: its share of the weights, then CUDA graphs and the KV cache out
+    of its static budget, sized by the least memory free on any rank's device."""
+    weights = per_rank(weight_bytes(Path(args.model_path)), args.tp_size)
+    if devices is None:
         return Regions.of(holder, {"weights": weights, "kv_cache": 0, "cuda_graph": 0}, behaviour)
-    budget = int(args.mem_fraction_static * device.free_bytes(exclude={os.getpid()}))
-    rest = budget - weights
+    free = min(device.free_bytes(exclude={os.getpid()}) for device in devices)
+    rest = int(args.mem_fraction_static * free) - weights
     if rest <= 0:
         process.die(
             "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
@@ -232,6 +247,62 @@ def plan_memory(
     graphs = min(256 * MIB, rest // 4)
     sizes = {"weights": weights, "kv_cache": rest - graphs, "cuda_graph": graphs}
     return Regions.of(holder, sizes, behaviour)
+
+
+def _holder(
+    process: Process, tp: int, devices: list[SimDevice] | None, behaviour: Behaviour
+) -> Holder:
+    """Who holds the memory: this process (one rank, with real device memory behind it in
+    the CUDA mode), or a scheduler child per rank, whose death stops the server."""
+    lag = behaviour.memory_lag_seconds
+    if tp == 1:
+        holder: Holder = NoHolder() if devices is None else LocalHolder(devices[0], lag)
+        return with_cuda(process, holder)
+    placed: Sequence[SimDevice | None] = devices if devices is not None else [None] * tp
+    schedulers = Ranks(SCHEDULER_TITLE, placed, lag)
+    loop = asyncio.get_running_loop()
+
+    def died(rank: int, code: int) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
+            loop.call_soon_threadsafe(_child_died, process)
+
+    schedulers.watch(died)
+    return schedulers
+
+
+def _child_died(process: Process) -> None:
+    """A scheduler died on its own: the server kills its tree and exits, as SGLang's SIGQUIT
+    handler does (unless the server is stopping: a group's SIGTERM reached them all)."""
+    if not process.stop.is_set():
+        process.die(CHILD_FAILED)
+
+
+def _heads_refusal(tp: int) -> Callable[[int], str]:
+    return lambda heads: (
+        f"AssertionError: num_attention_heads ({heads}) must be divisible by tp_size ({tp})\n"
+        + CHILD_FAILED
+    )
+
+
+def _ordinal_refusal(tp: int, visible: int) -> str:
+    return (
+        f"RuntimeError: CUDA error: invalid device ordinal (--tp-size {tp} needs {tp} GPUs, "
+        f"{visible} visible)\n{CHILD_FAILED}"
+    )
+
+
+def _kill_rank(process: Process, holder: Holder) -> Callable[[int, int, str], None]:
+    """How the `rank_dies` fault kills a rank: its scheduler child, or (one rank) this
+    process, whose scheduler it stands for."""
+
+    def kill(rank: int, code: int, message: str) -> None:
+        said = f"Scheduler hit an exception: {message}"
+        if isinstance(holder, Ranks):
+            holder.kill_rank(rank, code, said)
+        else:
+            process.die(f"{said}\n{CHILD_FAILED}", code)
+
+    return kill
 
 
 def _prometheus_dir(process: Process) -> None:
@@ -282,7 +353,7 @@ async def _scheduler_dies(process: Process, dies: SchedulerDies) -> int:
 
 
 async def _connect_kv(
-    process: Process, args: SglangArgs, behaviour: Behaviour, device: SimDevice | None
+    process: Process, args: SglangArgs, behaviour: Behaviour, devices: list[SimDevice] | None
 ) -> KvConnector | None:
     """LMCache's radix cache connects to its server; no other cache does."""
     if not args.enable_lmcache or args.disable_radix_cache or args.enable_hierarchical_cache:
@@ -297,7 +368,7 @@ async def _connect_kv(
             "PYTHONHASHSEED is not set: LMCache's chunk hashes change with every process, so "
             "a restarted engine misses what it stored before"
         )
-    gpu_ids = [device.device.index] if device is not None else [0]
+    gpu_ids = [device.device.index for device in devices] if devices is not None else [0]
     kv = await kvconnector.connect(process, server, "sglang", gpu_ids, behaviour.kv_connect_seconds)
     if kv is not None and kv.chunk_size % args.page_size:
         process.die(
@@ -320,16 +391,15 @@ def _check_decisions(process: Process, args: SglangArgs) -> None:
 async def _start(process: Process, args: SglangArgs, version: str, behaviour: Behaviour) -> int:
     log.info("server_args=%s", args)
     _check_decisions(process, args)
+    tp = args.tp_size
+    ranks.check_heads(process, Path(args.model_path), tp, _heads_refusal(tp))
     _shared_memory(process, args)
     if args.enable_metrics:
         _prometheus_dir(process)
-    device = cuda_device(process)
-    holder: Holder = NoHolder()
-    if device is not None:
-        holder = LocalHolder(device, behaviour.memory_lag_seconds)
-    holder = with_cuda(process, holder)
+    devices = ranks.rank_devices(process, tp, cuda_devices(process), os.environ, _ordinal_refusal)
+    holder = _holder(process, tp, devices, behaviour)
     process.at_exit(holder.close)
-    regions = plan_memory(process, args, holder, behaviour, device)
+    regions = plan_memory(process, args, holder, behaviour, devices)
     regions.loading(regions.sizes["weights"])
     log.info("Load weight begin.")
     if behaviour.faults.scheduler_dies is not None:
@@ -337,7 +407,7 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     if not await finish_loading(process, behaviour, regions):
         return 0
     log.info("Load weight end.")
-    kv = await _connect_kv(process, args, behaviour, device)
+    kv = await _connect_kv(process, args, behaviour, devices)
     if process.stop.is_set():
         return 0
     try:
@@ -349,6 +419,7 @@ async def _start(process: Process, args: SglangArgs, version: str, behaviour: Be
     app = build_app(frontend)
     process.spawn(frontend.warm_up())
     frontend.arm_death()
+    ranks.arm_rank_death(process, behaviour, tp, _kill_rank(process, holder))
     await proc.serve(
         app, sock, process, frontend.shutdown, access_log=True, corked=behaviour.instant
     )

@@ -7,6 +7,13 @@ Memory: the budget is --gpu-memory-utilization x the device's total; the weights
 model folder's weight files; the KV cache is the rest of the budget, or exactly
 --kv-cache-memory-bytes when given.
 
+With --tensor-parallel-size (-tp) N > 1 the EngineCore holds nothing itself: it starts N
+`VLLM::Worker_TP<i>` children, rank i on the i-th visible device, each holding the weights / N
+and its own KV cache (--gpu-memory-utilization and --kv-cache-memory-bytes are per GPU; the KV
+cache is the smallest any device leaves), see `enginesim.ranks`. Sleep and wake move every
+rank's memory. Refused at start as vLLM refuses: a model whose `num_attention_heads`
+(config.json) N does not divide, and more ranks than visible devices.
+
 `--kv-transfer-config` with LMCache's `LMCacheMPConnector` (LMCache's own module named by
 `kv_connector_module_path`, or vLLM's built-in copy, which imports `lmcache` too) connects to
 the LMCache server once loaded and registers the device's index before the server listens;
@@ -20,17 +27,19 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from enginesim import kvconnector
+from enginesim import kvconnector, ranks
 from enginesim import process as proc
 from enginesim.behaviour import Behaviour
-from enginesim.gpu import ChildHolder, SimDevice, cuda_device, gib
+from enginesim.gpu import SimDevice, cuda_devices, gib
 from enginesim.kvconnector import KvConfigError, KvConnector, VllmKvConfig
 from enginesim.memory import Regions, finish_loading, weight_bytes
+from enginesim.parallel import per_rank
 from enginesim.process import Process
+from enginesim.ranks import ChildHolder
 from enginesim.vllm_app import VllmFrontend, build_app
 
 log = logging.getLogger("vllm.entrypoints.openai.api_server")
@@ -61,7 +70,6 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 # Accepted and ignored: flags that change nothing the simulator shows ("|" joins aliases).
 IGNORED_VALUES = (
     "--dtype",
-    "--tensor-parallel-size|-tp",
     "--pipeline-parallel-size|-pp",
     "--data-parallel-size|-dp",
     "--uvicorn-log-level",
@@ -124,6 +132,7 @@ class VllmArgs:
     enable_server_load_tracking: bool
     kv_transfer_config: VllmKvConfig | None
     logprobs_mode: str
+    tensor_parallel_size: int
 
 
 def human_int(text: str) -> int:
@@ -155,6 +164,7 @@ def build_parser(prog: str, positional_model: bool) -> argparse.ArgumentParser:
     add("--kv-transfer-config")
     add("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    add("--tensor-parallel-size", "-tp", type=int, default=1)
     switches = (
         "--enable-sleep-mode",
         "--enable-auto-tool-choice",
@@ -178,6 +188,8 @@ def parse(argv: Sequence[str], prog: str, positional_model: bool) -> VllmArgs:
             kv = kvconnector.vllm_kv_config(ns.kv_transfer_config)
         except KvConfigError as exc:
             parser.error(f"argument --kv-transfer-config: {exc}")
+    if ns.tensor_parallel_size < 1:
+        parser.error("argument --tensor-parallel-size/-tp: must be at least 1")
     keys = ns.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     return proc.as_parsed(
         VllmArgs,
@@ -230,22 +242,47 @@ def _check(process: Process, args: VllmArgs) -> bool:
 def plan_memory(
     process: Process,
     args: VllmArgs,
-    device: SimDevice | None,
+    devices: list[SimDevice] | None,
     child: ChildHolder,
     behaviour: Behaviour,
 ) -> Regions:
-    weights = weight_bytes(Path(args.model))
-    if device is None:
+    """What each rank holds: its share of the weights and its KV cache, which the smallest
+    room any rank's device leaves sizes (or --kv-cache-memory-bytes, per GPU)."""
+    weights = per_rank(weight_bytes(Path(args.model)), args.tensor_parallel_size)
+    if devices is None:
         sizes = {"weights": weights, "kv_cache": args.kv_cache_memory_bytes or 0}
         return Regions.of(child, sizes, behaviour)
+    rooms = [
+        _room(process, args, index, device, child.pid, behaviour)
+        for index, device in enumerate(devices)
+    ]
+    kv = args.kv_cache_memory_bytes or min(budget for budget, _ in rooms) - weights
+    if kv <= 0 or any(weights + kv > free for _, free in rooms):
+        process.die(
+            "ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine."
+        )
+    return Regions.of(child, {"weights": weights, "kv_cache": kv}, behaviour)
+
+
+def _room(
+    process: Process,
+    args: VllmArgs,
+    index: int,
+    device: SimDevice,
+    core: int,
+    behaviour: Behaviour,
+) -> tuple[int, int]:
+    """GPU `index`'s budget and free bytes, refused as vLLM refuses a budget that does not
+    fit (what this process and its EngineCore `core` claim counts as free)."""
     budget = int(args.gpu_memory_utilization * device.total)
-    free = device.free_bytes(exclude={os.getpid(), child.pid})
+    free = device.free_bytes(exclude={os.getpid(), core})
     extra = behaviour.startup_extra_bytes
     if extra and free < budget + extra:
         process.die(
             f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {gib(extra)} GiB. "
-            f"GPU 0 has a total capacity of {gib(device.total)} GiB of which {gib(free)} GiB "
-            "is free."
+            f"GPU {index} has a total capacity of {gib(device.total)} GiB of which {gib(free)} "
+            "GiB is free."
         )
     if free < budget:
         process.die(
@@ -254,13 +291,35 @@ def plan_memory(
             f"{gib(budget)} GiB). Decrease GPU memory utilization or reduce GPU memory used by "
             "other processes."
         )
-    kv = args.kv_cache_memory_bytes or budget - weights
-    if kv <= 0 or weights + kv > free:
-        process.die(
-            "ValueError: No available memory for the cache blocks. Try increasing "
-            "`gpu_memory_utilization` when initializing the engine."
-        )
-    return Regions.of(child, {"weights": weights, "kv_cache": kv}, behaviour)
+    return budget, free
+
+
+def _heads_refusal(tp: int) -> Callable[[int], str]:
+    return lambda heads: (
+        f"ValueError: Total number of attention heads ({heads}) must be divisible by tensor "
+        f"parallel size ({tp})."
+    )
+
+
+def _world_refusal(world: int, visible: int) -> str:
+    return (
+        f"RuntimeError: world_size ({world}) is greater than the number of available GPUs "
+        f"({visible}): --tensor-parallel-size {world} needs one GPU per rank\n"
+        "RuntimeError: Engine core initialization failed. See root cause above."
+    )
+
+
+def _engine_core(
+    args: VllmArgs, devices: list[SimDevice] | None, behaviour: Behaviour
+) -> ChildHolder:
+    """The EngineCore child, holding the memory itself (one rank) or through its workers."""
+    stays = behaviour.faults.leave_child_on_sigkill
+    core = ["--lag", str(behaviour.memory_lag_seconds), "--orphan", "stay" if stays else "exit"]
+    core += ["--ranks", str(args.tensor_parallel_size)]
+    if devices is not None:
+        core += ["--dir", str(devices[0].folder)]
+        core += ["--uuid", ",".join(device.device.uuid for device in devices)]
+    return ChildHolder("VLLM::EngineCore", "enginesim.enginecore", core)
 
 
 async def _start(process: Process, args: VllmArgs, version: str, behaviour: Behaviour) -> int:
@@ -273,23 +332,24 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
     except OSError as exc:
         process.die(f"OSError: {exc}")
     process.at_exit(sock.close)
-    device = cuda_device(process)
-    child = ChildHolder(
-        device, behaviour.memory_lag_seconds, behaviour.faults.leave_child_on_sigkill
-    )
+    tp = args.tensor_parallel_size
+    ranks.check_heads(process, Path(args.model), tp, _heads_refusal(tp))
+    devices = ranks.rank_devices(process, tp, cuda_devices(process), os.environ, _world_refusal)
+    child = _engine_core(args, devices, behaviour)
     process.at_exit(child.close)
-    regions = plan_memory(process, args, device, child, behaviour)
+    regions = plan_memory(process, args, devices, child, behaviour)
     extra = behaviour.startup_extra_bytes
     regions.loading(regions.full + extra if extra else regions.sizes["weights"])
     if not await finish_loading(process, behaviour, regions):
         return 0
-    kv = await _connect_kv(process, args.kv_transfer_config, behaviour, device)
+    kv = await _connect_kv(process, args.kv_transfer_config, behaviour, devices)
     if process.stop.is_set():
         return 0
     frontend = VllmFrontend(args, version, behaviour, process, regions, dev_mode, kv)
     app = build_app(frontend)
     _watch_child(process, child, frontend)
     frontend.arm_death()
+    ranks.arm_rank_death(process, behaviour, tp, child.kill_rank)
     log.info("Starting vLLM server on http://%s:%d", host, args.port)
     log.info("Available routes are: %s", ", ".join(sorted(frontend.paths(app))))
     await proc.serve(
@@ -304,9 +364,13 @@ async def _start(process: Process, args: VllmArgs, version: str, behaviour: Beha
 
 
 async def _connect_kv(
-    process: Process, config: VllmKvConfig | None, behaviour: Behaviour, device: SimDevice | None
+    process: Process,
+    config: VllmKvConfig | None,
+    behaviour: Behaviour,
+    devices: list[SimDevice] | None,
 ) -> KvConnector | None:
-    """The KV connector, once the model is loaded: LMCache's connects to its server."""
+    """The KV connector, once the model is loaded: LMCache's connects to its server and
+    registers every rank's device."""
     if config is None:
         return None
     if config.server is None:
@@ -322,7 +386,7 @@ async def _connect_kv(
     else:
         log.info("Using %s from %s", config.connector, config.module_path)
     kvconnector.require_module(process, config.module_path or "lmcache")
-    gpu_ids = [device.device.index] if device is not None else [0]
+    gpu_ids = [device.device.index for device in devices] if devices is not None else [0]
     return await kvconnector.connect(
         process, config.server, "vllm", gpu_ids, behaviour.kv_connect_seconds
     )
@@ -342,7 +406,7 @@ def _watch_child(process: Process, child: ChildHolder, frontend: VllmFrontend) -
 
     def gone() -> None:
         loop.remove_reader(fd)
-        if not process.stopping:
+        if not process.stopping and not process.stop.is_set():
             frontend.fatal("Engine core proc EngineCore_DP0 died unexpectedly, shutting down.")
 
     loop.add_reader(fd, gone)

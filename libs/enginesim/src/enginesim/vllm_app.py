@@ -384,7 +384,7 @@ class VllmFrontend(CachingFrontend):
         if method == "reload_weights":
             await asyncio.sleep(self.behaviour.wake_seconds)
             self.engine.weights_stale = False
-            return JSONResponse({"results": [None]})
+            return JSONResponse({"results": [None] * self.args.tensor_parallel_size})
         return self.error(
             500,
             f"AttributeError: 'Worker' object has no attribute '{method}'",

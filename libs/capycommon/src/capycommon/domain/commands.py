@@ -83,7 +83,7 @@ class _LaunchHead(_Command):
     gpu_uuid: str
     # Every GPU of the set in rank order, for an engine across several (gpu_uuid is the
     # first); empty for one GPU.
-    gpu_uuids: tuple[str, ...] = ()
+    gpu_uuids: tuple[str, ...] = Field(default=(), max_length=64)
 
 
 class Launch(EngineTuning, _LaunchHead):

@@ -109,7 +109,7 @@ class InstanceRecord(Strict):
     gpu_uuid: str | None = None
     # Every GPU of its set in rank order, for an engine across several (gpu_uuid is the
     # first); empty for one GPU.
-    gpu_uuids: tuple[str, ...] = ()
+    gpu_uuids: tuple[str, ...] = Field(default=(), max_length=64)
     port: int | None = None
     process: ProcessIdentity | None = None
     log_path: str | None = None
