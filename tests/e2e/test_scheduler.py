@@ -303,12 +303,12 @@ def test_refusals_name_the_problem(cluster: Cluster) -> None:
         (
             {
                 "name": "u",
-                "engine": "vllm",
-                "model": "small",
-                "devices": [{"id": "gpu0"}, {"id": "gpu1"}],
+                "engine": "llama",
+                "model": "gguf",
+                "engine_config": {"tensor_parallel": 2, "context_length": 4096},
             },
             5,
-            "multi_gpu_unsupported",
+            "not_enough_gpus",
         ),
         (
             {

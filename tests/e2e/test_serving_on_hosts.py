@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from capycommon.domain.hosts import STARTUP_HOST_BYTES, HostInfo
+from capycommon.domain.hosts import HOST_CAPABILITIES, STARTUP_HOST_BYTES, HostInfo
 from capycommon.domain.instances import LIVE_STATES, InstanceRecord
 from capycommon.paths import StatePaths
 from capycommon.state import keys
@@ -203,7 +203,7 @@ def test_a_host_that_claims_an_earlier_release_is_not_given_a_model_measured_the
     assert "host_capability_missing:startup_host_bytes" in refused.stderr
     assert "host gpu-a, which runs CapyCTL 0.1.6" in refused.stderr
     assert rows["gpu-a"]["capabilities"] == []
-    assert rows["gpu-b"]["capabilities"] == [STARTUP_HOST_BYTES]
+    assert rows["gpu-b"]["capabilities"] == list(HOST_CAPABILITIES)
     setup.ok("start", "deployment", "pinned", "--wait")  # its own word again: it starts there
     assert setup.where("pinned") == "gpu-a"
 
