@@ -303,12 +303,8 @@ def test_each_vllm_worker_holds_real_memory_on_its_own_device(
     ledger: Path,
     tmp_path: Path,
 ) -> None:
-    folder, gpus = _four(tmp_path)
-    venv = installs.python("vllm", VLLM)
-    write_behaviour(venv, FAST)
-    argv = python_argv("vllm", venv, model_dir, "--tensor-parallel-size", "2")
+    venv, argv, gpus, on = _two_ranks(installs, model_dir, torch_path, ledger, tmp_path)
     argv += ["--enable-sleep-mode"]
-    on = _cuda_env(torch_path, ledger, folder, gpus[:2])
     env = closed_env(venv / "bin", tmp_path, VLLM_SERVER_DEV_MODE="1", **on)
     engine = launcher.start(argv, env)
     engine.wait_status(200)
@@ -329,6 +325,18 @@ def test_each_vllm_worker_holds_real_memory_on_its_own_device(
         assert held(ledger, workers[f"VLLM::Worker_TP{rank}"]) == {}, "stopped: all freed"
 
 
+def _two_ranks(
+    installs: Installs, model_dir: Path, torch_path: Path, ledger: Path, tmp_path: Path
+) -> tuple[Path, list[str], list[SimGpu], dict[str, str]]:
+    """The simulated vLLM across the first two of four devices in the CUDA mode: its venv,
+    its argv, the devices, and the variables of the mode."""
+    folder, gpus = _four(tmp_path)
+    venv = installs.python("vllm", VLLM)
+    write_behaviour(venv, FAST)
+    argv = python_argv("vllm", venv, model_dir, "--tensor-parallel-size", "2")
+    return venv, argv, gpus, _cuda_env(torch_path, ledger, folder, gpus[:2])
+
+
 def _titled_children(parent: int) -> dict[str, int] | None:
     found = {p.cmdline.split(" ")[0]: p.pid for p in live_processes() if p.ppid == parent}
     return found if len(found) == 2 else None
@@ -342,11 +350,7 @@ def test_a_worker_whose_torch_lacks_its_device_stops_the_engine(
     ledger: Path,
     tmp_path: Path,
 ) -> None:
-    folder, gpus = _four(tmp_path)
-    venv = installs.python("vllm", VLLM)
-    write_behaviour(venv, FAST)
-    argv = python_argv("vllm", venv, model_dir, "--tensor-parallel-size", "2")
-    on = _cuda_env(torch_path, ledger, folder, gpus[:2])
+    venv, argv, gpus, on = _two_ranks(installs, model_dir, torch_path, ledger, tmp_path)
     engine = launcher.start(argv, closed_env(venv / "bin", tmp_path, FAKE_TORCH_DEVICES="1", **on))
     assert engine.wait_exit(timeout=30) != 0
     output = engine.output()

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pynvml  # type: ignore[import-untyped]
 import pytest
 
+from capycommon.domain.memory import LINK_ORDER
 from capycommon.errors import DeviceUnobserved
 from capyctl_memwatch.hostram import HostRamReader
 from capyctl_memwatch.nvml import NvmlBackend
@@ -124,3 +125,16 @@ def test_real_discrete_figures_match_nvml_v2(real: NvmlBackend) -> None:
         info = pynvml.nvmlDeviceGetMemoryInfo(device.handle, version=pynvml.nvmlMemory_v2)
         assert gpu.total_bytes == info.total
         assert abs(gpu.used_bytes - info.used) < 256 << 20
+
+
+@gpu_present
+def test_real_links_name_the_other_gpus_alike_both_ways(real: NvmlBackend) -> None:
+    gpus = real.read().gpus
+    uuids = {gpu.uuid for gpu in gpus}
+    for gpu in gpus:
+        assert set(gpu.links) <= uuids - {gpu.uuid}
+        assert all(link in LINK_ORDER for link in gpu.links.values())
+        for other, link in gpu.links.items():
+            assert next(g for g in gpus if g.uuid == other).links[gpu.uuid] == link
+    if len(gpus) == 1:
+        assert gpus[0].links == {}

@@ -4,15 +4,13 @@ over the real driver on a GPU."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pynvml  # type: ignore[import-untyped]
 import pytest
 
-from capycommon.domain.memory import LINK_ORDER, Link
+from capycommon.domain.memory import Link
 from capyctl_memwatch.hostram import HostRamReader
 from capyctl_memwatch.nvml import NvmlBackend, level_link
-from gpucheckrun import nvml_here
 from integration.memwatch.fakenvml import FakeDevice, FakeNvml
 
 A, B, C, D = (f"GPU-{n}0000000-0000-0000-0000-000000000000" for n in range(1, 5))
@@ -127,29 +125,3 @@ def test_one_gpu_has_no_links_and_nvml_is_not_asked() -> None:
     backend = open_fake(nvml)
     assert published(backend) == {A: {}}
     assert nvml.topology_calls == 0
-
-
-gpu_present = pytest.mark.skipif(
-    not nvml_here(), reason="no NVIDIA GPU here: pynvml.nvmlInit() failed (NVML not found)"
-)
-
-
-@pytest.fixture
-def real() -> Iterator[NvmlBackend]:
-    backend = NvmlBackend.open(HostRamReader())
-    assert backend is not None, "nvmlInit succeeded but NVML lists no GPU"
-    yield backend
-    backend.close()
-
-
-@gpu_present
-def test_real_links_name_the_other_gpus_alike_both_ways(real: NvmlBackend) -> None:
-    gpus = real.read().gpus
-    uuids = {gpu.uuid for gpu in gpus}
-    for gpu in gpus:
-        assert set(gpu.links) <= uuids - {gpu.uuid}
-        assert all(link in LINK_ORDER for link in gpu.links.values())
-        for other, link in gpu.links.items():
-            assert next(g for g in gpus if g.uuid == other).links[gpu.uuid] == link
-    if len(gpus) == 1:
-        assert gpus[0].links == {}

@@ -433,28 +433,29 @@ def _links(reading: MemoryReading) -> dict[frozenset[str], Link]:
 
 def _spans_here(record: DeploymentRecord, view: HostView) -> None:
     """A deployment across several GPUs goes only to a host whose release launches one."""
-    if record.document.gpu_count == 1 or TENSOR_PARALLEL in view.capabilities:
-        return
-    release = f"CapyCTL {view.version}" if view.version else "a CapyCTL release that names none"
-    raise HostCapabilityMissing(
-        f"{record.name!r} spans {record.document.gpu_count} GPUs, and host {view.name} runs "
-        f"{release}, which launches an engine on one; upgrade CapyCTL on {view.name} to the "
-        f"server's release ({__version__})",
-        capability=TENSOR_PARALLEL,
-    )
+    if record.document.gpu_count > 1 and TENSOR_PARALLEL not in view.capabilities:
+        spans = f"spans {record.document.gpu_count} GPUs, and host {view.name}"
+        raise _missing(record, view, TENSOR_PARALLEL, spans, ", which launches an engine on one")
 
 
 def _measured_here(record: DeploymentRecord, view: HostView) -> None:
     """A startup peak measured on a host with a discrete GPU is charged there only if the
     host's release measures a start's host RAM apart (`startup_host_bytes`)."""
-    if view.unified or STARTUP_HOST_BYTES in view.capabilities:
-        return
+    if not view.unified and STARTUP_HOST_BYTES not in view.capabilities:
+        measured = f"has a startup peak measured on host {view.name}, which"
+        raise _missing(record, view, STARTUP_HOST_BYTES, measured, " and cannot start it that way")
+
+
+def _missing(
+    record: DeploymentRecord, view: HostView, capability: str, what: str, why: str
+) -> HostCapabilityMissing:
+    """`host_capability_missing:<capability>`: what the deployment needs of the host, the
+    release the host runs, why that cannot, and the upgrade that can."""
     release = f"CapyCTL {view.version}" if view.version else "a CapyCTL release that names none"
-    raise HostCapabilityMissing(
-        f"{record.name!r} has a startup peak measured on host {view.name}, which runs {release} "
-        f"and cannot start it that way; upgrade CapyCTL on {view.name} to the server's release "
-        f"({__version__})",
-        capability=STARTUP_HOST_BYTES,
+    return HostCapabilityMissing(
+        f"{record.name!r} {what} runs {release}{why}; upgrade CapyCTL on {view.name} to the "
+        f"server's release ({__version__})",
+        capability=capability,
     )
 
 
