@@ -399,3 +399,20 @@ def test_a_parked_two_gpu_model_wakes_on_its_own_set_with_a_bound_per_gpu() -> N
     footprint = ready.bindings["big"][HOST].footprints["gpu2+gpu3"]
     assert action.release_bound == footprint.charge("parked")["gpu2"], "one GPU's share"
     assert gpusets.members(action.gpu) == ("gpu2", "gpu3")
+
+
+def test_the_reasons_placement_gives_stay_short_however_many_hosts_lose() -> None:
+    view = host(gpus=2)
+    big = record("big", **BIG)
+    one = scene(view, [(big, 20 * GiB)])
+    names = [f"host-{i:02d}-{'x' * 50}" for i in range(40)]
+    down = {name: replace(view, name=name, alive=False) for name in names}
+    bindings = {"big": {**one.bindings["big"], **dict.fromkeys(names, one.bindings["big"][HOST])}}
+    many = replace(one, hosts={**one.hosts, **down}, bindings=bindings)
+    ledgers = {name: charged(many, name) for name in many.hosts}
+    chosen = placement.best(many, big, ledgers)
+    assert chosen is not None
+    assert chosen.host == HOST
+    assert len(chosen.why) <= placement.MAX_WHY
+    assert "its hostd is not running" in chosen.why
+    DeploymentRecord.model_validate({**big.model_dump(), "placed": chosen.why})

@@ -19,8 +19,10 @@ from capyctl_scheduler.actions import Action
 from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
 
-# How many losing sets `Placed.why` names.
+# How many losing sets, and hosts that may not take it, `Placed.why` names; and its most
+# characters (the deployment record keeps it: `DeploymentRecord.placed`).
 MAX_TOLD = 4
+MAX_WHY = 1000
 
 
 @dataclass(frozen=True)
@@ -89,11 +91,16 @@ def _why(
     lines += [f"not {c.host} {c.place}: {told(c)}" for c in others[:MAX_TOLD]]
     if len(others) > MAX_TOLD:
         lines.append(f"and {len(others) - MAX_TOLD} other sets")
-    for host, binding in _allowed(snapshot, record):
-        reason = _unplaceable(snapshot, snapshot.hosts.get(host), binding)
-        if reason is not None:
-            lines.append(f"not host {host}: {reason}")
-    return "; ".join(lines)
+    hosts = [
+        f"not host {host}: {reason}"
+        for host, binding in _allowed(snapshot, record)
+        if (reason := _unplaceable(snapshot, snapshot.hosts.get(host), binding)) is not None
+    ]
+    lines += hosts[:MAX_TOLD]
+    if len(hosts) > MAX_TOLD:
+        lines.append(f"and {len(hosts) - MAX_TOLD} other hosts")
+    why = "; ".join(lines)
+    return why if len(why) <= MAX_WHY else why[: MAX_WHY - 3] + "..."
 
 
 def _places(view: HostView, record: DeploymentRecord, binding: Binding) -> list[str]:
