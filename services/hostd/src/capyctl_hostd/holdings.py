@@ -21,8 +21,9 @@ from pathlib import Path
 from capycommon.domain import commands as hc
 from capycommon.domain.instances import InstanceRecord, InstanceState
 from capycommon.service import REDIS_ERRORS
+from capycommon.state.memory import MemoryStore
 from capycommon.state.store import InstanceStore
-from capyctl_hostd import engines, procs
+from capyctl_hostd import engines, procs, release
 from capyctl_hostd.cacheserver import CacheServers
 from capyctl_hostd.engines import Engine
 from capyctl_hostd.owned import OwnedEngine, OwnedEngines
@@ -43,6 +44,8 @@ class Holdings:
     owned: OwnedEngines
     caches: CacheServers
     runtime_dir: Path
+    # memwatch's readings, where a stop waits to see its engine's memory released.
+    memory: MemoryStore | None = None
     engines: dict[str, Engine] = field(default_factory=dict)
     # Set when an engine is spawned, for the death watch to follow its leader at once.
     spawned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -133,10 +136,15 @@ class Holdings:
         `keep_cache`), its port and key released; the /dev/shm segments removed."""
         engine = self.engines.pop(record.member, None)
         removed: list[str] = []
+        pgid = engine.pgid if engine is not None else None
+        if pgid is None and record.process is not None:
+            pgid = record.process.pgid
+        pids = {pgid, *procs.group_members(pgid)} if pgid is not None else set()
         if engine is not None:
             removed = await engines.tear_down(engine)
         elif record.process is not None and procs.group_members(record.process.pgid):
             await procs.stop_group(record.process.pgid)
+        await self._released(record, pids, time.time())
         if not keep_cache:  # after the engine: it holds the server's memory mapped
             await self.caches.stop_member(record.member, "its engine stopped")
         self.owned.drop(record.member)
@@ -149,6 +157,20 @@ class Holdings:
         stopped, then its record without it, so it is charged no more."""
         await self.caches.stop_member(record.member, why)
         return await self.move(record, record.state, f"LMCache server stopped: {why}", cache=None)
+
+    async def _released(self, record: InstanceRecord, pids: set[int], since: float) -> None:
+        """Wait for memwatch to show none of the engine's processes on any of its GPUs; say
+        so when it still does (the processes are gone: the stop goes on)."""
+        if self.memory is None:
+            return
+        with contextlib.suppress(*REDIS_ERRORS):  # memwatch's word is lost with Redis
+            held = await release.cleared(self.memory, record, pids, since)
+            if held is not None:
+                log.warning(
+                    "%s: its processes are gone, and memwatch still shows them on %s",
+                    record.member,
+                    held,
+                )
 
     async def stop_uncounted(self, entry: OwnedEngine, record: InstanceRecord | None) -> None:
         """Stop an engine that `record` (its instance's record, if any) does not count, and

@@ -18,6 +18,7 @@ from redis.asyncio.client import PubSub
 from capycommon.domain.instances import InstanceRecord
 from capycommon.domain.memory import MemoryReading
 from capycommon.state import memory
+from capycommon.state.memory import MemoryStore
 from capycommon.state.stores import State
 from capycommon.units import format_duration, format_size
 from capyctl_hostd import procs
@@ -107,6 +108,50 @@ async def _next_reading(pubsub: PubSub, until: float) -> None:
         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
         if memory.kind_of(message) == "reading":
             return
+
+
+# How long a stop waits for memwatch to show none of its engine's processes on its GPUs.
+CLEARED_S = 5.0
+
+
+async def cleared(
+    memory: MemoryStore,
+    record: InstanceRecord,
+    pids: Collection[int],
+    since: float,
+    wait_s: float = CLEARED_S,
+) -> str | None:
+    """Once an engine's processes are gone: wait until a memwatch reading taken after `since`
+    shows none of `pids` on any GPU of the instance (each rank's device), so a stop counts its
+    memory released only once every device shows it free. None once seen (or at once where
+    memwatch keeps no fresh reading: nothing measures there); else the GPUs still showing
+    them after `wait_s`."""
+    gpu_uuids, gone = record.devices, set(pids)
+    latest = await memory.reading(record.host)
+    if not gpu_uuids or not gone or latest is None or not latest.is_fresh(time.time()):
+        return None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    async with memory.announced(record.host) as pubsub:
+        await memory.ask_readings(record.host, record.member)
+        while True:
+            reading = await memory.reading(record.host)
+            fresh = reading is not None and reading.taken_at > since
+            held = [] if reading is None else _holding(reading, gpu_uuids, gone)
+            if fresh and not held:
+                return None
+            if loop.time() >= deadline:
+                return ", ".join(held) if fresh else "no fresh reading"
+            await _next_reading(pubsub, min(loop.time() + UNANNOUNCED_S, deadline))
+
+
+def _holding(reading: MemoryReading, gpu_uuids: Collection[str], pids: set[int]) -> list[str]:
+    """The GPUs of `gpu_uuids` where the reading shows any of `pids`."""
+    return [
+        f"gpu{gpu.index}"
+        for gpu in reading.gpus
+        if gpu.uuid in gpu_uuids and not pids.isdisjoint(gpu.processes)
+    ]
 
 
 def judge(seen: Seen, bound: int, verify_s: float, residency: str) -> tuple[bool, str]:

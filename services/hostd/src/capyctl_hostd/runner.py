@@ -63,7 +63,12 @@ class Runner:
             self.paths.runtime_dir,
         )
         self.holdings = Holdings(
-            self.store, self.ports, OwnedEngines(record), caches, self.paths.runtime_dir
+            self.store,
+            self.ports,
+            OwnedEngines(record),
+            caches,
+            self.paths.runtime_dir,
+            memory=self.state.memory,
         )
         self.models = ModelStore(
             self.host, self.state, self.store, self.paths.models_root, self.paths.state_dir
