@@ -25,7 +25,7 @@ def test_without_a_gpu_each_gpu_step_says_skip_naming_nvml_and_it_exits_0() -> N
         assert found[number] == ("SKIP", NO_GPU)
     status, text = found[2]
     assert status == "SKIP"
-    assert text.startswith("the 2 NVML-gated tests skipped (no NVIDIA GPU here: ")
+    assert text.startswith("the 3 NVML-gated tests skipped (no NVIDIA GPU here: ")
     assert text.endswith(" others passed"), "the tests that need no GPU ran and passed"
     head = done.stdout.splitlines()[0]
     assert head.startswith("gpu-check: capyctl ")
