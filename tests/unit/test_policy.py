@@ -238,7 +238,9 @@ def test_placement_breaks_a_tie_by_the_lowest_gpu_and_keeps_to_a_pinned_one() ->
     placed = placement.best(free, free.deployments["b"], {HOST: charged(free, HOST)})
     assert placed is not None
     assert (placed.host, placed.gpu) == (HOST, "gpu0"), "a tie goes to the lowest index"
-    assert "not local gpu1: its start fits now" in placed.why
+    assert "not local gpu1: 22.1 GiB headroom" in placement.explain(
+        free, free.deployments["b"], placed
+    )
     records = [deployment("a"), deployment("b", devices=[{"id": "gpu0"}])]
     busy = snapshot(1.0, records, [instance("a", S.READY, gpu=0)], host=host)
     ledgers = {HOST: charged(busy, HOST)}

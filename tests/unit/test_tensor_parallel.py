@@ -301,8 +301,9 @@ def test_the_tightest_set_wins_and_a_fuller_pair_loses_to_a_free_one() -> None:
     chosen = placement.best(free, big, {HOST: charged(free, HOST)})
     assert chosen is not None
     assert chosen.gpu == "gpu0+gpu1", "NVLink, and the lowest indices of the two pairs"
-    assert "all nvlink" in chosen.why
-    assert "not local gpu2+gpu3" in chosen.why
+    why = placement.explain(free, big, chosen)
+    assert "all nvlink" in why
+    assert "not local gpu2+gpu3" in why
     # A small model holds gpu1: gpu2+gpu3 still has room for the whole span on NVLink.
     small = record("small")
     held = scene(view, [(big, 30 * GiB), (small, 15 * GiB)], [running("small", S.READY, 1)])
@@ -318,7 +319,7 @@ def test_with_no_topology_the_set_with_the_most_headroom_wins() -> None:
     chosen = placement.best(held, big, {HOST: charged(held, HOST)})
     assert chosen is not None
     assert chosen.gpu == "gpu1+gpu2", "gpu0 is charged; of the free sets, the lowest indices"
-    assert "topology unknown" in chosen.why
+    assert "topology unknown" in placement.explain(held, big, chosen)
 
 
 def test_a_start_across_two_gpus_names_both_and_waits_for_a_start_on_either() -> None:
@@ -413,6 +414,7 @@ def test_the_reasons_placement_gives_stay_short_however_many_hosts_lose() -> Non
     chosen = placement.best(many, big, ledgers)
     assert chosen is not None
     assert chosen.host == HOST
-    assert len(chosen.why) <= placement.MAX_WHY
-    assert "its hostd is not running" in chosen.why
-    DeploymentRecord.model_validate({**big.model_dump(), "placed": chosen.why})
+    why = placement.explain(many, big, chosen)
+    assert len(why) <= placement.MAX_WHY
+    assert "its hostd is not running" in why
+    DeploymentRecord.model_validate({**big.model_dump(), "placed": why})

@@ -94,6 +94,6 @@ def start(snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledge
             gpu=gpu,
             generation=record.generation + 1,
             device_free=free,
-            placed=placed.why,
+            placed=placement.explain(snapshot, record, placed),
         )
     ]

@@ -10,6 +10,7 @@ reports it; with no topology known every set is as tight as any other.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from functools import cache
 from itertools import combinations
 
 from capycommon.domain.memory import LINK_ORDER, Link
@@ -22,11 +23,13 @@ def key(gpus: Iterable[str]) -> str:
     return "+".join(gpus)
 
 
+@cache
 def members(name: str) -> tuple[str, ...]:
     """The GPUs of a set, in rank order (`gpu0+gpu1` -> gpu0, gpu1)."""
     return tuple(name.split("+")) if name else ()
 
 
+@cache
 def index(gpu: str) -> int:
     """A GPU's index (`gpu3` -> 3), for ordering gpu10 after gpu9."""
     found = gpu.removeprefix("gpu")

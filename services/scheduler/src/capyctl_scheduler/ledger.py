@@ -318,6 +318,15 @@ class Ledger:
                 found.append(Refusal(name, needs, max(0, ceiling - others), domain.free_reserve))
         return found
 
+    def fits(self, owner: str, charge: Mapping[str, int]) -> bool:
+        """Whether `charge` would leave every domain within its limits (`refusals` finds
+        none), from the headrooms worked out once; False where a domain is unobserved."""
+        own = self.charges.get(owner, {})
+        return all(
+            name in self.domains and needs <= self.headroom(name) + own.get(name, 0)
+            for name, needs in charge.items()
+        )
+
     def admit(self, owner: str, charge: Mapping[str, int]) -> Ledger:
         """The ledger with `owner` charged `charge`, or InsufficientResources with figures."""
         refusals = self.refusals(owner, charge)

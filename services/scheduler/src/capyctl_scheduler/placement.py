@@ -8,6 +8,7 @@ else a wait.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import cache
 
@@ -27,70 +28,121 @@ MAX_WHY = 1000
 
 @dataclass(frozen=True)
 class Placed:
-    """Where a start goes, and why: the host and GPU set chosen, and what placement weighed."""
+    """Where a start goes: the host and GPU set chosen, and every set weighed (`explain`)."""
 
     host: str
     gpu: str
-    why: str
+    chosen: _Choice
+    choices: tuple[_Choice, ...]
+    # How many more were weighed than `choices` holds.
+    more: int = 0
 
 
 def best(snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledger]) -> Placed | None:
-    """The host and GPU set a start of `record` goes to. A set where its start fits now comes
-    first; then the tightest set (NVLink before a PCIe switch, a host bridge, a NUMA node, the
-    system: `gpusets.tightness`); then the most headroom (of the set's fullest GPU); on a tie
-    the first host, then the lowest GPU indices. None when no host may take it now."""
+    """The host and GPU set a start of `record` goes to. For a model across several GPUs, a
+    set where its start fits now comes first, then the tightest set (NVLink before a PCIe
+    switch, a host bridge, a NUMA node, the system: `gpusets.tightness`); then the most
+    headroom (of the set's fullest GPU); on a tie the first host, then the lowest GPU
+    indices. None when no host may take it now."""
+    if record.document.gpu_count == 1:
+        return _best_gpu(snapshot, record, ledgers)
     choices: list[_Choice] = []
     for host, binding in _allowed(snapshot, record):
         view = snapshot.hosts.get(host)
         if view is None or _unplaceable(snapshot, view, binding) is not None:
             continue
-        for place in _places(view, record, binding):
-            choices.append(_choice(snapshot, view, ledgers[host], record.name, binding, place))
+        ledger = ledgers[host]
+        for place, members in _places(view, record, binding):
+            choices.append(_choice(view, ledger, record.name, binding, place, members))
     if not choices:
         return None
     chosen = max(choices, key=lambda c: c.rank)
-    return Placed(chosen.host, chosen.place, _why(chosen, choices, snapshot, record))
+    return Placed(chosen.host, chosen.place, chosen, tuple(choices))
 
 
-@dataclass(frozen=True)
+def _best_gpu(
+    snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledger]
+) -> Placed | None:
+    """`best` for a model on one GPU: the most headroom, then the first host and the lowest
+    index. The plan asks this of every demanded deployment on every GPU of every host, so it
+    weighs plain tuples and keeps only the few `explain` names."""
+    ranked: list[tuple[int, tuple[int, ...], int, str, str]] = []
+    for host, binding in _allowed(snapshot, record):
+        view = snapshot.hosts.get(host)
+        if view is None or _unplaceable(snapshot, view, binding) is not None:
+            continue
+        ledger, host_rank = ledgers[host], _neg(host)
+        for gpu, domain in _gpus(view, record):
+            if domain in view.domains and gpu in binding.footprints:
+                ranked.append((ledger.headroom(domain), host_rank, -gpusets.index(gpu), host, gpu))
+    if not ranked:
+        return None
+    kept = [
+        _Choice(host, gpu, None, headroom, (True, (0, 0), headroom, host_rank, (gpu_rank,)))
+        for headroom, host_rank, gpu_rank, host, gpu in heapq.nlargest(MAX_TOLD + 1, ranked)
+    ]
+    more = len(ranked) - len(kept)
+    return Placed(kept[0].host, kept[0].place, kept[0], tuple(kept), more)
+
+
+def _gpus(view: HostView, record: DeploymentRecord) -> list[tuple[str, str]]:
+    """The GPUs a deployment on one GPU may start on, each with its ledger domain."""
+    pinned = record.document.pinned
+    if view.unified:
+        return view.gpu_domains[:1]
+    return [(pinned[0], view.domain_of(pinned[0]))] if pinned else view.gpu_domains
+
+
+Rank = tuple[bool, tuple[int, int], int, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
 class _Choice:
     host: str
     place: str
-    fits: bool
-    links: str
+    # Whether its start fits now (None for one GPU, whose headroom says as much).
+    fits: bool | None
     headroom: int
     # (fits, tighter, headroom, the first host, the lowest indices): the greatest wins.
-    rank: tuple[bool, tuple[int, int], int, tuple[int, ...], tuple[int, ...]]
+    rank: Rank
 
 
 def _choice(
-    snapshot: Snapshot, view: HostView, ledger: Ledger, name: str, binding: Binding, place: str
+    view: HostView,
+    ledger: Ledger,
+    name: str,
+    binding: Binding,
+    place: str,
+    members: tuple[str, ...],
 ) -> _Choice:
-    charge = binding.footprints[place].charge("starting")
-    fits = not ledger.refusals(name, charge)
+    fits = ledger.fits(name, binding.footprints[place].charge("starting"))
     headroom = min(ledger.headroom(domain) for domain in view.domains_of(place))
     worst, total = gpusets.tightness(place, view.links)
-    indices = tuple(-gpusets.index(gpu) for gpu in gpusets.members(place))
-    rank = (fits, (-worst, -total), headroom, _neg(view.name), indices)
-    return _Choice(view.name, place, fits, gpusets.describe_link(place, view.links), headroom, rank)
+    indices = tuple(-gpusets.index(gpu) for gpu in members)
+    spans: Rank = (fits, (-worst, -total), headroom, _neg(view.name), indices)
+    return _Choice(view.name, place, fits, headroom, spans)
 
 
-def _why(
-    chosen: _Choice, choices: list[_Choice], snapshot: Snapshot, record: DeploymentRecord
-) -> str:
+def explain(snapshot: Snapshot, record: DeploymentRecord, placed: Placed) -> str:
     """What placement weighed, for status: the set chosen and each other set's or host's
-    reason to lose (a few at most)."""
+    reason to lose (a few at most), within MAX_WHY characters."""
 
     def told(choice: _Choice) -> str:
+        headroom = f"{format_size(choice.headroom)} headroom"
+        if choice.fits is None:
+            return headroom
         room = "its start fits now" if choice.fits else "needs a switch to fit"
-        links = "" if len(gpusets.members(choice.place)) < 2 else f", {choice.links}"
-        return f"{room}{links}, {format_size(choice.headroom)} headroom"
+        links = gpusets.describe_link(choice.place, snapshot.hosts[choice.host].links)
+        return f"{room}, {links}, {headroom}"
 
+    chosen = placed.chosen
     lines = [f"{chosen.host} {chosen.place}: {told(chosen)}"]
-    others = sorted((c for c in choices if c is not chosen), key=lambda c: c.rank, reverse=True)
+    others = sorted(
+        (c for c in placed.choices if c is not chosen), key=lambda c: c.rank, reverse=True
+    )
     lines += [f"not {c.host} {c.place}: {told(c)}" for c in others[:MAX_TOLD]]
-    if len(others) > MAX_TOLD:
-        lines.append(f"and {len(others) - MAX_TOLD} other sets")
+    if len(others) + placed.more > MAX_TOLD:
+        lines.append(f"and {len(others) + placed.more - MAX_TOLD} other sets")
     hosts = [
         f"not host {host}: {reason}"
         for host, binding in _allowed(snapshot, record)
@@ -103,21 +155,18 @@ def _why(
     return why if len(why) <= MAX_WHY else why[: MAX_WHY - 3] + "..."
 
 
-def _places(view: HostView, record: DeploymentRecord, binding: Binding) -> list[str]:
-    """The GPU sets of `view` a start may take: those its binding has footprints for, within
-    the GPU it is pinned to (one GPU: a set of one; several: its binding has only that set)."""
-    if view.unified:
-        first = view.gpu_domains[:1]
-        return [
-            gpu for gpu, domain in first if domain in view.domains and gpu in binding.footprints
-        ]
-    pinned = record.document.pinned
-    return [
-        place
-        for place in binding.footprints
-        if len(pinned) != 1 or place == pinned[0]
-        if all(domain in view.domains for domain in view.domains_of(place))
-    ]
+def _places(
+    view: HostView, record: DeploymentRecord, binding: Binding
+) -> list[tuple[str, tuple[str, ...]]]:
+    """The GPU sets of `view` a model across several GPUs may take, each with its GPUs: those
+    its binding has footprints for (only the pinned set, where it names its devices) whose
+    GPUs the host's reading observes."""
+    found = []
+    for place in binding.footprints:
+        members = gpusets.members(place)
+        if all(view.domain_of(gpu) in view.domains for gpu in members):
+            found.append((place, members))
+    return found
 
 
 def none_fits(snapshot: Snapshot, record: DeploymentRecord) -> Action:

@@ -106,7 +106,9 @@ class HostView:
     def place_of(self, instance: InstanceRecord) -> str | None:
         """The GPU set an instance runs on (`gpu1`, `gpu0+gpu1`); None while any of its GPUs
         is unknown here (no reading names it)."""
-        names = [self.gpu_of(uuid) for uuid in instance.devices]
+        if not instance.gpu_uuids:  # one GPU, as most run
+            return self.gpu_of(instance.gpu_uuid)
+        names = [self.gpu_of(uuid) for uuid in instance.gpu_uuids]
         if not names or any(name is None for name in names):
             return None
         return gpusets.key(name for name in names if name is not None)
