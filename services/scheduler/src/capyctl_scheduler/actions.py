@@ -61,7 +61,7 @@ class Action:
     # start: what the plan's ledger leaves free on the GPU's domain as the engine starts: its
     # capacity less what the ledger charges every other owner there.
     device_free: int | None = None
-    # start: why placement chose its host and GPU set (`placement.Placed.why`).
+    # start: why placement chose its host and GPU set (`placement.explain`).
     placed: str = ""
 
 

@@ -1,7 +1,8 @@
-"""Placement: a start goes to a GPU set of one host (one GPU, or as many as the model spans):
-the one where it fits now, the tightest by topology, with the most headroom in the ledger,
-among the hosts the deployment may run on (`best`); a pinned one goes to the GPUs it is
-pinned to; a parked instance wakes where it parked. When no host may take it now,
+"""Placement: a start goes to one GPU of a host, the one with the most headroom in the ledger,
+or, for a model across several, to a set of GPUs of one host: one where it fits now, the
+tightest by topology, with the most headroom; among the hosts the deployment may run on
+(`best`, with the reasons `explain` gives). A pinned one goes to the GPUs it is pinned to; a
+parked instance wakes where it parked. When no host may take it now,
 `none_fits` says why: a refusal when only an operator (or a host coming back) changes that,
 else a wait.
 """
@@ -20,7 +21,7 @@ from capyctl_scheduler.actions import Action
 from capyctl_scheduler.ledger import Ledger
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
 
-# How many losing sets, and hosts that may not take it, `Placed.why` names; and its most
+# How many losing sets, and hosts that may not take it, `explain` names; and its most
 # characters (the deployment record keeps it: `DeploymentRecord.placed`).
 MAX_TOLD = 4
 MAX_WHY = 1000
