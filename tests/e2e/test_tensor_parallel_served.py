@@ -83,3 +83,21 @@ def test_sizes_that_cannot_run_are_refused_as_they_are_declared() -> None:
         assert "not_enough_gpus" in four.stderr
         assert "it spans 4 GPUs and this host has 2 (gpu0, gpu1)" in four.stderr
         assert cluster.declared() == {}, "nothing was declared"
+
+
+def test_an_sglang_model_across_two_gpus_parks_and_wakes_every_rank() -> None:
+    with running("tpsg", "gpu0:24GiB,gpu1:24GiB") as cluster:
+        heads_model(cluster.root / "models" / "big30", 30 * GiB)
+        cluster.deploy("sg", engine="sglang", model="big30", residency="deep", engine_config=BIG)
+        client = cluster.openai()
+        ask(client, "sg")
+        held = ranks(cluster, "sg")
+        assert sorted(held) == ["gpu0", "gpu1"], "a scheduler process per GPU"
+        cluster.ok("park", "deployment", "sg", "--wait")
+        parked = {c["domain"]: c["phase"] for c in cluster.status("sg")["charges"]}
+        assert (parked["gpu0"], parked["gpu1"]) == ("parked", "parked")
+        (park,) = [reason for _, to, reason in cluster.transitions("sg") if to == "parked"]
+        assert "parked charge" in park, "counted once its fullest GPU was within the charge"
+        ask(client, "sg")  # a request wakes every rank
+        assert cluster.state("sg") == "ready"
+        assert sorted(ranks(cluster, "sg")) == ["gpu0", "gpu1"]
