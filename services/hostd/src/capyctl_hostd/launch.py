@@ -118,10 +118,7 @@ class Launcher:
 
     async def _launch_on_gpu(self, command: hc.Launch, current: InstanceRecord | None) -> None:
         gpus = GpuLocks(
-            [
-                self._gpu_locks.setdefault(uuid, asyncio.Lock())
-                for uuid in sorted(command.gpu_uuids or (command.gpu_uuid,))
-            ]
+            [self._gpu_locks.setdefault(uuid, asyncio.Lock()) for uuid in sorted(command.devices)]
         )
         if command.hub is not None:
             await self._launch(command, current, gpus)  # the GPUs are taken once downloaded
@@ -282,7 +279,7 @@ class Launcher:
             **engine_environment(
                 spec,
                 plan,
-                gpu_uuid=",".join(command.gpu_uuids or (command.gpu_uuid,)),
+                gpu_uuid=",".join(command.devices),
                 home=self.paths.home,
                 simgpu_dir=self.paths.simgpu_dir,
                 telemetry=self.telemetry,

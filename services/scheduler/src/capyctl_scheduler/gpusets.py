@@ -56,10 +56,8 @@ def tightness(name: str, links: Mapping[frozenset[str], Link]) -> tuple[int, int
 
 
 def describe_link(name: str, links: Mapping[frozenset[str], Link]) -> str:
-    """How a set's GPUs connect, for status: `nvlink`, `worst link: node`, or `topology
-    unknown`."""
-    if len(members(name)) < 2:
-        return "one GPU"
+    """How the GPUs of a set of several connect, for status: `all nvlink`, `worst link node`,
+    or `topology unknown`."""
     worst, _ = tightness(name, links)
     if worst == UNKNOWN:
         return "topology unknown"

@@ -53,7 +53,7 @@ def best(snapshot: Snapshot, record: DeploymentRecord, ledgers: dict[str, Ledger
         if view is None or _unplaceable(snapshot, view, binding) is not None:
             continue
         ledger = ledgers[host]
-        for place, members in _places(view, record, binding):
+        for place, members in _places(view, binding):
             choices.append(_choice(view, ledger, record.name, binding, place, members))
     if not choices:
         return None
@@ -156,9 +156,7 @@ def explain(snapshot: Snapshot, record: DeploymentRecord, placed: Placed) -> str
     return why if len(why) <= MAX_WHY else why[: MAX_WHY - 3] + "..."
 
 
-def _places(
-    view: HostView, record: DeploymentRecord, binding: Binding
-) -> list[tuple[str, tuple[str, ...]]]:
+def _places(view: HostView, binding: Binding) -> list[tuple[str, tuple[str, ...]]]:
     """The GPU sets of `view` a model across several GPUs may take, each with its GPUs: those
     its binding has footprints for (only the pinned set, where it names its devices) whose
     GPUs the host's reading observes."""

@@ -101,6 +101,11 @@ class Launch(EngineTuning, _LaunchHead):
     # What the model serves: chat, or decisions (a decision model).
     api: Literal["chat", "decisions"] = "chat"
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The UUIDs of every GPU it starts the engine on, in rank order."""
+        return self.gpu_uuids or (self.gpu_uuid,)
+
     def tuning(self) -> EngineTuning:
         """The engine's tuning alone, without the rest of the command, for its adapter."""
         return EngineTuning.model_validate(self.model_dump(include=set(EngineTuning.model_fields)))
