@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -153,6 +154,16 @@ def openapi_cases(document: dict[str, Any]) -> st.SearchStrategy[Case[Any]]:
 async def send(http: httpx.AsyncClient, case: Case[Any], auth: dict[str, str]) -> httpx.Response:
     """`case` as schemathesis would send it, through `http`, with `auth`."""
     sent = case.as_transport_kwargs(base_url=str(http.base_url), headers=auth)
+    if sent.get("files"):  # a multipart form, encoded as schemathesis's own client would
+        prepared = requests.PreparedRequest()
+        prepared.prepare_headers(None)
+        prepared.prepare_body(sent.get("data"), sent["files"])
+        headers = {k: v for k, v in sent["headers"].items() if k.lower() != "content-type"}
+        headers["Content-Type"] = prepared.headers["Content-Type"]
+        assert isinstance(prepared.body, bytes)
+        return await http.request(
+            sent["method"], sent["url"], headers=headers, content=prepared.body
+        )
     return await http.request(
         sent["method"],
         sent["url"],

@@ -46,6 +46,10 @@ CREDENTIALS = generate()
 AUTH = {"Authorization": f"Bearer {CREDENTIALS.api_key}"}
 HOST = "local"
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+# The other JSON routes, each answered by the fake engine in its API's shape.
+MORE_ROUTES = ["/v1/responses", "/v1/rerank", "/v1/score", "/tokenize", "/detokenize"]
+ANTHROPIC_ROUTES = ["/v1/messages", "/v1/messages/count_tokens"]
+FORM_ROUTE = "/v1/audio/transcriptions"
 DECISION_ROUTES = ["/v1/decisions", "/v1/systemone"]
 # A decision model on the same engine.
 JUDGE = "judge"
@@ -68,11 +72,19 @@ class Served:
 
     def engine(self, request: httpx.Request) -> httpx.Response:
         self.sent.append(request.content)
+        path = request.url.path
+        if path == FORM_ROUTE:
+            assert request.headers["content-type"].startswith("multipart/form-data; boundary=")
+            return httpx.Response(200, json={"text": "hi"})
         body = json.loads(request.content)  # what the router sends parses anywhere
-        if request.url.path == "/v1/embeddings":
+        if path == "/v1/embeddings":
             return httpx.Response(200, content=self.embeddings)
-        if request.url.path == "/v1/systemone":
+        if path == "/v1/systemone":
             return httpx.Response(200, json=_decided(body))
+        if path in ("/v1/responses", "/v1/messages"):
+            return httpx.Response(200, content=_typed_events(path))
+        if path in MORE_ROUTES or path in ANTHROPIC_ROUTES:
+            return httpx.Response(200, json={"model": body["model"], "input_tokens": 1})
         events = f"data: {json.dumps(CHUNK)}\n\ndata: [DONE]\n\n"
         return httpx.Response(200, content=events.encode())
 
@@ -115,6 +127,28 @@ async def served(redis_socket: Path, caplog: pytest.LogCaptureFixture) -> AsyncI
     assert tracebacks == []
 
 
+def _typed_events(path: str) -> bytes:
+    """A short answer in the typed events of Responses or Messages."""
+    if path == "/v1/responses":
+        response = {"id": "resp_1", "object": "response", "status": "completed", "output": []}
+        events: list[dict[str, Any]] = [
+            {"type": "response.created", "response": {**response, "status": "in_progress"}},
+            {"type": "response.completed", "response": response},
+        ]
+    else:
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+        events = [
+            {"type": "message_start", "message": {**message, "usage": {"input_tokens": 1}}},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}},
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta"}},
+            {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {}},
+            {"type": "message_stop"},
+        ]
+    return b"".join(
+        f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode() for event in events
+    )
+
+
 def _decided(body: dict[str, Any]) -> dict[str, Any]:
     """A System One answer to every question asked: the first option, or level, at 0.75."""
     answers: dict[str, Any] = {}
@@ -139,10 +173,15 @@ def _decided(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _refusal(response: httpx.Response) -> dict[str, Any]:
-    """The OpenAI error object of a 4xx answer."""
+    """The error object of a 4xx answer: Anthropic's on its routes, else OpenAI's."""
     assert 400 <= response.status_code < 500, response.text
-    error: dict[str, Any] = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    found = response.json()
+    error: dict[str, Any] = found["error"]
+    if response.request.url.path in ANTHROPIC_ROUTES:
+        assert found["type"] == "error"
+        assert set(error) == {"message", "type", "code"}
+    else:
+        assert set(error) == {"message", "type", "param", "code"}
     return error
 
 
@@ -216,7 +255,7 @@ async def _answered_without_5xx(served: Served, path: str, body: bytes) -> None:
 
 @pytest.mark.anyio
 @FUZZ
-@given(path=st.sampled_from(ROUTES), body=BODIES)
+@given(path=st.sampled_from(ROUTES + MORE_ROUTES + ANTHROPIC_ROUTES), body=BODIES)
 async def test_hostile_json_is_never_a_5xx(served: Served, path: str, body: bytes) -> None:
     await _answered_without_5xx(served, path, body)
 

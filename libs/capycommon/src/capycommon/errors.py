@@ -207,6 +207,21 @@ class NotADecisionModel(InvalidConfig):
     code = "not_a_decision_model"
 
 
+class ApiNotServed(CapyError):
+    """`capability_missing:<api>` as a request's refusal (400): the model's engine, at its
+    version, does not serve the API the request was sent to."""
+
+    code = "capability_missing"
+
+    def __init__(self, message: str, *, api: str) -> None:
+        super().__init__(message, code=f"{ApiNotServed.code}:{api}")
+        self.api = api
+
+    @property
+    def http_status(self) -> int:
+        return 400
+
+
 class WrongApi(CapyError):
     """A request on a route of the other api than its deployment's (chat or decisions)."""
 

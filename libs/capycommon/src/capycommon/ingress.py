@@ -15,7 +15,22 @@ key is the ingress's to add, so it never crosses the network.
 from __future__ import annotations
 
 # The paths an ingress forwards, the router's inference paths; anything else is 404.
-PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/v1/score",
+        "/tokenize",
+        "/detokenize",
+        "/v1/audio/transcriptions",
+        "/v1/systemone",
+    }
+)
 
 # Request headers naming the instance a request was admitted to.
 DEPLOYMENT_HEADER = "x-capyctl-deployment"

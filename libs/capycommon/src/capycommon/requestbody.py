@@ -322,11 +322,20 @@ def _child(node: object, part: int | str) -> tuple[bool, object]:
 _SCHEMAS = "#/components/schemas/"
 
 
-def openapi_body(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
-    """A route's `openapi_extra` when it reads its body itself: the body `model` describes."""
-    schema = {"$ref": f"{_SCHEMAS}{model.__name__}"}
-    content = {"application/json": {"schema": schema}}
-    return {"requestBody": {"required": required, "content": content}}
+def openapi_body(
+    model: type[BaseModel], required: bool = True, files: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A route's `openapi_extra` when it reads its body itself: the body `model` describes
+    as JSON; with `files`, a multipart form of the model's fields and those file parts."""
+    schema: dict[str, Any] = {"$ref": f"{_SCHEMAS}{model.__name__}"}
+    if not files:
+        content = {"application/json": {"schema": schema}}
+        return {"requestBody": {"required": required, "content": content}}
+    parts = {name: {"type": "string", "format": "binary"} for name in files}
+    form = {"allOf": [schema, {"type": "object", "required": list(files), "properties": parts}]}
+    return {
+        "requestBody": {"required": required, "content": {"multipart/form-data": {"schema": form}}}
+    }
 
 
 def new_app(kind: type[App], title: str, **options: Any) -> App:

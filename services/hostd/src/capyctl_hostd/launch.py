@@ -233,6 +233,7 @@ class Launcher:
                 "process": procs.identity(engine.pgid),
                 "fingerprint": engine.spec.profile.fingerprint,
                 "family": engine.spec.profile.family.value,
+                "version": engine.spec.profile.version,
                 "cache": None if server is None else server.record,
             }
         )

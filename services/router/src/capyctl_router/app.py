@@ -1,7 +1,10 @@
 """The inference API: OpenAI-compatible routes behind the API key.
 
-POST /v1/chat/completions, /v1/completions and /v1/embeddings are forwarded to the engine of
-the deployment that serves the request's model; nothing else of an engine is reachable. A
+POST /v1/chat/completions, /v1/completions, /v1/responses, Anthropic's /v1/messages (its
+key also as x-api-key, its errors in its envelope), /v1/embeddings, /v1/rerank, /v1/score,
+/tokenize, /detokenize and /v1/audio/transcriptions (a multipart form) are forwarded to the
+engine of the deployment that serves the request's model, where that engine serves the API
+(else 400 `capability_missing:<api>`); nothing else of an engine is reachable. A
 decision model's (`api: decisions`) are POST /v1/decisions, OpenAI's Decisions shape, which
 the router translates to System One and back (`decisions`), and POST /v1/systemone, passed
 as sent; each api's routes refuse the other's models (`wrong_api`). Each body is read and
@@ -30,6 +33,7 @@ from capycommon import httpauth, requestbody
 from capycommon.credentials import Credentials
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.engineclient import Engines
+from capycommon.engines.families import ENGINE_FAMILIES
 from capycommon.errorcodes import http_code_for
 from capycommon.errors import (
     CapyError,
@@ -41,10 +45,10 @@ from capycommon.errors import (
     WrongApi,
 )
 from capycommon.service import REDIS_ERRORS, wait_event
-from capyctl_router import decisions
+from capyctl_router import decisions, forms
 from capyctl_router.bodies import InferenceBody
 from capyctl_router.dispatch import Dispatcher
-from capyctl_router.endpoints import ENDPOINTS, Endpoint, serving
+from capyctl_router.endpoints import ENDPOINTS, Endpoint, endpoints_of, serving
 from capyctl_router.errors import (
     ERROR_RESPONSES,
     capy_error_handler,
@@ -52,10 +56,9 @@ from capyctl_router.errors import (
     envelope,
 )
 from capyctl_router.proxy import Exchange
-from capyctl_router.relay import Call
+from capyctl_router.relay import SYSTEMONE_PATH, Call, not_served
 from capyctl_router.table import Table
 
-MAX_BODY = 4 << 20
 # The header by which a streamed request asks for comment lines while its model loads.
 PROGRESS_HEADER = "CapyCTL-Progress"
 # The bearer token, read by the routes themselves; the OpenAPI document names it once.
@@ -93,11 +96,21 @@ class RouterApp(FastAPI):
             return
         request = Request(scope, receive)
         try:
-            httpauth.require(request.headers.get("authorization"), self.api_key, "API key")
+            httpauth.require(_credential(endpoint, request), self.api_key, "API key")
             response = await forward(self.inference, endpoint, request)
         except CapyError as exc:
-            response = capy_error_response(exc)
+            response = capy_error_response(exc, endpoint.style)
         await response(scope, receive, send)
+
+
+def _credential(endpoint: Endpoint, request: Request) -> str | None:
+    """The Authorization header; on Anthropic's routes, the key its clients send as
+    x-api-key where they send no Authorization."""
+    authorization = request.headers.get("authorization")
+    if authorization is None and endpoint.style == "anthropic":
+        key = request.headers.get("x-api-key")
+        return None if key is None else f"Bearer {key}"
+    return authorization
 
 
 def create_app(credentials: Credentials, router: Router | None = None) -> FastAPI:
@@ -149,7 +162,7 @@ def _add_router_routes(
         decision model's says so as llama.cpp does: `architecture.output_modalities`."""
         await routes_read(router.table)
         data = [
-            _listed(route, record)
+            _listed(route, record, router.table)
             for route, name in sorted(router.table.routes.items())
             if (record := router.table.records.get(name)) is not None and not record.stopped
         ]
@@ -174,19 +187,24 @@ def _add_router_routes(
             name=endpoint.name,
             summary=endpoint.summary,
             dependencies=[api_key],
-            openapi_extra=requestbody.openapi_body(endpoint.body),
+            openapi_extra=requestbody.openapi_body(
+                endpoint.body, files=("file",) if endpoint.form else ()
+            ),
         )
         app.proxied[endpoint.path] = endpoint
     app.api_key = credentials.api_key
     app.inference = router
 
 
-def _listed(route: str, record: DeploymentRecord) -> dict[str, Any]:
+def _listed(route: str, record: DeploymentRecord, table: Table) -> dict[str, Any]:
+    """A model as /v1/models lists it, with `endpoints`: the paths it is served on."""
+    family, version = engine_of(table, record)
     listed: dict[str, Any] = {
         "id": route,
         "object": "model",
         "created": int(record.created_at),
         "owned_by": "capyctl",
+        "endpoints": endpoints_of(record.document.api, family, version),
     }
     if record.document.decides:
         listed["architecture"] = {"output_modalities": ["decisions"]}
@@ -204,10 +222,10 @@ def _endpoint(router: Router, endpoint: Endpoint) -> Callable[[Request], Awaitab
     return forwarded
 
 
-def _call(endpoint: Endpoint, body: dict[str, Any]) -> Call:
+def _call(endpoint: Endpoint, body: dict[str, Any], form: forms.Form | None = None) -> Call:
     """The request as the router relays it: the body as the client sent it, once the
-    endpoint's model (`bodies`, `decisions`) found nothing wrong in it; for OpenAI's
-    decisions, its System One translation (`decisions`)."""
+    endpoint's model (`bodies`, `decisions`) found nothing wrong in it (a form's text
+    fields); for OpenAI's decisions, its System One translation (`decisions`)."""
     found = requestbody.validated(endpoint.body, body)
     request_id = f"{endpoint.id_prefix}-{secrets.token_hex(12)}"
     if isinstance(found, InferenceBody):
@@ -220,6 +238,10 @@ def _call(endpoint: Endpoint, body: dict[str, Any]) -> Call:
             request_id=request_id,
             client_streams=found.stream,
             client_usage=found.client_usage,
+            path=endpoint.path,
+            answer=endpoint.answer,
+            style=endpoint.style,
+            form=form,
         )
     if isinstance(found, decisions.DecisionsRequest):
         return _decision_call(endpoint.kind, request_id, found)
@@ -231,6 +253,7 @@ def _call(endpoint: Endpoint, body: dict[str, Any]) -> Call:
         client_streams=False,
         client_usage=True,
         asked=found,
+        path=SYSTEMONE_PATH,
     )
 
 
@@ -249,6 +272,7 @@ def _decision_call(kind: str, request_id: str, asked: decisions.DecisionsRequest
         client_streams=False,
         client_usage=True,
         asked=asked,
+        path=SYSTEMONE_PATH,
     )
 
 
@@ -266,6 +290,25 @@ def check_api(endpoint: Endpoint, model: str, record: DeploymentRecord) -> None:
         f"model {model!r} is a chat model (api: chat): send it {serving(api)}, not "
         f"{endpoint.path}; a decision model is deployed with api: decisions"
     )
+
+
+def engine_of(table: Table, record: DeploymentRecord) -> tuple[str | None, str | None]:
+    """The family and version of a deployment's engine, as its instance said them; before
+    it has one, the family its document names, if it names one (`engine: vllm`)."""
+    instance = table.instances.get(record.name)
+    if instance is not None and instance.family is not None:
+        return instance.family, instance.version
+    named = record.document.engine
+    return (named, None) if named in ENGINE_FAMILIES else (None, None)
+
+
+def _check_served(table: Table, call: Call, record: DeploymentRecord) -> None:
+    """A request for an API its model's engine does not serve is refused before it waits
+    for a place, where its engine is known; else when its engine is, before it is sent."""
+    family, version = engine_of(table, record)
+    refused = None if family is None else not_served(call.route, family, version, call)
+    if refused is not None:
+        raise refused
 
 
 def _check_size(table: Table, call: Call, record: DeploymentRecord) -> None:
@@ -324,8 +367,12 @@ async def forward(router: Router, endpoint: Endpoint, request: Request) -> Respo
     a place on its deployment's engine and the engine's answer."""
     arrived = time.monotonic()
     progress = wants_progress(request)
-    raw = await requestbody.read(request, MAX_BODY, router.body_timeout_s)
-    call = _call(endpoint, requestbody.parse_object(raw, unique_keys=endpoint.unique_keys))
+    raw = await requestbody.read(request, endpoint.max_body, router.body_timeout_s)
+    if endpoint.form:
+        form = forms.parse(request.headers.get("content-type"), raw)
+        call = _call(endpoint, forms.fields_of(form), form)
+    else:
+        call = _call(endpoint, requestbody.parse_object(raw, unique_keys=endpoint.unique_keys))
     call.progress = progress and call.client_streams
     if not router.table.synced.is_set():
         await routes_read(router.table)
@@ -333,5 +380,6 @@ async def forward(router: Router, endpoint: Endpoint, request: Request) -> Respo
     if record is None:
         raise UnknownModel(f"no model {call.route!r}; GET /v1/models lists them")
     check_api(endpoint, call.route, record)
+    _check_served(router.table, call, record)
     _check_size(router.table, call, record)
     return Exchange(router.dispatcher, router.engines, call, record, arrived)

@@ -139,7 +139,11 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "capyctl_requests", "Requests by outcome.", ["deployment", "outcome"], registry=r
+            "capyctl_requests",
+            "Requests by outcome and by route (its kind: chat.completions, responses, "
+            "messages, embeddings, ...).",
+            ["deployment", "outcome", "route"],
+            registry=r,
         )
         self.running = Gauge(
             "capyctl_requests_running",
@@ -195,8 +199,8 @@ class Metrics:
             registry=r,
         )
 
-    def outcome(self, deployment: str, outcome: str) -> None:
-        self.requests.labels(deployment, outcome).inc()
+    def outcome(self, deployment: str, outcome: str, route: str) -> None:
+        self.requests.labels(deployment, outcome, route).inc()
 
     def set_waiting(self, deployment: str, count: int) -> None:
         self.waiting.labels(deployment).set(count)

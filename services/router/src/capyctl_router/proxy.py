@@ -40,106 +40,60 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from capycommon.domain.desired import DeploymentRecord
-from capycommon.engineclient import (
-    Answer,
-    EngineConnectionError,
-    Engines,
-    IngressUnreachable,
-)
+from capycommon.engineclient import Answer, Engines, IngressUnreachable
 from capycommon.errors import (
-    CacheSaltUnsupported,
+    ApiNotServed,
     CapyError,
     EngineError,
     EngineFailed,
     EngineRejected,
-    EngineUnreachable,
-    InvalidRequest,
     StaleDispatch,
 )
 from capycommon.hangup import Watch, uncancel
 from capycommon.service import wait_event
+from capyctl_router.answers import shape_of
 from capyctl_router.decisions import DecisionsRequest, MalformedAnswer, from_system_one
 from capyctl_router.dispatch import Dispatcher
-from capyctl_router.errors import envelope, error_body, retry_headers
+from capyctl_router.errors import envelope, retry_headers
+from capyctl_router.failures import (
+    FAILURES,
+    READMIT_EVERY_S,
+    Failure,
+    NoAnswerInTime,
+    Undelivered,
+    failure,
+)
 from capyctl_router.progress import Progress
 from capyctl_router.relay import (
     MAX_ANSWER,
     MAX_ERROR,
-    Assembly,
     Call,
     Events,
     JsonDict,
+    api_refused,
     dumps,
     engine_failure,
     engine_request,
     event_failure,
-    for_client,
     is_stale,
     loads,
-    sse,
 )
 from capyctl_router.table import Target
 
 REQUEST_ID_HEADER = "X-CapyCTL-Request-Id"
 # Outcomes after which the engine is done with the request (or never got it): its place is
 # given back at once.
-FINISHED = ("ok", EngineRejected.code, EngineError.code, StaleDispatch.code)
+FINISHED = ("ok", EngineRejected.code, EngineError.code, StaleDispatch.code, ApiNotServed.code)
 # Where the engines listen, from the router's side.
 ENGINE_ADDRESS = "127.0.0.1"
 
 
-# A request the ingress never took is admitted again this often at most.
-READMIT_EVERY_S = 1.0
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """An engine's whole answer that is not JSON, passed on as it came."""
 
-
-class Undelivered(Exception):
-    """The ingress never took the request: it may be admitted again."""
-
-
-class NoAnswerInTime(Exception):  # within the deadline, or the stream's idle bound (`why`)
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why
-
-
-FAILURES = (
-    EngineFailed,
-    EngineError,
-    EngineConnectionError,
-    StaleDispatch,
-    NoAnswerInTime,
-    CacheSaltUnsupported,
-    InvalidRequest,
-)
-
-
-@dataclass(frozen=True)
-class Failure:
-    """How a request that failed after its admission ends: its outcome (for the metrics and
-    the settlement) and what the client is told, as an answer or as an error event."""
-
-    outcome: str
-    status: int
-    code: str
-    message: str
-    param: str | None = None
-
-
-def failure(exc: BaseException) -> Failure:
-    """The one reading of every way the engine's side can fail."""
-    if isinstance(exc, EngineFailed):
-        return Failure(exc.code, exc.status, exc.code, exc.message, exc.param)
-    if isinstance(exc, NoAnswerInTime):
-        return Failure(exc.why, 503, "unavailable", f"no answer in time ({exc.why})")
-    if isinstance(exc, StaleDispatch):
-        return Failure(exc.code, 503, "unavailable", exc.message)
-    if isinstance(exc, IngressUnreachable):
-        code = EngineUnreachable.code
-        return Failure(code, 503, code, str(exc))
-    if isinstance(exc, CacheSaltUnsupported | InvalidRequest):  # refused before it was sent
-        param = "cache_salt" if isinstance(exc, CacheSaltUnsupported) else None
-        return Failure(exc.code, exc.http_status, exc.code, exc.message, param)
-    return Failure(EngineError.code, 500, EngineError.code, f"the engine failed: {exc}")
+    data: bytes
+    media_type: str
 
 
 class Exchange(Response):
@@ -196,20 +150,23 @@ class Exchange(Response):
             progress = None if early is None else early.progress
             target = await dispatcher.acquire(self.record, deadline, progress)
         except CapyError as exc:
-            dispatcher.metrics.outcome(name, exc.code)
+            dispatcher.metrics.outcome(name, exc.code, self.call.kind)
             watch.ending()
             if early is not None and early.started:
                 await early.fail(exc.http_status, exc.code, exc.message)
                 return
             headers = {REQUEST_ID_HEADER: self.call.request_id}
             headers.update(retry_headers(exc.code, exc.http_status))
-            await envelope(exc.http_status, exc.code, exc.message, headers)(scope, receive, send)
+            refusal = envelope(
+                exc.http_status, exc.code, exc.message, headers, style=self.call.style
+            )
+            await refusal(scope, receive, send)
             return
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
             uncancel()
-            dispatcher.metrics.outcome(name, "client_gone")  # nobody to answer
+            dispatcher.metrics.outcome(name, "client_gone", self.call.kind)  # nobody to answer
             return
         dispatcher.metrics.running.labels(name).inc()
         session = Session(
@@ -221,12 +178,13 @@ class Exchange(Response):
 class Early:
     """A streamed answer begun before its model is ready: the 200 and the stream's headers
     with the first progress line, each line an SSE comment (and a blank line, so that no
-    client's parser takes it for an event); a failure before the first event, the error
-    event and `[DONE]`."""
+    client's parser takes it for an event); a failure before the first event, the API's
+    error event (and for chat `[DONE]`)."""
 
     def __init__(self, send: Send, call: Call) -> None:
         self.send = send
         self.request_id = call.request_id
+        self.shape = shape_of(call)
         self.started = False
         self.progress = Progress(call.route, self.say)
 
@@ -239,7 +197,7 @@ class Early:
         await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def fail(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        error = sse(error_body(status, code, message, param)) + sse(None)
+        error = self.shape.error(status, code, message, param)
         await self.send({"type": "http.response.body", "body": error, "more_body": True})
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -292,7 +250,12 @@ class Session:
                 return
             retry = retry_headers(failed.code, failed.status)
             answer = envelope(
-                failed.status, failed.code, failed.message, {**headers, **retry}, failed.param
+                failed.status,
+                failed.code,
+                failed.message,
+                {**headers, **retry},
+                failed.param,
+                self.call.style,
             )
             await answer(scope, receive, send)
             return
@@ -300,9 +263,14 @@ class Session:
             assert found is not None
             self.outcome = "ok"
             watch.ending()
-            whole = Response(dumps(found), media_type="application/json", headers=headers)
-            await whole(scope, receive, send)
+            data, media_type = (
+                (found.data, found.media_type)
+                if isinstance(found, Raw)
+                else (dumps(found), "application/json")
+            )
+            await Response(data, media_type=media_type, headers=headers)(scope, receive, send)
             return
+        assert not isinstance(found, Raw)
         if self.early is None or not self.early.started:
             head = _stream_head(headers)
             await send({"type": "http.response.start", "status": 200, "headers": head})
@@ -318,11 +286,12 @@ class Session:
         one write: an engine's burst costs the client one wake, not one an event."""
         event = first
         ready: list[bytes] = []
+        shape = shape_of(self.call)
         try:
             while event is not None:
-                shown = for_client(self.call, event)
+                shown = shape.shown(event)
                 if shown is not None:
-                    ready.append(sse(shown))
+                    ready.append(shape.sse(shown))
                 if ready and not self._at_hand():
                     yield b"".join(ready)
                     ready.clear()
@@ -331,8 +300,10 @@ class Session:
         except FAILURES as exc:
             failed = self._failure(exc)
             self.outcome = failed.outcome
-            ready.append(sse(error_body(failed.status, failed.code, failed.message, failed.param)))
-        ready.append(sse(None))
+            ready.append(shape.error(failed.status, failed.code, failed.message, failed.param))
+            yield b"".join(ready)
+            return
+        ready.append(shape.end())
         yield b"".join(ready)
 
     def _at_hand(self) -> bool:
@@ -350,8 +321,9 @@ class Session:
             self.response.close()
         dispatcher = self.dispatcher
         dispatcher.metrics.running.labels(self.target.deployment).dec()
-        dispatcher.metrics.outcome(self.target.deployment, self.outcome)
-        if self.outcome in FINISHED or self.response is None:  # done, or never sent
+        dispatcher.metrics.outcome(self.target.deployment, self.outcome, self.call.kind)
+        finished = self.outcome.split(":", 1)[0] in FINISHED
+        if finished or self.response is None:  # done, or never sent
             await dispatcher.release(self.target)
         else:
             await dispatcher.cut(
@@ -377,14 +349,14 @@ class Session:
 
     async def _open(self) -> Answer:
         """Send the request; the engine's error status raises as what it said."""
-        body, headers = engine_request(self.call, self.target)
+        body, headers, content_type = engine_request(self.call, self.target)
         ingress = self.target.ingress
         connection = await (
             self.engines.connect(ENGINE_ADDRESS, self.target.port)
             if ingress is None
             else self.engines.connect_ingress(ingress)
         )
-        self.response = connection.post(self.call.path, dumps(body), headers)
+        self.response = connection.post(self.call.path, body, headers, content_type)
         await self.response.head()
         status = self.response.status
         if status >= 400:
@@ -394,7 +366,7 @@ class Session:
                     f"deployment {self.target.deployment!r} stopped or moved on host "
                     f"{self.target.host} before the request reached it; retry"
                 )
-            raise engine_failure(status, raw)
+            raise api_refused(self.call, self.target, status, raw) or engine_failure(status, raw)
         return self.response
 
     async def _first(self) -> JsonDict | None:
@@ -427,37 +399,41 @@ class Session:
         self._first_output()
         return event
 
-    async def _collect(self) -> JsonDict:
-        """The whole answer, as one JSON body: embeddings and decisions from the engine's one
-        JSON answer, the rest assembled from the engine's stream."""
-        if self.call.kind == "embeddings" or self.call.decides:
+    async def _collect(self) -> JsonDict | Raw:
+        """The whole answer, as one body: the engine's one answer where its API gives one
+        (embeddings, rerank, a transcription, decisions...), else assembled from its stream."""
+        if not self.call.streamed_from_engine or self.call.decides:
             try:
                 async with asyncio.timeout(self._left()):
                     raw = await self._whole()
             except TimeoutError:
                 raise NoAnswerInTime("deadline") from None
             self._first_output()
-            return self._shown(raw)
-        assembly = Assembly(self.call)
+            return raw if isinstance(raw, Raw) else self._shown(raw)
+        assembly = shape_of(self.call).assembly()
         event = await self._first()
         while event is not None:
             assembly.add(event)
             event = await self._next()
         return assembly.body()
 
-    async def _whole(self) -> JsonDict:
-        """The engine's answer as one JSON object (embeddings, decisions)."""
-        what = "decisions" if self.call.decides else "embeddings"
+    async def _whole(self) -> JsonDict | Raw:
+        """The engine's answer: a JSON object, or a body of another type (a transcript as
+        text, SRT or WebVTT) passed on as it came."""
+        what = "answer"
         response = await self._open()
         raw = await response.read(MAX_ANSWER + 1)
         if len(raw) > MAX_ANSWER:
-            raise EngineError(f"the engine's {what} are over the router's limit (16 MiB)")
+            raise EngineError(f"the engine's {what} is over the router's limit (16 MiB)")
+        media_type = response.headers.get("content-type", "application/json")
+        if not self.call.decides and "json" not in media_type.lower():
+            return Raw(raw, media_type)
         try:
             body = loads(raw)
         except ValueError:  # not JSON, not UTF-8
-            raise EngineError(f"the engine's {what} are not JSON") from None
+            raise EngineError(f"the engine's {what} is not JSON") from None
         if not isinstance(body, dict):
-            raise EngineError(f"the engine's {what} are not a JSON object")
+            raise EngineError(f"the engine's {what} is not a JSON object")
         return body
 
     def _shown(self, body: JsonDict) -> JsonDict:
@@ -465,7 +441,7 @@ class Session:
         an OpenAI decisions request's answer translated back from System One."""
         asked = self.call.asked
         if not isinstance(asked, DecisionsRequest):
-            return {**body, "model": self.call.route}
+            return {**body, "model": self.call.route} if "model" in body else body
         try:
             return from_system_one(asked, body, self.call.route)
         except MalformedAnswer as exc:

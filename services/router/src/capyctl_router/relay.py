@@ -21,14 +21,23 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
 from capycommon import ingress
 from capycommon.engineclient import Answer
-from capycommon.errors import CacheSaltUnsupported, EngineError, EngineFailed, InvalidRequest
+from capycommon.engines import apis
+from capycommon.errors import (
+    ApiNotServed,
+    CacheSaltUnsupported,
+    EngineError,
+    EngineFailed,
+    InvalidRequest,
+)
 from capyctl_router.decisions import DecisionsRequest, SystemOneRequest, over_limits
+from capyctl_router.errors import Envelope
+from capyctl_router.forms import Form
 from capyctl_router.table import Target
 
 JsonDict = dict[str, Any]
@@ -53,6 +62,31 @@ def engine_failure(status: int, raw: bytes) -> EngineFailed:
     return _failed(status, message or text[:2000] or f"the engine answered HTTP {status}", param)
 
 
+# What an engine answers for a route it lacks (FastAPI's, llama.cpp's) or, with 501, for
+# one it serves only when started for it (llama.cpp's embeddings and rerank).
+ROUTE_MISSING = ("Not Found", "File Not Found")
+
+
+def api_refused(call: Call, target: Target, status: int, raw: bytes) -> ApiNotServed | None:
+    """An engine's answer that it does not serve the request's API (a 404 for a route it
+    lacks, a 501 for one its model was not started for) as `capability_missing`; None for
+    any other answer. Chat and completions are every engine's: their 404 is the engine's."""
+    if call.kind in ("chat.completions", "completions") or status not in (404, 501):
+        return None
+    failed = engine_failure(status, raw)
+    if status == 404 and failed.message not in ROUTE_MISSING:
+        return None  # a thing it looked for and did not find: a previous response, a model
+    shown = SHOWN_FAMILIES.get(target.family, target.family)
+    running = f"{shown} {target.version}" if target.version else shown
+    return ApiNotServed(
+        f"model {call.route!r} runs on {running}, which answered HTTP {status} to POST "
+        f"{call.path} ({failed.message[:300]}): its engine does not serve this API for this "
+        "model; start the model for it (for example llama.cpp's --embeddings or --reranking, "
+        "vLLM's pooling runner) or send it to a model that serves it",
+        api=call.kind,
+    )
+
+
 def is_stale(status: int, raw: bytes) -> bool:
     """Whether an ingress's error answer is its `409 stale_dispatch` (its code in the OpenAI
     envelope, nested or flat)."""
@@ -67,9 +101,13 @@ def is_stale(status: int, raw: bytes) -> bool:
 
 
 def event_failure(event: JsonDict) -> EngineFailed | None:
-    """An error event as a failure with the status its `code` names (else 500); None for
-    any other event."""
-    if event.get("error") is None and event.get("object") != "error":
+    """An error event (Responses' and Anthropic's are typed `error`) as a failure with the
+    status its `code` names (else 500); None for any other event."""
+    if (
+        event.get("error") is None
+        and event.get("object") != "error"
+        and event.get("type") != "error"
+    ):
         return None
     message, param, code = _error_fields(event)
     status = code if code is not None and 400 <= code <= 599 else 500
@@ -110,13 +148,18 @@ def _error_fields(found: object) -> tuple[str | None, str | None, int | None]:
 # The decision routes; both reach the engine's System One route.
 DECISION_KINDS = ("decisions", "systemone")
 SYSTEMONE_PATH = "/v1/systemone"
+# How an engine's answer is read: chunks of choices (chat, completions, a streamed
+# transcription), typed events (responses, messages), or one whole answer.
+AnswerKind = Literal["chat", "events", "whole"]
+# The kinds whose body SGLang takes a request id in (`rid`).
+RID_KINDS = frozenset({"chat.completions", "completions", "embeddings"})
 
 
 @dataclass
 class Call:
     """One request on its way to an engine."""
 
-    kind: str  # chat.completions | completions | embeddings | decisions | systemone
+    kind: str  # the endpoint's kind: chat.completions, responses, decisions, ...
     # The body the engine gets (but for its model): the client's, or for decisions the
     # System One translation of `asked`.
     body: JsonDict
@@ -132,6 +175,13 @@ class Call:
     asked: DecisionsRequest | SystemOneRequest | None = None
     # A streamed request whose client asked to see its model load (`CapyCTL-Progress: on`).
     progress: bool = False
+    # The engine's path: the client's, or System One's for a decision request.
+    path: str = ""
+    answer: AnswerKind = "chat"
+    # Whose envelope the client's errors come in.
+    style: Envelope = "openai"
+    # A multipart body (an audio upload), sent as it came but for its model.
+    form: Form | None = None
 
     @property
     def decides(self) -> bool:
@@ -139,10 +189,10 @@ class Call:
         return self.kind in DECISION_KINDS
 
     @property
-    def path(self) -> str:
-        if self.decides:
-            return SYSTEMONE_PATH
-        return f"/v1/{self.kind.replace('.', '/')}"
+    def streamed_from_engine(self) -> bool:
+        """Whether the engine is asked to stream: always for chunks and typed events (the
+        router assembles a JSON body itself); for a whole answer, as the client asked."""
+        return self.answer != "whole" or self.client_streams
 
 
 def salt_digest(deployment: str, revision: int, salt: str) -> str:
@@ -153,22 +203,59 @@ def salt_digest(deployment: str, revision: int, salt: str) -> str:
     return hashlib.sha256(named).hexdigest()
 
 
-def engine_request(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]]:
-    """The body and headers the engine gets: its served name, always streamed (with usage)
-    except embeddings, the request id where the family takes one, the per-launch key (behind
-    an ingress, the instance the request was admitted to: the ingress adds the key), and a
-    client's cache_salt as its digest (`salt_digest`); llama.cpp, which has no cache_salt, is
-    refused one, and so is SGLang with LMCache, whose cache drops it."""
-    if call.decides:
-        return decision_request(call, target)
+SHOWN_FAMILIES = {"vllm": "vLLM", "sglang": "SGLang", **SHOWN}
+
+
+def not_served(route: str, family: str, version: str | None, call: Call) -> ApiNotServed | None:
+    """The refusal of a request whose model's engine does not serve its API; None if it
+    does (or may: a custom engine, or a version not known yet)."""
+    if call.decides or apis.serves(family, version, call.kind):
+        return None
+    shown = SHOWN_FAMILIES.get(family, family)
+    running = f"{shown} {version}" if version else shown
+    first = apis.since(family, call.kind)
+    later = (
+        f"{shown} serves it from {first}: upgrade the engine, or serve the model elsewhere"
+        if first
+        else f"{shown} serves it in no version: serve the model on an engine that does"
+    )
+    return ApiNotServed(
+        f"model {route!r} runs on {running}, which does not serve POST {call.path}; {later} "
+        "(GET /v1/models lists each model's endpoints)",
+        api=call.kind,
+    )
+
+
+def engine_request(call: Call, target: Target) -> tuple[bytes, dict[str, str], str]:
+    """The body, headers and content type the engine gets (`engine_body`); a multipart
+    form as it came, but for its model, the engine's served name. A request for an API
+    the engine does not serve is refused here, before it is sent."""
+    refused = not_served(call.route, target.family, target.version, call)
+    if refused is not None:
+        raise refused
+    if call.form is not None:
+        body = call.form.with_field("model", target.served_name)
+        return body, _headers(call, target), call.form.content_type
+    found, headers = decision_request(call, target) if call.decides else engine_body(call, target)
+    return dumps(found), headers, "application/json"
+
+
+def engine_body(call: Call, target: Target) -> tuple[JsonDict, dict[str, str]]:
+    """The JSON body and headers the engine gets: its served name, always streamed (chat
+    with usage) but for an answer that is one JSON body, the request id where the family
+    takes one, the per-launch key (behind an ingress, the instance the request was admitted
+    to: the ingress adds the key), and a client's cache_salt as its digest (`salt_digest`);
+    llama.cpp, which has no cache_salt, is refused one, and so is SGLang with LMCache, whose
+    cache drops it."""
     body = {**call.body, "model": target.served_name}
     headers = _headers(call, target)
-    if call.kind != "embeddings":
+    if call.answer != "whole":
         body["stream"] = True
+    if call.answer == "chat":
         options = dict(body.get("stream_options") or {})
         options["include_usage"] = True
         body["stream_options"] = options
-    if target.family == "sglang":
+    if target.family == "sglang" and call.kind in RID_KINDS:
         body["rid"] = call.request_id
     salt = body.get("cache_salt")
     if isinstance(salt, str):
@@ -331,119 +418,3 @@ def _error_line(data: str) -> JsonDict:
     if isinstance(found, dict) and "error" in found:
         return found
     return {"error": found if isinstance(found, dict) else {"message": str(found)}}
-
-
-def for_client(call: Call, event: JsonDict) -> JsonDict | None:
-    """An engine event (not an error: those end the answer) as the client sees it: our id
-    and its model id; the usage-only chunk and the usage fields only if it asked for them."""
-    event = {**event, "id": call.request_id, "model": call.route}
-    if "usage" in event and event["usage"] is not None:
-        call.usage = event["usage"]
-    if not call.client_usage:
-        if not event.get("choices") and event.get("usage") is not None:
-            return None
-        event.pop("usage", None)
-    return event
-
-
-def sse(event: JsonDict | None) -> bytes:
-    return b"data: [DONE]\n\n" if event is None else b"data: " + dumps(event) + b"\n\n"
-
-
-@dataclass
-class Assembly:
-    """A non-streamed answer built from the engine's stream, as the engine would answer."""
-
-    call: Call
-    created: int | None = None
-    extras: JsonDict = field(default_factory=dict)
-    content: list[str] = field(default_factory=list)
-    reasoning: dict[str, list[str]] = field(default_factory=dict)
-    tools: dict[int, JsonDict] = field(default_factory=dict)
-    logprobs: list[Any] = field(default_factory=list)
-    finish: str | None = None
-    choice_extras: JsonDict = field(default_factory=dict)
-
-    def add(self, event: JsonDict) -> None:
-        """One event of the engine's answer (not an error: those end the answer)."""
-        self.created = self.created or event.get("created")
-        if event.get("usage") is not None:
-            self.call.usage = event["usage"]
-        if "system_fingerprint" in event:
-            self.extras["system_fingerprint"] = event["system_fingerprint"]
-        for choice in event.get("choices") or []:
-            self._choice(choice)
-
-    def _choice(self, choice: JsonDict) -> None:
-        delta = choice.get("delta")
-        if delta is None:  # completions: text chunks
-            self.content.append(choice.get("text") or "")
-        else:
-            self.content.append(delta.get("content") or "")
-            for key in ("reasoning_content", "reasoning"):
-                if key in delta:
-                    self.reasoning.setdefault(key, []).append(delta[key] or "")
-            for call in delta.get("tool_calls") or []:
-                self._tool(call)
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, dict):
-            self.logprobs += logprobs.get("content") or []
-        if choice.get("finish_reason") is not None:
-            self.finish = choice["finish_reason"]
-            self.choice_extras = {
-                k: v
-                for k, v in choice.items()
-                if k not in ("index", "delta", "text", "logprobs", "finish_reason")
-            }
-
-    def _tool(self, call: JsonDict) -> None:
-        found = self.tools.setdefault(
-            int(call.get("index", 0)),
-            {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-        )
-        if call.get("id"):
-            found["id"] = call["id"]
-        if call.get("type"):
-            found["type"] = call["type"]
-        function = call.get("function") or {}
-        found["function"]["name"] += function.get("name") or ""
-        found["function"]["arguments"] += function.get("arguments") or ""
-
-    def body(self) -> JsonDict:
-        text = "".join(self.content)
-        logprobs = {"content": self.logprobs} if self.logprobs else None
-        if self.call.kind == "completions":
-            choice: JsonDict = {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": self.finish,
-                **self.choice_extras,
-            }
-            kind = "text_completion"
-        else:
-            calls = [self.tools[i] for i in sorted(self.tools)]
-            message: JsonDict = {"role": "assistant", "content": text or (None if calls else "")}
-            for key, parts in self.reasoning.items():
-                message[key] = "".join(parts) or None
-            if calls:
-                message["tool_calls"] = calls
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": self.finish,
-                **self.choice_extras,
-            }
-            kind = "chat.completion"
-        body: JsonDict = {
-            "id": self.call.request_id,
-            "object": kind,
-            "created": self.created,
-            "model": self.call.route,
-            "choices": [choice],
-            **self.extras,
-        }
-        if self.call.usage is not None:
-            body["usage"] = self.call.usage
-        return body

@@ -61,6 +61,8 @@ class Target:
     secret: str | None
     family: str
     served_name: str
+    # The engine's version, where its instance said it (an earlier hostd's instances do not).
+    version: str | None = None
     # The host's ingress; None for an engine on the router's own host, dialed on loopback.
     ingress: Ingress | None = None
     # The engine runs with an LMCache server beside it.
@@ -140,6 +142,7 @@ class Table:
             port=instance.port,
             secret=secret,
             family=instance.family or "vllm",
+            version=instance.version,
             served_name=instance.served_name or record.document.routes[0],
             ingress=ingress,
             lmcache=instance.cache is not None,

@@ -102,6 +102,8 @@ class InstanceRecord(Strict):
     launch_id: str | None = None
     profile: str | None = None
     family: str | None = None
+    # The engine's version, as its registration read it (which APIs it serves follows).
+    version: str | None = Field(default=None, max_length=64)
     fingerprint: str | None = None
     served_name: str | None = None
     model_path: str | None = None

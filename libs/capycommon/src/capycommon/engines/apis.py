@@ -59,8 +59,11 @@ SINCE: dict[Family, dict[str, str]] = {
         "chat.completions": ALWAYS,
         "completions": ALWAYS,
         "embeddings": ALWAYS,  # 0.2.12, for a model started with --is-embedding
-        "responses": ALWAYS,  # 0.5.0
+        # 0.5.0; it keeps every response up to 0.5.19, from 0.5.20 only with
+        # --enable-response-store
+        "responses": ALWAYS,
         "messages": "0.5.9",
+        "messages.count_tokens": "0.5.9",
         "rerank": ALWAYS,  # 0.4.7.post1
         "score": ALWAYS,  # 0.4.7
         "tokenize": "0.5.3.post1",
@@ -71,13 +74,13 @@ SINCE: dict[Family, dict[str, str]] = {
         "chat.completions": ALWAYS,
         "completions": ALWAYS,
         "embeddings": ALWAYS,  # with --embeddings
-        "responses": "7411",  # stateless: previous_response_id is refused
-        "messages": "7175",
-        "messages.count_tokens": "7175",
+        "responses": "7793",  # stateless: previous_response_id is refused
+        "messages": "7187",
+        "messages.count_tokens": "7187",
         "rerank": ALWAYS,  # with --reranking
         "tokenize": ALWAYS,
         "detokenize": ALWAYS,
-        "audio.transcriptions": "8720",
+        "audio.transcriptions": "8784",
     },
     Family.TENSORFOLD: {
         "chat.completions": ALWAYS,
