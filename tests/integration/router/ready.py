@@ -44,6 +44,7 @@ async def put_ready(
     secret: str = "engine-key",
     cache: CacheRecord | None = None,
     api: str = "chat",
+    version: str | None = None,
 ) -> None:
     """Deployment `name` of `family` (serving `api`), its instance ready at generation 1 on
     `host`, serving as `served` on `port` behind `secret`."""
@@ -58,6 +59,7 @@ async def put_ready(
         since=now,
         host=host,
         family=family,
+        version=version,
         served_name="served",
         port=port,
         cache=cache,
