@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from capycommon.engineclient import EngineConnectionError
 from capycommon.errors import EngineError, EngineFailed
-from capyctl_router.proxy import Failure, NoAnswerInTime, failure
+from capyctl_router.failures import Failure, NoAnswerInTime, failure
 
 
 def test_an_engines_own_error_keeps_its_status_message_and_param() -> None:

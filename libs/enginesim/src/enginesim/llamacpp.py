@@ -3,7 +3,9 @@
 It listens at once; `/health` answers 503 `Loading model` until the model is loaded. The
 build number decides the default port: 8080 before build 6900, 9931 from it on; builds
 6800-6899 print the NOTICE about the change when --port is not given. An unknown flag is
-`error: invalid argument: X`, exit 1, as llama.cpp's own parser does.
+`error: invalid argument: X`, exit 1, as llama.cpp's own parser does. --embeddings,
+--reranking (embeddings with rank pooling), --pooling and --mmproj decide whether embeddings,
+rerank and transcriptions are answered (`enginesim.pooling_api`, `enginesim.audio_api`).
 
 Memory with a simulated GPU: the GGUF file's size plus a KV estimate of
 ctx_size x 128 KiB (f16 K and V for 32 layers x 8 KV heads x 128 dims) plus 8 MiB of compute
@@ -54,8 +56,12 @@ ENV_NAMES = {
     "split_mode": "LLAMA_ARG_SPLIT_MODE",
     "tensor_split": "LLAMA_ARG_TENSOR_SPLIT",
     "main_gpu": "LLAMA_ARG_MAIN_GPU",
+    "embeddings": "LLAMA_ARG_EMBEDDINGS",
+    "reranking": "LLAMA_ARG_RERANKING",
+    "pooling": "LLAMA_ARG_POOLING",
+    "mmproj": "LLAMA_ARG_MMPROJ",
 }
-BOOLEANS = frozenset({"slots", "metrics", "jinja", "no_webui"})
+BOOLEANS = frozenset({"slots", "metrics", "jinja", "no_webui", "embeddings", "reranking"})
 # Accepted and ignored ("|" joins aliases).
 IGNORED_VALUES = (
     "-t|--threads",
@@ -80,7 +86,6 @@ IGNORED_VALUES = (
     "--numa",
     "-dt",
     "--cache-reuse",
-    "--mmproj",
     "-hf|--hf-repo",
     "--path",
 )
@@ -119,6 +124,9 @@ class LlamaArgs:
     split_mode: str
     tensor_split: tuple[float, ...]
     main_gpu: int
+    embeddings: bool  # --embeddings, or --reranking
+    pooling: str | None  # "rank" with --reranking; None: the model's own
+    mmproj: str | None  # a multimodal projector (an audio one, for transcriptions)
 
 
 def version_text(build: int) -> str:
@@ -175,6 +183,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("-sm", "--split-mode", choices=("none", "layer", "row"), default="layer")
     add("-ts", "--tensor-split", type=proportions, default=())
     add("-mg", "--main-gpu", type=int, default=0)
+    add("--embedding", "--embeddings", dest="embeddings", action="store_true")
+    add("--reranking", "--rerank", dest="reranking", action="store_true")
+    add("--pooling", choices=("none", "mean", "cls", "last", "rank"))
+    add("-mm", "--mmproj")
     for flag in IGNORED_VALUES:
         add(*flag.split("|"))
     for switch in IGNORED_SWITCHES:
@@ -217,6 +229,9 @@ def parse(argv: Sequence[str], build: int, env: Mapping[str, str]) -> LlamaArgs:
         split_mode=ns.split_mode,
         tensor_split=tuple(ns.tensor_split),
         main_gpu=int(ns.main_gpu),
+        embeddings=bool(ns.embeddings or ns.reranking),
+        pooling="rank" if ns.reranking else ns.pooling,
+        mmproj=ns.mmproj,
     )
 
 

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from enginesim import decisions
+from enginesim import audio_api, decisions, messages_api, pooling_api, responses_api, tokenize_api
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour
 from enginesim.engine import Engine, Work
@@ -420,8 +420,11 @@ def build_app(front: LlamaFrontend) -> FastAPI:
         add(path, front.chat, methods=["POST"])
     for path in ("/v1/completions", "/completions"):
         add(path, front.completions, methods=["POST"])
-    for path in ("/v1/embeddings", "/embeddings"):
-        add(path, front.embeddings, methods=["POST"])
+    tokenize_api.register_llamacpp(add, front)
+    pooling_api.register_llamacpp(add, front)
+    audio_api.register_llamacpp(add, front)
+    responses_api.register_llamacpp(add, front)
+    messages_api.register_llamacpp(add, front)
     add("/v1/systemone", front.decide, methods=["POST"])
     add("/", front.webui, methods=["GET"])
     if front.behaviour.instant:

@@ -249,6 +249,26 @@ class Frontend:
             return self.error(500, "The request was aborted.", "InternalServerError")
         return JSONResponse(self.decision_body(body, work), headers=self.response_headers(request))
 
+    # Other APIs on the same engine (enginesim.responses_api, enginesim.messages_api) ------
+
+    def tool_for(self, body: ChatRequest) -> tuple[str, str] | None:
+        """The call (name, JSON arguments) the model makes for a request in chat's terms,
+        or None: another API's request is decided as its chat conversion would be."""
+        return self._tool(body)
+
+    async def answer(
+        self,
+        request: Request,
+        work: Work,
+        stream: bool,
+        events: Callable[[], AsyncIterator[str]],
+        body: Callable[[], JsonDict],
+    ) -> Response:
+        """Hand admitted `work` to the engine and answer it in another API's wire format
+        (`events` streamed, `body` whole), with chat's timing and hang-up handling."""
+        self.submit(work)
+        return await self._respond(request, work, stream, events, body)
+
     # Plumbing ---------------------------------------------------------------------------
 
     async def _parse(self, request: Request, model: type[RequestModel]) -> RequestModel | Response:

@@ -30,6 +30,9 @@ chunk size must be a multiple of `--page-size`. LMCache's cache is a radix cache
 `--disable-radix-cache` or `--enable-hierarchical-cache` SGLang builds another cache and
 silently never connects; for a decision checkpoint, `--enable-lmcache` with
 `--disable-radix-cache` fails at start instead. See `enginesim.kvconnector`.
+
+`--is-embedding` serves an embedding or rerank model: /v1/embeddings and /v1/rerank answer
+only with it (`enginesim.pooling_api`).
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ class SglangArgs:
     chat_template: str | None
     speculative_algorithm: str | None
     allow_auto_truncate: bool
+    is_embedding: bool  # an embedding or rerank model: /v1/embeddings and /v1/rerank answer
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -182,6 +186,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--enable-lmcache",
         "--enable-hierarchical-cache",
         "--allow-auto-truncate",
+        "--is-embedding",
         *IGNORED_SWITCHES,
     )
     proc.accept_flags(parser, switches, IGNORED_VALUES)

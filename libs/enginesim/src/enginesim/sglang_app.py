@@ -37,7 +37,15 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from enginesim import decisions, sglang_metrics
+from enginesim import (
+    audio_api,
+    decisions,
+    messages_api,
+    pooling_api,
+    responses_api,
+    sglang_metrics,
+    tokenize_api,
+)
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour, version_tuple
 from enginesim.engine import Engine, Token, Work
@@ -449,6 +457,11 @@ def build_app(front: SglangFrontend) -> FastAPI:
     add("/v1/models", front.models, methods=["GET"])
     add("/v1/models/{model_id:path}", front.model, methods=["GET"])
     add("/v1/systemone", front.decide, methods=["POST"])
+    tokenize_api.register_sglang(add, front)
+    pooling_api.register_sglang(add, front)
+    audio_api.register_sglang(add, front)
+    responses_api.register_sglang(add, front)
+    messages_api.register_sglang(add, front)
     if front.args.enable_metrics:
         add("/metrics", front.metrics, methods=["GET"])
     if front.behaviour.instant:

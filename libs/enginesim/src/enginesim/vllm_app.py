@@ -33,7 +33,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from enginesim import decisions, vllm_metrics
+from enginesim import (
+    audio_api,
+    decisions,
+    messages_api,
+    pooling_api,
+    responses_api,
+    tokenize_api,
+    vllm_metrics,
+)
 from enginesim.auth import BearerAuth
 from enginesim.behaviour import Behaviour, version_tuple
 from enginesim.engine import Engine, Work
@@ -292,19 +300,6 @@ class VllmFrontend(CachingFrontend):
             "permission": [permission],
         }
 
-    async def tokenize(self, request: Request) -> Response:
-        data = await request.json()
-        text = str(data.get("prompt", "")) if isinstance(data, dict) else ""
-        count = max(1, len(text) // 4)
-        return JSONResponse(
-            {
-                "count": count,
-                "max_model_len": self.args.max_model_len,
-                "tokens": list(range(count)),
-                "token_strs": None,
-            }
-        )
-
     async def metrics(self, request: Request) -> Response:
         text = vllm_metrics.exposition(self.engine, self.args, self.v, self.sleep_level)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -426,7 +421,11 @@ def build_app(front: VllmFrontend) -> FastAPI:
     add("/v1/chat/completions", front.chat, methods=["POST"])
     add("/v1/completions", front.completions, methods=["POST"])
     add("/v1/embeddings", front.embeddings, methods=["POST"])
-    add("/tokenize", front.tokenize, methods=["POST"])
+    tokenize_api.register_vllm(add, front)
+    pooling_api.register_vllm(add, front)
+    audio_api.register_vllm(add, front)
+    responses_api.register_vllm(add, front)
+    messages_api.register_vllm(add, front)
     if front.v >= DECISIONS_FROM:
         add("/v1/systemone", front.decide, methods=["POST"])
     if front.dev_mode:

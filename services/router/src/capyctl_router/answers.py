@@ -98,6 +98,8 @@ DONE = b"data: [DONE]\n\n"
 def for_client(call: Call, event: JsonDict) -> JsonDict | None:
     """An engine event (not an error: those end the answer) as the client sees it: our id
     and its model id; the usage-only chunk and the usage fields only if it asked for them."""
+    if call.kind == "audio.transcriptions":  # its events are the engine's: only renamed
+        return {**event, "model": call.route} if "model" in event else event
     event = {**event, "id": call.request_id, "model": call.route}
     if "usage" in event and event["usage"] is not None:
         call.usage = event["usage"]

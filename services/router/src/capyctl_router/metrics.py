@@ -138,12 +138,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        by_route = "Requests by outcome and route (chat.completions, responses, messages, ...)."
         self.requests = Counter(
-            "capyctl_requests",
-            "Requests by outcome and by route (its kind: chat.completions, responses, "
-            "messages, embeddings, ...).",
-            ["deployment", "outcome", "route"],
-            registry=r,
+            "capyctl_requests", by_route, ["deployment", "outcome", "route"], registry=r
         )
         self.running = Gauge(
             "capyctl_requests_running",

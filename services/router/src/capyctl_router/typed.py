@@ -25,6 +25,8 @@ from capyctl_router.errors import error_body
 JsonDict = dict[str, Any]
 # A response's events that end it, each carrying the whole response.
 RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+# What every message is, which vLLM's message_start leaves out (its defaults, unset).
+MESSAGE = {"type": "message", "role": "assistant"}
 
 
 def for_client(kind: str, route: str, request_id: str, event: JsonDict) -> JsonDict:
@@ -37,7 +39,8 @@ def for_client(kind: str, route: str, request_id: str, event: JsonDict) -> JsonD
         return event
     message = event.get("message")
     if event.get("type") == "message_start" and isinstance(message, dict):
-        return {**event, "message": {**message, "id": request_id, "model": route}}
+        shown = {**MESSAGE, **message, "id": request_id, "model": route}
+        return {**event, "message": shown}
     return event
 
 
@@ -130,7 +133,8 @@ class MessageAssembly:
             except json.JSONDecodeError:
                 raise EngineError(f"the engine's tool input is not JSON: {text[:200]!r}") from None
         content = [self.blocks[i] for i in sorted(self.blocks)]
-        return {**self.message, "id": self.request_id, "model": self.route, "content": content}
+        message = {**MESSAGE, **self.message}
+        return {**message, "id": self.request_id, "model": self.route, "content": content}
 
 
 def _index(event: JsonDict) -> int:
