@@ -271,7 +271,9 @@ def test_request_ids_metrics_and_the_deadline_work_as_for_chat(
     headers = {"Authorization": f"Bearer {cluster.api_key}"}
     text = httpx.get(f"{cluster.base_url.removesuffix('/v1')}/metrics", headers=headers).text
     assert 'capyctl_requests_total{deployment="counted",outcome="ok",route="decisions"} 1.0' in text
-    assert 'capyctl_requests_total{deployment="late",outcome="deadline",route="decisions"} 1.0' in text
+    assert (
+        'capyctl_requests_total{deployment="late",outcome="deadline",route="decisions"} 1.0' in text
+    )
     assert 'capyctl_time_to_first_token_seconds_count{deployment="counted"} 1.0' in text
 
 

@@ -520,7 +520,10 @@ def test_metrics(cluster: Cluster) -> None:
         f"http://{cluster.role.inference}/metrics",
         headers={"Authorization": f"Bearer {cluster.api_key}"},
     ).text
-    assert 'capyctl_requests_total{deployment="counted",outcome="ok",route="chat.completions"} 1.0' in text
+    assert (
+        'capyctl_requests_total{deployment="counted",outcome="ok",route="chat.completions"} 1.0'
+        in text
+    )
     assert 'capyctl_time_to_first_token_seconds_count{deployment="counted"} 1.0' in text
     assert 'capyctl_lifecycle_seconds_count{deployment="counted",operation="start"} 1.0' in text
     assert httpx.get(f"http://{cluster.role.inference}/metrics").status_code == 401

@@ -20,12 +20,13 @@ import pytest
 
 from capycommon import simgpu
 from capycommon.domain.engines import Residency
+from capycommon.engines import apis
 from capycommon.engines.control import Load
 from capycommon.engines.detect import custom_profile
 from capycommon.engines.families import LOAD_UNREAD, Family
 from capycommon.engines.registry import EngineProfile
 from capycommon.errors import CapabilityMissing
-from enginerun import RunningEngine, launch, make_devices, sparse_model
+from enginerun import KEY, RunningEngine, launch, make_devices, sparse_model
 from engines.llamacpp.llama_server import write_wrapper
 from engines.llamacpp.tinygguf import write_tiny_model
 from enginesim.behaviour import Behaviour
@@ -324,3 +325,44 @@ def test_a_full_device_refuses_the_start_with_the_engines_own_error(
         Family.CUSTOM: "Free memory on device",
     }[target.family]
     assert expected in running.output()
+
+
+# A minimal request of each API beyond chat, as its route takes it (the engine's own fields).
+API_REQUESTS: dict[str, dict[str, object]] = {
+    "responses": {"input": "hi", "max_output_tokens": 4},
+    "messages": {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+    "messages.count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+    "embeddings": {"input": "hi"},
+    "rerank": {"query": "a", "documents": ["a", "b"]},
+    "score": {"text_1": "a", "text_2": "b"},
+    "tokenize": {"prompt": "hi", "content": "hi"},
+    "detokenize": {"tokens": [1, 2]},
+}
+
+
+def _asked(engine: RunningEngine, api: str) -> httpx.Response:
+    path = "/tokenize" if api == "tokenize" else "/detokenize" if api == "detokenize" else ""
+    path = path or "/v1/" + api.replace(".", "/")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if api == "audio.transcriptions":
+        form = {"model": "tiny"}
+        files = {"file": ("a.wav", b"RIFF" + bytes(40), "audio/wav")}
+        return httpx.post(engine.base_url + path, headers=headers, data=form, files=files)
+    body = {"model": "tiny", **API_REQUESTS[api]}
+    return httpx.post(engine.base_url + path, headers=headers, json=body, timeout=30)
+
+
+def test_each_api_is_served_where_capyctl_says_its_version_serves_it(
+    engine: RunningEngine, target: Target
+) -> None:
+    """CapyCTL's table of the APIs each family serves by version (`engines.apis`) holds for
+    the engine: a route it says is served is there (answered, or refused for this model:
+    400, 422, 501), one it says is not is the engine's 404."""
+    profile = engine.spec.profile
+    for api in apis.APIS[2:]:
+        answer = _asked(engine, api)
+        served = apis.serves(profile.family, profile.version, api)
+        if served:
+            assert answer.status_code != 404, (api, answer.text[:300])
+        else:
+            assert answer.status_code == 404, (api, answer.status_code, answer.text[:300])

@@ -432,6 +432,8 @@ class Session:
             body = loads(raw)
         except ValueError:  # not JSON, not UTF-8
             raise EngineError(f"the engine's {what} is not JSON") from None
+        if isinstance(body, list) and not self.call.decides:
+            return Raw(raw, media_type)  # a list (SGLang's rankings) names no model to rename
         if not isinstance(body, dict):
             raise EngineError(f"the engine's {what} is not a JSON object")
         return body

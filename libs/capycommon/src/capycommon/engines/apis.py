@@ -9,8 +9,10 @@ is passed to it, and it answers what it cannot serve itself.
 
 Serving a route is not serving every model on it: vLLM answers embeddings, rerank and score
 only for a pooling model, transcriptions only for a speech model; llama.cpp answers
-embeddings only when started with `--embeddings`, rerank with `--reranking`. The engine's
-refusal of such a model comes back as `capability_missing` too (`router.relay`).
+embeddings only when started with `--embeddings`, rerank with `--reranking`. Where the
+engine refuses such a model with a 404 or a 501, the router answers `capability_missing` too
+(`capyctl_router.relay.api_refused`); another refusal (SGLang's 400 for a model not started
+with `--is-embedding`) is the engine's own, relayed.
 """
 
 from __future__ import annotations
@@ -82,11 +84,8 @@ SINCE: dict[Family, dict[str, str]] = {
         "detokenize": ALWAYS,
         "audio.transcriptions": "8784",
     },
-    Family.TENSORFOLD: {
-        "chat.completions": ALWAYS,
-        "completions": ALWAYS,
-        "embeddings": ALWAYS,
-    },
+    # What CapyCTL assumes of TensorFold's server (`engines.tensorfold`): chat alone.
+    Family.TENSORFOLD: {"chat.completions": ALWAYS, "completions": ALWAYS},
 }
 
 # Families that keep a response's state themselves, so that a later request may name it by
