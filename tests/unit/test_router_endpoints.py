@@ -54,8 +54,11 @@ def _bodies(document: Document, paths: set[str]) -> dict[tuple[str, str], str | 
     described: dict[tuple[str, str], str | None] = {}
     for path in paths & set(document["paths"]):
         for method, operation in document["paths"][path].items():
-            schema = operation.get("requestBody", {}).get("content", {}).get("application/json")
-            ref = (schema or {}).get("schema", {}).get("$ref", "")
+            content = operation.get("requestBody", {}).get("content", {})
+            body = content.get("application/json") or content.get("multipart/form-data") or {}
+            schema = body.get("schema", {})  # a form: its fields' model and its file parts
+            parts = [schema, *schema.get("allOf", [])]
+            ref = next((part["$ref"] for part in parts if "$ref" in part), "")
             model = ref.removeprefix(SCHEMAS)
             known = ref.startswith(SCHEMAS) and model in document["components"]["schemas"]
             described[method.upper(), path] = model if known else None

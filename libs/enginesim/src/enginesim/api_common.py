@@ -44,19 +44,26 @@ def request_base(request: Request) -> str:
     return request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
-async def read_json(front: Frontend, request: Request, model: type[Body]) -> Body | Response:
-    """The body as `model`, or the family's 400 (after its own checks of the request)."""
+async def read_json(
+    front: Frontend,
+    request: Request,
+    model: type[Body],
+    invalid: Callable[[object, str], Response] | None = None,
+) -> Body | Response:
+    """The body as `model`, or the family's 400 (after its own checks of the request);
+    `invalid` answers a body the API reads its own way (the parsed body, or None)."""
+    refuse = invalid or (lambda _, message: front.error(400, message))
     refusal = front.precheck(request)
     if refusal is not None:
         return refusal
     try:
         data = json.loads(await request.body())
     except ValueError as exc:
-        return front.error(400, f"The request body is not valid JSON: {exc}")
+        return refuse(None, f"The request body is not valid JSON: {exc}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        return front.error(400, explain(exc))
+        return refuse(data, explain(exc))
 
 
 async def run(front: Frontend, request: Request, rid: str, prompt_tokens: int) -> Work | Response:

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from enginesim.api_common import AddRoute, llama_not_found
+from enginesim.api_common import AddRoute, llama_not_found, read_json
 from enginesim.behaviour import version_tuple
 from enginesim.engine import Work
 from enginesim.messages_wire import (
@@ -109,7 +109,7 @@ class Messages:
     # Routes -----------------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        body = await self._read(request, self.request_model)
+        body = await read_json(self.front, request, self.request_model, self.invalid)
         if isinstance(body, Response):
             return body
         chat = self._chat(body)
@@ -128,26 +128,13 @@ class Messages:
         return await front.answer(request, work, bool(body.stream), reply.events, reply.whole)
 
     async def count_tokens(self, request: Request) -> Response:
-        body = await self._read(request, CountTokensRequest)
+        body = await read_json(self.front, request, CountTokensRequest, self.invalid)
         if isinstance(body, Response):
             return body
         chat = self._chat(body)
         if isinstance(chat, Response):
             return chat
         return JSONResponse({"input_tokens": count_prompt_tokens(chat.prompt_text())})
-
-    async def _read(self, request: Request, model: type[Body]) -> Body | Response:
-        refusal = self.front.precheck(request)
-        if refusal is not None:
-            return refusal
-        try:
-            data = json.loads(await request.body())
-        except ValueError as exc:
-            return self.invalid(None, f"The request body is not valid JSON: {exc}")
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            return self.invalid(data, explain(exc))
 
     def _chat(self, body: CountTokensRequest) -> ChatRequest | Response:
         limit = body.max_tokens if isinstance(body, MessagesRequest) else None

@@ -23,7 +23,6 @@ as a Response (`enginesim.responses_wire`).
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from enginesim.api_common import AddRoute, llama_not_found
+from enginesim.api_common import AddRoute, llama_not_found, read_json
 from enginesim.behaviour import version_tuple
 from enginesim.engine import Work
 from enginesim.openai_chat import ChatRequest, JsonDict, count_prompt_tokens, plan, random_id
@@ -139,7 +138,7 @@ class Responses:
     # Routes -----------------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        body = await self._read(request)
+        body = await read_json(self.front, request, ResponsesRequest, self.invalid)
         if isinstance(body, Response):
             return body
         history = self._history(body)
@@ -164,19 +163,6 @@ class Responses:
         if isinstance(found, Response):
             return found
         return JSONResponse(found.response, headers=self.front.response_headers(request))
-
-    async def _read(self, request: Request) -> ResponsesRequest | Response:
-        refusal = self.front.precheck(request)
-        if refusal is not None:
-            return refusal
-        try:
-            data = json.loads(await request.body())
-        except ValueError as exc:
-            return self.invalid(None, f"The request body is not valid JSON: {exc}")
-        try:
-            return ResponsesRequest.model_validate(data)
-        except ValidationError as exc:
-            return self.invalid(data, explain(exc))
 
     def _history(self, body: ResponsesRequest) -> list[JsonDict] | Response:
         if body.previous_response_id is None:
