@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from capyctl_router.endpoints import ENDPOINTS
 from cluster import SMALL, Cluster, running
 from enginesim.install import install_llama_server, install_python_engine
 
@@ -30,20 +31,9 @@ WEATHER: anthropic.types.ToolParam = {
 # vLLM keeps responses (for previous_response_id) only with this variable set.
 STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 LLAMA_BUILD = 8800
-# Every path a model of a recent vLLM is served on (GET /v1/models `endpoints`).
-EVERY_PATH = [
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-    "/v1/embeddings",
-    "/v1/rerank",
-    "/v1/score",
-    "/tokenize",
-    "/detokenize",
-    "/v1/audio/transcriptions",
-]
+# Every path a model of a recent vLLM is served on (GET /v1/models `endpoints`): each of
+# the router's endpoints for chat models.
+EVERY_PATH = [endpoint.path for endpoint in ENDPOINTS if endpoint.api == "chat"]
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,15 @@ SGLang 0.5.16 (also with --is-embedding) and llama.cpp build 8800 started with -
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import re
-import wave
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from clientapis import silent_wav, streamed_whole
 from cluster import SMALL, Cluster, running
 from enginesim.install import install_llama_server
 from support import cancel, wait_for
@@ -56,17 +55,6 @@ def http(cluster: Cluster, timeout: float = 60) -> httpx.Client:
         headers={"Authorization": f"Bearer {cluster.api_key}"},
         timeout=timeout,
     )
-
-
-def clip(seconds: float) -> bytes:
-    """A WAV file of `seconds` of silence: 8 kHz, 8-bit mono."""
-    found = io.BytesIO()
-    with wave.open(found, "wb") as audio:
-        audio.setnchannels(1)
-        audio.setsampwidth(1)
-        audio.setframerate(8000)
-        audio.writeframes(b"\x80" * int(seconds * 8000))
-    return found.getvalue()
 
 
 def ok(answer: httpx.Response) -> dict[str, Any]:
@@ -167,7 +155,7 @@ def test_transcriptions(cluster: Cluster) -> None:
     """An upload through the openai SDK and as an httpx form. The simulated model hears a
     clip by its bytes, so every engine hears one upload the same: vLLM answers JSON (for
     response_format text too), SGLang's text is text/plain, passed on as it came."""
-    audio = clip(2)
+    audio = silent_wav(2)
     client = cluster.openai(timeout=60)
     heard = client.audio.transcriptions.create(model="vl", file=("clip.wav", audio, "audio/wav"))
     assert re.fullmatch(r"[A-Z][a-z ]+\.", heard.text), heard.text
@@ -233,7 +221,7 @@ def test_a_hang_up_stops_the_engines_work_on_each_streamed_route(cluster: Cluste
         (
             "/v1/audio/transcriptions",
             {
-                "files": {"file": ("long.wav", clip(60), "audio/wav")},
+                "files": {"file": ("long.wav", silent_wav(60), "audio/wav")},
                 "data": {"model": "slow", "stream": "true"},
             },
         ),
@@ -317,11 +305,5 @@ def test_sglang_keeps_responses_without_being_asked(cluster: Cluster) -> None:
     assert alone.usage is not None
     assert second.usage.input_tokens > alone.usage.input_tokens, "the earlier turn was read"
     events = list(client.responses.create(model="sg", input="hi", stream=True))
-    assert [event.type for event in events] == [
-        "response.created",
-        "response.in_progress",
-        "response.completed",
-    ]
-    done = events[-1]
-    assert done.type == "response.completed"
-    assert (done.response.model, done.response.output_text) == ("sg", first.output_text)
+    done = streamed_whole(events)
+    assert (done.model, done.output_text) == ("sg", first.output_text)

@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from capycommon import simgpu
 from enginesim import (
@@ -32,6 +33,7 @@ from support import children_of, group_members, wait_for
 
 GIB = 1 << 30
 MIB = 1 << 20
+KEY = "sim-key"  # the API key of each engine served for a module's tests (`Servers`)
 # Short timings keep the whole folder fast.
 FAST = Behaviour(
     load_seconds=0.3,
@@ -126,6 +128,26 @@ class SimGpu:
     def occupy(self, size: int) -> None:
         """Claim `size` bytes for this (live) test process, as another engine would."""
         simgpu.write_claim(self.folder, os.getpid(), simgpu.Claim(uuid=self.uuid, bytes=size))
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Simulated devices in one folder (the `devices` fixture: four of 24 GiB)."""
+
+    folder: Path
+    gpus: list[SimGpu]
+
+    def env(self, visible: int) -> dict[str, str]:
+        """What an engine that sees the first `visible` devices gets, as hostd sets it."""
+        uuids = ",".join(gpu.uuid for gpu in self.gpus[:visible])
+        return {"CAPYCTL_SIMGPU_DIR": str(self.folder), "CUDA_VISIBLE_DEVICES": uuids}
+
+    def live_claims(self) -> dict[int, simgpu.Claim]:
+        """Every claim of a live process, on any device, by PID."""
+        return {pid: found for gpu in self.gpus for pid, found in gpu.claims().items()}
+
+    def claim_files(self) -> list[str]:
+        return sorted(path.name for path in self.folder.glob("*.json") if path.stem.isdigit())
 
 
 def claim(gpu: SimGpu, pid: int) -> tuple[int, int] | None:
@@ -347,42 +369,47 @@ def serving(folder: Path, argv: list[str], env: dict[str, str], key: str) -> Ite
         launcher.cleanup()
 
 
-def serving_python(
-    installs: Installs,
-    family: PythonFamily,
-    version: str,
-    behaviour: Behaviour,
-    folder: Path,
-    model: Path,
-    key: str,
-    *extra: str,
-    **env: str,
-) -> AbstractContextManager[Engine]:
-    """`family` at `version` with `behaviour`, serving `model` behind `key` (`--api-key`) on
-    its own simulated GPU under `folder`, for a module's tests."""
-    venv = installs.python(family, version)
-    write_behaviour(venv, behaviour)
-    argv = python_argv(family, venv, model, "--api-key", key, *extra)
-    gpu = make_simgpu(folder / "simgpu")
-    return serving(folder, argv, env_for(venv, folder, gpu, **env), key)
+@dataclass(frozen=True)
+class Servers:
+    """Engines up and serving for a module's tests, from the session's installs: each behind
+    `KEY`, on its own simulated GPU, in a new folder named after it; its process group is
+    killed after."""
 
+    installs: Installs
+    model: Path  # the session's model folder
+    gguf: Path  # the session's GGUF
+    folders: pytest.TempPathFactory
 
-def serving_llama(
-    installs: Installs,
-    build: int,
-    behaviour: Behaviour,
-    folder: Path,
-    model: Path,
-    key: str,
-    *extra: str,
-) -> AbstractContextManager[Engine]:
-    """llama-server of `build` with `behaviour`, serving `model` behind `key`
-    (`LLAMA_API_KEY`) on its own simulated GPU under `folder`, for a module's tests."""
-    executable = installs.llama(build)
-    write_behaviour(executable, behaviour)
-    gpu = make_simgpu(folder / "simgpu")
-    env = closed_env(None, folder, **gpu.env(), LLAMA_API_KEY=key)
-    return serving(folder, llama_argv(executable, model, *extra), env, key)
+    def python(
+        self,
+        name: str,
+        family: PythonFamily,
+        version: str,
+        behaviour: Behaviour,
+        *extra: str,
+        model: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> AbstractContextManager[Engine]:
+        """`family` at `version` with `behaviour`, serving `model` (else the session's) behind
+        `--api-key`, with `env` added to its environment."""
+        folder = self.folders.mktemp(name)
+        venv = self.installs.python(family, version)
+        write_behaviour(venv, behaviour)
+        argv = python_argv(family, venv, model or self.model, "--api-key", KEY, *extra)
+        gpu = make_simgpu(folder / "simgpu")
+        return serving(folder, argv, env_for(venv, folder, gpu, **(env or {})), KEY)
+
+    def llama(
+        self, name: str, build: int, behaviour: Behaviour, *extra: str, model: Path | None = None
+    ) -> AbstractContextManager[Engine]:
+        """llama-server of `build` with `behaviour`, serving `model` (else the session's GGUF)
+        behind `LLAMA_API_KEY`."""
+        folder = self.folders.mktemp(name)
+        executable = self.installs.llama(build)
+        write_behaviour(executable, behaviour)
+        gpu = make_simgpu(folder / "simgpu")
+        env = closed_env(None, folder, **gpu.env(), LLAMA_API_KEY=KEY)
+        return serving(folder, llama_argv(executable, model or self.gguf, *extra), env, KEY)
 
 
 def engine_core(engine: Engine, timeout: float = 10) -> int:

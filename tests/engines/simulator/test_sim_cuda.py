@@ -138,13 +138,6 @@ def torch_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv
 
 
-@pytest.fixture
-def ledger(tmp_path: Path) -> Path:
-    folder = tmp_path / "ledger"
-    folder.mkdir()
-    return folder
-
-
 def held(ledger: Path, pid: int) -> int | None:
     """What the stand-in torch holds for `pid`, or None when that process allocated nothing."""
     path = ledger / f"{pid}.json"

@@ -21,10 +21,8 @@ from engines.simulator.helpers import (
     HELLO,
     Engine,
     Engines,
-    Installs,
+    Servers,
     send_and_hang_up,
-    serving_llama,
-    serving_python,
 )
 from enginesim import Behaviour, DisconnectLag, Faults
 from enginesim.decisions import confidence, gguf_decision_type
@@ -35,7 +33,6 @@ from support import wait_for
 SGLANG = "0.5.22"
 LLAMA = 6500
 VLLM = "0.32.0"
-KEY = "sim-key"
 STATE = {"ticket": 42, "text": "The invoice is wrong again!"}
 QUESTIONS: dict[str, Any] = {
     "topic": {
@@ -110,22 +107,20 @@ def start_llama(engines: Engines, model: Path, behaviour: Behaviour, *extra: str
 
 
 @pytest.fixture(scope="module")
-def decider(installs: Installs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def decider(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """SGLang serving a decision checkpoint (`decision_config.json`) as `decider`."""
-    folder = tmp_path_factory.mktemp("sglang-decider")
-    model = decision_folder(folder / "decider")
+    model = decision_folder(tmp_path_factory.mktemp("models") / "decider")
     extra = ("--served-model-name", "decider", "--enable-metrics", "--skip-server-warmup")
-    with serving_python(installs, "sglang", SGLANG, FAST, folder, model, KEY, *extra) as engine:
+    with servers.python("sglang-decider", "sglang", SGLANG, FAST, *extra, model=model) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
-def judge(installs: Installs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def judge(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """llama-server serving an OpenJev GGUF as `judge`."""
-    folder = tmp_path_factory.mktemp("llama-judge")
-    model = decision_gguf(folder / "openjev.gguf", "openjev")
+    model = decision_gguf(tmp_path_factory.mktemp("models") / "openjev.gguf", "openjev")
     extra = ("--alias", "judge", "--metrics")
-    with serving_llama(installs, LLAMA, FAST, folder, model, KEY, *extra) as engine:
+    with servers.llama("llama-judge", LLAMA, FAST, *extra, model=model) as engine:
         yield engine
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,18 +16,16 @@ import pytest
 from engines.simulator.helpers import (
     FAST,
     HELLO,
+    KEY,
     Engine,
     Engines,
-    Installs,
+    Servers,
     send_and_hang_up,
-    serving_llama,
-    serving_python,
     sse_events,
 )
 from enginesim import Faults
 from support import wait_for
 
-KEY = "sim-key"
 WORDS = 300
 ANSWER = "Hello " + " ".join(f"w{i}" for i in range(WORDS - 1))
 # No reasoning: llama-server parses it by default, and the counts below are the answer's.
@@ -38,32 +35,16 @@ TINY = ("--served-model-name", "tiny")
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang", "llama-server"])
-def instant(
-    request: pytest.FixtureRequest,
-    installs: Installs,
-    model_dir: Path,
-    gguf: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Engine]:
+def instant(request: pytest.FixtureRequest, servers: Servers) -> Iterator[Engine]:
     """Each family's engine, instant, serving the name `tiny` behind the key `KEY`."""
     family: str = request.param
-    folder = tmp_path_factory.mktemp(f"instant-{family}")
+    name = f"instant-{family}"
     if family == "llama-server":
-        server = serving_llama(installs, 6500, INSTANT, folder, gguf, KEY, "--alias", "tiny")
+        server = servers.llama(name, 6500, INSTANT, "--alias", "tiny")
     elif family == "vllm":
-        server = serving_python(installs, "vllm", "0.17.0", INSTANT, folder, model_dir, KEY, *TINY)
+        server = servers.python(name, "vllm", "0.17.0", INSTANT, *TINY)
     else:
-        server = serving_python(
-            installs,
-            "sglang",
-            "0.5.10",
-            INSTANT,
-            folder,
-            model_dir,
-            KEY,
-            *TINY,
-            "--skip-server-warmup",
-        )
+        server = servers.python(name, "sglang", "0.5.10", INSTANT, *TINY, "--skip-server-warmup")
     with server as engine:
         yield engine
 

@@ -16,34 +16,30 @@ from engines.simulator.helpers import (
     FAST,
     GIB,
     HELLO,
+    KEY,
     MIB,
     TALKATIVE,
     TOOLS,
     Engine,
     Engines,
-    Installs,
+    Servers,
     SimGpu,
     claim,
     closed_env,
-    serving_llama,
     sse_events,
 )
 from support import wait_for
 
 BUILD = 6500
-KEY = "sim-key"
 KV = 4096 * (128 << 10) + 1 * (8 << 20)  # -c 4096, -np 1
 RESIDUE = 512 * MIB
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
 @pytest.fixture(scope="module")
-def served(
-    installs: Installs, gguf: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
-    folder = tmp_path_factory.mktemp("llama-served")
+def served(servers: Servers) -> Iterator[Engine]:
     extra = ("-np", "1", "-c", "4096", "--metrics", "--alias", "tiny")
-    with serving_llama(installs, BUILD, TALKATIVE, folder, gguf, KEY, *extra) as engine:
+    with servers.llama("llama-served", BUILD, TALKATIVE, *extra) as engine:
         yield engine
 
 

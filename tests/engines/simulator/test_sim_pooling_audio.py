@@ -4,30 +4,25 @@ aborted when its client hangs up."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import wave
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from clientapis import silent_wav
 from engines.simulator.helpers import (
     FAST,
     Engine,
-    Installs,
+    Servers,
     parse_metric,
-    serving_llama,
-    serving_python,
     sse_events,
 )
 from enginesim import api_common, audio_api, multipart, pooling_api, tokenize_api
 from support import wait_for
 
-KEY = "sim-key"
 PACED = FAST.model_copy(update={"tokens_per_second": 40})
 VLLM = "0.17.0"
 SGLANG = "0.5.10"
@@ -37,19 +32,8 @@ DOCUMENTS = ["Rivers start in the hills.", "Bread needs flour.", "Springs feed t
 NOT_FOUND = {"detail": "Not Found"}
 
 
-def wav(seconds: float) -> bytes:
-    """A silent 16 kHz, 16-bit mono WAV clip."""
-    out = io.BytesIO()
-    with wave.open(out, "wb") as clip:
-        clip.setnchannels(1)
-        clip.setsampwidth(2)
-        clip.setframerate(16_000)
-        clip.writeframes(b"\x00\x00" * int(16_000 * seconds))
-    return out.getvalue()
-
-
-SHORT = wav(2)  # 5 words
-LONG = wav(120)  # 300 words: 7.5 s at 40 tokens a second
+SHORT = silent_wav(2)  # 5 words
+LONG = silent_wav(120)  # 300 words: 7.5 s at 40 tokens a second
 
 
 def transcribe(engine: Engine, audio: bytes, **fields: str) -> httpx.Response:
@@ -77,12 +61,9 @@ def hang_up_stream(engine: Engine, running: str, **fields: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def vllm(
-    installs: Installs, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
-    folder = tmp_path_factory.mktemp("vllm-pooling")
+def vllm(servers: Servers) -> Iterator[Engine]:
     flags = ("--served-model-name", "tiny", "other", "--enable-request-id-headers")
-    with serving_python(installs, "vllm", VLLM, PACED, folder, model_dir, KEY, *flags) as engine:
+    with servers.python("vllm-pooling", "vllm", VLLM, PACED, *flags) as engine:
         yield engine
 
 
@@ -243,26 +224,17 @@ def test_vllm_counts_each_api_request_and_aborts_a_hung_up_stream(vllm: Engine) 
 
 
 @pytest.fixture(scope="module")
-def sglang(
-    installs: Installs, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
-    folder = tmp_path_factory.mktemp("sglang-pooling")
+def sglang(servers: Servers) -> Iterator[Engine]:
     flags = ("--served-model-name", "tiny", "--enable-metrics", "--skip-server-warmup")
-    with serving_python(
-        installs, "sglang", SGLANG, PACED, folder, model_dir, KEY, *flags, "--is-embedding"
-    ) as engine:
+    embedding = "--is-embedding"
+    with servers.python("sglang-pooling", "sglang", SGLANG, PACED, *flags, embedding) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
-def sglang_old(
-    installs: Installs, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
+def sglang_old(servers: Servers) -> Iterator[Engine]:
     """SGLang 0.5.3, a generation model (no --is-embedding)."""
-    folder = tmp_path_factory.mktemp("sglang-old")
-    with serving_python(
-        installs, "sglang", "0.5.3", FAST, folder, model_dir, KEY, "--skip-server-warmup"
-    ) as engine:
+    with servers.python("sglang-old", "sglang", "0.5.3", FAST, "--skip-server-warmup") as engine:
         yield engine
 
 
@@ -374,23 +346,17 @@ def test_sglang_aborts_a_hung_up_transcription(sglang: Engine) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama(
-    installs: Installs, gguf: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
-    folder = tmp_path_factory.mktemp("llama-pooling")
-    extra = ("--reranking", "--mmproj", str(gguf), "--metrics", "--alias", "tiny")
-    with serving_llama(installs, LLAMA_BUILD, PACED, folder, gguf, KEY, *extra) as engine:
+def llama(servers: Servers) -> Iterator[Engine]:
+    extra = ("--reranking", "--mmproj", str(servers.gguf), "--metrics", "--alias", "tiny")
+    with servers.llama("llama-pooling", LLAMA_BUILD, PACED, *extra) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
-def llama_bare(
-    installs: Installs, gguf: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
+def llama_bare(servers: Servers) -> Iterator[Engine]:
     """The first build with transcriptions, started without --reranking, --embeddings or
     --mmproj."""
-    folder = tmp_path_factory.mktemp("llama-bare")
-    with serving_llama(installs, LLAMA_BUILD, FAST, folder, gguf, KEY) as engine:
+    with servers.llama("llama-bare", LLAMA_BUILD, FAST) as engine:
         yield engine
 
 
@@ -474,11 +440,9 @@ def test_llamacpp_refuses_what_it_was_not_started_for(llama_bare: Engine) -> Non
         }
 
 
-def test_llamacpp_before_transcriptions_answers_its_404(
-    installs: Installs, gguf: Path, tmp_path: Path
-) -> None:
-    extra = ("--mmproj", str(gguf), "--embeddings")
-    with serving_llama(installs, LLAMA_BUILD - 1, FAST, tmp_path, gguf, KEY, *extra) as engine:
+def test_llamacpp_before_transcriptions_answers_its_404(servers: Servers) -> None:
+    extra = ("--mmproj", str(servers.gguf), "--embeddings")
+    with servers.llama("llama-older", LLAMA_BUILD - 1, FAST, *extra) as engine:
         for path in ("/v1/audio/transcriptions", "/audio/transcriptions"):
             gone = transcribe(engine, SHORT) if path.startswith("/v1") else engine.post(path)
             assert (gone.status_code, gone.json()) == (404, api_common.LLAMA_NOT_FOUND), path
@@ -505,10 +469,10 @@ def test_a_multipart_form_reads_fields_and_files() -> None:
 
 
 def test_a_clip_is_heard_from_its_length_and_bytes() -> None:
-    assert audio_api.duration_of(wav(3)) == 3
+    assert audio_api.duration_of(silent_wav(3)) == 3
     assert audio_api.duration_of(b"\x01" * 64_000) == 2
     assert audio_api.clip_of(SHORT) == audio_api.clip_of(SHORT)
-    assert audio_api.clip_of(SHORT).text != audio_api.clip_of(wav(2.5)).text
+    assert audio_api.clip_of(SHORT).text != audio_api.clip_of(silent_wav(2.5)).text
     assert len(audio_api.clip_of(LONG).text.split()) == 300
     assert audio_api.form_bool("TRUE") is True
     assert audio_api.form_bool(None) is False

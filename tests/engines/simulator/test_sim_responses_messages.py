@@ -15,22 +15,21 @@ import httpx
 import openai
 import pytest
 
+from clientapis import streamed_whole
 from engines.simulator.helpers import (
+    KEY,
     REASONS_AND_CALLS,
     SLOW,
     Engine,
     Engines,
-    Installs,
+    Servers,
     parse_metric,
     send_and_hang_up,
-    serving_llama,
-    serving_python,
 )
 from enginesim import DisconnectLag, Faults
 from enginesim.openai_chat import CHARS_PER_TOKEN
 from support import wait_for
 
-KEY = "sim-key"
 VLLM = "0.17.0"
 SGLANG = "0.5.16"
 LLAMA = 8000
@@ -113,36 +112,23 @@ def raw_stream(engine: Engine, path: str, body: dict[str, Any]) -> str:
 
 
 @pytest.fixture(scope="module")
-def vllm(
-    installs: Installs, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
+def vllm(servers: Servers) -> Iterator[Engine]:
     """vLLM with tool and reasoning parsers, keeping responses (its store on)."""
-    folder = tmp_path_factory.mktemp("vllm-apis")
     env = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
-    with serving_python(
-        installs, "vllm", VLLM, SERVED, folder, model_dir, KEY, *VLLM_FLAGS, **env
-    ) as engine:
+    with servers.python("vllm-apis", "vllm", VLLM, SERVED, *VLLM_FLAGS, env=env) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
-def sglang(
-    installs: Installs, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
-    folder = tmp_path_factory.mktemp("sglang-apis")
-    with serving_python(
-        installs, "sglang", SGLANG, SERVED, folder, model_dir, KEY, *SGLANG_FLAGS
-    ) as engine:
+def sglang(servers: Servers) -> Iterator[Engine]:
+    with servers.python("sglang-apis", "sglang", SGLANG, SERVED, *SGLANG_FLAGS) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
-def llama(
-    installs: Installs, gguf: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
-    folder = tmp_path_factory.mktemp("llama-apis")
+def llama(servers: Servers) -> Iterator[Engine]:
     extra = ("-np", "2", "--alias", "tiny", "--reasoning-format", "deepseek")
-    with serving_llama(installs, LLAMA, SERVED, folder, gguf, KEY, *extra) as engine:
+    with servers.llama("llama-apis", LLAMA, SERVED, *extra) as engine:
         yield engine
 
 
@@ -435,14 +421,7 @@ def test_sglang_response_whole_tool_and_state(sglang: Engine) -> None:
 
 def test_sglang_streams_no_item_events(sglang: Engine) -> None:
     events = list(sglang.openai().responses.create(model="tiny", input="Hello", stream=True))
-    assert [event.type for event in events] == [
-        "response.created",
-        "response.in_progress",
-        "response.completed",
-    ]
-    done = events[-1]
-    assert done.type == "response.completed"
-    assert done.response.output_text == ANSWER
+    assert streamed_whole(events).output_text == ANSWER
 
 
 def test_sglang_messages(sglang: Engine) -> None:

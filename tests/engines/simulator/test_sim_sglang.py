@@ -15,20 +15,20 @@ from engines.simulator.helpers import (
     FAST,
     GIB,
     HELLO,
+    KEY,
     MIB,
     SLOW,
     TALKATIVE,
     TOOLS,
     Engine,
     Engines,
-    Installs,
+    Servers,
     SimGpu,
     claim,
     closed_env,
     env_for,
     python_argv,
     send_and_hang_up,
-    serving_python,
     streaming,
     wait_claim,
 )
@@ -37,7 +37,6 @@ from enginesim.behaviour import GARBAGE_ANSWER
 from support import wait_for
 
 VERSION = "0.5.10"
-KEY = "sim-key"
 WEIGHTS = 2 * GIB
 RESIDUE = 512 * MIB
 GRAPHS = 256 * MIB
@@ -59,10 +58,7 @@ def segment(pid: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(
-    installs: Installs, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
-    folder = tmp_path_factory.mktemp("sglang-served")
+def served(servers: Servers) -> Iterator[Engine]:
     flags = [
         "--served-model-name",
         "tiny",
@@ -73,9 +69,7 @@ def served(
         "qwen3",
         "--skip-server-warmup",
     ]
-    with serving_python(
-        installs, "sglang", VERSION, TALKATIVE, folder, model_dir, KEY, *flags
-    ) as engine:
+    with servers.python("sglang-served", "sglang", VERSION, TALKATIVE, *flags) as engine:
         yield engine
 
 

@@ -18,10 +18,10 @@ from engines.simulator.helpers import (
     FAST,
     GIB,
     MIB,
+    Devices,
     Engine,
     Installs,
     Launcher,
-    SimGpu,
     claim,
     closed_env,
     engine_core,
@@ -44,26 +44,6 @@ LLAMA_BUILD = 6500
 # What llama-server holds for a 1 GiB GGUF: the file, 4096 tokens of KV at 128 KiB each, and
 # 8 MiB of compute buffers for each of its 4 slots.
 LLAMA_NEED = GIB + 4096 * 128 * 1024 + 4 * 8 * MIB
-
-
-@dataclass(frozen=True)
-class Devices:
-    """Four simulated 24 GiB devices in one folder."""
-
-    folder: Path
-    gpus: list[SimGpu]
-
-    def env(self, visible: int) -> dict[str, str]:
-        """What an engine that sees the first `visible` devices gets, as hostd sets it."""
-        uuids = ",".join(gpu.uuid for gpu in self.gpus[:visible])
-        return {"CAPYCTL_SIMGPU_DIR": str(self.folder), "CUDA_VISIBLE_DEVICES": uuids}
-
-    def live_claims(self) -> dict[int, simgpu.Claim]:
-        """Every claim of a live process, on any device, by PID."""
-        return {pid: found for gpu in self.gpus for pid, found in gpu.claims().items()}
-
-    def claim_files(self) -> list[str]:
-        return sorted(path.name for path in self.folder.glob("*.json") if path.stem.isdigit())
 
 
 @dataclass(frozen=True)
@@ -95,14 +75,6 @@ class Start:
         write_behaviour(executable, FAST)
         argv = [str(executable), "-m", str(gguf), "--port", "{port}", *extra]
         return self.launcher.start(argv, closed_env(None, self.home, **self.devices.env(visible)))
-
-
-@pytest.fixture
-def devices(tmp_path: Path) -> Devices:
-    listed = simgpu.parse_devices("gpu0:24GiB,gpu1:24GiB,gpu2:24GiB,gpu3:24GiB")
-    folder = tmp_path / "simgpu"
-    simgpu.write_devices(folder, listed)
-    return Devices(folder, [SimGpu(folder, d.uuid, d.total_bytes) for d in listed])
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,14 @@ from engines.simulator.helpers import (
     FAST,
     GIB,
     MIB,
+    Devices,
     Installs,
     Launcher,
-    SimGpu,
     claim,
     closed_env,
     engine_core,
     group_alive,
+    llama_argv,
     python_argv,
     wait_claim,
 )
@@ -263,13 +265,6 @@ def torch_path(tmp_path: Path) -> Path:
     return folder
 
 
-@pytest.fixture
-def ledger(tmp_path: Path) -> Path:
-    folder = tmp_path / "ledger"
-    folder.mkdir()
-    return folder
-
-
 def held(ledger: Path, pid: int) -> dict[str, int] | None:
     """What the stand-in torch holds for `pid`, by device index; None: it allocated nothing."""
     path = ledger / f"{pid}.json"
@@ -279,62 +274,66 @@ def held(ledger: Path, pid: int) -> dict[str, int] | None:
     return found
 
 
-def _four(tmp_path: Path) -> tuple[Path, list[SimGpu]]:
-    folder = tmp_path / "simgpu"
-    listed = _devices(folder, "gpu0:24GiB,gpu1:24GiB,gpu2:24GiB,gpu3:24GiB")
-    return folder, [SimGpu(folder, device.uuid, device.total_bytes) for device in listed]
-
-
-def _cuda_env(torch_path: Path, ledger: Path, folder: Path, gpus: list[SimGpu]) -> dict[str, str]:
+def _cuda_env(torch_path: Path, ledger: Path, devices: Devices) -> dict[str, str]:
+    """The CUDA mode's variables for an engine that sees the first two devices."""
     return {
         "ENGINESIM_CUDA": "1",
         "PYTHONPATH": str(torch_path),
         "FAKE_TORCH_LEDGER": str(ledger),
-        "CAPYCTL_SIMGPU_DIR": str(folder),
-        "CUDA_VISIBLE_DEVICES": ",".join(gpu.uuid for gpu in gpus),
+        **devices.env(2),
     }
 
 
-def test_each_vllm_worker_holds_real_memory_on_its_own_device(
+@dataclass(frozen=True)
+class TwoRanks:
+    """The simulated vLLM across the first two of four devices in the CUDA mode."""
+
+    argv: list[str]
+    bin_dir: Path
+    home: Path
+    mode: dict[str, str]  # the variables of the CUDA mode
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return closed_env(self.bin_dir, self.home, **extra, **self.mode)
+
+
+@pytest.fixture
+def two_ranks(
     installs: Installs,
-    launcher: Launcher,
     model_dir: Path,
     torch_path: Path,
     ledger: Path,
+    devices: Devices,
     tmp_path: Path,
+) -> TwoRanks:
+    venv = installs.python("vllm", VLLM)
+    write_behaviour(venv, FAST)
+    argv = python_argv("vllm", venv, model_dir, "--tensor-parallel-size", "2")
+    mode = _cuda_env(torch_path, ledger, devices)
+    return TwoRanks(argv, venv / "bin", tmp_path, mode)
+
+
+def test_each_vllm_worker_holds_real_memory_on_its_own_device(
+    two_ranks: TwoRanks, launcher: Launcher, ledger: Path, devices: Devices
 ) -> None:
-    venv, argv, gpus, on = _two_ranks(installs, model_dir, torch_path, ledger, tmp_path)
-    argv += ["--enable-sleep-mode"]
-    env = closed_env(venv / "bin", tmp_path, VLLM_SERVER_DEV_MODE="1", **on)
-    engine = launcher.start(argv, env)
+    argv = [*two_ranks.argv, "--enable-sleep-mode"]
+    engine = launcher.start(argv, two_ranks.env(VLLM_SERVER_DEV_MODE="1"))
     engine.wait_status(200)
     core = engine_core(engine)
     workers = wait_for(lambda: _titled_children(core), 10, "the two workers")
     share = int(0.9 * 24 * GIB)
-    for rank, gpu in enumerate(gpus[:2]):
+    for rank, gpu in enumerate(devices.gpus[:2]):
         worker = workers[f"VLLM::Worker_TP{rank}"]
         assert claim(gpu, worker) == (share, 0)
         assert held(ledger, worker) == {str(rank): share}, "on torch device <rank>"
     assert (held(ledger, engine.proc.pid), held(ledger, core)) == (None, None)
     assert engine.post("/sleep", params={"level": "2"}).status_code == 200
-    for rank, gpu in enumerate(gpus[:2]):
+    for rank, gpu in enumerate(devices.gpus[:2]):
         wait_claim(gpu, workers[f"VLLM::Worker_TP{rank}"], (RESIDUE, 0))
         assert held(ledger, workers[f"VLLM::Worker_TP{rank}"]) == {str(rank): RESIDUE}
     assert engine.stop() == 0
     for rank in range(2):
         assert held(ledger, workers[f"VLLM::Worker_TP{rank}"]) == {}, "stopped: all freed"
-
-
-def _two_ranks(
-    installs: Installs, model_dir: Path, torch_path: Path, ledger: Path, tmp_path: Path
-) -> tuple[Path, list[str], list[SimGpu], dict[str, str]]:
-    """The simulated vLLM across the first two of four devices in the CUDA mode: its venv,
-    its argv, the devices, and the variables of the mode."""
-    folder, gpus = _four(tmp_path)
-    venv = installs.python("vllm", VLLM)
-    write_behaviour(venv, FAST)
-    argv = python_argv("vllm", venv, model_dir, "--tensor-parallel-size", "2")
-    return venv, argv, gpus, _cuda_env(torch_path, ledger, folder, gpus[:2])
 
 
 def _titled_children(parent: int) -> dict[str, int] | None:
@@ -343,21 +342,15 @@ def _titled_children(parent: int) -> dict[str, int] | None:
 
 
 def test_a_worker_whose_torch_lacks_its_device_stops_the_engine(
-    installs: Installs,
-    launcher: Launcher,
-    model_dir: Path,
-    torch_path: Path,
-    ledger: Path,
-    tmp_path: Path,
+    two_ranks: TwoRanks, launcher: Launcher, devices: Devices
 ) -> None:
-    venv, argv, gpus, on = _two_ranks(installs, model_dir, torch_path, ledger, tmp_path)
-    engine = launcher.start(argv, closed_env(venv / "bin", tmp_path, FAKE_TORCH_DEVICES="1", **on))
+    engine = launcher.start(two_ranks.argv, two_ranks.env(FAKE_TORCH_DEVICES="1"))
     assert engine.wait_exit(timeout=30) != 0
     output = engine.output()
     assert "rank 1: RuntimeError: ENGINESIM_CUDA=1 needs CUDA device 1, and torch sees 1" in output
     assert "Worker proc VllmWorker-1 died unexpectedly" in output
     wait_for(lambda: not group_alive(engine.proc.pid), 10, "the engine's processes to end")
-    assert all(gpu.claims() == {} for gpu in gpus)
+    assert all(gpu.claims() == {} for gpu in devices.gpus)
 
 
 def test_llama_holds_each_devices_share_on_that_device(
@@ -366,17 +359,17 @@ def test_llama_holds_each_devices_share_on_that_device(
     gguf: Path,
     torch_path: Path,
     ledger: Path,
+    devices: Devices,
     tmp_path: Path,
 ) -> None:
-    folder, gpus = _four(tmp_path)
     executable = installs.llama(LLAMA_BUILD)
     write_behaviour(executable, FAST)
-    argv = [str(executable), "-m", str(gguf), "--port", "{port}", "--tensor-split", "1,1"]
-    env = closed_env(None, tmp_path, **_cuda_env(torch_path, ledger, folder, gpus[:2]))
+    argv = llama_argv(executable, gguf, "--tensor-split", "1,1")
+    env = closed_env(None, tmp_path, **_cuda_env(torch_path, ledger, devices))
     engine = launcher.start(argv, env)
     engine.wait_status(200)
     need = GIB + 4096 * 128 * 1024 + 4 * 8 * MIB
     assert held(ledger, engine.proc.pid) == {"0": need // 2, "1": need // 2}
-    assert claim(gpus[1], engine.proc.pid) == (need // 2, 0)
+    assert claim(devices.gpus[1], engine.proc.pid) == (need // 2, 0)
     assert engine.stop() == 0
     assert held(ledger, engine.proc.pid) == {}

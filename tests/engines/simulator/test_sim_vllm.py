@@ -26,6 +26,7 @@ from engines.simulator.helpers import (
     Engines,
     Installs,
     Launcher,
+    Servers,
     SimGpu,
     claim,
     closed_env,
@@ -34,7 +35,6 @@ from engines.simulator.helpers import (
     group_alive,
     python_argv,
     send_and_hang_up,
-    serving_python,
     sse_events,
     streaming,
     wait_claim,
@@ -45,7 +45,6 @@ from enginesim.behaviour import GARBAGE_ANSWER
 from support import pid_alive, wait_for
 
 VERSION = "0.17.0"
-KEY = "sim-key"
 WEIGHTS = 2 * GIB
 RESIDUE = 512 * MIB
 TOOLS: list[Any] = [
@@ -96,11 +95,9 @@ def budget(gpu: SimGpu, fraction: float = 0.9) -> int:
 
 
 @pytest.fixture(scope="module")
-def served(
-    installs: Installs, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Engine]:
+def served(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """One vLLM 0.17 with keys, two names, parsers, id headers and two --middleware."""
-    folder = tmp_path_factory.mktemp("vllm-served")
+    folder = tmp_path_factory.mktemp("vllm-middleware")
     (folder / "sim_middleware.py").write_text(MIDDLEWARE)
     flags = [
         *LOOPBACK,
@@ -122,9 +119,7 @@ def served(
         "sim_middleware.stamp",
     ]
     env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(folder)}
-    with serving_python(
-        installs, "vllm", VERSION, SERVED, folder, model_dir, KEY, *flags, **env
-    ) as engine:
+    with servers.python("vllm-served", "vllm", VERSION, SERVED, *flags, env=env) as engine:
         yield engine
 
 

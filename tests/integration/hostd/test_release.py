@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-from capycommon.domain.memory import GpuReading, HostRam, MemoryReading
 from capyctl_hostd.release import Seen, judge, observe
+from unit.readings import GiB, held_reading
 
-GiB = 1 << 30
 MiB = 1 << 20
+# The instance's GPU, the reading's GPU 1.
 UUID = "GPU-1"
 PARKED_AT = 1000.0
 
 
-def _reading(taken_at: float, processes: dict[int, int], uuid: str = UUID) -> MemoryReading:
-    gpu = GpuReading(
-        index=1,
-        uuid=uuid,
-        name="NVIDIA H200",
-        total_bytes=141 * GiB,
-        used_bytes=sum(processes.values()),
-        free_bytes=0,
-        unified=False,
-        processes=processes,
-    )
-    ram = HostRam(total_bytes=64 * GiB, available_bytes=64 * GiB, source="meminfo")
-    return MemoryReading(host="h", taken_at=taken_at, backend="nvml", gpus=[gpu], ram=ram)
-
-
 def test_only_the_groups_processes_on_the_instances_gpu_count() -> None:
-    reading = _reading(PARKED_AT + 1, {10: 300 * MiB, 11: 200 * MiB, 99: 40 * GiB})
+    reading = held_reading(PARKED_AT + 1, {1: {10: 300 * MiB, 11: 200 * MiB, 99: 40 * GiB}})
     seen = observe(Seen(UUID, None), reading, (UUID,), [10, 11, 12], PARKED_AT, PARKED_AT + 1.5)
     assert seen == Seen("gpu1", 500 * MiB)
     assert seen.within(512 * MiB)
@@ -36,9 +21,9 @@ def test_only_the_groups_processes_on_the_instances_gpu_count() -> None:
 
 def test_a_reading_before_the_park_or_stale_names_the_gpu_but_gives_no_figure() -> None:
     start = Seen(UUID, None)
-    before = _reading(PARKED_AT - 0.1, {10: 0})
+    before = held_reading(PARKED_AT - 0.1, {1: {10: 0}})
     assert observe(start, before, (UUID,), [10], PARKED_AT, PARKED_AT + 1) == Seen("gpu1", None)
-    stale = _reading(PARKED_AT + 1, {10: 0})
+    stale = held_reading(PARKED_AT + 1, {1: {10: 0}})
     assert observe(start, stale, (UUID,), [10], PARKED_AT, PARKED_AT + 7) == Seen("gpu1", None)
     held = Seen("gpu1", 6 * GiB)
     assert observe(held, stale, (UUID,), [10], PARKED_AT, PARKED_AT + 7) == held, "the last figure"
@@ -47,7 +32,7 @@ def test_a_reading_before_the_park_or_stale_names_the_gpu_but_gives_no_figure() 
 def test_no_reading_or_another_gpu_changes_nothing() -> None:
     start = Seen(UUID, None)
     assert observe(start, None, (UUID,), [10], PARKED_AT, PARKED_AT + 1) == start
-    other = _reading(PARKED_AT + 1, {10: 0}, uuid="GPU-2")
+    other = held_reading(PARKED_AT + 1, {2: {10: 0}})
     assert observe(start, other, (UUID,), [10], PARKED_AT, PARKED_AT + 1) == start
 
 
@@ -68,18 +53,8 @@ def test_the_reasons_give_the_figures() -> None:
 
 
 def test_an_engine_across_two_gpus_is_judged_by_its_fullest_gpu() -> None:
-    first = _reading(PARKED_AT + 1, {10: 300 * MiB})
-    second = GpuReading(
-        index=2,
-        uuid="GPU-2",
-        name="NVIDIA H200",
-        total_bytes=141 * GiB,
-        used_bytes=0,
-        free_bytes=0,
-        unified=False,
-        processes={11: 2 * GiB},
-    )
-    both = first.model_copy(update={"gpus": [*first.gpus, second]})
+    first = held_reading(PARKED_AT + 1, {1: {10: 300 * MiB}})
+    both = held_reading(PARKED_AT + 1, {1: {10: 300 * MiB}, 2: {11: 2 * GiB}})
     uuids = (UUID, "GPU-2")
     seen = observe(Seen(UUID, None), both, uuids, [10, 11], PARKED_AT, PARKED_AT + 1.5)
     assert seen == Seen("gpu2", 2 * GiB), "rank 1 still holds its weights"

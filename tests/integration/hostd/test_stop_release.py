@@ -10,11 +10,10 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from capycommon.domain.instances import InstanceRecord, InstanceState
-from capycommon.domain.memory import GpuReading, HostRam, MemoryReading
 from capycommon.state.memory import MemoryStore
 from capyctl_hostd.release import cleared
+from unit.readings import GiB, held_reading
 
-GiB = 1 << 30
 RANKS = {10, 11}
 RECORD = InstanceRecord(
     deployment="big",
@@ -29,24 +28,6 @@ RECORD = InstanceRecord(
 )
 
 
-def reading(taken_at: float, *held: dict[int, int]) -> MemoryReading:
-    gpus = [
-        GpuReading(
-            index=index,
-            uuid=f"GPU-{index}",
-            name="NVIDIA H100",
-            total_bytes=80 * GiB,
-            used_bytes=sum(processes.values()),
-            free_bytes=0,
-            unified=False,
-            processes=processes,
-        )
-        for index, processes in enumerate(held)
-    ]
-    ram = HostRam(total_bytes=64 * GiB, available_bytes=64 * GiB, source="meminfo")
-    return MemoryReading(host="h", taken_at=taken_at, backend="nvml", gpus=gpus, ram=ram)
-
-
 def test_a_stop_waits_for_a_reading_after_it_that_shows_every_rank_gone(
     redis_socket: Path,
 ) -> None:
@@ -57,15 +38,17 @@ def test_a_stop_waits_for_a_reading_after_it_that_shows_every_rank_gone(
             # Nothing measures here (no reading): the stop does not wait.
             assert await cleared(memory, RECORD, RANKS, time.time(), wait_s=5) is None
             since = time.time()
-            await memory.write_reading(reading(since - 0.1, {10: 9 * GiB}, {11: 9 * GiB}))
+            await memory.write_reading(
+                held_reading(since - 0.1, {0: {10: 9 * GiB}, 1: {11: 9 * GiB}})
+            )
             waiting = asyncio.create_task(cleared(memory, RECORD, RANKS, since, wait_s=10))
             await asyncio.sleep(0)
             assert not waiting.done(), "a reading from before the stop proves nothing"
-            await memory.write_reading(reading(time.time(), {}, {99: GiB}))
+            await memory.write_reading(held_reading(time.time(), {0: {}, 1: {99: GiB}}))
             assert await asyncio.wait_for(waiting, timeout=5) is None
             # A rank the reading still shows, after the wait: named, for hostd's log.
             since = time.time()
-            await memory.write_reading(reading(since + 0.01, {}, {11: 9 * GiB}))
+            await memory.write_reading(held_reading(since + 0.01, {0: {}, 1: {11: 9 * GiB}}))
             assert await cleared(memory, RECORD, RANKS, since, wait_s=0.3) == "gpu1"
         finally:
             await client.aclose()

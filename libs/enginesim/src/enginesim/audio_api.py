@@ -220,7 +220,7 @@ class VllmAudio:
         work, clip = started
         events = functools.partial(self._events, ask, rid, work)
         body = functools.partial(self._body, ask, clip)
-        return await self.front._respond(request, work, ask.stream, events, body)
+        return await self.front.respond(request, work, ask.stream, events, body)
 
     def _body(self, ask: _VllmAsk, clip: Clip) -> JsonDict:
         if ask.fmt == "verbose_json":
@@ -311,7 +311,7 @@ class SglangAudio:
         work, clip = started
         if ask.stream:
             events = functools.partial(self._events, ask, rid, work)
-            return await self.front._respond(request, work, True, events, dict)
+            return await self.front.respond(request, work, True, events, dict)
         await self.front._until_done(request, work, stream=False)
         if work.finish == "error":
             return self.front.error(500, work.error or "internal error", "InternalServerError")
@@ -380,7 +380,7 @@ class LlamaAudio:
         stream = form.fields.get("stream") == "true"  # compared as text, as llama-server does
         events = functools.partial(self._events, work, clip)
         body = functools.partial(_done, work, clip)
-        return await self.front._respond(request, work, stream, events, body)
+        return await self.front.respond(request, work, stream, events, body)
 
     async def _events(self, work: Work, clip: Clip) -> AsyncIterator[str]:
         async for batch in work.batches():

@@ -27,7 +27,7 @@ from typing import NoReturn
 from capycommon import simgpu
 from enginesim import cuda
 from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice
-from enginesim.ranks import Ranks, exit_on_stop_signals, serve_lines
+from enginesim.ranks import Ranks, die, exit_on_stop_signals, serve_lines
 
 WORKER_TITLE = "VLLM::Worker_TP"
 
@@ -77,10 +77,7 @@ def _die(holder: Holder, rank: int, code: int, message: str) -> None:
         holder.kill_rank(rank, code, message)
         return
     if rank == 0:
-        sys.stderr.write(message.rstrip("\n") + "\n")
-        sys.stderr.flush()
-        holder.close()
-        os._exit(code)
+        die(holder, code, message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

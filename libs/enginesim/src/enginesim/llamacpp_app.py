@@ -52,7 +52,7 @@ from enginesim.openai_chat import (
 )
 from enginesim.parallel import split_bytes
 from enginesim.process import Process
-from enginesim.serving import Frontend, HotPaths
+from enginesim.serving import Frontend, add_hot_paths
 
 if TYPE_CHECKING:
     from enginesim.llamacpp import LlamaArgs
@@ -427,12 +427,7 @@ def build_app(front: LlamaFrontend) -> FastAPI:
     messages_api.register_llamacpp(add, front)
     add("/v1/systemone", front.decide, methods=["POST"])
     add("/", front.webui, methods=["GET"])
-    if front.behaviour.instant:
-        generation = {"chat/completions": front.chat, "completions": front.completions}
-        routes = {
-            f"{prefix}/{path}": run for path, run in generation.items() for prefix in ("", "/v1")
-        }
-        app.add_middleware(HotPaths, routes=routes)
+    add_hot_paths(app, front, ("", "/v1"))
     if front.args.api_keys:
         body = {
             "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from enginesim.api_common import AddRoute, llama_not_found, read_json
+from enginesim.api_common import AddRoute, llama_not_found
 from enginesim.behaviour import version_tuple
 from enginesim.engine import Work
 from enginesim.messages_wire import (
@@ -109,7 +109,7 @@ class Messages:
     # Routes -----------------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        body = await read_json(self.front, request, self.request_model, self.invalid)
+        body = await self.front.read_json(request, self.request_model, self.invalid)
         if isinstance(body, Response):
             return body
         chat = self._chat(body)
@@ -125,10 +125,11 @@ class Messages:
         rid, message_id = self.ids(request, chat)
         work = Work(rid, count_prompt_tokens(chat.prompt_text()), tokens, finish)
         reply = self.reply(work, message_id, chat)
-        return await front.answer(request, work, bool(body.stream), reply.events, reply.whole)
+        front.submit(work)
+        return await front.respond(request, work, bool(body.stream), reply.events, reply.whole)
 
     async def count_tokens(self, request: Request) -> Response:
-        body = await read_json(self.front, request, CountTokensRequest, self.invalid)
+        body = await self.front.read_json(request, CountTokensRequest, self.invalid)
         if isinstance(body, Response):
             return body
         chat = self._chat(body)

@@ -20,8 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from enginesim.engine import Token, Work
-from enginesim.openai_chat import JsonDict
-from enginesim.responses_wire import produced, sse, text_of
+from enginesim.openai_chat import JsonDict, text_of
+from enginesim.responses_wire import produced, sse
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 BLOCK_OF = {"reasoning": "thinking", "content": "text", "tool_name": "tool_use"}

@@ -71,7 +71,7 @@ class ChatRequest(_Tolerant):
         return None
 
     def prompt_text(self) -> str:
-        return "".join(_text_of(message.get("content")) for message in self.messages)
+        return "".join(text_of(message.get("content")) for message in self.messages)
 
 
 class EmbeddingRequest(_Tolerant):
@@ -95,7 +95,7 @@ class CompletionRequest(_Tolerant):
         return " ".join(str(part) for part in self.prompt)
 
 
-def _text_of(content: Any) -> str:
+def text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from enginesim.api_common import AddRoute, llama_not_found, read_json, request_base, run
+from enginesim.api_common import AddRoute, llama_not_found, request_base, run
 from enginesim.openai_chat import EmbeddingRequest, JsonDict, count_prompt_tokens
 from enginesim.serving import Frontend, embedding_of
 from enginesim.tokenize_api import VOCAB_SIZE
@@ -75,7 +75,7 @@ def label_probabilities(prompt: str, labels: list[int], softmax: bool) -> list[f
 async def counted_embeddings(front: Frontend, request: Request) -> Response:
     """`Frontend.embeddings` run as one request in the engine (its inputs the prompt), so
     that it is counted and waits for a slot as the engine's embeddings do."""
-    body = await read_json(front, request, EmbeddingRequest)
+    body = await front.read_json(request, EmbeddingRequest)
     if isinstance(body, Response):
         return body
     texts = [body.input] if isinstance(body.input, str) else body.input
@@ -127,7 +127,7 @@ class VllmPooling:
         return self.front.error(404, f"The model `{model}` does not exist.", "NotFoundError")
 
     async def rerank(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _VllmRerank)
+        body = await self.front.read_json(request, _VllmRerank)
         if isinstance(body, Response):
             return body
         name = self._name(body.model)
@@ -156,7 +156,7 @@ class VllmPooling:
         return JSONResponse(answer, headers=self.front.response_headers(request))
 
     async def score(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _VllmScore)
+        body = await self.front.read_json(request, _VllmScore)
         if isinstance(body, Response):
             return body
         name = self._name(body.model)
@@ -262,7 +262,7 @@ class SglangPooling:
         self.front = front
 
     async def rerank(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _SglangRerank)
+        body = await self.front.read_json(request, _SglangRerank)
         if isinstance(body, Response):
             return body
         problem = sglang_rerank_problem(body)
@@ -288,7 +288,7 @@ class SglangPooling:
         return JSONResponse(answers[: body.top_n] if body.top_n else answers)
 
     async def score(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _SglangScore)
+        body = await self.front.read_json(request, _SglangScore)
         if isinstance(body, Response):
             return body
         prompts = sglang_prompts(body)

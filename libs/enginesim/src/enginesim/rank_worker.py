@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from capycommon import simgpu
 from enginesim import cuda
 from enginesim.gpu import Holder, LocalHolder, NoHolder, SimDevice
-from enginesim.ranks import exit_on_stop_signals, serve_lines
+from enginesim.ranks import die, exit_on_stop_signals, serve_lines
 
 
 def _claims(args: argparse.Namespace) -> Holder:
@@ -43,14 +41,6 @@ def _holder(args: argparse.Namespace) -> Holder:
     except cuda.CudaUnavailable as exc:
         claims.close()
         raise SystemExit(f"rank {args.rank}: {exc}") from None
-
-
-def die(holder: Holder, code: int, message: str) -> NoReturn:
-    """A crash of the rank: the message on stderr, the memory released, the exit status."""
-    sys.stderr.write(message.rstrip("\n") + "\n")
-    sys.stderr.flush()
-    holder.close()
-    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

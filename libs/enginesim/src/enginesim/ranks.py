@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from enginesim.behaviour import Behaviour
 from enginesim.gpu import Holder, SimDevice, visible_count
@@ -137,6 +138,15 @@ def python_executable() -> str:
 
 def die_line(rank: int, code: int, message: str) -> str:
     return f"die {rank} {code} {json.dumps(message)}"
+
+
+def die(holder: Holder, code: int, message: str) -> NoReturn:
+    """A `die` line's crash of the rank this process holds: the message on stderr, the
+    memory released, the exit status."""
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()
+    holder.close()
+    os._exit(code)
 
 
 def serve_lines(holder: Holder, on_die: Callable[[int, int, str], None]) -> None:

@@ -33,16 +33,22 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from enginesim.api_common import AddRoute, llama_not_found, read_json
+from enginesim.api_common import AddRoute, llama_not_found
 from enginesim.behaviour import version_tuple
 from enginesim.engine import Work
-from enginesim.openai_chat import ChatRequest, JsonDict, count_prompt_tokens, plan, random_id
+from enginesim.openai_chat import (
+    ChatRequest,
+    JsonDict,
+    count_prompt_tokens,
+    plan,
+    random_id,
+    text_of,
+)
 from enginesim.responses_wire import (
     LlamaReply,
     Reply,
     ResponsesRequest,
     SglangReply,
-    text_of,
 )
 from enginesim.serving import Frontend, explain
 
@@ -138,7 +144,7 @@ class Responses:
     # Routes -----------------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        body = await read_json(self.front, request, ResponsesRequest, self.invalid)
+        body = await self.front.read_json(request, ResponsesRequest, self.invalid)
         if isinstance(body, Response):
             return body
         history = self._history(body)
@@ -156,7 +162,8 @@ class Responses:
         tokens, finish = plan(answer, reasoning, self.tool(chat), body.max_output_tokens)
         work = Work(self.response_id(body), count_prompt_tokens(chat.prompt_text()), tokens, finish)
         reply = self.reply(body, work, self._keeper(body, chat))
-        return await front.answer(request, work, bool(body.stream), reply.events, reply.whole)
+        front.submit(work)
+        return await front.respond(request, work, bool(body.stream), reply.events, reply.whole)
 
     async def retrieve(self, request: Request) -> Response:
         found = self.find(request.path_params["response_id"])

@@ -80,14 +80,6 @@ class ResponsesRequest(BaseModel):
         return {"type": "function", "function": {"name": name}} if name else "auto"
 
 
-def text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return ""
-
-
 def sse(kind: str, data: JsonDict) -> str:
     return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 

@@ -19,10 +19,11 @@ import json
 import math
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -71,6 +72,16 @@ class HotPaths:
             await response.stream_response(send)
         else:
             await response(scope, receive, send)
+
+
+def add_hot_paths(app: Starlette, front: Frontend, prefixes: Sequence[str] = ("/v1",)) -> None:
+    """An instant engine's chat and text completions, at each of `prefixes`, on the lean path
+    (`HotPaths`); a paced engine's go through FastAPI as every other route does."""
+    if not front.behaviour.instant:
+        return
+    generation = {"chat/completions": front.chat, "completions": front.completions}
+    routes = {f"{prefix}/{path}": run for path, run in generation.items() for prefix in prefixes}
+    app.add_middleware(HotPaths, routes=routes)
 
 
 def embedding_of(text: str) -> list[float]:
@@ -176,7 +187,7 @@ class Frontend:
     # Handlers ---------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        body = await self._parse(request, ChatRequest)
+        body = await self.read_json(request, ChatRequest)
         if isinstance(body, Response):
             return body
 
@@ -188,7 +199,7 @@ class Frontend:
         return await self._generate(request, body, planned)
 
     async def completions(self, request: Request) -> Response:
-        body = await self._parse(request, CompletionRequest)
+        body = await self.read_json(request, CompletionRequest)
         if isinstance(body, Response):
             return body
         return await self._generate(
@@ -199,7 +210,7 @@ class Frontend:
 
     async def embeddings(self, request: Request) -> Response:
         """One deterministic 8-dimension unit vector per input (a digest of its text)."""
-        body = await self._parse(request, EmbeddingRequest)
+        body = await self.read_json(request, EmbeddingRequest)
         if isinstance(body, Response):
             return body
         refusal = self.precheck(request)
@@ -241,13 +252,22 @@ class Frontend:
             prefill_seconds=self.behaviour.decision_seconds,
             runs_to_end=self.decisions_run_to_end,
         )
+        failure = await self.run_whole(request, work)
+        if failure is not None:
+            return failure
+        return JSONResponse(self.decision_body(body, work), headers=self.response_headers(request))
+
+    async def run_whole(self, request: Request, work: Work) -> Response | None:
+        """Hand admitted `work`, which makes no tokens (a decision, a rerank), to the engine
+        and wait for its end: the family's 500 if it failed or was aborted, else None. A
+        client that goes away meanwhile aborts it as the family aborts a request."""
         self.submit(work)
         await self._until_done(request, work, stream=False)
         if work.finish == "error":
             return self.error(500, work.error or "internal error", "InternalServerError")
         if work.finish == "abort":
             return self.error(500, "The request was aborted.", "InternalServerError")
-        return JSONResponse(self.decision_body(body, work), headers=self.response_headers(request))
+        return None
 
     # Other APIs on the same engine (enginesim.responses_api, enginesim.messages_api) ------
 
@@ -256,33 +276,28 @@ class Frontend:
         or None: another API's request is decided as its chat conversion would be."""
         return self._tool(body)
 
-    async def answer(
-        self,
-        request: Request,
-        work: Work,
-        stream: bool,
-        events: Callable[[], AsyncIterator[str]],
-        body: Callable[[], JsonDict],
-    ) -> Response:
-        """Hand admitted `work` to the engine and answer it in another API's wire format
-        (`events` streamed, `body` whole), with chat's timing and hang-up handling."""
-        self.submit(work)
-        return await self._respond(request, work, stream, events, body)
-
     # Plumbing ---------------------------------------------------------------------------
 
-    async def _parse(self, request: Request, model: type[RequestModel]) -> RequestModel | Response:
+    async def read_json(
+        self,
+        request: Request,
+        model: type[RequestModel],
+        invalid: Callable[[object, str], Response] | None = None,
+    ) -> RequestModel | Response:
+        """The body as `model`, or the family's 400 (after its own checks of the request);
+        `invalid` answers a body an API reads its own way (the parsed body, or None)."""
+        refuse = invalid or (lambda _, message: self.error(400, message))
         refusal = self.precheck(request)
         if refusal is not None:
             return refusal
         try:
             data = json.loads(await request.body())
         except ValueError as exc:
-            return self.error(400, f"The request body is not valid JSON: {exc}")
+            return refuse(None, f"The request body is not valid JSON: {exc}")
         try:
             return model.model_validate(data)
         except ValidationError as exc:
-            return self.error(400, explain(exc))
+            return refuse(data, explain(exc))
 
     async def _generate(
         self,
@@ -307,7 +322,7 @@ class Frontend:
             events, whole = answer.chat_events, answer.chat_body
         else:
             events, whole = answer.text_events, answer.text_body
-        return await self._respond(request, work, bool(body.stream), events, whole)
+        return await self.respond(request, work, bool(body.stream), events, whole)
 
     def _include_usage(self, body: ChatRequest | CompletionRequest) -> bool:
         options = body.stream_options
@@ -324,7 +339,7 @@ class Frontend:
         name = body.named_tool() or (call.name if call else str(first.get("name", "tool")))
         return name, json.dumps(call.arguments if call else {})
 
-    async def _respond(
+    async def respond(
         self,
         request: Request,
         work: Work,
@@ -332,6 +347,8 @@ class Frontend:
         events: Callable[[], AsyncIterator[str]],
         body: Callable[[], JsonDict],
     ) -> Response:
+        """Answer `work`, handed to the engine, as it runs (`events` streamed, `body` whole):
+        chat's timing and hang-up handling, in any API's wire format."""
         headers = self.response_headers(request)
         if not stream:
             await self._until_done(request, work, stream)

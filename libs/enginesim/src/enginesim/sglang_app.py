@@ -59,7 +59,7 @@ from enginesim.openai_chat import (
     JsonDict,
 )
 from enginesim.process import Process
-from enginesim.serving import HotPaths
+from enginesim.serving import add_hot_paths
 
 if TYPE_CHECKING:
     from enginesim.sglang import SglangArgs
@@ -464,9 +464,7 @@ def build_app(front: SglangFrontend) -> FastAPI:
     messages_api.register_sglang(add, front)
     if front.args.enable_metrics:
         add("/metrics", front.metrics, methods=["GET"])
-    if front.behaviour.instant:
-        routes = {"/v1/chat/completions": front.chat, "/v1/completions": front.completions}
-        app.add_middleware(HotPaths, routes=routes)
+    add_hot_paths(app, front)
     _add_auth(app, front.args)
     return app
 

@@ -36,7 +36,7 @@ from enginesim.gpu import GIB, LocalHolder, NoDevice, NoHolder, find_device, wit
 from enginesim.memory import Regions, finish_loading
 from enginesim.openai_chat import ChatRequest, CompletionRequest, Dialect, EmbeddingRequest
 from enginesim.process import Process
-from enginesim.serving import Frontend, HotPaths
+from enginesim.serving import Frontend, add_hot_paths
 
 if TYPE_CHECKING:
     from enginesim.tensorfold import TensorFoldArgs
@@ -180,9 +180,7 @@ def build_app(front: TensorFoldFrontend) -> FastAPI:
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", front.chat, methods=["POST"])
     app.add_api_route("/v1/completions", front.completions, methods=["POST"])
-    if front.behaviour.instant:
-        routes = {"/v1/chat/completions": front.chat, "/v1/completions": front.completions}
-        app.add_middleware(HotPaths, routes=routes)
+    add_hot_paths(app, front)
     if front.args.api_key:
         app.add_middleware(
             KeyCheck,

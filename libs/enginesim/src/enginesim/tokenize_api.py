@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from enginesim.api_common import AddRoute, at_least, read_json
+from enginesim.api_common import AddRoute, at_least
 from enginesim.openai_chat import CHARS_PER_TOKEN, ChatRequest, JsonDict
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class VllmTokenizer:
         return self.front.error(404, f"The model `{model}` does not exist.", "NotFoundError")
 
     async def tokenize(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _Tokenize)
+        body = await self.front.read_json(request, _Tokenize)
         if isinstance(body, Response):
             return body
         text = body.texts()
@@ -128,7 +128,7 @@ class VllmTokenizer:
         )
 
     async def detokenize(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _Detokenize)
+        body = await self.front.read_json(request, _Detokenize)
         if isinstance(body, Response):
             return body
         if any(isinstance(token, list) for token in body.tokens):
@@ -154,7 +154,7 @@ class SglangTokenizer:
         self.vocab = Vocabulary()
 
     async def tokenize(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _Tokenize)
+        body = await self.front.read_json(request, _Tokenize)
         if isinstance(body, Response):
             return body
         text = body.texts()
@@ -169,7 +169,7 @@ class SglangTokenizer:
         return JSONResponse({"tokens": tokens, "count": count, "max_model_len": limit})
 
     async def detokenize(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _Detokenize)
+        body = await self.front.read_json(request, _Detokenize)
         if isinstance(body, Response):
             return body
         tokens = body.tokens
@@ -206,7 +206,7 @@ class LlamaTokenizer:
         self.vocab = Vocabulary()
 
     async def tokenize(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _LlamaTokenize)
+        body = await self.front.read_json(request, _LlamaTokenize)
         if isinstance(body, Response):
             return body
         pieces = self.vocab.encode(body.content or "")
@@ -216,7 +216,7 @@ class LlamaTokenizer:
         return JSONResponse({"tokens": tokens})
 
     async def detokenize(self, request: Request) -> Response:
-        body = await read_json(self.front, request, _LlamaDetokenize)
+        body = await self.front.read_json(request, _LlamaDetokenize)
         if isinstance(body, Response):
             return body
         return JSONResponse({"content": self.vocab.decode(body.tokens or [])})

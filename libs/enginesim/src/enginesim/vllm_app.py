@@ -56,7 +56,7 @@ from enginesim.openai_chat import (
     count_prompt_tokens,
 )
 from enginesim.process import Process
-from enginesim.serving import HotPaths
+from enginesim.serving import add_hot_paths
 
 if TYPE_CHECKING:
     from enginesim.vllm import VllmArgs
@@ -439,9 +439,7 @@ def build_app(front: VllmFrontend) -> FastAPI:
         add("/resume", front.resume, methods=["POST"])
         add("/is_paused", front.is_paused, methods=["GET"])
         add("/server_info", front.server_info, methods=["GET"])
-    if front.behaviour.instant:
-        routes = {"/v1/chat/completions": front.chat, "/v1/completions": front.completions}
-        app.add_middleware(HotPaths, routes=routes)
+    add_hot_paths(app, front)
     if front.args.api_keys:
         app.add_middleware(
             BearerAuth,
