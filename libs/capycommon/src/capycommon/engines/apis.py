@@ -17,6 +17,8 @@ with `--is-embedding`) is the engine's own, relayed.
 
 from __future__ import annotations
 
+import functools
+
 from packaging.version import Version
 
 from capycommon.engines.families import Family, parse_version
@@ -94,6 +96,7 @@ SINCE: dict[Family, dict[str, str]] = {
 STATEFUL_RESPONSES = frozenset({Family.VLLM, Family.SGLANG, Family.CUSTOM})
 
 
+@functools.lru_cache(maxsize=4096)  # asked twice a request: versions are few, parsing is not
 def serves(family: str, version: str | None, api: str) -> bool:
     """Whether `family` at `version` serves `api`; True for a custom engine, whose routes
     are its own, and for a version not known yet (the engine is asked, and answers)."""
