@@ -420,22 +420,21 @@ class Session:
     async def _whole(self) -> JsonDict | Raw:
         """The engine's answer: a JSON object, or a body of another type (a transcript as
         text, SRT or WebVTT) passed on as it came."""
-        what = "answer"
         response = await self._open()
         raw = await response.read(MAX_ANSWER + 1)
         if len(raw) > MAX_ANSWER:
-            raise EngineError(f"the engine's {what} is over the router's limit (16 MiB)")
+            raise EngineError("the engine's answer is over the router's limit (16 MiB)")
         media_type = response.headers.get("content-type", "application/json")
         if not self.call.decides and "json" not in media_type.lower():
             return Raw(raw, media_type)
         try:
             body = loads(raw)
         except ValueError:  # not JSON, not UTF-8
-            raise EngineError(f"the engine's {what} is not JSON") from None
+            raise EngineError("the engine's answer is not JSON") from None
         if isinstance(body, list) and not self.call.decides:
             return Raw(raw, media_type)  # a list (SGLang's rankings) names no model to rename
         if not isinstance(body, dict):
-            raise EngineError(f"the engine's {what} is not a JSON object")
+            raise EngineError("the engine's answer is not a JSON object")
         return body
 
     def _shown(self, body: JsonDict) -> JsonDict:

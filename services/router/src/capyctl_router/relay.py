@@ -76,10 +76,9 @@ def api_refused(call: Call, target: Target, status: int, raw: bytes) -> ApiNotSe
     failed = engine_failure(status, raw)
     if status == 404 and failed.message not in ROUTE_MISSING:
         return None  # a thing it looked for and did not find: a previous response, a model
-    shown = SHOWN_FAMILIES.get(target.family, target.family)
-    running = f"{shown} {target.version}" if target.version else shown
+    engine = _engine(target.family, target.version)
     return ApiNotServed(
-        f"model {call.route!r} runs on {running}, which answered HTTP {status} to POST "
+        f"model {call.route!r} runs on {engine}, which answered HTTP {status} to POST "
         f"{call.path} ({failed.message[:300]}): its engine does not serve this API for this "
         "model; start the model for it (for example llama.cpp's --embeddings or --reranking, "
         "vLLM's pooling runner) or send it to a model that serves it",
@@ -212,7 +211,6 @@ def not_served(route: str, family: str, version: str | None, call: Call) -> ApiN
     if call.decides or apis.serves(family, version, call.kind):
         return None
     shown = SHOWN_FAMILIES.get(family, family)
-    running = f"{shown} {version}" if version else shown
     first = apis.since(family, call.kind)
     later = (
         f"{shown} serves it from {first}: upgrade the engine, or serve the model elsewhere"
@@ -220,10 +218,17 @@ def not_served(route: str, family: str, version: str | None, call: Call) -> ApiN
         else f"{shown} serves it in no version: serve the model on an engine that does"
     )
     return ApiNotServed(
-        f"model {route!r} runs on {running}, which does not serve POST {call.path}; {later} "
+        f"model {route!r} runs on {_engine(family, version)}, which does not serve POST "
+        f"{call.path}; {later} "
         "(GET /v1/models lists each model's endpoints)",
         api=call.kind,
     )
+
+
+def _engine(family: str, version: str | None) -> str:
+    """An engine as a refusal names it: "vLLM 0.11.0", or its family alone."""
+    shown = SHOWN_FAMILIES.get(family, family)
+    return f"{shown} {version}" if version else shown
 
 
 def engine_request(call: Call, target: Target) -> tuple[bytes, dict[str, str], str]:
