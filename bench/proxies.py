@@ -4,10 +4,12 @@ PyPI, installed once into bench/.venv-litellm). Each says why when it cannot be 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -101,11 +103,21 @@ def _litellm_binary() -> tuple[str | None, str]:
     return str(binary), ""
 
 
+def _started(found: tuple[str | None, str], start: Callable[[str, int], Side | str]) -> Side | str:
+    """`start` (the proxy's binary, a free port) where `found` has the binary; else why not."""
+    binary, why = found
+    return why if binary is None else start(binary, benchrole.free_port())
+
+
 def start_nginx(folder: Path, engine: Engine) -> Side | str:
-    binary, why = _nginx_binary()
-    if binary is None:
-        return why
-    port = benchrole.free_port()
+    return _started(_nginx_binary(), functools.partial(_start_nginx, folder, engine))
+
+
+def start_litellm(folder: Path, engine: Engine) -> Side | str:
+    return _started(_litellm_binary(), functools.partial(_start_litellm, folder, engine))
+
+
+def _start_nginx(folder: Path, engine: Engine, binary: str, port: int) -> Side | str:
     conf = folder / "nginx.conf"
     conf.write_text(
         NGINX_CONF.format(workers=os.cpu_count() or 1, folder=folder, engine=engine.port, port=port)
@@ -116,11 +128,7 @@ def start_nginx(folder: Path, engine: Engine) -> Side | str:
     )
 
 
-def start_litellm(folder: Path, engine: Engine) -> Side | str:
-    binary, why = _litellm_binary()
-    if binary is None:
-        return why
-    port = benchrole.free_port()
+def _start_litellm(folder: Path, engine: Engine, binary: str, port: int) -> Side | str:
     config = folder / "litellm.yaml"
     config.write_text(
         yaml.safe_dump(

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import openai
@@ -44,6 +44,9 @@ from support import (
     start_role,
     wait_for,
 )
+
+if TYPE_CHECKING:
+    from mockhub import MockHub
 
 GiB = 1 << 30
 HOST = "local"
@@ -401,3 +404,10 @@ def running(prefix: str, gpus: str = "gpu0:24GiB", **settings: Any) -> Iterator[
             cluster.role.stop()
             end_left_under(root)  # engines or LMCache servers a failed delete left
             shutil.rmtree(root, ignore_errors=True)
+
+
+def on_hub(prefix: str, hub: MockHub, gpus: str = "gpu0:24GiB") -> Iterator[Cluster]:
+    """For a module's fixture to `yield from`: a cluster (as `running`) whose hostd downloads
+    the models that deployments name by `model: {hf: ...}` from the mock `hub`."""
+    with running(prefix, gpus, env={"CAPYCTL_HF_ENDPOINT": hub.url}) as found:
+        yield found

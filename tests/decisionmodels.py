@@ -13,21 +13,25 @@ import gguf
 import numpy as np
 
 Head = Literal["decision_config", "joint_head", "none"]
+
+
+def asked(kind: str, instructions: str, criteria: Any = None) -> dict[str, Any]:
+    """A question as System One is asked it: of type `kind` (noul, choice or score), with its
+    `criteria` (a choice's options, a score's levels, a noul's meaning of true and false) if
+    given."""
+    question: dict[str, Any] = {"type": kind, "instructions": instructions}
+    if criteria is not None:
+        question["criteria"] = criteria
+    return question
+
+
 # A System One request but for its model: every question type, a JSON state.
 SYSTEM_ONE: dict[str, Any] = {
     "state": {"ticket": 4411, "text": "the app crashes"},
     "questions": {
-        "bug": {"type": "noul", "instructions": "Is it a bug report?"},
-        "team": {
-            "type": "choice",
-            "instructions": "Which team owns it?",
-            "criteria": {"mobile": "the apps", "web": None},
-        },
-        "urgency": {
-            "type": "score",
-            "instructions": "How urgent is it?",
-            "criteria": ["low", "medium", "high"],
-        },
+        "bug": asked("noul", "Is it a bug report?"),
+        "team": asked("choice", "Which team owns it?", {"mobile": "the apps", "web": None}),
+        "urgency": asked("score", "How urgent is it?", ["low", "medium", "high"]),
     },
 }
 # The questions of a `/v1/decisions` request: every question type, each named.

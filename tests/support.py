@@ -23,6 +23,8 @@ import httpx
 import redis
 import yaml
 
+from capycommon.deployments import parse_deployment
+from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.instances import CacheRecord, InstanceRecord, InstanceState, ProcessIdentity
 from capycommon.engines.families import Family
 from capycommon.engines.registry import EngineProfile
@@ -134,6 +136,23 @@ def capyctl(
         capture_output=True,
         text=True,
         env=env if env is not None else clean_env(),
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_python(
+    *args: str, env: dict[str, str] | None = None, stdin: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """This interpreter run with `args` in a process of its own (with `env`, else ours, and
+    `stdin` as its input), its output captured as text; whether it failed is the caller's to
+    check."""
+    return subprocess.run(
+        [sys.executable, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=timeout,
         check=False,
     )
@@ -522,3 +541,18 @@ def instance_record(deployment: str, host: str, **changes: Any) -> InstanceRecor
         "host": host,
     }
     return InstanceRecord(**{**values, **changes})
+
+
+def deployment_record(name: str, **document: Any) -> DeploymentRecord:
+    """Revision 1, generation 1 of a vLLM deployment of the model `name`, as the scheduler
+    records it; `document` adds fields to its document (or replaces them)."""
+    values: dict[str, Any] = {
+        "name": name,
+        "revision": 1,
+        "digest": "sha256:x",
+        "created_at": 0.0,
+        "updated_at": 0.0,
+        "generation": 1,
+    }
+    parsed = parse_deployment({"name": name, "engine": "vllm", "model": name, **document}, "test")
+    return DeploymentRecord(**values, document=parsed)

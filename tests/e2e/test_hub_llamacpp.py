@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import xllamacpp as xlc  # type: ignore[import-untyped]  # no stubs
 
-from cluster import SMALL, Cluster, running
+from cluster import SMALL, Cluster, on_hub
 from engines.llamacpp.llama_server import write_wrapper
 from engines.llamacpp.tinygguf import write_tiny_model
 from mockhub import HubFile, MockHub, one_commit_repo
@@ -41,8 +41,7 @@ def hub(gguf: bytes) -> Iterator[MockHub]:
 
 @pytest.fixture(scope="module")
 def cluster(hub: MockHub) -> Iterator[Cluster]:
-    with running("hub-llama", env={"CAPYCTL_HF_ENDPOINT": hub.url}) as found:
-        yield found
+    yield from on_hub("hub-llama", hub)
 
 
 def test_real_llamacpp_serves_a_gguf_pulled_from_the_hub(

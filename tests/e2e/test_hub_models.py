@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from capycommon.hub import HubSource, pull
-from cluster import SMALL, Cluster, running
+from cluster import SMALL, Cluster, on_hub, running
 from integration.hostd.harness import environ
 from mockhub import HubFile, MockHub, gated_repo, one_commit_repo, tiny_repo
 from support import processes_mentioning, wait_for
@@ -63,8 +63,7 @@ def hub() -> Iterator[MockHub]:
 
 @pytest.fixture(scope="module")
 def cluster(hub: MockHub) -> Iterator[Cluster]:
-    with running("hub", env={"CAPYCTL_HF_ENDPOINT": hub.url}) as found:
-        yield found
+    yield from on_hub("hub", hub)
 
 
 def test_a_hub_model_is_pinned_downloaded_and_served_offline(

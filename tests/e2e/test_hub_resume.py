@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from cluster import SMALL, Cluster, running
+from cluster import SMALL, Cluster, on_hub
 from mockhub import HubFile, HubRepo, MockHub, Recorded
 from support import pid_alive, wait_for
 
@@ -51,10 +51,7 @@ def hub() -> Iterator[MockHub]:
 @pytest.fixture(scope="module")
 def role(hub: MockHub) -> Iterator[Cluster]:
     # Two GPUs: two deployments start on one each, at once (starts are one at a time per GPU).
-    with running(
-        "hub-resume", "gpu0:24GiB,gpu1:24GiB", env={"CAPYCTL_HF_ENDPOINT": hub.url}
-    ) as found:
-        yield found
+    yield from on_hub("hub-resume", hub, "gpu0:24GiB,gpu1:24GiB")
 
 
 @pytest.fixture

@@ -123,17 +123,19 @@ def test_a_hub_store_not_downloaded_yet_waits_for_hostd_to_check_it() -> None:
     assert found.model_path.name.startswith("org--judge@")
 
 
-@pytest.mark.parametrize(
-    ("engine", "arg", "said"),
-    [
-        ("sg22", "--chat-template=x.jinja", "the checkpoint's own chat template"),
-        ("sg22", "--speculative-algo", "(that is --speculative-algorithm)"),
-        ("sg22", "--allow-auto-truncate", "readout positions"),
-        ("sg22", "--enable-lmcache", "radix cache is off"),
-        ("llama", "--ubatch-size", "sets it to a slot's context"),
-    ],
-)
-def test_flags_a_decision_launch_bars_are_refused(engine: str, arg: str, said: str) -> None:
+# The flags a decision launch bars: the engine of each, and what its refusal says.
+BARRED = {
+    "--chat-template=x.jinja": ("sg22", "the checkpoint's own chat template"),
+    "--speculative-algo": ("sg22", "(that is --speculative-algorithm)"),
+    "--allow-auto-truncate": ("sg22", "readout positions"),
+    "--enable-lmcache": ("sg22", "radix cache is off"),
+    "--ubatch-size": ("llama", "sets it to a slot's context"),
+}
+
+
+@pytest.mark.parametrize("arg", BARRED)
+def test_flags_a_decision_launch_bars_are_refused(arg: str) -> None:
+    engine, said = BARRED[arg]
     found = refusal(
         engine=engine,
         head="gguf" if engine == "llama" else "decision_config",

@@ -17,6 +17,7 @@ from capyctl_router.decisions import (
     over_limits,
     to_system_one,
 )
+from decisionmodels import asked
 
 REQUEST: dict[str, Any] = {
     "model": "judge",
@@ -59,22 +60,10 @@ SYSTEM_ONE = {
     "model": "served",
     "state": "Ticket: the app crashes\n\non every start.",
     "questions": {
-        "q0": {"type": "noul", "instructions": "Is it a bug report?"},
-        "q1": {
-            "type": "choice",
-            "instructions": "Which team?",
-            "criteria": {"mobile": "the apps", "web": None},
-        },
-        "q2": {
-            "type": "score",
-            "instructions": "How urgent?",
-            "criteria": ["low", "high: users are blocked"],
-        },
-        "q3": {
-            "type": "choice",
-            "instructions": "Should we reply today?",
-            "criteria": {"true": None, "false": None},
-        },
+        "q0": asked("noul", "Is it a bug report?"),
+        "q1": asked("choice", "Which team?", {"mobile": "the apps", "web": None}),
+        "q2": asked("score", "How urgent?", ["low", "high: users are blocked"]),
+        "q3": asked("choice", "Should we reply today?", {"true": None, "false": None}),
     },
 }
 

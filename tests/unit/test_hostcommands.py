@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
 from capycommon.domain import commands as hc
 from capycommon.state import hostcommands
+from integration.hostd.harness import launch as hostd_launch
 
 GiB = 1 << 30
 
 
 def test_every_command_that_changes_state_carries_a_reason() -> None:
     park = hc.Park(deployment="chat", generation=2)
-    launch = hc.Launch(
-        deployment="chat",
-        generation=2,
-        revision=1,
-        profile="vllm",
-        model_path="/m",
-        served_name="chat",
-        residency="deep",
-        gpu_uuid="GPU-1",
-        reason="demanded",
-    )
+    launch = hostd_launch("chat", 2, "GPU-1", Path("/m"), residency="deep", reason="demanded")
     commands: list[hc.Launch | hc.Park | hc.Wake | hc.Stop] = [
         launch,
         park,

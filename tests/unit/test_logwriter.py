@@ -1,12 +1,11 @@
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from capyctl_hostd.logwriter import RotatingLog, redact
+from support import run_python
 
 KEY = "s3cr3t-per-launch-key-abcdefghijklmnop"
 
@@ -58,13 +57,6 @@ def test_a_full_disk_loses_lines_not_the_engine_and_says_how_many(tmp_path: Path
 
 def test_the_writer_reads_all_its_input_while_the_disk_is_full() -> None:
     lines = "".join(f"line {n}\n" for n in range(2000))
-    found = subprocess.run(
-        [sys.executable, "-m", "capyctl_hostd.logwriter", "/dev/full"],
-        input=lines,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    found = run_python("-m", "capyctl_hostd.logwriter", "/dev/full", stdin=lines, timeout=30)
     assert found.returncode == 0, found.stderr
     assert found.stderr == "capyctl: /dev/full: No space left on device; dropping lines\n"

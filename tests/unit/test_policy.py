@@ -154,18 +154,17 @@ def load(generation: int, running: int, at: float, active: float = 0.0) -> Engin
     )
 
 
+def effect(kind: str, sent_at: float, generation: int = 1, **fields: Any) -> Inflight:
+    """An effect of `kind` on gpu0 of the host, for `generation`, sent at `sent_at`."""
+    return Inflight(
+        kind=kind, host=HOST, gpu="gpu0", generation=generation, sent_at=sent_at, **fields
+    )
+
+
 def drain_to_park(sent_at: float, reason: str) -> Inflight:
     """The drain of a ready a (generation 1, on gpu0) sent at `sent_at`, to park it after."""
-    return Inflight(
-        kind="drain",
-        host=HOST,
-        gpu="gpu0",
-        generation=1,
-        sent_at=sent_at,
-        from_state="ready",
-        from_generation=1,
-        then="park",
-        reason=reason,
+    return effect(
+        "drain", sent_at, from_state="ready", from_generation=1, then="park", reason=reason
     )
 
 
@@ -286,8 +285,8 @@ def test_two_demands_in_one_plan_start_one_at_a_time_on_a_gpu_that_fits_both() -
 
 
 def test_a_launch_in_flight_is_charged_and_not_repeated() -> None:
-    effect = Inflight(kind="launch", host=HOST, gpu="gpu0", generation=2, sent_at=0.5)
-    records = [deployment("a", generation=2, inflight=effect), deployment("b")]
+    launch = effect("launch", 0.5, generation=2)
+    records = [deployment("a", generation=2, inflight=launch), deployment("b")]
     snap = snapshot(1.0, records, demands={"a": 0.0, "b": 0.0})
     assert "a" in charged(snap, HOST).charges, "charged from the moment it is sent"
     actions = plan(snap)
@@ -315,8 +314,8 @@ def test_three_14gib_models_on_a_24gib_gpu_switch_in_turn() -> None:
     assert "switch to b" in drain.reason
     assert waits(actions) == ["switch: releasing a to start b on gpu0"]
     # a drains (the draining record and the effect in flight): b keeps waiting.
-    effect = drain_to_park(50.0, drain.reason)
-    drained = [records[0].model_copy(update={"inflight": effect}), *records[1:]]
+    flying = drain_to_park(50.0, drain.reason)
+    drained = [records[0].model_copy(update={"inflight": flying}), *records[1:]]
     draining = instance("a", S.DRAINING, since=50.0)
     actions = plan(b_demanded(51.0, drained, draining, loads={"a": load(1, 0, 50.5)}))
     park = next(a for a in actions if a.kind == "park")
@@ -636,16 +635,8 @@ def test_a_new_revision_replaces_an_idle_instance() -> None:
 
 
 def test_an_effect_settles_when_the_record_moves_on_or_hostd_refuses() -> None:
-    effect = Inflight(
-        kind="park",
-        host=HOST,
-        gpu="gpu0",
-        generation=1,
-        sent_at=1.0,
-        from_state="draining",
-        from_generation=1,
-    )
-    record = deployment("a", inflight=effect)
+    park = effect("park", 1.0, from_state="draining", from_generation=1)
+    record = deployment("a", inflight=park)
     pending = snapshot(2.0, [record], [instance("a", S.DRAINING)])
     assert plan(pending) == []
     moved = snapshot(2.0, [record], [instance("a", S.PARKING)])

@@ -31,7 +31,8 @@ from capyctl_scheduler.ledger import SYSTEM, derive_domains
 from capyctl_scheduler.policy import plan
 from capyctl_scheduler.sizing import engine_footprints
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot
-from support import engine_profile
+from support import deployment_record as record
+from support import engine_profile, instance_record
 from unit.launches import ROOT, resolved
 from unit.readings import idle_reading
 
@@ -238,31 +239,11 @@ def test_each_gpu_of_a_set_is_charged_its_ranks_share_and_host_ram_once() -> Non
 # --- placement ------------------------------------------------------------------------------
 
 
-def record(name: str, generation: int = 1, **document: Any) -> DeploymentRecord:
-    return DeploymentRecord(
-        name=name,
-        revision=1,
-        digest="sha256:x",
-        created_at=0.0,
-        updated_at=0.0,
-        document=parse_deployment({"name": name, "engine": "vllm", "model": name, **document}, "t"),
-        generation=generation,
-    )
-
-
 def running(name: str, state: InstanceState, *gpus: int, since: float = 0.0) -> InstanceRecord:
     uuids = tuple(f"GPU-{gpu}" for gpu in gpus)
-    return InstanceRecord(
-        deployment=name,
-        instance=0,
-        revision=1,
-        generation=1,
-        state=state,
-        since=since,
-        host=HOST,
-        gpu_uuid=uuids[0],
-        gpu_uuids=uuids if len(uuids) > 1 else (),
-        residency="deep",
+    more = uuids if len(uuids) > 1 else ()
+    return instance_record(
+        name, HOST, state=state, since=since, gpu_uuid=uuids[0], gpu_uuids=more, residency="deep"
     )
 
 
@@ -362,7 +343,7 @@ def test_a_one_gpu_launch_leaves_the_later_fields_out_for_an_earlier_host() -> N
 
 def test_a_two_gpu_model_evicts_the_models_of_both_its_gpus_and_they_evict_it_back() -> None:
     view = host(gpus=2)
-    big, one, two = record("big", **BIG), record("one"), record("two")
+    big, one, two = (record("big", **BIG), record("one"), record("two"))
     weights = [(big, 30 * GiB), (one, 15 * GiB), (two, 15 * GiB)]
     both = [running("one", S.READY, 0, since=10.0), running("two", S.READY, 1, since=20.0)]
     actions = plan(scene(view, weights, both, demands={"big": 99.0}))
@@ -380,7 +361,7 @@ def test_a_two_gpu_model_evicts_the_models_of_both_its_gpus_and_they_evict_it_ba
 
 def test_a_model_with_waiting_requests_is_never_a_victim() -> None:
     view = host(gpus=2)
-    big, one, two = record("big", **BIG), record("one"), record("two")
+    big, one, two = (record("big", **BIG), record("one"), record("two"))
     weights = [(big, 30 * GiB), (one, 15 * GiB), (two, 15 * GiB)]
     both = [running("one", S.READY, 0, since=10.0), running("two", S.READY, 1, since=20.0)]
     busy = Places(generation=1, running=1)

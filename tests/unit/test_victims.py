@@ -36,6 +36,14 @@ def candidate(owner: str, last_used: float, **changes: object) -> Candidate:
     return Candidate(**values)  # type: ignore[arg-type]
 
 
+def abc(*changes: dict[str, object]) -> list[Candidate]:
+    """Candidates a, b and c, last used at 1.0, 2.0 and 3.0, each with its `changes`."""
+    return [
+        candidate(owner, float(used), **changed)
+        for used, (owner, changed) in enumerate(zip("abc", changes, strict=True), start=1)
+    ]
+
+
 def test_nothing_is_released_when_the_model_fits() -> None:
     assert choose_victims(ledger_with("a"), "new", NEEDS, [candidate("a", 1.0)]) == []
 
@@ -50,11 +58,7 @@ def test_the_least_recently_used_idle_model_parks() -> None:
 
 def test_busy_warm_and_explicit_models_are_never_victims() -> None:
     ledger = ledger_with("a", "b", "c")
-    candidates = [
-        candidate("a", 1.0, busy=True),
-        candidate("b", 2.0, protected=True),
-        candidate("c", 3.0, can_park=False),
-    ]
+    candidates = abc({"busy": True}, {"protected": True}, {"can_park": False})
     assert choose_victims(ledger, "new", NEEDS, candidates) == [
         Release("c", "stop", "switch: cannot park")
     ]
@@ -62,11 +66,7 @@ def test_busy_warm_and_explicit_models_are_never_victims() -> None:
 
 def test_no_room_even_after_releasing_every_idle_model() -> None:
     ledger = ledger_with("a", "b", "c")
-    candidates = [
-        candidate("a", 1.0, busy=True),
-        candidate("b", 2.0, busy=True),
-        candidate("c", 3.0, protected=True),
-    ]
+    candidates = abc({"busy": True}, {"busy": True}, {"protected": True})
     with pytest.raises(InsufficientResources, match=r"3 busy, warm or explicit kept"):
         choose_victims(ledger, "new", NEEDS, candidates)
 

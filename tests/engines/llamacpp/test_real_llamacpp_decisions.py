@@ -27,6 +27,7 @@ import gguf
 import httpx
 import pytest
 
+from decisionmodels import asked
 from engines.llamacpp import tinygguf
 from engines.llamacpp.llama_server import write_wrapper
 from engines.llamacpp.test_real_llamacpp import (
@@ -84,23 +85,12 @@ NOT_A_DECISION_MODEL = {
         "type": "not_supported_error",
     }
 }
+ANIMALS = {"capybara": "a large rodent", "llama": None, "bear": "big"}
 QUESTIONS: dict[str, Any] = {
-    "animal": {
-        "type": "choice",
-        "instructions": "Which animal is it?",
-        "criteria": {"capybara": "a large rodent", "llama": None, "bear": "big"},
-    },
-    "quality": {
-        "type": "score",
-        "instructions": "How good is it?",
-        "criteria": ["bad", "fine", "good"],
-    },
-    "rodent": {"type": "noul", "instructions": "Is it a rodent?"},
-    "calm": {
-        "type": "noul",
-        "instructions": "Is it calm?",
-        "criteria": {"true": "it rests", "false": "it runs"},
-    },
+    "animal": asked("choice", "Which animal is it?", ANIMALS),
+    "quality": asked("score", "How good is it?", ["bad", "fine", "good"]),
+    "rodent": asked("noul", "Is it a rodent?"),
+    "calm": asked("noul", "Is it calm?", {"true": "it rests", "false": "it runs"}),
 }
 STATE = {"message": "A capybara sits by the river.", "tags": ["animal", "water"]}
 

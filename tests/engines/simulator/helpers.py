@@ -354,7 +354,12 @@ class Engines:
         executable = self.installs.llama(build)
         write_behaviour(executable, behaviour)
         argv = llama_argv(executable, model, *extra)
-        return self.launcher.start(argv, closed_env(None, self.home, **self.gpu.env(), **env))
+        return self.launcher.start(argv, self.closed_env(**self.gpu.env(), **env))
+
+    def closed_env(self, **extra: str) -> dict[str, str]:
+        """The closed environment of an engine of the test's that sees no GPU (`extra`
+        added): for an install's executables run as they are."""
+        return closed_env(None, self.home, **extra)
 
 
 @contextmanager
@@ -423,6 +428,11 @@ def with_group_killed(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         return
+    wait_group_ended(pgid)
+
+
+def wait_group_ended(pgid: int) -> None:
+    """Wait until no process of the group `pgid` lives."""
     wait_for(lambda: not group_alive(pgid), 10, f"process group {pgid} to end")
 
 

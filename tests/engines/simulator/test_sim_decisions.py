@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from decisionmodels import decision_folder, decision_gguf
+from decisionmodels import asked, decision_folder, decision_gguf
 from engines.simulator.helpers import (
     FAST,
     HELLO,
@@ -35,21 +35,13 @@ LLAMA = 6500
 VLLM = "0.32.0"
 STATE = {"ticket": 42, "text": "The invoice is wrong again!"}
 QUESTIONS: dict[str, Any] = {
-    "topic": {
-        "type": "choice",
-        "instructions": "What is the ticket about?",
-        "criteria": {"billing": "Money matters", "bug": None, "praise": "Kind words"},
-    },
-    "urgency": {
-        "type": "score",
-        "instructions": "How urgent is it?",
-        "criteria": ["not urgent", "soon", "now"],
-    },
-    "angry": {
-        "type": "noul",
-        "instructions": "Is the writer angry?",
-        "criteria": {"true": "angry", "false": "calm"},
-    },
+    "topic": asked(
+        "choice",
+        "What is the ticket about?",
+        {"billing": "Money matters", "bug": None, "praise": "Kind words"},
+    ),
+    "urgency": asked("score", "How urgent is it?", ["not urgent", "soon", "now"]),
+    "angry": asked("noul", "Is the writer angry?", {"true": "angry", "false": "calm"}),
 }
 # Slow enough to act on a decision while it runs; SGLang aborts other hung-up requests soon.
 SLOW_DECISIONS = FAST.model_copy(

@@ -16,9 +16,9 @@ from engines.simulator.helpers import (
     Engines,
     SimGpu,
     engine_core,
-    group_alive,
     send_and_hang_up,
     sse_events,
+    wait_group_ended,
 )
 from enginesim import Behaviour, CrashAtStart, Faults, SchedulerDies
 from enginesim.behaviour import GARBAGE_ANSWER
@@ -182,7 +182,7 @@ def _scheduler_dies(engines: Engines, **env: str) -> tuple[str, set[str], int]:
     left = {name for name in set(os.listdir(SHM)) - before if (SHM / name).is_file()}
     try:
         os.killpg(engine.proc.pid, signal.SIGTERM)
-        wait_for(lambda: not group_alive(engine.proc.pid), 10, "the engine's processes to end")
+        wait_group_ended(engine.proc.pid)
         return engine.output(), left, engine.proc.pid
     finally:
         for name in left:

@@ -24,9 +24,8 @@ from engines.simulator.helpers import (
     Engines,
     Servers,
     SimGpu,
-    claim,
-    closed_env,
     sse_events,
+    wait_claim,
 )
 from support import wait_for
 
@@ -146,11 +145,7 @@ def test_listens_at_once_loads_then_serves_and_stops_cleanly(
     assert httpx.get(f"{engine.base}/v1/models").json()["data"][0]["meta"] is None
     engine.wait_status(200)
     assert httpx.get(f"{engine.base}/health").json() == {"status": "ok"}
-    wait_for(
-        lambda: claim(gpu, engine.proc.pid) == (GIB + 4096 * (128 << 10) + 4 * (8 << 20), 0),
-        5,
-        "the model and its KV cache on the device",
-    )
+    wait_claim(gpu, engine.proc.pid, (GIB + 4096 * (128 << 10) + 4 * (8 << 20), 0))
     assert engine.status("/slots") == 501
     assert engine.get("/metrics").json()["error"]["type"] == "not_supported_error"
     assert engine.stop() == 0
@@ -163,26 +158,26 @@ def test_idle_sleep_frees_memory_and_the_next_request_reloads(
     engine = engines.start_llama(BUILD, FAST, gguf, "-np", "1", "--sleep-idle-seconds", "1")
     engine.wait_status(200)
     pid = engine.proc.pid
-    wait_for(lambda: claim(gpu, pid) == (GIB + KV, 0), 5, "the loaded model")
+    wait_claim(gpu, pid, (GIB + KV, 0))
     # Polling /health and /props neither wakes it nor keeps it awake.
     wait_for(
         lambda: engine.status() == 200 and engine.get("/props").json()["is_sleeping"],
         10,
         "idle sleep",
     )
-    wait_for(lambda: claim(gpu, pid) == (RESIDUE, 0), 5, "the memory freed")
+    wait_claim(gpu, pid, (RESIDUE, 0))
     answer = engine.post("/v1/chat/completions", json={"messages": HELLO}).json()
     assert answer["choices"][0]["message"]["content"] == FAST.answer
     assert engine.get("/props").json()["is_sleeping"] is False
-    wait_for(lambda: claim(gpu, pid) == (GIB + KV, 0), 5, "the model reloaded")
+    wait_claim(gpu, pid, (GIB + KV, 0))
 
 
 def test_version_and_unknown_flags(engines: Engines) -> None:
     executable, launcher = str(engines.installs.llama(BUILD)), engines.launcher
-    version = launcher.run([executable, "--version"], closed_env(None, engines.home))
+    version = launcher.run([executable, "--version"], engines.closed_env())
     assert version.returncode == 0
     assert re.match(r"version: 6500 \([0-9a-f]{8}\)\nbuilt with .+ for x86_64", version.stderr)
-    bogus = launcher.run([executable, "--bogus"], closed_env(None, engines.home))
+    bogus = launcher.run([executable, "--bogus"], engines.closed_env())
     assert (bogus.returncode, bogus.stderr) == (1, "error: invalid argument: --bogus\n")
 
 
@@ -191,7 +186,7 @@ def test_default_port_by_build(
     engines: Engines, gguf: Path, build: int, port: int, notice: bool
 ) -> None:
     argv = [str(engines.installs.llama(build)), "-m", str(gguf)]
-    engine = engines.launcher.start(argv, closed_env(None, engines.home))
+    engine = engines.launcher.start(argv, engines.closed_env())
     said = re.compile(rf"(listening on http://127\.0\.0\.1:{port} |port: {port}$)", re.M)
     wait_for(lambda: said.search(engine.output()), 10, f"the server on port {port}")
     assert ("NOTICE: server default port will be changed to :9931" in engine.output()) is notice

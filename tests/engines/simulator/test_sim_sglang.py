@@ -25,7 +25,6 @@ from engines.simulator.helpers import (
     Servers,
     SimGpu,
     claim,
-    closed_env,
     env_for,
     python_argv,
     send_and_hang_up,
@@ -325,9 +324,7 @@ def test_refusals_at_start(engines: Engines, gpu: SimGpu) -> None:
     venv = engines.installs.python("sglang", VERSION)
     write_behaviour(venv, FAST)
     argv = python_argv("sglang", venv, engines.model, "--bogus")
-    bogus = engines.launcher.run(
-        [a.replace("{port}", "30000") for a in argv], closed_env(None, engines.home)
-    )
+    bogus = engines.launcher.run([a.replace("{port}", "30000") for a in argv], engines.closed_env())
     assert (bogus.returncode, "unrecognized arguments: --bogus" in bogus.stderr) == (2, True)
     # 0.88 of the 2 GiB left free is less than the 2 GiB of weights: no room for a KV cache.
     gpu.occupy(22 * GIB)

@@ -29,6 +29,7 @@ from engines.simulator.helpers import (
     python_argv,
     sparse_file,
     wait_claim,
+    wait_group_ended,
     with_group_killed,
 )
 from enginesim import Behaviour, Faults, RankDies, write_behaviour
@@ -110,9 +111,19 @@ def ranks_of(parent: int, title: str, count: int) -> list[int]:
 
 def assert_nothing_left(engine: Engine, devices: Devices) -> None:
     """No process of the engine's group lives and no claim file stays."""
-    wait_for(lambda: not group_alive(engine.proc.pid), 10, "the engine's processes to end")
+    wait_group_ended(engine.proc.pid)
     assert devices.live_claims() == {}
     assert devices.claim_files() == []
+
+
+def assert_died_saying(engine: Engine, devices: Devices, *said: str) -> None:
+    """The engine exits with a failure, its output says each of `said`, and nothing of it is
+    left."""
+    assert engine.wait_exit() != 0
+    output = engine.output()
+    for line in said:
+        assert line in output, line
+    assert_nothing_left(engine, devices)
 
 
 def test_vllm_tp2_holds_half_the_weights_on_each_device_and_sleeps_and_wakes_every_rank(
@@ -301,12 +312,13 @@ def test_vllm_rank_death_takes_the_whole_engine_down(
     core = engine_core(engine)
     ranks_of(core, "VLLM::Worker_TP", 2)
     assert 503 in _statuses_until_exit(engine), "/health answers 503 before the exit"
-    assert engine.wait_exit() != 0
-    output = engine.output()
-    assert "RuntimeError: NCCL gone" in output
-    assert "Worker proc VllmWorker-1 died unexpectedly, shutting down executor." in output
-    assert "EngineDeadError" in output
-    assert_nothing_left(engine, devices)
+    assert_died_saying(
+        engine,
+        devices,
+        "RuntimeError: NCCL gone",
+        "Worker proc VllmWorker-1 died unexpectedly, shutting down executor.",
+        "EngineDeadError",
+    )
 
 
 def test_sglang_rank_death_takes_the_whole_engine_down(
@@ -317,11 +329,12 @@ def test_sglang_rank_death_takes_the_whole_engine_down(
     )
     engine.wait_status(200)
     ranks_of(engine.proc.pid, "sglang::scheduler_TP", 2)
-    assert engine.wait_exit() != 0
-    output = engine.output()
-    assert "Scheduler hit an exception: RuntimeError: NCCL gone" in output
-    assert "Received sigquit from a child process" in output
-    assert_nothing_left(engine, devices)
+    assert_died_saying(
+        engine,
+        devices,
+        "Scheduler hit an exception: RuntimeError: NCCL gone",
+        "Received sigquit from a child process",
+    )
 
 
 def test_a_rank_the_engine_does_not_run_never_dies(
@@ -361,11 +374,7 @@ def test_with_one_rank_the_process_holding_it_dies(
 ) -> None:
     engine = start.python(family, _dies(0), model_dir, 1)
     engine.wait_status(200)
-    assert engine.wait_exit() != 0
-    output = engine.output()
-    assert "RuntimeError: NCCL gone" in output
-    assert said in output
-    assert_nothing_left(engine, devices)
+    assert_died_saying(engine, devices, "RuntimeError: NCCL gone", said)
 
 
 @pytest.mark.parametrize(
@@ -385,6 +394,6 @@ def test_a_rank_killed_from_outside_ends_the_engine_and_no_live_claim_stays(
     wait_for(lambda: victim in devices.gpus[1].claims(), 5, "the rank's claim")
     os.kill(victim, signal.SIGKILL)
     assert engine.wait_exit() != 0
-    wait_for(lambda: not group_alive(engine.proc.pid), 10, "the engine's processes to end")
+    wait_group_ended(engine.proc.pid)
     assert devices.live_claims() == {}
     assert devices.claim_files() == [f"{victim}.json"], "SIGKILL runs no clean-up"

@@ -23,101 +23,21 @@ from engines.simulator.helpers import (
     claim,
     closed_env,
     engine_core,
-    group_alive,
     llama_argv,
     python_argv,
     wait_claim,
+    wait_group_ended,
 )
 from enginesim import cuda, write_behaviour
 from enginesim.gpu import NoDevice, SimDevice, Spread, find_device, find_devices
 from enginesim.llamacpp import proportions
 from enginesim.parallel import attention_heads, indivisible_heads, per_rank, split_bytes
+from faketorch import SEVERAL_DEVICES, write_torch
 from support import live_processes, wait_for
 
 VLLM = "0.17.0"
 LLAMA_BUILD = 6500
 RESIDUE = FAST.residue_bytes
-# A stand-in torch with as many CUDA devices as CUDA_VISIBLE_DEVICES names (or
-# FAKE_TORCH_DEVICES says): each process writes what it holds, by device index, to
-# `<FAKE_TORCH_LEDGER>/<pid>.json`.
-TORCH = '''"""A stand-in for torch with several CUDA devices, each a ledger of byte tensors."""
-import json
-import os
-
-__version__ = "0.0+ranks"
-uint8 = "uint8"
-_held = {}
-_current = [0]
-
-
-def _count():
-    given = os.environ.get("FAKE_TORCH_DEVICES")
-    if given is not None:
-        return int(given)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
-    return len([part for part in visible.split(",") if part.strip()])
-
-
-def _write():
-    by_device = {}
-    for index, size in _held.values():
-        by_device[str(index)] = by_device.get(str(index), 0) + size
-    path = os.path.join(os.environ["FAKE_TORCH_LEDGER"], f"{os.getpid()}.json")
-    with open(path + ".tmp", "w") as out:
-        json.dump(by_device, out)
-    os.replace(path + ".tmp", path)
-
-
-class Tensor:
-    def __init__(self, size, index):
-        _held[id(self)] = (index, size)
-        _write()
-
-    def __del__(self):
-        _held.pop(id(self), None)
-        _write()
-
-
-def empty(size, dtype=None, device=None):
-    if dtype != uint8 or not str(device).startswith("cuda"):
-        raise ValueError(f"only uint8 tensors on cuda, not {dtype} on {device}")
-    index = _current[0] if device == "cuda" else int(device.split(":")[1])
-    if index >= _count():
-        raise RuntimeError("CUDA error: invalid device ordinal")
-    return Tensor(size, index)
-
-
-class _On:
-    def __init__(self, index):
-        self.index = index
-
-    def __enter__(self):
-        self.before = _current[0]
-        _current[0] = self.index
-
-    def __exit__(self, *exc):
-        _current[0] = self.before
-
-
-class cuda:
-    device = _On
-
-    @staticmethod
-    def is_available():
-        return _count() > 0
-
-    @staticmethod
-    def device_count():
-        return _count()
-
-    @staticmethod
-    def empty_cache():
-        return None
-
-    @staticmethod
-    def synchronize():
-        return None
-'''
 
 
 def _devices(folder: Path, spec: str) -> list[simgpu.Device]:
@@ -259,10 +179,7 @@ class _Inner:
 
 @pytest.fixture
 def torch_path(tmp_path: Path) -> Path:
-    folder = tmp_path / "packages"
-    (folder / "torch").mkdir(parents=True)
-    (folder / "torch" / "__init__.py").write_text(TORCH)
-    return folder
+    return write_torch(tmp_path / "packages", SEVERAL_DEVICES)
 
 
 def held(ledger: Path, pid: int) -> dict[str, int] | None:
@@ -349,7 +266,7 @@ def test_a_worker_whose_torch_lacks_its_device_stops_the_engine(
     output = engine.output()
     assert "rank 1: RuntimeError: ENGINESIM_CUDA=1 needs CUDA device 1, and torch sees 1" in output
     assert "Worker proc VllmWorker-1 died unexpectedly" in output
-    wait_for(lambda: not group_alive(engine.proc.pid), 10, "the engine's processes to end")
+    wait_group_ended(engine.proc.pid)
     assert all(gpu.claims() == {} for gpu in devices.gpus)
 
 

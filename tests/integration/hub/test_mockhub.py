@@ -10,8 +10,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import httpx
 import pytest
 
 from mockhub import Faults, HubFile, MockHub, gated_repo, tiny_repo
+from support import run_python
 
 TINY = tiny_repo()
 OLDER, NEWER = TINY.commits
@@ -390,14 +389,7 @@ def test_huggingface_hub_downloads_every_file_with_its_bytes(hub: MockHub, tmp_p
     env.pop("HF_ENDPOINT", None)
     env.pop("HF_TOKEN", None)
     target = tmp_path / "tiny"
-    done = subprocess.run(
-        [sys.executable, "-c", SNAPSHOT, hub.url, NEWER, str(target)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_python("-c", SNAPSHOT, hub.url, NEWER, str(target), env=env)
     assert done.returncode == 0, done.stderr
     paths = json.loads(done.stdout.splitlines()[-1])
     assert Path(paths["folder"]) == target

@@ -50,6 +50,15 @@ def run(sampler: PeakSampler, meter: ScriptedMeter, uses: list[tuple[int, int]])
     return now
 
 
+def assert_ready_stores_nothing(
+    sampler: PeakSampler, samples: int, since: float, now: float
+) -> None:
+    """The launch under way has taken `samples` samples, and seen ready (since `since`) at
+    `now` it stores no peak."""
+    assert sampler.launches["chat:0"].samples == samples
+    assert sampler.tick([record(READY, ENGINE, since=since)], now) == []
+
+
 def test_keeps_the_device_and_host_maxima_apart(sampler: PeakSampler, meter: ScriptedMeter) -> None:
     now = run(sampler, meter, [(1 * GIB, 300 * MIB), (6 * GIB, 100 * MIB), (4 * GIB, 900 * MIB)])
     meter.now[ENGINE.pgid] = GroupUse(20 * GIB, 20 * GIB)  # what ready holds is not the startup
@@ -112,8 +121,7 @@ def test_a_launch_already_starting_at_the_first_step_is_not_stored(
     meter.now[ENGINE.pgid] = GroupUse(GIB, 0)
     sampler.tick([record(STARTING, ENGINE, since=99.9)], 100.0)
     sampler.tick([record(STARTING, ENGINE, since=99.9)], 100.5)
-    assert sampler.launches["chat:0"].samples == 2
-    assert sampler.tick([record(READY, ENGINE, since=100.7)], 101.0) == []
+    assert_ready_stores_nothing(sampler, 2, since=100.7, now=101.0)
 
 
 def test_a_blind_gap_spoils_the_launches_under_way(
@@ -158,8 +166,7 @@ def test_no_fingerprint_or_no_sample_stores_nothing(
     assert sampler.tick([record(READY, ENGINE, since=100.2, fingerprint=None)], 100.5) == []
     # The group has no live member at the only step: no sample, no figure.
     sampler.tick([record(STARTING, ENGINE, since=99.9)], 100.0)
-    assert sampler.launches["chat:0"].samples == 0
-    assert sampler.tick([record(READY, ENGINE, since=100.2)], 100.5) == []
+    assert_ready_stores_nothing(sampler, 0, since=100.2, now=100.5)
 
 
 def test_records_without_a_process_are_not_watched(

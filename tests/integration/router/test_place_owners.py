@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aioredis
@@ -26,6 +26,8 @@ from capyctl_router.metrics import Metrics
 from capyctl_router.table import Table
 from integration.router.ready import put_ready
 from support import wait_for_async
+
+T = TypeVar("T")
 
 NAME = "m"
 HOST = "local"
@@ -355,37 +357,45 @@ until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
 """)
 
 
-async def _cut_short(book: PlaceBook, change: Coroutine[Any, Any, Any]) -> None:
-    """Send `change` behind a script that holds Redis for 0.3 s, on the book's one connection,
-    and cancel its caller once it is written: Redis makes it after the caller gave up, as
-    when a client hangs up at that moment."""
+async def _cut_short(
+    book: PlaceBook,
+    change: Callable[[], Coroutine[Any, Any, T]],
+    undo: Callable[[], Coroutine[Any, Any, object]],
+) -> T:
+    """Make `change` in full and `undo` it (Redis then has the book's scripts, and the book's
+    one connection is open), then send `change` again behind a script that holds Redis for
+    0.3 s, on that connection, and cancel its caller once it is written: Redis makes it after
+    the caller gave up, as when a client hangs up at that moment. Returns what the change
+    made in full returned."""
+    made = await change()
+    await undo()
     await book.pipe.run(BUSY, [], [0])  # Redis has the script: it is not sent again behind
     holding = asyncio.ensure_future(book.pipe.run(BUSY, [], [300_000]))
-    task = asyncio.ensure_future(change)
+    task = asyncio.ensure_future(change())
     for _ in range(3):  # the pipe writes what was sent in the loop's next turn
         await asyncio.sleep(0)
     assert task.cancel(), "cancelled while Redis holds it"
     with pytest.raises(asyncio.CancelledError):
         await task
     await holding
+    return made
 
 
-def _unsure_heard(book: PlaceBook) -> list[bool]:
-    """What the book tells its owner when it is unsure of its counts: True, each time."""
+def _book_heard(client: aioredis.Redis) -> tuple[PlaceBook, list[bool]]:
+    """A worker's book, and what it tells its owner when it is unsure of its counts: True,
+    each time."""
+    book = PlaceBook(client, "router-0:1")
     heard: list[bool] = []
     book.on_unsure = lambda: heard.append(True)
-    return heard
+    return book, heard
 
 
 @pytest.mark.anyio
 async def test_a_join_cut_short_is_written_over_at_once(
     client: aioredis.Redis, state: State
 ) -> None:
-    book = PlaceBook(client, "router-0:1")
-    heard = _unsure_heard(book)
-    assert await book.join(NAME, 10, 10)  # Redis has the scripts, the pipe is open
-    await book.leave(NAME)
-    await _cut_short(book, book.join(NAME, 10, 10))
+    book, heard = _book_heard(client)
+    assert await _cut_short(book, lambda: book.join(NAME, 10, 10), lambda: book.leave(NAME))
     assert book.waiting[NAME] == 0, "its caller never heard it joined"
     assert await state.places.waiting() == {NAME: 1}, "Redis counted it"
     assert heard == [True]
@@ -399,11 +409,9 @@ async def test_a_join_cut_short_is_written_over_at_once(
 async def test_a_take_cut_short_is_written_over_at_once(
     client: aioredis.Redis, state: State
 ) -> None:
-    book = PlaceBook(client, "router-0:1")
-    heard = _unsure_heard(book)
-    assert await book.take(HOST, NAME, 1) == 1  # Redis has the scripts, the pipe is open
-    await book.give(NAME, 1)
-    await _cut_short(book, book.take(HOST, NAME, 1))
+    book, heard = _book_heard(client)
+    taken = await _cut_short(book, lambda: book.take(HOST, NAME, 1), lambda: book.give(NAME, 1))
+    assert taken == 1
     assert book.held == {}
     assert await _counts(state) == (1, 0, 0), "Redis counted the place taken"
     assert heard == [True]
@@ -427,9 +435,7 @@ async def test_a_router_keeps_at_once_after_a_change_cut_short(
         await wait_for_async(
             lambda: client.zscore(keys.place_owners(), book.owner), 2, "the first keep"
         )
-        assert await book.join(NAME, 10, 10)  # Redis has the scripts, the pipe is open
-        await book.leave(NAME)
-        await _cut_short(book, book.join(NAME, 10, 10))
+        assert await _cut_short(book, lambda: book.join(NAME, 10, 10), lambda: book.leave(NAME))
         await wait_for_async(
             lambda: _written_over(book, state), 2, "the router to write its count over"
         )

@@ -121,13 +121,24 @@ async def cluster(redis_socket: Path) -> AsyncIterator[tuple[Cluster, openai.Asy
             await state.client.aclose()
 
 
+@pytest.fixture
+def engines(cluster: tuple[Cluster, openai.AsyncOpenAI]) -> Cluster:
+    """The fake engines behind the cluster's deployments."""
+    return cluster[0]
+
+
+@pytest.fixture
+def sdk(cluster: tuple[Cluster, openai.AsyncOpenAI]) -> openai.AsyncOpenAI:
+    """The openai SDK, the router's client."""
+    return cluster[1]
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("family", sorted(REFUSALS))
 @pytest.mark.parametrize("stream", [True, False])
 async def test_an_engines_refusal_is_its_400_streamed_or_not(
-    cluster: tuple[Cluster, openai.AsyncOpenAI], family: str, stream: bool
+    engines: Cluster, sdk: openai.AsyncOpenAI, family: str, stream: bool
 ) -> None:
-    engines, sdk = cluster
     engines.engine = lambda _: httpx.Response(400, json=REFUSALS[family])
     with pytest.raises(openai.BadRequestError) as refused:
         await sdk.chat.completions.create(model=family, messages=HI, max_tokens=9000, stream=stream)
@@ -146,9 +157,8 @@ async def test_an_engines_refusal_is_its_400_streamed_or_not(
 @pytest.mark.anyio
 @pytest.mark.parametrize("stream", [True, False])
 async def test_an_error_as_the_first_event_after_200_is_that_errors_status(
-    cluster: tuple[Cluster, openai.AsyncOpenAI], stream: bool
+    engines: Cluster, sdk: openai.AsyncOpenAI, stream: bool
 ) -> None:
-    engines, sdk = cluster
     message = "Requested sample logprobs of 30, which is greater than max allowed: 20"
     engines.engine = lambda _: _sse(_error_event(message, 400), "data: [DONE]\n\n")
     with pytest.raises(openai.BadRequestError) as refused:
@@ -163,9 +173,8 @@ async def test_an_error_as_the_first_event_after_200_is_that_errors_status(
 
 @pytest.mark.anyio
 async def test_an_engine_5xx_keeps_its_status_and_a_401_is_the_routers_problem(
-    cluster: tuple[Cluster, openai.AsyncOpenAI],
+    engines: Cluster, sdk: openai.AsyncOpenAI
 ) -> None:
-    engines, sdk = cluster
     loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
     engines.engine = lambda _: httpx.Response(503, json=loading)
     for stream in (True, False):
@@ -182,9 +191,8 @@ async def test_an_engine_5xx_keeps_its_status_and_a_401_is_the_routers_problem(
 
 @pytest.mark.anyio
 async def test_after_the_first_event_a_failure_is_an_error_event_and_done(
-    cluster: tuple[Cluster, openai.AsyncOpenAI],
+    engines: Cluster, sdk: openai.AsyncOpenAI
 ) -> None:
-    engines, sdk = cluster
     broken = _error_event("EngineCore encountered an issue.", 500)
     engines.engine = lambda _: _sse(chunk("Hello"), chunk(" there"), broken, "data: [DONE]\n\n")
     async with sdk.chat.completions.with_streaming_response.create(
@@ -210,9 +218,8 @@ async def test_after_the_first_event_a_failure_is_an_error_event_and_done(
 
 @pytest.mark.anyio
 async def test_a_stream_the_engine_ends_without_done_still_ends_with_done(
-    cluster: tuple[Cluster, openai.AsyncOpenAI],
+    engines: Cluster, sdk: openai.AsyncOpenAI
 ) -> None:
-    engines, sdk = cluster
     engines.engine = lambda _: _sse(chunk("Hi", "stop"))
     chunks = [
         chunk
@@ -228,9 +235,8 @@ async def test_a_stream_the_engine_ends_without_done_still_ends_with_done(
 
 @pytest.mark.anyio
 async def test_a_cache_salt_reaches_the_engine_as_a_digest_of_the_deployment_and_revision(
-    cluster: tuple[Cluster, openai.AsyncOpenAI],
+    engines: Cluster, sdk: openai.AsyncOpenAI
 ) -> None:
-    engines, sdk = cluster
     salted = {"cache_salt": "tenant-a"}
     for family in ("vllm", "sglang"):
         await sdk.chat.completions.create(model=family, messages=HI, extra_body=salted)
@@ -250,9 +256,8 @@ async def test_a_cache_salt_reaches_the_engine_as_a_digest_of_the_deployment_and
 @pytest.mark.anyio
 @pytest.mark.parametrize("salt", ["", 7])
 async def test_a_cache_salt_that_is_not_a_non_empty_string_is_refused(
-    cluster: tuple[Cluster, openai.AsyncOpenAI], salt: object
+    engines: Cluster, sdk: openai.AsyncOpenAI, salt: object
 ) -> None:
-    engines, sdk = cluster
     with pytest.raises(openai.BadRequestError) as refused:
         await sdk.chat.completions.create(
             model="vllm", messages=HI, extra_body={"cache_salt": salt}
@@ -276,17 +281,15 @@ async def _salt_refused(engines: Cluster, sdk: openai.AsyncOpenAI, model: str) -
 
 @pytest.mark.anyio
 async def test_a_cache_salt_for_llamacpp_is_refused_with_its_reason(
-    cluster: tuple[Cluster, openai.AsyncOpenAI],
+    engines: Cluster, sdk: openai.AsyncOpenAI
 ) -> None:
-    engines, sdk = cluster
     assert "llama.cpp" in await _salt_refused(engines, sdk, "llamacpp")
 
 
 @pytest.mark.anyio
 async def test_a_cache_salt_for_sglang_with_lmcache_is_refused_with_its_reason(
-    cluster: tuple[Cluster, openai.AsyncOpenAI],
+    engines: Cluster, sdk: openai.AsyncOpenAI
 ) -> None:
-    engines, sdk = cluster
     reason = await _salt_refused(engines, sdk, "sglang-lmcache")
     assert "SGLang with LMCache" in reason
     assert "lmcache: off" in reason

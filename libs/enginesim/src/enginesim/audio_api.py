@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -156,12 +156,52 @@ def _text(batch: list[Token]) -> str:
     return "".join(token.text for token in batch)
 
 
+@dataclass(frozen=True)
+class _Ask:
+    """A transcription as the family reads its form."""
+
+    audio: bytes
+
+
+AskT = TypeVar("AskT", bound=_Ask)
+FrontT = TypeVar("FrontT", bound=Frontend)
+
+
+class _Transcriber(Generic[FrontT, AskT]):
+    """One family's route: the form read and checked its way, the clip heard and handed to
+    the engine (`start`), then answered in the family's wire format."""
+
+    def __init__(self, front: FrontT) -> None:
+        self.front = front
+
+    def _ask(self, form: Form) -> AskT | Response:
+        raise NotImplementedError
+
+    def _rid(self, request: Request) -> str:
+        raise NotImplementedError
+
+    async def _answer(
+        self, request: Request, ask: AskT, rid: str, work: Work, clip: Clip
+    ) -> Response:
+        raise NotImplementedError
+
+    async def transcribe(self, request: Request) -> Response:
+        ask = self._ask(await read_form(request))
+        if isinstance(ask, Response):
+            return ask
+        rid = self._rid(request)
+        started = await start(self.front, rid, ask.audio)
+        if isinstance(started, Response):
+            return started
+        work, clip = started
+        return await self._answer(request, ask, rid, work, clip)
+
+
 # vLLM -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _VllmAsk:
-    audio: bytes
+class _VllmAsk(_Ask):
     model: str
     fmt: str
     stream: bool
@@ -171,18 +211,16 @@ class _VllmAsk:
     temperature: float
 
 
-class VllmAudio:
-    def __init__(self, front: VllmFrontend) -> None:
-        self.front = front
-
+class VllmAudio(_Transcriber["VllmFrontend", _VllmAsk]):
     def _ask(self, form: Form) -> _VllmAsk | Response:
         """The form as vLLM validates it (its fields), then the model, then what it serves."""
         ask = self._fields(form)
         if isinstance(ask, Response):
             return ask
+        refusal = self.front.unserved(ask.model)
+        if refusal is not None:
+            return refusal
         error = self.front.error
-        if ask.model not in self.front.args.served_names:
-            return error(404, f"The model `{ask.model}` does not exist.", "NotFoundError")
         if ask.fmt not in ("text", "json", "verbose_json"):
             return error(400, VLLM_FORMAT_REFUSED)
         if ask.fmt == "verbose_json" and ask.stream:
@@ -209,15 +247,12 @@ class VllmAudio:
         language = fields.get("language")
         return _VllmAsk(audio, model, fmt, stream, usage, continuous, language, temperature)
 
-    async def transcribe(self, request: Request) -> Response:
-        ask = self._ask(await read_form(request))
-        if isinstance(ask, Response):
-            return ask
-        rid = f"transcribe-{request_base(request)}"
-        started = await start(self.front, rid, ask.audio)
-        if isinstance(started, Response):
-            return started
-        work, clip = started
+    def _rid(self, request: Request) -> str:
+        return f"transcribe-{request_base(request)}"
+
+    async def _answer(
+        self, request: Request, ask: _VllmAsk, rid: str, work: Work, clip: Clip
+    ) -> Response:
         events = functools.partial(self._events, ask, rid, work)
         body = functools.partial(self._body, ask, clip)
         return await self.front.respond(request, work, ask.stream, events, body)
@@ -274,18 +309,14 @@ def register_vllm(add: AddRoute, front: VllmFrontend) -> None:
 
 
 @dataclass(frozen=True)
-class _SglangAsk:
-    audio: bytes
+class _SglangAsk(_Ask):
     model: str
     fmt: str
     stream: bool
     language: str | None
 
 
-class SglangAudio:
-    def __init__(self, front: SglangFrontend) -> None:
-        self.front = front
-
+class SglangAudio(_Transcriber["SglangFrontend", _SglangAsk]):
     def _ask(self, form: Form) -> _SglangAsk | Response:
         audio, fields = form.files.get("file"), form.fields
         if audio is None:
@@ -300,15 +331,12 @@ class SglangAudio:
         model = fields.get("model", "default")
         return _SglangAsk(audio, model, fmt, stream, fields.get("language"))
 
-    async def transcribe(self, request: Request) -> Response:
-        ask = self._ask(await read_form(request))
-        if isinstance(ask, Response):
-            return ask
-        rid = f"trsc-{uuid.uuid4().hex}"
-        started = await start(self.front, rid, ask.audio)
-        if isinstance(started, Response):
-            return started
-        work, clip = started
+    def _rid(self, request: Request) -> str:
+        return f"trsc-{uuid.uuid4().hex}"
+
+    async def _answer(
+        self, request: Request, ask: _SglangAsk, rid: str, work: Work, clip: Clip
+    ) -> Response:
         if ask.stream:
             events = functools.partial(self._events, ask, rid, work)
             return await self.front.respond(request, work, True, events, dict)
@@ -352,11 +380,13 @@ def register_sglang(add: AddRoute, front: SglangFrontend) -> None:
 # llama.cpp ------------------------------------------------------------------------------
 
 
-class LlamaAudio:
-    def __init__(self, front: LlamaFrontend) -> None:
-        self.front = front
+@dataclass(frozen=True)
+class _LlamaAsk(_Ask):
+    stream: bool  # `stream` exactly "true", compared as text, as llama-server does
 
-    def _refusal(self, form: Form) -> Response | None:
+
+class LlamaAudio(_Transcriber["LlamaFrontend", _LlamaAsk]):
+    def _ask(self, form: Form) -> _LlamaAsk | Response:
         """Its checks, in its order: the model's audio input, the file, the format."""
         if self.front.args.mmproj is None:
             message = "The current model does not support audio input."
@@ -366,21 +396,17 @@ class LlamaAudio:
         if form.fields.get("response_format", "json") != "json":
             message = "Only 'json' response_format is supported for transcription"
             return self.front.error(400, message)
-        return None
+        return _LlamaAsk(form.files["file"], form.fields.get("stream") == "true")
 
-    async def transcribe(self, request: Request) -> Response:
-        form = await read_form(request)
-        refusal = self._refusal(form)
-        if refusal is not None:
-            return refusal
-        started = await start(self.front, f"asr-{uuid.uuid4().hex}", form.files["file"])
-        if isinstance(started, Response):
-            return started
-        work, clip = started
-        stream = form.fields.get("stream") == "true"  # compared as text, as llama-server does
+    def _rid(self, request: Request) -> str:
+        return f"asr-{uuid.uuid4().hex}"
+
+    async def _answer(
+        self, request: Request, ask: _LlamaAsk, rid: str, work: Work, clip: Clip
+    ) -> Response:
         events = functools.partial(self._events, work, clip)
         body = functools.partial(_done, work, clip)
-        return await self.front.respond(request, work, stream, events, body)
+        return await self.front.respond(request, work, ask.stream, events, body)
 
     async def _events(self, work: Work, clip: Clip) -> AsyncIterator[str]:
         async for batch in work.batches():

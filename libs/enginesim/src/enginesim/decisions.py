@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from capycommon import gguf
+from enginesim.bodies import Strict
 from enginesim.openai_chat import JsonDict, count_prompt_tokens
 
 MAX_OPTIONS = 255
@@ -47,17 +48,12 @@ OPTION_LIMITS = {"openjev": 52}
 Checkpoint = Literal["decision_config", "joint_head", "chat"]
 
 
-class _Strict(BaseModel):
-    # A misspelled key inside a question would answer a different question.
-    model_config = ConfigDict(extra="forbid")
-
-
-class NoulCriteria(_Strict):
+class NoulCriteria(Strict):
     true: str | None = None
     false: str | None = None
 
 
-class NoulQuestion(_Strict):
+class NoulQuestion(Strict):
     type: Literal["noul"]
     instructions: str | None = None
     criteria: NoulCriteria | None = None
@@ -70,13 +66,13 @@ class NoulQuestion(_Strict):
         return self
 
 
-class ChoiceQuestion(_Strict):
+class ChoiceQuestion(Strict):
     type: Literal["choice"]
     instructions: str | None = None
     criteria: dict[str, str | None] = Field(min_length=2)
 
 
-class ScoreQuestion(_Strict):
+class ScoreQuestion(Strict):
     type: Literal["score"]
     instructions: str | None = None
     criteria: list[str] = Field(min_length=2, max_length=MAX_LEVELS)

@@ -42,17 +42,10 @@ from enginesim.gpu import (
 )
 from enginesim.memory import Regions, finish_loading, weight_bytes
 from enginesim.metrics import Exposition
-from enginesim.openai_chat import (
-    ChatRequest,
-    CompletionRequest,
-    Dialect,
-    EmbeddingRequest,
-    JsonDict,
-    random_id,
-)
+from enginesim.openai_chat import Dialect, GenerationRequest, JsonDict, ModelRequest, random_id
 from enginesim.parallel import split_bytes
 from enginesim.process import Process
-from enginesim.serving import Frontend, add_hot_paths
+from enginesim.serving import Frontend, add_generation, add_hot_paths
 
 if TYPE_CHECKING:
     from enginesim.llamacpp import LlamaArgs
@@ -61,6 +54,7 @@ log = logging.getLogger("llama-server")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/api/tags", "/"})
 KV_PER_TOKEN = 128 << 10  # f16 K and V: 32 layers x 8 KV heads x 128 dims x 2 x 2 bytes
 COMPUTE_PER_SLOT = 8 << 20
+GENERATION_PREFIXES = ("/v1", "")  # chat and text completions, each at both
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
@@ -107,7 +101,7 @@ class LlamaFrontend(Frontend):
             {"error": {"code": status, "message": message, "type": kind}}, status_code=status
         )
 
-    def check(self, body: ChatRequest | CompletionRequest) -> Response | None:
+    def check(self, body: GenerationRequest) -> Response | None:
         if self.decision_type in decisions.DECISION_ONLY_TYPES:
             return self.error(
                 501,
@@ -117,7 +111,7 @@ class LlamaFrontend(Frontend):
             )
         return None
 
-    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
+    def model_name(self, body: ModelRequest) -> str:
         return body.model or self.args.alias or self.args.model
 
     def reasoning_on(self) -> bool:
@@ -416,18 +410,12 @@ def build_app(front: LlamaFrontend) -> FastAPI:
     add("/metrics", front.metrics, methods=["GET"])
     for path in ("/models", "/v1/models"):
         add(path, front.models, methods=["GET"])
-    for path in ("/v1/chat/completions", "/chat/completions"):
-        add(path, front.chat, methods=["POST"])
-    for path in ("/v1/completions", "/completions"):
-        add(path, front.completions, methods=["POST"])
-    tokenize_api.register_llamacpp(add, front)
-    pooling_api.register_llamacpp(add, front)
-    audio_api.register_llamacpp(add, front)
-    responses_api.register_llamacpp(add, front)
-    messages_api.register_llamacpp(add, front)
+    add_generation(app, front, GENERATION_PREFIXES)
+    for api in (tokenize_api, pooling_api, audio_api, responses_api, messages_api):
+        api.register_llamacpp(add, front)
     add("/v1/systemone", front.decide, methods=["POST"])
     add("/", front.webui, methods=["GET"])
-    add_hot_paths(app, front, ("", "/v1"))
+    add_hot_paths(app, front, GENERATION_PREFIXES)
     if front.args.api_keys:
         body = {
             "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}

@@ -41,7 +41,7 @@ from enginesim.messages_wire import (
     MessagesRequest,
     SglangMessageReply,
 )
-from enginesim.openai_chat import ChatRequest, count_prompt_tokens, plan
+from enginesim.openai_chat import ChatRequest, count_prompt_tokens
 from enginesim.serving import Frontend, explain
 
 if TYPE_CHECKING:
@@ -109,19 +109,15 @@ class Messages:
     # Routes -----------------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        body = await self.front.read_json(request, self.request_model, self.invalid)
-        if isinstance(body, Response):
-            return body
-        chat = self._chat(body)
-        if isinstance(chat, Response):
-            return chat
+        read = await self._read(request, self.request_model)
+        if isinstance(read, Response):
+            return read
+        body, chat = read
         refusal = self.front.check(chat) or await self.front.admit()
         if refusal is not None:
             return self.refused(refusal)
         front = self.front
-        reasoning = front.behaviour.reasoning if front.reasoning_on() else ""
-        tool = front.tool_for(chat)
-        tokens, finish = plan(front.engine.answer(), reasoning, tool, body.max_tokens)
+        tokens, finish = front.plan_answer(front.tool_for(chat), body.max_tokens)
         rid, message_id = self.ids(request, chat)
         work = Work(rid, count_prompt_tokens(chat.prompt_text()), tokens, finish)
         reply = self.reply(work, message_id, chat)
@@ -129,13 +125,21 @@ class Messages:
         return await front.respond(request, work, bool(body.stream), reply.events, reply.whole)
 
     async def count_tokens(self, request: Request) -> Response:
-        body = await self.front.read_json(request, CountTokensRequest, self.invalid)
+        read = await self._read(request, CountTokensRequest)
+        if isinstance(read, Response):
+            return read
+        _, chat = read
+        return JSONResponse({"input_tokens": count_prompt_tokens(chat.prompt_text())})
+
+    async def _read(
+        self, request: Request, model: type[Body]
+    ) -> tuple[Body, ChatRequest] | Response:
+        """The body as `model`, and the chat request it stands for; or why it is not one."""
+        body = await self.front.read_json(request, model, self.invalid)
         if isinstance(body, Response):
             return body
         chat = self._chat(body)
-        if isinstance(chat, Response):
-            return chat
-        return JSONResponse({"input_tokens": count_prompt_tokens(chat.prompt_text())})
+        return chat if isinstance(chat, Response) else (body, chat)
 
     def _chat(self, body: CountTokensRequest) -> ChatRequest | Response:
         limit = body.max_tokens if isinstance(body, MessagesRequest) else None

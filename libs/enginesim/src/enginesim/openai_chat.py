@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from enginesim.bodies import Tolerant
 from enginesim.engine import Finish, Token, TokenKind, Work
 
 JsonDict = dict[str, Any]
@@ -31,16 +32,12 @@ _HOLE = "\x00piece\x00"
 CHARS_PER_TOKEN = 4
 
 
-class _Tolerant(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class StreamOptions(_Tolerant):
+class StreamOptions(Tolerant):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
-class ChatRequest(_Tolerant):
+class ChatRequest(Tolerant):
     model: str | None = None
     messages: list[JsonDict] = Field(min_length=1)
     stream: bool | None = False
@@ -74,12 +71,12 @@ class ChatRequest(_Tolerant):
         return "".join(text_of(message.get("content")) for message in self.messages)
 
 
-class EmbeddingRequest(_Tolerant):
+class EmbeddingRequest(Tolerant):
     model: str | None = None
     input: str | list[str] = Field(min_length=1)
 
 
-class CompletionRequest(_Tolerant):
+class CompletionRequest(Tolerant):
     model: str | None = None
     prompt: str | list[str] | list[int]
     stream: bool | None = False
@@ -93,6 +90,12 @@ class CompletionRequest(_Tolerant):
         if isinstance(self.prompt, str):
             return self.prompt
         return " ".join(str(part) for part in self.prompt)
+
+
+# A chat or a text completion, as a family checks it and gives it its ids.
+GenerationRequest = ChatRequest | CompletionRequest
+# A request a family names its served model for (`Frontend.model_name`).
+ModelRequest = ChatRequest | CompletionRequest | EmbeddingRequest
 
 
 def text_of(content: Any) -> str:

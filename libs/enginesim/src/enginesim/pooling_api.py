@@ -33,13 +33,13 @@ import hashlib
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from enginesim.api_common import AddRoute, llama_not_found, request_base, run
+from enginesim.bodies import Tolerant
 from enginesim.openai_chat import EmbeddingRequest, JsonDict, count_prompt_tokens
 from enginesim.serving import Frontend, embedding_of
 from enginesim.tokenize_api import VOCAB_SIZE
@@ -84,22 +84,23 @@ async def counted_embeddings(front: Frontend, request: Request) -> Response:
     return work if isinstance(work, Response) else await front.embeddings(request)
 
 
-class _Tolerant(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 # vLLM -----------------------------------------------------------------------------------
 
 
-class _VllmRerank(_Tolerant):
+class _VllmPooled(Tolerant):
     model: str | None = None
+
+
+VllmBody = TypeVar("VllmBody", bound=_VllmPooled)
+
+
+class _VllmRerank(_VllmPooled):
     query: str
     documents: list[str]
     top_n: int = 0
 
 
-class _VllmScore(_Tolerant):
-    model: str | None = None
+class _VllmScore(_VllmPooled):
     text_1: str | list[str]
     text_2: str | list[str]
 
@@ -119,20 +120,22 @@ class VllmPooling:
     def __init__(self, front: VllmFrontend) -> None:
         self.front = front
 
-    def _name(self, model: str | None) -> str | Response:
-        if model is None:
-            return self.front.args.served_names[0]
-        if model in self.front.args.served_names:
-            return model
-        return self.front.error(404, f"The model `{model}` does not exist.", "NotFoundError")
-
-    async def rerank(self, request: Request) -> Response:
-        body = await self.front.read_json(request, _VllmRerank)
+    async def _read(
+        self, request: Request, model: type[VllmBody]
+    ) -> tuple[VllmBody, str] | Response:
+        """The body as `model`, and the name of the served model it asks for (or the 404)."""
+        body = await self.front.read_json(request, model)
         if isinstance(body, Response):
             return body
-        name = self._name(body.model)
-        if isinstance(name, Response):
-            return name
+        if body.model is None:
+            return body, self.front.args.served_names[0]
+        return self.front.unserved(body.model) or (body, body.model)
+
+    async def rerank(self, request: Request) -> Response:
+        read = await self._read(request, _VllmRerank)
+        if isinstance(read, Response):
+            return read
+        body, name = read
         pairs = vllm_pairs([body.query], body.documents)
         if isinstance(pairs, str):
             return self.front.error(400, pairs)
@@ -156,12 +159,10 @@ class VllmPooling:
         return JSONResponse(answer, headers=self.front.response_headers(request))
 
     async def score(self, request: Request) -> Response:
-        body = await self.front.read_json(request, _VllmScore)
-        if isinstance(body, Response):
-            return body
-        name = self._name(body.model)
-        if isinstance(name, Response):
-            return name
+        read = await self._read(request, _VllmScore)
+        if isinstance(read, Response):
+            return read
+        body, name = read
         first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         pairs = vllm_pairs(first, second)
@@ -199,14 +200,14 @@ def register_vllm(add: AddRoute, front: VllmFrontend) -> None:
 # SGLang ---------------------------------------------------------------------------------
 
 
-class _SglangRerank(_Tolerant):
+class _SglangRerank(Tolerant):
     query: str
     documents: list[str]
     top_n: int | None = None
     return_documents: bool = True
 
 
-class _SglangScore(_Tolerant):
+class _SglangScore(Tolerant):
     query: str | list[int] | None = None
     items: str | list[str] | list[list[int]] | None = None
     label_token_ids: list[int] | None = None

@@ -40,7 +40,6 @@ from enginesim.openai_chat import (
     ChatRequest,
     JsonDict,
     count_prompt_tokens,
-    plan,
     random_id,
     text_of,
 )
@@ -157,9 +156,7 @@ class Responses:
         if refusal is not None:
             return refusal
         front = self.front
-        reasoning = front.behaviour.reasoning if front.reasoning_on() else ""
-        answer = front.engine.answer()
-        tokens, finish = plan(answer, reasoning, self.tool(chat), body.max_output_tokens)
+        tokens, finish = front.plan_answer(self.tool(chat), body.max_output_tokens)
         work = Work(self.response_id(body), count_prompt_tokens(chat.prompt_text()), tokens, finish)
         reply = self.reply(body, work, self._keeper(body, chat))
         front.submit(work)
@@ -210,16 +207,14 @@ class VllmResponses(Responses):
         return self.vllm.error(status, message, "invalid_request_error")
 
     def refusal(self, body: ResponsesRequest, chat: ChatRequest) -> Response | None:
-        args = self.vllm.args
-        if body.model is not None and body.model not in args.served_names:
-            return self.vllm.error(
-                404, f"The model `{body.model}` does not exist.", "NotFoundError"
-            )
+        unserved = self.vllm.unserved(body.model)
+        if unserved is not None:
+            return unserved
         if chat.tools and self.vllm.v < VLLM_FUNCTION_TOOLS_FROM:
             return self.vllm.error(
                 400, "Tool use is not supported in Responses API without Harmony None"
             )
-        prompt, most = count_prompt_tokens(chat.prompt_text()), args.max_model_len
+        prompt, most = count_prompt_tokens(chat.prompt_text()), self.vllm.args.max_model_len
         if prompt >= most:
             return self.error(
                 400,

@@ -20,7 +20,7 @@ import math
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -37,12 +37,17 @@ from enginesim.openai_chat import (
     CompletionRequest,
     Dialect,
     EmbeddingRequest,
+    GenerationRequest,
     JsonDict,
+    ModelRequest,
     count_prompt_tokens,
     plan,
     random_id,
 )
 from enginesim.process import Process
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 Handler = Callable[[Request], Awaitable[Response]]
@@ -74,14 +79,23 @@ class HotPaths:
             await response(scope, receive, send)
 
 
+def generation_routes(front: Frontend, prefixes: Sequence[str]) -> dict[str, Handler]:
+    """Chat and text completions at each of `prefixes`, chat's first."""
+    generation = {"chat/completions": front.chat, "completions": front.completions}
+    return {f"{prefix}/{path}": run for path, run in generation.items() for prefix in prefixes}
+
+
+def add_generation(app: FastAPI, front: Frontend, prefixes: Sequence[str] = ("/v1",)) -> None:
+    """The routes of chat and text completions (POST), at each of `prefixes`."""
+    for path, run in generation_routes(front, prefixes).items():
+        app.add_api_route(path, run, methods=["POST"])
+
+
 def add_hot_paths(app: Starlette, front: Frontend, prefixes: Sequence[str] = ("/v1",)) -> None:
     """An instant engine's chat and text completions, at each of `prefixes`, on the lean path
     (`HotPaths`); a paced engine's go through FastAPI as every other route does."""
-    if not front.behaviour.instant:
-        return
-    generation = {"chat/completions": front.chat, "completions": front.completions}
-    routes = {f"{prefix}/{path}": run for path, run in generation.items() for prefix in prefixes}
-    app.add_middleware(HotPaths, routes=routes)
+    if front.behaviour.instant:
+        app.add_middleware(HotPaths, routes=generation_routes(front, prefixes))
 
 
 def embedding_of(text: str) -> list[float]:
@@ -120,11 +134,11 @@ class Frontend:
     def precheck(self, request: Request) -> Response | None:
         return None
 
-    def check(self, body: ChatRequest | CompletionRequest) -> Response | None:
+    def check(self, body: GenerationRequest) -> Response | None:
         return None
 
     def request_ids(
-        self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
+        self, request: Request, body: GenerationRequest, prefix: str
     ) -> tuple[str, str]:
         """(the engine's request id, the response `id`): by default one random id for both."""
         rid = f"{prefix}{random_id(32)}"
@@ -133,7 +147,7 @@ class Frontend:
     def response_headers(self, request: Request) -> dict[str, str]:
         return {}
 
-    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
+    def model_name(self, body: ModelRequest) -> str:
         raise NotImplementedError
 
     def reasoning_on(self) -> bool:
@@ -192,9 +206,7 @@ class Frontend:
             return body
 
         def planned() -> tuple[list[Token], Finish]:
-            reasoning = self.behaviour.reasoning if self.reasoning_on() else ""
-            tool = self._tool(body)
-            return plan(self.engine.answer(), reasoning, tool, body.limit, bool(body.ignore_eos))
+            return self.plan_answer(self._tool(body), body.limit, bool(body.ignore_eos))
 
         return await self._generate(request, body, planned)
 
@@ -271,6 +283,14 @@ class Frontend:
 
     # Other APIs on the same engine (enginesim.responses_api, enginesim.messages_api) ------
 
+    def plan_answer(
+        self, tool: tuple[str, str] | None, limit: int | None, ignore_eos: bool = False
+    ) -> tuple[list[Token], Finish]:
+        """What a chat-like request gets: the reasoning where the family parses it, then the
+        call of `tool`, or else the engine's answer by now (`openai_chat.plan`)."""
+        reasoning = self.behaviour.reasoning if self.reasoning_on() else ""
+        return plan(self.engine.answer(), reasoning, tool, limit, ignore_eos)
+
     def tool_for(self, body: ChatRequest) -> tuple[str, str] | None:
         """The call (name, JSON arguments) the model makes for a request in chat's terms,
         or None: another API's request is decided as its chat conversion would be."""
@@ -302,7 +322,7 @@ class Frontend:
     async def _generate(
         self,
         request: Request,
-        body: ChatRequest | CompletionRequest,
+        body: GenerationRequest,
         planned: Callable[[], tuple[list[Token], Finish]],
     ) -> Response:
         """Chat and text completions alike: refused, or planned once admitted (the answer is
@@ -324,7 +344,7 @@ class Frontend:
             events, whole = answer.text_events, answer.text_body
         return await self.respond(request, work, bool(body.stream), events, whole)
 
-    def _include_usage(self, body: ChatRequest | CompletionRequest) -> bool:
+    def _include_usage(self, body: GenerationRequest) -> bool:
         options = body.stream_options
         return self.force_usage or bool(options and options.include_usage)
 

@@ -51,15 +51,9 @@ from enginesim.behaviour import Behaviour, version_tuple
 from enginesim.engine import Engine, Token, Work
 from enginesim.kvconnector import CachingFrontend, KvConnector
 from enginesim.memory import Regions
-from enginesim.openai_chat import (
-    ChatRequest,
-    CompletionRequest,
-    Dialect,
-    EmbeddingRequest,
-    JsonDict,
-)
+from enginesim.openai_chat import Dialect, GenerationRequest, JsonDict, ModelRequest
 from enginesim.process import Process
-from enginesim.serving import add_hot_paths
+from enginesim.serving import add_generation, add_hot_paths
 
 if TYPE_CHECKING:
     from enginesim.sglang import SglangArgs
@@ -126,12 +120,12 @@ class SglangFrontend(CachingFrontend):
         return None
 
     def request_ids(
-        self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
+        self, request: Request, body: GenerationRequest, prefix: str
     ) -> tuple[str, str]:
         rid = body.rid or uuid.uuid4().hex
         return rid, rid
 
-    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
+    def model_name(self, body: ModelRequest) -> str:
         return body.model or self.args.served_model_name
 
     def reasoning_on(self) -> bool:
@@ -452,16 +446,12 @@ def build_app(front: SglangFrontend) -> FastAPI:
     add("/update_weights_from_disk", front.update_weights, methods=["POST"])
     add("/pause_generation", front.pause_generation, methods=["POST"])
     add("/continue_generation", front.continue_generation, methods=["POST"])
-    add("/v1/chat/completions", front.chat, methods=["POST"])
-    add("/v1/completions", front.completions, methods=["POST"])
+    add_generation(app, front)
     add("/v1/models", front.models, methods=["GET"])
     add("/v1/models/{model_id:path}", front.model, methods=["GET"])
     add("/v1/systemone", front.decide, methods=["POST"])
-    tokenize_api.register_sglang(add, front)
-    pooling_api.register_sglang(add, front)
-    audio_api.register_sglang(add, front)
-    responses_api.register_sglang(add, front)
-    messages_api.register_sglang(add, front)
+    for api in (tokenize_api, pooling_api, audio_api, responses_api, messages_api):
+        api.register_sglang(add, front)
     if front.args.enable_metrics:
         add("/metrics", front.metrics, methods=["GET"])
     add_hot_paths(app, front)

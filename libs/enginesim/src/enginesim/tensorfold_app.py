@@ -34,7 +34,7 @@ from enginesim.behaviour import Behaviour
 from enginesim.engine import Engine
 from enginesim.gpu import GIB, LocalHolder, NoDevice, NoHolder, find_device, with_cuda
 from enginesim.memory import Regions, finish_loading
-from enginesim.openai_chat import ChatRequest, CompletionRequest, Dialect, EmbeddingRequest
+from enginesim.openai_chat import Dialect, GenerationRequest, ModelRequest
 from enginesim.process import Process
 from enginesim.serving import Frontend, add_hot_paths
 
@@ -73,7 +73,7 @@ class TensorFoldFrontend(Frontend):
         body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
         return JSONResponse(body, status_code=status)
 
-    def check(self, body: ChatRequest | CompletionRequest) -> Response | None:
+    def check(self, body: GenerationRequest) -> Response | None:
         if body.model is not None and body.model != self.args.served_model_name:
             return self.error(404, f"The model `{body.model}` does not exist.", "NotFoundError")
         return None
@@ -83,7 +83,7 @@ class TensorFoldFrontend(Frontend):
             return self.error(503, "the model is loading", "unavailable_error")
         return None
 
-    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
+    def model_name(self, body: ModelRequest) -> str:
         return self.args.served_model_name
 
     def fatal(self, reason: str) -> None:

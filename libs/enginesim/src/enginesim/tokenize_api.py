@@ -22,14 +22,17 @@ in the engine (the real ones only call the tokenizer), so neither is counted in 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from enginesim.api_common import AddRoute, at_least
+from enginesim.bodies import Tolerant
 from enginesim.openai_chat import CHARS_PER_TOKEN, ChatRequest, JsonDict
+from enginesim.serving import Frontend
 
 if TYPE_CHECKING:
     from enginesim.llamacpp_app import LlamaFrontend
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 
 VOCAB_SIZE = 151936
 SGLANG_TOKENIZE_FROM = "0.5.3.post1"
+FrontT = TypeVar("FrontT", bound=Frontend)
 
 
 class Vocabulary:
@@ -64,11 +68,26 @@ class Vocabulary:
         return "".join(self._pieces.get(token, f"<|{token}|>") for token in tokens)
 
 
-class _Tolerant(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Tokenizer(Generic[FrontT]):
+    """One family's two routes, on one engine's vocabulary."""
+
+    def __init__(self, front: FrontT) -> None:
+        self.front = front
+        self.vocab = Vocabulary()
+
+    def register(self, add: AddRoute, prefixes: Sequence[str] = ("",)) -> None:
+        for prefix in prefixes:
+            add(f"{prefix}/tokenize", self.tokenize, methods=["POST"])
+            add(f"{prefix}/detokenize", self.detokenize, methods=["POST"])
+
+    async def tokenize(self, request: Request) -> Response:
+        raise NotImplementedError
+
+    async def detokenize(self, request: Request) -> Response:
+        raise NotImplementedError
 
 
-class _Tokenize(_Tolerant):
+class _Tokenize(Tolerant):
     """A text (`prompt`) or a chat (`messages`), as vLLM's and SGLang's tokenize read them."""
 
     model: str | None = None
@@ -89,7 +108,7 @@ class _Tokenize(_Tolerant):
         return self.prompt
 
 
-class _Detokenize(_Tolerant):
+class _Detokenize(Tolerant):
     model: str | None = None
     tokens: list[int] | list[list[int]]
 
@@ -97,26 +116,21 @@ class _Detokenize(_Tolerant):
 # vLLM -----------------------------------------------------------------------------------
 
 
-class VllmTokenizer:
-    def __init__(self, front: VllmFrontend) -> None:
-        self.front = front
-        self.vocab = Vocabulary()
-
-    def _unserved(self, model: str | None) -> Response | None:
-        if model is None or model in self.front.args.served_names:
-            return None
-        return self.front.error(404, f"The model `{model}` does not exist.", "NotFoundError")
+class VllmTokenizer(_Tokenizer["VllmFrontend"]):
+    def _text(self, body: _Tokenize) -> str | Response:
+        """The one text (not a batch) it tokenizes, for a model it serves."""
+        text = body.texts()
+        if not isinstance(text, str):
+            return self.front.error(400, "prompt: Input should be a valid string")
+        return self.front.unserved(body.model) or text
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.front.read_json(request, _Tokenize)
         if isinstance(body, Response):
             return body
-        text = body.texts()
-        if not isinstance(text, str):
-            return self.front.error(400, "prompt: Input should be a valid string")
-        refusal = self._unserved(body.model)
-        if refusal is not None:
-            return refusal
+        text = self._text(body)
+        if isinstance(text, Response):
+            return text
         pieces = self.vocab.encode(text)
         return JSONResponse(
             {
@@ -133,26 +147,20 @@ class VllmTokenizer:
             return body
         if any(isinstance(token, list) for token in body.tokens):
             return self.front.error(400, "tokens: Input should be a valid integer")
-        refusal = self._unserved(body.model)
+        refusal = self.front.unserved(body.model)
         if refusal is not None:
             return refusal
         return JSONResponse({"prompt": self.vocab.decode(_flat(body.tokens))})
 
 
 def register_vllm(add: AddRoute, front: VllmFrontend) -> None:
-    api = VllmTokenizer(front)
-    add("/tokenize", api.tokenize, methods=["POST"])
-    add("/detokenize", api.detokenize, methods=["POST"])
+    VllmTokenizer(front).register(add)
 
 
 # SGLang ---------------------------------------------------------------------------------
 
 
-class SglangTokenizer:
-    def __init__(self, front: SglangFrontend) -> None:
-        self.front = front
-        self.vocab = Vocabulary()
-
+class SglangTokenizer(_Tokenizer["SglangFrontend"]):
     async def tokenize(self, request: Request) -> Response:
         body = await self.front.read_json(request, _Tokenize)
         if isinstance(body, Response):
@@ -180,31 +188,23 @@ class SglangTokenizer:
 
 
 def register_sglang(add: AddRoute, front: SglangFrontend) -> None:
-    if not at_least(front.version, SGLANG_TOKENIZE_FROM):
-        return
-    api = SglangTokenizer(front)
-    for prefix in ("", "/v1"):
-        add(f"{prefix}/tokenize", api.tokenize, methods=["POST"])
-        add(f"{prefix}/detokenize", api.detokenize, methods=["POST"])
+    if at_least(front.version, SGLANG_TOKENIZE_FROM):
+        SglangTokenizer(front).register(add, ("", "/v1"))
 
 
 # llama.cpp ------------------------------------------------------------------------------
 
 
-class _LlamaTokenize(_Tolerant):
+class _LlamaTokenize(Tolerant):
     content: str | None = None
     with_pieces: bool = False
 
 
-class _LlamaDetokenize(_Tolerant):
+class _LlamaDetokenize(Tolerant):
     tokens: list[int] | None = None
 
 
-class LlamaTokenizer:
-    def __init__(self, front: LlamaFrontend) -> None:
-        self.front = front
-        self.vocab = Vocabulary()
-
+class LlamaTokenizer(_Tokenizer["LlamaFrontend"]):
     async def tokenize(self, request: Request) -> Response:
         body = await self.front.read_json(request, _LlamaTokenize)
         if isinstance(body, Response):
@@ -223,9 +223,7 @@ class LlamaTokenizer:
 
 
 def register_llamacpp(add: AddRoute, front: LlamaFrontend) -> None:
-    api = LlamaTokenizer(front)
-    add("/tokenize", api.tokenize, methods=["POST"])
-    add("/detokenize", api.detokenize, methods=["POST"])
+    LlamaTokenizer(front).register(add)
 
 
 def _flat(tokens: list[int] | list[list[int]]) -> list[int]:

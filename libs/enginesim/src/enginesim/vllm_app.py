@@ -49,14 +49,14 @@ from enginesim.kvconnector import CachingFrontend, KvConnector
 from enginesim.memory import Regions
 from enginesim.openai_chat import (
     ChatRequest,
-    CompletionRequest,
     Dialect,
-    EmbeddingRequest,
+    GenerationRequest,
     JsonDict,
+    ModelRequest,
     count_prompt_tokens,
 )
 from enginesim.process import Process
-from enginesim.serving import add_hot_paths
+from enginesim.serving import add_generation, add_hot_paths
 
 if TYPE_CHECKING:
     from enginesim.vllm import VllmArgs
@@ -124,9 +124,16 @@ class VllmFrontend(CachingFrontend):
         events = [f"data: {json.dumps({'error': inner})}\n\n", "data: [DONE]\n\n"]
         return StreamingResponse(iter(events), media_type="text/event-stream")
 
-    def check(self, body: ChatRequest | CompletionRequest) -> Response | None:
-        if body.model is not None and body.model not in self.args.served_names:
-            return self.error(404, f"The model `{body.model}` does not exist.", "NotFoundError")
+    def unserved(self, model: str | None) -> Response | None:
+        """The 404 for a model it does not serve (a request that names none asks for its own)."""
+        if model is None or model in self.args.served_names:
+            return None
+        return self.error(404, f"The model `{model}` does not exist.", "NotFoundError")
+
+    def check(self, body: GenerationRequest) -> Response | None:
+        refusal = self.unserved(body.model)
+        if refusal is not None:
+            return refusal
         auto = isinstance(body, ChatRequest) and body.tools and body.tool_choice in (None, "auto")
         if auto and not (self.args.enable_auto_tool_choice and self.args.tool_call_parser):
             return self.error(
@@ -136,7 +143,7 @@ class VllmFrontend(CachingFrontend):
             )
         return self._context(body) or self._logprobs(body)
 
-    def _context(self, body: ChatRequest | CompletionRequest) -> Response | None:
+    def _context(self, body: GenerationRequest) -> Response | None:
         prompt, most = count_prompt_tokens(body.prompt_text()), self.args.max_model_len
         if prompt >= most:
             return self.error(
@@ -156,7 +163,7 @@ class VllmFrontend(CachingFrontend):
             )
         return None
 
-    def _logprobs(self, body: ChatRequest | CompletionRequest) -> Response | None:
+    def _logprobs(self, body: GenerationRequest) -> Response | None:
         extra = body.model_extra or {}
         wanted = (
             extra.get("top_logprobs") if isinstance(body, ChatRequest) else extra.get("logprobs")
@@ -170,7 +177,7 @@ class VllmFrontend(CachingFrontend):
         return self.streamed_error(message) if body.stream else self.error(400, message)
 
     def request_ids(
-        self, request: Request, body: ChatRequest | CompletionRequest, prefix: str
+        self, request: Request, body: GenerationRequest, prefix: str
     ) -> tuple[str, str]:
         base = request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
         return f"{prefix}{base}", f"{prefix}{base}"
@@ -180,7 +187,7 @@ class VllmFrontend(CachingFrontend):
             return {}
         return {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
 
-    def model_name(self, body: ChatRequest | CompletionRequest | EmbeddingRequest) -> str:
+    def model_name(self, body: ModelRequest) -> str:
         return self.args.served_names[0]
 
     def reasoning_on(self) -> bool:
@@ -210,9 +217,7 @@ class VllmFrontend(CachingFrontend):
         )
 
     def decision_refusal(self, body: decisions.DecisionRequest) -> Response | None:
-        if body.model is not None and body.model not in self.args.served_names:
-            return self.error(404, f"The model `{body.model}` does not exist.", "NotFoundError")
-        return None
+        return self.unserved(body.model)
 
     def decision_body(self, body: decisions.DecisionRequest, work: Work) -> JsonDict:
         state = decisions.state_text(body.state)
@@ -418,14 +423,10 @@ def build_app(front: VllmFrontend) -> FastAPI:
     add("/load", front.load, methods=["GET"])
     add("/metrics", front.metrics, methods=["GET"])
     add("/v1/models", front.models, methods=["GET"])
-    add("/v1/chat/completions", front.chat, methods=["POST"])
-    add("/v1/completions", front.completions, methods=["POST"])
+    add_generation(app, front)
     add("/v1/embeddings", front.embeddings, methods=["POST"])
-    tokenize_api.register_vllm(add, front)
-    pooling_api.register_vllm(add, front)
-    audio_api.register_vllm(add, front)
-    responses_api.register_vllm(add, front)
-    messages_api.register_vllm(add, front)
+    for api in (tokenize_api, pooling_api, audio_api, responses_api, messages_api):
+        api.register_vllm(add, front)
     if front.v >= DECISIONS_FROM:
         add("/v1/systemone", front.decide, methods=["POST"])
     if front.dev_mode:
