@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -61,8 +63,11 @@ def test_every_process_runs_with_a_heartbeat(standalone: Role) -> None:
         assert procs[service]["heartbeat_age_s"] < 5
         assert procs[service]["version"] == "0.1.0"
 
+    assert lease_of(standalone)["here"] is True, "its own scheduler holds the lease"
+
     text = standalone.capyctl("status")
     assert text.returncode == 0
+    assert re.search(r"^scheduler lease\s+held by this server \(epoch \d+", text.stdout, re.M)
     assert "PROCESS" in text.stdout
     assert "router" in text.stdout
     assert "RUNNING" in text.stdout
@@ -122,6 +127,7 @@ def test_keys_never_reach_logs_or_config_show(standalone: Role) -> None:
 @pytest.mark.parametrize("service", SERVICES)
 def test_a_killed_service_is_back_within_seconds(standalone: Role, service: str) -> None:
     before = standalone.processes()[service]["pid"]
+    epoch = lease_of(standalone)["epoch"]
     os.kill(before, signal.SIGKILL)
 
     def back() -> bool:
@@ -135,6 +141,23 @@ def test_a_killed_service_is_back_within_seconds(standalone: Role, service: str)
     wait_for(back, timeout=15, what=f"{service} to be restarted")
     # It beats before its listener takes connections again.
     wait_for(standalone.healthy, timeout=15, what=f"{service} to serve again")
+    if service == "scheduler":
+        # The restarted scheduler is the same server's: it takes the lease over at once,
+        # under the next epoch, without waiting out its predecessor's.
+        taken = wait_for(
+            lambda: lease_of(standalone)["epoch"] > epoch, timeout=5, what="the next epoch"
+        )
+        assert taken
+
+
+def lease_of(role: Role) -> dict[str, Any]:
+    """The scheduler lease as `capyctl status` shows it, once a scheduler holds it."""
+
+    def held() -> dict[str, Any] | None:
+        lease: dict[str, Any] | None = role.status()["scheduler_lease"]
+        return lease
+
+    return wait_for(held, timeout=10, what="a scheduler to hold the lease")
 
 
 def test_a_killed_redis_restarts_and_keeps_what_was_written(standalone: Role) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -12,10 +13,12 @@ import redis
 from pydantic import BaseModel, ValidationError
 
 from capycommon.domain.hosts import Heartbeat
+from capycommon.domain.leader import Lease
 from capycommon.domain.memory import MemoryReading
 from capycommon.errors import RoleNotRunning
 from capycommon.paths import StatePaths
 from capycommon.state import heartbeats
+from capycommon.state.leader import server_name
 from capycommon.units import format_size
 from capyctl_cli import output, record, supervisor
 from capyctl_cli.record import RoleRecord
@@ -81,6 +84,16 @@ class HostMemory(BaseModel):
     ram: RamStatus | None
 
 
+class LeaseStatus(BaseModel):
+    """Which server's scheduler holds the scheduler lease, and since when."""
+
+    server: str
+    epoch: int
+    since: float
+    # Whether it is this role's own scheduler.
+    here: bool
+
+
 class StatusReport(BaseModel):
     role: str
     version: str
@@ -94,6 +107,8 @@ class StatusReport(BaseModel):
     redis_refuses_writes: str | None = None
     processes: list[ProcessStatus]
     hosts: list[HostMemory]
+    # None on a host (its user may not read it), or where nobody holds it.
+    scheduler_lease: LeaseStatus | None = None
 
 
 def collect(paths: StatePaths) -> StatusReport:
@@ -109,11 +124,11 @@ def collect(paths: StatePaths) -> StatusReport:
         infos = {info.name: info for info in supervisor.processes(paths.supervisor_socket)}
     except OSError:
         infos = {}
-    beats, workers, hosts, refusal = _observe(found)
+    seen = _observe(found)
     processes = []
     for name in found.processes:
         info = infos.get(name)
-        beat = beats.get(name)
+        beat = seen.beats.get(name)
         processes.append(
             ProcessStatus(
                 name=name,
@@ -123,7 +138,7 @@ def collect(paths: StatePaths) -> StatusReport:
                 heartbeat_age_s=round(heartbeats.age(beat), 1) if beat else None,
                 heartbeat_pid=beat.pid if beat else None,
                 version=beat.version if beat else None,
-                workers=[_worker(beat) for _, beat in sorted(workers.get(name, {}).items())],
+                workers=[_worker(beat) for _, beat in sorted(seen.workers.get(name, {}).items())],
             )
         )
     return StatusReport(
@@ -135,38 +150,56 @@ def collect(paths: StatePaths) -> StatusReport:
         document=found.document,
         listeners=found.listeners,
         redis=found.redis_url,
-        redis_refuses_writes=refusal,
+        redis_refuses_writes=seen.refusal,
         processes=processes,
-        hosts=hosts,
+        hosts=seen.hosts,
+        scheduler_lease=_lease(seen.lease, found.state_dir),
     )
 
 
 Beats = dict[str, Heartbeat]
 
 
-def _observe(
-    running: RoleRecord,
-) -> tuple[Beats, dict[str, Beats], list[HostMemory], str | None]:
-    """The services' heartbeats, their workers' (by service), the role's host's memory and
-    why Redis refuses writes if it does, read from the role's Redis."""
+@dataclass
+class Observed:
+    """What status reads of the role's Redis."""
+
+    beats: Beats = field(default_factory=dict)
+    # Each service's workers' heartbeats.
+    workers: dict[str, Beats] = field(default_factory=dict)
+    hosts: list[HostMemory] = field(default_factory=list)
+    # Why Redis refuses writes, if it does.
+    refusal: str | None = None
+    lease: Lease | None = None
+
+
+def _observe(running: RoleRecord) -> Observed:
+    """The services' heartbeats, their workers', the role's host's memory, why Redis refuses
+    writes if it does, and the scheduler lease, read from the role's Redis."""
     host = running.host
     readings: dict[str, MemoryReading | None] = {host: None} if host else {}
-    beats: Beats = {}
-    workers: dict[str, Beats] = {}
-    refusal: str | None = None
+    seen = Observed()
     try:
         with record.state_of(running, timeout=2) as state:
-            if running.role != "host":  # a host's own Redis user may not ask (INFO)
-                refusal = state(lambda s: s.persistence.save_failure())
-            beats = state(lambda s: s.heartbeats.of_services(host, running.processes))
-            workers = state(lambda s: _workers(s, WORKERS_OF.intersection(running.processes)))
+            if running.role != "host":  # a host's own Redis user may ask neither
+                seen.refusal = state(lambda s: s.persistence.save_failure())
+                seen.lease = state(lambda s: s.leader.current())
+            seen.beats = state(lambda s: s.heartbeats.of_services(host, running.processes))
+            seen.workers = state(lambda s: _workers(s, WORKERS_OF.intersection(running.processes)))
             if host:
                 readings[host] = state(lambda s: s.memory.reading(host))
     except (redis.RedisError, OSError, ValidationError):
         pass  # what could not be read shows as missing or unobserved
     now = time.time()
-    hosts = [host_memory(name, found, now) for name, found in readings.items()]
-    return beats, workers, hosts, refusal
+    seen.hosts = [host_memory(name, found, now) for name, found in readings.items()]
+    return seen
+
+
+def _lease(lease: Lease | None, state_dir: str) -> LeaseStatus | None:
+    if lease is None:
+        return None
+    here = lease.server == server_name(state_dir)
+    return LeaseStatus(server=lease.server, epoch=lease.epoch, since=lease.since, here=here)
 
 
 async def _workers(state: State, services: Iterable[str]) -> dict[str, Beats]:
@@ -215,6 +248,8 @@ def render(report: StatusReport) -> str:
     ]
     if report.redis_refuses_writes is not None:
         summary.append(("redis refuses writes", _refusal(report)))
+    if report.role != "host":
+        summary.append(("scheduler lease", _lease_line(report.scheduler_lease)))
     rows: list[tuple[object, ...]] = []
     for p in report.processes:
         rows.append((p.name, p.state, p.pid, output.duration(p.uptime_s), _heartbeat(p)))
@@ -227,6 +262,14 @@ def render(report: StatusReport) -> str:
     if report.hosts:
         text += "\n\n" + render_memory(report.hosts)
     return text
+
+
+def _lease_line(lease: LeaseStatus | None) -> str:
+    if lease is None:
+        return "held by none (a scheduler takes it within seconds of starting)"
+    whose = "this server" if lease.here else lease.server
+    age = output.duration(time.time() - lease.since)
+    return f"held by {whose} (epoch {lease.epoch}, for {age})"
 
 
 def _refusal(report: StatusReport) -> str:

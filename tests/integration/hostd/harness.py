@@ -18,7 +18,7 @@ from capycommon.domain.commands import Abort, Launch, Park, Stop, Wake
 from capycommon.domain.hosts import EngineLoad
 from capycommon.domain.instances import InstanceRecord
 from capycommon.engines import detect, registry
-from capycommon.state import keys
+from capycommon.state import hostcommands, keys
 from capycommon.state.stores import Blocking, State
 from capyctl_hostd.ports import is_free
 from enginesim.behaviour import Behaviour
@@ -121,8 +121,9 @@ class Hostd:
                 proc.terminate()
                 proc.wait(timeout=20)
 
-    def send(self, command: Launch | Park | Wake | Stop | Abort) -> None:
-        self.client.xadd(keys.host_commands(HOST), {"command": command.model_dump_json()})
+    def send(self, command: Launch | Park | Wake | Stop | Abort, epoch: int | None = None) -> None:
+        """Send a command as a scheduler does, with the epoch of its lease if it holds one."""
+        self.client.xadd(keys.host_commands(HOST), hostcommands.fields_of(command, epoch))
 
     def record(self, deployment: str, index: int = 0) -> InstanceRecord | None:
         raw = cast(bytes | None, self.client.get(keys.instance(HOST, deployment, index)))

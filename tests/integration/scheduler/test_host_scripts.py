@@ -207,3 +207,32 @@ def test_a_host_that_joined_under_an_older_release_loses_scripting_at_the_next_s
     assert host.set("capyctl:host:c:x", "kept: its password and keys") is True
     with pytest.raises(NoPermissionError):
         host.set("capyctl:host:a:x", "not its key")
+
+
+def test_a_host_reads_the_schedulers_epoch_and_nothing_else_of_the_lease(
+    server: ServerRedis,
+) -> None:
+    server.control().set(keys.scheduler_epoch(), 4)
+    host = server.host("a")
+    assert host.get(keys.scheduler_epoch()) == b"4"
+    with pytest.raises(NoPermissionError):
+        host.set(keys.scheduler_epoch(), 9)
+    with pytest.raises(NoPermissionError):
+        host.get(keys.scheduler_lease())
+
+
+def test_a_host_that_joined_before_the_lease_reads_its_epoch_after_the_next_start(
+    server: ServerRedis,
+) -> None:
+    control = server.control()
+    control.set(keys.scheduler_epoch(), 4)
+    epoch_rule = f"%R~{keys.scheduler_epoch()}"
+    older = [rule for rule in acl.host_rules("c", server.password("c")) if rule != epoch_rule]
+    send(control, "ACL", "SETUSER", acl.host_user("c"), *older)
+    with pytest.raises(NoPermissionError):
+        server.host("c").get(keys.scheduler_epoch())
+    send(control, "ACL", "SAVE")
+    saved = server.paths.redis_users.read_text()
+    server.paths.redis_users.write_text(acl.acl_file(PASSWORD, acl.host_lines(saved)))
+    send(control, "ACL", "LOAD")
+    assert server.host("c").get(keys.scheduler_epoch()) == b"4"

@@ -14,14 +14,14 @@ import asyncio
 import contextlib
 import logging
 
-from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
-from capycommon.domain.commands import Describe, Pull, Remove, TailLog
+from capycommon.domain.commands import Describe, HostCommand, Pull, Remove, TailLog
 from capycommon.service import REDIS_ERRORS, unless_stopped, wait_event
 from capycommon.state import hostcommands
 from capycommon.state.streams import Entry, Fields, Reader
 from capycommon.tasks import cancel_and_wait
+from capyctl_hostd.fence import Fence
 from capyctl_hostd.modelfacts import Shelf
 from capyctl_hostd.runner import Runner
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
     reader = Reader(runner.state.commands.group(runner.host))
+    fence = Fence(runner.state, runner.host)
     tasks: set[asyncio.Task[None]] = set()
     grouped = False
     try:
@@ -38,7 +39,7 @@ async def consume(runner: Runner, shelf: Shelf, stop: asyncio.Event) -> None:
                 grouped = await _grouped(reader, stop)
                 continue
             for entry_id, fields in await _read(reader, stop):
-                task = asyncio.create_task(_run(runner, shelf, reader, entry_id, fields))
+                task = asyncio.create_task(_run(runner, shelf, fence, reader, entry_id, fields))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
     finally:
@@ -77,25 +78,18 @@ async def _grouped(reader: Reader, stop: asyncio.Event) -> bool:
     return True
 
 
-async def _run(runner: Runner, shelf: Shelf, reader: Reader, entry_id: str, fields: Fields) -> None:
+async def _run(
+    runner: Runner, shelf: Shelf, fence: Fence, reader: Reader, entry_id: str, fields: Fields
+) -> None:
     try:
         command = hostcommands.parse(fields[hostcommands.FIELD.encode()])
-    except (KeyError, TypeError, ValidationError) as exc:  # TypeError: trimmed (no fields)
+        epoch = hostcommands.epoch_of(fields)
+    except (KeyError, TypeError, ValueError) as exc:  # TypeError: trimmed (no fields)
         log.error("dropping a malformed command %s: %s", entry_id, exc)
     else:
         try:
-            if isinstance(command, Describe):
-                await shelf.describe(command)
-            elif isinstance(command, Pull):
-                await runner.models.pull(command)
-                await shelf.refresh()
-            elif isinstance(command, Remove):
-                await runner.models.remove(command)
-                await shelf.refresh()
-            elif isinstance(command, TailLog):
-                await runner.tail_log(command)
-            else:
-                await runner.handle(command)
+            if await fence.admit(command, epoch):
+                await _carry_out(runner, shelf, command)
         except REDIS_ERRORS as exc:
             # Left unacknowledged: a restarted hostd reads it again.
             log.warning("command %s interrupted by Redis: %s", entry_id, exc)
@@ -105,3 +99,18 @@ async def _run(runner: Runner, shelf: Shelf, reader: Reader, entry_id: str, fiel
             log.exception("command %s failed", entry_id)
     with contextlib.suppress(*REDIS_ERRORS):
         await reader.ack(entry_id)
+
+
+async def _carry_out(runner: Runner, shelf: Shelf, command: HostCommand) -> None:
+    if isinstance(command, Describe):
+        await shelf.describe(command)
+    elif isinstance(command, Pull):
+        await runner.models.pull(command)
+        await shelf.refresh()
+    elif isinstance(command, Remove):
+        await runner.models.remove(command)
+        await shelf.refresh()
+    elif isinstance(command, TailLog):
+        await runner.tail_log(command)
+    else:
+        await runner.handle(command)

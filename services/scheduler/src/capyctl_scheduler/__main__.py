@@ -10,10 +10,12 @@ from capycommon.httpserve import serve_http
 from capycommon.service import ServiceContext, run
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.settingvalues import idle_seconds
+from capycommon.state.leader import server_name
 from capycommon.version import __version__
 from capyctl_scheduler.app import create_app
 from capyctl_scheduler.enroll import Enrollment, bootstrap_app
 from capyctl_scheduler.hostquota import HostQuota
+from capyctl_scheduler.leadership import Leadership
 from capyctl_scheduler.ledger import Limits
 from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.manage import Manager
@@ -42,12 +44,15 @@ def scheduler_for(ctx: ServiceContext) -> Scheduler:
         system_limits=Limits(**memory.system.model_dump()),
         gpu_limits=Limits(**memory.gpu.model_dump()),
     )
-    return Scheduler(ctx.state, observer)
+    leadership = Leadership(ctx.state.leader, server_name(ctx.paths.root))
+    return Scheduler(ctx.state, observer, leadership=leadership)
 
 
 async def serve(ctx: ServiceContext) -> None:
     assert isinstance(ctx.settings, StandaloneSettings | ServerSettings)
     scheduler = scheduler_for(ctx)
+    leadership = scheduler.leadership
+    assert leadership is not None
     for host in scheduler.observer.hosts:
         await ctx.state.host_info.join(host)
     enrollment = None
@@ -56,12 +61,15 @@ async def serve(ctx: ServiceContext) -> None:
     if isinstance(ctx.settings, ServerSettings):
         enrollment = Enrollment(ctx.state, ctx.paths, ctx.settings)
         quota = ctx.settings.enrollment.host_quota_bytes
-        work.append(HostQuota(ctx.state, enrollment, quota).watch(ctx.stop))
+        # Only the leader cuts off hosts and signs renewals: two signers would each issue a
+        # certificate for one request.
+        quotas = HostQuota(ctx.state, enrollment, quota)
+        work.append(leadership.during(quotas.watch, ctx.stop))
         await ctx.state.identities.set_server_version(__version__)
         tls = (ctx.paths.server_certificate, ctx.paths.server_key)
         bootstrap = ctx.settings.enrollment.bootstrap_bind
         work.append(serve_http(bootstrap_app(enrollment), bootstrap, ctx.stop, tls=tls))
-        work.append(enrollment.watch_renewals(ctx.stop))
+        work.append(leadership.during(enrollment.watch_renewals, ctx.stop))
     app = create_app(credentials.load(ctx.paths.credentials), Manager(scheduler), enrollment)
     management = ctx.settings.server.listeners.management.bind
     await asyncio.gather(serve_http(app, management, ctx.stop), *work)

@@ -47,6 +47,9 @@ AckDemands = Callable[[str], Coroutine[Any, Any, None]]
 class Actuator:
     state: State
     ack_demands: AckDemands
+    # The fencing epoch of the lease this scheduler holds, sent with each instance command
+    # (None: no lease, as in the tests that plan without one).
+    epoch: int | None = None
     # Orphan stops already sent: member@host -> when (a stop is not repeated every tick).
     _orphan_stops: dict[str, float] = field(default_factory=dict)
 
@@ -139,7 +142,7 @@ class Actuator:
         command = hc.Stop(
             deployment=action.deployment, generation=action.generation, reason=action.reason
         )
-        await self.state.commands.send(action.host, command)
+        await self.state.commands.send(action.host, command, self.epoch)
         await self._event(action)
 
     async def _drain(self, snapshot: Snapshot, record: DeploymentRecord, action: Action) -> None:
@@ -343,7 +346,9 @@ class Actuator:
     ) -> None:
         """The record with its effect in flight and the command, in one transaction."""
         sending = _with_operation(record, action).model_copy(update={"inflight": inflight})
-        await self.state.deployments.send(sending, _choice_json(action), action.host, command)
+        await self.state.deployments.send(
+            sending, _choice_json(action), action.host, command, self.epoch
+        )
         log.info("%s %s on %s: %s", action.kind, record.name, action.host, action.reason)
 
     async def _send_from_instance(

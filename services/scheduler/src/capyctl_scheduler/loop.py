@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 from pydantic import ValidationError
@@ -31,6 +32,7 @@ from capycommon.tasks import beside, cancel_and_wait
 from capyctl_scheduler.actuator import Actuator
 from capyctl_scheduler.changes import Changes
 from capyctl_scheduler.charges import gpu_memory
+from capyctl_scheduler.leadership import RENEW_S, Leadership
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Snapshot
@@ -180,12 +182,36 @@ class Scheduler:
     gpu_memory: GpuMemory | None = None
     # The notifications heard, for the status page's live updates.
     changes: Changes = field(default_factory=Changes)
+    # The scheduler lease: only its holder plans (None: this scheduler plans alone, as in
+    # tests of the plan).
+    leadership: Leadership | None = None
+    # The epoch of the lease this scheduler's current term began under.
+    _term: int | None = None
 
     def __post_init__(self) -> None:
+        self._hosts_changed = asyncio.Event()
+        self._begin_term(None)
+
+    def _begin_term(self, epoch: int | None) -> None:
+        """Start planning from Redis alone: the demands a previous leader read and left
+        unacknowledged are read again, and nothing of an earlier term is remembered."""
+        self._term = epoch
         self.demands = Demands(self.state)
         self.refusals = Refusals(self.state, sorted(self.observer.hosts))
-        self.actuator = Actuator(self.state, self.demands.ack)
-        self._hosts_changed = asyncio.Event()
+        self.actuator = Actuator(self.state, self.demands.ack, epoch)
+        self.gpu_memory = None
+
+    def leads(self) -> bool:
+        """Whether this scheduler plans now: it holds the lease (or runs without one); a
+        lease taken anew begins a term."""
+        lead = self.leadership
+        if lead is None:
+            return True
+        if not lead.held:
+            return False
+        if lead.epoch != self._term:
+            self._begin_term(lead.epoch)
+        return True
 
     async def tick(self) -> Snapshot:
         # Independent reads, sent together: a wake or a switch waits on several ticks.
@@ -202,6 +228,8 @@ class Scheduler:
             snapshot.deployments, snapshot.now, snapshot.tunables.demand_deadline_s
         )
         actions = plan(snapshot)
+        if self.leadership is not None and not self.leadership.held:
+            return snapshot  # the lease ran out while this tick read and planned
         await self.actuator.apply(snapshot, actions)
         self.last = snapshot
         summary = gpu_memory(snapshot)
@@ -224,8 +252,14 @@ class Scheduler:
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
-            async with beside(self._listen(stop), "the scheduler's notifications"):
+            async with (
+                beside(self._listen(stop), "the scheduler's notifications"),
+                self._leading(stop),
+            ):
                 while not stop.is_set():
+                    if not self.leads():
+                        await self._follow(stop)
+                        continue
                     try:
                         await self.tick()
                     except REDIS_ERRORS as exc:
@@ -240,6 +274,17 @@ class Scheduler:
                     self.wake.clear()
         finally:
             self.changes.close()
+
+    def _leading(self, stop: asyncio.Event) -> AbstractAsyncContextManager[object]:
+        if self.leadership is None:
+            return nullcontext()
+        return beside(self.leadership.run(stop), "the scheduler lease")
+
+    async def _follow(self, stop: asyncio.Event) -> None:
+        """Wait while another scheduler leads, until this one takes the lease."""
+        assert self.leadership is not None
+        await wait_any(self.leadership.changed, stop, timeout=RENEW_S)
+        self.leadership.changed.clear()
 
     async def _listen(self, stop: asyncio.Event) -> None:
         """Every notification of the control plane or of a host wakes the loop; the

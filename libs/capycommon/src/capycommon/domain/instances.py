@@ -139,11 +139,12 @@ class InstanceRecord(Strict):
 class Event(Strict):
     """One thing that happened to an instance, with why and how long it took."""
 
-    # transition: a record changed state; refused: a command hostd would not carry out;
-    # uncounted: an engine no record counted (Redis lost it) was stopped; download: a model
-    # download from the Hub ended (for a launch of `deployment`, or for a pull when that is
-    # empty).
-    kind: Literal["transition", "refused", "uncounted", "download"]
+    # transition: a record changed state; refused: a command hostd would not carry out; fenced: a
+    # command from a scheduler that had lost its lease, refused (apart from `refused`, which
+    # answers the current leader's effects); uncounted: an engine no record counted (Redis lost
+    # it) was stopped; download: a model download from the Hub ended (for a launch of
+    # `deployment`, or for a pull when that is empty).
+    kind: Literal["transition", "refused", "fenced", "uncounted", "download"]
     host: str
     deployment: str
     instance: int

@@ -1,15 +1,17 @@
-"""The server Redis's users: the control plane's own, and one per joined host limited to
-its host's prefix.
+"""The server Redis's users: the control plane's own, and one per joined host limited to its
+host's prefix.
 
 A host's hostd and memwatch write only under `capyctl:host:<name>:`, read their command
-stream there, and announce on their own channels; the one key they read outside it is the
-server's version. So a host's user may touch exactly that prefix, read that one key, and
-run only the commands hostd and memwatch send. Nothing else: no other host's keys, no
-desired state, no key names of others (no SCAN, KEYS, RANDOMKEY), no server commands (no
-CONFIG, ACL, CLIENT LIST, MONITOR, FLUSHALL), and no scripts of its own (no EVAL, EVALSHA,
-SCRIPT, FUNCTION LOAD/DELETE/FLUSH): a script holds the whole server while it runs. A host
-calls the control plane's functions (`functions`, FCALL) instead, whose keys Redis checks
-against the host's patterns as it checks a command's.
+stream there, and announce on their own channels; the keys they read outside it are the
+server's version and the scheduler's fencing epoch (to refuse a command from a scheduler
+that lost its lease, `capycommon.state.leader`). So a host's user may touch exactly that
+prefix, read those two keys, and run only the commands hostd and memwatch send. Nothing
+else: no other host's keys, no desired state, no key names of others (no SCAN, KEYS,
+RANDOMKEY), no server commands (no CONFIG, ACL, CLIENT LIST, MONITOR, FLUSHALL), and no
+scripts of its own (no EVAL, EVALSHA, SCRIPT, FUNCTION LOAD/DELETE/FLUSH): a script holds
+the whole server while it runs. A host calls the control plane's functions (`functions`,
+FCALL) instead, whose keys Redis checks against the host's patterns as it checks a
+command's.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ HOST_COMMANDS = (
 )
 
 
+# What a host may read outside its prefix.
+READABLE = (f"%R~{keys.server_version()}", f"%R~{keys.scheduler_epoch()}")
+
+
 def host_user(host: str) -> str:
     return f"{HOST_USER_PREFIX}{host}"
 
@@ -96,7 +102,7 @@ def host_rules(host: str, password: str) -> list[str]:
         "on",
         f">{password}",
         f"~{prefix}:*",
-        f"%R~{keys.server_version()}",
+        *READABLE,
         f"&{prefix}:*",
         "-@all",
         *(f"+{command}" for command in HOST_COMMANDS),
@@ -124,19 +130,22 @@ def acl_file(control_password: str, kept_lines: list[str]) -> str:
 
 def host_lines(text: str) -> list[str]:
     """The host users' lines of an ACL file Redis saved, each with the commands a host may
-    run now (HOST_COMMANDS), whatever it was saved with: a host that joined under an older
-    release loses what hosts no longer have (EVAL, SCRIPT LOAD) at the server's next start.
-    Its password, keys and channels stay as saved."""
+    run now (HOST_COMMANDS) and the keys it may read outside its prefix now (READABLE),
+    whatever it was saved with: a host that joined under an older release loses what hosts
+    no longer have (EVAL, SCRIPT LOAD) and gains what they have since, at the server's next
+    start. Its password, keys and channels stay as saved."""
     return [
-        current_commands(line.strip())
+        current_rights(line.strip())
         for line in text.splitlines()
         if line.strip().startswith(f"user {HOST_USER_PREFIX}")
     ]
 
 
-def current_commands(line: str) -> str:
-    """A saved user line with its command rules (`+...`, `-...`) replaced by HOST_COMMANDS."""
+def current_rights(line: str) -> str:
+    """A saved user line with its command rules (`+...`, `-...`) replaced by HOST_COMMANDS,
+    and each READABLE pattern it lacks added."""
     kept = [word for word in line.split() if not word.startswith(("+", "-"))]
+    kept += [pattern for pattern in READABLE if pattern not in kept]
     return " ".join([*kept, "-@all", *(f"+{command}" for command in HOST_COMMANDS)])
 
 

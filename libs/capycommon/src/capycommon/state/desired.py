@@ -55,11 +55,17 @@ class DeploymentStore:
         return await self._write(record, choice, None)
 
     async def send(
-        self, record: DeploymentRecord, choice: str, host: str, command: HostCommand
+        self,
+        record: DeploymentRecord,
+        choice: str,
+        host: str,
+        command: HostCommand,
+        epoch: int | None = None,
     ) -> DeploymentRecord:
-        """As `put`, and send `command` to `host`, all in one transaction: the record with its
-        effect in flight never stands without the command, nor the command without it."""
-        return await self._write(record, choice, (host, command))
+        """As `put`, and send `command` to `host` with the sender's fencing epoch, all in one
+        transaction: the record with its effect in flight never stands without the command,
+        nor the command without it."""
+        return await self._write(record, choice, (host, command, epoch))
 
     async def chose(self, choice: str) -> None:
         """Append a choice that changed no record to the choice stream."""
@@ -69,7 +75,7 @@ class DeploymentStore:
         self,
         record: DeploymentRecord,
         choice: str | None,
-        command: tuple[str, HostCommand] | None,
+        command: tuple[str, HostCommand, int | None] | None,
     ) -> DeploymentRecord:
         written = record.model_copy(update={"version": record.version + 1})
         note = Notification(kind="deployment", id=record.name, version=written.version)
@@ -77,10 +83,10 @@ class DeploymentStore:
             pipe.set(keys.deployment(record.name), written.model_dump_json())
             pipe.sadd(keys.deployments(), record.name)
             if command is not None:
-                host, sent = command
+                host, sent, epoch = command
                 pipe.xadd(
                     keys.host_commands(host),
-                    {hostcommands.FIELD: hostcommands.encode(sent)},
+                    hostcommands.fields_of(sent, epoch),
                     maxlen=hostcommands.KEEP,
                     approximate=True,
                 )

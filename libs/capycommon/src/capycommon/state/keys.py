@@ -244,6 +244,17 @@ def refusals() -> str:
     return f"{PREFIX}:refusals"
 
 
+def scheduler_lease() -> str:
+    """The scheduler lease (`capycommon.domain.leader.Lease`), expiring unless renewed."""
+    return f"{PREFIX}:scheduler-lease"
+
+
+def scheduler_epoch() -> str:
+    """The fencing epoch of the latest lease: it only grows. Hosts may read it (and nothing
+    else outside their prefix but the server's version) to refuse a deposed leader."""
+    return f"{PREFIX}:scheduler-epoch"
+
+
 def drained_hosts() -> str:
     """Hosts an operator drained: nothing new is placed there until undrained."""
     return f"{PREFIX}:drained-hosts"

@@ -180,6 +180,10 @@ class InstanceStore:
         """Record a command hostd would not carry out."""
         await self._note("refused", deployment, index, generation, reason)
 
+    async def fenced(self, deployment: str, index: int, generation: int, reason: str) -> None:
+        """Record a command refused for its scheduler's lost lease."""
+        await self._note("fenced", deployment, index, generation, reason)
+
     async def uncounted(self, deployment: str, index: int, generation: int, reason: str) -> None:
         """Record an engine stopped because no instance record counted it (no record is
         written: the record is what Redis lost)."""
@@ -187,7 +191,7 @@ class InstanceStore:
 
     async def _note(
         self,
-        kind: Literal["refused", "uncounted"],
+        kind: Literal["refused", "fenced", "uncounted"],
         deployment: str,
         index: int,
         generation: int,

@@ -27,6 +27,7 @@ from capycommon.state.hostkeys import HostKeyStore
 from capycommon.state.hostmarks import HostMarkStore
 from capycommon.state.idempotency import Answers
 from capycommon.state.identities import IdentityStore
+from capycommon.state.leader import LeaderStore
 from capycommon.state.load import LoadStore
 from capycommon.state.memory import MemoryStore
 from capycommon.state.pagesessions import PageSessions
@@ -69,6 +70,11 @@ class State:
     def commands(self) -> HostCommandStore:
         """Each host's command stream."""
         return HostCommandStore(self.client)
+
+    @cached_property
+    def leader(self) -> LeaderStore:
+        """The scheduler lease and its fencing epoch."""
+        return LeaderStore(self.client)
 
     @cached_property
     def demands(self) -> DemandStore:

@@ -274,8 +274,9 @@ def timeline(events: Sequence[Event], choices: Sequence[Choice] = ()) -> tuple[M
 
 
 def _moment(event: Event) -> Moment | None:
-    if event.kind == "refused":
-        what, failed = "refused", True
+    what: str
+    if event.kind in ("refused", "fenced"):
+        what, failed = event.kind, True
     elif event.kind == "transition" and event.to_state in MOMENTS:
         what, failed = MOMENTS[event.to_state], event.to_state == "failed"
     else:
