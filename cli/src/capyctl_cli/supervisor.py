@@ -104,10 +104,15 @@ class ProcessInfo:
 
 
 def processes(socket_path: Path, timeout: float = 5.0) -> list[ProcessInfo]:
-    """What supervisord says of each process it runs."""
+    """What supervisord says of each process it runs. A supervisord that cannot say, because
+    it is not listening or because it is shutting down (its SHUTDOWN_STATE fault), raises
+    OSError alike: the callers ask again, or show the processes as unknown."""
     transport = _UnixTransport(socket_path, timeout)
     with xmlrpc.client.ServerProxy("http://localhost", transport=transport) as proxy:
-        infos = cast(list[dict[str, Any]], proxy.supervisor.getAllProcessInfo())
+        try:
+            infos = cast(list[dict[str, Any]], proxy.supervisor.getAllProcessInfo())
+        except xmlrpc.client.Fault as exc:
+            raise ConnectionError(f"supervisord answered {exc.faultString}") from None
     now = time.time()
     result = []
     for info in infos:
