@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from capyctl_cli.launcher import REDIS_START_RETRIES
+from capyctl_cli.programs import REDIS_START_RETRIES
 from ports import free_port
 from support import CAPYCTL, processes_mentioning, short_dir, start_role, wait_for
 

@@ -52,7 +52,31 @@ def reserved_port(host: str = "127.0.0.1") -> socket.socket:
     process's bind to port 0 with SO_REUSEADDR (asyncio's and uvicorn's servers set it) be
     given the same port and listen on it first. Each port is taken only after an exclusive
     bind shows nothing holds it, lingering connections of an earlier test included."""
-    port = _unheld(host)
+    return _hold(host, _unheld(host))
+
+
+def reserved_everywhere(hosts: tuple[str, ...]) -> list[socket.socket]:
+    """One port held on each of `hosts`, the same port on all (as `reserved_port` holds
+    it): for processes on several loopback addresses that share a port number, as
+    replicated servers do. Close the sockets once the processes are gone."""
+    for _ in range(100):
+        port = _unheld(hosts[0])
+        if not all(_free(host, port) for host in hosts[1:]):
+            continue
+        return [_hold(host, port) for host in hosts]
+    raise AssertionError(f"no port of this block is free on all of {hosts}")
+
+
+def _free(host: str, port: int) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+    except OSError:
+        return False
+    return True
+
+
+def _hold(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

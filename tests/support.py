@@ -304,7 +304,8 @@ class Role:
         for proc in report.processes:
             if proc.state != "RUNNING":
                 return False
-            if proc.name != "redis" and proc.heartbeat_pid != proc.pid:
+            # Redis and a replicated server's Sentinel are not ours: they send no heartbeat.
+            if proc.name not in ("redis", "sentinel") and proc.heartbeat_pid != proc.pid:
                 return False
         # A service beats before its listeners take connections: the API must answer too.
         listeners = (self.inference, self.management) if self.role != "host" else ()

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from capycommon.errors import DiskFull, HfIntegrity
 from capycommon.hub import HubSource, StorePaths, read_manifest
+from capycommon.hub.errors import DiskFull, HfIntegrity
 from capycommon.hub.integrity import git_blob_sha1
 from capycommon.hub.store import (
     MAX_NAME_BYTES,

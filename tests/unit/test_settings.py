@@ -212,6 +212,8 @@ def test_every_setting_comes_from_yaml_a_flag_or_a_variable(tmp_path: Path, role
         # A server takes host settings only with an embedded host.
         embedded = {"CAPYCTL_EMBEDDED_HOST": "on"} if role == "server" else {}
         env = embedded if spec.path.startswith("host.") and spec.path != "host.embedded" else {}
+        # Replication takes this server's address and its peers' together.
+        env |= REPLICATION_PAIRS.get(spec.path, {})
         doc = tmp_path / f"{spec.path}.yaml"
         doc.write_text(_yaml_for(spec.path, spec.example))
         from_yaml = _row(load_settings(role, document=doc, env=env), spec.path)
@@ -223,6 +225,12 @@ def test_every_setting_comes_from_yaml_a_flag_or_a_variable(tmp_path: Path, role
         for name in spec.flags:
             loaded = load_settings(role, document=doc, env=env, flags={name: spec.example})
             assert _row(loaded, spec.path) == (from_yaml[0], "flag", name)
+
+
+REPLICATION_PAIRS = {
+    "replication.advertise": {"CAPYCTL_REPLICATION_PEERS": "10.0.0.12"},
+    "replication.peers": {"CAPYCTL_REPLICATION_ADVERTISE": "10.0.0.11"},
+}
 
 
 def test_names_are_derived_and_unique() -> None:
@@ -240,9 +248,11 @@ def test_names_are_derived_and_unique() -> None:
     assert len(variables) == len(set(variables))
     assert not {"--state-dir", "--config", "--json", "--debug", "--role"} & set(flags)
     assert not {"CAPYCTL_STATE_DIR", "CAPYCTL_CONFIG"} & set(variables)
-    # The standalone role has every setting but the server's enrollment of remote hosts, its
-    # switch for an embedded host, and a joined host's ingress.
-    enrollment = {path for path in setting_specs("server") if path.startswith("enrollment.")}
+    # The standalone role has every setting but the server's enrollment of remote hosts and
+    # its replication, its switch for an embedded host, and a joined host's ingress.
+    enrollment = {
+        path for path in setting_specs("server") if path.startswith(("enrollment.", "replication."))
+    }
     ingress = {path for path in setting_specs("host") if path.startswith("host.ingress.")}
     assert ingress == {"host.ingress.bind", "host.ingress.address"}
     assert set(setting_specs("server")) | set(setting_specs("host")) == (

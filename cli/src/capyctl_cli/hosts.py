@@ -186,6 +186,7 @@ def join(paths: StatePaths, join: joinfile.JoinFile, *, recover: bool) -> joined
         redis_user=answer.redis_user,
         redis_password=answer.redis_password,
         joined_at=time.time(),
+        topology=answer.topology,
     )
     joined_file.write(paths, found)
     return found

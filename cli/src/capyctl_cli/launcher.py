@@ -25,25 +25,28 @@ from typing import IO
 
 import redis
 
-from capycommon.errors import CapyError, ToolchainMissing
+from capycommon.errors import CapyError
 from capycommon.httpserve import bind
 from capycommon.paths import StatePaths, write_atomic
 from capycommon.redistarget import RedisTarget, control_target, target_for
-from capycommon.service import HOST_FINAL_EXITS
-from capycommon.settings import HostSettings, Role, ServerSettings, host_name, setting_specs
+from capycommon.settings import (
+    HostSettings,
+    Role,
+    ServerSettings,
+    host_name,
+    server_tag,
+    setting_specs,
+)
 from capycommon.units import format_size
 from capycommon.version import __version__
-from capyctl_cli import aofrepair, record, redisconf, stateversion, supervisor
+from capyctl_cli import aofrepair, programs, record, stateversion, supervisor
 from capyctl_cli.rolelock import acquire_lock
-from capyctl_cli.roles import Prepared, service_command
+from capyctl_cli.roles import Prepared
 from capyctl_cli.wakeups import Wake, drain, inotify
 
 log = logging.getLogger("capyctl.launcher")
 
 STOP_DEADLINE_S = 30.0
-# Redis that exits at once this many times in a row cannot start (its data, most often):
-# supervisord's count, a backstop to the launcher's own (REDIS_FAILED_STARTS).
-REDIS_START_RETRIES = 3
 # Redis whose starts fail this many times in a row, none loading its data, cannot start. One
 # failure is not enough: a record cut short at the end of an earlier incremental file makes
 # Redis cut it and exit, and its next start loads.
@@ -76,30 +79,6 @@ def child_environment(prepared: Prepared, env: Mapping[str, str]) -> dict[str, s
     return child
 
 
-def programs(role: Role, prepared: Prepared) -> list[supervisor.Program]:
-    result = []
-    for name in prepared.processes:
-        if name == "redis":
-            server = shutil.which("redis-server")
-            if server is None:
-                raise ToolchainMissing(
-                    "redis-server is not installed; run `sudo apt-get install -y redis-server` "
-                    "(or scripts/setup as root)"
-                )
-            refusal = aofrepair.unlisted_data(prepared.paths)
-            if refusal is not None:
-                raise refusal
-            conf = redisconf.render(prepared.paths, prepared.control)
-            write_atomic(prepared.paths.redis_conf, conf)
-            argv = [server, str(prepared.paths.redis_conf)]
-            result.append(supervisor.Program("redis", argv, 10, 10, REDIS_START_RETRIES))
-        else:
-            final = HOST_FINAL_EXITS if role == "host" else ()
-            argv = service_command(name, role, prepared)
-            result.append(supervisor.Program(name, argv, 20, 8, final_exits=final))
-    return result
-
-
 def check_listeners(prepared: Prepared) -> list[str]:
     """Refuse to start when a listener's port is taken; returns the listen addresses."""
     settings = prepared.loaded.settings
@@ -111,6 +90,9 @@ def check_listeners(prepared: Prepared) -> list[str]:
     ]
     if isinstance(settings, ServerSettings):
         addresses += [settings.enrollment.control_bind, settings.enrollment.bootstrap_bind]
+        if settings.replication.enabled:  # its Sentinel, where its Redis's TLS port binds
+            bind_host = settings.enrollment.control_bind.rpartition(":")[0]
+            addresses.append(f"{bind_host}:{settings.replication.sentinel_port}")
     for address in addresses:
         bind(address).close()
     return addresses
@@ -125,7 +107,7 @@ def run(role: Role, prepared: Prepared, lock_fd: int, env: Mapping[str, str]) ->
     """Run the role until SIGTERM or Ctrl-C; returns the exit code."""
     paths = prepared.paths
     check_listeners(prepared)
-    progs = programs(role, prepared)
+    progs = programs.programs(role, prepared)
     write_atomic(paths.supervisord_conf, supervisor.render(role, paths, progs))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -384,6 +366,7 @@ def _write_record(role: Role, prepared: Prepared, supervisord_pid: int) -> None:
             redis_url=target_for(settings, prepared.paths).url,
             host=host_name(settings),
             listeners=listeners,
+            server=server_tag(settings),
         ),
     )
 

@@ -29,6 +29,13 @@ start_app = typer.Typer(
         }
     ),
 )
+invite_app = typer.Typer(
+    help="Invite a host, or another server, to join this server.",
+    no_args_is_help=True,
+    cls=lazy_group(
+        {"host": one(f"{HOSTS}:invite_app"), "server": one("capyctl_cli.peers:invite_app")}
+    ),
+)
 status_app = typer.Typer(
     help="Show the running role, or one deployment.",
     cls=lazy_group(
@@ -59,7 +66,7 @@ app = typer.Typer(
             "undrain": Lazy(f"{DEPLOYMENTS}:undrain_app"),
             "status": Lazy("capyctl_cli.main:status_app"),
             "logs": Lazy(f"{DEPLOYMENTS}:logs_app"),
-            "invite": Lazy(f"{HOSTS}:invite_app"),
+            "invite": Lazy("capyctl_cli.main:invite_app"),
             "join": Lazy(f"{HOSTS}:join_app"),
             "revoke": Lazy(f"{HOSTS}:revoke_app"),
             "install": Lazy("capyctl_cli.install:install_app"),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from capycommon.paths import StatePaths
+from capycommon.replication import REPLICA_USER
 from capycommon.settingvalues import split_address
 
 
@@ -17,7 +18,36 @@ class ControlPort:
     authority: str
 
 
-def render(paths: StatePaths, control: ControlPort | None = None) -> str:
+@dataclass(frozen=True)
+class Replica:
+    """A replicated server's Redis: where its peers dial it, the replica user's password it
+    logs in to a primary with, and the primary it follows (None: it is the primary)."""
+
+    advertise: str
+    port: int
+    password: str = field(repr=False)
+    primary: str | None
+
+    def lines(self) -> list[str]:
+        """Every replicated Redis logs in to a primary, over TLS with its own certificate
+        (`tls-cert-file` is also a TLS client's), as the replica user: a primary too, as
+        Sentinel may make it a replica. It tells the primary the address and TLS port its
+        peers reach it at, which the Sentinels then learn from the primary."""
+        lines = [
+            "tls-replication yes",
+            f"masteruser {REPLICA_USER}",
+            f"masterauth {self.password}",
+            f"replica-announce-ip {self.advertise}",
+            f"replica-announce-port {self.port}",
+        ]
+        if self.primary is not None:
+            lines.append(f"replicaof {self.primary} {self.port}")
+        return lines
+
+
+def render(
+    paths: StatePaths, control: ControlPort | None = None, replica: Replica | None = None
+) -> str:
     """Unix socket only (no TCP port), owner-only, AOF with fsync every second. Its
     background work runs twice a second, not ten times: a quiet role's Redis woke ten times
     a second to find nothing to do (keys with a time to live still expire when read).
@@ -33,7 +63,12 @@ def render(paths: StatePaths, control: ControlPort | None = None) -> str:
     bigger value is refused and the connection that sent it closed.
 
     A server's Redis also listens on its TLS port, where only a client certificate signed
-    by the server's authority gets through, and takes its users from its ACL file."""
+    by the server's authority gets through, and takes its users from its ACL file; among
+    replicated servers, it replicates the primary or is it (`Replica`).
+
+    Sentinel rewrites this file when it makes this Redis a replica or the primary (CONFIG
+    REWRITE), so a Redis that supervisord restarts keeps its role; the launcher writes it
+    anew at each start, following the primary the Sentinels name then."""
     lines = [
         "# Written by capyctl at each start; edits are overwritten.",
         "port 0",
@@ -63,4 +98,6 @@ def render(paths: StatePaths, control: ControlPort | None = None) -> str:
             'tls-protocols "TLSv1.2 TLSv1.3"',
             f"aclfile {paths.redis_users}",
         ]
+    if replica is not None:
+        lines += replica.lines()
     return "\n".join(lines) + "\n"

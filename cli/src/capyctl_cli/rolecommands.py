@@ -10,13 +10,14 @@ from typing import Annotated, Any
 
 import typer
 
-from capycommon import logs
+from capycommon import logs, peerfile
 from capycommon.errors import InvalidConfig
 from capycommon.paths import StatePaths, resolve_state_dir
+from capycommon.peerfile import PeerFile
 from capycommon.settings import Role, redacted
 from capycommon.settingsources import load_settings, locate_document
 from capyctl_cli import demo as demo_cmd
-from capyctl_cli import launcher, output, roles
+from capyctl_cli import launcher, output, peers, programs, roles
 from capyctl_cli.options import (
     ConfigOpt,
     JsonOpt,
@@ -54,33 +55,68 @@ def start_command(role: Role, summary: str) -> typer.Typer:
         state_dir: StateDirOpt = None,
         config: ConfigOpt = None,
     ) -> None:
-        env = dict(os.environ)
-        root_dir, _ = resolve_state_dir(state_dir, env)
-        paths = StatePaths(root_dir)
-        logs.configure("capyctl", stream=sys.stdout)
-        code = launcher.start(
-            role, lambda: roles.prepare(role, root_dir, config, env, flags), env, paths
-        )
-        raise typer.Exit(code)
+        _start(role, flags, state_dir, config)
 
     return app
+
+
+def start_server_command(summary: str) -> typer.Typer:
+    """`capyctl start server`: a role's flags, and the peer file a replicated server
+    other than the first starts from."""
+    app = typer.Typer()
+
+    @app.command("server", cls=SettingsCommand, help=f"{summary}\n\n{SETTINGS_HELP}")
+    @expected_errors
+    @setting_flags("server")
+    def command(
+        ctx: typer.Context,
+        flags: dict[str, str | None],
+        state_dir: StateDirOpt = None,
+        config: ConfigOpt = None,
+        peer_file: peers.PeerFileOpt = None,
+    ) -> None:
+        peer = None if peer_file is None else peerfile.read(peer_file)
+        _start("server", flags, state_dir, config, peer)
+
+    return app
+
+
+def _start(
+    role: Role,
+    flags: dict[str, str | None],
+    state_dir: str | None,
+    config: str | None,
+    peer: PeerFile | None = None,
+) -> None:
+    env = dict(os.environ)
+    root_dir, _ = resolve_state_dir(state_dir, env)
+    paths = StatePaths(root_dir)
+    logs.configure("capyctl", stream=sys.stdout)
+    code = launcher.start(
+        role, lambda: roles.prepare(role, root_dir, config, env, flags, peer), env, paths
+    )
+    raise typer.Exit(code)
 
 
 start_standalone = start_command(
     "standalone", "Run everything on this machine: redis, router, scheduler, hostd and memwatch."
 )
-start_server = start_command("server", "Run the control plane: redis, router and scheduler.")
+start_server = start_server_command(
+    "Run the control plane: redis, router and scheduler (and, replicated, a Sentinel)."
+)
 start_host = start_command(
     "host", "Run a GPU host's agents: hostd and memwatch, joined to a server's Redis."
 )
 
 
-def _prepare(role: Role, state_dir: str | None, config: str | None) -> roles.Prepared:
+def _prepare(
+    role: Role, state_dir: str | None, config: str | None, peer: PeerFile | None = None
+) -> roles.Prepared:
     """The role made ready in the state dir the options name, as `start` makes it but with no
     setting flags."""
     env = dict(os.environ)
     root_dir, _ = resolve_state_dir(state_dir, env)
-    return roles.prepare(role, root_dir, config, env, {})
+    return roles.prepare(role, root_dir, config, env, {}, peer)
 
 
 @demo_app.command("demo")
@@ -107,10 +143,16 @@ def init(
     role: RoleArg,
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
+    peer_file: peers.PeerFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Prepare a state dir for a role: folders, the role document and credentials."""
-    prepared = _prepare(role_of(role), state_dir, config)
+    """Prepare a state dir for a role: folders, the role document and credentials (for a
+    server joining replicated ones, those of its peer file)."""
+    chosen = role_of(role)
+    if peer_file is not None and chosen != "server":
+        raise InvalidConfig(f"--peer-file is for a server; the {chosen} role takes none")
+    peer = None if peer_file is None else peerfile.read(peer_file)
+    prepared = _prepare(chosen, state_dir, config, peer)
     result = {
         "role": role,
         "state_dir": str(prepared.paths.root),
@@ -125,7 +167,9 @@ def init(
 @run_app.command("run", hidden=True)
 @expected_errors
 def run_process(
-    process: Annotated[str, typer.Argument(help="redis, router, scheduler, hostd or memwatch.")],
+    process: Annotated[
+        str, typer.Argument(help="redis, sentinel, router, scheduler, hostd or memwatch.")
+    ],
     role: RoleOpt = "standalone",
     state_dir: StateDirOpt = None,
     config: ConfigOpt = None,
@@ -136,7 +180,7 @@ def run_process(
     if process not in prepared.processes:
         choices = ", ".join(prepared.processes)
         raise InvalidConfig(f"the {role} role has no process {process!r}; use one of {choices}")
-    argv = launcher.programs(chosen, prepared)
+    argv = programs.programs(chosen, prepared)
     program = next(p for p in argv if p.name == process)
     sys.stdout.flush()
     os.execv(program.argv[0], program.argv)  # noqa: S606 - a fixed argv, no shell

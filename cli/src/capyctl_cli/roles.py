@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,11 +13,15 @@ from capycommon import credentials, joined
 from capycommon.credentials import Credentials
 from capycommon.errors import HostNameChanged, InvalidConfig, ToolchainMissing
 from capycommon.paths import StatePaths, check_socket_path, ensure_private_dir, write_atomic
+from capycommon.peerfile import PeerFile
 from capycommon.redistarget import joined_target
+from capycommon.replication import Secrets, ensure_secrets
 from capycommon.settings import HostSettings, Role, ServerSettings, own_host, template
 from capycommon.settingsources import LoadedSettings, load_settings, locate_document
-from capyctl_cli import serveridentity
+from capyctl_cli import peers, serveridentity
 from capyctl_cli.redisconf import ControlPort
+
+log = logging.getLogger("capyctl.launcher")
 
 SERVICES = ("router", "scheduler", "hostd", "memwatch")
 
@@ -28,6 +33,8 @@ PROCESSES: dict[Role, tuple[str, ...]] = {
 }
 # What a server with an embedded host (host.embedded: on) runs besides.
 EMBEDDED_HOST = ("hostd", "memwatch")
+# A replicated server's Sentinel, which starts after its Redis (it watches it).
+SENTINEL = "sentinel"
 
 
 @dataclass(frozen=True)
@@ -37,14 +44,21 @@ class Prepared:
     credentials: Credentials | None
     # A server's TLS port for joined hosts.
     control: ControlPort | None = None
+    # A replicated server's shared passwords (`replication.*` set).
+    shared: Secrets | None = None
 
     @property
     def processes(self) -> tuple[str, ...]:
         """The processes this start runs, in start order."""
         settings = self.loaded.settings
-        if isinstance(settings, ServerSettings) and own_host(settings) is not None:
-            return PROCESSES["server"] + EMBEDDED_HOST
-        return PROCESSES[settings.kind]
+        if not isinstance(settings, ServerSettings):
+            return PROCESSES[settings.kind]
+        found = PROCESSES["server"]
+        if settings.replication.enabled:
+            found = (found[0], SENTINEL, *found[1:])
+        if own_host(settings) is not None:
+            found += EMBEDDED_HOST
+        return found
 
 
 def prepare(
@@ -53,9 +67,11 @@ def prepare(
     config: str | None,
     env: Mapping[str, str],
     flags: Mapping[str, str | None],
+    peer: PeerFile | None = None,
 ) -> Prepared:
     """Make the state dir ready for `role`: private folders, the role document, credentials,
-    and the host's name (kept on the first start, checked on every later one)."""
+    and the host's name (kept on the first start, checked on every later one). `peer`: a
+    server's peer file, installed on its first start (`peers.install`)."""
     paths = StatePaths(state_dir)
     for folder in (paths.root, paths.run_dir, paths.logs_dir, paths.config_dir, paths.redis_dir):
         ensure_private_dir(folder)
@@ -78,12 +94,30 @@ def prepare(
         return Prepared(paths, loaded, None)
     check_socket_path(paths.redis_socket)
     check_socket_path(paths.supervisor_socket)
-    control = None
+    control, shared = None, None
     if isinstance(loaded.settings, ServerSettings):
-        control = serveridentity.prepare(paths, loaded.settings)
+        control, shared = _prepare_server(paths, loaded.settings, peer)
     if own_host(loaded.settings) is not None:
         keep_host_name(paths, loaded)
-    return Prepared(paths, loaded, credentials.ensure(paths.credentials), control)
+    return Prepared(paths, loaded, credentials.ensure(paths.credentials), control, shared)
+
+
+def _prepare_server(
+    paths: StatePaths, settings: ServerSettings, peer: PeerFile | None
+) -> tuple[ControlPort, Secrets | None]:
+    """A server's identity, and a replicated server's shared passwords: from its peer file
+    on its first start, made by the first server."""
+    if peer is not None and peers.install(paths, settings, peer):
+        log.info(
+            "installed the peer file: the servers' authority (SHA-256 %s), passwords and keys; "
+            "following %s first. Delete the peer file now.",
+            peer.fingerprint,
+            peer.primary,
+        )
+    shared = None
+    if settings.replication.enabled:
+        shared = ensure_secrets(paths.replication_secrets)
+    return serveridentity.prepare(paths, settings, shared), shared
 
 
 def check_joined(paths: StatePaths, settings: HostSettings) -> None:

@@ -1,7 +1,8 @@
 """A server's identity, made ready at each start: its certificate authority (made once), a
-fresh server certificate for the Redis TLS port and the bootstrap listener, a fresh client
-certificate for the router (what it presents to the hosts' ingresses), the control plane's
-Redis password (made once), and the Redis ACL file."""
+fresh server certificate for the Redis TLS port and the bootstrap listener (for a replicated
+server also what it presents to the other servers), a fresh client certificate for the
+router (what it presents to the hosts' ingresses), the control plane's Redis password (made
+once), and the Redis ACL file."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import secrets
 import socket
 from datetime import timedelta
 
-from capycommon import pki
+from capycommon import pki, replication
 from capycommon.authority import CERT_FILE, Authority
 from capycommon.enrollment import WILDCARDS
 from capycommon.errors import CredentialsUnusable
 from capycommon.paths import StatePaths, ensure_private_dir, write_atomic
+from capycommon.replication import Secrets
 from capycommon.settings import ServerSettings
 from capycommon.settingvalues import split_address, split_dial_address
 from capycommon.state import acl
@@ -26,10 +28,18 @@ SERVER_CERTIFICATE_LIFETIME = timedelta(days=397)
 ROUTER_NAME = "capyctl-router"
 
 
-def prepare(paths: StatePaths, settings: ServerSettings) -> ControlPort:
+def prepare(
+    paths: StatePaths, settings: ServerSettings, shared: Secrets | None = None
+) -> ControlPort:
+    """`shared`: the replication users' passwords, for a server among replicated ones; its
+    certificate is then a client's too, and its Redis knows the replica's and the
+    Sentinels' users."""
     ensure_private_dir(paths.identity_dir)
     authority = Authority.ensure(paths.authority_dir, "CapyCTL server authority")
-    certificate, key = authority.issue_server(server_names(settings), SERVER_CERTIFICATE_LIFETIME)
+    replicated = shared is not None
+    certificate, key = authority.issue_server(
+        server_names(settings), SERVER_CERTIFICATE_LIFETIME, client=replicated
+    )
     write_atomic(paths.server_key, key.decode(), mode=0o600)
     write_atomic(paths.server_certificate, certificate.decode(), mode=0o644)
     issue_router_certificate(paths, authority)
@@ -38,6 +48,8 @@ def prepare(paths: StatePaths, settings: ServerSettings) -> ControlPort:
         kept = acl.host_lines(paths.redis_users.read_text(encoding="utf-8"))
     except FileNotFoundError:
         kept = []
+    if shared is not None:
+        kept = [*replication.redis_user_lines(shared), *kept]
     write_atomic(paths.redis_users, acl.acl_file(password, kept), mode=0o600)
     return ControlPort(settings.enrollment.control_bind, str(authority.folder / CERT_FILE))
 
@@ -78,7 +90,8 @@ def ensure_secret(paths: StatePaths) -> str:
 
 def server_names(settings: ServerSettings) -> list[str]:
     """Every name hosts may dial the server by: the enrollment addresses, the listeners'
-    own addresses, loopback and this machine's hostname."""
+    own addresses, loopback, this machine's hostname, and the address its peers dial it
+    by (`replication.advertise`)."""
     enrollment = settings.enrollment
     names = ["127.0.0.1", "::1", "localhost", socket.gethostname()]
     for bind in (enrollment.control_bind, enrollment.bootstrap_bind):
@@ -88,4 +101,6 @@ def server_names(settings: ServerSettings) -> list[str]:
     for address in (enrollment.control_address, enrollment.bootstrap_address):
         if address is not None:
             names.append(split_dial_address(address)[0])
+    if settings.replication.advertise is not None:
+        names.append(settings.replication.advertise)
     return list(dict.fromkeys(names))

@@ -20,7 +20,7 @@ from capycommon.paths import StatePaths
 from capycommon.state import heartbeats
 from capycommon.state.leader import server_name
 from capycommon.units import format_size
-from capyctl_cli import output, record, supervisor
+from capyctl_cli import output, record, replstatus, supervisor
 from capyctl_cli.record import RoleRecord
 from capyctl_cli.rolelock import lock_is_held
 
@@ -109,6 +109,8 @@ class StatusReport(BaseModel):
     hosts: list[HostMemory]
     # None on a host (its user may not read it), or where nobody holds it.
     scheduler_lease: LeaseStatus | None = None
+    # Replicated servers alone.
+    replication: replstatus.ReplicationStatus | None = None
 
 
 def collect(paths: StatePaths) -> StatusReport:
@@ -154,6 +156,7 @@ def collect(paths: StatePaths) -> StatusReport:
         processes=processes,
         hosts=seen.hosts,
         scheduler_lease=_lease(seen.lease, found.state_dir),
+        replication=seen.replication,
     )
 
 
@@ -171,6 +174,7 @@ class Observed:
     # Why Redis refuses writes, if it does.
     refusal: str | None = None
     lease: Lease | None = None
+    replication: replstatus.ReplicationStatus | None = None
 
 
 def _observe(running: RoleRecord) -> Observed:
@@ -184,8 +188,13 @@ def _observe(running: RoleRecord) -> Observed:
             if running.role != "host":  # a host's own Redis user may ask neither
                 seen.refusal = state(lambda s: s.persistence.save_failure())
                 seen.lease = state(lambda s: s.leader.current())
-            seen.beats = state(lambda s: s.heartbeats.of_services(host, running.processes))
-            seen.workers = state(lambda s: _workers(s, WORKERS_OF.intersection(running.processes)))
+                seen.replication = replstatus.collect(StatePaths(Path(running.state_dir)), state)
+            seen.beats = state(
+                lambda s: s.heartbeats.of_services(host, running.processes, running.server)
+            )
+            seen.workers = state(
+                lambda s: _workers(s, WORKERS_OF.intersection(running.processes), running.server)
+            )
             if host:
                 readings[host] = state(lambda s: s.memory.reading(host))
     except (redis.RedisError, OSError, ValidationError):
@@ -202,9 +211,9 @@ def _lease(lease: Lease | None, state_dir: str) -> LeaseStatus | None:
     return LeaseStatus(server=lease.server, epoch=lease.epoch, since=lease.since, here=here)
 
 
-async def _workers(state: State, services: Iterable[str]) -> dict[str, Beats]:
-    """The live heartbeats of each of `services`' workers, by service."""
-    return {name: await state.heartbeats.workers(name) for name in services}
+async def _workers(state: State, services: Iterable[str], server: str) -> dict[str, Beats]:
+    """The live heartbeats of each of `services`' workers (on `server`), by service."""
+    return {name: await state.heartbeats.workers(name, server) for name in services}
 
 
 def _worker(beat: Heartbeat) -> WorkerStatus:
@@ -250,6 +259,8 @@ def render(report: StatusReport) -> str:
         summary.append(("redis refuses writes", _refusal(report)))
     if report.role != "host":
         summary.append(("scheduler lease", _lease_line(report.scheduler_lease)))
+    if report.replication is not None:
+        summary += replstatus.render(report.replication)
     rows: list[tuple[object, ...]] = []
     for p in report.processes:
         rows.append((p.name, p.state, p.pid, output.duration(p.uptime_s), _heartbeat(p)))
@@ -282,8 +293,9 @@ def _refusal(report: StatusReport) -> str:
 
 
 def _heartbeat(process: ProcessStatus) -> str:
-    """How old a service's last heartbeat is; redis, not a service of ours, sends none."""
-    if process.name == "redis":
+    """How old a service's last heartbeat is; redis and sentinel, not services of ours, send
+    none."""
+    if process.name in ("redis", "sentinel"):
         return "-"
     return _age(process.heartbeat_age_s)
 

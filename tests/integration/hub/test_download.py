@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from capycommon.errors import (
+from capycommon.hub import HubLimits, HubSource, StorePaths, pull, read_manifest
+from capycommon.hub.errors import (
     DiskFull,
     HfGated,
     HfIntegrity,
@@ -27,7 +28,6 @@ from capycommon.errors import (
     HfTokenRefused,
     HfUnreachable,
 )
-from capycommon.hub import HubLimits, HubSource, StorePaths, pull, read_manifest
 from capycommon.hub.store import remove_tree
 from mockhub import Faults, HubFile, HubRepo, MockHub, Recorded, gated_repo, tiny_repo
 from support import wait_for_async

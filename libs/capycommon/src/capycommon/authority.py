@@ -27,6 +27,7 @@ from cryptography.x509.oid import NameOID
 from capycommon.errors import CertificateRequestRefused, CredentialsUnusable, InvalidConfig
 from capycommon.paths import ensure_private_dir, write_atomic
 from capycommon.pki import (
+    CLIENT_AUTH,
     IDENTITY_PATTERN,
     KINDS,
     NAME_PATTERN,
@@ -155,9 +156,15 @@ class Authority:
         """SHA-256 of the certificate's DER, in hex: what a person compares by eye."""
         return self.certificate.fingerprint(hashes.SHA256()).hex()
 
-    def issue_server(self, addresses: list[str], lifetime: timedelta) -> tuple[bytes, bytes]:
+    def issue_server(
+        self, addresses: list[str], lifetime: timedelta, *, client: bool = False
+    ) -> tuple[bytes, bytes]:
         """A server certificate and its new private key (both PEM) for the Redis TLS port and
-        the bootstrap listener, valid for each of `addresses` (IP addresses or DNS names)."""
+        the bootstrap listener, valid for each of `addresses` (IP addresses or DNS names).
+
+        `client`: also a client certificate. A server among replicated ones presents this same
+        certificate when its Redis, its Sentinel and its services dial the other servers
+        (Redis uses its one certificate both ways), and those check it as a client's."""
         if not addresses:
             raise InvalidConfig(
                 "the server certificate needs at least one address; give the server's "
@@ -169,7 +176,7 @@ class Authority:
             key.public_key(),
             common_name="capyctl server",
             names=names,
-            usages=(SERVER_AUTH,),
+            usages=(SERVER_AUTH, CLIENT_AUTH) if client else (SERVER_AUTH,),
             lifetime=lifetime,
         )
         return pem_of_certificate(certificate), pem_of_private_key(key)

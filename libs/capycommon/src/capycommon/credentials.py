@@ -34,10 +34,15 @@ def ensure(path: Path) -> Credentials:
     """Load the credentials at `path`, generating them on first start."""
     ensure_private_dir(path.parent)
     if not path.exists() and not path.is_symlink():
-        created = generate()
-        text = "".join(f"{name}: {getattr(created, name)}\n" for name in FIELDS)
-        write_atomic(path, text, mode=0o600)
+        write(path, generate())
     return load(path)
+
+
+def write(path: Path, found: Credentials) -> None:
+    """Write `found` to `path`, owner-only: at the first start, or from a peer file (every
+    replicated server takes the same keys)."""
+    text = "".join(f"{name}: {getattr(found, name)}\n" for name in FIELDS)
+    write_atomic(path, text, mode=0o600)
 
 
 def load(path: Path) -> Credentials:

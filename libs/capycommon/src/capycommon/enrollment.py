@@ -13,6 +13,7 @@ import socket
 
 from pydantic import Field
 
+from capycommon.domain.replication import Topology
 from capycommon.domain.strict import Strict
 from capycommon.settings import HostSettings, ServerSettings
 from capycommon.settingvalues import split_address
@@ -37,6 +38,9 @@ class JoinAnswer(Strict):
     redis_address: str
     redis_user: str
     redis_password: str = Field(repr=False)
+    # Replicated servers: where the host finds the primary (left out otherwise, so a host of
+    # an earlier release joins a server that runs alone as before).
+    topology: Topology | None = None
 
 
 def dial_addresses(settings: ServerSettings) -> tuple[str, str]:

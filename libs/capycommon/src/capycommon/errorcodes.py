@@ -77,6 +77,7 @@ CODES: dict[str, tuple[int, int]] = {
     "agent_unreachable": (22, 503),
     "engine_unreachable": (22, 503),
     "redis_unreachable": (22, 503),
+    "not_replicated": (22, 503),
     "host_unreachable": (22, 503),
     "hf_unreachable": (22, 503),
     # 14: a host the server revoked; its units do not restart it.

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError
 
+from capycommon.domain.replication import Topology
 from capycommon.domain.strict import Strict
 from capycommon.errors import CredentialsUnusable
 from capycommon.paths import StatePaths, ensure_private_dir, read_private, write_atomic
@@ -23,6 +24,9 @@ class Joined(Strict):
     redis_user: str
     redis_password: str = Field(repr=False)
     joined_at: float
+    # Replicated servers: the Sentinels that say which server's Redis is the primary, as the
+    # server last published them (`capycommon.state.keys.topology`); None for one server.
+    topology: Topology | None = None
 
 
 def write(paths: StatePaths, joined: Joined) -> None:

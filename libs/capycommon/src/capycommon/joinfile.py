@@ -16,7 +16,7 @@ import re
 import secrets
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Self, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -25,6 +25,8 @@ from capycommon import pki
 from capycommon.errors import CertificateInvalid, CredentialsUnusable
 from capycommon.paths import read_private, write_atomic
 from capycommon.settingvalues import check_dial_host, split_dial_address
+
+Document = TypeVar("Document", bound=BaseModel)
 
 SECRET_BYTES = 32
 HEX_PATTERN = re.compile(r"[0-9a-f]{64}")
@@ -133,11 +135,15 @@ def read(path: Path) -> JoinFile:
         "copy the join file again as the server wrote it, or make a new one with "
         "`capyctl invite host NAME` on the server"
     )
-    text = read_private(
-        path,
-        missing="give the join file `capyctl invite host NAME` wrote on the server",
-        fix=again,
-    )
+    missing = "give the join file `capyctl invite host NAME` wrote on the server"
+    return read_document(path, JoinFile, missing, again)
+
+
+def read_document(path: Path, model: type[Document], missing: str, again: str) -> Document:
+    """An owner-only JSON file as `model` (a join file, a peer file): a file that is missing,
+    open to others, not JSON or not one is refused, naming the problem and `again`, the
+    fix."""
+    text = read_private(path, missing=missing, fix=again)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -147,9 +153,9 @@ def read(path: Path) -> JoinFile:
     if not isinstance(data, dict):
         raise CredentialsUnusable(f"{path} is not a JSON object; {again}")
     try:
-        return JoinFile.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise CredentialsUnusable(f"{path}: {_first_problem(exc)}; {again}") from None
+        raise CredentialsUnusable(f"{path}: {first_problem(exc)}; {again}") from None
 
 
 def expired(join: JoinFile, now: datetime) -> bool:
@@ -159,7 +165,7 @@ def expired(join: JoinFile, now: datetime) -> bool:
     return now.timestamp() >= join.expires_unix
 
 
-def _first_problem(exc: ValidationError) -> str:
+def first_problem(exc: ValidationError) -> str:
     """The first of pydantic's errors in plain words, naming the field (and never echoing
     the secret's value)."""
     error = exc.errors(include_url=False, include_input=False)[0]

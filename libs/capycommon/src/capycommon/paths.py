@@ -70,6 +70,12 @@ class StatePaths:
         return self.identity_dir / "ca"
 
     @property
+    def authority_certificate(self) -> Path:
+        """The server authority's certificate (`capycommon.authority.CERT_FILE`), which the
+        server's own processes trust as TLS clients of the other servers."""
+        return self.authority_dir / "ca.pem"
+
+    @property
     def server_certificate(self) -> Path:
         return self.identity_dir / "server.pem"
 
@@ -88,6 +94,13 @@ class StatePaths:
         """The identity the router's certificate names (`urn:capyctl:router:<id>`), kept
         from the server's first start."""
         return self.identity_dir / "router-id"
+
+    @property
+    def replication_secrets(self) -> Path:
+        """The passwords servers share to replicate and to watch each other's Redis
+        (`capycommon.replication.Secrets`), made by the first server and carried to the
+        others in its peer file."""
+        return self.identity_dir / "replication.json"
 
     @property
     def redis_password(self) -> Path:
@@ -157,6 +170,23 @@ class StatePaths:
     @property
     def redis_dir(self) -> Path:
         return self.root / "redis"
+
+    @property
+    def sentinel_dir(self) -> Path:
+        return self.root / "sentinel"
+
+    @property
+    def initial_primary(self) -> Path:
+        """The address of the Redis a replicated server followed (or was) at its first start:
+        itself for the first server, the server that invited it for the others. What a later
+        start follows when no Sentinel answers and this server's own Sentinel recorded none."""
+        return self.sentinel_dir / "initial-primary"
+
+    @property
+    def sentinel_conf(self) -> Path:
+        """Written at the first start; Sentinel keeps it from then on (it records there
+        which Redis is the primary, and its peers)."""
+        return self.sentinel_dir / "sentinel.conf"
 
     @property
     def redis_conf(self) -> Path:

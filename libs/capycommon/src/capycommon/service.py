@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -38,11 +38,12 @@ from capycommon.errors import (
 )
 from capycommon.paths import StatePaths, resolve_state_dir, write_atomic
 from capycommon.redistarget import RedisTarget, target_for
-from capycommon.settings import ROLES, AnySettings, Role, host_name
+from capycommon.settings import ROLES, AnySettings, Role, host_name, server_tag
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.state import heartbeats, pipe
 from capycommon.state.functions import FunctionsMissing
 from capycommon.state.pipe import ClosingPool, ReplyParser
+from capycommon.state.primary import sentinel_pool
 from capycommon.state.stores import State
 from capycommon.tasks import cancel_and_wait
 from capycommon.version import __version__
@@ -58,8 +59,11 @@ RedisCannotWrite = pipe.RedisCannotWrite
 HOST_FINAL = (HostRevoked, CertificateInvalid, HostVersionIncompatible)
 HOST_FINAL_EXITS = tuple(sorted({kind("").exit_code for kind in HOST_FINAL}))
 # What a service rides out as an outage: Redis away, slow, unable to save, held by a script
-# past its time limit (the scheduler stops it), or without CapyCTL's functions (the control
-# plane loads them).
+# past its time limit (the scheduler stops it), without CapyCTL's functions (the control
+# plane loads them), or a replica now (READONLY) to a client that reaches one Redis only:
+# one that asks the Sentinels sees a lost connection instead, and reconnects to the primary;
+# a joined host that has not learned the Sentinels yet rides it out until its services exit
+# and start again with them (`capyctl_hostd.topology`).
 REDIS_ERRORS = (
     RedisConnectionError,
     RedisTimeoutError,
@@ -67,6 +71,7 @@ REDIS_ERRORS = (
     RedisCannotWrite,
     pipe.RedisBusy,
     FunctionsMissing,
+    ReadOnlyError,
 )
 # Each service's connections to Redis: enough for its few blocking readers (pub/sub, stream
 # reads) and many short commands at once; a command waits this long for a free one.
@@ -141,6 +146,12 @@ class ServiceContext:
     redis: aioredis.Redis
     stop: asyncio.Event
 
+    @property
+    def server(self) -> str:
+        """A replicated server's address, which its control services' heartbeats and place
+        owners carry (every server runs its own); empty elsewhere."""
+        return server_tag(self.settings)
+
     @cached_property
     def state(self) -> State:
         """The service's stores over `redis`, built once."""
@@ -204,7 +215,8 @@ async def _serve(
     target = target_for(settings, paths)
     client = redis_client(target)
     try:
-        await _reach_redis(client, target, settings.redis.unreachable_after, stop)
+        patience = settings.redis.unreachable_after
+        await _reach_redis(client, target, patience, stop, joined_host(role, settings))
         if stop.is_set():
             return 0
         host = host_name(settings)
@@ -224,36 +236,44 @@ def redis_client(target: RedisTarget | str, connections: int = REDIS_CONNECTIONS
     such as the router's requests."""
     if isinstance(target, str):
         target = RedisTarget(target)
-    pool = ClosingPool.from_url(
-        target.url,
-        **target.client_options(),
-        max_connections=connections,
-        timeout=REDIS_WAIT_S,
-        socket_connect_timeout=2,
-        socket_timeout=5,
-        protocol=2,
-        parser_class=ReplyParser,
-    )
+    options: dict[str, Any] = {
+        "max_connections": connections,
+        "timeout": REDIS_WAIT_S,
+        "socket_connect_timeout": 2,
+        "socket_timeout": 5,
+        "protocol": 2,
+        "parser_class": ReplyParser,
+    }
+    if target.topology is not None:  # replicated servers: the primary, wherever it is
+        pool: ClosingPool = sentinel_pool(target.topology, target.client_options(), **options)
+    else:
+        pool = ClosingPool.from_url(target.url, **target.client_options(), **options)
     return aioredis.Redis.from_pool(pool)
 
 
 async def _reach_redis(
-    client: aioredis.Redis, target: RedisTarget, patience: float, stop: asyncio.Event
+    client: aioredis.Redis,
+    target: RedisTarget,
+    patience: float,
+    stop: asyncio.Event,
+    joined: bool = False,
 ) -> None:
+    """Wait until Redis answers, up to `patience` seconds. A `joined` host refused (its user
+    removed, its certificate refused) stops for good: retrying cannot help."""
     deadline = time.monotonic() + patience
     while True:
         try:
             await client.ping()
             return
         except AuthenticationError:
-            if target.tls is not None:  # a joined host, whose user the server removed
+            if joined:  # a joined host, whose user the server removed
                 raise revoked(None) from None
             raise CredentialsUnusable(
                 f"Redis at {target.described} refused this role's credentials; check "
                 "redis.url's user and password"
             ) from None
         except REDIS_ERRORS as exc:
-            if target.tls is not None and (refusal := tls_refusal(exc)) is not None:
+            if joined and (refusal := tls_refusal(exc)) is not None:
                 raise refusal from None
             if time.monotonic() >= deadline:
                 raise RedisUnreachable(
@@ -378,7 +398,7 @@ async def _supervise(ctx: ServiceContext, body: Body | None) -> int:
     failures = [task.exception() for task in tasks if not task.cancelled()]
     failure = next((found for found in failures if found is not None), None)
     with suppress(*REDIS_ERRORS):
-        await ctx.state.heartbeats.clear(ctx.host or "", ctx.name, os.getpid())
+        await ctx.state.heartbeats.clear(ctx.host or "", ctx.name, os.getpid(), ctx.server)
     if failure is not None:
         raise failure
     log.info("stopped")
@@ -398,7 +418,7 @@ async def _keep_heartbeat(ctx: ServiceContext) -> None:
             last_seen=time.time(),
         )
         try:
-            await ctx.state.heartbeats.beat(ctx.host or "", beat)
+            await ctx.state.heartbeats.beat(ctx.host or "", beat, ctx.server)
             REDIS_OUTAGE.wrote()
             lost_since = None
         except AuthenticationError as exc:

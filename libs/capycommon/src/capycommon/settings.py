@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from capycommon.domain.strict import Strict
 from capycommon.enrollsettings import EnrollmentSection
 from capycommon.hostsettings import EmbeddedHostSection, HostSection, JoinedHostSection
+from capycommon.replsettings import ReplicationSection
 from capycommon.settingnames import Setting, SettingSpec, setting, specs_of
 from capycommon.settingvalues import (
     IdleTimeout,
@@ -290,6 +291,7 @@ class ServerSettings(RoleSettings):
     kind: Literal["server"] = "server"
     server: ServerSection = ServerSection()
     enrollment: EnrollmentSection = EnrollmentSection()
+    replication: ReplicationSection = ReplicationSection()
     host: EmbeddedHostSection = Field(default_factory=EmbeddedHostSection)
 
 
@@ -349,6 +351,15 @@ def own_host(settings: AnySettings) -> HostSection | None:
 def host_name(settings: AnySettings) -> str | None:
     found = own_host(settings)
     return None if found is None else found.name
+
+
+def server_tag(settings: AnySettings) -> str:
+    """What tells a replicated server's control processes from another server's (their
+    heartbeats, their place owners): its `replication.advertise`; empty where it runs
+    alone."""
+    if isinstance(settings, ServerSettings) and settings.replication.advertise is not None:
+        return settings.replication.advertise
+    return ""
 
 
 def template(role: Role) -> str:

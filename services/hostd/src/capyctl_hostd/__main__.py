@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 
 from capycommon.domain.hosts import HOST_CAPABILITIES, HostInfo
@@ -15,8 +16,9 @@ from capycommon.paths import ensure_private_dir
 from capycommon.service import REDIS_ERRORS, ServiceContext, joined_host, run, wait_event
 from capycommon.settings import HostSettings, own_host
 from capycommon.settingvalues import parse_port_range
+from capycommon.tasks import beside
 from capycommon.version import __version__
-from capyctl_hostd import adopt, consumer, loads, renewal
+from capyctl_hostd import adopt, consumer, loads, renewal, topology
 from capyctl_hostd.hostpaths import HostPaths
 from capyctl_hostd.ingress import HostIngress
 from capyctl_hostd.modelfacts import Shelf
@@ -67,8 +69,9 @@ async def serve(ctx: ServiceContext) -> None:
     """Publish what the host says of itself, its models and its engines, re-adopt what runs
     (and stop what runs uncounted), then carry out commands, watch for engines that die or
     lose their records, publish the serving engines' load and keep the models' facts current,
-    until stopped. A joined host also keeps its certificate renewed and serves its ingress,
-    where the server's router reaches its engines.
+    until stopped. A joined host also keeps its certificate renewed, serves its ingress,
+    where the server's router reaches its engines, and keeps the servers' topology in its
+    joined file (`topology`).
 
     Stopping hostd leaves the engines running: the next hostd re-adopts them.
     """
@@ -99,12 +102,25 @@ async def serve(ctx: ServiceContext) -> None:
         lmcache=host.lmcache != "off",
         retention_zero=host.retention == "zero",
     )
+    following: AbstractAsyncContextManager[object] = nullcontext()
     if joined_host(ctx.role, ctx.settings):
         assert isinstance(ctx.settings, HostSettings)
         door = HostIngress.open(ctx.settings.host.ingress.bind, ctx.paths)
         info = info.model_copy(update={"ingress": ingress_address(ctx.settings)})
-    if not await start(ctx, info, shelf, runner):
-        return
+        # From the moment hostd reached Redis, while it starts too: a host that reached a
+        # replica cannot start until it comes back knowing the Sentinels.
+        following = beside(topology.follow(ctx.state, ctx.paths, ctx.stop), "topology")
+    async with following:
+        if await start(ctx, info, shelf, runner):
+            await carry_on(ctx, runner, shelf, door)
+
+
+async def carry_on(
+    ctx: ServiceContext, runner: Runner, shelf: Shelf, door: HostIngress | None
+) -> None:
+    """Carry out commands, watch the engines, publish their load and keep the models' facts
+    current (and, on a joined host, renew its certificate and serve its ingress) until
+    stopped."""
     work = [
         consumer.consume(runner, shelf, ctx.stop),
         adopt.watch(runner, ctx.stop),

@@ -66,7 +66,7 @@ async def serve(ctx: ServiceContext, listener: socket.socket, events: bool) -> N
         workers=server.router.worker_count,
     )
     metrics = Metrics()
-    owner = owner_id(ctx.name, os.getpid())
+    owner = owner_id(ctx.name, os.getpid(), ctx.server)
     dispatcher = Dispatcher(ctx.state, table, metrics, limits, owner=owner)
     # An idle connection to an engine is dropped well before the engine closes it (uvicorn's
     # keep-alive, vLLM's and SGLang's, is 5 s), so a request is never sent on one being closed.

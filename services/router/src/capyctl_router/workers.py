@@ -218,7 +218,7 @@ async def _gone(ctx: ServiceContext, name: str, pid: int, folder: Path) -> None:
     """A worker exited: its places count no more, nor its gauges."""
     multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
     with contextlib.suppress(*REDIS_ERRORS):  # then its places expire with it
-        await ctx.state.places.drop_owner(owner_id(name, pid))
+        await ctx.state.places.drop_owner(owner_id(name, pid, ctx.server))
 
 
 def _exit_text(code: int) -> str:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Coroutine
+from contextlib import AsyncExitStack
+from typing import Any
 
 from capycommon import credentials
 from capycommon.httpserve import serve_http
-from capycommon.service import ServiceContext, run
+from capycommon.redistarget import control_target
+from capycommon.replication import read_secrets, topology
+from capycommon.service import ServiceContext, redis_client, run
 from capycommon.settings import ServerSettings, StandaloneSettings
 from capycommon.settingvalues import idle_seconds
 from capycommon.state.leader import server_name
@@ -21,6 +26,7 @@ from capyctl_scheduler.loop import Scheduler
 from capyctl_scheduler.manage import Manager
 from capyctl_scheduler.observe import Observer
 from capyctl_scheduler.redisguard import RedisGuard
+from capyctl_scheduler.replicated import ConfirmedWrites, UserMirror
 from capyctl_scheduler.snapshot import Tunables
 
 
@@ -70,9 +76,33 @@ async def serve(ctx: ServiceContext) -> None:
         bootstrap = ctx.settings.enrollment.bootstrap_bind
         work.append(serve_http(bootstrap_app(enrollment), bootstrap, ctx.stop, tls=tls))
         work.append(leadership.during(enrollment.watch_renewals, ctx.stop))
-    app = create_app(credentials.load(ctx.paths.credentials), Manager(scheduler), enrollment)
-    management = ctx.settings.server.listeners.management.bind
-    await asyncio.gather(serve_http(app, management, ctx.stop), *work)
+    app: Any = create_app(credentials.load(ctx.paths.credentials), Manager(scheduler), enrollment)
+    async with AsyncExitStack() as cleanup:
+        if isinstance(ctx.settings, ServerSettings) and ctx.settings.replication.enabled:
+            app = await _replicated(ctx, ctx.settings, app, work, cleanup)
+        management = ctx.settings.server.listeners.management.bind
+        await asyncio.gather(serve_http(app, management, ctx.stop), *work)
+
+
+async def _replicated(
+    ctx: ServiceContext,
+    settings: ServerSettings,
+    app: Any,
+    work: list[Coroutine[Any, Any, None]],
+    cleanup: AsyncExitStack,
+) -> Any:
+    """A replicated server's scheduler: the Sentinels published for the hosts, the host users
+    on record (those of hosts that joined before it kept one too), this server's Redis
+    following them while a replica, and declarations confirmed on a replica before they are
+    acknowledged."""
+    found = settings.replication
+    secrets = read_secrets(ctx.paths.replication_secrets)
+    await ctx.state.topology.publish(topology(found.servers, found.sentinel_port, secrets))
+    await ctx.state.host_users.record_held()
+    local = redis_client(control_target(ctx.paths), connections=2)
+    cleanup.push_async_callback(local.aclose)
+    work.append(UserMirror(local).run(ctx.stop))
+    return ConfirmedWrites(app, ctx.state.replicas, settings.replication.ack_timeout)
 
 
 def main() -> None:

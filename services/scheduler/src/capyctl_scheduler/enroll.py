@@ -166,6 +166,7 @@ class Enrollment:
             redis_address=control,
             redis_user=user,
             redis_password=password,
+            topology=await self.state.topology.read(),
         )
 
     async def _admitted(self, request: JoinRequest) -> tuple[Invitation, HostIdentity | None]:
@@ -349,7 +350,7 @@ def bootstrap_app(enrollment: Enrollment) -> FastAPI:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, http_code_for(exc.status_code), str(exc.detail))
 
-    @app.post(JOIN_PATH)
+    @app.post(JOIN_PATH, response_model_exclude_none=True)
     async def join(request: Request) -> JoinAnswer:
         body = await requestbody.read(request, MAX_JOIN_BODY)
         found = requestbody.validated(JoinRequest, requestbody.parse_object(body or b"{}"))

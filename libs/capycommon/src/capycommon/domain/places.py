@@ -23,7 +23,8 @@ class Places(Strict):
         return self.running - self.settle_at_stop
 
 
-def owner_id(name: str, pid: int) -> str:
+def owner_id(name: str, pid: int, server: str = "") -> str:
     """A process's owner id: its name and pid, so a restarted worker never takes up the
-    places of the one before it."""
-    return f"{name}:{pid}"
+    places of the one before it, and on replicated servers its server's address, as two
+    servers' processes may have one pid."""
+    return f"{name}@{server}:{pid}" if server else f"{name}:{pid}"

@@ -22,8 +22,8 @@ from urllib.parse import quote, urljoin, urlsplit
 
 import httpx
 
-from capycommon.errors import (
-    CapyError,
+from capycommon.errors import CapyError
+from capycommon.hub.errors import (
     HfGated,
     HfIntegrity,
     HfRepoNotFound,

@@ -21,8 +21,9 @@ from pathlib import Path
 import httpx
 
 from capycommon.domain.models import weights_of
-from capycommon.errors import CapyError, DiskFull, HfIntegrity, HfOfflineMissing, HfUnreachable
+from capycommon.errors import CapyError
 from capycommon.hub.client import FileTarget, HubClient, HubLimits
+from capycommon.hub.errors import DiskFull, HfIntegrity, HfOfflineMissing, HfUnreachable
 from capycommon.hub.integrity import Expected, StreamHash, content_range_start
 from capycommon.hub.source import HubSource, is_commit
 from capycommon.hub.store import (

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from capycommon.errors import DiskFull, HfIntegrity, InvalidConfig
+from capycommon.errors import InvalidConfig
+from capycommon.hub.errors import DiskFull, HfIntegrity
 from capycommon.hub.integrity import Expected
 from capycommon.hub.source import HubSource
 from capycommon.units import format_size

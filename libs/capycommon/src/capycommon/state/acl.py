@@ -17,6 +17,7 @@ command's.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -25,7 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from capycommon.state import keys
+from capycommon.state import keys, quarantine
 
 CONTROL_USER = "capyctl"
 HOST_USER_PREFIX = "host-"
@@ -82,7 +83,16 @@ HOST_COMMANDS = (
 
 
 # What a host may read outside its prefix.
-READABLE = (f"%R~{keys.server_version()}", f"%R~{keys.scheduler_epoch()}")
+READABLE = (
+    f"%R~{keys.server_version()}",
+    f"%R~{keys.scheduler_epoch()}",
+    f"%R~{keys.topology()}",
+)
+
+
+# What a recorded host user must be: a host's name, and a SHA-256 in hex.
+HOST_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def host_user(host: str) -> str:
@@ -96,11 +106,16 @@ def password_hash(password: str) -> str:
 
 def host_rules(host: str, password: str) -> list[str]:
     """The ACL SETUSER rules of a host's user, from nothing (`reset`)."""
+    return _rules(host, f">{password}")
+
+
+def _rules(host: str, secret: str) -> list[str]:
+    """A host user's rules with its password given as `secret`: `>password` or `#digest`."""
     prefix = keys.host_prefix(host)
     return [
         "reset",
         "on",
-        f">{password}",
+        secret,
         f"~{prefix}:*",
         *READABLE,
         f"&{prefix}:*",
@@ -150,24 +165,86 @@ def current_rights(line: str) -> str:
 
 
 class HostUserStore:
-    """The hosts' Redis users, kept in the ACL file."""
+    """The hosts' Redis users, kept in the ACL file, and recorded (by their password's
+    digest) where replication carries them to the other servers' Redis: replication carries
+    data, not users, so each replica's server makes its Redis's host users match the record
+    (`mirror`)."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
 
     async def set(self, host: str, password: str) -> None:
         """Make (or remake) a host's user, and save the ACL file so a restart keeps it."""
+        digest = hashlib.sha256(password.encode()).hexdigest()
+        await self.client.hset(keys.host_users(), host, digest)
         await _command(self.client, "ACL", "SETUSER", host_user(host), *host_rules(host, password))
         await _command(self.client, "ACL", "SAVE")
 
     async def remove(self, host: str) -> None:
         """Close a host user's connections and delete it; nothing happens for one that is
         gone."""
+        await self._drop(host)
+        await self.client.hdel(keys.host_users(), host)
+        await _command(self.client, "ACL", "SAVE")
+
+    async def recorded(self) -> dict[str, str]:
+        """The host users on record: host -> its password's digest (a value that is not one
+        is refused)."""
+        key = keys.host_users()
+        found = {}
+        for name, value in (await self.client.hgetall(key)).items():
+            host, digest = _text(name), _text(value)
+            if HOST_NAME.fullmatch(host) and DIGEST.fullmatch(digest):
+                found[host] = digest
+            else:
+                quarantine.REFUSALS.refuse(key, f"{host}={digest}", "not a host's digest")
+        return found
+
+    async def held(self) -> dict[str, str]:
+        """The host users this Redis has: host -> its password's digest."""
+        lines: list[bytes | str] = await _command(self.client, "ACL", "LIST")
+        found = {}
+        for raw in lines:
+            words = _text(raw).split()
+            if len(words) < 2 or not words[1].startswith(HOST_USER_PREFIX):
+                continue
+            digests = [word[1:] for word in words if word.startswith("#")]
+            found[words[1].removeprefix(HOST_USER_PREFIX)] = digests[0] if digests else ""
+        return found
+
+    async def record_held(self) -> int:
+        """Record every host user this Redis has and the record lacks (hosts that joined
+        before the record was kept); how many."""
+        recorded = await self.recorded()
+        missing = {h: d for h, d in (await self.held()).items() if h not in recorded and d}
+        for host, digest in missing.items():
+            await self.client.hsetnx(keys.host_users(), host, digest)
+        return len(missing)
+
+    async def mirror(self, wanted: dict[str, str]) -> tuple[list[str], list[str]]:
+        """Make this Redis's host users exactly `wanted` (host -> digest), saving the ACL
+        file if anything changed: (hosts made or remade, hosts removed)."""
+        held = await self.held()
+        made = sorted(host for host, digest in wanted.items() if held.get(host) != digest)
+        removed = sorted(set(held) - set(wanted))
+        for host in made:
+            rules = _rules(host, f"#{wanted[host]}")
+            await _command(self.client, "ACL", "SETUSER", host_user(host), *rules)
+        for host in removed:
+            await self._drop(host)
+        if made or removed:
+            await _command(self.client, "ACL", "SAVE")
+        return made, removed
+
+    async def _drop(self, host: str) -> None:
         user = host_user(host)
         with suppress(ResponseError):  # no such user
             await _command(self.client, "CLIENT", "KILL", "USER", user)
         await _command(self.client, "ACL", "DELUSER", user)
-        await _command(self.client, "ACL", "SAVE")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 async def _command(client: aioredis.Redis, *args: str) -> Any:

@@ -22,43 +22,47 @@ class HeartbeatStore:
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
 
-    async def beat(self, host: str, heartbeat: Heartbeat) -> None:
-        key = keys.heartbeat(heartbeat.service, host)
+    async def beat(self, host: str, heartbeat: Heartbeat, server: str = "") -> None:
+        key = keys.heartbeat(heartbeat.service, host, server)
         await self.client.set(key, heartbeat.model_dump_json(), ex=TTL_S)
 
-    async def clear(self, host: str, service: str, pid: int) -> None:
+    async def clear(self, host: str, service: str, pid: int, server: str = "") -> None:
         """Remove a service's heartbeat, unless a newer process already wrote its own."""
-        beat = await self.get(service, host)
+        beat = await self.get(service, host, server)
         if beat is not None and beat.pid == pid:
-            await self.client.delete(keys.heartbeat(service, host))
+            await self.client.delete(keys.heartbeat(service, host, server))
 
     async def alive(self, service: str, host: str) -> bool:
         """Whether `service` on `host` beat within the heartbeat's time to live."""
         return bool(await self.client.exists(keys.heartbeat(service, host)))
 
-    async def get(self, service: str, host: str) -> Heartbeat | None:
-        """The live heartbeat of `service` on `host`, or None."""
-        key = keys.heartbeat(service, host)
+    async def get(self, service: str, host: str, server: str = "") -> Heartbeat | None:
+        """The live heartbeat of `service` on `host` (a control service: on `server`), or
+        None."""
+        key = keys.heartbeat(service, host, server)
         raw = await self.client.get(key)
         return None if raw is None else quarantine.parse(Heartbeat, raw, key)
 
-    async def of_services(self, host: str | None, services: list[str]) -> dict[str, Heartbeat]:
-        """The live heartbeats of `services` (host services need `host`)."""
+    async def of_services(
+        self, host: str | None, services: list[str], server: str = ""
+    ) -> dict[str, Heartbeat]:
+        """The live heartbeats of `services` (host services need `host`; a replicated
+        server's control services, `server`)."""
         found: dict[str, Heartbeat] = {}
         for service in services:
             if service not in keys.CONTROL_SERVICES | keys.HOST_SERVICES:
                 continue
             if service in keys.HOST_SERVICES and host is None:
                 continue
-            beat = await self.get(service, host or "")
+            beat = await self.get(service, host or "", server)
             if beat is not None:
                 found[service] = beat
         return found
 
-    async def workers(self, service: str) -> dict[str, Heartbeat]:
-        """The live heartbeats of a control service's workers, by worker name."""
+    async def workers(self, service: str, server: str = "") -> dict[str, Heartbeat]:
+        """The live heartbeats of a control service's workers (on `server`), by name."""
         found: dict[str, Heartbeat] = {}
-        async for key in self.client.scan_iter(match=keys.worker_heartbeats(service)):
+        async for key in self.client.scan_iter(match=keys.worker_heartbeats(service, server)):
             name = _text(key)
             raw = await self.client.get(name)
             beat = None if raw is None else quarantine.parse(Heartbeat, raw, name)

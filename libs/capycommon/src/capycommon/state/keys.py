@@ -17,20 +17,26 @@ def host_prefix(host: str) -> str:
     return f"{PREFIX}:host:{host}"
 
 
-def heartbeat(service: str, host: str) -> str:
-    """The heartbeat of one service process; host services under their host's prefix. A
-    worker of a service beats under its own name, the service's and its number (router-0)."""
+def heartbeat(service: str, host: str, server: str = "") -> str:
+    """The heartbeat of one service process; host services under their host's prefix, and
+    a replicated server's control services under their server's address (`server`), as
+    every server runs its own. A worker of a service beats under its own name, the
+    service's and its number (router-0)."""
     kind = service.split("-", 1)[0]
     if kind in HOST_SERVICES:
         return f"{host_prefix(host)}:heartbeat:{service}"
     if kind in CONTROL_SERVICES:
-        return f"{PREFIX}:heartbeat:{service}"
+        return f"{PREFIX}:heartbeat:{service}{_at(server)}"
     raise ValueError(f"unknown service {service!r}")
 
 
-def worker_heartbeats(service: str) -> str:
-    """The pattern of the heartbeats of a control service's workers."""
-    return f"{PREFIX}:heartbeat:{service}-*"
+def worker_heartbeats(service: str, server: str = "") -> str:
+    """The pattern of the heartbeats of a control service's workers (on `server`)."""
+    return f"{PREFIX}:heartbeat:{service}-*{_at(server)}"
+
+
+def _at(server: str) -> str:
+    return f"@{server}" if server else ""
 
 
 def engines(host: str) -> str:
@@ -242,6 +248,24 @@ def unreachable_hosts() -> str:
 def refusals() -> str:
     """Hash: `<host>:<kind>` -> how many values the control plane refused (`quarantine`)."""
     return f"{PREFIX}:refusals"
+
+
+def topology() -> str:
+    """The servers' Sentinels and how to ask them for the primary
+    (`capycommon.replication.Topology`), which hosts may read."""
+    return f"{PREFIX}:topology"
+
+
+def replication_probe() -> str:
+    """A counter the management API increments to wait on: once a replica holds it, the
+    replica holds every write before it (`capycommon.state.replicas`)."""
+    return f"{PREFIX}:replication-probe"
+
+
+def host_users() -> str:
+    """Hash: joined host -> the SHA-256 of its Redis user's password. Each server applies it
+    to its own Redis's users, which replication does not carry (`capycommon.state.acl`)."""
+    return f"{PREFIX}:host-users"
 
 
 def scheduler_lease() -> str:

@@ -14,22 +14,31 @@ on it the same way, and the next command opens a new one. A command whose caller
 (cancelled, or out of time) before it was written is not sent at all. Failures are redis-py's own
 exceptions, which callers already catch: ConnectionError, TimeoutError, and ResponseError
 (RedisCannotWrite for Redis's MISCONF refusal) for an error answer.
+
+The pipe speaks TLS where its client's pool does (the certificate files read at each
+connect). On replicated servers (a pool that asks the Sentinels, `capycommon.state.primary`)
+it asks them for the primary at each connect, and a READONLY answer, which says the Redis it
+talks to was made a replica, fails the connection as lost (ConnectionError): the next command
+connects to the new primary.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import ssl
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, TypeAlias, cast
 
 import redis.asyncio as aioredis
 from redis._parsers import _AsyncRESP2Parser
+from redis.asyncio.connection import SSLConnection
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capycommon.flight import Flight
@@ -38,6 +47,8 @@ from capycommon.flight import Flight
 # inside an array stays there as its exception.
 Reply: TypeAlias = Any
 Arg: TypeAlias = bytes | str | int | float
+# Where the primary is now, (host, port): asked at each connect of a replicated target's pipe.
+Locate: TypeAlias = Callable[[], Awaitable[tuple[str, int]]]
 
 
 class RedisCannotWrite(ResponseError):
@@ -75,6 +86,39 @@ class Script:
 
 
 @dataclass(frozen=True)
+class Tls:
+    """The certificate a TLS connection presents and the authority it trusts, as a redis-py
+    pool has them: read at each connect, so a renewed certificate is used without a
+    restart."""
+
+    certificate: str | None = None
+    key: str | None = None
+    authority: str | None = None
+    verify: bool = True
+    check_hostname: bool = True
+
+    @classmethod
+    def of(cls, found: Mapping[str, Any]) -> Tls:
+        reqs = found.get("ssl_cert_reqs", "required")
+        return cls(
+            certificate=found.get("ssl_certfile"),
+            key=found.get("ssl_keyfile"),
+            authority=found.get("ssl_ca_certs"),
+            verify=reqs not in {"none", ssl.CERT_NONE},
+            check_hostname=bool(found.get("ssl_check_hostname", True)),
+        )
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.authority)
+        context.check_hostname = self.verify and self.check_hostname
+        if not self.verify:
+            context.verify_mode = ssl.CERT_NONE
+        if self.certificate is not None:
+            context.load_cert_chain(self.certificate, self.key)
+        return context
+
+
+@dataclass(frozen=True)
 class Address:
     """Where Redis listens and how to open a session there, as a redis-py client has it."""
 
@@ -86,11 +130,14 @@ class Address:
     password: str | None = None
     timeout_s: float = 5.0
     connect_timeout_s: float = 2.0
+    tls: Tls | None = None
 
     @classmethod
     def of(cls, client: aioredis.Redis) -> Address:
-        found = client.connection_pool.connection_kwargs
+        pool = client.connection_pool
+        found = pool.connection_kwargs
         timeout = found.get("socket_timeout") or 5.0
+        secure = issubclass(pool.connection_class, SSLConnection)
         return cls(
             path=found.get("path"),
             host=found.get("host", "localhost"),
@@ -100,6 +147,7 @@ class Address:
             password=found.get("password"),
             timeout_s=float(timeout),
             connect_timeout_s=float(found.get("socket_connect_timeout") or timeout),
+            tls=Tls.of(found) if secure else None,
         )
 
     def __str__(self) -> str:
@@ -195,7 +243,9 @@ class _Connection(asyncio.Protocol):
         if self.failure is None:
             self.failure = error
         if self.transport is not None:
-            self.transport.close()
+            # At once: nothing more is sent on a failed connection, and a TLS one's close
+            # would wait for the server's goodbye.
+            self.transport.abort()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -261,6 +311,9 @@ class _Connection(asyncio.Protocol):
                 if future.done():  # its caller was cancelled: the answer is dropped
                     continue
                 if isinstance(reply, Exception):  # an error answer
+                    if isinstance(reply, ReadOnlyError):
+                        self._demoted(future, reply)
+                        return
                     future.set_exception(reply)
                 else:
                     future.set_result(reply)
@@ -271,6 +324,17 @@ class _Connection(asyncio.Protocol):
             return
         self.buffer = buf[pos:] if pos < len(buf) else b""
 
+    def _demoted(self, future: asyncio.Future[Reply], reply: ReadOnlyError) -> None:
+        """Redis answered READONLY: it is a replica now (the Sentinels made another Redis
+        the primary). The connection is lost to the pipe, as it is to redis-py's Sentinel
+        pools, so the next command connects to the primary."""
+        error = RedisConnectionError(
+            f"Redis at {self.address} is a replica now ({reply}); the next command "
+            "connects to the primary"
+        )
+        future.set_exception(error)
+        self.fail(error)
+
     def connection_lost(self, exc: Exception | None) -> None:
         why = f": {exc}" if exc is not None else ""
         self.fail(RedisConnectionError(f"Redis at {self.address} closed the connection{why}"))
@@ -280,8 +344,11 @@ class Pipe:
     """Commands to Redis on one shared connection, opened at the first command and again at
     the first after a failure."""
 
-    def __init__(self, address: Address) -> None:
+    def __init__(self, address: Address, locate: Locate | None = None) -> None:
         self.address = address
+        # A replicated target's: where the primary is, asked at each connect (its host and
+        # port replace the address's).
+        self.locate = locate
         self._connection: _Connection | None = None
         # The connection is opened once for every command waiting for it.
         self._opening = Flight(self._connect)
@@ -293,7 +360,8 @@ class Pipe:
         pool = client.connection_pool
         found = _PIPES.get(pool)
         if found is None:
-            found = _PIPES[pool] = cls(Address.of(client))
+            locate = _locator(pool) if isinstance(pool, SentinelConnectionPool) else None
+            found = _PIPES[pool] = cls(Address.of(client), locate)
         return found
 
     async def execute(self, *args: Arg) -> Reply:
@@ -316,8 +384,25 @@ class Pipe:
             self._connection.close()
             self._connection = None
 
+    def leave(self, primary: tuple[str, int]) -> bool:
+        """Fail the connection if it is to another Redis than `primary` (the Sentinels
+        named another); whether it did. The next command connects to the primary."""
+        connection = self._connection
+        if connection is None or connection.failure is not None:
+            return False
+        address = connection.address
+        if address.path is not None or (address.host, address.port) == primary:
+            return False
+        connection.fail(
+            RedisConnectionError(f"Redis at {address} is no longer the primary; connect again")
+        )
+        return True
+
     async def _connect(self) -> _Connection:
         address = self.address
+        if self.locate is not None:
+            host, port = await self.locate()
+            address = replace(address, host=host, port=port)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(address.connect_timeout_s):
@@ -326,14 +411,19 @@ class Pipe:
                         lambda: _Connection(address), address.path
                     )
                 else:
+                    secure = None if address.tls is None else address.tls.context()
                     _, connection = await loop.create_connection(
-                        lambda: _Connection(address), address.host, address.port
+                        lambda: _Connection(address),
+                        address.host,
+                        address.port,
+                        ssl=secure,
+                        server_hostname=None if secure is None else address.host,
                     )
         except TimeoutError:
             raise RedisTimeoutError(
                 f"cannot connect to Redis at {address} in {address.connect_timeout_s:g} s"
             ) from None
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError among them: a refused certificate
             raise RedisConnectionError(f"cannot connect to Redis at {address}: {exc}") from None
         hello: list[asyncio.Future[Reply]] = []
         if address.password is not None:
@@ -351,16 +441,39 @@ class Pipe:
         return connection
 
 
+def _locator(pool: SentinelConnectionPool) -> Locate:
+    """Where `pool`'s Sentinels say the primary is, without keeping the pool alive: the pipe
+    is the pool's, kept by a weak reference to it."""
+    held = weakref.ref(pool)
+
+    async def locate() -> tuple[str, int]:
+        found = held()
+        if found is None:
+            raise RedisConnectionError("the client this pipe belonged to was closed")
+        host, port = await found.get_master_address()  # type: ignore[no-untyped-call]
+        return str(host), int(port)
+
+    return locate
+
+
+def leave(pool: Any, primary: tuple[str, int]) -> bool:
+    """`Pipe.leave` for the pipe of `pool`, if it has one."""
+    found = _PIPES.get(pool)
+    return found is not None and found.leave(primary)
+
+
 # Each client pool's pipe; the pool going away takes its pipe along.
 _PIPES: weakref.WeakKeyDictionary[Any, Pipe] = weakref.WeakKeyDictionary()
 
 
 class ClosingPool(aioredis.BlockingConnectionPool):
     """redis-py's blocking pool, closing the pipe made of it (`Pipe.of`) when it closes its
-    own connections, as a client's `aclose` does."""
+    own connections, as a client's `aclose` does. Closing only the idle ones (a Sentinel
+    pool does when the primary moved) leaves the pipe: it finds the primary itself."""
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
-        found = _PIPES.pop(self, None)
-        if found is not None:
-            found.close()
+        if inuse_connections:
+            found = _PIPES.pop(self, None)
+            if found is not None:
+                found.close()
         await super().disconnect(inuse_connections)

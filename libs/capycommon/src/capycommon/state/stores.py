@@ -34,8 +34,10 @@ from capycommon.state.pagesessions import PageSessions
 from capycommon.state.persistence import Persistence
 from capycommon.state.places import PlaceStore
 from capycommon.state.refusals import RefusalStore
+from capycommon.state.replicas import ReplicaStore
 from capycommon.state.settlement import SettlementStore
 from capycommon.state.store import EventStore, InstanceStore
+from capycommon.state.topology import TopologyStore
 
 T = TypeVar("T")
 
@@ -70,6 +72,16 @@ class State:
     def commands(self) -> HostCommandStore:
         """Each host's command stream."""
         return HostCommandStore(self.client)
+
+    @cached_property
+    def replicas(self) -> ReplicaStore:
+        """The primary's replicas: a write confirmed on one, and how far each lags."""
+        return ReplicaStore(self.client)
+
+    @cached_property
+    def topology(self) -> TopologyStore:
+        """Where the servers' Sentinels are, for the hosts."""
+        return TopologyStore(self.client)
 
     @cached_property
     def leader(self) -> LeaderStore:
