@@ -23,6 +23,7 @@ from capycommon.replication import (
     SENTINEL_USER,
     Secrets,
 )
+from capycommon.replsettings import ReplicationSection
 from capycommon.settings import ServerSettings
 from capycommon.settingsources import load_settings
 from capycommon.state import acl
@@ -209,12 +210,17 @@ def silent() -> Iterator[int]:
         sock.close()
 
 
+def _unanswered(tmp_path: Path, silent: int) -> tuple[StatePaths, ReplicationSection, Secrets]:
+    """A server's state dir, its replication settings with Sentinels that never answer, and
+    its secrets."""
+    section = _settings(**{"--replication-sentinel-port": str(silent)}).replication
+    return _state(tmp_path), section, Secrets.generate()
+
+
 def test_with_no_sentinel_answering_the_first_start_is_its_own_primary(
     tmp_path: Path, silent: int
 ) -> None:
-    paths = _state(tmp_path)
-    section = _settings(**{"--replication-sentinel-port": str(silent)}).replication
-    shared = Secrets.generate()
+    paths, section, shared = _unanswered(tmp_path, silent)
     assert primary.choose(paths, section, shared, timeout=0.5) == ADVERTISE
     assert replication.read_initial_primary(paths.initial_primary) == ADVERTISE, "kept"
 
@@ -222,9 +228,7 @@ def test_with_no_sentinel_answering_the_first_start_is_its_own_primary(
 def test_with_no_sentinel_answering_a_start_follows_what_it_knew(
     tmp_path: Path, silent: int
 ) -> None:
-    paths = _state(tmp_path)
-    section = _settings(**{"--replication-sentinel-port": str(silent)}).replication
-    shared = Secrets.generate()
+    paths, section, shared = _unanswered(tmp_path, silent)
     replication.keep_initial_primary(paths.initial_primary, PEERS[0])  # from its peer file
     assert primary.choose(paths, section, shared, timeout=0.5) == PEERS[0]
     sentinelconf.ensure(paths, _settings(), shared, PEERS[1])  # what its Sentinel recorded

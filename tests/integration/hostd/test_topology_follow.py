@@ -59,12 +59,18 @@ def _kept(paths: StatePaths) -> Topology | None:
     return found.topology
 
 
+@pytest.fixture
+async def state(client: aioredis.Redis) -> State:
+    """The server's Redis with TOPOLOGY published, as a replicated server's scheduler does."""
+    found = State(client)
+    await found.topology.publish(TOPOLOGY)
+    return found
+
+
 @pytest.mark.anyio
 async def test_the_joined_file_gains_the_published_topology(
-    client: aioredis.Redis, paths: StatePaths
+    state: State, paths: StatePaths
 ) -> None:
-    state = State(client)
-    await state.topology.publish(TOPOLOGY)
     stop = asyncio.Event()
     following = asyncio.create_task(topology.follow(state, paths, stop))
     try:
@@ -86,11 +92,7 @@ async def test_the_joined_file_gains_the_published_topology(
 
 
 @pytest.mark.anyio
-async def test_a_changed_topology_replaces_the_kept_one(
-    client: aioredis.Redis, paths: StatePaths
-) -> None:
-    state = State(client)
-    await state.topology.publish(TOPOLOGY)
+async def test_a_changed_topology_replaces_the_kept_one(state: State, paths: StatePaths) -> None:
     assert await topology.refresh(state, paths) == TOPOLOGY
     moved = TOPOLOGY.model_copy(update={"sentinels": ("10.0.0.21:26379", "10.0.0.12:26379")})
     await state.topology.publish(moved)
