@@ -95,9 +95,8 @@ class Sentinels(Sentinel):
 
     def _leave_running(self, asked: Sequence[asyncio.Future[tuple[str, int] | None]]) -> None:
         for question in asked:
-            if not question.done():
-                self._stragglers.add(question)
-                question.add_done_callback(self._ended)
+            self._stragglers.add(question)
+            question.add_done_callback(self._ended)  # at once for one already done
 
     def _ended(self, question: asyncio.Future[tuple[str, int] | None]) -> None:
         self._stragglers.discard(question)
