@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import pairwise
@@ -230,8 +231,11 @@ def fleet() -> Iterator[Fleet]:
             "invite", "server", "--output", str(found.peer_file), *found.flags["s1"]
         )
         assert invited.returncode == 0, invited.stderr
-        for name in ("s2", "s3"):
-            found.start_server(name, peer=True)
+        # The two others start side by side, as their machines would.
+        with ThreadPoolExecutor(2) as starting:
+            started = [starting.submit(found.start_server, name, True) for name in ("s2", "s3")]
+            for each in started:
+                each.result()
         for index, (name, address) in enumerate(HOSTS.items()):
             home = folder / name
             join_with_engines(first, name, home, installs)
