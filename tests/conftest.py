@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import faulthandler
+import os
 import shutil
+import sys
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -45,6 +48,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return next(found, len(LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: the order within a folder stays
+
+
+# A test whose whole run (set-up, call and tear-down) lasts this long is stuck where its
+# timeout cannot reach: a tear-down that waits forever once the timeout has failed the test.
+# Every thread's stack goes to the terminal and the worker ends; the run goes on without it,
+# reports that test as failed, and says where it was stuck.
+STUCK_S = 420
+_terminal = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_terminal] = os.dup(sys.stderr.fileno())  # before a test's output is captured
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    faulthandler.dump_traceback_later(STUCK_S, exit=True, file=item.config.stash[_terminal])
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture
