@@ -3,8 +3,9 @@ with a repair that works (tests/e2e/test_damaged_*.py).
 
 `saved_state` leaves a stopped role's state dir whose Redis keeps a manifest, a base file (its
 last rewrite) and an incremental file: BEFORE was written before the rewrite and lives in the
-base, AFTER after it, in the incremental file. Each test damages a copy, starts the role as a
-person does, runs the commands of its refusal as they are written, and starts it again."""
+base, AFTER after it, in the incremental file, and then a transaction. Each test damages a
+copy, starts the role as a person does, runs the commands of its refusal as they are
+written, and starts it again."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def saved_state() -> Iterator[Path]:
             manifest = role.state_dir / "redis" / "appendonly" / MANIFEST
             wait_for(lambda: BASE in manifest.read_text(), timeout=30, what="the rewrite")
             redis_client.set(AFTER, "kept in the incremental file")
+            with redis_client.pipeline(transaction=True) as transaction:
+                transaction.set(f"{AFTER}:1", "one").set(f"{AFTER}:2", "two").execute()
         assert role.stop() == 0
         yield role.state_dir
     finally:
@@ -79,11 +82,16 @@ def tear(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-5])
 
 
-def split(aof: Path) -> Path:
+def split(aof: Path, in_transaction: bool = False) -> Path:
     """Cut the incremental file in two at a record boundary and list both, as a rewrite that
-    failed leaves them; returns the first, now not the last."""
+    failed leaves them; returns the first, now not the last. `in_transaction`: the cut is
+    after the first command of the transaction `saved_state` wrote (the scheduler's lease
+    writes such), so the first file ends in it, with no EXEC."""
     data = (aof / INCR).read_bytes()
-    cut = data.index(b"\r\n*", len(data) // 2) + 2
+    start = data.rindex(b"MULTI\r\n") if in_transaction else len(data) // 2
+    cut = data.index(b"\r\n*", start) + 2
+    if in_transaction:
+        cut = data.index(b"\r\n*", cut) + 2
     (aof / INCR).write_bytes(data[:cut])
     (aof / "appendonly.aof.3.incr.aof").write_bytes(data[cut:])
     (aof / MANIFEST).write_text(

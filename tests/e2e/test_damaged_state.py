@@ -52,13 +52,15 @@ def test_damage_stops_the_role_with_a_repair_that_works(saved: Path, damage: Dam
 TORN = {
     "at the end of the last incremental file": lambda aof: tear(aof / INCR),
     "at the end of an earlier incremental file": lambda aof: tear(split(aof)),
+    # Redis cuts the torn record and exits, then cuts the open transaction and exits again.
+    "inside a transaction at the end of an earlier file": lambda aof: tear(split(aof, True)),
 }
 
 
 @pytest.mark.parametrize("torn", TORN.values(), ids=TORN.keys())
 def test_a_torn_last_record_is_no_damage(saved: Path, torn: Callable[[Path], None]) -> None:
     """A crash mid-write leaves a file's last record cut short: Redis cuts it off and loads
-    the rest, at once or at its next start (an earlier file: it exits after the cut)."""
+    the rest, at once or at a later start (an earlier file: it exits after each cut)."""
     with copy_of(saved) as state:
         torn(state / "redis" / "appendonly")
         role = start_role(state_dir=state)

@@ -7,7 +7,8 @@ What works, tried against redis-server and redis-check-aof 7.0:
 
 - A torn record at the end of an incremental file is not damage: Redis cuts it off and loads
   the rest (`aof-load-truncated`, on by default); at the end of an earlier file it exits
-  after cutting it, and loads at its next start, which supervisord makes.
+  after cutting it, and loads at its next start, which supervisord makes (or the one after,
+  when the cut left a transaction open: that start cuts it off and exits too).
 - A record Redis cannot read in the last incremental file: `redis-check-aof --fix <manifest>`
   cuts that file at the record.
 - A record Redis cannot read in an earlier incremental file: redis-check-aof cuts only the

@@ -47,10 +47,11 @@ from capyctl_cli.wakeups import Wake, drain, inotify
 log = logging.getLogger("capyctl.launcher")
 
 STOP_DEADLINE_S = 30.0
-# Redis whose starts fail this many times in a row, none loading its data, cannot start. One
-# failure is not enough: a record cut short at the end of an earlier incremental file makes
-# Redis cut it and exit, and its next start loads.
-REDIS_FAILED_STARTS = 2
+# Redis whose starts fail this many times in a row, none loading its data, cannot start. Two
+# failures are not enough: a record cut short at the end of an earlier incremental file makes
+# Redis cut it and exit, and when the cut leaves a transaction open (MULTI with no EXEC, as
+# the scheduler's lease writes), its next start cuts that off and exits too; the third loads.
+REDIS_FAILED_STARTS = 3
 # How often the launcher asks Redis whether it can save (more often once it cannot, to say
 # soon when it saves again).
 REFUSAL_EVERY_S = 5.0
@@ -304,6 +305,9 @@ class RedisWatch:
         if now < self._next:
             return None
         self._next = now + REDIS_CHECK_S
+        # The log is read before supervisord is asked: every start it counts began before
+        # the answer, so an answer that Redis is not running means each of them is over.
+        failed = self._starts.failed_in_a_row()
         try:
             found = supervisor.processes(self.paths.supervisor_socket, timeout=2.0)
         except OSError:
@@ -315,7 +319,9 @@ class RedisWatch:
             self._follow(redis_info.pid)
         gave_up = redis_info.state == "FATAL"
         exited = redis_info.state in ("BACKOFF", "EXITED")  # its last start, too, is over
-        if gave_up or (exited and self._starts.failed_in_a_row() >= REDIS_FAILED_STARTS):
+        # Read again: a start counted may have loaded since (its READY line came after).
+        failed = min(failed, self._starts.failed_in_a_row())
+        if gave_up or (exited and failed >= REDIS_FAILED_STARTS):
             return aofrepair.redis_failure(self.paths)
         return None
 
