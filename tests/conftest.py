@@ -36,15 +36,22 @@ def redis_socket() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-# The folders whose files run longest, handed to the workers first: files go to the workers
-# in collection order, and a run whose last file to start is a release test (it builds and
-# installs releases, minutes of it) ends with one worker busy and the others idle.
-LONGEST_FIRST = ("tests/release/", "tests/chaos/", "tests/e2e/")
+# The files that run longest, handed to the workers first: files go to the workers in
+# collection order, and a run whose last file to start is a release test (it builds and
+# installs releases, minutes of it) ends with one worker busy and the others idle. One
+# release file comes first, to build the releases; the others wait on that build, so they
+# come after the end-to-end tests, by when it is done, instead of holding idle workers.
+LONGEST_FIRST = (
+    "tests/release/test_release_signature.py",
+    "tests/chaos/",
+    "tests/e2e/",
+    "tests/release/",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
-        found = (i for i, folder in enumerate(LONGEST_FIRST) if item.nodeid.startswith(folder))
+        found = (i for i, start in enumerate(LONGEST_FIRST) if item.nodeid.startswith(start))
         return next(found, len(LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: the order within a folder stays

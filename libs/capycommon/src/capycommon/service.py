@@ -41,6 +41,7 @@ from capycommon.redistarget import RedisTarget, target_for
 from capycommon.settings import ROLES, AnySettings, Role, host_name, server_tag
 from capycommon.settingsources import load_settings, locate_document
 from capycommon.state import heartbeats, pipe
+from capycommon.state.aborting import aborting
 from capycommon.state.functions import FunctionsMissing
 from capycommon.state.pipe import ClosingPool, ReplyParser
 from capycommon.state.primary import sentinel_pool
@@ -248,6 +249,7 @@ def redis_client(target: RedisTarget | str, connections: int = REDIS_CONNECTIONS
         pool: ClosingPool = sentinel_pool(target.topology, target.client_options(), **options)
     else:
         pool = ClosingPool.from_url(target.url, **target.client_options(), **options)
+    pool.connection_class = aborting(pool.connection_class)
     return aioredis.Redis.from_pool(pool)
 
 

@@ -43,6 +43,7 @@ from redis.exceptions import RedisError
 
 from capycommon.domain.replication import Topology
 from capycommon.state import pipe
+from capycommon.state.aborting import aborting
 from capycommon.state.pipe import ClosingPool
 from capycommon.tasks import cancel_and_wait
 
@@ -68,6 +69,9 @@ class Sentinels(Sentinel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        for sentinel in self.sentinels:
+            pool = sentinel.connection_pool
+            pool.connection_class = aborting(pool.connection_class)
         self._stragglers: set[asyncio.Future[tuple[str, int] | None]] = set()
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:
