@@ -246,6 +246,15 @@ def test_two_roles_run_side_by_side_and_a_state_dir_holds_one(standalone: Role) 
     assert standalone.healthy()
 
 
+def test_status_shows_what_planning_costs(standalone: Role) -> None:
+    """The leader writes what its ticks cost from its first tick on; status shows it."""
+    planning = wait_for(lambda: standalone.status()["planning"], 10, "the planning times")
+    assert planning["ticks"] >= 1
+    assert 0 < planning["p50_ms"] <= planning["p99_ms"] <= planning["max_ms"]
+    shown = standalone.capyctl("status")
+    assert re.search(r"planning +a tick takes [\d.]+ ms \(p50\)", shown.stdout), shown.stdout
+
+
 def test_status_without_a_running_role(tmp_path: Path) -> None:
     result = capyctl("status", "--state-dir", str(tmp_path))
     assert result.returncode == 27

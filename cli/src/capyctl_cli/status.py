@@ -13,7 +13,7 @@ import redis
 from pydantic import BaseModel, ValidationError
 
 from capycommon.domain.hosts import Heartbeat
-from capycommon.domain.leader import Lease
+from capycommon.domain.leader import Lease, PlanTimes
 from capycommon.domain.memory import MemoryReading
 from capycommon.errors import RoleNotRunning
 from capycommon.paths import StatePaths
@@ -109,6 +109,8 @@ class StatusReport(BaseModel):
     hosts: list[HostMemory]
     # None on a host (its user may not read it), or where nobody holds it.
     scheduler_lease: LeaseStatus | None = None
+    # What the leader's planning ticks cost, as it last wrote (None on a host, or before).
+    planning: PlanTimes | None = None
     # Replicated servers alone.
     replication: replstatus.ReplicationStatus | None = None
 
@@ -156,6 +158,7 @@ def collect(paths: StatePaths) -> StatusReport:
         processes=processes,
         hosts=seen.hosts,
         scheduler_lease=_lease(seen.lease, found.state_dir),
+        planning=seen.planning,
         replication=seen.replication,
     )
 
@@ -174,6 +177,7 @@ class Observed:
     # Why Redis refuses writes, if it does.
     refusal: str | None = None
     lease: Lease | None = None
+    planning: PlanTimes | None = None
     replication: replstatus.ReplicationStatus | None = None
 
 
@@ -188,6 +192,7 @@ def _observe(running: RoleRecord) -> Observed:
             if running.role != "host":  # a host's own Redis user may ask neither
                 seen.refusal = state(lambda s: s.persistence.save_failure())
                 seen.lease = state(lambda s: s.leader.current())
+                seen.planning = state(lambda s: s.leader.plan_times())
                 seen.replication = replstatus.collect(StatePaths(Path(running.state_dir)), state)
             seen.beats = state(
                 lambda s: s.heartbeats.of_services(host, running.processes, running.server)
@@ -259,6 +264,8 @@ def render(report: StatusReport) -> str:
         summary.append(("redis refuses writes", _refusal(report)))
     if report.role != "host":
         summary.append(("scheduler lease", _lease_line(report.scheduler_lease)))
+        if report.planning is not None:
+            summary.append(("planning", _planning_line(report.planning)))
     if report.replication is not None:
         summary += replstatus.render(report.replication)
     rows: list[tuple[object, ...]] = []
@@ -281,6 +288,13 @@ def _lease_line(lease: LeaseStatus | None) -> str:
     whose = "this server" if lease.here else lease.server
     age = output.duration(time.time() - lease.since)
     return f"held by {whose} (epoch {lease.epoch}, for {age})"
+
+
+def _planning_line(times: PlanTimes) -> str:
+    return (
+        f"a tick takes {times.p50_ms:g} ms (p50), {times.p99_ms:g} ms (p99), "
+        f"{times.cpu_ms:g} ms of CPU, over its last {times.ticks} ticks"
+    )
 
 
 def _refusal(report: StatusReport) -> str:

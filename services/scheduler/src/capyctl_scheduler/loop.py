@@ -34,6 +34,7 @@ from capyctl_scheduler.changes import Changes
 from capyctl_scheduler.charges import gpu_memory
 from capyctl_scheduler.leadership import RENEW_S, Leadership
 from capyctl_scheduler.observe import Observer
+from capyctl_scheduler.plantimes import Stopwatch, TickTimes
 from capyctl_scheduler.policy import plan, quiet_until
 from capyctl_scheduler.snapshot import Snapshot
 
@@ -187,6 +188,8 @@ class Scheduler:
     leadership: Leadership | None = None
     # The epoch of the lease this scheduler's current term began under.
     _term: int | None = None
+    # What its ticks cost, written for `capyctl status` while it leads.
+    times: TickTimes = field(default_factory=TickTimes)
 
     def __post_init__(self) -> None:
         self._hosts_changed = asyncio.Event()
@@ -261,7 +264,9 @@ class Scheduler:
                         await self._follow(stop)
                         continue
                     try:
+                        watch = Stopwatch()
                         await self.tick()
+                        await self._timed(*watch.read())
                     except REDIS_ERRORS as exc:
                         log.warning("planning loop paused: Redis: %s", exc)
                         await wait_event(stop, 1.0)
@@ -274,6 +279,13 @@ class Scheduler:
                     self.wake.clear()
         finally:
             self.changes.close()
+
+    async def _timed(self, wall_s: float, cpu_s: float) -> None:
+        self.times.add(wall_s, cpu_s)
+        now = time.time()
+        if self.times.due(now):
+            server = "local" if self.leadership is None else self.leadership.server
+            await self.state.leader.publish_plan_times(self.times.summary(server, now))
 
     def _leading(self, stop: asyncio.Event) -> AbstractAsyncContextManager[object]:
         if self.leadership is None:

@@ -22,3 +22,16 @@ class Lease(Strict):
     epoch: int = Field(ge=1)
     # When this holder took it (Unix seconds).
     since: float
+
+
+class PlanTimes(Strict):
+    """What the leader's planning ticks cost, over its last `ticks` (at most a window), as
+    it wrote at `at`: each tick's time from its first read to its last write, and its CPU."""
+
+    server: str = Field(min_length=1, max_length=512)
+    ticks: int = Field(ge=0)
+    p50_ms: float = Field(ge=0)
+    p99_ms: float = Field(ge=0)
+    max_ms: float = Field(ge=0)
+    cpu_ms: float = Field(ge=0, description="the mean CPU time a tick took")
+    at: float

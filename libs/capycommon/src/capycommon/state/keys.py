@@ -273,6 +273,11 @@ def scheduler_lease() -> str:
     return f"{PREFIX}:scheduler-lease"
 
 
+def scheduler_plan_times() -> str:
+    """What the leader's planning ticks cost (`capycommon.domain.leader.PlanTimes`)."""
+    return f"{PREFIX}:scheduler-plan-times"
+
+
 def scheduler_epoch() -> str:
     """The fencing epoch of the latest lease: it only grows. Hosts may read it (and nothing
     else outside their prefix but the server's version) to refuse a deposed leader."""

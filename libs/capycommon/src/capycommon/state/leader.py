@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from capycommon.domain.leader import Lease
+from capycommon.domain.leader import Lease, PlanTimes
 from capycommon.state import keys, quarantine
 
 # KEYS: lease, epoch. ARGV: server, token, time to live (ms), now (Unix seconds).
@@ -103,3 +103,12 @@ class LeaderStore:
             quarantine.REFUSALS.refuse(key, raw, "not an epoch (a whole number)")
             return None
         return int(text)
+
+    async def publish_plan_times(self, times: PlanTimes) -> None:
+        await self.client.set(keys.scheduler_plan_times(), times.model_dump_json())
+
+    async def plan_times(self) -> PlanTimes | None:
+        """What the leader's planning costs, as it last wrote; None before it did."""
+        key = keys.scheduler_plan_times()
+        raw = await self.client.get(key)
+        return None if raw is None else quarantine.parse(PlanTimes, raw, key)
