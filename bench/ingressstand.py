@@ -139,6 +139,21 @@ def _start(
     return Role(role, state, cli_env, process, log, port)
 
 
+def start_server(folder: Path, kept: dict[str, Role]) -> Role:
+    """A server role in `folder` (made here), kept in `kept` as soon as it starts, returned
+    once it answers."""
+    folder.mkdir()
+    port = benchrole.free_port()
+    flags = ["--listen", f"127.0.0.1:{port}"]
+    for flag in ("--management-listen", "--enrollment-control-bind"):
+        flags += [flag, f"127.0.0.1:{benchrole.free_port()}"]
+    flags += ["--enrollment-bootstrap-bind", f"127.0.0.1:{benchrole.free_port()}"]
+    server = _start("server", folder, flags, benchrole.role_env(folder), port)
+    kept["server"] = server
+    _wait(server, lambda: server.cli("list", "hosts").returncode == 0, "the server role")
+    return server
+
+
 def _wait(role: Role, check: Callable[[], object], what: str, seconds: float = 120) -> None:
     """Wait for `check()`, failing early with the role's log when the role exits."""
     deadline = time.monotonic() + seconds
@@ -203,17 +218,7 @@ class Stand:
         self.engines = {"local": standalone.engine(LOCAL), "host": server.engine(JOINED)}
 
     def _server(self) -> Role:
-        folder = self.root / "server"
-        folder.mkdir()
-        port = benchrole.free_port()
-        flags = ["--listen", f"127.0.0.1:{port}"]
-        for flag in ("--management-listen", "--enrollment-control-bind"):
-            flags += [flag, f"127.0.0.1:{benchrole.free_port()}"]
-        flags += ["--enrollment-bootstrap-bind", f"127.0.0.1:{benchrole.free_port()}"]
-        server = _start("server", folder, flags, benchrole.role_env(folder), port)
-        self.roles["server"] = server
-        _wait(server, lambda: server.cli("list", "hosts").returncode == 0, "the server role")
-        return server
+        return start_server(self.root / "server", self.roles)
 
     def _join(self, server: Role, venv: Path, ports: str) -> None:
         """Invite and join the host, register the engine install and the model there, and
