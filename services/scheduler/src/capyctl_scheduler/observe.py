@@ -18,8 +18,6 @@ from capycommon.deployments.resolve import named_path
 from capycommon.domain.commands import Describe, HubPull
 from capycommon.domain.desired import DeploymentRecord
 from capycommon.domain.hosts import (
-    STARTUP_HOST_BYTES,
-    TENSOR_PARALLEL,
     EngineLoad,
     HostIdentity,
     HostInfo,
@@ -28,23 +26,19 @@ from capycommon.domain.instances import LIVE_STATES, InstanceRecord
 from capycommon.domain.memory import LINK_ORDER, Link, MemoryReading
 from capycommon.domain.models import HostModels
 from capycommon.domain.places import Places
-from capycommon.engines import lmcache
 from capycommon.engines.registry import EngineProfile, PublishedEngines
-from capycommon.errors import CapyError, HostCapabilityMissing, ProfileNotPublished
+from capycommon.errors import CapyError, ProfileNotPublished
 from capycommon.state import ownership
 from capycommon.state.hostmarks import HostMarks
 from capycommon.state.stores import State
-from capycommon.version import __version__
+from capyctl_scheduler.bindings import Bindings
 from capyctl_scheduler.ledger import (
     SYSTEM,
     Domain,
-    Footprint,
     Limits,
-    Provenance,
     derive_domains,
 )
 from capyctl_scheduler.routedload import RoutedLoads
-from capyctl_scheduler.sizing import engine_footprints
 from capyctl_scheduler.snapshot import Binding, HostView, Snapshot, Tunables
 
 
@@ -92,6 +86,7 @@ class Observer:
 
     def __post_init__(self) -> None:
         self._own = frozenset(self.hosts)
+        self._bindings = Bindings(self.state, self._resolve)
 
     async def known_hosts(self) -> list[str]:
         """The hosts it plans for now (kept in `hosts`)."""
@@ -165,14 +160,10 @@ class Observer:
     ) -> tuple[dict[str, Places], dict[str, dict[str, Binding]]]:
         """The request places of each instance, and each deployment bound to each host."""
         names = list(instances)
-        pairs = [(name, read) for name in deployments for read in reads]
-        found_places, found_bindings = await asyncio.gather(
+        found_places, bindings = await asyncio.gather(
             asyncio.gather(*(self.state.places.get(name) for name in names)),
-            asyncio.gather(*(self._binding(deployments[name], read) for name, read in pairs)),
+            self._bindings.of(deployments, reads),
         )
-        bindings: dict[str, dict[str, Binding]] = {name: {} for name in deployments}
-        for (name, read), binding in zip(pairs, found_bindings, strict=True):
-            bindings[name][read.host] = binding
         return dict(zip(names, found_places, strict=True)), bindings
 
     async def _host_reads(self, host: str, now: float, marks: Awaitable[HostMarks]) -> _HostRead:
@@ -286,19 +277,6 @@ class Observer:
         links = _links(reading)
         return replace(empty, domains=domains, gpus=gpus, unified=unified, links=links)
 
-    async def _binding(self, record: DeploymentRecord, read: _HostRead) -> Binding:
-        """`record` bound to the host `read` is of, with its footprints there."""
-        host, view = read.host, read.view
-        binding = self._resolve(record, host, view, read.engines, read.models)
-        if binding.resolved is None or not view.domains:
-            return binding
-        try:
-            _spans_here(record, view)
-            footprints = await self._footprints(record, host, view, binding)
-        except HostCapabilityMissing as exc:
-            return Binding(host, error=exc)
-        return Binding(host, binding.resolved, footprints)
-
     def _resolve(
         self,
         record: DeploymentRecord,
@@ -360,47 +338,6 @@ class Observer:
         await self.state.commands.send(host, wanted)
         self._sent[host] = (wanted, now)
 
-    async def _footprints(
-        self, record: DeploymentRecord, host: str, view: HostView, binding: Binding
-    ) -> dict[str, Footprint]:
-        found = await self._engine_footprints(record, host, view, binding)
-        resolved = binding.resolved
-        assert resolved is not None
-        if resolved.cache is None:
-            return found
-        rss = await self.state.memory.cache_server_rss(host, resolved.cache.fingerprint)
-        server: int = lmcache.SERVER_HOST_ESTIMATE
-        provenance: Provenance = "derived"
-        if rss is not None:
-            server, provenance = rss, "measured"
-        host_bytes = resolved.cache_pool + server
-        return {
-            gpu: footprint.with_cache(
-                host_bytes, (view.domain_of(gpu), lmcache.SERVER_DEVICE_ESTIMATE), provenance
-            )
-            for gpu, footprint in found.items()
-        }
-
-    async def _engine_footprints(
-        self, record: DeploymentRecord, host: str, view: HostView, binding: Binding
-    ) -> dict[str, Footprint]:
-        resolved = binding.resolved
-        assert resolved is not None
-        memory = record.document.engine_config.memory
-        peak = await self.state.memory.startup_peak(
-            host, record.name, record.revision, resolved.profile.fingerprint
-        )
-        startup: tuple[int, Provenance] | None = None
-        startup_host: tuple[int, Provenance] | None = None
-        if memory.startup is not None:
-            startup = (memory.startup, "declared")
-        elif peak is not None:
-            startup = (peak.device_bytes, "measured")
-        if peak is not None:
-            _measured_here(record, view)
-            startup_host = (peak.host_bytes, "measured")
-        return engine_footprints(resolved, view, startup, startup_host)
-
 
 def _paths(records: Iterable[DeploymentRecord]) -> dict[str, HubPull | None]:
     """The model paths the deployments name (a folder, or a pinned Hugging Face source's
@@ -429,34 +366,6 @@ def _links(reading: MemoryReading) -> dict[frozenset[str], Link]:
             if known is None or LINK_ORDER.index(link) > LINK_ORDER.index(known):
                 found[pair] = link
     return found
-
-
-def _spans_here(record: DeploymentRecord, view: HostView) -> None:
-    """A deployment across several GPUs goes only to a host whose release launches one."""
-    if record.document.gpu_count > 1 and TENSOR_PARALLEL not in view.capabilities:
-        spans = f"spans {record.document.gpu_count} GPUs, and host {view.name}"
-        raise _missing(record, view, TENSOR_PARALLEL, spans, ", which launches an engine on one")
-
-
-def _measured_here(record: DeploymentRecord, view: HostView) -> None:
-    """A startup peak measured on a host with a discrete GPU is charged there only if the
-    host's release measures a start's host RAM apart (`startup_host_bytes`)."""
-    if not view.unified and STARTUP_HOST_BYTES not in view.capabilities:
-        measured = f"has a startup peak measured on host {view.name}, which"
-        raise _missing(record, view, STARTUP_HOST_BYTES, measured, " and cannot start it that way")
-
-
-def _missing(
-    record: DeploymentRecord, view: HostView, capability: str, what: str, why: str
-) -> HostCapabilityMissing:
-    """`host_capability_missing:<capability>`: what the deployment needs of the host, the
-    release the host runs, why that cannot, and the upgrade that can."""
-    release = f"CapyCTL {view.version}" if view.version else "a CapyCTL release that names none"
-    return HostCapabilityMissing(
-        f"{record.name!r} {what} runs {release}{why}; upgrade CapyCTL on {view.name} to the "
-        f"server's release ({__version__})",
-        capability=capability,
-    )
 
 
 def _unpublished(host: str) -> Binding:

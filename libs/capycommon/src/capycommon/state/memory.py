@@ -11,7 +11,7 @@ unobserved.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
@@ -22,6 +22,9 @@ from capycommon.domain.instances import InstanceRecord
 from capycommon.domain.memory import MemoryReading, StartupPeak
 from capycommon.domain.notifications import Notification
 from capycommon.state import keys, notify, quarantine
+
+# How many startup peaks one read asks for.
+PEAKS_AT_ONCE = 1000
 
 
 class MemoryStore:
@@ -66,6 +69,22 @@ class MemoryStore:
         key = keys.startup_peak(host, deployment, revision, fingerprint)
         raw = await self.client.get(key)
         return None if raw is None else quarantine.parse(StartupPeak, raw, key)
+
+    async def startup_peaks(
+        self, wanted: Sequence[tuple[str, str, int, str]]
+    ) -> list[StartupPeak | None]:
+        """The startup peaks of (host, deployment, revision, fingerprint) each, read at once
+        (in batches of PEAKS_AT_ONCE keys)."""
+        found: list[StartupPeak | None] = []
+        names = [keys.startup_peak(*each) for each in wanted]
+        for start in range(0, len(names), PEAKS_AT_ONCE):
+            batch = names[start : start + PEAKS_AT_ONCE]
+            raws = await self.client.mget(batch) if batch else []
+            found += [
+                None if raw is None else quarantine.parse(StartupPeak, raw, key)
+                for key, raw in zip(batch, raws, strict=True)
+            ]
+        return found
 
     async def instance_peak(self, host: str, deployment: str, index: int) -> StartupPeak | None:
         """The startup peak measured for the launch an instance record names (its revision
