@@ -23,7 +23,6 @@ import argparse
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import fleetstand
@@ -34,16 +33,12 @@ from capycommon.paths import StatePaths
 from capyctl_cli.gpucheck.role import stop_group
 from capyctl_cli.management import Management
 
+Size = tuple[int, int]  # hosts, deployments
 
-@dataclass(frozen=True)
-class Size:
-    hosts: int
-    deployments: int
 
-    @classmethod
-    def parse(cls, text: str) -> Size:
-        hosts, _, deployments = text.partition(":")
-        return cls(int(hosts), int(deployments))
+def sizes(text: str) -> list[Size]:
+    """`10:100,30:300` as [(10, 100), (30, 300)]."""
+    return [(int(h), int(d)) for h, _, d in (each.partition(":") for each in text.split(","))]
 
 
 def measure(size: Size, seconds: float, root: Path) -> dict[str, float]:
@@ -52,19 +47,19 @@ def measure(size: Size, seconds: float, root: Path) -> dict[str, float]:
     try:
         server = ingressstand.start_server(root / "server", roles)
         began = time.monotonic()
-        folders = fleetstand.join(server, root, size.hosts)
+        folders = fleetstand.join(server, root, size[0])
         joined_s = time.monotonic() - began
         fleet = fleetstand.start_hosts(folders, root / "hosts.log")
         watch = fleetwatch.Watch(server)
-        watch.wait_for_hosts(size.hosts, fleet)
+        watch.wait_for_hosts(size[0], fleet)
         with Management(StatePaths(server.state)) as api:
-            for index in range(size.deployments):
+            for index in range(size[1]):
                 api.deploy({"name": f"d{index:04d}", "engine": "vllm", "model": f"m{index % 20}"})
         watch.settle()
         figures = watch.at_rest(seconds)
         figures |= watch.listing(server)
         figures |= watch.propagation(server, 5)
-        figures["join_ms_per_host"] = joined_s / size.hosts * 1000
+        figures["join_ms_per_host"] = joined_s / size[0] * 1000
         return figures
     finally:
         if fleet is not None:
@@ -96,7 +91,7 @@ ROWS = (
 
 def show(results: dict[Size, dict[str, float]]) -> None:
     sizes = list(results)
-    head = "".join(f"{f'{s.hosts} h, {s.deployments} d':>16}" for s in sizes)
+    head = "".join(f"{f'{h} h, {d} d':>16}" for h, d in sizes)
     grows = len(sizes) > 1
     print(f"\n{'':40}{head}" + (f"{'growth':>10}" if grows else ""))
     for label, key in ROWS:
@@ -106,8 +101,8 @@ def show(results: dict[Size, dict[str, float]]) -> None:
             line += f"{values[-1] / values[0]:9.1f}x"
         print(line)
     if grows:
-        hosts = sizes[-1].hosts / sizes[0].hosts
-        print(f"{'hosts':40}" + "".join(f"{s.hosts:16}" for s in sizes) + f"{hosts:9.1f}x")
+        grown = sizes[-1][0] / sizes[0][0]
+        print(f"{'hosts':40}" + "".join(f"{h:16}" for h, _ in sizes) + f"{grown:9.1f}x")
 
 
 def main() -> None:
@@ -116,11 +111,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
     results: dict[Size, dict[str, float]] = {}
-    for text in args.sizes.split(","):
-        size = Size.parse(text)
+    for size in sizes(args.sizes):
         root = Path(tempfile.mkdtemp(prefix="capy-fleet-"))
         try:
-            print(f"{size.hosts} hosts, {size.deployments} deployments ...", flush=True)
+            print(f"{size[0]} hosts, {size[1]} deployments ...", flush=True)
             results[size] = measure(size, args.seconds, root)
         finally:
             shutil.rmtree(root, ignore_errors=True)

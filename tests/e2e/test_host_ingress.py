@@ -15,7 +15,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-import redis
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -46,14 +45,8 @@ def folder() -> Iterator[Path]:
     shutil.rmtree(made, ignore_errors=True)
 
 
-def _control(server: Role) -> redis.Redis:
-    password = (server.state_dir / "identity" / "redis-password").read_text().strip()
-    sock = server.state_dir / "redis" / "redis.sock"
-    return redis.Redis(unix_socket_path=str(sock), username="capyctl", password=password)
-
-
 def _host_info(server: Role, name: str) -> HostInfo | None:
-    control = _control(server)
+    control = server.control()
     try:
         raw = control.get(keys.host_info(name))
     finally:

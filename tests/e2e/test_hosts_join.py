@@ -38,12 +38,6 @@ def _hosts(server: Role) -> dict[str, dict[str, Any]]:
     return {row["name"]: row for row in json.loads(result.stdout)}
 
 
-def _control(server: Role) -> redis.Redis:
-    password = (server.state_dir / "identity" / "redis-password").read_text().strip()
-    sock = server.state_dir / "redis" / "redis.sock"
-    return redis.Redis(unix_socket_path=str(sock), username="capyctl", password=password)
-
-
 def _as_host(state: Path) -> redis.Redis:
     """A new connection with the host's identity files as they are now."""
     joined = json.loads((state / "identity" / "joined.json").read_text())
@@ -90,7 +84,7 @@ def test_two_hosts_join_and_report_to_the_server(server: Role) -> None:
             assert row["host_id"] == joined["host_id"]
             assert joined["redis_user"] == f"host-{name}"
 
-        control = _control(server)
+        control = server.control()
         try:
             for name in ("gpu-a", "gpu-b"):
                 assert control.exists(f"capyctl:host:{name}:heartbeat:hostd") == 1

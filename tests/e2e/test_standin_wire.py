@@ -31,7 +31,7 @@ from capyctl_cli.management import wait_for as wait_until
 from enginerun import sparse_model
 from enginesim.behaviour import Behaviour
 from enginesim.install import install_python_engine
-from enginesim.standin import HostPlan, Pace, StandInHost
+from enginesim.standin import HostPlan, StandInHost
 from support import (
     Role,
     join_host,
@@ -90,12 +90,6 @@ def folder() -> Iterator[Path]:
     shutil.rmtree(made, ignore_errors=True)
 
 
-def _control(server: Role) -> redis.Redis:
-    password = (server.state_dir / "identity" / "redis-password").read_text().strip()
-    sock = server.state_dir / "redis" / "redis.sock"
-    return redis.Redis(unix_socket_path=str(sock), username="capyctl", password=password)
-
-
 def _shape(client: redis.Redis, host: str, deployment: str) -> dict[str, tuple[str, bool]]:
     """Each key under the host's prefix, its name with the host and the deployment written
     `<h>` and `<d>` (and a startup peak's revision and fingerprint `<r>` and `<f>`): its type
@@ -139,7 +133,7 @@ def _run_stand_in(state: Path, plan: HostPlan, stop: threading.Event) -> None:
 
 def test_the_server_cannot_tell_the_stand_in_from_a_real_host(folder: Path) -> None:
     server = start_role("server")
-    control = _control(server)
+    control = server.control()
     notes = Notes(control)
     real: Role | None = None
     stop = threading.Event()
@@ -159,7 +153,7 @@ def test_the_server_cannot_tell_the_stand_in_from_a_real_host(folder: Path) -> N
             tuple(engines.profiles),
             gpus=1,
             models={"m1": 2 * GiB},
-            pace=Pace(ready_s=0.5),
+            pace={"ready": 0.5},
         )
         stand_in = threading.Thread(
             target=_run_stand_in, args=(folder / STAND_IN / "state", plan, stop), daemon=True

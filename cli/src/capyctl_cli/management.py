@@ -127,19 +127,23 @@ class Management:
         )
 
     def _call(self, request: httpx.Request, answer: type[Answer]) -> Answer:
-        """Send (retrying a request that never reached the API), then read the answer as
-        `answer`, or its error body as the CapyError it names."""
+        """Send (again, with the same Idempotency-Key, when the request never reached the
+        API or the API met a moment's outage of Redis: 503 `redis_unreachable`), then read
+        the answer as `answer`, or its error body as the CapyError it names."""
         for attempt in range(RETRIES):
+            last = attempt == RETRIES - 1
             try:
                 response = self.http.send(request)
-                break
             except httpx.TransportError as exc:
-                if attempt == RETRIES - 1:
+                if last:
                     raise AgentUnreachable(
                         f"the management API did not answer: {exc}; is the scheduler running? "
                         "(capyctl status)"
                     ) from None
-                time.sleep(0.5 * (attempt + 1))
+            else:
+                if last or not _outage(response):
+                    break
+            time.sleep(0.5 * (attempt + 1))
         if response.is_error:
             raise _refusal(response)
         try:
@@ -149,6 +153,12 @@ class Management:
                 f"the management API's answer to {request.method} {request.url.path} is not one "
                 f"capyctl {__version__} reads ({_first(exc)}); is the scheduler the same version?"
             ) from None
+
+
+def _outage(response: httpx.Response) -> bool:
+    """Whether the API answered that Redis was away (the scheduler's client is finding the
+    primary again, say): sent again, the request may well pass."""
+    return response.status_code == 503 and b'"redis_unreachable"' in response.content
 
 
 def _refusal(response: httpx.Response) -> CapyError:

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,15 +50,9 @@ LOAD_S = 1.0  # hostd's load tick while an engine serves
 BLOCK_MS = 2000  # hostd's blocked read of its commands
 
 
-@dataclass(frozen=True)
-class Pace:
-    """How long each step of an engine takes, in seconds."""
-
-    spawn_s: float = 0.2
-    ready_s: float = 2.0
-    park_s: float = 0.5
-    wake_s: float = 0.5
-    stop_s: float = 0.2
+# How long each step of an engine takes, in seconds: spawn (to its process), ready (to its
+# health and canary), park, wake and stop. A plan's `pace` overrides any of them.
+PACE = {"spawn": 0.2, "ready": 2.0, "park": 0.5, "wake": 0.5, "stop": 0.2}
 
 
 @dataclass(frozen=True)
@@ -75,7 +69,10 @@ class HostPlan:
     models_root: str = "/models"
     models: dict[str, int] = field(default_factory=dict)
     default_weights: int = 14 * GiB
-    pace: Pace = Pace()
+    pace: Mapping[str, float] = field(default_factory=dict)
+
+    def step_s(self, step: str) -> float:
+        return self.pace.get(step, PACE[step])
 
     def gpu_uuid(self, index: int) -> str:
         return f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{self.name}.gpu{index}')}"
@@ -298,25 +295,6 @@ class StandInHost:
     async def refuse_record(self, record: InstanceRecord, kind: str, why: str) -> None:
         reason = f"{kind} refused: {why}"
         await self.instances.refused(record.deployment, record.instance, record.generation, reason)
-
-    async def move(
-        self,
-        record: InstanceRecord,
-        state: InstanceState,
-        reason: str,
-        engine_s: float | None = None,
-        **changes: object,
-    ) -> InstanceRecord:
-        """The record moved to `state` as hostd's `Holdings.move` moves it."""
-        new = record.model_copy(update={"state": state, "since": time.time(), **changes})
-        return await self.instances.transition(
-            new,
-            allowed=[record.state],
-            generation=record.generation,
-            reason=reason,
-            previous=record,
-            engine_s=engine_s,
-        )
 
     def process(self) -> ProcessIdentity:
         return ProcessIdentity(pid=os.getpid(), pgid=os.getpgid(0), start_ticks=1)

@@ -1,6 +1,7 @@
 """The stand-in host's engine lifecycle (`standin.py`): launch, park, wake and stop move an
 instance's record through the states and reasons a real hostd writes, each step after its
-`Pace`. A parked engine holds nothing on its GPUs here (a host-backed park)."""
+time (`PACE`, or its plan's `pace`). A parked engine holds nothing on its GPUs here (a
+host-backed park)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ async def launch(host: StandInHost, command: Launch, current: InstanceRecord | N
     if current is not None and current.state not in (S.STOPPED, S.FAILED):
         await host.refuse(command, f"the instance is {current.state}; stop it first")
         return
-    pace = host.plan.pace
     record = InstanceRecord(
         **command.model_dump(include=RECORDED),
         state=S.STARTING,
@@ -68,7 +68,7 @@ async def launch(host: StandInHost, command: Launch, current: InstanceRecord | N
     size = _footprint(host, command)
     host.footprints[record.member] = (command.devices, size)
     await host.instances.keep_secret(command.deployment, command.instance, secrets.token_hex(32))
-    await asyncio.sleep(pace.spawn_s)
+    await asyncio.sleep(host.plan.step_s("spawn"))
     profile = next((p for p in host.plan.profiles if p.name == command.profile), None)
     started = record.model_copy(
         update={
@@ -85,10 +85,14 @@ async def launch(host: StandInHost, command: Launch, current: InstanceRecord | N
         reason="engine process started",
         previous=record,
     )
-    await asyncio.sleep(pace.ready_s)
+    await asyncio.sleep(host.plan.step_s("ready"))
     canary = secrets.token_hex(8)
-    await host.move(
-        record, S.READY, "ready: health and canary passed", engine_s=pace.ready_s, canary=canary
+    await host.instances.move(
+        record,
+        S.READY,
+        "ready: health and canary passed",
+        engine_s=host.plan.step_s("ready"),
+        canary=canary,
     )
     await _measured(host, record, size)
 
@@ -105,7 +109,7 @@ async def _measured(host: StandInHost, record: InstanceRecord, size: int) -> Non
         device_bytes=size,
         host_bytes=host.plan.ram_bytes // 1024,
         measured_at=time.time(),
-        samples=int(host.plan.pace.ready_s / 0.5) + 1,
+        samples=int(host.plan.step_s("ready") / 0.5) + 1,
     )
     await host.state.memory.write_startup_peak(peak)
 
@@ -121,12 +125,12 @@ async def park(host: StandInHost, record: InstanceRecord, reason: str) -> None:
     if record.state not in (S.READY, S.DRAINING):
         await host.refuse_record(record, "park", f"the instance is {record.state}")
         return
-    record = await host.move(record, S.PARKING, f"park: {reason}")
-    await asyncio.sleep(host.plan.pace.park_s)
+    record = await host.instances.move(record, S.PARKING, f"park: {reason}")
+    await asyncio.sleep(host.plan.step_s("park"))
     devices, size = host.footprints.pop(record.member, ((), 0))
     host.parked[record.member] = (devices, size)
-    await host.move(
-        record, S.PARKED, f"parked ({record.residency})", engine_s=host.plan.pace.park_s
+    await host.instances.move(
+        record, S.PARKED, f"parked ({record.residency})", engine_s=host.plan.step_s("park")
     )
 
 
@@ -134,14 +138,14 @@ async def wake(host: StandInHost, record: InstanceRecord, reason: str) -> None:
     if record.state != S.PARKED:
         await host.refuse_record(record, "wake", f"the instance is {record.state}")
         return
-    record = await host.move(record, S.WAKING, f"wake: {reason}")
+    record = await host.instances.move(record, S.WAKING, f"wake: {reason}")
     host.footprints[record.member] = host.parked.pop(record.member, ((), 0))
-    await asyncio.sleep(host.plan.pace.wake_s)
-    await host.move(
+    await asyncio.sleep(host.plan.step_s("wake"))
+    await host.instances.move(
         record,
         S.READY,
         "ready after wake: wake calls and canary passed",
-        engine_s=host.plan.pace.wake_s,
+        engine_s=host.plan.step_s("wake"),
     )
 
 
@@ -149,9 +153,9 @@ async def stop(host: StandInHost, record: InstanceRecord, reason: str) -> None:
     if record.state not in LIVE_STATES:
         await host.refuse_record(record, "stop", f"the instance is already {record.state}")
         return
-    record = await host.move(record, S.STOPPING, f"stop: {reason}")
-    await asyncio.sleep(host.plan.pace.stop_s)
+    record = await host.instances.move(record, S.STOPPING, f"stop: {reason}")
+    await asyncio.sleep(host.plan.step_s("stop"))
     host.footprints.pop(record.member, None)
     host.parked.pop(record.member, None)
     await host.instances.drop_secret(record.deployment, record.instance)
-    await host.move(record, S.STOPPED, f"stopped: {reason}")
+    await host.instances.move(record, S.STOPPED, f"stopped: {reason}")

@@ -63,15 +63,7 @@ class Holdings:
         """Move the record to `state`, then keep the engine's last log lines in Redis, unless
         `keep_log` is False: a park or wake under way keeps them at its next state, and its
         engine call starts sooner. `engine_s`: the engine's own part of the step's time."""
-        new = record.model_copy(update={"state": state, "since": time.time(), **changes})
-        written = await self.store.transition(
-            new,
-            allowed=[record.state],
-            generation=record.generation,
-            reason=reason,
-            previous=record,
-            engine_s=engine_s,
-        )
+        written = await self.store.move(record, state, reason, engine_s, **changes)
         if keep_log:
             await self._publish_log(written)
         return written

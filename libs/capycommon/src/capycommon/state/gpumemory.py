@@ -22,5 +22,4 @@ class GpuMemoryStore:
     async def get(self) -> GpuMemory | None:
         """The last summary; None before the scheduler wrote one."""
         key = keys.gpu_memory()
-        raw = await self.client.get(key)
-        return None if raw is None else quarantine.parse(GpuMemory, raw, key)
+        return quarantine.parse(GpuMemory, await self.client.get(key), key)

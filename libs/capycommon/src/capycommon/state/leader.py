@@ -110,5 +110,4 @@ class LeaderStore:
     async def plan_times(self) -> PlanTimes | None:
         """What the leader's planning costs, as it last wrote; None before it did."""
         key = keys.scheduler_plan_times()
-        raw = await self.client.get(key)
-        return None if raw is None else quarantine.parse(PlanTimes, raw, key)
+        return quarantine.parse(PlanTimes, await self.client.get(key), key)

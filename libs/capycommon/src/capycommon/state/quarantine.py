@@ -91,8 +91,11 @@ def owner(key: str) -> tuple[str, str]:
     return "", parts[1] if len(parts) >= 2 else key
 
 
-def parse(model: type[M], raw: bytes | str, key: str) -> M | None:
-    """The value of `key` as `model`, or None when it cannot be one (refused)."""
+def parse(model: type[M], raw: bytes | str | None, key: str) -> M | None:
+    """The value of `key` as `model`, or None when there is none (`raw` None) or it cannot
+    be one (refused)."""
+    if raw is None:
+        return None
     if len(raw) > MAX_VALUE_BYTES:
         REFUSALS.refuse(key, raw[:4096], f"{len(raw)} bytes, over the {MAX_VALUE_BYTES} read")
         return None

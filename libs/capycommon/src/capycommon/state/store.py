@@ -176,6 +176,26 @@ class InstanceStore:
             raise Conflict(self._believed(key, new.member, current) if current else None)
         return new
 
+    async def move(
+        self,
+        record: InstanceRecord,
+        state: InstanceState,
+        reason: str,
+        engine_s: float | None = None,
+        **changes: object,
+    ) -> InstanceRecord:
+        """Move `record` on to `state` (with `changes`), if it is still as read; else
+        Conflict. `engine_s`: the engine's own part of the step's time."""
+        new = record.model_copy(update={"state": state, "since": time.time(), **changes})
+        return await self.transition(
+            new,
+            allowed=[record.state],
+            generation=record.generation,
+            reason=reason,
+            previous=record,
+            engine_s=engine_s,
+        )
+
     async def refused(self, deployment: str, index: int, generation: int, reason: str) -> None:
         """Record a command hostd would not carry out."""
         await self._note("refused", deployment, index, generation, reason)
