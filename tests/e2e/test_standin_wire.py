@@ -121,8 +121,7 @@ def _run_stand_in(state: Path, plan: HostPlan, stop: threading.Event) -> None:
         ended = asyncio.Event()
         try:
             host = asyncio.create_task(StandInHost(State(client), plan).run(ended))
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
+            await asyncio.to_thread(stop.wait)
             ended.set()
             await host
         finally:
