@@ -32,7 +32,7 @@ from capycommon.domain.instances import InstanceRecord, InstanceState, ProcessId
 from capycommon.domain.memory import GpuReading, HostRam, MemoryReading
 from capycommon.domain.models import HostModels, ModelFacts
 from capycommon.engines.registry import EngineProfile, EnginesDocument, Registry
-from capycommon.service import REDIS_ERRORS
+from capycommon.service import REDIS_ERRORS, wait_event
 from capycommon.state import hostcommands
 from capycommon.state.store import Conflict
 from capycommon.state.stores import State
@@ -104,7 +104,6 @@ class StandInHost:
         self.parked: dict[str, tuple[tuple[str, ...], int]] = {}
         self.described: dict[str, ModelFacts] = {}
         self.newest_epoch = 0
-        self.handled = 0
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -156,8 +155,7 @@ class StandInHost:
                 await step()
             except REDIS_ERRORS as exc:
                 log.debug("%s: %s", self.host, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), period)
+            await wait_event(stop, period)
 
     async def _beat(self) -> None:
         now = time.time()
@@ -227,7 +225,7 @@ class StandInHost:
                 entries = await reader.read(count=16, block_ms=BLOCK_MS)
             except REDIS_ERRORS as exc:
                 log.debug("%s: commands: %s", self.host, exc)
-                await asyncio.sleep(0.5)
+                await wait_event(stop, 0.5)
                 continue
             for entry_id, fields in entries:
                 task = asyncio.create_task(self._carry_out(reader, entry_id, fields))
@@ -246,7 +244,6 @@ class StandInHost:
             except REDIS_ERRORS as exc:
                 log.debug("%s: %s left unacknowledged: %s", self.host, command.kind, exc)
                 return
-        self.handled += 1
         with contextlib.suppress(*REDIS_ERRORS):
             await reader.ack(entry_id)
 
